@@ -1,0 +1,22 @@
+"""flowgen: an ahead-of-time compiler for neural networks that emits readable CUDA C++.
+
+`import flowgen as flow` gives a OneFlow/PyTorch-style eager API (NumPy on the
+CPU, the numerical reference) and `flow.nn.Graph`, which compiles a step to
+CUDA C++ and runs it on a GPU or on the CPU emulator.
+"""
+from flowgen import dtype as _dt
+from flowgen.dtype import DType, bfloat16, float16, float32, float64, int32, int64
+from flowgen.dtype import bool_ as bool  # noqa: A001 - flow.bool, as in OneFlow
+from flowgen.device import device
+from flowgen.tensor import Tensor, Size
+from flowgen.autograd import no_grad, enable_grad, is_grad_enabled
+from flowgen import ops as _ops  # noqa: F401  (registers every op)
+from flowgen.functional import *  # noqa: F401,F403
+from flowgen.creation import *  # noqa: F401,F403
+
+float = float32  # noqa: A001
+half = float16
+long = int64
+int = int32  # noqa: A001
+
+__version__ = "0.1.0"

@@ -1,0 +1,142 @@
+"""Eager autograd: a tape of `GradNode`s and reverse-mode accumulation.
+
+Gradient formulas are not here: each op's `grad` in its definition computes
+them with flowgen ops, which is what lets the graph autodiff pass reuse them.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import numpy as np
+
+_state = threading.local()
+
+
+def is_grad_enabled() -> bool:
+    return getattr(_state, "enabled", True)
+
+
+@contextlib.contextmanager
+def _grad_mode(enabled: bool):
+    previous = is_grad_enabled()
+    _state.enabled = enabled
+    try:
+        yield
+    finally:
+        _state.enabled = previous
+
+
+class no_grad(contextlib.ContextDecorator):  # noqa: N801 - PyTorch spelling
+    def __enter__(self):
+        self._cm = _grad_mode(False)
+        self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+class enable_grad(no_grad):  # noqa: N801
+    def __enter__(self):
+        self._cm = _grad_mode(True)
+        self._cm.__enter__()
+
+
+class GradNode:
+    """One recorded op: enough to call its gradient function later."""
+
+    __slots__ = ("op", "ctx", "inputs", "output_index", "name")
+
+    def __init__(self, op, ctx, inputs):
+        self.op = op
+        self.ctx = ctx
+        self.inputs = inputs
+        self.name = f"{op.name}_backward"
+
+
+def wrap_outputs(op, inputs, attrs, result):
+    """Turn the NumPy result(s) of `op` into tensors and record them on the tape."""
+    from flowgen.ops.registry import GradContext
+    from flowgen.tensor import Tensor
+
+    metas = op.infer(*(t.meta for t in inputs), **attrs)
+    multi = isinstance(metas, tuple) and metas and not isinstance(metas[0], int)
+    metas = metas if multi else (metas,)
+    results = result if multi else (result,)
+    device = inputs[0].device if inputs else None
+    outs = []
+    for meta, arr in zip(metas, results):
+        arr = np.asarray(arr)
+        if arr.dtype != meta.dtype.np_dtype:
+            arr = arr.astype(meta.dtype.np_dtype)
+        t = Tensor.__new__(Tensor)
+        Tensor.__init__(t, None, device=device)
+        t._data, t._dtype = np.ascontiguousarray(arr), meta.dtype
+        outs.append(t)
+    if op.grad is not None and is_grad_enabled() and any(t.requires_grad for t in inputs):
+        node = GradNode(op, GradContext(tuple(inputs), tuple(outs), attrs), tuple(inputs))
+        for t in outs:
+            if t.dtype.is_floating:
+                t.requires_grad = True
+                t.grad_fn = node
+    return tuple(outs) if multi else outs[0]
+
+
+def _topological_order(root):
+    order, seen = [], set()
+    stack = [(root, False)]
+    while stack:
+        t, done = stack.pop()
+        if done:
+            order.append(t)
+            continue
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        stack.append((t, True))
+        if t.grad_fn is not None:
+            for i in t.grad_fn.inputs:
+                if i.requires_grad and id(i) not in seen:
+                    stack.append((i, False))
+    return list(reversed(order))
+
+
+def backward(root, gradient=None):
+    from flowgen.tensor import Tensor
+
+    if not root.requires_grad:
+        raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn")
+    if gradient is None:
+        if root.numel() != 1:
+            raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs; "
+                               f"this tensor has shape {tuple(root.shape)}, pass gradient=")
+        gradient = Tensor(np.ones(root.shape, root.dtype.np_dtype), device=root.device)
+    elif not isinstance(gradient, Tensor):
+        gradient = Tensor(gradient, dtype=root.dtype)
+    if tuple(gradient.shape) != tuple(root.shape):
+        raise RuntimeError(f"backward(): gradient shape {tuple(gradient.shape)} does not match "
+                           f"tensor shape {tuple(root.shape)}")
+    grads = {id(root): gradient}
+    with no_grad():
+        for t in _topological_order(root):
+            g = grads.pop(id(t), None)
+            if g is None:
+                continue
+            if t.grad_fn is None or t._retains_grad:
+                t.grad = g.detach() if t.grad is None else Tensor(t.grad.numpy() + g.numpy(), device=t.device)
+            node = t.grad_fn
+            if node is None:
+                continue
+            # Multi-output nodes: pass zeros for the outputs that got no gradient.
+            gouts = [g if o is t else None for o in node.ctx.outputs]
+            in_grads = node.op.grad(node.ctx, *gouts) if len(gouts) > 1 else node.op.grad(node.ctx, g)
+            if not isinstance(in_grads, tuple):
+                in_grads = (in_grads,)
+            for inp, ig in zip(node.inputs, in_grads):
+                if ig is None or not inp.requires_grad:
+                    continue
+                if tuple(ig.shape) != tuple(inp.shape):
+                    raise RuntimeError(f"gradient of {node.op.name} has shape {tuple(ig.shape)} "
+                                       f"for an input of shape {tuple(inp.shape)}")
+                prev = grads.get(id(inp))
+                grads[id(inp)] = ig if prev is None else prev + ig

@@ -1,0 +1,149 @@
+"""Tracing: run `build()` with lazy tensors and record every op as an IR node.
+
+While a `Tracer` is active, `registry.apply` hands it any op that touches a
+lazy tensor. Parameters and buffers are made lazy for the duration of the trace
+(bound to state values), so everything computed from them is recorded, and
+in-place writes to them (BatchNorm running statistics) become state updates.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+
+from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
+from flowgen.ops import registry
+from flowgen.ops.registry import TensorMeta
+
+_FLOWGEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class TraceError(RuntimeError):
+    pass
+
+
+def user_location() -> str:
+    """file:line of the innermost frame outside flowgen (what the user wrote)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_FLOWGEN_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class Tracer:
+    def __init__(self, name: str, device, log=None):
+        self.graph = Graph(name)
+        self.new_name = NameGen()
+        self.device = device
+        self.scopes: list = []
+        self.state_of: dict = {}      # id(tensor) -> StateVar
+        self.state_tensors: list = []  # the eager tensors bound to state, in order
+        self.constants: dict = {}     # id(tensor) -> (tensor, Value): one node per captured tensor
+        self.backward_roots: list = []
+        self.log = log                # callable(level, text) for graph.debug()
+
+    # ------------------------------------------------------------------ state
+    def add_state(self, name: str, tensor, kind: str) -> StateVar:
+        from flowgen.tensor import Tensor
+
+        value = Value(name, tuple(tensor.shape), tensor.dtype)
+        var = StateVar(name, value, kind)
+        self.graph.state.append(var)
+        self.state_of[id(tensor)] = var
+        self.state_tensors.append(tensor)
+        assert isinstance(tensor, Tensor)
+        return var
+
+    def add_input(self, tensor, index: int):
+        from flowgen.tensor import Tensor
+
+        value = Value(f"input_{index}", tuple(tensor.shape), tensor.dtype)
+        self.graph.inputs.append(value)
+        return Tensor(_value=value, device=tensor.device)
+
+    def lazy(self, value: Value, requires_grad: bool = False):
+        from flowgen.tensor import Tensor
+
+        t = Tensor(_value=value, device=self.device)
+        t.requires_grad = requires_grad
+        return t
+
+    # -------------------------------------------------------------- recording
+    @property
+    def scope(self) -> str:
+        return self.scopes[-1] if self.scopes else ""
+
+    def value_of(self, tensor) -> Value:
+        if tensor.is_lazy:
+            return tensor._value
+        cached = self.constants.get(id(tensor))
+        if cached is not None:
+            return cached[1]
+        if tensor.device != self.device and tensor.numel() > 1:
+            raise TraceError(f"a tensor on {tensor.device} was used in a graph running on {self.device} "
+                             f"(in {self.scope or 'build()'}); move it with .to('{self.device}')")
+        node = self.emit("constant", [], {"value": np.array(tensor.numpy_view())})
+        self.constants[id(tensor)] = (tensor, node.output)
+        return node.output
+
+    def emit(self, op_name: str, inputs: list, attrs: dict) -> Node:
+        op = registry.get_op(op_name)
+        try:
+            metas = op.infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise type(exc)(f"{exc} (op {op_name} in {self.scope or 'build()'} at {user_location()})") from None
+        metas = metas if isinstance(metas, tuple) else (metas,)
+        outputs = [Value(self.new_name(), tuple(m.shape), m.dtype) for m in metas]
+        node = Node(op_name, list(inputs), outputs, dict(attrs), self.scope, user_location())
+        self.graph.nodes.append(node)
+        if self.log is not None:
+            self.log(2, f"(OPERATOR: {node.op} in {node.scope or 'build'}: "
+                        f"{', '.join(v.type_str for v in inputs)} -> {', '.join(v.type_str for v in outputs)})")
+            self.log(3, f"    at {node.loc}")
+        return node
+
+    def __call__(self, op, tensors, attrs):
+        """The registry hook: record `op` on `tensors` and return lazy results."""
+        node = self.emit(op.name, [self.value_of(t) for t in tensors], attrs)
+        needs_grad = op.grad is not None and any(t.requires_grad for t in tensors)
+        outs = [self.lazy(v, needs_grad and v.dtype.is_floating) for v in node.outputs]
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    def assign(self, target, new):
+        """`target.copy_(new)` while tracing: rebind, and record a state update."""
+        new_value = self.value_of(new)
+        if tuple(new_value.shape) != tuple(target.shape):
+            node = self.emit("expand", [new_value], {"shape": tuple(target.shape)})
+            new_value = node.output
+        if new_value.dtype != target.dtype:
+            new_value = self.emit("cast", [new_value], {"dtype": target.dtype}).output
+        var = self.state_of.get(id(target))
+        if var is not None:
+            self.graph.updates = [(n, v) for n, v in self.graph.updates if n != var.name]
+            self.graph.updates.append((var.name, new_value))
+        elif not target.is_lazy:
+            raise TraceError(f"in-place write to a tensor that is neither a graph input nor module state "
+                             f"(in {self.scope or 'build()'} at {user_location()})")
+        target._value = new_value
+        return target
+
+    def mark_backward(self, loss):
+        if loss.numel() != 1:
+            raise TraceError(f"loss.backward() in build() needs a scalar loss, got shape {tuple(loss.shape)}")
+        self.backward_roots.append(loss._value)
+
+    # ------------------------------------------------------------- activation
+    def __enter__(self):
+        for t in self.state_tensors:
+            t._value = self.state_of[id(t)].value
+        self._previous = registry.set_tracer_hook(self)
+        return self
+
+    def __exit__(self, *exc):
+        registry.set_tracer_hook(self._previous)
+        for t in self.state_tensors:
+            t._value = None
+        return False

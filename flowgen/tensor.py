@@ -1,0 +1,371 @@
+"""`Tensor`: an eager NumPy array with autograd metadata, or a lazy IR value.
+
+A tensor is *eager* when it holds data (``_data``, a NumPy array) and *lazy*
+while `nn.Graph.build()` is being traced (``_value``, an IR value). Every
+computation goes through `flowgen.ops.registry.apply`, so methods here are
+one-line delegations to `flowgen.functional` — op logic lives only in the op
+definitions.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.device import CPU, as_device
+
+
+class Tensor:
+    __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
+
+    def __init__(self, data=None, *, dtype=None, device=None, requires_grad=False, _value=None):
+        self._value = _value          # IR value while tracing, else None
+        self._data = None
+        self._dtype = None
+        self.device = as_device(device) if device is not None else CPU
+        self.requires_grad = bool(requires_grad)
+        self.grad = None
+        self.grad_fn = None           # autograd node that produced this tensor
+        self._retains_grad = False
+        self._version = 0             # bumped by in-place writes (graphs re-upload state on change)
+        self._sync_from_device = None  # callable that refreshes _data from a graph's device copy
+        if _value is not None:
+            self._dtype = _value.dtype
+        elif data is not None:
+            self._set_data(data, dtype)
+
+    def _set_data(self, data, dtype=None):
+        if isinstance(data, Tensor):
+            data = data.numpy()
+        target = dt.get(dtype) if dtype is not None else None
+        arr = np.asarray(data)
+        if target is None:
+            # float64 data (NumPy's default) becomes float32, flowgen's default float.
+            target = dt.from_numpy(arr.dtype)
+            target = dt.float32 if target == dt.float64 else target
+        self._dtype = target
+        self._data = np.ascontiguousarray(arr, dtype=target.np_dtype)
+
+    # ------------------------------------------------------------------ basics
+    @property
+    def is_lazy(self) -> bool:
+        return self._value is not None
+
+    @property
+    def dtype(self) -> dt.DType:
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple:
+        if self._value is not None:
+            return Size(self._value.shape)
+        return Size(self.numpy_view().shape)
+
+    @property
+    def meta(self):
+        from flowgen.ops.registry import TensorMeta
+
+        return TensorMeta(tuple(self.shape), self._dtype)
+
+    def size(self, dim=None):
+        shape = self.shape
+        return shape if dim is None else shape[dim]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return self.ndim
+
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def __len__(self):
+        if not self.shape:
+            raise TypeError("len() of a 0-d tensor")
+        return self.shape[0]
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.grad_fn is None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def data(self) -> "Tensor":
+        return self.detach()
+
+    @data.setter
+    def data(self, other):
+        self._set_data(other.numpy() if isinstance(other, Tensor) else other, self._dtype)
+        self._version += 1
+
+    def numpy_view(self) -> np.ndarray:
+        """The backing array without a copy (internal; syncs from a graph's device copy first)."""
+        if self._value is not None:
+            raise RuntimeError(
+                "tensor.numpy() was called on a lazy tensor inside nn.Graph.build(): the graph has no values "
+                "while it is being traced. Return the tensor from build() and read it after the call.")
+        if self._sync_from_device is not None:
+            sync, self._sync_from_device = self._sync_from_device, None
+            sync(self)
+        return self._data
+
+    def numpy(self) -> np.ndarray:
+        return self.numpy_view()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = self.numpy_view()
+        return arr.astype(dtype) if dtype is not None else arr
+
+    def item(self):
+        arr = self.numpy_view()
+        if arr.size != 1:
+            raise ValueError(f"item(): only one element tensors can be converted to Python scalars, got shape {arr.shape}")
+        return arr.reshape(()).item()
+
+    def tolist(self):
+        return self.numpy_view().tolist()
+
+    def __float__(self):
+        return float(self.item())
+
+    def __int__(self):
+        return int(self.item())
+
+    def __bool__(self):
+        return bool(self.item())
+
+    def __format__(self, spec):
+        if spec and self.numel() == 1:
+            return format(self.item(), spec)
+        return repr(self) if not spec else format(repr(self), spec)
+
+    def __hash__(self):
+        return id(self)
+
+    def __repr__(self) -> str:
+        extras = []
+        if self.device.type == "cuda":
+            extras.append(f"device='{self.device}'")
+        if self.is_lazy:
+            return f"tensor(..., {', '.join(extras + [f'is_lazy={chr(39)}True{chr(39)}'])}, size={tuple(self.shape)}, dtype={self._dtype!r})"
+        arr = self.numpy_view()
+        body = np.array2string(arr.astype(np.float32) if arr.dtype.kind == "V" or self._dtype in (dt.bfloat16,) else arr,
+                               separator=", ", prefix="tensor(", precision=4,
+                               floatmode="fixed" if arr.dtype.kind == "f" else "maxprec")
+        extras.append(f"dtype={self._dtype!r}")
+        if self.grad_fn is not None:
+            extras.append(f"grad_fn=<{self.grad_fn.name}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        return f"tensor({body}, {', '.join(extras)})"
+
+    # ---------------------------------------------------------------- autograd
+    def backward(self, gradient=None, retain_graph=False):
+        from flowgen import autograd
+        from flowgen.ops import registry
+
+        if self.is_lazy:  # inside nn.Graph.build(): mark the loss for the autodiff pass
+            return registry._tracer_hook.mark_backward(self)
+
+        autograd.backward(self, gradient)
+
+    def detach(self) -> "Tensor":
+        if self.is_lazy:
+            return F.detach(self)
+        out = Tensor.__new__(Tensor)
+        Tensor.__init__(out, None, device=self.device)
+        out._data, out._dtype = self.numpy_view(), self._dtype
+        return out
+
+    def requires_grad_(self, requires_grad=True) -> "Tensor":
+        if not self.is_leaf and not requires_grad:
+            raise RuntimeError("requires_grad_(False) is only allowed on leaf tensors; use detach()")
+        self.requires_grad = requires_grad
+        return self
+
+    def retain_grad(self):
+        self._retains_grad = True
+
+    # ------------------------------------------------------------ conversion
+    def to(self, *args, **kwargs) -> "Tensor":
+        target_device, target_dtype = self.device, self._dtype
+        for a in list(args) + list(kwargs.values()):
+            if isinstance(a, dt.DType):
+                target_dtype = a
+            elif a is not None and not isinstance(a, bool):
+                target_device = as_device(a)
+        out = F.cast(self, target_dtype) if target_dtype != self._dtype else self
+        if target_device != self.device:
+            if self.is_lazy:
+                raise RuntimeError("Tensor.to(device) inside nn.Graph.build() is not supported; move "
+                                   "inputs and modules before calling the graph")
+            moved = out.detach() if out is self else out
+            moved = Tensor(moved.numpy_view().copy(), dtype=moved.dtype, device=target_device,
+                           requires_grad=self.requires_grad and self.is_leaf)
+            return moved
+        return out
+
+    def cuda(self):
+        return self.to("cuda")
+
+    def cpu(self):
+        return self.to("cpu")
+
+    def type_as(self, other):
+        return self.to(other.dtype)
+
+    def float(self):
+        return self.to(dt.float32)
+
+    def half(self):
+        return self.to(dt.float16)
+
+    def long(self):
+        return self.to(dt.int64)
+
+    def int(self):
+        return self.to(dt.int32)
+
+    def bool(self):
+        return self.to(dt.bool_)
+
+    def clone(self):
+        return F.clone(self)
+
+    def contiguous(self):
+        return self
+
+    # ------------------------------------------------------------- in-place
+    def _assign(self, new: "Tensor") -> "Tensor":
+        """Write `new` into this tensor (eager: same buffer; traced: a state update)."""
+        from flowgen.ops import registry
+
+        if self.is_lazy or new.is_lazy:
+            return registry._tracer_hook.assign(self, new) if registry._tracer_hook else None
+        value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
+        self.numpy_view()[...] = value
+        self._version += 1
+        return self
+
+    def copy_(self, src):
+        return self._assign(src if isinstance(src, Tensor) else as_tensor_like(src, self))
+
+    def fill_(self, value):
+        return self._assign(F.full_like(self, value))
+
+    def zero_(self):
+        return self.fill_(0)
+
+    def add_(self, other, alpha=1):
+        return self._assign(self + (other * alpha if alpha != 1 else other))
+
+    def sub_(self, other, alpha=1):
+        return self._assign(self - (other * alpha if alpha != 1 else other))
+
+    def mul_(self, other):
+        return self._assign(self * other)
+
+    def div_(self, other):
+        return self._assign(self / other)
+
+    def clamp_(self, min=None, max=None):
+        return self._assign(F.clamp(self, min, max))
+
+    def __setitem__(self, key, value):
+        if self.is_lazy:
+            raise RuntimeError("item assignment on a lazy tensor inside nn.Graph.build() is not supported; "
+                               "use flow.where or masked_fill")
+        self.numpy_view()[key] = value.numpy_view() if isinstance(value, Tensor) else value
+        self._version += 1
+
+    # ------------------------------------------------------------ operators
+    def __add__(self, o): return F.add(self, o)
+    def __radd__(self, o): return F.add(o, self)
+    def __sub__(self, o): return F.sub(self, o)
+    def __rsub__(self, o): return F.sub(o, self)
+    def __mul__(self, o): return F.mul(self, o)
+    def __rmul__(self, o): return F.mul(o, self)
+    def __truediv__(self, o): return F.div(self, o)
+    def __rtruediv__(self, o): return F.div(o, self)
+    def __pow__(self, o): return F.pow(self, o)
+    def __rpow__(self, o): return F.pow(o, self)
+    def __matmul__(self, o): return F.matmul(self, o)
+    def __rmatmul__(self, o): return F.matmul(o, self)
+    def __neg__(self): return F.neg(self)
+    def __abs__(self): return F.abs(self)
+    def __eq__(self, o): return F.eq(self, o)
+    def __ne__(self, o): return F.ne(self, o)
+    def __lt__(self, o): return F.lt(self, o)
+    def __le__(self, o): return F.le(self, o)
+    def __gt__(self, o): return F.gt(self, o)
+    def __ge__(self, o): return F.ge(self, o)
+    def __and__(self, o): return F.logical_and(self, o)
+    def __or__(self, o): return F.logical_or(self, o)
+    def __invert__(self): return F.logical_not(self)
+    def __getitem__(self, key): return F.getitem(self, key)
+
+    # -------------------------------------------------------------- methods
+    def __getattr__(self, name):
+        # Tensor.foo(*args) is flowgen.functional.foo(self, *args) for every op in TENSOR_METHODS.
+        if name in TENSOR_METHODS:
+            fn = getattr(F, name)
+            return lambda *args, **kwargs: fn(self, *args, **kwargs)
+        raise AttributeError(f"'Tensor' object has no attribute {name!r}")
+
+    def view(self, *shape):
+        return F.reshape(self, *shape)
+
+    def size_bytes(self) -> int:
+        return self.numel() * self._dtype.itemsize
+
+    @property
+    def T(self):
+        return F.permute(self, *reversed(range(self.ndim)))
+
+
+# Functional ops that are also Tensor methods (t.sum(1) == flow.sum(t, 1)).
+TENSOR_METHODS = frozenset("""
+reshape flatten unsqueeze squeeze transpose permute expand expand_as repeat
+sum mean max min argmax argmin var std prod
+pow exp log sqrt rsqrt abs neg clamp clip sign floor
+relu sigmoid tanh gelu silu softmax log_softmax sin cos
+matmul bmm masked_fill gather where split chunk
+eq ne lt le gt ge logical_and logical_or logical_not
+add sub mul div square maximum minimum narrow index_select
+all any cumsum topk sort type
+""".split())
+
+
+class Size(tuple):
+    """`tensor.shape`: a tuple that prints like OneFlow's."""
+
+    def __repr__(self):
+        return f"flowgen.Size([{', '.join(map(str, self))}])"
+
+    def numel(self):
+        return int(np.prod(self, dtype=np.int64))
+
+
+def as_tensor_like(value, like: Tensor | None) -> Tensor:
+    """A Python scalar/array as a tensor, typed to sit beside `like` (weak scalar typing)."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (bool, int, float)) and like is not None:
+        scalar_type = dt.default_for_scalar(value)
+        target = like.dtype
+        if scalar_type.is_floating and not like.dtype.is_floating:
+            target = dt.float32
+        elif scalar_type == dt.bool_ and like.dtype != dt.bool_:
+            target = like.dtype
+        return Tensor(np.array(value), dtype=target, device=like.device)
+    arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    if arr.dtype == np.float64:
+        arr = arr.astype(np.float32)
+    return Tensor(arr, device=like.device if like is not None else None)
+
+
+from flowgen import functional as F  # noqa: E402  (functional imports Tensor)

@@ -1,0 +1,30 @@
+import os
+
+import pytest
+
+os.environ.setdefault("FLOWGEN_CACHE", os.path.join(os.path.dirname(__file__), "..", ".flowgen-cache"))
+
+
+def _gpu_available() -> bool:
+    try:
+        from flowgen.runtime import cuda_driver
+    except ImportError:
+        return False
+    return cuda_driver.available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU and driver; none found")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    import flowgen
+
+    if hasattr(flowgen, "manual_seed"):
+        flowgen.manual_seed(0)
