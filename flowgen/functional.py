@@ -2,13 +2,72 @@
 
 No math lives here: each function normalises its arguments and calls the op
 definition in `flowgen/ops/` through `apply`. Tensor methods and nn modules
-call these functions, so every path reaches the same definition.
+call these functions, so every path reaches the same definition. Composite
+functions (mean, var, std, repeat, stack, split, masked_fill, getitem...) are
+built from primitive ops, so their gradients and graph lowering come for free.
+
+Attributes passed to `apply` are always explicit and normalised (non-negative
+dims, full shapes with no -1), so graph passes never re-derive them.
+
+Names shadow builtins here (sum, max, min, abs, pow, all, any); module code uses
+the ``_b*`` aliases for the builtins.
 """
 from __future__ import annotations
 
-from flowgen.ops.registry import apply
+import builtins
+import numbers
+from collections import namedtuple
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.ops.registry import apply, normalize_dim, normalize_dims
+from flowgen.tensor import Tensor, as_tensor_like
+from flowgen.creation import (empty_like, full_like, ones_like, rand_like, randn_like,  # noqa: F401
+                              zeros_like)
+
+_bmax, _bmin, _bsum, _babs, _ball, _bany = builtins.max, builtins.min, builtins.sum, builtins.abs, builtins.all, \
+    builtins.any
+
+_ValuesIndices = namedtuple("return_types", ["values", "indices"])
 
 
+def _is_tensor(x) -> bool:
+    return isinstance(x, Tensor)
+
+
+def _dtype_of(x) -> dt.DType:
+    if isinstance(x, Tensor):
+        return x.dtype
+    if isinstance(x, np.ndarray):
+        return dt.from_numpy(x.dtype)
+    return dt.default_for_scalar(x)
+
+
+def _to_float(x):
+    """Integer/bool tensors become float32 before float-only math (exp, log, div...)."""
+    if isinstance(x, Tensor) and not x.dtype.is_floating:
+        return apply("cast", x, dtype=dt.float32)
+    return x
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+def _shape_args(args, name) -> tuple:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    try:
+        return tuple(int(s) for s in args)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: expected ints or one sequence of ints, got {args!r}") from None
+
+
+# =================================================================== arithmetic
 def add(a, b, alpha=1):
     return apply("add", a, b if alpha == 1 else mul(b, alpha))
 
@@ -17,8 +76,254 @@ def sub(a, b, alpha=1):
     return apply("sub", a, b if alpha == 1 else mul(b, alpha))
 
 
+subtract = sub
+
+
 def mul(a, b):
     return apply("mul", a, b)
+
+
+multiply = mul
+
+
+def div(a, b, rounding_mode=None):
+    """True division (integer inputs give float32); ``rounding_mode`` "floor" / "trunc" round the quotient."""
+    if not _dtype_of(a).is_floating and not _dtype_of(b).is_floating:
+        if _is_tensor(a):
+            a = apply("cast", a, dtype=dt.float32)
+        else:
+            b = apply("cast", b, dtype=dt.float32)
+        int_result = rounding_mode is not None
+    else:
+        int_result = False
+    q = apply("div", a, b)
+    if rounding_mode is None:
+        return q
+    if rounding_mode == "floor":
+        q = floor(q)
+    elif rounding_mode == "trunc":
+        q = sign(q) * floor(abs(q))
+    else:
+        raise ValueError(f"div: rounding_mode must be None, 'floor' or 'trunc', got {rounding_mode!r}")
+    return cast(q, dt.int64) if int_result else q
+
+
+true_divide = divide = div
+
+
+def floor_divide(a, b):
+    return div(a, b, rounding_mode="floor")
+
+
+def pow(a, b):  # noqa: A001
+    return apply("pow", a, b)
+
+
+def square(x):
+    return apply("mul", x, x)
+
+
+def neg(x):
+    return apply("neg", x)
+
+
+negative = neg
+
+
+def abs(x):  # noqa: A001
+    return apply("abs", x)
+
+
+def exp(x):
+    return apply("exp", _to_float(x))
+
+
+def log(x):
+    return apply("log", _to_float(x))
+
+
+def sqrt(x):
+    return apply("sqrt", _to_float(x))
+
+
+def rsqrt(x):
+    return apply("rsqrt", _to_float(x))
+
+
+def sin(x):
+    return apply("sin", _to_float(x))
+
+
+def cos(x):
+    return apply("cos", _to_float(x))
+
+
+def tanh(x):
+    return apply("tanh", _to_float(x))
+
+
+def sigmoid(x):
+    return apply("sigmoid", _to_float(x))
+
+
+def relu(x, inplace=False):
+    return apply("relu", x)
+
+
+def gelu(x, approximate="none"):
+    return apply("gelu", _to_float(x), approximate=approximate)
+
+
+def gelu_grad(g, x, approximate="none"):
+    return apply("gelu_grad", g, x, approximate=approximate)
+
+
+def silu(x):
+    return apply("silu", _to_float(x))
+
+
+def sign(x):
+    return apply("sign", x)
+
+
+def floor(x):
+    if not x.dtype.is_floating:
+        return x
+    return apply("floor", x)
+
+
+def reciprocal(x):
+    return apply("reciprocal", _to_float(x))
+
+
+def _bound(value, x, which):
+    if value is None:
+        if x.dtype.is_floating:
+            return float("-inf") if which == "min" else float("inf")
+        info = np.iinfo(x.dtype.np_dtype) if x.dtype != dt.bool_ else None
+        return (int(info.min) if which == "min" else int(info.max)) if info else (which == "max")
+    if isinstance(value, np.generic):
+        value = value.item()
+    if x.dtype.is_floating:
+        return float(value)
+    return int(value) if float(value) == int(value) else float(value)
+
+
+def clamp(x, min=None, max=None):  # noqa: A002
+    """Limit `x` to [min, max]; bounds may be numbers, None, or tensors (then maximum/minimum)."""
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    if _is_tensor(min) or _is_tensor(max):
+        out = x if min is None else maximum(x, min)
+        return out if max is None else minimum(out, max)
+    if not x.dtype.is_floating and any(isinstance(v, float) and v != int(v) for v in (min, max) if v is not None):
+        x = apply("cast", x, dtype=dt.float32)
+    return apply("clamp", x, min=_bound(min, x, "min"), max=_bound(max, x, "max"))
+
+
+clip = clamp
+
+
+def clamp_min(x, min):  # noqa: A002
+    return clamp(x, min=min)
+
+
+def clamp_max(x, max):  # noqa: A002
+    return clamp(x, max=max)
+
+
+def maximum(a, b):
+    return apply("maximum", a, b)
+
+
+def minimum(a, b):
+    return apply("minimum", a, b)
+
+
+def eq(a, b):
+    return apply("eq", a, b)
+
+
+def ne(a, b):
+    return apply("ne", a, b)
+
+
+def lt(a, b):
+    return apply("lt", a, b)
+
+
+def le(a, b):
+    return apply("le", a, b)
+
+
+def gt(a, b):
+    return apply("gt", a, b)
+
+
+def ge(a, b):
+    return apply("ge", a, b)
+
+
+greater, greater_equal, less, less_equal, not_equal = gt, ge, lt, le, ne
+
+
+def logical_and(a, b):
+    return apply("logical_and", a, b)
+
+
+def logical_or(a, b):
+    return apply("logical_or", a, b)
+
+
+def logical_not(x):
+    return apply("logical_not", x)
+
+
+def logical_xor(a, b):
+    return apply("ne", apply("cast", a, dtype=dt.bool_) if _is_tensor(a) else bool(a),
+                 apply("cast", b, dtype=dt.bool_) if _is_tensor(b) else bool(b))
+
+
+def where(cond, a, b):
+    """``a`` where `cond` is true, else ``b``; scalars take the dtype of the tensor beside them."""
+    if not _is_tensor(cond):
+        cond = Tensor(np.asarray(cond, dtype=bool))
+    like = a if _is_tensor(a) else (b if _is_tensor(b) else None)
+    if like is None:
+        a = Tensor(np.array(a), dtype=dt.default_for_scalar(a), device=cond.device)
+        like = a
+    if not _is_tensor(a):
+        a = as_tensor_like(a, like)
+    if not _is_tensor(b):
+        b = as_tensor_like(b, like)
+    return apply("where", cond, a, b)
+
+
+def masked_fill(x, mask, value):
+    """`x` with `value` where `mask` is true (keeps x's dtype)."""
+    if _is_tensor(value):
+        value = value if value.dtype == x.dtype else apply("cast", value, dtype=x.dtype)
+    else:
+        value = Tensor(np.array(value, dtype=x.dtype.np_dtype), dtype=x.dtype, device=x.device)
+    return apply("where", mask, value, x)
+
+
+def cast(x, dtype):
+    """`x` converted to `dtype` (returns `x` itself when it already has that dtype)."""
+    dtype = dt.get(dtype)
+    if x.dtype == dtype:
+        return x
+    return apply("cast", x, dtype=dtype)
+
+
+def clone(x):
+    return apply("cast", x, dtype=x.dtype)
+
+
+def detach(x):
+    if x.is_lazy:
+        return apply("detach", x)
+    return x.detach()
 
 
 def sum_to(t, shape):
@@ -27,3 +332,519 @@ def sum_to(t, shape):
     if tuple(t.shape) == shape:
         return t
     return apply("sum_to", t, shape=shape)
+
+
+# =================================================================== reductions
+def _dims(x, dim, name):
+    if dim is None:
+        return tuple(range(x.ndim))
+    if isinstance(dim, (list, tuple)) and len(dim) == 0:
+        return tuple(range(x.ndim))
+    return normalize_dims(dim, x.ndim, op=name)
+
+
+def sum(x, dim=None, keepdim=False, dtype=None):  # noqa: A001
+    if dtype is not None:
+        x = cast(x, dtype)
+    return apply("sum", x, dims=_dims(x, dim, "sum"), keepdim=bool(keepdim))
+
+
+def mean(x, dim=None, keepdim=False, dtype=None):
+    x = cast(x, dtype) if dtype is not None else _to_float(x)
+    dims = _dims(x, dim, "mean")
+    count = _prod(x.shape[d] for d in dims)
+    total = apply("sum", x, dims=dims, keepdim=bool(keepdim))
+    return apply("div", total, float(count))
+
+
+def var(x, dim=None, unbiased=True, keepdim=False, correction=None):
+    """Variance over `dim`; ``unbiased`` (or ``correction``) subtracts that many degrees of freedom."""
+    x = _to_float(x)
+    dims = _dims(x, dim, "var")
+    count = _prod(x.shape[d] for d in dims)
+    ddof = (1 if unbiased else 0) if correction is None else correction
+    centered = x - mean(x, dims, keepdim=True)
+    total = apply("sum", centered * centered, dims=dims, keepdim=bool(keepdim))
+    return apply("div", total, float(_bmax(count - ddof, 0)))
+
+
+def std(x, dim=None, unbiased=True, keepdim=False, correction=None):
+    return sqrt(var(x, dim, unbiased=unbiased, keepdim=keepdim, correction=correction))
+
+
+def _extremum(x, dim, keepdim, op, arg_op, binary):
+    if _is_tensor(dim):
+        return binary(x, dim)
+    if dim is None:
+        return apply(op, x, dims=tuple(range(x.ndim)), keepdim=False)
+    if x.ndim == 0:
+        normalize_dim(dim, 0, op=op)
+        return _ValuesIndices(x, Tensor(np.zeros((), np.int64), device=x.device))
+    d = normalize_dim(dim, x.ndim, op=op)
+    values = apply(op, x, dims=(d,), keepdim=bool(keepdim))
+    indices = apply(arg_op, x, dim=d, keepdim=bool(keepdim))
+    return _ValuesIndices(values, indices)
+
+
+def max(x, dim=None, keepdim=False):  # noqa: A001
+    """``max(x)`` -> value; ``max(x, dim)`` -> (values, indices); ``max(x, other_tensor)`` -> maximum."""
+    return _extremum(x, dim, keepdim, "max", "argmax", maximum)
+
+
+def min(x, dim=None, keepdim=False):  # noqa: A001
+    return _extremum(x, dim, keepdim, "min", "argmin", minimum)
+
+
+def amax(x, dim=None, keepdim=False):
+    return apply("max", x, dims=_dims(x, dim, "amax"), keepdim=bool(keepdim))
+
+
+def amin(x, dim=None, keepdim=False):
+    return apply("min", x, dims=_dims(x, dim, "amin"), keepdim=bool(keepdim))
+
+
+def _arg(x, dim, keepdim, op):
+    if dim is None:
+        return apply(op, reshape(x, -1), dim=0, keepdim=False)
+    if x.ndim == 0:
+        normalize_dim(dim, 0, op=op)
+        return Tensor(np.zeros((), np.int64), device=x.device)
+    return apply(op, x, dim=normalize_dim(dim, x.ndim, op=op), keepdim=bool(keepdim))
+
+
+def argmax(x, dim=None, keepdim=False):
+    return _arg(x, dim, keepdim, "argmax")
+
+
+def argmin(x, dim=None, keepdim=False):
+    return _arg(x, dim, keepdim, "argmin")
+
+
+def any(x, dim=None, keepdim=False):  # noqa: A001
+    nonzero = x if x.dtype == dt.bool_ else ne(x, 0)
+    return gt(apply("sum", nonzero, dims=_dims(x, dim, "any"), keepdim=bool(keepdim)), 0)
+
+
+def all(x, dim=None, keepdim=False):  # noqa: A001
+    return eq(apply("sum", logical_not(x), dims=_dims(x, dim, "all"), keepdim=bool(keepdim)), 0)
+
+
+# =================================================================== shapes
+def reshape(x, *shape):
+    """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`."""
+    shape = _shape_args(shape, "reshape")
+    in_shape = tuple(x.shape)
+    if shape == in_shape:
+        return x
+    n = _prod(in_shape)
+    if -1 in shape:
+        if shape.count(-1) > 1:
+            raise ValueError(f"reshape: only one dimension can be -1, got shape {shape}")
+        known = _prod(s for s in shape if s != -1)
+        if known == 0 or n % known:
+            raise ValueError(f"reshape: shape {shape} is invalid for input of shape {in_shape} ({n} elements)")
+        shape = tuple(n // known if s == -1 else s for s in shape)
+    if _prod(shape) != n or builtins.any(s < 0 for s in shape):
+        raise ValueError(f"reshape: shape {shape} is invalid for input of shape {in_shape} ({n} elements)")
+    if shape == in_shape:
+        return x
+    return apply("reshape", x, shape=shape)
+
+
+view = reshape
+
+
+def view_as(x, other):
+    return reshape(x, tuple(other.shape))
+
+
+reshape_as = view_as
+
+
+def flatten(x, start_dim=0, end_dim=-1):
+    if x.ndim == 0:
+        return reshape(x, (1,))
+    s = normalize_dim(start_dim, x.ndim, op="flatten")
+    e = normalize_dim(end_dim, x.ndim, op="flatten")
+    if s > e:
+        raise ValueError(f"flatten: start_dim {start_dim} comes after end_dim {end_dim}")
+    shape = tuple(x.shape)
+    return reshape(x, shape[:s] + (_prod(shape[s:e + 1]),) + shape[e + 1:])
+
+
+def unsqueeze(x, dim):
+    d = normalize_dim(dim, x.ndim + 1, op="unsqueeze")
+    shape = tuple(x.shape)
+    return apply("reshape", x, shape=shape[:d] + (1,) + shape[d:])
+
+
+def squeeze(x, dim=None):
+    shape = tuple(x.shape)
+    if dim is None:
+        dims = {i for i, s in enumerate(shape) if s == 1}
+    else:
+        dims = {d for d in normalize_dims(dim, x.ndim, op="squeeze") if shape[d] == 1}
+    if not dims:
+        return x
+    return apply("reshape", x, shape=tuple(s for i, s in enumerate(shape) if i not in dims))
+
+
+def permute(x, *dims):
+    dims = _shape_args(dims, "permute")
+    if len(dims) != x.ndim:
+        raise ValueError(f"permute: got {len(dims)} dims {dims} for a tensor of shape {tuple(x.shape)}")
+    dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
+    if dims == tuple(range(x.ndim)):
+        return x
+    return apply("permute", x, dims=dims)
+
+
+def transpose(x, dim0, dim1):
+    if x.ndim == 0:
+        return x
+    d0, d1 = normalize_dim(dim0, x.ndim, op="transpose"), normalize_dim(dim1, x.ndim, op="transpose")
+    order = list(range(x.ndim))
+    order[d0], order[d1] = order[d1], order[d0]
+    return permute(x, order)
+
+
+swapaxes = swapdims = transpose
+
+
+def t(x):
+    if x.ndim > 2:
+        raise ValueError(f"t(): expects a tensor with <= 2 dims, got shape {tuple(x.shape)}")
+    return transpose(x, 0, 1) if x.ndim == 2 else x
+
+
+def expand(x, *sizes):
+    """Broadcast `x` to `sizes`; -1 keeps a dim's size. New dims are added on the left."""
+    sizes = _shape_args(sizes, "expand")
+    shape = tuple(x.shape)
+    if len(sizes) < len(shape):
+        raise ValueError(f"expand: the number of sizes {sizes} must be >= the number of dims of shape {shape}")
+    lead = len(sizes) - len(shape)
+    target = []
+    for i, s in enumerate(sizes):
+        if s == -1:
+            if i < lead:
+                raise ValueError(f"expand: -1 is not allowed for a new leading dim (sizes {sizes}, shape {shape})")
+            s = shape[i - lead]
+        target.append(s)
+    target = tuple(target)
+    if target == shape:
+        return x
+    return apply("expand", x, shape=target)
+
+
+def expand_as(x, other):
+    return expand(x, tuple(other.shape))
+
+
+def broadcast_to(x, shape):
+    return expand(x, tuple(shape))
+
+
+def repeat(x, *sizes):
+    """Tile `x` (torch.Tensor.repeat): built from reshape + expand + reshape."""
+    sizes = _shape_args(sizes, "repeat")
+    if len(sizes) < x.ndim:
+        raise ValueError(f"repeat: number of repeat dims {sizes} can not be smaller than the number of dims "
+                         f"of shape {tuple(x.shape)}")
+    shape = (1,) * (len(sizes) - x.ndim) + tuple(x.shape)
+    if _ball(r == 1 for r in sizes):
+        return reshape(x, shape)
+    interleaved = []
+    for s in shape:
+        interleaved += [1, s]
+    y = reshape(x, interleaved)
+    target = []
+    for r, s in zip(sizes, shape):
+        target += [r, s]
+    y = expand(y, target)
+    return reshape(y, tuple(r * s for r, s in zip(sizes, shape)))
+
+
+def contiguous(x):
+    return x
+
+
+def _slice(x, starts, stops, steps):
+    shape = tuple(x.shape)
+    if tuple(starts) == (0,) * len(shape) and tuple(stops) == shape and _ball(s == 1 for s in steps):
+        return x
+    return apply("slice", x, starts=tuple(starts), stops=tuple(stops), steps=tuple(steps))
+
+
+def narrow(x, dim, start, length):
+    d = normalize_dim(dim, x.ndim, op="narrow")
+    n = x.shape[d]
+    if start < 0:
+        start += n
+    if not (0 <= start and length >= 0 and start + length <= n):
+        raise IndexError(f"narrow: start {start} + length {length} exceeds dim {dim} of shape {tuple(x.shape)}")
+    starts = tuple(start if i == d else 0 for i in range(x.ndim))
+    stops = tuple(start + length if i == d else s for i, s in enumerate(x.shape))
+    return _slice(x, starts, stops, (1,) * x.ndim)
+
+
+def select(x, dim, index):
+    d = normalize_dim(dim, x.ndim, op="select")
+    n = x.shape[d]
+    i = index + n if index < 0 else index
+    if not 0 <= i < n:
+        raise IndexError(f"select: index {index} is out of bounds for dimension {d} with size {n}")
+    y = narrow(x, d, i, 1)
+    shape = tuple(x.shape)
+    return apply("reshape", y, shape=shape[:d] + shape[d + 1:])
+
+
+def cat(tensors, dim=0):
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("cat: expected a non-empty list of tensors")
+    if not _ball(_is_tensor(t) for t in tensors):
+        raise TypeError("cat: expected a sequence of tensors")
+    return apply("cat", *tensors, dim=normalize_dim(dim, tensors[0].ndim, op="cat") if tensors[0].ndim else dim)
+
+
+concat = concatenate = cat
+
+
+def stack(tensors, dim=0):
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("stack: expected a non-empty list of tensors")
+    shapes = [tuple(t.shape) for t in tensors]
+    if _bany(s != shapes[0] for s in shapes):
+        raise ValueError(f"stack: expects each tensor to be equal size, but got shapes "
+                         f"{', '.join(map(str, shapes))}")
+    d = normalize_dim(dim, len(shapes[0]) + 1, op="stack")
+    return apply("cat", *(unsqueeze(t, d) for t in tensors), dim=d)
+
+
+def split(x, split_size_or_sections, dim=0):
+    d = normalize_dim(dim, x.ndim, op="split")
+    n = x.shape[d]
+    if isinstance(split_size_or_sections, numbers.Integral):
+        size = int(split_size_or_sections)
+        if size <= 0:
+            raise ValueError(f"split: split_size must be positive, got {size}")
+        sections = [_bmin(size, n - s) for s in range(0, n, size)] or [0]
+    else:
+        sections = [int(s) for s in split_size_or_sections]
+        if _bsum(sections) != n:
+            raise ValueError(f"split: sections {sections} do not sum to the size {n} of dim {dim} "
+                             f"(shape {tuple(x.shape)})")
+    out, start = [], 0
+    for s in sections:
+        out.append(narrow(x, d, start, s))
+        start += s
+    return tuple(out)
+
+
+def chunk(x, chunks, dim=0):
+    d = normalize_dim(dim, x.ndim, op="chunk")
+    if chunks <= 0:
+        raise ValueError(f"chunk: chunks must be positive, got {chunks}")
+    n = x.shape[d]
+    size = -(-n // chunks) if n else 1
+    return split(x, _bmax(size, 1), d)
+
+
+def unbind(x, dim=0):
+    d = normalize_dim(dim, x.ndim, op="unbind")
+    return tuple(select(x, d, i) for i in range(x.shape[d]))
+
+
+# ------------------------------------------------------------------- indexing
+def _index_tensor(k):
+    arr = np.asarray(k)
+    if arr.dtype == np.bool_:
+        return Tensor(arr, dtype=dt.bool_)
+    if arr.dtype.kind not in "iu":
+        raise IndexError(f"tensors used as indices must be long, int or bool; got {arr.dtype} ({k!r})")
+    return Tensor(arr.astype(np.int64), dtype=dt.int64)
+
+
+def getitem(x, key):
+    """``x[key]``: ints, slices (positive steps), None, Ellipsis lower to slice + reshape;
+    one integer tensor/list index lowers to ``index_select``; a boolean mask works eagerly."""
+    if not isinstance(key, tuple):
+        key = (key,)
+    items = []
+    for k in key:
+        if isinstance(k, (list, np.ndarray)):
+            k = _index_tensor(k)
+        elif isinstance(k, (bool, np.bool_)):
+            raise IndexError("indexing with a Python bool is not supported")
+        elif isinstance(k, numbers.Integral):
+            k = int(k)
+        elif _is_tensor(k):
+            if k.dtype.is_floating:
+                raise IndexError(f"tensors used as indices must be long, int or bool; got {k.dtype!r}")
+            if k.ndim == 0 and not k.is_lazy and k.dtype != dt.bool_:
+                k = int(k.item())
+        elif not (k is None or k is Ellipsis or isinstance(k, slice)):
+            raise IndexError(f"unsupported index {k!r} of type {type(k).__name__}")
+        items.append(k)
+    if _bsum(1 for k in items if k is Ellipsis) > 1:
+        raise IndexError("an index can only have a single ellipsis ('...')")
+    consumed = _bsum((k.ndim if k.dtype == dt.bool_ else 1) if _is_tensor(k) else (0 if k is None or k is Ellipsis
+                                                                                    else 1) for k in items)
+    ndim = x.ndim
+    if consumed > ndim:
+        raise IndexError(f"too many indices for tensor of dimension {ndim} (shape {tuple(x.shape)}, index {key!r})")
+    if Ellipsis in items:
+        i = items.index(Ellipsis)
+        items[i:i + 1] = [slice(None)] * (ndim - consumed)
+    else:
+        items += [slice(None)] * (ndim - consumed)
+
+    shape = tuple(x.shape)
+    starts, stops, steps, out_shape = [], [], [], []
+    advanced = None
+    d = 0
+    for k in items:
+        if k is None:
+            out_shape.append(1)
+        elif isinstance(k, int):
+            n = shape[d]
+            i = k + n if k < 0 else k
+            if not 0 <= i < n:
+                raise IndexError(f"index {k} is out of bounds for dimension {d} with size {n}")
+            starts.append(i), stops.append(i + 1), steps.append(1)
+            d += 1
+        elif isinstance(k, slice):
+            n = shape[d]
+            if k.step is not None and k.step <= 0:
+                raise ValueError(f"step must be greater than zero (got slice {k} on dim {d})")
+            b, e, s = k.indices(n)
+            e = _bmax(e, b)
+            starts.append(b), stops.append(e), steps.append(s)
+            out_shape.append(len(range(b, e, s)))
+            d += 1
+        else:  # tensor index
+            if advanced is not None:
+                raise NotImplementedError("flowgen supports one tensor/list index per indexing expression; "
+                                          f"got several in {key!r}")
+            span = k.ndim if k.dtype == dt.bool_ else 1
+            if k.dtype == dt.bool_ and tuple(k.shape) != shape[d:d + span]:
+                raise IndexError(f"the shape of the mask {tuple(k.shape)} does not match the shape "
+                                 f"{shape[d:d + span]} of the indexed dims {d}..{d + span - 1} "
+                                 f"of a tensor of shape {shape}")
+            advanced = (len(out_shape), k, d)
+            for j in range(span):
+                starts.append(0), stops.append(shape[d + j]), steps.append(1)
+                out_shape.append(shape[d + j])
+            d += span
+    result = _slice(x, starts, stops, steps)
+    out_shape = tuple(out_shape)
+    if tuple(result.shape) != out_shape:
+        result = apply("reshape", result, shape=out_shape)
+    if advanced is None:
+        return result
+    pos, idx, in_dim = advanced
+    if idx.dtype == dt.bool_:
+        if idx.is_lazy:
+            raise RuntimeError("boolean-mask indexing (x[mask]) is eager-only: the result's shape depends on "
+                               "the data, which nn.Graph cannot compile; use flow.where / masked_fill instead")
+        mask = idx.numpy_view()
+        merged = out_shape[:pos] + (mask.size,) + out_shape[pos + mask.ndim:]
+        if merged != out_shape:
+            result = apply("reshape", result, shape=merged)
+        flat = Tensor(np.flatnonzero(mask).astype(np.int64), device=x.device)
+        return apply("index_select", result, flat, dim=pos)
+    n = shape[in_dim]
+    if not idx.is_lazy:
+        arr = idx.numpy_view()
+        bad = (arr < -n) | (arr >= n)
+        if bad.any():
+            raise IndexError(f"index {int(arr[bad].flat[0])} is out of bounds for dimension {in_dim} with size {n}")
+        if (arr < 0).any():
+            idx = Tensor(np.where(arr < 0, arr + n, arr).astype(np.int64), device=x.device)
+    flat = idx if idx.ndim == 1 else apply("reshape", idx, shape=(_prod(idx.shape),))
+    if idx.dtype != dt.int64:
+        flat = apply("cast", flat, dtype=dt.int64)
+    result = apply("index_select", result, flat, dim=pos)
+    if idx.ndim != 1:
+        result = apply("reshape", result, shape=out_shape[:pos] + tuple(idx.shape) + out_shape[pos + 1:])
+    return result
+
+
+# =================================================================== linear algebra
+def matmul(a, b):
+    """torch.matmul semantics: 1-D operands are promoted (and the added dim removed), batch dims broadcast."""
+    sa, sb = tuple(a.shape), tuple(b.shape)
+    if not sa or not sb:
+        raise ValueError(f"matmul: both arguments need at least 1 dim, got shapes {sa} and {sb}")
+    ka = sa[-1]
+    kb = sb[0] if len(sb) == 1 else sb[-2]
+    if ka != kb:
+        raise ValueError(f"matmul: shapes {sa} and {sb} cannot be multiplied (inner sizes {ka} != {kb})")
+    if len(sa) >= 2 and len(sb) >= 2:
+        if sa[:-2] != sb[:-2]:
+            try:
+                np.broadcast_shapes(sa[:-2], sb[:-2])
+            except ValueError:
+                raise ValueError(f"matmul: shapes {sa} and {sb} cannot be multiplied (batch dims {sa[:-2]} and "
+                                 f"{sb[:-2]} do not broadcast)") from None
+        return apply("matmul", a, b)
+    a2 = apply("reshape", a, shape=(1, ka)) if len(sa) == 1 else a
+    b2 = apply("reshape", b, shape=(kb, 1)) if len(sb) == 1 else b
+    out = apply("matmul", a2, b2)
+    shape = tuple(out.shape)
+    if len(sa) == 1 and len(sb) == 1:
+        final = ()
+    elif len(sa) == 1:
+        final = shape[:-2] + shape[-1:]
+    else:
+        final = shape[:-1]
+    return apply("reshape", out, shape=final)
+
+
+def mm(a, b):
+    if a.ndim != 2 or b.ndim != 2:
+        raise ValueError(f"mm: expects 2-D tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return matmul(a, b)
+
+
+def bmm(a, b):
+    if a.ndim != 3 or b.ndim != 3 or a.shape[0] != b.shape[0]:
+        raise ValueError(f"bmm: expects 3-D tensors with the same batch size, got shapes {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+    return matmul(a, b)
+
+
+def dot(a, b):
+    if a.ndim != 1 or b.ndim != 1:
+        raise ValueError(f"dot: expects 1-D tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return matmul(a, b)
+
+
+# =================================================================== nn-op front ends
+# These ops are defined in flowgen/ops/nn_ops.py; the functions are here so Tensor
+# methods (x.softmax(-1), x.gather(1, idx), x.index_select(0, idx)) reach them.
+def softmax(x, dim=-1):
+    return apply("softmax", _to_float(x), dim=normalize_dim(dim, x.ndim, op="softmax"))
+
+
+def log_softmax(x, dim=-1):
+    return apply("log_softmax", _to_float(x), dim=normalize_dim(dim, x.ndim, op="log_softmax"))
+
+
+def gather(x, dim, index):
+    return apply("gather", x, index, dim=normalize_dim(dim, x.ndim, op="gather"))
+
+
+def index_select(x, dim, index):
+    if not _is_tensor(index):
+        index = _index_tensor(index)
+    return apply("index_select", x, index, dim=normalize_dim(dim, x.ndim, op="index_select"))
+
+
+__all__ = [name for name, value in list(globals().items())
+           if not name.startswith("_") and callable(value)
+           and getattr(value, "__module__", None) in (__name__, "flowgen.creation")
+           and name not in {"Tensor", "as_tensor_like", "apply", "normalize_dim", "normalize_dims", "namedtuple",
+                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous"}]

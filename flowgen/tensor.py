@@ -236,6 +236,15 @@ class Tensor:
     def clone(self):
         return F.clone(self)
 
+    def type(self, dtype=None):
+        """``t.type()`` -> "flowgen.FloatTensor"-style name; ``t.type(dtype)`` -> cast."""
+        if dtype is None:
+            names = {dt.float32: "FloatTensor", dt.float16: "HalfTensor", dt.bfloat16: "BFloat16Tensor",
+                     dt.float64: "DoubleTensor", dt.int64: "LongTensor", dt.int32: "IntTensor",
+                     dt.bool_: "BoolTensor"}
+            return f"flowgen.{names[self._dtype]}"
+        return self.to(dt.get(dtype))
+
     def contiguous(self):
         return self
 
@@ -291,6 +300,8 @@ class Tensor:
     def __rmul__(self, o): return F.mul(o, self)
     def __truediv__(self, o): return F.div(self, o)
     def __rtruediv__(self, o): return F.div(o, self)
+    def __floordiv__(self, o): return F.floor_divide(self, o)
+    def __rfloordiv__(self, o): return F.floor_divide(o, self)
     def __pow__(self, o): return F.pow(self, o)
     def __rpow__(self, o): return F.pow(o, self)
     def __matmul__(self, o): return F.matmul(self, o)
@@ -329,14 +340,14 @@ class Tensor:
 
 # Functional ops that are also Tensor methods (t.sum(1) == flow.sum(t, 1)).
 TENSOR_METHODS = frozenset("""
-reshape flatten unsqueeze squeeze transpose permute expand expand_as repeat
-sum mean max min argmax argmin var std prod
-pow exp log sqrt rsqrt abs neg clamp clip sign floor
+reshape view_as reshape_as flatten unsqueeze squeeze transpose permute expand expand_as repeat t
+narrow select unbind split chunk
+sum mean max min amax amin argmax argmin var std all any
+pow exp log sqrt rsqrt abs neg clamp clip clamp_min clamp_max sign floor reciprocal square
 relu sigmoid tanh gelu silu softmax log_softmax sin cos
-matmul bmm masked_fill gather where split chunk
-eq ne lt le gt ge logical_and logical_or logical_not
-add sub mul div square maximum minimum narrow index_select
-all any cumsum topk sort type
+matmul mm bmm masked_fill gather index_select where
+eq ne lt le gt ge logical_and logical_or logical_not logical_xor
+add sub mul div floor_divide maximum minimum
 """.split())
 
 
@@ -355,13 +366,18 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
     if isinstance(value, Tensor):
         return value
     if isinstance(value, (bool, int, float)) and like is not None:
-        scalar_type = dt.default_for_scalar(value)
-        target = like.dtype
-        if scalar_type.is_floating and not like.dtype.is_floating:
-            target = dt.float32
-        elif scalar_type == dt.bool_ and like.dtype != dt.bool_:
-            target = like.dtype
-        return Tensor(np.array(value), dtype=target, device=like.device)
+        # Weak scalar typing (as PyTorch): the scalar takes the tensor's dtype unless its kind is
+        # higher (a float beside an int tensor is float32, an int beside a bool tensor int64).
+        target = like._dtype
+        if isinstance(value, float):
+            if not target.is_floating:
+                target = dt.float32
+        elif not isinstance(value, bool) and target is dt.bool_:
+            target = dt.int64
+        t = Tensor.__new__(Tensor)
+        Tensor.__init__(t, None, device=like.device)
+        t._data, t._dtype = np.array(value, dtype=target.np_dtype), target
+        return t
     arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)

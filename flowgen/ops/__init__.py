@@ -1,3 +1,4 @@
 """Op definitions. Importing this package registers every op."""
 from flowgen.ops import elementwise  # noqa: F401
 from flowgen.ops import graph_ops  # noqa: F401
+from flowgen.ops import nn_ops  # noqa: F401

@@ -2,8 +2,24 @@
 
 Each definition gives the NumPy reference, the gradient in flowgen ops and
 the C++ expression the fused elementwise kernel evaluates.
+
+Expression conventions (see `flowgen.ops.lowering.Elementwise`):
+
+* ``{0}``, ``{1}``, ``{2}`` are the input values, already loaded (broadcast
+  indexing done by the kernel) and converted to the compute type: ``float``
+  for float32/float16/bfloat16 outputs (``double`` for float64), the input's
+  own C++ type otherwise. Comparisons and logical ops produce ``bool``.
+* Attributes appear by name (``{min}``, ``{max}``) rendered with
+  `lowering.cpp_literal`; ``{idx}`` is the linear output index.
+* Ops that may see integer inputs (abs, sign, relu, clamp, maximum, ...) use
+  type-generic ternaries rather than float-only math functions; float-only
+  functions (``expf``...) appear only in ops whose output is floating (the
+  functional layer casts integer inputs to float32 first).
+* The expression's value is converted to the output storage type by the kernel.
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -13,9 +29,49 @@ from flowgen.ops.lowering import Elementwise
 from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop
 
 
+def _needs(t) -> bool:
+    """Whether a gradient for input `t` can be used (lazy tensors: always — autodiff decides)."""
+    return t.requires_grad or t._value is not None
+
+
+def _quiet(fn):
+    """Run a NumPy reference with floating-point warnings silenced (log(0) = -inf, as torch)."""
+    def ref(*args, **kwargs):
+        with np.errstate(all="ignore"):
+            return fn(*args, **kwargs)
+    ref.__name__ = getattr(fn, "__name__", "ref")
+    return ref
+
+
+def _same_type(a, b):
+    """Bring two arrays to one NumPy dtype when their dtypes differ (bf16 with f16, ...)."""
+    if a.dtype == b.dtype:
+        return a, b
+    target = dt.promote(dt.from_numpy(a.dtype), dt.from_numpy(b.dtype)).np_dtype
+    return a.astype(target, copy=False), b.astype(target, copy=False)
+
+
+def _binary_ref(fn):
+    def ref(a, b):
+        if a.dtype != b.dtype:
+            a, b = _same_type(a, b)
+        return fn(a, b)
+    ref.__name__ = getattr(fn, "__name__", "ref")
+    return ref
+
+
 def _binary_infer(name):
     def infer(a, b):
-        return TensorMeta(broadcast_shapes(a.shape, b.shape, op=name), dt.promote(a.dtype, b.dtype))
+        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        return TensorMeta(shape, a.dtype if a.dtype == b.dtype else dt.promote(a.dtype, b.dtype))
+    return infer
+
+
+def _float_binary_infer(name):
+    def infer(a, b):
+        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        out = a.dtype if a.dtype == b.dtype else dt.promote(a.dtype, b.dtype)
+        return TensorMeta(shape, out if out.is_floating else dt.float32)
     return infer
 
 
@@ -24,25 +80,334 @@ def _unary_infer(a):
 
 
 def _float_unary_infer(a):
-    return TensorMeta(a.shape, a.dtype if a.dtype.is_floating else dt.float32)
+    return a if a.dtype.is_floating else TensorMeta(a.shape, dt.float32)
+
+
+def _bool_unary_infer(a):
+    return TensorMeta(a.shape, dt.bool_)
 
 
 def _compare_infer(name):
     def infer(a, b):
-        return TensorMeta(broadcast_shapes(a.shape, b.shape, op=name), dt.bool_)
+        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        return TensorMeta(shape, dt.bool_)
     return infer
 
 
-# ---------------------------------------------------------------- binary
-defop("add", infer=_binary_infer("add"), ref=np.add,
-      grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape), F.sum_to(g, ctx.inputs[1].shape)),
+def _float_ref(fn):
+    """A unary float reference; integer/bool inputs are computed in float32."""
+    def ref(a):
+        if a.dtype.kind in "iub":
+            a = a.astype(np.float32)
+        with np.errstate(all="ignore"):
+            return fn(a)
+    return ref
+
+
+# ======================================================================== unary
+def _unary(name, ref, expr, grad=None, infer=_float_unary_infer, doc="", **kw):
+    defop(name, infer=infer, ref=ref, grad=grad, lowering=Elementwise(expr, **kw), doc=doc)
+
+
+_unary("neg", np.negative, "(-{0})", infer=_unary_infer,
+       grad=lambda ctx, g: (F.neg(g),))
+_unary("abs", np.abs, "(({0}) < 0 ? -({0}) : ({0}))", infer=_unary_infer,
+       grad=lambda ctx, g: (g * F.sign(ctx.inputs[0]),))
+_unary("exp", _float_ref(np.exp), "expf({0})",
+       grad=lambda ctx, g: (g * ctx.outputs[0],))
+_unary("log", _float_ref(np.log), "logf({0})",
+       grad=lambda ctx, g: (g / ctx.inputs[0],))
+_unary("sqrt", _float_ref(np.sqrt), "sqrtf({0})",
+       grad=lambda ctx, g: (g / (ctx.outputs[0] * 2),))
+_unary("rsqrt", _float_ref(lambda a: 1 / np.sqrt(a)), "rsqrtf({0})",
+       grad=lambda ctx, g: (g * F.pow(ctx.outputs[0], 3) * -0.5,))
+_unary("sin", _float_ref(np.sin), "sinf({0})",
+       grad=lambda ctx, g: (g * F.cos(ctx.inputs[0]),))
+_unary("cos", _float_ref(np.cos), "cosf({0})",
+       grad=lambda ctx, g: (-(g * F.sin(ctx.inputs[0])),))
+_unary("tanh", _float_ref(np.tanh), "tanhf({0})",
+       grad=lambda ctx, g: (g * (1 - ctx.outputs[0] * ctx.outputs[0]),))
+
+
+def _sigmoid_ref(a):
+    # exp(-|a|) never overflows; both branches are the exact logistic function.
+    e = np.exp(-np.abs(a))
+    return np.where(a >= 0, 1 / (1 + e), e / (1 + e)).astype(a.dtype, copy=False)
+
+
+_unary("sigmoid", _float_ref(_sigmoid_ref), "(1.0f / (1.0f + expf(-({0}))))",
+       grad=lambda ctx, g: (g * ctx.outputs[0] * (1 - ctx.outputs[0]),))
+
+
+def _relu_ref(a):
+    return np.where(a < 0, np.zeros((), a.dtype), a)
+
+
+_unary("relu", _relu_ref, "(({0}) < 0 ? 0 : ({0}))", infer=_unary_infer,
+       grad=lambda ctx, g: (F.where(ctx.outputs[0] > 0, g, 0),))
+
+# ---- erf for the gelu reference. float64 inputs use math.erf (exact); other dtypes use
+# Abramowitz & Stegun 7.1.26 evaluated in float64 (|error| < 1.5e-7, float32 resolution).
+_erf_exact = np.frompyfunc(math.erf, 1, 1)
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    if x.dtype == np.float64:
+        return _erf_exact(x).astype(np.float64)
+    z = np.abs(x.astype(np.float64))
+    t = 1.0 / (1.0 + 0.3275911 * z)
+    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
+    return np.sign(x) * (1.0 - poly * np.exp(-z * z))
+
+
+_SQRT1_2 = 0.70710678118654752
+_INV_SQRT_2PI = 0.39894228040143268
+_GELU_K = 0.79788456080286536  # sqrt(2/pi)
+_GELU_C = 0.044715
+
+
+def _gelu_ref(a, approximate="none"):
+    x = a.astype(np.float64) if a.dtype != np.float64 else a
+    if approximate == "tanh":
+        y = 0.5 * x * (1 + np.tanh(_GELU_K * (x + _GELU_C * x ** 3)))
+    else:
+        y = 0.5 * x * (1 + _erf(x * _SQRT1_2))
+    return y.astype(a.dtype if a.dtype.kind == "f" or a.dtype.kind == "V" else np.float32)
+
+
+def _gelu_grad_ref(g, a, approximate="none"):
+    x = a.astype(np.float64)
+    if approximate == "tanh":
+        inner = _GELU_K * (x + _GELU_C * x ** 3)
+        t = np.tanh(inner)
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _GELU_K * (1 + 3 * _GELU_C * x * x)
+    else:
+        d = 0.5 * (1 + _erf(x * _SQRT1_2)) + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)
+    return g.astype(np.float64) * d
+
+
+def _check_approximate(approximate):
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+
+
+def _gelu_infer(a, approximate="none"):
+    _check_approximate(approximate)
+    return _float_unary_infer(a)
+
+
+def _gelu_grad_infer(g, a, approximate="none"):
+    _check_approximate(approximate)
+    out = dt.promote(g.dtype, a.dtype)
+    return TensorMeta(broadcast_shapes(g.shape, a.shape, op="gelu_grad"), out if out.is_floating else dt.float32)
+
+
+_GELU_TANH = ("(0.5f * ({0}) * (1.0f + tanhf(0.79788456080286536f * "
+              "(({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))")
+defop("gelu", infer=_gelu_infer, ref=_gelu_ref,
+      grad=lambda ctx, g: (F.gelu_grad(g, ctx.inputs[0], ctx.attrs.get("approximate", "none")),),
+      lowering=Elementwise("(0.5f * ({0}) * (1.0f + erff(({0}) * 0.70710678118654752f)))",
+                           variants=(("approximate", "tanh", _GELU_TANH),)),
+      doc="gelu(x, approximate='none'|'tanh')")
+
+_TANH_INNER = "tanhf(0.79788456080286536f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1})))"
+defop("gelu_grad", infer=_gelu_grad_infer, ref=_gelu_grad_ref,
+      lowering=Elementwise(
+          "(({0}) * (0.5f * (1.0f + erff(({1}) * 0.70710678118654752f)) + "
+          "({1}) * 0.39894228040143268f * expf(-0.5f * ({1}) * ({1}))))",
+          variants=(("approximate", "tanh",
+                     f"(({{0}}) * (0.5f * (1.0f + {_TANH_INNER}) + 0.5f * ({{1}}) * "
+                     f"(1.0f - {_TANH_INNER} * {_TANH_INNER}) * 0.79788456080286536f * "
+                     f"(1.0f + 0.134145f * ({{1}}) * ({{1}}))))"),)),
+      doc="gelu_grad(grad_out, x, approximate): grad_out * gelu'(x)")
+
+
+def _silu_grad(ctx, g):
+    x = ctx.inputs[0]
+    s = F.sigmoid(x)
+    return (g * s * (1 + x * (1 - s)),)
+
+
+_unary("silu", _float_ref(lambda a: a * _sigmoid_ref(a)), "(({0}) / (1.0f + expf(-({0}))))", grad=_silu_grad)
+_unary("sign", np.sign, "((({0}) > 0) - (({0}) < 0))", infer=_unary_infer, grad=lambda ctx, g: (None,))
+_unary("floor", np.floor, "floorf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
+_unary("reciprocal", _float_ref(lambda a: 1 / a), "(1.0f / ({0}))",
+       grad=lambda ctx, g: (-(g * ctx.outputs[0] * ctx.outputs[0]),))
+_unary("logical_not", np.logical_not, "(!({0}))", infer=_bool_unary_infer)
+
+
+def _cast_infer(a, dtype):
+    return TensorMeta(a.shape, dt.get(dtype))
+
+
+def _cast_ref(a, dtype):
+    target = dt.get(dtype).np_dtype
+    if a.dtype.kind == "f" and target.kind in "iu":
+        with np.errstate(all="ignore"):
+            return np.trunc(a).astype(target)
+    return a.astype(target)
+
+
+def _cast_grad(ctx, g):
+    src = ctx.inputs[0].dtype
+    return (F.cast(g, src) if src.is_floating else None,)
+
+
+defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elementwise("({0})"),
+      doc="cast(x, dtype=DType); float -> int truncates toward zero")
+
+defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),
+      doc="identity that stops gradients (Tensor.detach on lazy tensors)")
+
+
+def _clamp_infer(a, min=None, max=None):
+    if min is None and max is None:
+        raise ValueError("clamp: at least one of min and max must be given")
+    return a
+
+
+def _clamp_ref(a, min=None, max=None):
+    out = a
+    if min is not None:
+        out = np.maximum(out, np.asarray(min, dtype=a.dtype))
+    if max is not None:
+        out = np.minimum(out, np.asarray(max, dtype=a.dtype))
+    return out
+
+
+def _clamp_grad(ctx, g):
+    x, lo, hi = ctx.inputs[0], ctx.attrs.get("min"), ctx.attrs.get("max")
+    inside = None
+    if lo is not None:
+        inside = x >= lo
+    if hi is not None:
+        inside = x <= hi if inside is None else F.logical_and(inside, x <= hi)
+    return (F.where(inside, g, 0),)
+
+
+defop("clamp", infer=_clamp_infer, ref=_clamp_ref, grad=_clamp_grad,
+      lowering=Elementwise("(((({0}) < ({min}) ? ({min}) : ({0})) > ({max})) ? ({max}) : "
+                           "(({0}) < ({min}) ? ({min}) : ({0})))"),
+      doc="clamp(x, min, max) = minimum(maximum(x, min), max). The functional layer never passes None: "
+          "a missing bound becomes -inf/+inf (float) or the dtype's limit (int).")
+
+
+def _expand_infer(a, shape):
+    shape = tuple(shape)
+    if len(shape) < len(a.shape):
+        raise ValueError(f"expand: cannot expand a tensor of shape {tuple(a.shape)} to {shape}: "
+                         f"the target has fewer dims")
+    lead = len(shape) - len(a.shape)
+    for i, s in enumerate(a.shape):
+        if s != 1 and s != shape[lead + i]:
+            raise ValueError(f"expand: cannot expand a tensor of shape {tuple(a.shape)} to {shape} "
+                             f"(dim {i} has size {s}, expected 1 or {shape[lead + i]})")
+    if any(s < 0 for s in shape):
+        raise ValueError(f"expand: invalid target shape {shape}")
+    return TensorMeta(shape, a.dtype)
+
+
+defop("expand", infer=_expand_infer, ref=lambda a, shape: np.broadcast_to(a, shape),
+      grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape),),
+      lowering=Elementwise("({0})"),
+      doc="expand(x, shape): broadcast to `shape` (explicit, no -1)")
+
+
+# ======================================================================== binary
+def _add_grad(ctx, g):
+    a, b = ctx.inputs
+    return (F.sum_to(g, a.shape) if _needs(a) else None, F.sum_to(g, b.shape) if _needs(b) else None)
+
+
+def _sub_grad(ctx, g):
+    a, b = ctx.inputs
+    return (F.sum_to(g, a.shape) if _needs(a) else None, F.sum_to(-g, b.shape) if _needs(b) else None)
+
+
+def _mul_grad(ctx, g):
+    a, b = ctx.inputs
+    return (F.sum_to(g * b, a.shape) if _needs(a) else None,
+            F.sum_to(g * a, b.shape) if _needs(b) else None)
+
+
+def _div_grad(ctx, g):
+    a, b = ctx.inputs
+    ga = F.sum_to(g / b, a.shape) if _needs(a) else None
+    gb = F.sum_to(-(g * ctx.outputs[0]) / b, b.shape) if _needs(b) else None
+    return ga, gb
+
+
+def _pow_grad(ctx, g):
+    a, b = ctx.inputs
+    ga = gb = None
+    if _needs(a):
+        ga = F.sum_to(g * b * F.pow(a, b - 1), a.shape)
+    if _needs(b):
+        # d/db a^b = a^b log a; 0 where a == 0 and b >= 0 (the limit torch uses).
+        gb = F.where(F.logical_and(a == 0, b >= 0), 0, g * ctx.outputs[0] * F.log(a))
+        gb = F.sum_to(gb, b.shape)
+    return ga, gb
+
+
+def _minmax_grad(pick):
+    def grad(ctx, g):
+        a, b = ctx.inputs
+        # The winner gets the gradient; ties split it evenly (as torch.maximum/minimum).
+        wins = pick(a, b)
+        ga = F.where(wins, g, F.where(a == b, g * 0.5, 0))
+        gb = g - ga
+        return (F.sum_to(ga, a.shape) if _needs(a) else None, F.sum_to(gb, b.shape) if _needs(b) else None)
+    return grad
+
+
+defop("add", infer=_binary_infer("add"), ref=_binary_ref(np.add), grad=_add_grad,
       lowering=Elementwise("({0} + {1})"))
-
-defop("sub", infer=_binary_infer("sub"), ref=np.subtract,
-      grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape), F.sum_to(-g, ctx.inputs[1].shape)),
+defop("sub", infer=_binary_infer("sub"), ref=_binary_ref(np.subtract), grad=_sub_grad,
       lowering=Elementwise("({0} - {1})"))
-
-defop("mul", infer=_binary_infer("mul"), ref=np.multiply,
-      grad=lambda ctx, g: (F.sum_to(g * ctx.inputs[1], ctx.inputs[0].shape),
-                           F.sum_to(g * ctx.inputs[0], ctx.inputs[1].shape)),
+defop("mul", infer=_binary_infer("mul"), ref=_binary_ref(np.multiply), grad=_mul_grad,
       lowering=Elementwise("({0} * {1})"))
+defop("div", infer=_float_binary_infer("div"), ref=_quiet(_binary_ref(np.true_divide)), grad=_div_grad,
+      lowering=Elementwise("({0} / {1})"),
+      doc="true division; integer inputs give float32 (the functional layer casts them first)")
+defop("pow", infer=_binary_infer("pow"), ref=_quiet(_binary_ref(np.power)), grad=_pow_grad,
+      lowering=Elementwise("powf({0}, {1})"))
+defop("maximum", infer=_binary_infer("maximum"), ref=_binary_ref(np.maximum),
+      grad=_minmax_grad(lambda a, b: a > b),
+      lowering=Elementwise("(((({0}) != ({0})) || ({0}) > ({1})) ? ({0}) : ({1}))"))
+defop("minimum", infer=_binary_infer("minimum"), ref=_binary_ref(np.minimum),
+      grad=_minmax_grad(lambda a, b: a < b),
+      lowering=Elementwise("(((({0}) != ({0})) || ({0}) < ({1})) ? ({0}) : ({1}))"))
+
+for _name, _fn, _sym in (("eq", np.equal, "=="), ("ne", np.not_equal, "!="), ("lt", np.less, "<"),
+                         ("le", np.less_equal, "<="), ("gt", np.greater, ">"), ("ge", np.greater_equal, ">=")):
+    defop(_name, infer=_compare_infer(_name), ref=_binary_ref(_fn),
+          lowering=Elementwise(f"(({{0}}) {_sym} ({{1}}))"))
+
+defop("logical_and", infer=_compare_infer("logical_and"), ref=np.logical_and,
+      lowering=Elementwise("(({0}) && ({1}))"))
+defop("logical_or", infer=_compare_infer("logical_or"), ref=np.logical_or,
+      lowering=Elementwise("(({0}) || ({1}))"))
+
+
+# ======================================================================== ternary
+def _where_infer(c, a, b):
+    shape = broadcast_shapes(c.shape, a.shape, b.shape, op="where")
+    return TensorMeta(shape, a.dtype if a.dtype == b.dtype else dt.promote(a.dtype, b.dtype))
+
+
+def _where_ref(c, a, b):
+    if a.dtype != b.dtype:
+        a, b = _same_type(a, b)
+    return np.where(c, a, b)
+
+
+def _where_grad(ctx, g):
+    c, a, b = ctx.inputs
+    ga = F.sum_to(F.where(c, g, 0), a.shape) if _needs(a) else None
+    gb = F.sum_to(F.where(c, 0, g), b.shape) if _needs(b) else None
+    return None, ga, gb
+
+
+defop("where", infer=_where_infer, ref=_where_ref, grad=_where_grad,
+      lowering=Elementwise("(({0}) ? ({1}) : ({2}))"),
+      doc="where(cond, a, b); cond is any dtype (nonzero = true)")

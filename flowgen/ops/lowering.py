@@ -12,12 +12,54 @@
 """
 from __future__ import annotations
 
+import math
+import string
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class Elementwise:
+    """A C++ expression; ``{0}``, ``{1}``... are the inputs (plain identifiers holding values
+    already converted to the compute type), ``{name}`` an attribute rendered by `cpp_literal`,
+    ``{idx}`` the linear output index.
+
+    ``variants`` picks another expression when an attribute has a given value (gelu's
+    ``approximate``): ``((attr, value, expr), ...)``; `expression(attrs)` does the choice and
+    `render(operands, attrs)` the whole substitution.
+    """
+
     expr: str
+    variants: tuple = ()
+
+    def expression(self, attrs) -> str:
+        for attr, value, expr in self.variants:
+            if attrs.get(attr) == value:
+                return expr
+        return self.expr
+
+    def render(self, operands, attrs, idx: str = "idx") -> str:
+        expr = self.expression(attrs)
+        fields = {f for _, f, _, _ in string.Formatter().parse(expr) if f and not f.isdigit()}
+        named = {f: cpp_literal(attrs[f]) for f in fields if f != "idx"}
+        return expr.format(*operands, idx=idx, **named)
+
+
+def cpp_literal(value) -> str:
+    """A Python attribute value as a C++ literal: floats get an ``f`` suffix, infinities
+    ``INFINITY``, integers outside int32 an ``LL`` suffix, bools true/false."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        if value == -(2 ** 63):
+            return "(-9223372036854775807LL - 1)"
+        return f"{value}LL" if not -(2 ** 31) <= value < 2 ** 31 else str(value)
+    value = float(value)
+    if math.isnan(value):
+        return "NAN"
+    if math.isinf(value):
+        return "INFINITY" if value > 0 else "(-INFINITY)"
+    text = repr(value)
+    return f"{text}f" if value >= 0 else f"({text}f)"
 
 
 @dataclass(frozen=True)

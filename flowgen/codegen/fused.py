@@ -1,0 +1,279 @@
+"""Render ``fused`` nodes (elementwise chains, reductions with prologue/epilogue).
+
+Each body node becomes one line ``const <type> vK = <expr>;`` where `<expr>`
+is the op's `Elementwise` expression with its inputs substituted. Values are
+held in their compute type (float for float32/float16/bfloat16 storage) and
+converted once at load and store.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.templates import get_template
+from flowgen.ops.lowering import Reduction
+from flowgen.ops.registry import get_op
+
+COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", dt.float64: "double",
+                dt.int64: "long long", dt.int32: "int", dt.bool_: "bool"}
+
+IDENTITY = {"sum": "0", "max": "-INFINITY", "min": "INFINITY"}
+
+
+def literal(value) -> str:
+    """A Python/NumPy scalar as a C++ literal of the right type."""
+    if isinstance(value, (bool, np.bool_)):
+        return "true" if value else "false"
+    if isinstance(value, (int, np.integer)):
+        return f"{int(value)}LL" if abs(int(value)) > 2**31 - 1 else str(int(value))
+    if isinstance(value, (float, np.floating)):
+        v = float(value)
+        if np.isnan(v):
+            return "NAN"
+        if np.isinf(v):
+            return "INFINITY" if v > 0 else "-INFINITY"
+        return f"{v!r}f" if "e" in repr(v) or "." in repr(v) else f"{v!r}.0f"
+    if isinstance(value, dt.DType):
+        return COMPUTE_TYPE[value]
+    if value is None:
+        return "0"
+    return str(value)
+
+
+def _store(value_dtype, expr: str) -> str:
+    if value_dtype == dt.float16:
+        return f"__float2half({expr})"
+    if value_dtype == dt.bfloat16:
+        return f"__float2bfloat16({expr})"
+    return expr
+
+
+def _load(value_dtype, expr: str) -> str:
+    if value_dtype == dt.float16:
+        return f"__half2float({expr})"
+    if value_dtype == dt.bfloat16:
+        return f"__bfloat162float({expr})"
+    return expr
+
+
+def scalar_constant(value, producers):
+    """The literal of a one-element constant value, or None if `value` is not one."""
+    node = producers.get(value)
+    if node is None or node.op != "constant" or value.numel != 1:
+        return None
+    return literal(np.asarray(node.attrs["value"]).reshape(()).item())
+
+
+def strides(shape) -> list:
+    out, acc = [], 1
+    for d in reversed(shape):
+        out.append(acc)
+        acc *= d
+    return list(reversed(out))
+
+
+def broadcast_offset(in_shape, out_shape, coord_names) -> str:
+    """Offset into a tensor of `in_shape` broadcast to `out_shape`, from per-dim coordinates."""
+    in_shape = tuple(in_shape)
+    lead = len(out_shape) - len(in_shape)
+    terms = []
+    for d, (size, stride) in enumerate(zip(in_shape, strides(in_shape))):
+        if size == 1:
+            continue
+        c = coord_names[lead + d]
+        terms.append(c if stride == 1 else f"{c} * {stride}LL")
+    return " + ".join(terms) if terms else "0"
+
+
+def coordinate_lines(shape, index: str, prefix: str) -> list:
+    """`const long long c0 = (i / 12) % 4;` ... for each dim of `shape`."""
+    lines = []
+    for d, (size, stride) in enumerate(zip(shape, strides(shape))):
+        expr = index if stride == 1 else f"{index} / {stride}LL"
+        if d > 0:
+            expr = f"({expr}) % {size}LL"
+        lines.append(f"const long long {prefix}{d} = {expr};")
+    return lines
+
+
+class _Emitter:
+    """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
+
+    def __init__(self, node, producers):
+        self.node = node
+        self.producers = producers
+        self.params: list = []
+        self.args: list = []
+        self.var: dict = {}
+        self.counter = 0
+        for k, v in enumerate(node.inputs):
+            if scalar_constant(v, producers) is not None:
+                continue
+            self.params.append(f"const {v.dtype.ctype}* __restrict__ in{k}")
+            self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
+        for k, v in enumerate(node.outputs):
+            self.params.append(f"{v.dtype.ctype}* __restrict__ out{k}")
+            self.args.append(BufferArg(v, f"{v.dtype.ctype}*"))
+
+    def fresh(self) -> str:
+        self.counter += 1
+        return f"v{self.counter - 1}"
+
+    def load_inputs(self, values, offset_of) -> list:
+        """Load each external input once (inline scalar constants)."""
+        lines = []
+        for k, v in enumerate(self.node.inputs):
+            if v not in values or v in self.var:
+                continue
+            const = scalar_constant(v, self.producers)
+            if const is not None:
+                self.var[v] = const
+                continue
+            name = self.fresh()
+            lines.append(f"const {COMPUTE_TYPE[v.dtype]} {name} = {_load(v.dtype, f'in{k}[{offset_of(v)}]')};")
+            self.var[v] = name
+        return lines
+
+    def compute(self, body_node, index_var: str = "i") -> str:
+        op = get_op(body_node.op)
+        expr = op.lowering.expr
+        if callable(expr):
+            expr = expr(body_node.attrs)
+        attrs = {k: literal(v) for k, v in body_node.attrs.items()}
+        text = expr.format(*(self.var[v] for v in body_node.inputs), idx=index_var, **attrs)
+        out = body_node.output
+        name = self.fresh()
+        self.var[out] = name
+        return f"const {COMPUTE_TYPE[out.dtype]} {name} = ({COMPUTE_TYPE[out.dtype]})({text});"
+
+    def stores(self, values, index: str) -> list:
+        lines = []
+        for k, v in enumerate(self.node.outputs):
+            if v in values:
+                lines.append(f"out{k}[{index}] = {_store(v.dtype, self.var[v])};")
+        return lines
+
+
+def kernel_name(index: int, node, ops) -> str:
+    scope = "".join(c if c.isalnum() else "_" for c in (node.scope or "graph")).strip("_")
+    tail = "_".join(dict.fromkeys(ops))[:48]
+    return f"k{index}_{scope}_{tail}"
+
+
+def render_elementwise(node, index: int, producers) -> Kernel:
+    body = node.body
+    shape = tuple(body[-1].output.shape)
+    em = _Emitter(node, producers)
+    index_lines = []
+    if any(tuple(v.shape) != shape and scalar_constant(v, producers) is None for v in node.inputs):
+        index_lines = coordinate_lines(shape, "i", "c")
+    coords = [f"c{d}" for d in range(len(shape))]
+
+    def offset(v):
+        return "i" if tuple(v.shape) == shape else broadcast_offset(v.shape, shape, coords)
+
+    lines = em.load_inputs(set(node.inputs), offset)
+    for b in body:
+        lines.append(em.compute(b))
+    lines += em.stores(set(node.outputs), "i")
+    ops = [b.op for b in body]
+    name = kernel_name(index, node, ops)
+    numel = int(np.prod(shape, dtype=np.int64))
+    source = get_template("elementwise").render(
+        name=name, comment=f"{node.scope or 'graph'}: elementwise", ops=ops,
+        shape_text=f"[{', '.join(map(str, shape))}]", params=em.params, numel=numel,
+        index_lines=index_lines, body_lines=lines)
+    block = 256
+    grid = max(1, min((numel + block - 1) // block, 4096))
+    return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
+                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops)
+
+
+def _reduce_geometry(red):
+    """(input shape, keepdim output shape, reduced dims) of a reduction node."""
+    in_shape = tuple(red.inputs[0].shape)
+    if red.op == "sum_to":
+        target = tuple(red.attrs["shape"])
+        target = (1,) * (len(in_shape) - len(target)) + target
+        dims = tuple(d for d in range(len(in_shape)) if target[d] == 1 and in_shape[d] != 1)
+    else:
+        dims = red.attrs.get("dims")
+        dims = tuple(range(len(in_shape))) if dims is None else tuple(sorted(d % max(len(in_shape), 1) for d in (dims if isinstance(dims, (tuple, list)) else (dims,))))
+    out_keep = tuple(1 if d in dims else s for d, s in enumerate(in_shape))
+    return in_shape, out_keep, dims
+
+
+def render_reduction(node, index: int, producers) -> Kernel:
+    body = node.body
+    r = next(k for k, b in enumerate(body) if isinstance(get_op(b.op).lowering, Reduction))
+    red = body[r]
+    prologue, epilogue = body[:r], body[r + 1:]
+    combine = get_op(red.op).lowering.combine
+    in_shape, out_keep, dims = _reduce_geometry(red)
+    reduce_shape = [in_shape[d] for d in dims]
+    reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
+    out_shape = tuple(red.output.shape)
+    em = _Emitter(node, producers)
+    acc_type = COMPUTE_TYPE[red.output.dtype]
+
+    kept = [d for d in range(len(in_shape)) if d not in dims]
+    kept_shape = [in_shape[d] for d in kept]
+    out_index_lines = [f"// output element o -> coordinates of the kept dims {tuple(kept)}"]
+    out_index_lines += coordinate_lines(kept_shape, "o", "k") if kept else []
+    in_index_lines = coordinate_lines(reduce_shape, "j", "r") if dims else []
+    coord = {}
+    for pos, d in enumerate(kept):
+        coord[d] = f"k{pos}"
+    for pos, d in enumerate(dims):
+        coord[d] = f"r{pos}"
+    full_coords = [coord[d] for d in range(len(in_shape))]
+
+    prologue_values = set()
+    for b in prologue:
+        prologue_values.update(b.inputs)
+    prologue_values.add(red.inputs[0])
+    prologue_values -= {o for b in prologue for o in b.outputs}
+    prologue_lines = em.load_inputs(prologue_values, lambda v: broadcast_offset(v.shape, in_shape, full_coords))
+    for b in prologue:
+        prologue_lines.append(em.compute(b, index_var="flat"))
+    source_var = em.var[red.inputs[0]]
+    # Variables declared inside the loop are out of scope in the epilogue (literals stay usable).
+    em.var = {v: n for v, n in em.var.items() if scalar_constant(v, producers) is not None}
+
+    reduced_var = em.fresh()
+    em.var[red.output] = reduced_var
+    epi_shape = out_shape
+    epi_coords = [f"e{d}" for d in range(len(epi_shape))]
+    epilogue_inputs = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
+    epilogue_index_lines = []
+    if any(tuple(v.shape) != epi_shape for v in epilogue_inputs):
+        epilogue_index_lines = coordinate_lines(epi_shape, "i", "e")
+    epilogue_lines = em.load_inputs(
+        epilogue_inputs, lambda v: "i" if tuple(v.shape) == epi_shape else broadcast_offset(v.shape, epi_shape, epi_coords))
+    for b in epilogue:
+        epilogue_lines.append(em.compute(b, index_var="i"))
+    epilogue_lines += em.stores(set(node.outputs), "i")
+
+    ops = [b.op for b in body]
+    name = kernel_name(index, node, ops)
+    block = 32
+    while block < min(reduce_size, 256):
+        block *= 2
+
+    def combine_expr(a, b):
+        return {"sum": f"({a} + {b})", "max": f"fmaxf({a}, {b})", "min": f"fminf({a}, {b})"}[combine] \
+            if acc_type == "float" else {"sum": f"({a} + {b})", "max": f"max({a}, {b})", "min": f"min({a}, {b})"}[combine]
+
+    # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
+    flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
+    source = get_template("reduction").render(
+        name=name, comment=f"{node.scope or 'graph'}: reduction", ops=ops, combine=combine,
+        in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
+        params=em.params, acc_type=acc_type, block=block, identity=IDENTITY[combine] if acc_type in ("float", "double") else {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine],
+        out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line, prologue_lines=prologue_lines,
+        source_var=source_var, combine_expr=combine_expr, epilogue_index_lines=epilogue_index_lines,
+        reduced_var=reduced_var, epilogue_lines=epilogue_lines)
+    numel_out = int(np.prod(out_shape, dtype=np.int64))
+    return Kernel(name, source, em.args, (max(numel_out, 1), 1, 1), (block, 1, 1), 0, True,
+                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops)

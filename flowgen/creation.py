@@ -1,0 +1,292 @@
+"""Tensor creation: `flow.tensor`, `zeros`, `randn`, `arange`, ... and `manual_seed`.
+
+Random creation functions draw from `flowgen.random.generator()`, so
+`flow.manual_seed(s)` makes them reproducible. Every function takes
+``dtype=``, ``device=`` and ``requires_grad=`` like OneFlow/PyTorch; sizes may be
+given as separate ints or one sequence (``zeros(2, 3)`` == ``zeros((2, 3))``).
+
+Creation functions return eager tensors even while a graph is being traced
+(shapes are static, so ``zeros_like(lazy)`` is a constant of that shape).
+"""
+from __future__ import annotations
+
+import builtins
+import numbers
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen import random as _random
+from flowgen.random import initial_seed, manual_seed  # noqa: F401  (re-exported as flow.*)
+from flowgen.tensor import Tensor
+
+__all__ = [
+    "tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
+    "randn", "rand", "randint", "randperm", "normal", "zeros_like", "ones_like", "full_like", "empty_like",
+    "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "cuda",
+]
+
+
+def _size(args, name="size") -> tuple:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        args = tuple(args[0])
+    try:
+        size = tuple(int(s) for s in args)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name}: sizes must be ints or one sequence of ints, got {args!r}") from None
+    if any(s < 0 for s in size):
+        raise ValueError(f"{name}: negative size in {size}")
+    return size
+
+
+def _make(arr, dtype, device, requires_grad) -> Tensor:
+    target = dt.get(dtype) if dtype is not None else None
+    t = Tensor.__new__(Tensor)
+    Tensor.__init__(t, None, device=device, requires_grad=False)
+    if target is None:
+        target = dt.from_numpy(arr.dtype)
+    t._data = np.ascontiguousarray(arr, dtype=target.np_dtype)
+    t._dtype = target
+    if requires_grad:
+        if not target.is_floating:
+            raise RuntimeError(f"only floating point tensors can require gradients, got {target!r}")
+        t.requires_grad = True
+    return t
+
+
+def _plain(data):
+    """Nested lists/tuples that may hold tensors -> nested lists of Python/NumPy values."""
+    if isinstance(data, Tensor):
+        return data.numpy_view()
+    if isinstance(data, (list, tuple)):
+        return [_plain(d) for d in data]
+    return data
+
+
+# ------------------------------------------------------------------ from data
+def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
+    """A new tensor holding a copy of `data` (list, scalar, ndarray or tensor).
+
+    Python floats and float64 arrays become float32 (flowgen's default float),
+    Python ints int64, bools bool; pass ``dtype=`` to choose.
+    """
+    if isinstance(data, Tensor):
+        if data.is_lazy:
+            raise RuntimeError("flow.tensor() got a lazy tensor inside nn.Graph.build(); use the tensor "
+                               "itself (or .clone()) instead of copying it")
+        arr = data.numpy_view().copy()
+        if dtype is None:
+            dtype = data.dtype
+    else:
+        arr = np.array(_plain(data))
+        if arr.dtype == object:
+            raise TypeError(f"flow.tensor: cannot build a tensor from {type(data).__name__} data {data!r}")
+        if dtype is None and arr.dtype == np.float64:
+            dtype = dt.float32
+    return _make(arr, dtype, device, requires_grad)
+
+
+def as_tensor(data, dtype=None, device=None) -> Tensor:
+    """Like `tensor`, but returns `data` itself when it is already a tensor of that dtype."""
+    if isinstance(data, Tensor) and (dtype is None or dt.get(dtype) == data.dtype):
+        return data
+    if isinstance(data, Tensor):
+        return data.to(dt.get(dtype))
+    return tensor(data, dtype=dtype, device=device)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A tensor sharing `array`'s memory when it is contiguous (dtype kept, float64 included)."""
+    array = np.asarray(array)
+    return _make(array, dt.from_numpy(array.dtype), None, False)
+
+
+# ------------------------------------------------------------------ constant fills
+def _fill(size_args, value, dtype, device, requires_grad, default=dt.float32, name="full"):
+    size = _size(size_args, name)
+    target = dt.get(dtype) if dtype is not None else default
+    arr = np.full(size, value, dtype=target.np_dtype) if value != 0 else np.zeros(size, target.np_dtype)
+    return _make(arr, target, device, requires_grad)
+
+
+def zeros(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
+    return _fill(size, 0, dtype, device, requires_grad, name="zeros")
+
+
+def ones(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
+    return _fill(size, 1, dtype, device, requires_grad, name="ones")
+
+
+def empty(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
+    """Uninitialised in PyTorch; zeros here (NumPy gives no cheaper safe choice)."""
+    return _fill(size, 0, dtype, device, requires_grad, name="empty")
+
+
+def _scalar_dtype(value):
+    if isinstance(value, Tensor):
+        return value.dtype
+    return dt.default_for_scalar(value.item() if isinstance(value, np.generic) else value)
+
+
+def full(size, fill_value, dtype=None, device=None, requires_grad=False) -> Tensor:
+    if isinstance(fill_value, Tensor):
+        fill_value = fill_value.item()
+    default = _scalar_dtype(fill_value)
+    return _fill((size,) if isinstance(size, numbers.Integral) else (tuple(size),), fill_value, dtype, device,
+                 requires_grad, default=default, name="full")
+
+
+def arange(start, end=None, step=1, dtype=None, device=None, requires_grad=False) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    values = [v.item() if isinstance(v, (Tensor, np.generic)) else v for v in (start, end, step)]
+    if step == 0:
+        raise ValueError("arange: step must be nonzero")
+    is_int = builtins.all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+    default = dt.int64 if is_int else dt.float32
+    target = dt.get(dtype) if dtype is not None else default
+    arr = np.arange(*values, dtype=np.float64 if not is_int else np.int64)
+    return _make(arr, target, device, requires_grad)
+
+
+def linspace(start, end, steps, dtype=None, device=None, requires_grad=False) -> Tensor:
+    arr = np.linspace(float(start), float(end), int(steps))
+    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+
+
+def eye(n, m=None, dtype=None, device=None, requires_grad=False) -> Tensor:
+    return _make(np.eye(int(n), int(m) if m is not None else None), dtype if dtype is not None else dt.float32,
+                 device, requires_grad)
+
+
+# ------------------------------------------------------------------ random
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
+    """Standard normal samples (float32 drawn, then cast to `dtype`)."""
+    gen = generator if generator is not None else _random.generator()
+    arr = gen.standard_normal(_size(size, "randn"), dtype=np.float32)
+    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+
+
+def rand(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
+    """Uniform samples in [0, 1)."""
+    gen = generator if generator is not None else _random.generator()
+    arr = gen.random(_size(size, "rand"), dtype=np.float32)
+    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+
+
+def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
+    gen = generator if generator is not None else _random.generator()
+    arr = gen.normal(float(mean), float(std), _size((size,) if isinstance(size, int) else (tuple(size),)))
+    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+
+
+def randint(*args, size=None, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
+    """``randint(high, size)`` or ``randint(low, high, size)``: ints in [low, high), int64 by default."""
+    args = list(args)
+    if size is None:
+        if not args:
+            raise TypeError("randint: missing size")
+        size = args.pop()
+    if len(args) == 1:
+        low, high = 0, args[0]
+    elif len(args) == 2:
+        low, high = args
+    else:
+        raise TypeError("randint(high, size) or randint(low, high, size)")
+    if int(high) <= int(low):
+        raise ValueError(f"randint: empty range [{low}, {high})")
+    gen = generator if generator is not None else _random.generator()
+    shape = _size((size,) if isinstance(size, int) else (tuple(size),), "randint")
+    arr = gen.integers(int(low), int(high), size=shape, dtype=np.int64)
+    return _make(arr, dtype if dtype is not None else dt.int64, device, requires_grad)
+
+
+def randperm(n, dtype=None, device=None, generator=None) -> Tensor:
+    gen = generator if generator is not None else _random.generator()
+    return _make(gen.permutation(int(n)).astype(np.int64), dtype if dtype is not None else dt.int64, device, False)
+
+
+def seed() -> int:
+    """Reseed from fresh entropy; returns the new seed."""
+    s = int(np.random.SeedSequence().entropy) & 0xFFFFFFFFFFFFFFFF
+    return manual_seed(s)
+
+
+# ------------------------------------------------------------------ *_like
+def _like(t, dtype, device):
+    return (dt.get(dtype) if dtype is not None else t.dtype,
+            device if device is not None else t.device)
+
+
+def zeros_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    return zeros(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def ones_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    return ones(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def empty_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    return zeros_like(t, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def full_like(t, fill_value, dtype=None, device=None, requires_grad=False) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    if isinstance(fill_value, Tensor):
+        fill_value = fill_value.item()
+    return full(tuple(t.shape), fill_value, dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def randn_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    return randn(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def rand_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    return rand(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def randint_like(t, low, high=None, dtype=None, device=None) -> Tensor:
+    d, dev = _like(t, dtype, device)
+    if high is None:
+        low, high = 0, low
+    return randint(low, high, tuple(t.shape), dtype=d, device=dev)
+
+
+# ------------------------------------------------------------------ flow.cuda
+class cuda:  # noqa: N801 - `flow.cuda.is_available()`
+    """`flow.cuda`: whether compiled graphs can run on a GPU here."""
+
+    @staticmethod
+    def is_available() -> bool:
+        try:
+            from flowgen.runtime import cuda_driver
+        except ImportError:
+            return False
+        try:
+            return bool(cuda_driver.available())
+        except Exception:  # noqa: BLE001 - a broken driver means "not available"
+            return False
+
+    @staticmethod
+    def device_count() -> int:
+        if not cuda.is_available():
+            return 0
+        from flowgen.runtime import cuda_driver
+
+        count = getattr(cuda_driver, "device_count", None)
+        return int(count()) if callable(count) else 1
+
+    @staticmethod
+    def manual_seed(seed: int):
+        return manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def synchronize(device=None):
+        """Eager work is synchronous; compiled graphs synchronise when their results are read."""
+        return None

@@ -1,0 +1,215 @@
+"""Trace + compile one input signature of an nn.Graph, and run it.
+
+`compile_step` is the whole pipeline for one variant; `CompiledGraph.run` keeps
+the eager tensors (parameters, buffers, optimizer slots) and the device copies
+in sync: a tensor is uploaded when another variant or eager code changed it,
+and read back lazily when eager code looks at it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from flowgen.codegen.program import build_program, count_unfused_kernels
+from flowgen.device import as_device
+from flowgen.ir.trace import TraceError, Tracer
+from flowgen.nn import module as module_mod
+from flowgen.nn.graph.report import meta_repr
+from flowgen.passes.autodiff import autodiff
+from flowgen.passes.optimizer import lower_optimizers
+from flowgen.passes.pipeline import default_passes, run_passes
+
+
+class CompiledGraph:
+    """What `graph.compiled` shows: the IR, the sources, launches and memory."""
+
+    def __init__(self, graph, ir, program, executor, device, bindings, host_scalars, output_structure, timings):
+        self.graph_name = graph.name
+        self._graph = graph
+        self.ir = ir
+        self.program = program
+        self.executor = executor
+        self.device = device
+        self.bindings = bindings            # [(state Value, eager Tensor)]
+        self.host_scalars = host_scalars    # [(state Value, HostScalar)]
+        self.output_structure = output_structure
+        self.timings = timings
+        self.versions: dict = {}
+
+    @property
+    def sources(self) -> dict:
+        return {"kernels.cu": self.program.source}
+
+    @property
+    def num_launches(self) -> int:
+        return self.program.num_launches
+
+    @property
+    def kernels_before_fusion(self) -> int:
+        return self.program.kernels_before_fusion
+
+    @property
+    def memory(self):
+        return self.program.plan
+
+    # --------------------------------------------------------------- running
+    def _upload_state(self):
+        for value, tensor in self.bindings:
+            if getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version:
+                continue  # the device copy is the newest
+            self.executor.write_state(value, tensor.numpy_view())
+        for value, scalar in self.host_scalars:
+            self.executor.write_state(value, np.asarray(scalar.compute(), np.float32))
+
+    def _mark_device_newer(self):
+        for value, tensor in self.bindings:
+            tensor._graph_owner = self
+            self.versions[id(tensor)] = tensor._version
+            tensor._sync_from_device = lambda t, v=value: self._download(t, v)
+
+    def _download(self, tensor, value):
+        tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
+
+    def run(self, args):
+        from flowgen.tensor import Tensor
+
+        for a in args:
+            if a.device != self.device:
+                raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
+                                   f"move inputs and modules to the same device")
+        self._upload_state()
+        outputs = self.executor.run([a.numpy_view() for a in args])
+        self._mark_device_newer()
+        self._graph._after_step()
+        tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
+        return self.output_structure(tensors)
+
+
+def _device_of(graph, args):
+    devices = {a.device for a in args}
+    for module in graph._modules.values():
+        devices.update(p.device for p in module.parameters())
+    if len(devices) > 1:
+        raise RuntimeError(f"{graph.name}: inputs and parameters are on different devices "
+                           f"({', '.join(sorted(map(str, devices)))}); move them with .to(device)")
+    return devices.pop() if devices else as_device("cpu")
+
+
+def _make_backend(device, source: str, tag: str):
+    from flowgen.runtime.executor import CpuBackend, CudaBackend
+
+    if device.type == "cpu":
+        return CpuBackend(source, tag)
+    from flowgen.runtime import cuda_driver
+
+    if not cuda_driver.available():
+        raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
+    return CudaBackend(source, tag)
+
+
+def _module_hook(graph, tracer, paths: dict, io: dict):
+    def hook(module, forward, args, kwargs):
+        path = paths.get(id(module))
+        if path is None:
+            return forward(*args, **kwargs)
+        tracer.scopes.append(path)
+        graph._log(1, f"(MODULE:{path}:{type(module).__name__}())")
+        inputs = [meta_repr(a, lazy=True) for a in args if hasattr(a, "is_lazy")]
+        for k, m in enumerate(inputs):
+            graph._log(1, f"(INPUT:_{path}-input_{k}:{m})")
+        try:
+            out = forward(*args, **kwargs)
+        finally:
+            tracer.scopes.pop()
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        outputs = [meta_repr(o, lazy=True) for o in outs if hasattr(o, "is_lazy")]
+        for k, m in enumerate(outputs):
+            graph._log(1, f"(OUTPUT:_{path}-output_{k}:{m})")
+        io[path] = {"inputs": inputs, "outputs": outputs}
+        return out
+    return hook
+
+
+def _output_structure(result):
+    """Flatten build()'s return value; give back a function that rebuilds it."""
+    from flowgen.tensor import Tensor
+
+    if isinstance(result, Tensor):
+        return [result], lambda ts: ts[0]
+    if isinstance(result, (tuple, list)) and all(isinstance(r, Tensor) for r in result):
+        kind = type(result)
+        return list(result), lambda ts: kind(ts)
+    if result is None:
+        return [], lambda ts: None
+    raise TraceError(f"build() must return a tensor, a tuple/list of tensors or None, got {type(result).__name__}")
+
+
+def compile_step(graph, args):
+    cls = type(graph).__name__
+    device = _device_of(graph, args)
+    timings = {}
+    start = time.perf_counter()
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
+    tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None)
+    param_name, paths = {}, {}
+    for mname, module in graph._modules.items():
+        for path, sub in module.named_modules(prefix=mname):
+            paths.setdefault(id(sub), path)
+        for pname, p in module.named_parameters(prefix=mname):
+            if id(p) not in param_name:
+                tracer.add_state(pname, p, "param")
+                param_name[id(p)] = pname
+        for bname, b in module.named_buffers(prefix=mname):
+            if b is not None and id(b) not in tracer.state_of:
+                tracer.add_state(bname, b, "buffer")
+    io: dict = {}
+    previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
+    try:
+        with tracer:
+            lazy_args = [tracer.add_input(a, i) for i, a in enumerate(args)]
+            for k, a in enumerate(args):
+                graph._log(1, f"(INPUT:_{graph.name}-input_{k}:{meta_repr(a, lazy=False)})")
+            result = graph.build(*lazy_args)
+            flat, structure = _output_structure(result)
+            tracer.graph.outputs = [tracer.value_of(t) for t in flat]
+    finally:
+        module_mod.set_module_call_hook(previous_hook)
+    io[""] = {"inputs": [meta_repr(a, lazy=False) for a in args],
+              "outputs": [meta_repr(t, lazy=True) for t in flat]}
+    object.__setattr__(graph, "_io", io)
+    ir = tracer.graph
+    bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
+    host_scalars = []
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
+    timings["trace"] = time.perf_counter() - start
+
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
+    start = time.perf_counter()
+    if tracer.backward_roots:
+        if not graph._optimizers:
+            raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
+                             f"call self.add_optimizer(optimizer) in __init__")
+        wrt = [param_name[id(p)] for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]
+               if id(p) in param_name and p.requires_grad]
+        ir, grads = autodiff(ir, tracer.backward_roots[-1], wrt, device)
+        ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter)
+        state = ir.state_by_name()
+        bindings += [(state[s.state_name].value, s.tensor) for s in slots]
+        host_scalars = [(state[h.name].value, h) for h in host]
+    passes = default_passes(graph.config)
+    ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
+    timings["passes"] = time.perf_counter() - start
+    start = time.perf_counter()
+    program = build_program(ir, naive_memory=graph.config.naive_memory)
+    program.kernels_before_fusion = count_unfused_kernels(ir)
+    timings["codegen"] = time.perf_counter() - start
+    graph._log(1, program.plan.describe())
+    start = time.perf_counter()
+    executor_backend = _make_backend(device, program.source, graph.name)
+    from flowgen.runtime.executor import Executor
+
+    executor = Executor(program, executor_backend)
+    timings["compile"] = time.perf_counter() - start
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
+    return CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)

@@ -1,0 +1,80 @@
+"""Activation layers: thin modules over the functional ops."""
+from __future__ import annotations
+
+from flowgen import functional as F
+from flowgen.nn import functional as NF
+from flowgen.nn.module import Module
+
+
+class _InplaceActivation(Module):
+    # `inplace` is accepted for PyTorch compatibility; flowgen always returns a new tensor.
+    def __init__(self, inplace: bool = False):
+        super().__init__()
+        self.inplace = inplace
+
+    def extra_repr(self) -> str:
+        return "inplace=True" if self.inplace else ""
+
+
+class ReLU(_InplaceActivation):
+    def forward(self, x):
+        return F.relu(x)
+
+
+class ReLU6(_InplaceActivation):
+    def forward(self, x):
+        return NF.relu6(x)
+
+
+class SiLU(_InplaceActivation):
+    def forward(self, x):
+        return NF.silu(x)
+
+
+class GELU(Module):
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"GELU: approximate must be 'none' or 'tanh', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x):
+        return NF.gelu(x, approximate=self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
+
+
+class Sigmoid(Module):
+    def forward(self, x):
+        return F.sigmoid(x)
+
+
+class Tanh(Module):
+    def forward(self, x):
+        return F.tanh(x)
+
+
+def _default_softmax_dim(ndim: int) -> int:
+    # PyTorch's legacy rule for Softmax(dim=None).
+    return 0 if ndim in (0, 1, 3) else 1
+
+
+class Softmax(Module):
+    def __init__(self, dim: int | None = None):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return NF.softmax(x, self.dim if self.dim is not None else _default_softmax_dim(x.ndim))
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class LogSoftmax(Softmax):
+    def forward(self, x):
+        return NF.log_softmax(x, self.dim if self.dim is not None else _default_softmax_dim(x.ndim))
+
+
+__all__ = ["ReLU", "ReLU6", "SiLU", "GELU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax"]

@@ -1,0 +1,170 @@
+"""Normalisation layers: BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm2d."""
+from __future__ import annotations
+
+from flowgen import dtype as dt
+from flowgen.nn import functional as NF
+from flowgen.nn import init
+from flowgen.nn.module import Module
+from flowgen.nn.modules._utils import new_parameter, new_tensor
+
+
+class _NormBase(Module):
+    """Shared state of batch and instance norm: affine weight/bias and running statistics."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None):
+        super().__init__()
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.affine = affine
+        self.track_running_stats = track_running_stats
+        if affine:
+            self.weight = new_parameter((num_features,), 1.0, dtype, device)
+            self.bias = new_parameter((num_features,), 0.0, dtype, device)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", new_tensor((num_features,), 0.0, dtype, device))
+            self.register_buffer("running_var", new_tensor((num_features,), 1.0, dtype, device))
+            self.register_buffer("num_batches_tracked", new_tensor((), 0, dt.int64, device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            init.zeros_(self.running_mean)
+            init.ones_(self.running_var)
+            init.zeros_(self.num_batches_tracked)
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def _check_input_dim(self, x) -> None:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, affine={self.affine}, "
+                f"track_running_stats={self.track_running_stats}")
+
+
+class _BatchNorm(_NormBase):
+    def forward(self, x):
+        self._check_input_dim(x)
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                # Cumulative moving average, as PyTorch: factor 1/n at the n-th batch.
+                factor = 1.0 / float(self.num_batches_tracked.item())
+        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        track = not self.training or self.track_running_stats
+        return NF.batch_norm(x, self.running_mean if track else None, self.running_var if track else None,
+                             self.weight, self.bias, use_batch_stats, factor, self.eps)
+
+
+class BatchNorm1d(_BatchNorm):
+    """Batch norm over (N, C) or (N, C, L) inputs."""
+
+    def _check_input_dim(self, x) -> None:
+        if x.ndim not in (2, 3):
+            raise ValueError(f"BatchNorm1d: expected 2D or 3D input (got {x.ndim}D input of shape "
+                             f"{tuple(x.shape)})")
+
+
+class BatchNorm2d(_BatchNorm):
+    """Batch norm over (N, C, H, W) inputs."""
+
+    def _check_input_dim(self, x) -> None:
+        if x.ndim != 4:
+            raise ValueError(f"BatchNorm2d: expected 4D input (got {x.ndim}D input of shape {tuple(x.shape)})")
+
+
+class InstanceNorm2d(_NormBase):
+    """Per-sample, per-channel normalisation of (N, C, H, W) or unbatched (C, H, W) inputs."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
+                 track_running_stats: bool = False, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+
+    def forward(self, x):
+        if x.ndim not in (3, 4):
+            raise ValueError(f"InstanceNorm2d: expected 3D or 4D input (got {x.ndim}D input of shape "
+                             f"{tuple(x.shape)})")
+        if x.ndim == 3:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        momentum = 0.1 if self.momentum is None else self.momentum
+        return NF.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                use_input_stats=self.training or not self.track_running_stats,
+                                momentum=momentum, eps=self.eps)
+
+
+class LayerNorm(Module):
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if isinstance(normalized_shape, int):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(int(s) for s in normalized_shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = new_parameter(self.normalized_shape, 1.0, dtype, device)
+            if bias:
+                self.bias = new_parameter(self.normalized_shape, 0.0, dtype, device)
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            init.ones_(self.weight)
+        if self.bias is not None:
+            init.zeros_(self.bias)
+
+    def forward(self, x):
+        return NF.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class GroupNorm(Module):
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        if num_channels % num_groups:
+            raise ValueError(f"GroupNorm: num_channels ({num_channels}) must be divisible by num_groups "
+                             f"({num_groups})")
+        self.num_groups, self.num_channels = num_groups, num_channels
+        self.eps = eps
+        self.affine = affine
+        if affine:
+            self.weight = new_parameter((num_channels,), 1.0, dtype, device)
+            self.bias = new_parameter((num_channels,), 0.0, dtype, device)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        if self.affine:
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def forward(self, x):
+        return NF.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
+
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "InstanceNorm2d", "LayerNorm", "GroupNorm"]

@@ -1,0 +1,68 @@
+"""Matrix multiplication: ``matmul(a, b)`` on operands with 2+ dims (Template ``gemm``).
+
+``a`` is ``[..., m, k]``, ``b`` is ``[..., k, n]``; the batch dims ``...`` broadcast
+(NumPy rules) and the result is ``[broadcast(...), m, n]`` with the promoted dtype.
+1-D operands are handled by `flowgen.functional.matmul` (it reshapes them, as
+torch.matmul does), so the primitive never sees them. Float16/bfloat16 products
+accumulate in float32, as the kernels do.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen import functional as F
+from flowgen.ops.lowering import Template
+from flowgen.ops.registry import TensorMeta, defop
+
+_LOW_PRECISION = {dt.float16.np_dtype, dt.bfloat16.np_dtype}
+
+
+def matmul_shape(a_shape, b_shape, op="matmul") -> tuple:
+    a_shape, b_shape = tuple(a_shape), tuple(b_shape)
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise ValueError(f"{op}: the primitive needs operands with at least 2 dims, got shapes "
+                         f"{a_shape} and {b_shape}")
+    if a_shape[-1] != b_shape[-2]:
+        raise ValueError(f"{op}: shapes {a_shape} and {b_shape} cannot be multiplied "
+                         f"({a_shape[-2]}x{a_shape[-1]} and {b_shape[-2]}x{b_shape[-1]}: "
+                         f"inner sizes {a_shape[-1]} != {b_shape[-2]})")
+    try:
+        batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    except ValueError:
+        raise ValueError(f"{op}: batch dims of shapes {a_shape} and {b_shape} cannot be broadcast "
+                         f"({a_shape[:-2]} vs {b_shape[:-2]})") from None
+    return batch + (a_shape[-2], b_shape[-1])
+
+
+def _matmul_infer(a, b):
+    return TensorMeta(matmul_shape(a.shape, b.shape), dt.promote(a.dtype, b.dtype))
+
+
+def _matmul_ref(a, b):
+    if a.dtype in _LOW_PRECISION or b.dtype in _LOW_PRECISION:
+        out_dtype = dt.promote(dt.from_numpy(a.dtype), dt.from_numpy(b.dtype)).np_dtype
+        return np.matmul(a.astype(np.float32), b.astype(np.float32)).astype(out_dtype)
+    if a.dtype != b.dtype:
+        target = dt.promote(dt.from_numpy(a.dtype), dt.from_numpy(b.dtype)).np_dtype
+        a, b = a.astype(target, copy=False), b.astype(target, copy=False)
+    return np.matmul(a, b)
+
+
+def _swap_last(t):
+    n = len(t.shape)
+    return F.apply("permute", t, dims=tuple(range(n - 2)) + (n - 1, n - 2))
+
+
+def _matmul_grad(ctx, g):
+    a, b = ctx.inputs
+    ga = gb = None
+    if a.requires_grad or a.is_lazy:
+        ga = F.sum_to(F.apply("matmul", g, _swap_last(b)), a.shape)
+    if b.requires_grad or b.is_lazy:
+        gb = F.sum_to(F.apply("matmul", _swap_last(a), g), b.shape)
+    return ga, gb
+
+
+defop("matmul", infer=_matmul_infer, ref=_matmul_ref, grad=_matmul_grad, lowering=Template("gemm"),
+      doc="matmul(a[..., m, k], b[..., k, n]) -> [..., m, n], batch dims broadcast")

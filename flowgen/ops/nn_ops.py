@@ -1,0 +1,863 @@
+"""Neural-network primitive ops: softmax, gather/scatter, conv2d, pooling,
+upsampling and dropout.
+
+Every definition follows the op contract (see ARCHITECTURE.md): ``infer``
+types the output, ``ref`` is the NumPy reference (fast enough to train small
+nets eagerly: convolutions are im2col + BLAS through strided views), ``grad``
+is written with flowgen ops only, and ``lowering`` names the kernel family.
+
+Attribute conventions (what the kernel templates read from ``node.attrs``):
+
+* 2-d geometry attributes (``kernel_size``, ``stride``, ``padding``,
+  ``dilation``, ``size``) are tuples of two ints ``(h, w)``.
+* ``scales`` (upsampling) is ``None`` or a tuple of two floats: the user's
+  scale factors, which PyTorch uses (as ``1/scale``) instead of ``in/out``.
+* Index inputs are int64 (or int32) tensors; they never get a gradient.
+* ``padding_idx`` is an int, ``-1`` meaning "none".
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from flowgen import dtype as dt
+from flowgen import functional as F
+from flowgen.ops.lowering import Elementwise, Template
+from flowgen.ops.registry import TensorMeta, apply, defop, normalize_dim
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+def _pair(v) -> tuple:
+    if isinstance(v, (tuple, list)):
+        if len(v) == 1:
+            return (int(v[0]), int(v[0]))
+        if len(v) != 2:
+            raise ValueError(f"expected an int or a pair of ints, got {v!r}")
+        return (int(v[0]), int(v[1]))
+    return (int(v), int(v))
+
+
+def _ctype(*arrays):
+    """NumPy compute type: float64 stays float64, everything else computes in float32."""
+    return np.float64 if any(a.dtype == np.float64 for a in arrays) else np.float32
+
+
+def _f(a, ct):
+    return a.astype(ct, copy=False)
+
+
+def _require_float(meta, op, what="input"):
+    if not meta.dtype.is_floating:
+        raise TypeError(f"{op}: expected a floating point {what}, got {meta.dtype!r}")
+
+
+def _require_index(meta, op, what="index"):
+    if meta.dtype not in (dt.int64, dt.int32):
+        raise TypeError(f"{op}: expected {what} to be an int64 (or int32) tensor, got {meta.dtype!r}")
+
+
+def _check_range(index, size, op, dim=None):
+    if index.size and (index.min() < 0 or index.max() >= size):
+        bad = index[(index < 0) | (index >= size)].flat[0]
+        where = f" for dimension {dim}" if dim is not None else ""
+        raise IndexError(f"{op}: index {int(bad)} is out of bounds{where} with size {size}")
+
+
+def _window_view(xp, kernel, out_hw, stride, dilation):
+    """(N, C, kh, kw, OH, OW) strided view of padded input `xp` (no copy)."""
+    N, C = xp.shape[:2]
+    s0, s1, s2, s3 = xp.strides
+    (kh, kw), (OH, OW), (sh, sw), (dh, dw) = kernel, out_hw, stride, dilation
+    return as_strided(xp, (N, C, kh, kw, OH, OW), (s0, s1, s2 * dh, s3 * dw, s2 * sh, s3 * sw), writeable=False)
+
+
+def _tap(k, d, s, n):
+    """Slice of the padded axis touched by kernel tap `k` over `n` outputs."""
+    start = k * d
+    return slice(start, start + s * (n - 1) + 1, s)
+
+
+# --------------------------------------------------------------------------
+# softmax / log_softmax  (Template "softmax"; gradients composed)
+
+def _softmax_infer(x, dim):
+    _require_float(x, "softmax")
+    normalize_dim(dim, len(x.shape), "softmax")
+    return x
+
+
+def _softmax_ref(x, dim):
+    ct = _ctype(x)
+    x = _f(x, ct)
+    if x.ndim == 0:
+        return np.ones_like(x)
+    m = x.max(axis=dim, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=dim, keepdims=True)
+
+
+def _log_softmax_ref(x, dim):
+    ct = _ctype(x)
+    x = _f(x, ct)
+    if x.ndim == 0:
+        return np.zeros_like(x)
+    shifted = x - x.max(axis=dim, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=dim, keepdims=True))
+
+
+def _softmax_grad(ctx, g):
+    y = ctx.outputs[0]
+    dim = ctx.attrs["dim"]
+    return (y * (g - F.sum(g * y, dim, keepdim=True)),)
+
+
+def _log_softmax_grad(ctx, g):
+    y = ctx.outputs[0]
+    dim = ctx.attrs["dim"]
+    return (g - F.exp(y) * F.sum(g, dim, keepdim=True),)
+
+
+defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad, lowering=Template("softmax"),
+      doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
+defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softmax_grad,
+      lowering=Template("softmax"), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
+
+
+# --------------------------------------------------------------------------
+# gather family (Template "gather") and its scatter adjoints (Template "scatter")
+
+def _gather_infer(x, index, dim):
+    _require_index(index, "gather")
+    nd = len(x.shape)
+    d = normalize_dim(dim, max(nd, 1), "gather")
+    if len(index.shape) != nd:
+        raise RuntimeError(f"gather(): index tensor must have the same number of dimensions as input tensor "
+                           f"(got {len(index.shape)} and {nd})")
+    for i, (si, sx) in enumerate(zip(index.shape, x.shape)):
+        if i != d and si > sx:
+            raise RuntimeError(f"gather(): size of dimension {i} of index ({si}) is larger than that of input ({sx})")
+    return TensorMeta(tuple(index.shape), x.dtype)
+
+
+def _linear_index(index, shape, dim):
+    """Linear offsets into an array of `shape` for scatter/gather along `dim` with `index`."""
+    lin = np.zeros(index.shape, np.int64)
+    for d, size in enumerate(shape):
+        if d == dim:
+            c = index.astype(np.int64)
+        else:
+            c = np.arange(index.shape[d], dtype=np.int64).reshape([-1 if k == d else 1 for k in range(index.ndim)])
+        lin = lin * size + c
+    return lin
+
+
+def _gather_ref(x, index, dim):
+    if x.ndim == 0:
+        _check_range(index, 1, "gather")
+        return x.reshape(index.shape).copy()
+    dim = dim % x.ndim
+    _check_range(index, x.shape[dim], "gather", dim)
+    lin = _linear_index(index, x.shape, dim)
+    return x.reshape(-1)[lin]
+
+
+def _gather_grad(ctx, g):
+    x, index = ctx.inputs
+    return apply("scatter_add", index, g, shape=tuple(x.shape), dim=ctx.attrs["dim"]), None
+
+
+def _scatter_add_infer(index, src, shape, dim):
+    _require_index(index, "scatter_add")
+    normalize_dim(dim, max(len(shape), 1), "scatter_add")
+    if tuple(index.shape) != tuple(src.shape):
+        raise RuntimeError(f"scatter_add: index shape {tuple(index.shape)} must equal src shape {tuple(src.shape)}")
+    if len(index.shape) != len(shape):
+        raise RuntimeError("scatter_add: index and output must have the same number of dimensions")
+    return TensorMeta(tuple(shape), src.dtype)
+
+
+def _accumulate(lin, src, total):
+    """out.flat[lin] += src with repeated indices summed (float64 accumulation)."""
+    if src.dtype.kind == "f" or src.dtype.kind == "V":
+        return np.bincount(lin.reshape(-1), weights=src.reshape(-1).astype(np.float64), minlength=total)
+    out = np.zeros(total, src.dtype)
+    np.add.at(out, lin.reshape(-1), src.reshape(-1))
+    return out
+
+
+def _scatter_add_ref(index, src, shape, dim):
+    shape = tuple(shape)
+    if len(shape) == 0:
+        return np.asarray(src.sum(), dtype=np.float64).reshape(())
+    dim = dim % len(shape)
+    _check_range(index, shape[dim], "scatter_add", dim)
+    return _accumulate(_linear_index(index, shape, dim), src, int(np.prod(shape))).reshape(shape)
+
+
+def _scatter_add_grad(ctx, g):
+    index = ctx.inputs[0]
+    return None, apply("gather", g, index, dim=ctx.attrs["dim"])
+
+
+defop("gather", infer=_gather_infer, ref=_gather_ref, grad=_gather_grad, lowering=Template("gather"),
+      doc="gather(input, index, dim): out[i..] = input[i.. with index[i..] at dim] (torch.gather)")
+defop("scatter_add", infer=_scatter_add_infer, ref=_scatter_add_ref, grad=_scatter_add_grad,
+      lowering=Template("scatter"),
+      doc="scatter_add(index, src, shape, dim): zeros(shape) with src added at index along dim")
+
+
+def _index_select_infer(x, index, dim):
+    _require_index(index, "index_select")
+    if len(index.shape) > 1:
+        raise RuntimeError(f"index_select(): index must be 0- or 1-dimensional, got shape {tuple(index.shape)}")
+    nd = len(x.shape)
+    d = normalize_dim(dim, max(nd, 1), "index_select")
+    n = int(np.prod(index.shape, dtype=np.int64))
+    if nd == 0:
+        return TensorMeta((n,) if index.shape else (), x.dtype)
+    return TensorMeta(tuple(x.shape[:d]) + (n,) + tuple(x.shape[d + 1:]), x.dtype)
+
+
+def _index_select_ref(x, index, dim):
+    if x.ndim == 0:
+        _check_range(index, 1, "index_select")
+        return np.broadcast_to(x, index.shape).copy()
+    dim = dim % x.ndim
+    _check_range(index, x.shape[dim], "index_select", dim)
+    return np.take(x, index.reshape(-1), axis=dim)
+
+
+def _index_select_grad(ctx, g):
+    x, index = ctx.inputs
+    return apply("index_add", index, g, shape=tuple(x.shape), dim=ctx.attrs["dim"]), None
+
+
+def _index_add_infer(index, src, shape, dim):
+    _require_index(index, "index_add")
+    shape = tuple(shape)
+    nd = len(shape)
+    d = normalize_dim(dim, max(nd, 1), "index_add")
+    n = int(np.prod(index.shape, dtype=np.int64))
+    expected = tuple(shape[:d]) + (n,) + tuple(shape[d + 1:]) if nd else tuple(src.shape)
+    if tuple(src.shape) != expected:
+        raise RuntimeError(f"index_add: source shape {tuple(src.shape)} does not match {expected}")
+    return TensorMeta(shape, src.dtype)
+
+
+def _index_add_ref(index, src, shape, dim):
+    shape = tuple(shape)
+    if not shape:
+        return np.asarray(src.sum(), np.float64)
+    dim = dim % len(shape)
+    _check_range(index, shape[dim], "index_add", dim)
+    idx = index.reshape(-1).astype(np.int64)
+    bshape = [1] * len(shape)
+    bshape[dim] = -1
+    full_index = np.broadcast_to(idx.reshape(bshape), src.shape)
+    return _accumulate(_linear_index(full_index, shape, dim), src, int(np.prod(shape))).reshape(shape)
+
+
+def _index_add_grad(ctx, g):
+    return None, apply("index_select", g, ctx.inputs[0], dim=ctx.attrs["dim"])
+
+
+defop("index_select", infer=_index_select_infer, ref=_index_select_ref, grad=_index_select_grad,
+      lowering=Template("gather"), doc="index_select(input, index, dim): input rows `index` along dim")
+defop("index_add", infer=_index_add_infer, ref=_index_add_ref, grad=_index_add_grad,
+      lowering=Template("scatter"),
+      doc="index_add(index, src, shape, dim): zeros(shape) with src slices added at index along dim")
+
+
+def _embedding_infer(weight, indices, padding_idx=-1):
+    _require_index(indices, "embedding", "indices")
+    if len(weight.shape) != 2:
+        raise RuntimeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got {tuple(weight.shape)}")
+    return TensorMeta(tuple(indices.shape) + (weight.shape[1],), weight.dtype)
+
+
+def _embedding_ref(weight, indices, padding_idx=-1):
+    _check_range(indices, weight.shape[0], "embedding")
+    return weight[indices.astype(np.int64)]
+
+
+def _embedding_grad(ctx, g):
+    weight, indices = ctx.inputs
+    return apply("embedding_backward", g, indices, num_weights=int(weight.shape[0]),
+                 padding_idx=ctx.attrs.get("padding_idx", -1)), None
+
+
+def _embedding_backward_infer(grad, indices, num_weights, padding_idx=-1):
+    _require_index(indices, "embedding_backward", "indices")
+    if tuple(grad.shape[:-1]) != tuple(indices.shape):
+        raise RuntimeError(f"embedding_backward: grad shape {tuple(grad.shape)} does not match indices "
+                           f"shape {tuple(indices.shape)} + (embedding_dim,)")
+    return TensorMeta((int(num_weights), grad.shape[-1]), grad.dtype)
+
+
+def _embedding_backward_ref(grad, indices, num_weights, padding_idx=-1):
+    D = grad.shape[-1]
+    idx = indices.reshape(-1).astype(np.int64)
+    _check_range(idx, num_weights, "embedding_backward")
+    lin = idx[:, None] * D + np.arange(D, dtype=np.int64)[None, :]
+    out = _accumulate(lin, grad.reshape(-1, D), int(num_weights) * D).reshape(int(num_weights), D)
+    if padding_idx is not None and padding_idx >= 0:
+        out[padding_idx] = 0
+    return out
+
+
+def _embedding_backward_grad(ctx, gg):
+    grad, indices = ctx.inputs
+    pad = ctx.attrs.get("padding_idx", -1)
+    rows = apply("embedding", gg, indices, padding_idx=pad)
+    if pad is not None and pad >= 0:
+        rows = rows * F.cast(F.unsqueeze(F.ne(indices, pad), -1), rows.dtype)
+    return rows, None
+
+
+defop("embedding", infer=_embedding_infer, ref=_embedding_ref, grad=_embedding_grad, lowering=Template("gather"),
+      doc="embedding(weight, indices, padding_idx): weight[indices]; padding_idx (-1: none) only affects grad")
+defop("embedding_backward", infer=_embedding_backward_infer, ref=_embedding_backward_ref,
+      grad=_embedding_backward_grad, lowering=Template("scatter"),
+      doc="embedding_backward(grad, indices, num_weights, padding_idx): rows of grad summed per index; "
+          "the padding_idx row stays zero")
+
+
+# --------------------------------------------------------------------------
+# conv2d (Template "conv2d"); NCHW, weight (O, C/groups, kh, kw), no bias
+
+def conv2d_output_size(hw, kernel, stride, padding, dilation) -> tuple:
+    return tuple((hw[i] + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(2))
+
+
+def _conv_check(x_shape, w_shape, stride, padding, dilation, groups, op="conv2d"):
+    if len(x_shape) != 4:
+        raise RuntimeError(f"{op}: expected a 4-D input (N, C, H, W), got shape {tuple(x_shape)}")
+    if len(w_shape) != 4:
+        raise RuntimeError(f"{op}: expected a 4-D weight (O, C/groups, kh, kw), got shape {tuple(w_shape)}")
+    stride, padding, dilation = _pair(stride), _pair(padding), _pair(dilation)
+    if groups < 1 or x_shape[1] % groups or w_shape[0] % groups:
+        raise RuntimeError(f"{op}: groups={groups} must divide both in_channels={x_shape[1]} "
+                           f"and out_channels={w_shape[0]}")
+    if w_shape[1] * groups != x_shape[1]:
+        raise RuntimeError(f"{op}: expected input{list(x_shape)} to have {w_shape[1] * groups} channels, "
+                           f"but got {x_shape[1]} channels instead (weight {list(w_shape)}, groups={groups})")
+    if min(stride) < 1 or min(dilation) < 1 or min(padding) < 0:
+        raise RuntimeError(f"{op}: stride and dilation must be >= 1 and padding >= 0")
+    oh, ow = conv2d_output_size(x_shape[2:], w_shape[2:], stride, padding, dilation)
+    if oh < 1 or ow < 1:
+        raise RuntimeError(f"{op}: input {tuple(x_shape[2:])} (padded by {padding}) is smaller than the "
+                           f"dilated kernel {tuple(w_shape[2:])} (dilation {dilation})")
+    return stride, padding, dilation, (oh, ow)
+
+
+def _conv2d_infer(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    _require_float(x, "conv2d")
+    _, _, _, (oh, ow) = _conv_check(x.shape, w.shape, stride, padding, dilation, groups)
+    return TensorMeta((x.shape[0], w.shape[0], oh, ow), dt.promote(x.dtype, w.dtype))
+
+
+def _pad_hw(x, padding):
+    ph, pw = padding
+    if ph == 0 and pw == 0:
+        return x
+    return np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+
+
+def _conv2d_ref(x, w, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    stride, padding, dilation, (OH, OW) = _conv_check(x.shape, w.shape, stride, padding, dilation, groups)
+    ct = _ctype(x, w)
+    x, w = _f(x, ct), _f(w, ct)
+    N = x.shape[0]
+    O, Cg, kh, kw = w.shape
+    G = groups
+    Og = O // G
+    win = _window_view(_pad_hw(x, padding), (kh, kw), (OH, OW), stride, dilation)
+    if Cg == 1:
+        # One input channel per group (depthwise, channel multiplier Og): kh*kw fused multiply-adds.
+        wm = w.reshape(G, Og, kh, kw)
+        out = np.zeros((N, G, Og, OH, OW), ct)
+        for i in range(kh):
+            for j in range(kw):
+                out += win[:, :, None, i, j] * wm[None, :, :, i, j, None, None]
+        return out.reshape(N, O, OH, OW)
+    K = Cg * kh * kw
+    cols = win.reshape(N, G, K, OH * OW)               # im2col (one copy)
+    out = np.matmul(w.reshape(G, Og, K), cols)         # (N, G, Og, OH*OW), BLAS per (n, g)
+    return out.reshape(N, O, OH, OW)
+
+
+def _conv2d_grad_input_ref(g, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    stride, padding, dilation, (OH, OW) = _conv_check(input_shape, w.shape, stride, padding, dilation, groups)
+    ct = _ctype(g, w)
+    g, w = _f(g, ct), _f(w, ct)
+    N, C, H, W = input_shape
+    O, Cg, kh, kw = w.shape
+    G = groups
+    Og = O // G
+    (sh, sw), (ph, pw), (dh, dw) = stride, padding, dilation
+    dxp = np.zeros((N, C, H + 2 * ph, W + 2 * pw), ct)
+    if Cg == 1:
+        gm = g.reshape(N, G, Og, OH, OW)
+        wm = w.reshape(G, Og, kh, kw)
+        for i in range(kh):
+            for j in range(kw):
+                contrib = (gm * wm[None, :, :, i, j, None, None]).sum(axis=2) if Og > 1 else \
+                    gm[:, :, 0] * wm[None, :, 0, i, j, None, None]
+                dxp[:, :, _tap(i, dh, sh, OH), _tap(j, dw, sw, OW)] += contrib
+    else:
+        K = Cg * kh * kw
+        wt = np.ascontiguousarray(w.reshape(G, Og, K).transpose(0, 2, 1))       # (G, K, Og)
+        dcols = np.matmul(wt, g.reshape(N, G, Og, OH * OW))                       # (N, G, K, P)
+        dcols = dcols.reshape(N, C, kh, kw, OH, OW)
+        for i in range(kh):
+            for j in range(kw):
+                dxp[:, :, _tap(i, dh, sh, OH), _tap(j, dw, sw, OW)] += dcols[:, :, i, j]
+    return dxp[:, :, ph:ph + H, pw:pw + W]
+
+
+def _conv2d_grad_weight_ref(g, x, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    stride, padding, dilation, (OH, OW) = _conv_check(x.shape, weight_shape, stride, padding, dilation, groups)
+    ct = _ctype(g, x)
+    g, x = _f(g, ct), _f(x, ct)
+    N = x.shape[0]
+    O, Cg, kh, kw = weight_shape
+    G = groups
+    Og = O // G
+    win = _window_view(_pad_hw(x, padding), (kh, kw), (OH, OW), stride, dilation)
+    if Cg == 1:
+        gm = g.reshape(N, G, Og, OH, OW)
+        dw = np.empty((G, Og, kh, kw), ct)
+        for i in range(kh):
+            for j in range(kw):
+                dw[:, :, i, j] = np.einsum("nghw,ngmhw->gm", win[:, :, i, j], gm)
+        return dw.reshape(O, 1, kh, kw)
+    K = Cg * kh * kw
+    P = OH * OW
+    cols = win.reshape(N, G, K, P).transpose(1, 0, 3, 2).reshape(G, N * P, K)
+    gp = g.reshape(N, G, Og, P).transpose(1, 2, 0, 3).reshape(G, Og, N * P)
+    return np.matmul(gp, cols).reshape(O, Cg, kh, kw)
+
+
+def _wants(t) -> bool:
+    return t.is_lazy or t.requires_grad
+
+
+def _conv_attrs(attrs):
+    return {k: attrs[k] for k in ("stride", "padding", "dilation", "groups") if k in attrs}
+
+
+def _conv2d_grad(ctx, g):
+    x, w = ctx.inputs
+    a = _conv_attrs(ctx.attrs)
+    # Eager mode skips gradients nobody asked for (the image fed to the first conv); lazy
+    # tensors in graph autodiff carry no requires_grad, and dead-code elimination drops unused ones.
+    gx = apply("conv2d_grad_input", g, w, input_shape=tuple(x.shape), **a) if _wants(x) else None
+    gw = apply("conv2d_grad_weight", g, x, weight_shape=tuple(w.shape), **a) if _wants(w) else None
+    return gx, gw
+
+
+def _conv2d_grad_input_infer(g, w, input_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    _, _, _, out_hw = _conv_check(tuple(input_shape), w.shape, stride, padding, dilation, groups, "conv2d_grad_input")
+    expected = (input_shape[0], w.shape[0]) + tuple(out_hw)
+    if tuple(g.shape) != expected:
+        raise RuntimeError(f"conv2d_grad_input: grad shape {tuple(g.shape)} != conv output shape {expected}")
+    return TensorMeta(tuple(input_shape), dt.promote(g.dtype, w.dtype))
+
+
+def _conv2d_grad_weight_infer(g, x, weight_shape, stride=(1, 1), padding=(0, 0), dilation=(1, 1), groups=1):
+    _, _, _, out_hw = _conv_check(x.shape, tuple(weight_shape), stride, padding, dilation, groups, "conv2d_grad_weight")
+    expected = (x.shape[0], weight_shape[0]) + tuple(out_hw)
+    if tuple(g.shape) != expected:
+        raise RuntimeError(f"conv2d_grad_weight: grad shape {tuple(g.shape)} != conv output shape {expected}")
+    return TensorMeta(tuple(weight_shape), dt.promote(g.dtype, x.dtype))
+
+
+def _conv2d_grad_input_grad(ctx, gg):
+    # out = conv2d_grad_input(g, w) is bilinear: <gg, out> = <conv2d(gg, w), g>.
+    g, w = ctx.inputs
+    a = _conv_attrs(ctx.attrs)
+    d_g = apply("conv2d", gg, w, **a)
+    d_w = apply("conv2d_grad_weight", g, gg, weight_shape=tuple(w.shape), **a)
+    return d_g, d_w
+
+
+def _conv2d_grad_weight_grad(ctx, gg):
+    # out = conv2d_grad_weight(g, x): <gg, out> = <conv2d(x, gg), g>.
+    g, x = ctx.inputs
+    a = _conv_attrs(ctx.attrs)
+    d_g = apply("conv2d", x, gg, **a)
+    d_x = apply("conv2d_grad_input", g, gg, input_shape=tuple(x.shape), **a)
+    return d_g, d_x
+
+
+defop("conv2d", infer=_conv2d_infer, ref=_conv2d_ref, grad=_conv2d_grad, lowering=Template("conv2d"),
+      doc="conv2d(x, w, stride, padding, dilation, groups): NCHW cross-correlation, no bias")
+defop("conv2d_grad_input", infer=_conv2d_grad_input_infer, ref=_conv2d_grad_input_ref,
+      grad=_conv2d_grad_input_grad, lowering=Template("conv2d"),
+      doc="conv2d_grad_input(grad, w, input_shape, stride, padding, dilation, groups)")
+defop("conv2d_grad_weight", infer=_conv2d_grad_weight_infer, ref=_conv2d_grad_weight_ref,
+      grad=_conv2d_grad_weight_grad, lowering=Template("conv2d"),
+      doc="conv2d_grad_weight(grad, x, weight_shape, stride, padding, dilation, groups)")
+
+
+# --------------------------------------------------------------------------
+# pooling (Template "pool2d")
+
+def pool_output_size(L, k, s, p, d, ceil_mode) -> int:
+    """PyTorch's pooling output length (the last window must start inside input + left padding)."""
+    num = L + 2 * p - d * (k - 1) - 1 + ((s - 1) if ceil_mode else 0)
+    out = num // s + 1
+    if ceil_mode and (out - 1) * s >= L + p:
+        out -= 1
+    return out
+
+
+def _pool_geometry(shape, kernel_size, stride, padding, dilation, ceil_mode, op):
+    if len(shape) != 4:
+        raise RuntimeError(f"{op}: expected a 4-D input (N, C, H, W), got shape {tuple(shape)}")
+    k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
+    if min(k) < 1 or min(s) < 1 or min(d) < 1 or min(p) < 0:
+        raise RuntimeError(f"{op}: kernel_size, stride and dilation must be >= 1, padding >= 0")
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+        raise RuntimeError(f"{op}: pad should be at most half of effective kernel size, "
+                           f"but got pad={p} and kernel_size={k}")
+    out = tuple(pool_output_size(shape[2 + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(2))
+    if min(out) < 1:
+        raise RuntimeError(f"{op}: output size {out} is too small for input {tuple(shape)}")
+    return k, s, p, d, out
+
+
+def _padded_for_pool(x, k, s, p, d, out, fill):
+    """x padded by p on the top/left and enough on the bottom/right for every window (ceil_mode)."""
+    N, C, H, W = x.shape
+    Hp = max(H + 2 * p[0], (out[0] - 1) * s[0] + d[0] * (k[0] - 1) + 1)
+    Wp = max(W + 2 * p[1], (out[1] - 1) * s[1] + d[1] * (k[1] - 1) + 1)
+    xp = np.full((N, C, Hp, Wp), fill, x.dtype)
+    xp[:, :, p[0]:p[0] + H, p[1]:p[1] + W] = x
+    return xp
+
+
+def _max_pool2d_infer(x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    _require_float(x, "max_pool2d")
+    *_, out = _pool_geometry(x.shape, kernel_size, stride, padding, dilation, ceil_mode, "max_pool2d")
+    return TensorMeta(tuple(x.shape[:2]) + out, x.dtype)
+
+
+def _max_pool2d_ref(x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    k, s, p, d, out = _pool_geometry(x.shape, kernel_size, stride, padding, dilation, ceil_mode, "max_pool2d")
+    x = _f(x, _ctype(x))
+    win = _window_view(_padded_for_pool(x, k, s, p, d, out, -np.inf), k, out, s, d)
+    return win.max(axis=(2, 3))
+
+
+def _max_pool2d_grad_ref(g, x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    k, s, p, d, out = _pool_geometry(x.shape, kernel_size, stride, padding, dilation, ceil_mode, "max_pool2d_grad")
+    ct = _ctype(x, g)
+    N, C, H, W = x.shape
+    xp = _padded_for_pool(_f(x, ct), k, s, p, d, out, -np.inf)
+    Hp, Wp = xp.shape[2:]
+    win = _window_view(xp, k, out, s, d).reshape(N, C, k[0] * k[1], out[0], out[1])
+    am = win.argmax(axis=2)                       # first maximum in row-major window order (as PyTorch)
+    ki, kj = np.divmod(am, k[1])
+    rows = np.arange(out[0]).reshape(1, 1, -1, 1) * s[0] + ki * d[0]
+    cols = np.arange(out[1]).reshape(1, 1, 1, -1) * s[1] + kj * d[1]
+    plane = (np.arange(N).reshape(-1, 1, 1, 1) * C + np.arange(C).reshape(1, -1, 1, 1)) * (Hp * Wp)
+    lin = plane + rows * Wp + cols
+    dxp = np.bincount(lin.reshape(-1), weights=_f(g, np.float64).reshape(-1), minlength=N * C * Hp * Wp)
+    return dxp.reshape(N, C, Hp, Wp)[:, :, p[0]:p[0] + H, p[1]:p[1] + W]
+
+
+def _max_pool2d_grad(ctx, g):
+    return (apply("max_pool2d_grad", g, ctx.inputs[0], **ctx.attrs),)
+
+
+def _max_pool2d_grad_infer(g, x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    expected = _max_pool2d_infer(x, kernel_size, stride, padding, dilation, ceil_mode)
+    if tuple(g.shape) != tuple(expected.shape):
+        raise RuntimeError(f"max_pool2d_grad: grad shape {tuple(g.shape)} != pooled shape {expected.shape}")
+    return TensorMeta(tuple(x.shape), x.dtype)
+
+
+defop("max_pool2d", infer=_max_pool2d_infer, ref=_max_pool2d_ref, grad=_max_pool2d_grad,
+      lowering=Template("pool2d"),
+      doc="max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode); padding counts as -inf")
+defop("max_pool2d_grad", infer=_max_pool2d_grad_infer, ref=_max_pool2d_grad_ref, grad=None,
+      lowering=Template("pool2d"),
+      doc="max_pool2d_grad(grad, x, <max_pool2d attrs>): grad routed to the first maximum of each window")
+
+
+def _avg_divisors(L, OL, k, s, p, count_include_pad):
+    start = np.arange(OL) * s - p
+    end = np.minimum(start + k, L + p)
+    if count_include_pad:
+        return (end - start).astype(np.float64)
+    return (np.minimum(end, L) - np.maximum(start, 0)).astype(np.float64)
+
+
+def _avg_divisor_2d(shape, k, s, p, out, count_include_pad):
+    dh = _avg_divisors(shape[2], out[0], k[0], s[0], p[0], count_include_pad)
+    dw = _avg_divisors(shape[3], out[1], k[1], s[1], p[1], count_include_pad)
+    return dh[:, None] * dw[None, :]
+
+
+def _avg_pool2d_infer(x, kernel_size, stride, padding=(0, 0), ceil_mode=False, count_include_pad=True):
+    _require_float(x, "avg_pool2d")
+    *_, out = _pool_geometry(x.shape, kernel_size, stride, padding, 1, ceil_mode, "avg_pool2d")
+    return TensorMeta(tuple(x.shape[:2]) + out, x.dtype)
+
+
+def _avg_pool2d_ref(x, kernel_size, stride, padding=(0, 0), ceil_mode=False, count_include_pad=True):
+    k, s, p, d, out = _pool_geometry(x.shape, kernel_size, stride, padding, 1, ceil_mode, "avg_pool2d")
+    ct = _ctype(x)
+    win = _window_view(_padded_for_pool(_f(x, ct), k, s, p, d, out, 0), k, out, s, d)
+    return win.sum(axis=(2, 3)) / _avg_divisor_2d(x.shape, k, s, p, out, count_include_pad).astype(ct)
+
+
+def _avg_pool2d_grad_ref(g, input_shape, kernel_size, stride, padding=(0, 0), ceil_mode=False,
+                         count_include_pad=True):
+    k, s, p, d, out = _pool_geometry(input_shape, kernel_size, stride, padding, 1, ceil_mode, "avg_pool2d_grad")
+    ct = _ctype(g)
+    N, C, H, W = input_shape
+    gd = _f(g, ct) / _avg_divisor_2d(input_shape, k, s, p, out, count_include_pad).astype(ct)
+    Hp = max(H + 2 * p[0], (out[0] - 1) * s[0] + k[0])
+    Wp = max(W + 2 * p[1], (out[1] - 1) * s[1] + k[1])
+    dxp = np.zeros((N, C, Hp, Wp), ct)
+    for i in range(k[0]):
+        for j in range(k[1]):
+            dxp[:, :, _tap(i, 1, s[0], out[0]), _tap(j, 1, s[1], out[1])] += gd
+    return dxp[:, :, p[0]:p[0] + H, p[1]:p[1] + W]
+
+
+def _avg_pool2d_grad(ctx, g):
+    return (apply("avg_pool2d_grad", g, input_shape=tuple(ctx.inputs[0].shape), **ctx.attrs),)
+
+
+def _avg_pool2d_grad_infer(g, input_shape, kernel_size, stride, padding=(0, 0), ceil_mode=False,
+                           count_include_pad=True):
+    *_, out = _pool_geometry(tuple(input_shape), kernel_size, stride, padding, 1, ceil_mode, "avg_pool2d_grad")
+    if tuple(g.shape) != tuple(input_shape[:2]) + out:
+        raise RuntimeError(f"avg_pool2d_grad: grad shape {tuple(g.shape)} != pooled shape "
+                           f"{tuple(input_shape[:2]) + out}")
+    return TensorMeta(tuple(input_shape), g.dtype)
+
+
+def _avg_pool2d_grad_grad(ctx, gg):
+    attrs = {k: v for k, v in ctx.attrs.items() if k != "input_shape"}
+    return (apply("avg_pool2d", gg, **attrs),)
+
+
+defop("avg_pool2d", infer=_avg_pool2d_infer, ref=_avg_pool2d_ref, grad=_avg_pool2d_grad,
+      lowering=Template("pool2d"),
+      doc="avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad) (PyTorch divisors)")
+defop("avg_pool2d_grad", infer=_avg_pool2d_grad_infer, ref=_avg_pool2d_grad_ref, grad=_avg_pool2d_grad_grad,
+      lowering=Template("pool2d"),
+      doc="avg_pool2d_grad(grad, input_shape, <avg_pool2d attrs>)")
+
+
+def adaptive_bins(L, OL):
+    """PyTorch's adaptive pooling bins: [floor(i*L/OL), ceil((i+1)*L/OL))."""
+    starts = [(i * L) // OL for i in range(OL)]
+    ends = [-((-(i + 1) * L) // OL) for i in range(OL)]
+    return starts, ends
+
+
+def _adaptive_infer(x, output_size):
+    _require_float(x, "adaptive_avg_pool2d")
+    if len(x.shape) != 4:
+        raise RuntimeError(f"adaptive_avg_pool2d: expected a 4-D input, got shape {tuple(x.shape)}")
+    oh, ow = _pair(output_size)
+    if oh < 1 or ow < 1:
+        raise RuntimeError(f"adaptive_avg_pool2d: output_size must be positive, got {(oh, ow)}")
+    return TensorMeta(tuple(x.shape[:2]) + (oh, ow), x.dtype)
+
+
+def _adaptive_ref(x, output_size):
+    oh, ow = _pair(output_size)
+    ct = _ctype(x)
+    x = _f(x, ct)
+    (hs, he), (ws, we) = adaptive_bins(x.shape[2], oh), adaptive_bins(x.shape[3], ow)
+    out = np.empty(tuple(x.shape[:2]) + (oh, ow), ct)
+    for i in range(oh):
+        for j in range(ow):
+            out[:, :, i, j] = x[:, :, hs[i]:he[i], ws[j]:we[j]].mean(axis=(2, 3))
+    return out
+
+
+def _adaptive_grad_ref(g, input_shape, output_size):
+    oh, ow = _pair(output_size)
+    ct = _ctype(g)
+    g = _f(g, ct)
+    (hs, he), (ws, we) = adaptive_bins(input_shape[2], oh), adaptive_bins(input_shape[3], ow)
+    dx = np.zeros(tuple(input_shape), ct)
+    for i in range(oh):
+        for j in range(ow):
+            area = ct((he[i] - hs[i]) * (we[j] - ws[j]))
+            dx[:, :, hs[i]:he[i], ws[j]:we[j]] += (g[:, :, i, j] / area)[:, :, None, None]
+    return dx
+
+
+def _adaptive_grad_infer(g, input_shape, output_size):
+    if tuple(g.shape) != tuple(input_shape[:2]) + _pair(output_size):
+        raise RuntimeError(f"adaptive_avg_pool2d_grad: grad shape {tuple(g.shape)} does not match output_size")
+    return TensorMeta(tuple(input_shape), g.dtype)
+
+
+defop("adaptive_avg_pool2d", infer=_adaptive_infer, ref=_adaptive_ref,
+      grad=lambda ctx, g: (apply("adaptive_avg_pool2d_grad", g, input_shape=tuple(ctx.inputs[0].shape),
+                                 **ctx.attrs),),
+      lowering=Template("pool2d"),
+      doc="adaptive_avg_pool2d(x, output_size): PyTorch bins; only used when the size does not divide evenly")
+defop("adaptive_avg_pool2d_grad", infer=_adaptive_grad_infer, ref=_adaptive_grad_ref,
+      grad=lambda ctx, gg: (apply("adaptive_avg_pool2d", gg, output_size=ctx.attrs["output_size"]),),
+      lowering=Template("pool2d"),
+      doc="adaptive_avg_pool2d_grad(grad, input_shape, output_size)")
+
+
+# --------------------------------------------------------------------------
+# upsampling (Template "upsample"). Both are separable: out = A_h @ x @ A_w^T.
+
+def nearest_source_index(in_size, out_size, scale):
+    """PyTorch's nearest source index, computed in float32 exactly like ATen."""
+    dst = np.arange(out_size)
+    if out_size == in_size:
+        return dst
+    if out_size == 2 * in_size:
+        return dst >> 1
+    factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else np.float32(in_size) / np.float32(out_size)
+    src = np.floor(dst.astype(np.float32) * factor).astype(np.int64)
+    return np.minimum(src, in_size - 1)
+
+
+def linear_source_weights(in_size, out_size, align_corners, scale):
+    """(i0, i1, w0, w1) per output index for linear interpolation (PyTorch's float32 arithmetic)."""
+    dst = np.arange(out_size).astype(np.float32)
+    if align_corners:
+        factor = np.float32(in_size - 1) / np.float32(out_size - 1) if out_size > 1 else np.float32(0)
+        src = factor * dst
+    else:
+        factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else \
+            np.float32(in_size) / np.float32(out_size)
+        src = factor * (dst + np.float32(0.5)) - np.float32(0.5)
+        src = np.maximum(src, np.float32(0))
+    i0 = src.astype(np.int64)
+    i1 = i0 + (i0 < in_size - 1)
+    w1 = src - i0.astype(np.float32)
+    w0 = np.float32(1) - w1
+    return i0, i1, w0, w1
+
+
+def _interp_matrix(in_size, out_size, mode, align_corners, scale, ct):
+    A = np.zeros((out_size, in_size), ct)
+    rows = np.arange(out_size)
+    if mode == "nearest":
+        A[rows, nearest_source_index(in_size, out_size, scale)] = 1
+    else:
+        i0, i1, w0, w1 = linear_source_weights(in_size, out_size, align_corners, scale)
+        np.add.at(A, (rows, i0), w0.astype(ct))
+        np.add.at(A, (rows, i1), w1.astype(ct))
+    return A
+
+
+def _scales_pair(scales):
+    if scales is None:
+        return (None, None)
+    return tuple(None if s is None else float(s) for s in scales)
+
+
+def _upsample_infer(x, size, scales=None, align_corners=None):
+    _require_float(x, "upsample")
+    if len(x.shape) != 4:
+        raise RuntimeError(f"upsample: expected a 4-D input (N, C, H, W), got shape {tuple(x.shape)}")
+    oh, ow = _pair(size)
+    if oh < 1 or ow < 1:
+        raise RuntimeError(f"upsample: output size must be positive, got {(oh, ow)}")
+    return TensorMeta(tuple(x.shape[:2]) + (oh, ow), x.dtype)
+
+
+def _upsample_apply(x, size, mode, align_corners, scales):
+    ct = _ctype(x)
+    (oh, ow), (sh, sw) = _pair(size), _scales_pair(scales)
+    Ah = _interp_matrix(x.shape[2], oh, mode, align_corners, sh, ct)
+    Aw = _interp_matrix(x.shape[3], ow, mode, align_corners, sw, ct)
+    return np.matmul(np.matmul(Ah, _f(x, ct)), Aw.T)
+
+
+def _upsample_adjoint(g, input_shape, size, mode, align_corners, scales):
+    ct = _ctype(g)
+    (oh, ow), (sh, sw) = _pair(size), _scales_pair(scales)
+    Ah = _interp_matrix(input_shape[2], oh, mode, align_corners, sh, ct)
+    Aw = _interp_matrix(input_shape[3], ow, mode, align_corners, sw, ct)
+    return np.matmul(np.matmul(Ah.T, _f(g, ct)), Aw)
+
+
+def _upsample_grad_infer(g, input_shape, size, scales=None, align_corners=None):
+    if tuple(g.shape) != tuple(input_shape[:2]) + _pair(size):
+        raise RuntimeError(f"upsample grad: grad shape {tuple(g.shape)} does not match size {size}")
+    return TensorMeta(tuple(input_shape), g.dtype)
+
+
+defop("upsample_nearest2d", infer=_upsample_infer,
+      ref=lambda x, size, scales=None: _upsample_apply(x, size, "nearest", False, scales),
+      grad=lambda ctx, g: (apply("upsample_nearest2d_grad", g, input_shape=tuple(ctx.inputs[0].shape),
+                                 **ctx.attrs),),
+      lowering=Template("upsample"),
+      doc="upsample_nearest2d(x, size, scales): src = min(floor(dst * f), in - 1), f = 1/scale or in/out "
+          "(float32); identity when out == in, dst >> 1 when out == 2 * in")
+defop("upsample_nearest2d_grad", infer=_upsample_grad_infer,
+      ref=lambda g, input_shape, size, scales=None: _upsample_adjoint(g, input_shape, size, "nearest", False, scales),
+      grad=lambda ctx, gg: (apply("upsample_nearest2d", gg, size=ctx.attrs["size"],
+                                  scales=ctx.attrs.get("scales")),),
+      lowering=Template("upsample"), doc="upsample_nearest2d_grad(grad, input_shape, size, scales)")
+defop("upsample_bilinear2d", infer=_upsample_infer,
+      ref=lambda x, size, align_corners=False, scales=None: _upsample_apply(x, size, "linear", align_corners, scales),
+      grad=lambda ctx, g: (apply("upsample_bilinear2d_grad", g, input_shape=tuple(ctx.inputs[0].shape),
+                                 **ctx.attrs),),
+      lowering=Template("upsample"),
+      doc="upsample_bilinear2d(x, size, align_corners, scales): PyTorch source-index rules in float32")
+defop("upsample_bilinear2d_grad", infer=_upsample_grad_infer,
+      ref=lambda g, input_shape, size, align_corners=False, scales=None:
+          _upsample_adjoint(g, input_shape, size, "linear", align_corners, scales),
+      grad=lambda ctx, gg: (apply("upsample_bilinear2d", gg, size=ctx.attrs["size"],
+                                  align_corners=ctx.attrs.get("align_corners", False),
+                                  scales=ctx.attrs.get("scales")),),
+      lowering=Template("upsample"), doc="upsample_bilinear2d_grad(grad, input_shape, size, align_corners, scales)")
+
+
+# --------------------------------------------------------------------------
+# dropout: elementwise, counter-based random numbers so eager == compiled
+
+DROPOUT_EXPR = ("(flowgen_philox_uniform({seed}, {offset}, {idx}) >= (float)({p}) "
+                "? {0} / (1.0f - (float)({p})) : 0.0f)")
+
+
+def dropout_keep_mask(shape, p, seed, offset):
+    """The keep mask of dropout(p, seed, offset) over a tensor of `shape` (element i uses stream value i)."""
+    from flowgen.random import philox_uniform
+
+    n = int(np.prod(shape, dtype=np.int64))
+    u = np.asarray(philox_uniform(seed, offset, n), dtype=np.float32).reshape(shape)
+    return u >= np.float32(p)
+
+
+def _dropout_infer(x, p, seed, offset):
+    _require_float(x, "dropout")
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    return x
+
+
+def _dropout_ref(x, p, seed, offset):
+    keep = dropout_keep_mask(x.shape, p, seed, offset)
+    ct = _ctype(x)
+    scale = np.float32(1.0) - np.float32(p)          # (1.0f - (float)p), as the kernel computes it
+    with np.errstate(divide="ignore", invalid="ignore"):
+        kept = _f(x, ct) / ct(scale)
+    return np.where(keep, kept, ct(0))
+
+
+defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
+      grad=lambda ctx, g: (apply("dropout", g, **ctx.attrs),),
+      lowering=Elementwise(DROPOUT_EXPR),
+      doc="dropout(x, p, seed, offset): u = philox_uniform(seed, offset)[idx]; u >= p ? x / (1 - p) : 0")

@@ -1,0 +1,7 @@
+"""`flow.optim`: optimizers (eager NumPy step + `update_rule()` for graphs) and LR schedulers."""
+from flowgen.optim import lr_scheduler  # noqa: F401
+from flowgen.optim.adam import Adam, AdamW
+from flowgen.optim.optimizer import Optimizer
+from flowgen.optim.sgd import SGD
+
+__all__ = ["Adam", "AdamW", "Optimizer", "SGD", "lr_scheduler"]

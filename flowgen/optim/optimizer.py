@@ -1,0 +1,219 @@
+"""`Optimizer`: parameter groups, per-parameter state, torch-format state dicts.
+
+Eager `step()` updates parameters in place on their NumPy buffers (compiled
+graphs alias those buffers, so a parameter's array object must never change)
+and bumps each parameter's `_version` so a graph knows to re-upload it.
+
+Subclasses implement `_update_group(group)` for the eager math and
+`update_rule()`, a plain-data description the graph compiler lowers to
+kernels; both must describe the same arithmetic.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.autograd import enable_grad
+from flowgen.tensor import Tensor
+
+
+class _Required:
+    def __repr__(self):
+        return "<required parameter>"
+
+
+required = _Required()
+
+
+def compute_view(array: np.ndarray) -> np.ndarray:
+    """The array the update math runs on: itself for float32/64, a float32 copy for 16-bit floats."""
+    return array if array.dtype in (np.float32, np.float64) else array.astype(np.float32)
+
+
+def write_back(dest: np.ndarray, values: np.ndarray) -> None:
+    if values is not dest:
+        dest[...] = values.astype(dest.dtype, copy=False)
+
+
+class Optimizer:
+    def __init__(self, params, defaults: dict):
+        self.defaults = dict(defaults)
+        self.state: defaultdict = defaultdict(dict)  # parameter -> {name: value}; tensors hash by identity
+        self.param_groups: list[dict] = []
+        if isinstance(params, Tensor):
+            raise TypeError(f"params argument given to the optimizer should be an iterable of Tensors or dicts, "
+                            f"but got {type(params).__name__}")
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        if not isinstance(params[0], dict):
+            params = [{"params": params}]
+        for group in params:
+            self.add_param_group(group)
+
+    # ---------------------------------------------------------------- groups
+    def add_param_group(self, param_group: dict) -> None:
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = dict(param_group)
+        params = group["params"]
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, set):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
+        group["params"] = list(params)
+        for p in group["params"]:
+            if not isinstance(p, Tensor):
+                raise TypeError(f"optimizer can only optimize Tensors, but one of the params is {type(p).__name__}")
+            if not p.is_leaf:
+                raise ValueError("can't optimize a non-leaf Tensor")
+        for name, default in self.defaults.items():
+            if default is required and name not in group:
+                raise ValueError(f"parameter group didn't specify a value of required optimization parameter {name}")
+            group.setdefault(name, default)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        if len({id(p) for p in group["params"]}) != len(group["params"]) or seen & {id(p) for p in group["params"]}:
+            raise ValueError("some parameters appear in more than one parameter group (or twice in one)")
+        self.param_groups.append(group)
+
+    # ------------------------------------------------------------------ step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    # A fresh zero buffer: the old one may be shared with another tensor's gradient.
+                    p.grad = Tensor(np.zeros(p.grad.shape, p.grad.dtype.np_dtype), dtype=p.grad.dtype,
+                                    device=p.grad.device)
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._update_group(group)
+        return loss
+
+    def _update_group(self, group: dict) -> None:
+        raise NotImplementedError
+
+    def _params_with_grad(self, group: dict):
+        """(parameter, its array, its gradient array) for each parameter that has a gradient."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad.numpy_view()
+            if grad.shape != tuple(p.shape):
+                raise RuntimeError(f"{type(self).__name__}.step: a gradient of shape {grad.shape} does not match "
+                                   f"its parameter of shape {tuple(p.shape)}")
+            yield p, p.numpy_view(), grad
+
+    def _state_tensor(self, p: Tensor, name: str, init: np.ndarray | None = None) -> np.ndarray:
+        """The array of state `name` for `p` (a flowgen Tensor in `self.state`), created as zeros or `init`."""
+        state = self.state[p]
+        t = state.get(name)
+        if t is None:
+            data = np.zeros(tuple(p.shape), self._state_np_dtype(p)) if init is None else np.array(
+                init, dtype=self._state_np_dtype(p))
+            t = Tensor(data, dtype=dt.from_numpy(data.dtype), device=p.device)
+            state[name] = t
+        return t.numpy_view()
+
+    @staticmethod
+    def _state_np_dtype(p: Tensor):
+        return np.float64 if p.dtype == dt.float64 else np.float32
+
+    # ------------------------------------------------------------ graph hook
+    def update_rule(self) -> list[dict]:
+        """One plain-data dict per parameter group describing the update (see the subclass)."""
+        raise NotImplementedError
+
+    def _param_indices(self) -> list[list[int]]:
+        indices, i = [], 0
+        for group in self.param_groups:
+            indices.append(list(range(i, i + len(group["params"]))))
+            i += len(group["params"])
+        return indices
+
+    # ------------------------------------------------------------ state dict
+    def state_dict(self) -> dict:
+        """``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}`` (PyTorch's layout).
+
+        Parameters are numbered in group order. State tensors are returned by
+        reference; `flow.save` copies them out.
+        """
+        index, groups = {}, []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = []
+            for p in group["params"]:
+                index.setdefault(id(p), len(index))
+                packed["params"].append(index[id(p)])
+            groups.append(packed)
+        state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index and s}
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+            raise ValueError("optimizer state_dict must be a dict with 'state' and 'param_groups' "
+                             "(as returned by Optimizer.state_dict())")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, this optimizer has "
+                             f"{len(self.param_groups)}")
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(f"loaded state dict contains a parameter group {i} of {len(saved['params'])} "
+                                 f"parameters that doesn't match the size of optimizer's group "
+                                 f"({len(group['params'])} parameters)")
+        id_to_param = {}
+        for saved, group in zip(saved_groups, self.param_groups):
+            for index, p in zip(saved["params"], group["params"]):
+                id_to_param[int(index)] = p
+        new_state: defaultdict = defaultdict(dict)
+        for index, values in state_dict["state"].items():
+            index = int(index)
+            if index not in id_to_param:
+                raise ValueError(f"loaded optimizer state refers to parameter {index}, which no group contains")
+            p = id_to_param[index]
+            new_state[p] = {name: self._load_state_value(p, name, value) for name, value in values.items()}
+        self.state = new_state
+        for saved, group in zip(saved_groups, self.param_groups):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+    def _load_state_value(self, p: Tensor, name: str, value):
+        if name == "step":
+            return int(round(float(value.item() if isinstance(value, Tensor) else value)))
+        if value is None:
+            return None
+        if isinstance(value, (Tensor, np.ndarray)):
+            array = value.numpy_view() if isinstance(value, Tensor) else value
+            if array.dtype.kind == "f" or array.dtype.kind == "V":
+                array = array.astype(self._state_np_dtype(p))
+            existing = self.state.get(p, {}).get(name)
+            if isinstance(existing, Tensor) and tuple(existing.shape) == array.shape and \
+                    existing.dtype.np_dtype == array.dtype:
+                existing.numpy_view()[...] = array   # keep the object: a graph may alias it
+                existing._version += 1
+                return existing
+            return Tensor(np.array(array), dtype=dt.from_numpy(array.dtype), device=p.device)
+        return value
+
+    # ------------------------------------------------------------------ misc
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, group in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            for key in sorted(k for k in group if k != "params"):
+                lines.append(f"    {key}: {group[key]}")
+        lines.append(")")
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""IR -> IR passes. The ordered list lives in `pipeline.py`."""

@@ -1,0 +1,143 @@
+"""Fusion: group primitive nodes into kernels.
+
+* Chains of elementwise nodes with the same output shape become one
+  ``fused`` node of kind ``elementwise`` (inputs may broadcast).
+* A reduction absorbs the elementwise group that only feeds it (prologue) and
+  the elementwise nodes of its output shape that follow it (epilogue): kind
+  ``reduction``.
+* Every other elementwise or reduction node becomes a one-node fused group, so
+  codegen sees kernels only as ``fused`` nodes or template-family nodes.
+
+A group is emitted at the position of its last member; a node may only join
+a group if no node outside the group, positioned before it, reads a value the
+group produces (so the order stays valid).
+"""
+from __future__ import annotations
+
+from flowgen.ir.graph import Node
+from flowgen.ops.lowering import Elementwise, Reduction
+from flowgen.ops.registry import get_op
+
+
+def _kind(node) -> str:
+    if node.op == "constant":
+        return "constant"
+    lowering = get_op(node.op).lowering
+    if isinstance(lowering, Elementwise):
+        return "elementwise"
+    if isinstance(lowering, Reduction):
+        return "reduction"
+    return "other"
+
+
+class _Group:
+    def __init__(self, kind: str, shape: tuple, first: int):
+        self.kind = kind
+        self.shape = shape        # iteration shape (elementwise) / output shape (reduction epilogue)
+        self.members: list = []   # node indices
+        self.produced: set = set()
+        self.first = first
+        self.reduction = None     # index of the reduction node, for kind "reduction"
+
+
+def fuse(graph, enabled: bool = True):
+    nodes = graph.nodes
+    users = graph.users()
+    group_of: dict = {}       # node index -> _Group
+    producer_index = {v: i for i, n in enumerate(nodes) for v in n.outputs}
+    index_of = {id(n): i for i, n in enumerate(nodes)}
+    live_out = graph.live_out()
+    groups: list = []
+
+    def only_feeds(prologue: _Group, reduction_node) -> bool:
+        for v in prologue.produced:
+            if v in live_out:
+                return False
+            for u in users.get(v, []):
+                if u is not reduction_node and group_of.get(index_of[id(u)]) is not prologue:
+                    return False
+        return True
+
+    def can_join(group: _Group, index: int) -> bool:
+        for between in range(group.first, index):
+            if group_of.get(between) is group:
+                continue
+            if any(v in group.produced for v in nodes[between].inputs):
+                return False
+        return True
+
+    def add(group: _Group, index: int):
+        group.members.append(index)
+        group.produced.update(nodes[index].outputs)
+        group_of[index] = group
+
+    for i, node in enumerate(nodes):
+        kind = _kind(node)
+        if kind == "elementwise":
+            shape = tuple(node.output.shape)
+            joined = False
+            if enabled:
+                for v in node.inputs:
+                    p = producer_index.get(v)
+                    g = group_of.get(p)
+                    # A reduction group takes epilogue nodes that read its result (not its prologue).
+                    if g is not None and g.shape == shape and can_join(g, i) \
+                            and (g.kind == "elementwise" or p >= g.reduction):
+                        add(g, i)
+                        joined = True
+                        break
+            if not joined:
+                g = _Group("elementwise", shape, i)
+                groups.append(g)
+                add(g, i)
+        elif kind == "reduction":
+            g = _Group("reduction", tuple(node.output.shape), i)
+            g.reduction = i
+            src = node.inputs[0]
+            prologue = group_of.get(producer_index.get(src))
+            if (enabled and prologue is not None and prologue.kind == "elementwise"
+                    and prologue.shape == tuple(src.shape) and only_feeds(prologue, node)):
+                # Absorb the prologue group: its values are only read by this reduction.
+                groups.remove(prologue)
+                g.first = prologue.first
+                for m in prologue.members:
+                    add(g, m)
+            groups.append(g)
+            add(g, i)
+        # template families, views and constants stay as they are
+
+    # Rebuild the node list: each group at the position of its last member.
+    last_of = {max(g.members): g for g in groups}
+    new_nodes = []
+    for i, node in enumerate(nodes):
+        g = group_of.get(i)
+        if g is None:
+            new_nodes.append(node)
+        elif i in last_of:
+            new_nodes.append(_fused_node(graph, g, nodes, users))
+    return graph.copy_with(nodes=new_nodes)
+
+
+def _fused_node(graph, group: _Group, nodes, users) -> Node:
+    members = sorted(group.members)
+    body = [nodes[i] for i in members]
+    inside = set()
+    for n in body:
+        inside.update(n.outputs)
+    inputs, seen = [], set()
+    for n in body:
+        for v in n.inputs:
+            if v not in inside and v not in seen:
+                seen.add(v)
+                inputs.append(v)
+    member_set = set(id(n) for n in body)
+    live_out = graph.live_out()
+    outputs = [v for v in inside
+               if v in live_out or any(id(u) not in member_set for u in users.get(v, []))]
+    outputs.sort(key=lambda v: [o for n in body for o in n.outputs].index(v))
+    scopes = []
+    for n in body:
+        if n.scope and n.scope not in scopes:
+            scopes.append(n.scope)
+    attrs = {"kind": group.kind, "body": body}
+    return Node("fused", inputs, outputs, attrs, scope=scopes[0] if scopes else "", loc=body[-1].loc)

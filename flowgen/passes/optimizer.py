@@ -1,0 +1,148 @@
+"""Optimizer lowering: append each parameter's update (SGD, Adam, AdamW) to the graph.
+
+The update math is written with flowgen ops on lazy tensors, so it is traced
+into IR like the model. Optimizer slots (momentum, exp_avg, exp_avg_sq) become
+persistent state; per-step scalars that depend on the step count or the LR
+schedule (lr, bias corrections, first-step momentum switch) become ``hyper``
+state that the host writes before each call (`HostScalar`), so the schedule is
+exactly the eager one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from flowgen.ir.trace import Tracer
+from flowgen.passes.autodiff import _next_index
+
+
+@dataclass
+class HostScalar:
+    name: str
+    compute: Callable[[], float]   # evaluated on the host right before each call
+
+
+@dataclass
+class SlotBinding:
+    state_name: str
+    tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
+
+
+def _group_kind(optimizer) -> str:
+    kind = type(optimizer).__name__
+    if kind not in ("SGD", "Adam", "AdamW"):
+        raise NotImplementedError(f"nn.Graph cannot lower optimizer {kind}; supported: SGD, Adam, AdamW")
+    return kind
+
+
+def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict):
+    """Returns (graph, host scalars, slot bindings).
+
+    `param_name` maps id(param) -> state name; `counter["calls"]` is the number of
+    steps the graph has run, kept by the caller (used for SGD's first step).
+    """
+    from flowgen import creation
+    from flowgen.ir.graph import NameGen
+
+    out = graph.copy_with()
+    tracer = Tracer(graph.name, device)
+    tracer.graph = out
+    tracer.new_name = NameGen(start=_next_index(graph))
+    state = graph.state_by_name()
+    host: list = []
+    slots: list = []
+
+    def new_state(name, tensor, kind):
+        var = tracer.add_state(name, tensor, kind)
+        tracer.state_tensors.pop()  # bound explicitly below, not through the tracer
+        return tracer.lazy(var.value)
+
+    with tracer:
+        for opt_index, (optimizer, _scheduler) in enumerate(optimizers):
+            kind = _group_kind(optimizer)
+            for g_index, group in enumerate(optimizer.param_groups):
+                prefix = f"optim{opt_index}.group{g_index}"
+                params = [p for p in group["params"] if param_name.get(id(p)) in grads]
+                if not params:
+                    continue
+                tracer.scopes.append(f"{prefix}.{kind.lower()}")
+
+                def hyper(name, fn):
+                    host.append(HostScalar(f"{prefix}.{name}", fn))
+                    return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype="float32"), "hyper")
+
+                lr = hyper("lr", lambda group=group: group["lr"])
+                if kind == "SGD":
+                    _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
+                         counter)
+                else:
+                    _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, prefix,
+                          decoupled=(kind == "AdamW"))
+                tracer.scopes.pop()
+    return out, host, slots
+
+
+def _slot(optimizer, p, key, new_state, slots, name):
+    from flowgen import creation
+
+    st = optimizer.state.setdefault(p, {})
+    if key not in st or st[key] is None:
+        st[key] = creation.zeros_like(p.detach())
+    slots.append(SlotBinding(name, st[key]))
+    return new_state(name, st[key], "optim")
+
+
+def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter):
+    momentum, dampening = group.get("momentum", 0), group.get("dampening", 0)
+    nesterov, wd = group.get("nesterov", False), group.get("weight_decay", 0)
+    for p in params:
+        name = param_name[id(p)]
+        param = tracer.lazy(state[name].value)
+        g = tracer.lazy(grads[name])
+        if wd:
+            g = g + param * wd
+        if momentum:
+            first = "momentum_buffer" not in optimizer.state.get(p, {}) or optimizer.state[p]["momentum_buffer"] is None
+            buf = _slot(optimizer, p, "momentum_buffer", new_state, slots, f"{name}.momentum_buffer")
+            # Eager SGD starts the buffer as the first gradient; afterwards buf = m*buf + (1-d)*g.
+            def started(first=first):
+                return not first or counter["calls"] > 0
+
+            keep = hyper(f"{name}.momentum", lambda: momentum if started() else 0.0)
+            scale = hyper(f"{name}.grad_scale", lambda: (1.0 - dampening) if started() else 1.0)
+            buf_new = buf * keep + g * scale
+            tracer.graph.updates.append((f"{name}.momentum_buffer", buf_new._value))
+            g = g + buf_new * momentum if nesterov else buf_new
+        tracer.graph.updates.append((name, (param - lr * g)._value))
+
+
+def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, prefix, decoupled):
+    beta1, beta2 = group.get("betas", (0.9, 0.999))
+    eps, wd = group.get("eps", 1e-8), group.get("weight_decay", 0)
+    for p in params:
+        name = param_name[id(p)]
+        st = optimizer.state.setdefault(p, {})
+        param = tracer.lazy(state[name].value)
+        g = tracer.lazy(grads[name])
+        m = _slot(optimizer, p, "exp_avg", new_state, slots, f"{name}.exp_avg")
+        v = _slot(optimizer, p, "exp_avg_sq", new_state, slots, f"{name}.exp_avg_sq")
+
+        def step(st=st):
+            s = st.get("step", 0)
+            return int(s.item() if hasattr(s, "item") else s) + 1
+
+        step_size = hyper(f"{name}.step_size", lambda: group["lr"] / (1 - beta1 ** step()))
+        inv_sqrt_bc2 = hyper(f"{name}.inv_sqrt_bc2", lambda: 1.0 / math.sqrt(1 - beta2 ** step()))
+        if decoupled and wd:
+            decay = hyper(f"{name}.decay", lambda: 1.0 - group["lr"] * wd)
+            param = param * decay
+        elif wd:
+            g = g + param * wd
+        m_new = m * beta1 + g * (1 - beta1)
+        v_new = v * beta2 + g * g * (1 - beta2)
+        tracer.graph.updates.append((f"{name}.exp_avg", m_new._value))
+        tracer.graph.updates.append((f"{name}.exp_avg_sq", v_new._value))
+        denom = (v_new.sqrt() * inv_sqrt_bc2) + eps
+        updated = param - step_size * m_new / denom
+        tracer.graph.updates.append((name, updated._value))

@@ -1,0 +1,70 @@
+"""Clean-up passes: dead-code elimination, common-subexpression elimination, folding."""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen.ops.registry import get_op
+
+# Ops whose result must not be shared or precomputed (they draw random numbers per call).
+_IMPURE = {"dropout"}
+
+
+def dce(graph):
+    """Drop nodes whose outputs nobody needs."""
+    needed = set(graph.live_out())
+    kept = []
+    for node in reversed(graph.nodes):
+        if any(v in needed for v in node.outputs):
+            kept.append(node)
+            needed.update(node.inputs)
+    return graph.copy_with(nodes=list(reversed(kept)))
+
+
+def _attr_key(value):
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, (list, tuple)):
+        return tuple(_attr_key(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _attr_key(v)) for k, v in value.items()))
+    return (type(value).__name__, repr(value))
+
+
+def cse(graph):
+    """Merge nodes that compute the same op on the same inputs with the same attributes."""
+    replace: dict = {}
+    seen: dict = {}
+    nodes = []
+    for node in graph.nodes:
+        inputs = [replace.get(v, v) for v in node.inputs]
+        if inputs != node.inputs:
+            node = type(node)(node.op, inputs, node.outputs, node.attrs, node.scope, node.loc)
+        key = None
+        if node.op not in _IMPURE:
+            key = (node.op, tuple(id(v) for v in inputs), _attr_key(node.attrs))
+        if key is not None and key in seen:
+            for old, new in zip(node.outputs, seen[key].outputs):
+                replace[old] = new
+            continue
+        if key is not None:
+            seen[key] = node
+        nodes.append(node)
+    outputs = [replace.get(v, v) for v in graph.outputs]
+    updates = [(n, replace.get(v, v)) for n, v in graph.updates]
+    return graph.copy_with(nodes=nodes, outputs=outputs, updates=updates)
+
+
+def fold_constants(graph, max_elements: int = 1 << 16):
+    """Evaluate nodes whose inputs are all constants (small results only)."""
+    producers = graph.producers()
+    nodes = []
+    for node in graph.nodes:
+        if (node.op != "constant" and node.op not in _IMPURE and node.inputs
+                and all(producers.get(v) is not None and producers[v].op == "constant" for v in node.inputs)
+                and len(node.outputs) == 1 and node.output.numel <= max_elements):
+            value = get_op(node.op).ref(*(producers[v].attrs["value"] for v in node.inputs), **node.attrs)
+            value = np.asarray(value).astype(node.output.dtype.np_dtype).reshape(node.output.shape)
+            node = type(node)("constant", [], node.outputs, {"value": value}, node.scope, node.loc)
+            producers[node.output] = node
+        nodes.append(node)
+    return graph.copy_with(nodes=nodes)

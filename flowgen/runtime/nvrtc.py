@@ -1,0 +1,116 @@
+"""Compile generated CUDA C++ with NVRTC into a cubin (or PTX), with a disk cache."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+from cuda.bindings import nvrtc
+
+from flowgen.runtime.toolchain import (
+    CompileError,
+    atomic_write_bytes,
+    cache_dir,
+    cuda_include_dirs,
+    runtime_cpp_dir,
+    safe_tag,
+)
+
+PRELUDE = "flowgen_cuda_prelude.h"
+# NVRTC names the program in its log; using the stored file's name makes errors point at it.
+_SOURCE_NAME = "kernels.cu"
+
+
+def _check(result: tuple, what: str):
+    status, *values = result
+    if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        _, message = nvrtc.nvrtcGetErrorString(status)
+        raise RuntimeError(f"{what} failed: {message.decode()}")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC library in use."""
+    return _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+
+
+def _arch_number(arch: str) -> str:
+    match = re.fullmatch(r"(?:sm|compute)_(\d+[a-z]?)", arch)
+    if not match:
+        raise ValueError(f"expected an architecture like 'sm_90', got {arch!r}")
+    return match.group(1)
+
+
+def compile_cuda(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
+    """A cubin for `arch` (e.g. "sm_90"): machine code the driver loads as is."""
+    return _compile(source, f"sm_{_arch_number(arch)}", tag, "kernels.cubin")
+
+
+def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
+    """NUL-terminated PTX for the virtual architecture `compute_XY` matching `arch`; the
+    driver JIT-compiles it, which also works where it cannot load this NVRTC's cubins."""
+    return _compile(source, f"compute_{_arch_number(arch)}", tag, "kernels.ptx")
+
+
+def _options(target: str) -> list[str]:
+    # No --use_fast_math: kernels opt into fast intrinsics (__expf, ...) explicitly.
+    includes = [runtime_cpp_dir(), *cuda_include_dirs()]
+    return [f"--gpu-architecture={target}", "-std=c++17", "-DFLOWGEN_CUDA"] + [
+        f"-I{d}" for d in includes
+    ]
+
+
+def _build_key(text: str, options: list[str]) -> str:
+    digest = hashlib.sha256()
+    for part in (text, *options, repr(nvrtc_version())):
+        digest.update(part.encode() + b"\0")
+    digest.update((runtime_cpp_dir() / PRELUDE).read_bytes())
+    return digest.hexdigest()
+
+
+def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
+    text = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
+    options = _options(target)
+    build_dir = cache_dir() / "nvrtc" / f"{safe_tag(tag)}-{_build_key(text, options)[:20]}"
+    artifact = build_dir / artifact_name
+    if artifact.is_file():
+        return artifact.read_bytes()
+
+    source_path = build_dir / _SOURCE_NAME
+    atomic_write_bytes(source_path, text.encode())
+    program = _check(
+        nvrtc.nvrtcCreateProgram(text.encode(), _SOURCE_NAME.encode(), 0, [], []),
+        "nvrtcCreateProgram",
+    )
+    try:
+        encoded = [o.encode() for o in options]
+        (status,) = nvrtc.nvrtcCompileProgram(program, len(encoded), encoded)
+        log = _program_log(program)
+        atomic_write_bytes(build_dir / "compile.log", log.encode())
+        if status != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError("NVRTC", log, text, source_path)
+        image = _program_image(program, artifact_name.endswith(".ptx"))
+    finally:
+        nvrtc.nvrtcDestroyProgram(program)
+    atomic_write_bytes(artifact, image)
+    return image
+
+
+def _program_log(program) -> str:
+    size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
+    log = b" " * size
+    _check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
+    return log.rstrip(b"\0").decode(errors="replace")
+
+
+def _program_image(program, ptx: bool) -> bytes:
+    get_size, get = (
+        (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX)
+        if ptx
+        else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
+    )
+    size = _check(get_size(program), get_size.__name__)
+    image = b" " * size
+    _check(get(program, image), get.__name__)
+    return image

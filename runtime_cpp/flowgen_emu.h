@@ -1,0 +1,471 @@
+// flowgen_emu.h: compile generated CUDA C++ unchanged with g++ (-std=c++17 -fopenmp)
+// and run it on the CPU.
+//
+// Execution model
+//   * Blocks run in parallel: one OpenMP `parallel for` iteration per block.
+//   * The threads of a block run on the OS thread that owns the block, one after another.
+//     Kernels without barriers or warp intrinsics take a plain loop over the threads.
+//     Kernels that synchronise run each thread as a ucontext fiber; a barrier switches to
+//     the next fiber, so per-OS-thread storage is per-block storage (`__shared__`).
+//   * Atomics are real atomics, because blocks do run concurrently.
+//
+// Kernel authors write `extern "C" __global__ void k(...)` followed by
+// `FLOWGEN_EMU_KERNEL(k, needs_fibers)`, which here defines the C entry point
+// `flowgen_launch_k` and in flowgen_cuda_prelude.h expands to nothing.
+#pragma once
+
+#ifndef FLOWGEN_EMULATOR
+#define FLOWGEN_EMULATOR 1
+#endif
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// ---------------------------------------------------------------------------------------
+// CUDA qualifiers. `__restrict__` is already a g++ keyword.
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+// A block's threads all run on one OS thread and blocks on an OS thread run one at a
+// time, so a thread_local static is exactly one copy per running block.
+#define __shared__ static thread_local
+
+// ---------------------------------------------------------------------------------------
+// Thread geometry. thread_local because every OpenMP thread runs its own block; the
+// fiber scheduler rewrites threadIdx whenever it resumes a thread.
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+  unsigned x, y, z;
+  constexpr dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+inline thread_local uint3 threadIdx;
+inline thread_local uint3 blockIdx;
+inline thread_local dim3 blockDim;
+inline thread_local dim3 gridDim;
+constexpr int warpSize = 32;
+
+struct __align__(8) float2 { float x, y; };
+struct __align__(16) float4 { float x, y, z, w; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+// ---------------------------------------------------------------------------------------
+// 16-bit floats: storage is the raw bits, conversions round to nearest even like the GPU,
+// arithmetic goes through float (exact for + - * /: float has more than 2p+2 bits).
+namespace flowgen_emu {
+
+inline uint32_t float_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float bits_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+// Rounds away the low `shift` bits of `m` to nearest, ties to even.
+inline uint32_t round_shift(uint32_t m, int shift) {
+  uint32_t kept = m >> shift, rest = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+  return kept + (rest > half || (rest == half && (kept & 1)));
+}
+
+inline uint16_t float_to_half_bits(float f) {
+  uint32_t x = float_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;
+  if (ax > 0x7f800000) return sign | 0x7e00;   // NaN stays a (quiet) NaN
+  if (ax >= 0x477ff000) return sign | 0x7c00;  // at or past 65520 rounds to infinity
+  if (ax >= 0x38800000)                        // normal half: rebias the exponent 127 -> 15
+    return sign | round_shift(ax - (112u << 23), 13);
+  if (ax <= 0x33000000) return sign;           // at most 2^-25 rounds to zero
+  // Subnormal half: the result counts units of 2^-24.
+  int exponent = ax >> 23;
+  return sign | round_shift((ax & 0x7fffff) | 0x800000, 126 - exponent);
+}
+
+inline float half_bits_to_float(uint16_t h) {
+  uint32_t sign = uint32_t(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+  if (exponent == 0x1f) return bits_float(sign | 0x7f800000 | (mantissa << 13));
+  if (exponent == 0) {
+    float magnitude = std::ldexp(float(mantissa), -24);
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+
+inline uint16_t float_to_bf16_bits(float f) {
+  uint32_t x = float_bits(f);
+  if ((x & 0x7fffffff) > 0x7f800000) return uint16_t((x >> 16) | 0x40);
+  return uint16_t((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+}  // namespace flowgen_emu
+
+// Same shape as CUDA's types: converting constructor from float and `operator float`.
+struct __half {
+  uint16_t __x;
+  __half() = default;  // trivial, so `__shared__ __half buf[N]` needs no TLS constructor
+  __half(float f) : __x(flowgen_emu::float_to_half_bits(f)) {}
+  operator float() const { return flowgen_emu::half_bits_to_float(__x); }
+};
+struct __nv_bfloat16 {
+  uint16_t __x;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) : __x(flowgen_emu::float_to_bf16_bits(f)) {}
+  operator float() const { return flowgen_emu::bits_float(uint32_t(__x) << 16); }
+};
+
+#define FLOWGEN_EMU_16BIT_OPS(T)                                                   \
+  inline T operator+(T a, T b) { return T(float(a) + float(b)); }                 \
+  inline T operator-(T a, T b) { return T(float(a) - float(b)); }                 \
+  inline T operator*(T a, T b) { return T(float(a) * float(b)); }                 \
+  inline T operator/(T a, T b) { return T(float(a) / float(b)); }                 \
+  inline T operator-(T a) { return T(-float(a)); }                                 \
+  inline T& operator+=(T& a, T b) { return a = a + b; }                            \
+  inline T& operator-=(T& a, T b) { return a = a - b; }                            \
+  inline T& operator*=(T& a, T b) { return a = a * b; }                            \
+  inline T& operator/=(T& a, T b) { return a = a / b; }                            \
+  inline bool operator==(T a, T b) { return float(a) == float(b); }                \
+  inline bool operator!=(T a, T b) { return float(a) != float(b); }                \
+  inline bool operator<(T a, T b) { return float(a) < float(b); }                  \
+  inline bool operator<=(T a, T b) { return float(a) <= float(b); }                \
+  inline bool operator>(T a, T b) { return float(a) > float(b); }                  \
+  inline bool operator>=(T a, T b) { return float(a) >= float(b); }
+FLOWGEN_EMU_16BIT_OPS(__half)
+FLOWGEN_EMU_16BIT_OPS(__nv_bfloat16)
+#undef FLOWGEN_EMU_16BIT_OPS
+
+inline __half __float2half(float f) { return __half(f); }
+inline __half __float2half_rn(float f) { return __half(f); }
+inline float __half2float(__half h) { return float(h); }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
+
+// ---------------------------------------------------------------------------------------
+// Math. expf, logf, tanhf, erff, fmaf, ... come from <cmath>; these are CUDA-only names.
+// The fast-math variants are computed exactly: the emulator is a reference, not a model
+// of the GPU's approximation error.
+inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline float __expf(float x) { return expf(x); }
+inline float __logf(float x) { return logf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __saturatef(float x) { return fminf(fmaxf(x, 0.0f), 1.0f); }
+template <class T> inline T __ldg(const T* p) { return *p; }
+
+// CUDA's max/min are same-type overloads (mixed int/float calls are ambiguous on the GPU too).
+#define FLOWGEN_EMU_MINMAX(T)                                  \
+  inline T max(T a, T b) { return a > b ? a : b; }             \
+  inline T min(T a, T b) { return a < b ? a : b; }
+FLOWGEN_EMU_MINMAX(int)
+FLOWGEN_EMU_MINMAX(unsigned)
+FLOWGEN_EMU_MINMAX(long)
+FLOWGEN_EMU_MINMAX(unsigned long)
+FLOWGEN_EMU_MINMAX(long long)
+FLOWGEN_EMU_MINMAX(unsigned long long)
+#undef FLOWGEN_EMU_MINMAX
+inline float max(float a, float b) { return fmaxf(a, b); }
+inline float min(float a, float b) { return fminf(a, b); }
+inline double max(double a, double b) { return fmax(a, b); }
+inline double min(double a, double b) { return fmin(a, b); }
+
+inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { return flowgen_emu::float_bits(f); }
+inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(unsigned u) { return flowgen_emu::bits_float(u); }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(unsigned(x)); }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+
+// ---------------------------------------------------------------------------------------
+// Atomics: relaxed, like CUDA's. Floating point and min/max use a compare-exchange loop.
+namespace flowgen_emu {
+template <class T, class F> inline T atomic_update(T* p, F f) {
+  T old, desired;
+  __atomic_load(p, &old, __ATOMIC_RELAXED);
+  do {
+    desired = f(old);
+  } while (!__atomic_compare_exchange(p, &old, &desired, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+  return old;
+}
+}  // namespace flowgen_emu
+
+#define FLOWGEN_EMU_INT_ATOMICS(T)                                                            \
+  inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }        \
+  inline T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }      \
+  inline T atomicMax(T* p, T v) {                                                             \
+    return flowgen_emu::atomic_update(p, [v](T old) { return old > v ? old : v; });           \
+  }                                                                                           \
+  inline T atomicMin(T* p, T v) {                                                             \
+    return flowgen_emu::atomic_update(p, [v](T old) { return old < v ? old : v; });           \
+  }                                                                                           \
+  inline T atomicCAS(T* p, T compare, T v) {                                                  \
+    __atomic_compare_exchange_n(p, &compare, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);   \
+    return compare; /* the value found, whether or not it was swapped */                      \
+  }
+FLOWGEN_EMU_INT_ATOMICS(int)
+FLOWGEN_EMU_INT_ATOMICS(unsigned)
+FLOWGEN_EMU_INT_ATOMICS(unsigned long long)
+#undef FLOWGEN_EMU_INT_ATOMICS
+inline int atomicSub(int* p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicSub(unsigned* p, unsigned v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+inline float atomicAdd(float* p, float v) {
+  return flowgen_emu::atomic_update(p, [v](float old) { return old + v; });
+}
+inline double atomicAdd(double* p, double v) {
+  return flowgen_emu::atomic_update(p, [v](double old) { return old + v; });
+}
+inline float atomicExch(float* p, float v) {
+  float old;
+  __atomic_exchange(p, &v, &old, __ATOMIC_RELAXED);
+  return old;
+}
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+// ---------------------------------------------------------------------------------------
+// Block execution state, one per OS thread.
+namespace flowgen_emu {
+
+#ifndef FLOWGEN_EMU_FIBER_STACK
+#define FLOWGEN_EMU_FIBER_STACK (256 * 1024)  // allocated lazily by the OS: untouched pages cost nothing
+#endif
+
+struct Fiber {
+  ucontext_t context;
+  std::unique_ptr<char[]> stack;
+};
+
+struct Block {
+  bool fibers = false;  // false: threads run in a plain loop and must not synchronise
+  int nthreads = 0;
+  int current = 0;      // linear id of the thread that is running
+  void (*body)(void*) = nullptr;  // runs the kernel for the current thread
+  void* body_arg = nullptr;
+  ucontext_t scheduler;                       // resumed once every thread has finished
+  std::vector<std::unique_ptr<Fiber>> pool;   // kept across blocks and launches
+  std::vector<unsigned char> done;
+  std::vector<uint64_t> exchange;             // one slot per thread for shuffles and votes
+  struct alignas(16) Chunk { unsigned char bytes[16]; };
+  std::vector<Chunk> dynamic_shared;          // sized per launch
+};
+inline thread_local Block tl_block;
+
+inline void become_thread(int t) {
+  tl_block.current = t;
+  unsigned bx = blockDim.x, by = blockDim.y;
+  threadIdx = {t % bx, (t / bx) % by, t / (bx * by)};
+}
+
+// Passes control from thread `me` to the next unfinished thread of [first, first + count),
+// cyclically. Round-robin order means every other participant runs up to its own next
+// synchronisation point before `me` resumes, which is barrier semantics as long as all
+// participants reach the same barriers (as CUDA requires). Exited threads are skipped.
+inline void yield_to_next(int me, int first, int count) {
+  Block& b = tl_block;
+  for (int k = 1; k <= count; ++k) {
+    int t = first + (me - first + k) % count;
+    if (b.done[t]) continue;
+    if (t != me) {
+      swapcontext(&b.pool[me]->context, &b.pool[t]->context);
+      become_thread(me);
+    }
+    return;
+  }
+  setcontext(&b.scheduler);  // every thread of the block has finished
+}
+
+inline void fiber_main(int t) {
+  become_thread(t);
+  tl_block.body(tl_block.body_arg);
+  tl_block.done[t] = 1;
+  yield_to_next(t, 0, tl_block.nthreads);
+}
+
+inline void run_block_with_fibers(Block& b) {
+  const int n = b.nthreads;
+  while (int(b.pool.size()) < n) {
+    auto fiber = std::make_unique<Fiber>();
+    fiber->stack.reset(new char[FLOWGEN_EMU_FIBER_STACK]);
+    getcontext(&fiber->context);  // once per fiber: makecontext below reuses it
+    b.pool.push_back(std::move(fiber));
+  }
+  b.done.assign(n, 0);
+  b.exchange.resize(n);
+  for (int t = 0; t < n; ++t) {
+    ucontext_t& c = b.pool[t]->context;
+    c.uc_stack.ss_sp = b.pool[t]->stack.get();
+    c.uc_stack.ss_size = FLOWGEN_EMU_FIBER_STACK;
+    c.uc_link = &b.scheduler;
+    makecontext(&c, reinterpret_cast<void (*)()>(fiber_main), 1, t);
+  }
+  swapcontext(&b.scheduler, &b.pool[0]->context);
+}
+
+inline Block& synchronising_block(const char* what) {
+  Block& b = tl_block;
+  if (!b.fibers) {
+    std::fprintf(stderr, "flowgen emulator: %s called by a kernel registered with "
+                         "FLOWGEN_EMU_KERNEL(name, false); register it with true\n", what);
+    std::abort();
+  }
+  return b;
+}
+
+inline int warp_first(const Block& b) { return b.current & ~(warpSize - 1); }
+inline int warp_count(const Block& b) { return std::min(warpSize, b.nthreads - warp_first(b)); }
+inline void warp_barrier(Block& b) { yield_to_next(b.current, warp_first(b), warp_count(b)); }
+
+// Every lane publishes `v`, then reads the value of lane `src` of its warp; a lane whose
+// `src` is negative or names no thread gets its own value back.
+template <class T> inline T warp_exchange(T v, int src) {
+  static_assert(sizeof(T) <= sizeof(uint64_t) && std::is_trivially_copyable<T>::value,
+                "warp shuffles move values of at most 8 bytes");
+  Block& b = synchronising_block("a warp shuffle");
+  const int me = b.current, first = warp_first(b);
+  std::memcpy(&b.exchange[me], &v, sizeof(T));
+  warp_barrier(b);
+  T result = v;
+  if (src >= 0 && src < warpSize && first + src < b.nthreads)
+    std::memcpy(&result, &b.exchange[first + src], sizeof(T));
+  warp_barrier(b);  // no lane may overwrite its slot before every lane has read
+  return result;
+}
+
+// Bit l is set when lane l's predicate is true.
+inline unsigned warp_vote(int predicate) {
+  Block& b = synchronising_block("a warp vote");
+  const int first = warp_first(b), count = warp_count(b);
+  b.exchange[b.current] = predicate != 0;
+  warp_barrier(b);
+  unsigned bits = 0;
+  for (int lane = 0; lane < count; ++lane) bits |= unsigned(b.exchange[first + lane] != 0) << lane;
+  warp_barrier(b);
+  return bits;
+}
+
+inline unsigned warp_lanes() {
+  int count = warp_count(tl_block);
+  return count == warpSize ? ~0u : (1u << count) - 1;
+}
+
+inline int lane_id() { return tl_block.current & (warpSize - 1); }
+
+}  // namespace flowgen_emu
+
+inline void __syncthreads() {
+  flowgen_emu::Block& b = flowgen_emu::synchronising_block("__syncthreads");
+  flowgen_emu::yield_to_next(b.current, 0, b.nthreads);
+}
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"));
+}
+
+// Lane masks are not checked: the emulator assumes, like the kernels, a converged warp.
+template <class T> inline T __shfl_sync(unsigned, T v, int src_lane, int width = warpSize) {
+  int lane = flowgen_emu::lane_id();
+  return flowgen_emu::warp_exchange(v, (lane & ~(width - 1)) + (src_lane & (width - 1)));
+}
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned delta, int width = warpSize) {
+  int lane = flowgen_emu::lane_id();
+  bool inside = (lane & (width - 1)) >= int(delta);
+  return flowgen_emu::warp_exchange(v, inside ? lane - int(delta) : -1);
+}
+template <class T> inline T __shfl_down_sync(unsigned, T v, unsigned delta, int width = warpSize) {
+  int lane = flowgen_emu::lane_id();
+  bool inside = (lane & (width - 1)) + int(delta) < width;
+  return flowgen_emu::warp_exchange(v, inside ? lane + int(delta) : -1);
+}
+// Like the GPU, a lane may read from an earlier width-group but not from a later one.
+template <class T> inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = warpSize) {
+  int lane = flowgen_emu::lane_id(), src = lane ^ lane_mask;
+  bool inside = src < (lane & ~(width - 1)) + width;
+  return flowgen_emu::warp_exchange(v, inside ? src : -1);
+}
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  return flowgen_emu::warp_vote(predicate) & mask;
+}
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
+inline int __all_sync(unsigned mask, int predicate) {
+  unsigned voters = mask & flowgen_emu::warp_lanes();
+  return (__ballot_sync(mask, predicate) & voters) == voters;
+}
+
+// ---------------------------------------------------------------------------------------
+// Dynamic shared memory: one 16-byte-aligned buffer per OS thread, sized at launch.
+#define FLOWGEN_DYN_SHARED(T, name) \
+  T* name = reinterpret_cast<T*>(::flowgen_emu::tl_block.dynamic_shared.data())
+
+// ---------------------------------------------------------------------------------------
+// Launching.
+namespace flowgen_emu {
+
+inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes,
+                     bool fibers, void (*body)(void*), void* body_arg) {
+  const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
+  const int nthreads = int(block[0] * block[1] * block[2]);
+  if (nblocks == 0 || nthreads == 0) return;
+#pragma omp parallel
+  {
+    gridDim = dim3(grid[0], grid[1], grid[2]);
+    blockDim = dim3(block[0], block[1], block[2]);
+    Block& b = tl_block;
+    b.fibers = fibers;
+    b.nthreads = nthreads;
+    b.body = body;
+    b.body_arg = body_arg;
+    b.dynamic_shared.resize((dynamic_shared_bytes + sizeof(Block::Chunk) - 1) / sizeof(Block::Chunk));
+#pragma omp for schedule(dynamic)
+    for (long long i = 0; i < nblocks; ++i) {
+      blockIdx = {unsigned(i % grid[0]), unsigned(i / grid[0] % grid[1]),
+                  unsigned(i / ((long long)grid[0] * grid[1]))};
+      if (fibers) {
+        run_block_with_fibers(b);
+      } else {
+        for (unsigned z = 0; z < block[2]; ++z)
+          for (unsigned y = 0; y < block[1]; ++y)
+            for (unsigned x = 0; x < block[0]; ++x) {
+              threadIdx = {x, y, z};
+              body(body_arg);
+            }
+      }
+    }
+    b.fibers = false;
+  }
+}
+
+// `args` holds one pointer per kernel parameter, like cuLaunchKernel's kernelParams; the
+// kernel's own signature says what each pointer points to.
+template <class... Params, std::size_t... I>
+std::tuple<std::decay_t<Params>...> unpack_args(void** args, std::index_sequence<I...>) {
+  (void)args;  // unused for kernels without parameters
+  return std::tuple<std::decay_t<Params>...>(*static_cast<std::decay_t<Params>*>(args[I])...);
+}
+
+template <class... Params>
+void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* block,
+            size_t dynamic_shared_bytes, void** args, bool fibers) {
+  auto values = unpack_args<Params...>(args, std::index_sequence_for<Params...>{});
+  auto call = [&] { std::apply(kernel, values); };
+  run_grid(grid, block, dynamic_shared_bytes, fibers,
+           [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call);
+}
+
+}  // namespace flowgen_emu
+
+// needs_fibers: true when the kernel uses __syncthreads, __syncwarp, shuffles or votes.
+#define FLOWGEN_EMU_KERNEL(kname, needs_fibers)                                              \
+  extern "C" __attribute__((visibility("default"))) void flowgen_launch_##kname(             \
+      const unsigned* grid3, const unsigned* block3, size_t dyn_smem_bytes, void** args) {    \
+    ::flowgen_emu::launch(&kname, grid3, block3, dyn_smem_bytes, args, needs_fibers);         \
+  }
