@@ -71,7 +71,7 @@ class GradScaler:
                 if not np.isfinite(grad).all():
                     found_inf = True
                 # Replace, don't write in place: eager gradients may share one buffer.
-                p.grad._data = np.ascontiguousarray((grad * inv_scale).astype(grad.dtype, copy=False))
+                p.grad._data = np.array(grad * inv_scale, dtype=grad.dtype, order="C")
                 p.grad._version += 1
         state["found_inf"] = found_inf
         state["stage"] = _UNSCALED

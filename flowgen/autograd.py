@@ -12,6 +12,10 @@ import numpy as np
 
 _state = threading.local()
 
+from flowgen.ops.registry import GradContext  # noqa: E402
+from flowgen.device import CPU  # noqa: E402
+from flowgen.tensor import Tensor, c_array  # noqa: E402
+
 
 def is_grad_enabled() -> bool:
     return getattr(_state, "enabled", True)
@@ -54,31 +58,38 @@ class GradNode:
         self.name = f"{op.name}_backward"
 
 
-def wrap_outputs(op, inputs, attrs, result):
-    """Turn the NumPy result(s) of `op` into tensors and record them on the tape."""
-    from flowgen.ops.registry import GradContext
-    from flowgen.tensor import Tensor
+def wrap_outputs(op, inputs, attrs, result, metas=None):
+    """Turn the NumPy result(s) of `op` into tensors and record them on the tape.
 
-    metas = op.infer(*(t.meta for t in inputs), **attrs)
-    multi = isinstance(metas, tuple) and metas and not isinstance(metas[0], int)
-    metas = metas if multi else (metas,)
-    results = result if multi else (result,)
-    device = inputs[0].device if inputs else None
+    `metas` is what ``op.infer`` returned for these inputs (computed again when omitted).
+    """
+    if metas is None:
+        metas = op.infer(*(t.meta for t in inputs), **attrs)
+    multi = type(metas) is tuple
+    if not multi:
+        metas, results = (metas,), (result,)
+    else:
+        results = result
+    device = inputs[0].device if inputs else CPU
     outs = []
     for meta, arr in zip(metas, results):
-        arr = np.asarray(arr)
-        if arr.dtype != meta.dtype.np_dtype:
-            arr = arr.astype(meta.dtype.np_dtype)
-        t = Tensor.__new__(Tensor)
-        Tensor.__init__(t, None, device=device)
-        t._data, t._dtype = np.ascontiguousarray(arr), meta.dtype
-        outs.append(t)
-    if op.grad is not None and is_grad_enabled() and any(t.requires_grad for t in inputs):
-        node = GradNode(op, GradContext(tuple(inputs), tuple(outs), attrs), tuple(inputs))
-        for t in outs:
-            if t.dtype.is_floating:
-                t.requires_grad = True
-                t.grad_fn = node
+        if type(arr) is not np.ndarray:
+            arr = np.asarray(arr)
+        np_dtype = meta.dtype.np_dtype
+        if arr.dtype != np_dtype:
+            arr = arr.astype(np_dtype)
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        outs.append(Tensor._wrap(arr, meta.dtype, device))
+    if op.grad is not None and getattr(_state, "enabled", True):
+        for t in inputs:
+            if t.requires_grad:
+                node = GradNode(op, GradContext(tuple(inputs), tuple(outs), attrs), tuple(inputs))
+                for o in outs:
+                    if o._dtype.is_floating:
+                        o.requires_grad = True
+                        o.grad_fn = node
+                break
     return tuple(outs) if multi else outs[0]
 
 
@@ -102,8 +113,6 @@ def _topological_order(root):
 
 
 def backward(root, gradient=None):
-    from flowgen.tensor import Tensor
-
     if not root.requires_grad:
         raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn")
     if gradient is None:
@@ -123,7 +132,10 @@ def backward(root, gradient=None):
             if g is None:
                 continue
             if t.grad_fn is None or t._retains_grad:
-                t.grad = g.detach() if t.grad is None else Tensor(t.grad.numpy() + g.numpy(), device=t.device)
+                # A fresh buffer: g may be shared with another tensor's gradient (add passes g through).
+                total = g.numpy_view() if t.grad is None else t.grad.numpy_view() + g.numpy_view()
+                t.grad = Tensor(c_array(total, t.dtype.np_dtype).copy() if t.grad is None else total,
+                                dtype=t.dtype, device=t.device)
             node = t.grad_fn
             if node is None:
                 continue

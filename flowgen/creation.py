@@ -18,7 +18,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import random as _random
 from flowgen.random import initial_seed, manual_seed  # noqa: F401  (re-exported as flow.*)
-from flowgen.tensor import Tensor
+from flowgen.tensor import Tensor, c_array
 
 __all__ = [
     "tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
@@ -45,7 +45,7 @@ def _make(arr, dtype, device, requires_grad) -> Tensor:
     Tensor.__init__(t, None, device=device, requires_grad=False)
     if target is None:
         target = dt.from_numpy(arr.dtype)
-    t._data = np.ascontiguousarray(arr, dtype=target.np_dtype)
+    t._data = c_array(arr, target.np_dtype)
     t._dtype = target
     if requires_grad:
         if not target.is_floating:

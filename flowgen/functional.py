@@ -216,7 +216,7 @@ def clamp(x, min=None, max=None):  # noqa: A002
     if _is_tensor(min) or _is_tensor(max):
         out = x if min is None else maximum(x, min)
         return out if max is None else minimum(out, max)
-    if not x.dtype.is_floating and any(isinstance(v, float) and v != int(v) for v in (min, max) if v is not None):
+    if not x.dtype.is_floating and _bany(isinstance(v, float) and v != int(v) for v in (min, max) if v is not None):
         x = apply("cast", x, dtype=dt.float32)
     return apply("clamp", x, min=_bound(min, x, "min"), max=_bound(max, x, "max"))
 
@@ -688,15 +688,16 @@ def getitem(x, key):
         elif not (k is None or k is Ellipsis or isinstance(k, slice)):
             raise IndexError(f"unsupported index {k!r} of type {type(k).__name__}")
         items.append(k)
-    if _bsum(1 for k in items if k is Ellipsis) > 1:
+    ellipses = [i for i, k in enumerate(items) if k is Ellipsis]
+    if len(ellipses) > 1:
         raise IndexError("an index can only have a single ellipsis ('...')")
     consumed = _bsum((k.ndim if k.dtype == dt.bool_ else 1) if _is_tensor(k) else (0 if k is None or k is Ellipsis
                                                                                     else 1) for k in items)
     ndim = x.ndim
     if consumed > ndim:
         raise IndexError(f"too many indices for tensor of dimension {ndim} (shape {tuple(x.shape)}, index {key!r})")
-    if Ellipsis in items:
-        i = items.index(Ellipsis)
+    if ellipses:
+        i = ellipses[0]
         items[i:i + 1] = [slice(None)] * (ndim - consumed)
     else:
         items += [slice(None)] * (ndim - consumed)

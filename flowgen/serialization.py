@@ -60,7 +60,7 @@ class _Encoder:
 
     def _store(self, array: np.ndarray, where: list) -> str:
         key = self._key(where)
-        self.arrays[key] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        self.arrays[key] = array if array.flags.c_contiguous else np.array(array, order="C")
         return key
 
     def encode(self, obj, where: list):

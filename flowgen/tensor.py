@@ -13,6 +13,14 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.device import CPU, as_device
 
+_OPERANDS = (int, float, bool, np.ndarray, np.generic, list, tuple)  # + Tensor, added below
+
+
+def c_array(arr, np_dtype=None) -> np.ndarray:
+    """`arr` as a C-contiguous array of `np_dtype`, keeping 0-d arrays 0-d (unlike np.ascontiguousarray)."""
+    arr = np.asarray(arr, dtype=np_dtype)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
 
 class Tensor:
     __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
@@ -33,6 +41,23 @@ class Tensor:
         elif data is not None:
             self._set_data(data, dtype)
 
+    @classmethod
+    def _wrap(cls, arr: np.ndarray, dtype, device) -> "Tensor":
+        """Fast constructor for op results: `arr` (C-contiguous, of `dtype`) is used as is.
+        Sets exactly the attributes __init__ sets; keep the two in step."""
+        t = object.__new__(cls)
+        t._value = None
+        t._data = arr
+        t._dtype = dtype
+        t.device = device
+        t.requires_grad = False
+        t.grad = None
+        t.grad_fn = None
+        t._retains_grad = False
+        t._version = 0
+        t._sync_from_device = None
+        return t
+
     def _set_data(self, data, dtype=None):
         if isinstance(data, Tensor):
             data = data.numpy()
@@ -43,7 +68,7 @@ class Tensor:
             target = dt.from_numpy(arr.dtype)
             target = dt.float32 if target == dt.float64 else target
         self._dtype = target
-        self._data = np.ascontiguousarray(arr, dtype=target.np_dtype)
+        self._data = c_array(arr, target.np_dtype)
 
     # ------------------------------------------------------------------ basics
     @property
@@ -153,8 +178,9 @@ class Tensor:
         if self.is_lazy:
             return f"tensor(..., {', '.join(extras + [f'is_lazy={chr(39)}True{chr(39)}'])}, size={tuple(self.shape)}, dtype={self._dtype!r})"
         arr = self.numpy_view()
-        body = np.array2string(arr.astype(np.float32) if arr.dtype.kind == "V" or self._dtype in (dt.bfloat16,) else arr,
-                               separator=", ", prefix="tensor(", precision=4,
+        if self._dtype is dt.bfloat16:
+            arr = arr.astype(np.float32)
+        body = np.array2string(arr, separator=", ", prefix="tensor(", precision=4,
                                floatmode="fixed" if arr.dtype.kind == "f" else "maxprec")
         extras.append(f"dtype={self._dtype!r}")
         if self.grad_fn is not None:
@@ -284,6 +310,18 @@ class Tensor:
     def clamp_(self, min=None, max=None):
         return self._assign(F.clamp(self, min, max))
 
+    def _inplace(self, new: "Tensor") -> "Tensor":
+        # `x += y`: in place (same buffer) unless autograd is recording it, where the result is
+        # a new tensor (as if `x = x + y`) so the gradient stays correct.
+        if new.requires_grad and not self.is_lazy:
+            return new
+        return self._assign(new)
+
+    def __iadd__(self, o): return self._inplace(F.add(self, o))
+    def __isub__(self, o): return self._inplace(F.sub(self, o))
+    def __imul__(self, o): return self._inplace(F.mul(self, o))
+    def __itruediv__(self, o): return self._inplace(F.div(self, o))
+
     def __setitem__(self, key, value):
         if self.is_lazy:
             raise RuntimeError("item assignment on a lazy tensor inside nn.Graph.build() is not supported; "
@@ -308,8 +346,8 @@ class Tensor:
     def __rmatmul__(self, o): return F.matmul(o, self)
     def __neg__(self): return F.neg(self)
     def __abs__(self): return F.abs(self)
-    def __eq__(self, o): return F.eq(self, o)
-    def __ne__(self, o): return F.ne(self, o)
+    def __eq__(self, o): return F.eq(self, o) if isinstance(o, _OPERANDS) else NotImplemented
+    def __ne__(self, o): return F.ne(self, o) if isinstance(o, _OPERANDS) else NotImplemented
     def __lt__(self, o): return F.lt(self, o)
     def __le__(self, o): return F.le(self, o)
     def __gt__(self, o): return F.gt(self, o)
@@ -330,6 +368,10 @@ class Tensor:
     def view(self, *shape):
         return F.reshape(self, *shape)
 
+    def where(self, condition, other):
+        """``x.where(cond, y)`` == ``flow.where(cond, x, y)``."""
+        return F.where(condition, self, other)
+
     def size_bytes(self) -> int:
         return self.numel() * self._dtype.itemsize
 
@@ -337,6 +379,8 @@ class Tensor:
     def T(self):
         return F.permute(self, *reversed(range(self.ndim)))
 
+
+_OPERANDS = _OPERANDS + (Tensor,)
 
 # Functional ops that are also Tensor methods (t.sum(1) == flow.sum(t, 1)).
 TENSOR_METHODS = frozenset("""
@@ -374,10 +418,7 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
                 target = dt.float32
         elif not isinstance(value, bool) and target is dt.bool_:
             target = dt.int64
-        t = Tensor.__new__(Tensor)
-        Tensor.__init__(t, None, device=like.device)
-        t._data, t._dtype = np.array(value, dtype=target.np_dtype), target
-        return t
+        return Tensor._wrap(np.array(value, dtype=target.np_dtype), target, like.device)
     arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)

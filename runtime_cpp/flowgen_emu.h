@@ -5,7 +5,7 @@
 //   * Blocks run in parallel: one OpenMP `parallel for` iteration per block.
 //   * The threads of a block run on the OS thread that owns the block, one after another.
 //     Kernels without barriers or warp intrinsics take a plain loop over the threads.
-//     Kernels that synchronise run each thread as a ucontext fiber; a barrier switches to
+//     Kernels that synchronise run each thread as a fiber; a barrier switches to
 //     the next fiber, so per-OS-thread storage is per-block storage (`__shared__`).
 //   * Atomics are real atomics, because blocks do run concurrently.
 //
@@ -18,7 +18,7 @@
 #define FLOWGEN_EMULATOR 1
 #endif
 
-#include <ucontext.h>
+#include <ucontext.h>  // fibers on targets other than x86-64
 
 #include <algorithm>
 #include <cmath>
@@ -241,8 +241,74 @@ namespace flowgen_emu {
 #define FLOWGEN_EMU_FIBER_STACK (256 * 1024)  // allocated lazily by the OS: untouched pages cost nothing
 #endif
 
+// A fiber switch must be cheap: a barrier in a 256-thread block is 256 switches.
+// ucontext's swapcontext makes a sigprocmask system call per switch, so on x86-64 we
+// switch stacks ourselves: push the callee-saved registers (and the FP control words),
+// swap stack pointers, pop. Other targets use ucontext.
+#if defined(__x86_64__)
+extern "C" void flowgen_emu_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .weak flowgen_emu_switch
+  .hidden flowgen_emu_switch
+  .type flowgen_emu_switch, @function
+flowgen_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size flowgen_emu_switch, .-flowgen_emu_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+};
+inline void switch_context(Context& from, Context& to) { flowgen_emu_switch(&from.sp, to.sp); }
+
+// Lays out a stack so that the first switch to it "returns" into entry().
+inline void start_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  uintptr_t top = (reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15);
+  void** ret_slot = reinterpret_cast<void**>(top - 16);  // 16-aligned: entry sees a call frame
+  ret_slot[1] = nullptr;                                  // entry() never returns
+  ret_slot[0] = reinterpret_cast<void*>(entry);
+  uint64_t* frame = reinterpret_cast<uint64_t*>(ret_slot) - 7;  // 6 registers + control words
+  std::memset(frame, 0, 6 * sizeof(uint64_t) + 8);
+  frame[0] = 0x1F80ull | (0x037Full << 32);  // default MXCSR, x87 control word
+  c.sp = frame;
+}
+#else
+struct Context {
+  ucontext_t uc;
+};
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+inline void start_context(Context& c, char* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+#endif
+
 struct Fiber {
-  ucontext_t context;
+  Context context;
   std::unique_ptr<char[]> stack;
 };
 
@@ -252,7 +318,7 @@ struct Block {
   int current = 0;      // linear id of the thread that is running
   void (*body)(void*) = nullptr;  // runs the kernel for the current thread
   void* body_arg = nullptr;
-  ucontext_t scheduler;                       // resumed once every thread has finished
+  Context scheduler;                          // resumed once every thread has finished
   std::vector<std::unique_ptr<Fiber>> pool;   // kept across blocks and launches
   std::vector<unsigned char> done;
   std::vector<uint64_t> exchange;             // one slot per thread for shuffles and votes
@@ -277,15 +343,17 @@ inline void yield_to_next(int me, int first, int count) {
     int t = first + (me - first + k) % count;
     if (b.done[t]) continue;
     if (t != me) {
-      swapcontext(&b.pool[me]->context, &b.pool[t]->context);
+      b.current = t;  // a fiber starting for the first time reads its id from here
+      switch_context(b.pool[me]->context, b.pool[t]->context);
       become_thread(me);
     }
     return;
   }
-  setcontext(&b.scheduler);  // every thread of the block has finished
+  switch_context(b.pool[me]->context, b.scheduler);  // every thread of the block has finished
 }
 
-inline void fiber_main(int t) {
+inline void fiber_main() {
+  const int t = tl_block.current;
   become_thread(t);
   tl_block.body(tl_block.body_arg);
   tl_block.done[t] = 1;
@@ -297,19 +365,14 @@ inline void run_block_with_fibers(Block& b) {
   while (int(b.pool.size()) < n) {
     auto fiber = std::make_unique<Fiber>();
     fiber->stack.reset(new char[FLOWGEN_EMU_FIBER_STACK]);
-    getcontext(&fiber->context);  // once per fiber: makecontext below reuses it
     b.pool.push_back(std::move(fiber));
   }
   b.done.assign(n, 0);
   b.exchange.resize(n);
-  for (int t = 0; t < n; ++t) {
-    ucontext_t& c = b.pool[t]->context;
-    c.uc_stack.ss_sp = b.pool[t]->stack.get();
-    c.uc_stack.ss_size = FLOWGEN_EMU_FIBER_STACK;
-    c.uc_link = &b.scheduler;
-    makecontext(&c, reinterpret_cast<void (*)()>(fiber_main), 1, t);
-  }
-  swapcontext(&b.scheduler, &b.pool[0]->context);
+  for (int t = 0; t < n; ++t)
+    start_context(b.pool[t]->context, b.pool[t]->stack.get(), FLOWGEN_EMU_FIBER_STACK, fiber_main);
+  b.current = 0;
+  switch_context(b.scheduler, b.pool[0]->context);
 }
 
 inline Block& synchronising_block(const char* what) {

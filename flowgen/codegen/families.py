@@ -105,15 +105,17 @@ def _cast(expr: str, src, dst) -> str:
     """A value of dtype `src` converted to dtype `dst` (copies between dtypes)."""
     if src == dst:
         return expr
-    return _store(_convert(expr, src, "float" if dst.is_floating and dst != dt.float64 else dst.ctype), dst)
+    mid = "float" if dst in (dt.float16, dt.bfloat16, dt.float32) else dst.ctype
+    value = _convert(expr, src, mid)
+    return value if dst.ctype == mid else _store(value, dst)
 
 
 def _loader(dtype, acc: str):
     return lambda expr: _convert(expr, dtype, acc)
 
 
-def _storer(dtype):
-    return lambda expr: _store(expr, dtype)
+def _storer(dtype, acc: str):
+    return lambda expr: expr if dtype.ctype == acc else _store(expr, dtype)
 
 
 def _args(node) -> list:
@@ -156,28 +158,33 @@ def _grid_1d(n: int, block: int = BLOCK) -> tuple:
     return (max(1, min(-(-n // block), MAX_BLOCKS)), 1, 1)
 
 
-def _unravel(shape, index: str, prefix: str) -> list:
-    """`const long long c0 = i / 12;` ... per dim of `shape` (size-1 dims give 0)."""
-    lines = []
+def _coords(shape, index: str, prefix: str) -> tuple:
+    """(lines, coords): `const long long c0 = i / 12;` ... per dim of `shape`; size-1 dims get no
+    line and the coordinate "0"."""
+    lines, coords = [], []
     st = _strides(shape)
+    first = next((d for d, s in enumerate(shape) if s != 1), None)
     for d, size in enumerate(shape):
         if size == 1:
-            lines.append(f"const long long {prefix}{d} = 0;")
+            coords.append("0")
             continue
         expr = index if st[d] == 1 else f"{index} / {st[d]}"
-        if d > 0:
-            expr = f"({expr}) % {size}"
+        if d != first:
+            expr = f"({expr}) % {size}" if " " in expr else f"{expr} % {size}"
         lines.append(f"const long long {prefix}{d} = {expr};")
-    return lines
+        coords.append(f"{prefix}{d}")
+    return lines, coords
 
 
 def _offset(coords, strides) -> str:
-    terms = [c if s == 1 else f"{c} * {s}" for c, s in zip(coords, strides) if s != 0]
+    """sum(coord * stride), dropping zero coordinates and strides."""
+    terms = [c if s == 1 else f"{c} * {s}" for c, s in zip(coords, strides) if s != 0 and c != "0"]
     return " + ".join(terms) if terms else "0"
 
 
 def _zero_literal(dtype) -> str:
-    return _store("0", dtype) if dtype.is_floating else "0"
+    return {dt.float32: "0.0f", dt.float64: "0.0", dt.float16: "__float2half(0.0f)",
+            dt.bfloat16: "__float2bfloat16(0.0f)", dt.bool_: "false"}.get(dtype, "0")
 
 
 def _zero_kernel(node, kernel_name: str, out, what: str) -> Kernel:
@@ -233,20 +240,14 @@ def _batch_offset_lines(out_batch, a_batch, b_batch, a_mat: int, b_mat: int) -> 
     """Offsets of batch entry `z` into a and b (right-aligned broadcasting, stride 0 where size 1)."""
     if _numel(out_batch) == 1:
         return []
-    lines = _unravel(out_batch, "z", "z")
-    coords = [f"z{d}" for d in range(len(out_batch))]
+    lines, coords = _coords(out_batch, "z", "z")
 
     def strides_for(shape, mat):
         shape = (1,) * (len(out_batch) - len(shape)) + tuple(shape)
-        st = [s * mat for s in _strides(shape)]
-        return [0 if size == 1 else s for size, s in zip(shape, st)]
+        return [0 if size == 1 else s * mat for size, s in zip(shape, _strides(shape))]
 
-    lines = [ln for ln, size in zip(lines, out_batch) if size != 1]
-    coords_used = [c for c, size in zip(coords, out_batch) if size != 1]
-    sa = [s for s, size in zip(strides_for(a_batch, a_mat), out_batch) if size != 1]
-    sb = [s for s, size in zip(strides_for(b_batch, b_mat), out_batch) if size != 1]
-    lines.append(f"const long long a_base = {_offset(coords_used, sa)};")
-    lines.append(f"const long long b_base = {_offset(coords_used, sb)};")
+    lines.append(f"const long long a_base = {_offset(coords, strides_for(a_batch, a_mat))};")
+    lines.append(f"const long long b_base = {_offset(coords, strides_for(b_batch, b_mat))};")
     return lines
 
 
@@ -274,13 +275,562 @@ def _gemm(node, kernel_name: str) -> list:
         batch_text=batch_text(out_batch), a_batch_text=batch_text(a.shape[:-2]),
         b_batch_text=batch_text(b.shape[:-2]), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
-        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), store_c=_storer(c.dtype))
+        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), store_c=_storer(c.dtype, acc))
     if n_tiles * batch >= 2 ** 31:
         raise NotImplementedError(f"{node.op}: too many column tiles x batch entries for one grid")
     return [_kernel(node, kernel_name, source, (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1), True,
                     f"{_shape_text(a.shape)} @ {_shape_text(b.shape)} (tiled GEMM {t.BM}x{t.BN})")]
 
 
+# --------------------------------------------------------------------------
+# copy: permute, slice, slice_backward, cat
+
+def _converter(src, dst):
+    return lambda expr: _cast(expr, src, dst)
+
+
+def _copy_map(node, kernel_name, src_offset, map_text, what) -> list:
+    x, out = node.inputs[0], node.output
+    lines, coords = _coords(out.shape, "i", "c")
+    source = _render("copy.cu.j2", kind="map", name=kernel_name, comment=_comment(node, what),
+                     out_shape=_shape_text(out.shape), map_text=map_text, in_t=x.dtype.ctype,
+                     out_t=out.dtype.ctype, numel=out.numel, idx_t=_idx_type(out.numel, x.numel),
+                     coord_lines=lines, src_offset=src_offset(coords), convert=_converter(x.dtype, out.dtype))
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+def _transpose_plan(in_shape, dims):
+    """(a, b) input dims for the tiled permute, or None when a plain index map is as good:
+    the output's innermost dim comes from input dim `a`, the input's innermost dim `b` moves."""
+    n = len(in_shape)
+    if n < 2 or dims[-1] == n - 1:
+        return None
+    a, b = dims[-1], n - 1
+    if in_shape[a] < 8 or in_shape[b] < 8:
+        return None
+    return a, b
+
+
+def _permute(node, kernel_name):
+    x, out = node.inputs[0], node.output
+    dims = tuple(d % max(len(x.shape), 1) for d in node.attrs["dims"])
+    xs = _strides(x.shape)
+    what = f"dims {tuple(dims)}: {_shape_text(x.shape)} -> {_shape_text(out.shape)}"
+    plan = _transpose_plan(x.shape, dims)
+    if plan is None:
+        return _copy_map(node, kernel_name, lambda c: _offset(c, [xs[d] for d in dims]),
+                         f"permuted index, dims {tuple(dims)}", what)
+    a, b = plan
+    os_ = _strides(out.shape)
+    out_pos = {d: k for k, d in enumerate(dims)}           # input dim -> output position
+    rest = [d for d in range(len(x.shape)) if d not in (a, b)]
+    rest_shape = [x.shape[d] for d in rest]
+    lines, coords = _coords(rest_shape, "r", "r")
+    tile, rows = 32, 8
+    tiles_a, tiles_b = -(-x.shape[a] // tile), -(-x.shape[b] // tile)
+    nrest = _numel(rest_shape)
+    source = _render(
+        "copy.cu.j2", kind="transpose", name=kernel_name, comment=_comment(node, what), dim_a=a, last_in=b,
+        tile=tile, rows=rows, tiles_a=tiles_a, tiles_b=tiles_b, rest=nrest, size_a=x.shape[a], size_b=x.shape[b],
+        in_t=x.dtype.ctype, out_t=out.dtype.ctype, rest_lines=lines,
+        in_base=_offset(coords, [xs[d] for d in rest]), out_base=_offset(coords, [os_[out_pos[d]] for d in rest]),
+        in_stride_a=xs[a], out_stride_b=os_[out_pos[b]], convert=_converter(x.dtype, out.dtype))
+    grid = tiles_a * tiles_b * nrest
+    if grid >= 2 ** 31:
+        raise NotImplementedError(f"{node.op}: tensor too large for one grid of tiles")
+    return [_kernel(node, kernel_name, source, (grid, 1, 1), (tile, rows, 1), True, what + " (tiled)")]
+
+
+def _slice(node, kernel_name):
+    x = node.inputs[0]
+    starts, steps = node.attrs["starts"], node.attrs["steps"]
+    xs = _strides(x.shape)
+    base = sum(b * s for b, s in zip(starts, xs))
+
+    def src(coords):
+        off = _offset(coords, [st * s for st, s in zip(steps, xs)])
+        return str(base) if off == "0" else (off if base == 0 else f"{base} + {off}")
+
+    text = ", ".join(f"{b}:{e}:{st}" for b, e, st in zip(starts, node.attrs["stops"], steps))
+    return _copy_map(node, kernel_name, src, f"slice [{text}]", f"[{text}] of {_shape_text(x.shape)}")
+
+
+def _slice_backward(node, kernel_name):
+    g, out = node.inputs[0], node.output
+    starts, stops, steps = node.attrs["starts"], node.attrs["stops"], node.attrs["steps"]
+    lines, coords = _coords(out.shape, "i", "c")
+    gs = _strides(g.shape)
+    conditions, terms = [], []
+    for d, (size, b, e, st) in enumerate(zip(out.shape, starts, stops, steps)):
+        n = g.shape[d]
+        if n == 0:
+            conditions.append("false")
+            continue
+        if b == 0 and st == 1 and e == size:
+            if coords[d] != "0":
+                terms.append(coords[d] if gs[d] == 1 else f"{coords[d]} * {gs[d]}")
+            continue
+        rel = coords[d] if b == 0 else f"s{d}"
+        if b != 0:
+            lines.append(f"const long long s{d} = {coords[d]} - {b};")
+            conditions.append(f"s{d} >= 0")
+        conditions.append(f"{rel} < {(n - 1) * st + 1}")
+        if st != 1:
+            conditions.append(f"{rel} % {st} == 0")
+        q = rel if st == 1 else f"({rel} / {st})"
+        terms.append(q if gs[d] == 1 else f"{q} * {gs[d]}")
+    text = ", ".join(f"{b}:{e}:{st}" for b, e, st in zip(starts, stops, steps))
+    what = f"[{text}] of {_shape_text(out.shape)}"
+    source = _render("copy.cu.j2", kind="slice_backward", name=kernel_name, comment=_comment(node, what),
+                     out_shape=_shape_text(out.shape), slice_text=text, in_t=g.dtype.ctype, out_t=out.dtype.ctype,
+                     numel=out.numel, idx_t=_idx_type(out.numel), coord_lines=lines, conditions=conditions,
+                     src_offset=" + ".join(terms) if terms else "0", zero=_zero_literal(out.dtype),
+                     convert=_converter(g.dtype, out.dtype))
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+def _cat(node, kernel_name):
+    out = node.output
+    dim = node.attrs["dim"] % len(out.shape)
+    lines, coords = _coords(out.shape, "i", "c")
+    if coords[dim] == "0":                     # size-1 cat dim: a single non-empty input
+        lines.append(f"const long long c{dim} = 0;")
+        coords[dim] = f"c{dim}"
+    parts, start = [], 0
+    for v in node.inputs:
+        vs = _strides(v.shape)
+        n = v.shape[dim]
+        if n == 0:
+            parts.append(None)
+            continue
+        cs = list(coords)
+        cs[dim] = coords[dim] if start == 0 else f"(c{dim} - {start})"
+        parts.append(dict(end=start + n, offset=_offset(cs, vs), convert=_converter(v.dtype, out.dtype)))
+        start += n
+    params = [f"const {v.dtype.ctype}* __restrict__ in{k}" for k, v in enumerate(node.inputs)]
+    params.append(f"{out.dtype.ctype}* __restrict__ out")
+    # Empty inputs keep their parameter (argument order is the node's) but get no branch.
+    live = [p for p in parts if p is not None]
+    names = [f"in{k}" for k, p in enumerate(parts) if p is not None]
+    for p, nm in zip(live, names):
+        p["name"] = nm
+    what = f"{len(node.inputs)} inputs along dim {dim} -> {_shape_text(out.shape)}"
+    source = _render("copy.cu.j2", kind="cat", name=kernel_name, comment=_comment(node, what),
+                     out_shape=_shape_text(out.shape), dim=dim, params=params, numel=out.numel,
+                     idx_t=_idx_type(out.numel), coord_lines=lines, parts=live)
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+def _copy(node, kernel_name):
+    return {"permute": _permute, "slice": _slice, "slice_backward": _slice_backward,
+            "cat": _cat}[node.op](node, kernel_name)
+
+
+# --------------------------------------------------------------------------
+# softmax / log_softmax and argmax / argmin: rows along one dim
+
+def _rows(shape, dim):
+    """(outer, D, inner) of `shape` viewed around `dim` (a 0-d tensor is one row of one)."""
+    if not shape:
+        return 1, 1, 1
+    dim %= len(shape)
+    return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
+
+
+def _row_block(D: int) -> int:
+    """Threads per row: a power of two in [32, 256], about one per element."""
+    block = 32
+    while block < D and block < 256:
+        block *= 2
+    return block
+
+
+def _use_columns(D: int, inner: int, rows: int) -> bool:
+    """One thread per row when the dim is strided and there are rows enough to fill the GPU."""
+    return inner > 1 and rows >= 32 * TARGET_BLOCKS // 4
+
+
+def _elem(inner: int):
+    return lambda j: j if inner == 1 else f"(long long){j} * {inner}"
+
+
+def _softmax(node, kernel_name):
+    x, y = node.inputs[0], node.output
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    rows = outer * inner
+    acc = _acc_type(x.dtype, y.dtype)
+    f = "" if acc == "double" else "f"
+    log = node.op == "log_softmax"
+    ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
+               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, out_t=y.dtype.ctype, acc=acc, log=log, load=_loader(x.dtype, acc),
+               store=_storer(y.dtype, acc), elem=_elem(inner), fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}",
+               one="1.0" if acc == "double" else "1.0f", idx_t=_idx_type(rows))
+    if _use_columns(D, inner, rows):
+        what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
+        source = _render("softmax.cu.j2", kind="column", comment=_comment(node, what), **ctx)
+        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+    block = _row_block(D)
+    what = f"over dim {dim} of {_shape_text(x.shape)} (block per row)"
+    source = _render("softmax.cu.j2", kind="block", comment=_comment(node, what), block=block, **ctx)
+    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+
+
+def _argreduce(node, kernel_name):
+    x = node.inputs[0]
+    if x.dtype == dt.bool_:
+        raise NotImplementedError(f"{node.op}: boolean input has no kernel")
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    rows = outer * inner
+    acc = _acc_type(x.dtype)
+    ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
+               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, acc=acc, load=_loader(x.dtype, acc), elem=_elem(inner),
+               cmp=">" if node.op == "argmax" else "<", idx_t=_idx_type(rows))
+    if _use_columns(D, inner, rows):
+        what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
+        source = _render("argreduce.cu.j2", kind="column", comment=_comment(node, what), **ctx)
+        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+    block = _row_block(D)
+    what = f"over dim {dim} of {_shape_text(x.shape)} (block per row)"
+    source = _render("argreduce.cu.j2", kind="block", comment=_comment(node, what), block=block, **ctx)
+    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+
+
+# --------------------------------------------------------------------------
+# gather: gather, index_select, embedding; scatter: scatter_add, index_add, embedding_backward
+
+def _select_layout(shape, dim):
+    """(outer, size, inner) of `shape` around `dim`."""
+    return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
+
+
+def _select_exprs(outer, n, inner, size):
+    """C++ for j (the selected row) from i and the source offset of row k."""
+    j_expr = "i" if inner == 1 else f"i / {inner}"
+    if outer > 1:
+        j_expr = f"({j_expr}) % {n}" if " " in j_expr else f"{j_expr} % {n}"
+    row = "k" if outer == 1 else f"o * {size} + k"
+    offset = row if inner == 1 else (f"k * {inner} + r" if outer == 1 else f"({row}) * {inner} + r")
+    return j_expr, offset
+
+
+def _gather(node, kernel_name):
+    out = node.output
+    if node.op == "gather":
+        x, index = node.inputs
+        shape = tuple(x.shape) or (1,)
+        dim = node.attrs["dim"] % len(shape)
+        ishape = tuple(index.shape) or (1,)
+        lines, coords = _coords(ishape, "i", "c")
+        coords[dim] = "k"
+        what = f"dim {dim}: {_shape_text(x.shape)} at index {_shape_text(index.shape)}"
+        source = _render("gather.cu.j2", kind="gather", name=kernel_name, comment=_comment(node, what),
+                         out_shape=_shape_text(out.shape), x_shape=_shape_text(x.shape), dim=dim, size=shape[dim],
+                         x_t=x.dtype.ctype, index_t=index.dtype.ctype, out_t=out.dtype.ctype, numel=out.numel,
+                         idx_t=_idx_type(out.numel), coord_lines=[ln for ln in lines if not ln.startswith(
+                             f"const long long c{dim} ")], src_offset=_offset(coords, _strides(shape)),
+                         zero=_zero_literal(out.dtype))
+        return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+    if node.op == "index_select":
+        x, index = node.inputs
+        shape = tuple(x.shape) or (1,)
+        dim = node.attrs["dim"] % len(shape)
+        outer, size, inner = _select_layout(shape, dim)
+        names, what = ("x", "index"), f"dim {dim} of {_shape_text(x.shape)}, {index.numel} indices"
+    else:                                                   # embedding(weight, indices)
+        x, index = node.inputs
+        outer, size, inner = 1, x.shape[0], x.shape[1]
+        names, what = ("weight", "indices"), f"{index.numel} rows of {_shape_text(x.shape)}"
+    n = index.numel
+    j_expr, offset = _select_exprs(outer, n, inner, size)
+    source = _render("gather.cu.j2", kind="select", name=kernel_name, comment=_comment(node, what), what=node.op,
+                     params=_params(node, names, ("out",)), outer=outer, n=n, size=size, inner=inner,
+                     j_expr=j_expr, src_offset=offset, index_name=names[1], x_name=names[0], numel=out.numel,
+                     idx_t=_idx_type(out.numel), zero=_zero_literal(out.dtype))
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+def _atomic_ops(dtype):
+    """(pointer cast, value cast) for atomicAdd on `dtype`."""
+    if dtype in (dt.float32, dt.float64, dt.int32):
+        return (lambda p: p), _storer(dtype, "")
+    if dtype == dt.int64:
+        return (lambda p: f"(unsigned long long*){p}"), (lambda v: f"(unsigned long long)({v})")
+    raise NotImplementedError(f"atomicAdd accumulation into {dtype.name} is not supported "
+                              f"(scatter kernels need float32, float64, int32 or int64)")
+
+
+def _scatter(node, kernel_name):
+    out = node.output
+    atomic_ptr, atomic_val = _atomic_ops(out.dtype)
+    index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
+    src_convert = _converter(src.dtype, out.dtype)
+    ctx = dict(name=kernel_name, out_t=out.dtype.ctype, numel=src.numel, idx_t=_idx_type(src.numel, out.numel),
+               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)) if src.dtype != out.dtype
+               else (v if out.dtype in (dt.float32, dt.float64, dt.int32) else atomic_val(v)))
+    if node.op == "scatter_add":
+        shape = tuple(out.shape) or (1,)
+        dim = node.attrs["dim"] % len(shape)
+        lines, coords = _coords(tuple(src.shape) or (1,), "i", "c")
+        coords[dim] = "k"
+        what = f"dim {dim}: {_shape_text(src.shape)} into {_shape_text(out.shape)}"
+        source = _render("scatter.cu.j2", kind="scatter_add", comment=_comment(node, what),
+                         out_shape=_shape_text(out.shape), src_shape=_shape_text(src.shape), dim=dim,
+                         size=shape[dim], index_t=index.dtype.ctype, src_t=src.dtype.ctype,
+                         coord_lines=[ln for ln in lines if not ln.startswith(f"const long long c{dim} ")],
+                         dst_offset=_offset(coords, _strides(shape)), **ctx)
+    else:
+        if node.op == "index_add":
+            shape = tuple(out.shape) or (1,)
+            dim = node.attrs["dim"] % len(shape)
+            outer, size, inner = _select_layout(shape, dim)
+            names, pad = ("index", "src", "out"), -1
+            what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)}"
+        else:                                               # embedding_backward(grad, indices)
+            outer, size, inner = 1, out.shape[0], out.shape[1]
+            names, pad = ("grad", "index", "out"), node.attrs.get("padding_idx", -1)
+            pad = -1 if pad is None or pad < 0 else pad
+            what = f"{index.numel} rows into {_shape_text(out.shape)}"
+        n = index.numel
+        j_expr, offset = _select_exprs(outer, n, inner, size)
+        source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
+                         params=_params(node, names[:2], names[2:]), outer=outer, n=n, size=size, inner=inner,
+                         j_expr=j_expr, dst_offset=offset, padding_idx=pad, src_name=names[1] if
+                         node.op == "index_add" else "grad", **ctx)
+    kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
+    if src.numel:
+        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False,
+                               what + " (atomicAdd)"))
+    return kernels
+
+
+# --------------------------------------------------------------------------
+# pool2d: max / avg / adaptive avg pooling and their gradients
+
+def _pair(v) -> tuple:
+    if isinstance(v, (tuple, list)):
+        return (int(v[0]), int(v[-1]))
+    return (int(v), int(v))
+
+
+def _neg_inf(acc: str) -> str:
+    # INFINITY is not defined under NVRTC; this spelling works on both backends.
+    inf = "-__int_as_float(0x7f800000)"
+    return inf if acc == "float" else f"({acc})({inf})"
+
+
+def _pool2d(node, kernel_name):
+    op, a = node.op, node.attrs
+    out = node.output
+    grad = op.endswith("_grad")
+    big, small = (out, node.inputs[0]) if grad else (node.inputs[0], out)
+    N, C, H, W = big.shape
+    OH, OW = small.shape[2:]
+    acc = _acc_type(*(v.dtype for v in node.inputs), out.dtype)
+    ctx = dict(name=kernel_name, N=N, C=C, H=H, W=W, OH=OH, OW=OW, numel=out.numel,
+               idx_t=_idx_type(out.numel, node.inputs[0].numel), acc=acc, store=_storer(out.dtype, acc),
+               y_t=out.dtype.ctype, out_t=out.dtype.ctype, neg_inf=_neg_inf(acc))
+    if op.startswith("adaptive"):
+        kind = "adaptive"
+        what = f"{_shape_text(big.shape)} -> {OH}x{OW} bins"
+    else:
+        (KH, KW), (SH, SW), (PH, PW) = _pair(a["kernel_size"]), _pair(a["stride"]), _pair(a.get("padding", 0))
+        DH, DW = _pair(a.get("dilation", 1)) if op.startswith("max") else (1, 1)
+        ctx.update(KH=KH, KW=KW, SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW,
+                   include_pad=bool(a.get("count_include_pad", True)))
+        kind = "max" if op.startswith("max") else "avg"
+        what = f"{KH}x{KW} stride {SH}x{SW} pad {PH}x{PW}" + (f" dilation {DH}x{DW}" if (DH, DW) != (1, 1) else "")
+        if a.get("ceil_mode"):
+            what += " ceil_mode"
+    g = node.inputs[0]
+    if grad:
+        ctx.update(g_t=g.dtype.ctype, load_g=_loader(g.dtype, acc))
+        if kind == "max":
+            x = node.inputs[1]
+            ctx.update(x_t=x.dtype.ctype, load=_loader(x.dtype, acc))
+        what = "gradient, " + what
+    else:
+        ctx.update(x_t=g.dtype.ctype, load=_loader(g.dtype, acc))
+    kind += "_bwd" if grad else "_fwd"
+    source = _render("pool2d.cu.j2", kind=kind, comment=_comment(node, what), **ctx)
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+# --------------------------------------------------------------------------
+# upsample: nearest / bilinear and their gradients
+
+def _f32_literal(value) -> str:
+    """A float32 value as a C++ float literal that parses back to exactly that value."""
+    return f"{float(np.float32(value))!r}f"
+
+
+def _upsample_dim(in_size: int, out_size: int, scale, linear: bool, align_corners: bool, dst: str, src: str) -> dict:
+    """How output coordinate `dst` maps to the input along one dim, and (for the gradients) the
+    inclusive window [lo, hi] of outputs that can read input coordinate `src`."""
+    last_out = out_size - 1
+    if not linear:
+        if out_size == in_size:
+            return dict(mode="identity", dst=dst, size=in_size, factor="", lo=src, hi=src)
+        if out_size == 2 * in_size:
+            return dict(mode="half", dst=dst, size=in_size, factor="", lo=f"2 * {src}", hi=f"2 * {src} + 1")
+        factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else \
+            np.float32(in_size) / np.float32(out_size)
+        inv = 1.0 / float(factor)
+        lo = f"max(0, (int)((float){src} * {inv!r}f) - 2)"
+        hi = f"({src} == {in_size - 1} ? {last_out} : min({last_out}, (int)((float)({src} + 1) * {inv!r}f) + 2))"
+        return dict(mode="float", dst=dst, size=in_size, factor=_f32_literal(factor), lo=lo, hi=hi)
+    if align_corners:
+        factor = np.float32(in_size - 1) / np.float32(out_size - 1) if out_size > 1 else np.float32(0)
+    else:
+        factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else \
+            np.float32(in_size) / np.float32(out_size)
+    if float(factor) == 0.0:
+        lo, hi = "0", str(last_out)
+    else:
+        inv = 1.0 / float(factor)
+        # outputs whose source coordinate lies in (src - 1, src + 1), with a margin for rounding
+        shift = "" if align_corners else " + 0.5f"
+        lo = f"max(0, (int)floorf(((float){src} - 1.0f{shift}) * {inv!r}f) - 2)"
+        hi = f"min({last_out}, (int)ceilf(((float){src} + 1.0f{shift}) * {inv!r}f) + 2)"
+    return dict(mode="linear", dst=dst, size=in_size, factor=_f32_literal(factor), align_corners=bool(align_corners),
+                lo=lo, hi=hi)
+
+
+def _upsample(node, kernel_name):
+    op, a = node.op, node.attrs
+    out = node.output
+    grad = op.endswith("_grad")
+    big, small = (node.inputs[0], out) if grad else (out, node.inputs[0])
+    N, C, H, W = small.shape
+    OH, OW = big.shape[2:]
+    linear = "bilinear" in op
+    align = bool(a.get("align_corners") or False)
+    scales = a.get("scales") or (None, None)
+    rows = _upsample_dim(H, OH, scales[0], linear, align, "oh", "h")
+    cols = _upsample_dim(W, OW, scales[1], linear, align, "ow", "w")
+    src = node.inputs[0]
+    acc = _acc_type(src.dtype, out.dtype)
+    ctx = dict(name=kernel_name, N=N, C=C, H=H, W=W, OH=OH, OW=OW, rows=rows, cols=cols, numel=out.numel,
+               idx_t=_idx_type(out.numel, src.numel), acc=acc, out_t=out.dtype.ctype, store=_storer(out.dtype, acc))
+    if grad:
+        ctx.update(g_t=src.dtype.ctype, load_g=_loader(src.dtype, acc))
+    else:
+        ctx.update(x_t=src.dtype.ctype, load=_loader(src.dtype, acc), copy=_converter(src.dtype, out.dtype))
+    kind = ("bilinear" if linear else "nearest") + ("_bwd" if grad else "_fwd")
+    what = f"{_shape_text(small.shape)} -> {OH}x{OW}" + (" align_corners" if linear and align else "")
+    if grad:
+        what = "gradient, " + what
+    source = _render("upsample.cu.j2", kind=kind, comment=_comment(node, what), **ctx)
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+
+# --------------------------------------------------------------------------
+# conv2d: forward, grad_input, grad_weight
+
+def _conv_geometry(node) -> dict:
+    a = node.attrs
+    if node.op == "conv2d":
+        x, w = node.inputs
+        x_shape, w_shape, y_shape = x.shape, w.shape, node.output.shape
+    elif node.op == "conv2d_grad_input":
+        g, w = node.inputs
+        x_shape, w_shape, y_shape = tuple(a["input_shape"]), w.shape, g.shape
+    else:
+        g, x = node.inputs
+        x_shape, w_shape, y_shape = x.shape, tuple(a["weight_shape"]), g.shape
+    (SH, SW), (PH, PW), (DH, DW) = _pair(a.get("stride", 1)), _pair(a.get("padding", 0)), _pair(a.get("dilation", 1))
+    G = int(a.get("groups", 1))
+    N, C, H, W = x_shape
+    O, CG, KH, KW = w_shape
+    OH, OW = y_shape[2:]
+    return dict(N=N, C=C, H=H, W=W, O=O, CG=CG, KH=KH, KW=KW, OH=OH, OW=OW, G=G, OG=O // G,
+                SH=SH, SW=SW, PH=PH, PW=PW, DH=DH, DW=DW)
+
+
+def _conv_text(geo) -> str:
+    text = f"{geo['KH']}x{geo['KW']}"
+    if (geo["SH"], geo["SW"]) != (1, 1):
+        text += f" stride {geo['SH']}" if geo["SH"] == geo["SW"] else f" stride {geo['SH']}x{geo['SW']}"
+    if (geo["PH"], geo["PW"]) != (0, 0):
+        text += f" pad {geo['PH']}" if geo["PH"] == geo["PW"] else f" pad {geo['PH']}x{geo['PW']}"
+    if (geo["DH"], geo["DW"]) != (1, 1):
+        text += f" dilation {geo['DH']}" if geo["DH"] == geo["DW"] else f" dilation {geo['DH']}x{geo['DW']}"
+    if geo["G"] > 1:
+        text += f" groups {geo['G']}"
+    return text
+
+
+def _conv2d(node, kernel_name):
+    geo = _conv_geometry(node)
+    out = node.output
+    first, second = node.inputs
+    acc = _acc_type(first.dtype, second.dtype, out.dtype)
+    op = {"conv2d": "fwd", "conv2d_grad_input": "dgrad", "conv2d_grad_weight": "wgrad"}[node.op]
+    names = {"fwd": ("x", "w", "y"), "dgrad": ("grad", "w", "dx"), "wgrad": ("grad", "x", "dw")}[op]
+    loads = {"fwd": dict(load_x=_loader(first.dtype, acc), load_w=_loader(second.dtype, acc), x_t=first.dtype.ctype,
+                         w_t=second.dtype.ctype),
+             "dgrad": dict(load_g=_loader(first.dtype, acc), load_w=_loader(second.dtype, acc), g_t=first.dtype.ctype,
+                           w_t=second.dtype.ctype),
+             "wgrad": dict(load_g=_loader(first.dtype, acc), load_x=_loader(second.dtype, acc), g_t=first.dtype.ctype,
+                           x_t=second.dtype.ctype)}[op]
+    ctx = dict(geo, name=kernel_name, acc=acc, store=_storer(out.dtype, acc), out_t=out.dtype.ctype, op=op,
+               params=_params(node, names[:2], names[2:]), **loads)
+    text = _conv_text(geo)
+    N, C, H, W, O, CG, OG, G = (geo[k] for k in ("N", "C", "H", "W", "O", "CG", "OG", "G"))
+    KH, KW, OH, OW = geo["KH"], geo["KW"], geo["OH"], geo["OW"]
+
+    if CG == 1:                                             # depthwise (one input channel per group)
+        kind = "dw_" + op
+        if op == "wgrad":
+            block = _row_block(N * OH * OW)
+            what = f"grad_weight {text} (depthwise, block per weight)"
+            source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), block=block, **ctx)
+            return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1), True,
+                            what)]
+        what = ("" if op == "fwd" else "grad_input ") + f"{text} (depthwise, direct)"
+        source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), numel=out.numel,
+                         idx_t=_idx_type(out.numel), **ctx)
+        return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+
+    pointwise = (KH, KW) == (1, 1) and (geo["SH"], geo["SW"], geo["PH"], geo["PW"]) == (1, 1, 0, 0)
+    if op == "fwd":
+        GM, GN, GK, a_order, b_order = OG, N * OH * OW, CG * KH * KW, "k", "n"
+    elif op == "dgrad":
+        GM, GN, GK, a_order, b_order = CG, N * H * W, OG * KH * KW, "k", "n"
+    else:
+        GM, GN, GK, a_order, b_order = OG, CG * KH * KW, N * OH * OW, "k", "k"
+    if max(GM, GN, GK) >= 2 ** 31 - 2 ** 16:
+        raise NotImplementedError(f"{node.op}: implicit GEMM of {GM}x{GN}x{GK} overflows int indexing")
+    t = _choose_tile(GM, GN, G, acc, a_order, b_order)
+    m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
+    splits, kchunk = 1, GK
+    if op == "wgrad" and out.dtype in (dt.float32, dt.float64):
+        blocks = m_tiles * n_tiles * G
+        want = min(-(-TARGET_BLOCKS // blocks), -(-GK // (t.BK * 16)), max(1, 65535 // G))
+        if want > 1:
+            kchunk = -(-(-(-GK // want)) // t.BK) * t.BK
+            splits = -(-GK // kchunk)
+    if G * splits > 65535 or m_tiles > 65535:
+        raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
+    label = {"fwd": "", "dgrad": "grad_input ", "wgrad": "grad_weight "}[op]
+    what = f"{label}{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
+        (f", split-k {splits}" if splits > 1 else "") + ")"
+    source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
+                     splits=splits, kchunk=kchunk, pointwise=pointwise, **ctx)
+    kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
+    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what))
+    return kernels
+
+
 _FAMILIES = {
     "gemm": _gemm,
+    "copy": _copy,
+    "softmax": _softmax,
+    "argreduce": _argreduce,
+    "gather": _gather,
+    "scatter": _scatter,
+    "pool2d": _pool2d,
+    "upsample": _upsample,
+    "conv2d": _conv2d,
 }

@@ -81,8 +81,6 @@ def _parse_to_args(args, kwargs):
 class Module:
     """Base class for layers and models: subclass it, assign layers in `__init__`, write `forward`."""
 
-    _version = 1
-
     def __init__(self, *args, **kwargs):
         if args or kwargs:
             raise TypeError(f"{type(self).__name__}.__init__() got unexpected arguments; "
@@ -448,7 +446,7 @@ class Module:
 
 def _move_in_place(t: Tensor, target_device, target_dtype) -> None:
     if target_dtype is not None and t.dtype.is_floating and t.dtype != target_dtype:
-        t._data = np.ascontiguousarray(t.numpy_view().astype(target_dtype.np_dtype))
+        t._data = np.array(t.numpy_view(), dtype=target_dtype.np_dtype, order="C")
         t._dtype = target_dtype
         t._version += 1
     if target_device is not None and t.device != target_device:

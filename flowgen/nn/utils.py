@@ -20,7 +20,7 @@ def _grads(parameters) -> list:
 
 
 def _replace(grad: Tensor, array: np.ndarray) -> None:
-    grad._data = np.ascontiguousarray(array.astype(grad.dtype.np_dtype, copy=False))
+    grad._data = np.array(array, dtype=grad.dtype.np_dtype, order="C")
     grad._version += 1
 
 

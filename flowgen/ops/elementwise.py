@@ -60,16 +60,36 @@ def _binary_ref(fn):
     return ref
 
 
+def _bshape(a, b, name):
+    """Broadcast two shapes (a fast path for the common cases; registry.broadcast_shapes words errors)."""
+    if a == b:
+        return a
+    pa, pb = a, b
+    if len(a) < len(b):
+        pa = (1,) * (len(b) - len(a)) + tuple(a)
+    elif len(b) < len(a):
+        pb = (1,) * (len(a) - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(pa, pb):
+        if x == y or y == 1:
+            out.append(x)
+        elif x == 1:
+            out.append(y)
+        else:
+            return broadcast_shapes(a, b, op=name)  # raises the readable error
+    return tuple(out)
+
+
 def _binary_infer(name):
     def infer(a, b):
-        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        shape = _bshape(a.shape, b.shape, name)
         return TensorMeta(shape, a.dtype if a.dtype == b.dtype else dt.promote(a.dtype, b.dtype))
     return infer
 
 
 def _float_binary_infer(name):
     def infer(a, b):
-        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        shape = _bshape(a.shape, b.shape, name)
         out = a.dtype if a.dtype == b.dtype else dt.promote(a.dtype, b.dtype)
         return TensorMeta(shape, out if out.is_floating else dt.float32)
     return infer
@@ -89,7 +109,7 @@ def _bool_unary_infer(a):
 
 def _compare_infer(name):
     def infer(a, b):
-        shape = a.shape if a.shape == b.shape else broadcast_shapes(a.shape, b.shape, op=name)
+        shape = _bshape(a.shape, b.shape, name)
         return TensorMeta(shape, dt.bool_)
     return infer
 
@@ -337,15 +357,29 @@ def _div_grad(ctx, g):
     return ga, gb
 
 
+def _constant_scalar(t):
+    """The Python value of a 0-d/1-element constant (eager, no grad), else None."""
+    if t._value is None and not t.requires_grad and t.numel() == 1:
+        return t.item()
+    return None
+
+
 def _pow_grad(ctx, g):
     a, b = ctx.inputs
     ga = gb = None
     if _needs(a):
-        ga = F.sum_to(g * b * F.pow(a, b - 1), a.shape)
+        e = _constant_scalar(b)
+        if e is None:
+            ga = F.sum_to(g * b * F.pow(a, b - 1), a.shape)
+        elif e == 2:
+            ga = F.sum_to(g * a * 2, a.shape)
+        elif e == 1:
+            ga = F.sum_to(g, a.shape)
+        else:
+            ga = F.sum_to(g * F.pow(a, e - 1) * e, a.shape)
     if _needs(b):
-        # d/db a^b = a^b log a; 0 where a == 0 and b >= 0 (the limit torch uses).
-        gb = F.where(F.logical_and(a == 0, b >= 0), 0, g * ctx.outputs[0] * F.log(a))
-        gb = F.sum_to(gb, b.shape)
+        # d/db a^b = a^b log a, taken as 0 where a == 0 (the limit torch uses for b >= 0).
+        gb = F.sum_to(g * ctx.outputs[0] * F.log(F.where(a == 0, 1, a)), b.shape)
     return ga, gb
 
 

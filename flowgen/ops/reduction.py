@@ -65,7 +65,8 @@ def _sum_ref(a, dims, keepdim=False):
 def _sum_grad(ctx, g):
     x = ctx.inputs[0]
     dims = tuple(ctx.attrs["dims"])
-    if not ctx.attrs.get("keepdim", False) and dims:
+    if not ctx.attrs.get("keepdim", False) and dims and dims != tuple(range(len(dims))):
+        # (reducing only leading dims leaves g right-aligned already: expand adds them back)
         g = F.reshape(g, _keep_shape(x.shape, dims))
     return (F.expand(g, x.shape),)
 

@@ -124,18 +124,44 @@ def set_tracer_hook(hook):
 
 def apply(name: str, *inputs, **attrs):
     """Run op `name` on tensors (or Python scalars) — eagerly or into a trace."""
+    Tensor = _Tensor
+    if Tensor is None:
+        Tensor = _load_tensor_types()
+    op = REGISTRY.get(name)
+    if op is None:
+        op = get_op(name)
+    like = None
+    all_tensors = True
+    for x in inputs:
+        if isinstance(x, Tensor):
+            if like is None:
+                like = x
+        else:
+            all_tensors = False
+    tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _as_tensor_like(x, like) for x in inputs]
+    lazy = False
+    for t in tensors:
+        if t._value is not None:
+            lazy = True
+            break
+    if lazy:
+        if _tracer_hook is not None:
+            return _tracer_hook(op, list(tensors), attrs)
+        raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
+    arrays = [t.numpy_view() for t in tensors]
+    # infer raises readable shape/dtype errors before NumPy sees the data
+    metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
+    result = op.ref(*arrays, **attrs)
+    return _wrap_outputs(op, tensors, attrs, result, metas)
+
+
+_Tensor = _as_tensor_like = _wrap_outputs = None
+
+
+def _load_tensor_types():
+    global _Tensor, _as_tensor_like, _wrap_outputs
+    from flowgen.autograd import wrap_outputs
     from flowgen.tensor import Tensor, as_tensor_like
 
-    op = get_op(name)
-    like = next((x for x in inputs if isinstance(x, Tensor)), None)
-    tensors = [x if isinstance(x, Tensor) else as_tensor_like(x, like) for x in inputs]
-    if _tracer_hook is not None and any(t.is_lazy for t in tensors):
-        return _tracer_hook(op, tensors, attrs)
-    for t in tensors:
-        if t.is_lazy:
-            raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
-    op.infer(*(t.meta for t in tensors), **attrs)  # raises readable shape/dtype errors
-    result = op.ref(*(t.numpy_view() for t in tensors), **attrs)
-    from flowgen import autograd
-
-    return autograd.wrap_outputs(op, tensors, attrs, result)
+    _as_tensor_like, _wrap_outputs, _Tensor = as_tensor_like, wrap_outputs, Tensor
+    return Tensor

@@ -1,5 +1,6 @@
 """Layers and losses, one file per family."""
-from flowgen.nn.modules.activation import GELU, LogSoftmax, ReLU, ReLU6, Sigmoid, SiLU, Softmax, Tanh
+from flowgen.nn.modules.activation import (ELU, GELU, Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LogSoftmax, Mish,
+                                           ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh)
 from flowgen.nn.modules.conv import Conv2d
 from flowgen.nn.modules.dropout import Dropout
 from flowgen.nn.modules.flatten import Flatten
@@ -11,7 +12,8 @@ from flowgen.nn.modules.sparse import Embedding
 from flowgen.nn.modules.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__ = [
-    "GELU", "LogSoftmax", "ReLU", "ReLU6", "Sigmoid", "SiLU", "Softmax", "Tanh", "Conv2d", "Dropout", "Flatten",
+    "ELU", "GELU", "Hardsigmoid", "Hardswish", "Hardtanh", "LeakyReLU", "LogSoftmax", "Mish", "ReLU", "ReLU6",
+    "Sigmoid", "SiLU", "Softmax", "Softplus", "Tanh", "Conv2d", "Dropout", "Flatten",
     "Linear", "BCEWithLogitsLoss", "CrossEntropyLoss", "L1Loss", "MSELoss", "NLLLoss", "BatchNorm1d", "BatchNorm2d",
     "GroupNorm", "InstanceNorm2d", "LayerNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d", "Embedding",
     "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",

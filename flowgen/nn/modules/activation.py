@@ -31,6 +31,69 @@ class SiLU(_InplaceActivation):
         return NF.silu(x)
 
 
+class Hardswish(_InplaceActivation):
+    def forward(self, x):
+        return NF.hardswish(x)
+
+
+class Hardsigmoid(_InplaceActivation):
+    def forward(self, x):
+        return NF.hardsigmoid(x)
+
+
+class Mish(_InplaceActivation):
+    def forward(self, x):
+        return NF.mish(x)
+
+
+class LeakyReLU(Module):
+    def __init__(self, negative_slope: float = 1e-2, inplace: bool = False):
+        super().__init__()
+        self.negative_slope, self.inplace = negative_slope, inplace
+
+    def forward(self, x):
+        return NF.leaky_relu(x, self.negative_slope)
+
+    def extra_repr(self) -> str:
+        return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
+
+
+class ELU(Module):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.alpha, self.inplace = alpha, inplace
+
+    def forward(self, x):
+        return NF.elu(x, self.alpha)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
+
+
+class Hardtanh(Module):
+    def __init__(self, min_val: float = -1.0, max_val: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.min_val, self.max_val, self.inplace = min_val, max_val, inplace
+
+    def forward(self, x):
+        return NF.hardtanh(x, self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"min_val={self.min_val}, max_val={self.max_val}" + (", inplace=True" if self.inplace else "")
+
+
+class Softplus(Module):
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0):
+        super().__init__()
+        self.beta, self.threshold = beta, threshold
+
+    def forward(self, x):
+        return NF.softplus(x, self.beta, self.threshold)
+
+    def extra_repr(self) -> str:
+        return f"beta={self.beta}, threshold={self.threshold}"
+
+
 class GELU(Module):
     def __init__(self, approximate: str = "none"):
         super().__init__()
@@ -77,4 +140,5 @@ class LogSoftmax(Softmax):
         return NF.log_softmax(x, self.dim if self.dim is not None else _default_softmax_dim(x.ndim))
 
 
-__all__ = ["ReLU", "ReLU6", "SiLU", "GELU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax"]
+__all__ = ["ReLU", "ReLU6", "SiLU", "Hardswish", "Hardsigmoid", "Mish", "LeakyReLU", "ELU", "Hardtanh", "Softplus",
+           "GELU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax"]

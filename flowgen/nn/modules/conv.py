@@ -48,19 +48,8 @@ class Conv2d(Module):
                 bound = 1 / math.sqrt(fan_in)
                 init.uniform_(self.bias, -bound, bound)
 
-    def _numeric_padding(self) -> tuple:
-        if self.padding == "valid":
-            return (0, 0)
-        if self.padding == "same":
-            totals = [d * (k - 1) for d, k in zip(self.dilation, self.kernel_size)]
-            if any(t % 2 for t in totals):
-                raise NotImplementedError("Conv2d: padding='same' with an even effective kernel needs asymmetric "
-                                          "padding, which flowgen does not support; pad explicitly")
-            return tuple(t // 2 for t in totals)
-        return self.padding
-
     def forward(self, x):
-        return NF.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self._numeric_padding(),
+        return NF.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                          dilation=self.dilation, groups=self.groups)
 
     def extra_repr(self) -> str:

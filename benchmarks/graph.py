@@ -1,0 +1,212 @@
+"""Graph benchmarks: compile-time breakdown, launches before/after fusion, memory, step time.
+
+    python benchmarks/graph.py [--device cpu|cuda] [--steps N] [--out FILE]
+
+Prints one table and writes JSON (default benchmarks/results/graph_<device>.json).
+Step times are compared side by side in one run (graph vs the eager loop on the
+same inputs; on cuda also vs PyTorch eager and torch.compile when PyTorch is
+installed), because these machines are noisy: read the ratios.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flowgen as flow  # noqa: E402
+import flowgen.nn as nn  # noqa: E402
+
+
+class TrainGraph(nn.Graph):
+    def __init__(self, model, loss_fn, optimizer):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.add_optimizer(optimizer)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+class InferGraph(nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+def polyfit_case(device):
+    x = flow.tensor(np.linspace(-math.pi, math.pi, 2000), dtype=flow.float32)
+    y = flow.tensor(np.sin(x), dtype=flow.float32)
+    xx = flow.cat([x.unsqueeze(-1).pow(1), x.unsqueeze(-1).pow(2), x.unsqueeze(-1).pow(3)], dim=1)
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1)).to(device)
+    loss_fn = nn.MSELoss(reduction="sum")
+    return "polyfit_train", model, loss_fn, (lambda p: flow.optim.SGD(p, lr=1e-6)), (xx.to(device), y.to(device))
+
+
+def mlp_case(device):
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    x = flow.randn(128, 64).to(device)
+    y = flow.randint(0, 10, (128,)).to(device)
+    return "mlp_train", model, nn.CrossEntropyLoss(), (lambda p: flow.optim.Adam(p, lr=1e-3)), (x, y)
+
+
+def time_calls(fn, steps):
+    fn()  # warm
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    return (time.perf_counter() - start) / steps
+
+
+def bench_training(case, device, steps):
+    name, model, loss_fn, make_opt, (x, y) = case
+    eager_model = copy.deepcopy(model)
+    graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
+    # Cold start: fresh cache directory so compile time is measured, then a warm start.
+    start = time.perf_counter()
+    graph(x, y)
+    first_call = time.perf_counter() - start
+    compiled = graph.compiled
+    warm_graph = TrainGraph(copy.deepcopy(model), loss_fn, make_opt(model.parameters()))
+    start = time.perf_counter()
+    warm_graph(x, y)
+    warm_start = time.perf_counter() - start
+
+    graph_step = time_calls(lambda: graph(x, y).numpy(), steps)
+    opt = make_opt(eager_model.parameters())
+
+    def eager_step():
+        loss = loss_fn(eager_model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.numpy()
+
+    eager_step_time = time_calls(eager_step, max(1, steps // 4))
+    mem = compiled.memory
+    row = {
+        "graph": name, "device": str(device),
+        "trace_s": compiled.timings["trace"], "passes_s": compiled.timings["passes"],
+        "codegen_s": compiled.timings["codegen"], "compile_s": compiled.timings["compile"],
+        "first_call_s": first_call, "warm_start_s": warm_start,
+        "kernels_unfused": compiled.kernels_before_fusion, "kernels_fused": compiled.num_launches,
+        "arena_bytes": mem.arena_bytes, "lower_bound_bytes": mem.lower_bound_bytes, "naive_bytes": mem.naive_bytes,
+        "arena_over_lower_bound": mem.arena_bytes / max(mem.lower_bound_bytes, 1),
+        "graph_step_ms": graph_step * 1e3, "eager_step_ms": eager_step_time * 1e3,
+        "eager_over_graph": eager_step_time / graph_step,
+    }
+    row.update(torch_baselines(name, model, x, y, device, steps))
+    return row
+
+
+def torch_baselines(name, model, x, y, device, steps):
+    """PyTorch eager and torch.compile on the same GPU and the same problem (cuda only)."""
+    if device.type != "cuda":
+        return {}
+    try:
+        import torch
+    except ImportError:
+        return {}
+    tmodel = _to_torch(model).cuda()
+    tx = torch.from_numpy(x.numpy()).cuda()
+    ty = torch.from_numpy(y.numpy()).cuda()
+    loss_fn = torch.nn.MSELoss(reduction="sum") if name == "polyfit_train" else torch.nn.CrossEntropyLoss()
+    opt = torch.optim.SGD(tmodel.parameters(), lr=1e-6) if name == "polyfit_train" else \
+        torch.optim.Adam(tmodel.parameters(), lr=1e-3)
+
+    def step(m):
+        loss = loss_fn(m(tx), ty)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    out = {"torch_eager_step_ms": time_calls(lambda: step(tmodel), steps) * 1e3}
+    try:
+        compiled = torch.compile(tmodel)
+        out["torch_compile_step_ms"] = time_calls(lambda: step(compiled), steps) * 1e3
+    except Exception as exc:  # report, don't fail the benchmark
+        out["torch_compile_error"] = str(exc)[:200]
+    return out
+
+
+def _to_torch(model):
+    import torch
+
+    layers = []
+    for m in model.children() if isinstance(model, nn.Sequential) else [model]:
+        kind = type(m).__name__
+        if kind == "Linear":
+            lin = torch.nn.Linear(m.in_features, m.out_features)
+            with torch.no_grad():
+                lin.weight.copy_(torch.from_numpy(m.weight.numpy()))
+                lin.bias.copy_(torch.from_numpy(m.bias.numpy()))
+            layers.append(lin)
+        elif kind == "Flatten":
+            layers.append(torch.nn.Flatten(m.start_dim, m.end_dim))
+        elif kind in ("ReLU", "GELU"):
+            layers.append(getattr(torch.nn, kind)())
+        else:
+            raise TypeError(f"no torch twin for {kind}")
+    return torch.nn.Sequential(*layers)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if flow.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = flow.device(args.device)
+    cache = tempfile.mkdtemp(prefix="flowgen-bench-cache-")
+    os.environ["FLOWGEN_CACHE"] = cache
+    try:
+        rows = [bench_training(make(device), device, args.steps) for make in (polyfit_case, mlp_case)]
+        # The issue's target: the whole 2000-step poly-fit through the graph.
+        name, model, loss_fn, make_opt, (x, y) = polyfit_case(device)
+        graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
+        start = time.perf_counter()
+        for _ in range(2000):
+            loss = graph(x, y)
+        rows[0]["polyfit_2000_steps_s"] = time.perf_counter() - start
+        rows[0]["polyfit_final_loss"] = float(loss.numpy())
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+    cols = ["graph", "trace_s", "passes_s", "codegen_s", "compile_s", "warm_start_s", "kernels_unfused",
+            "kernels_fused", "arena_over_lower_bound", "graph_step_ms", "eager_step_ms", "eager_over_graph"]
+    print(" | ".join(f"{c:>14}" for c in cols))
+    for r in rows:
+        print(" | ".join(f"{r[c]:>14.4f}" if isinstance(r[c], float) else f"{str(r[c]):>14}" for c in cols))
+    for r in rows:
+        extra = {k: v for k, v in r.items() if k.startswith(("torch", "polyfit"))}
+        if extra:
+            print(r["graph"], json.dumps(extra))
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"graph_{device.type}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    payload = {"machine": platform.node(), "python": platform.python_version(), "rows": rows}
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
