@@ -222,6 +222,10 @@ class Tensor:
         for a in list(args) + list(kwargs.values()):
             if isinstance(a, dt.DType):
                 target_dtype = a
+            elif isinstance(a, Tensor):
+                target_dtype, target_device = a.dtype, a.device
+            elif isinstance(a, str) and a.partition(":")[0] not in ("cpu", "cuda"):
+                target_dtype = dt.get(a)
             elif a is not None and not isinstance(a, bool):
                 target_device = as_device(a)
         out = F.cast(self, target_dtype) if target_dtype != self._dtype else self

@@ -300,6 +300,7 @@ def test_conv2d_vs_torch(cfg):
 
 
 @needs_torch
+@pytest.mark.filterwarnings("ignore:Using padding='same'")
 def test_conv2d_same_padding_and_unbatched_vs_torch():
     x = randn(2, 3, 7, 7).astype(np.float32)
     w = randn(4, 3, 4, 3).astype(np.float32)   # even kernel height: asymmetric 'same' padding
@@ -577,7 +578,8 @@ def test_cross_entropy_vs_torch(reduction, weighted, smoothing):
     w = RNG.uniform(0.5, 2.0, 5).astype(np.float32)
     kw = dict(reduction=reduction, label_smoothing=smoothing)
     if weighted:
-        compare_torch(lambda a, t, ww: F.cross_entropy(a, t, ww, **kw), lambda a, t, ww: TF.cross_entropy(a, t, ww, **kw),
+        compare_torch(lambda a, t, ww: F.cross_entropy(a, t, ww, **kw),
+                      lambda a, t, ww: TF.cross_entropy(a, t, ww, **kw),
                       [x, target, w], wrt=(0,), rtol=1e-5, atol=1e-6)
     else:
         compare_torch(lambda a, t: F.cross_entropy(a, t, **kw), lambda a, t: TF.cross_entropy(a, t, **kw),
@@ -753,7 +755,8 @@ def test_pad_vs_torch(mode):
     x = randn(2, 3, 4, 5).astype(np.float32)
     kw = dict(mode=mode, value=1.5) if mode == "constant" else dict(mode=mode)
     for pads in ([2, 1, 0, 3], [1, 0, 2, 2], [3, 3, 3, 3]):
-        compare_torch(lambda a: F.pad(a, pads, **kw), lambda a: TF.pad(a, pads, **kw), [x], wrt=(0,), rtol=1e-5, atol=1e-6)
+        compare_torch(lambda a: F.pad(a, pads, **kw), lambda a: TF.pad(a, pads, **kw), [x], wrt=(0,),
+                      rtol=1e-5, atol=1e-6)
     compare_torch(lambda a: F.pad(a, [1, 2], **kw), lambda a: TF.pad(a, [1, 2], **kw), [x[0]], wrt=(0,), rtol=1e-5,
                   atol=1e-6)
     if mode == "constant":
