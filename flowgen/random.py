@@ -112,3 +112,15 @@ def philox_uniform(seed: int, offset: int, n: int) -> np.ndarray:
     """``n`` float32 uniforms in [0, 1): element i as defined in the module docstring."""
     r = philox_uint32(seed, offset, n)
     return ((r >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+
+
+class preserved_dropout_stream:
+    """Context manager: restore the dropout offset afterwards (tracing must not consume the stream)."""
+
+    def __enter__(self):
+        self._saved = _offset
+
+    def __exit__(self, *exc):
+        global _offset
+        _offset = self._saved
+        return False

@@ -18,3 +18,6 @@
 // Only the emulator needs a host-callable launcher per kernel.
 #define FLOWGEN_EMU_KERNEL(kname, needs_fibers)
 #endif
+
+// Device functions shared by generated kernels on both targets.
+#include "flowgen_philox.h"

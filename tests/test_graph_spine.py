@@ -261,3 +261,37 @@ def test_polyfit_graph_example_matches_eager_losses():
         le.backward()
         opt.step()
         np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-5)
+
+
+def test_dropout_in_a_training_graph_draws_the_eager_masks():
+    """Each call draws fresh Philox offsets, exactly as the eager loop does."""
+    flow.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Linear(32, 4))
+    eager = copy.deepcopy(model)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    graph, opt = Step(), flow.optim.SGD(eager.parameters(), lr=0.1)
+    x = flow.randn(8, 16)
+    flow.manual_seed(5)
+    graph_losses = [float(graph(x)) for _ in range(3)]
+    flow.manual_seed(5)
+    eager_losses = []
+    for _ in range(3):
+        loss = eager(x).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        eager_losses.append(float(loss))
+    np.testing.assert_allclose(graph_losses, eager_losses, rtol=1e-5)
+    assert len(set(np.round(graph_losses, 3))) == 3   # masks differ from call to call
+    np.testing.assert_allclose(model[0].weight.numpy(), eager[0].weight.numpy(), atol=1e-5)

@@ -674,17 +674,23 @@ def test_elementwise_cpp_expressions_match_references(tmp_path):
         expr = lw.render([f"v{j}" for j in range(len(arrays))], attrs)
         loads = " ".join(f"{ct} v{j} = in{k}_{j}[i];" for j, ct in enumerate(ctype))
         loops.append(f'for (int i = 0; i < 7; ++i) {{ {loads} printf("%.9g\\n", (double)(float)({expr})); }}')
+        # The fused codegen substitutes scalar constants as bare literals ("-2.5f"): sample 0 that way.
+        literals = [("true" if a[0] else "false") if ct == "bool" else repr(float(a[0])) + "f"
+                    for ct, a in zip(ctype, arrays)]
+        loops.append(f'printf("%.9g\\n", (double)(float)({lw.render(literals, attrs)}));')
     src = _CPP_PRELUDE + "\n".join(decls) + "\nint main() {\n" + "\n".join(loops) + "\nreturn 0; }\n"
     (tmp_path / "e.cpp").write_text(src)
     build = subprocess.run(["g++", "-O1", "-o", str(tmp_path / "e"), str(tmp_path / "e.cpp")],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr + "\n" + src
     values = np.array([float(v) for v in subprocess.run([str(tmp_path / "e")], capture_output=True, text=True,
-                                                         check=True).stdout.split()]).reshape(len(cases), 7)
+                                                         check=True).stdout.split()]).reshape(len(cases), 8)
     for row, (name, attrs, arrays) in zip(values, cases):
-        expected = np.asarray(REGISTRY[name].ref(*arrays, **attrs)).astype(np.float64)
-        np.testing.assert_allclose(row, np.broadcast_to(expected, (7,)), rtol=2e-6, atol=2e-6,
+        expected = np.broadcast_to(np.asarray(REGISTRY[name].ref(*arrays, **attrs)).astype(np.float64), (7,))
+        np.testing.assert_allclose(row[:7], expected, rtol=2e-6, atol=2e-6,
                                    err_msg=f"{name} {attrs}: C++ expression disagrees with the NumPy reference")
+        np.testing.assert_allclose(row[7], expected[0], rtol=2e-6, atol=2e-6,
+                                   err_msg=f"{name} {attrs}: C++ expression with literal operands disagrees")
 
 
 def test_integer_safe_expressions_compile_for_long_long(tmp_path):
@@ -713,6 +719,7 @@ def test_cpp_literal_rendering():
     assert lowering.cpp_literal(float("-inf")) == "(-INFINITY)"
     assert lowering.cpp_literal(3) == "3"
     assert lowering.cpp_literal(2 ** 40) == "1099511627776LL"
+    assert lowering.cpp_literal(2 ** 64 - 1) == "18446744073709551615ULL"
     assert lowering.cpp_literal(True) == "true"
     gelu = REGISTRY["gelu"].lowering
     assert "erff" in gelu.expression({"approximate": "none"}) and "tanhf" in gelu.expression({"approximate": "tanh"})

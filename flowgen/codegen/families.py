@@ -269,8 +269,9 @@ def _gemm(node, kernel_name: str) -> list:
     def batch_text(shape):
         return "".join(f"{s}, " for s in shape)
 
+    what = f"{_shape_text(a.shape)} @ {_shape_text(b.shape)} (tiled GEMM {t.BM}x{t.BN})"
     source = _render(
-        "gemm.cu.j2", name=kernel_name, comment=_comment(node, f"{_shape_text(a.shape)} @ {_shape_text(b.shape)}"),
+        "gemm.cu.j2", name=kernel_name, comment=_comment(node, what),
         a_t=a.dtype.ctype, b_t=b.dtype.ctype, c_t=c.dtype.ctype, M=M, N=N, K=K, batch=batch,
         batch_text=batch_text(out_batch), a_batch_text=batch_text(a.shape[:-2]),
         b_batch_text=batch_text(b.shape[:-2]), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
@@ -278,8 +279,7 @@ def _gemm(node, kernel_name: str) -> list:
         load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), store_c=_storer(c.dtype, acc))
     if n_tiles * batch >= 2 ** 31:
         raise NotImplementedError(f"{node.op}: too many column tiles x batch entries for one grid")
-    return [_kernel(node, kernel_name, source, (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1), True,
-                    f"{_shape_text(a.shape)} @ {_shape_text(b.shape)} (tiled GEMM {t.BM}x{t.BN})")]
+    return [_kernel(node, kernel_name, source, (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1), True, what)]
 
 
 # --------------------------------------------------------------------------
@@ -317,6 +317,8 @@ def _permute(node, kernel_name):
     xs = _strides(x.shape)
     what = f"dims {tuple(dims)}: {_shape_text(x.shape)} -> {_shape_text(out.shape)}"
     plan = _transpose_plan(x.shape, dims)
+    if plan is not None:
+        what += " (tiled)"
     if plan is None:
         return _copy_map(node, kernel_name, lambda c: _offset(c, [xs[d] for d in dims]),
                          f"permuted index, dims {tuple(dims)}", what)
@@ -338,7 +340,7 @@ def _permute(node, kernel_name):
     grid = tiles_a * tiles_b * nrest
     if grid >= 2 ** 31:
         raise NotImplementedError(f"{node.op}: tensor too large for one grid of tiles")
-    return [_kernel(node, kernel_name, source, (grid, 1, 1), (tile, rows, 1), True, what + " (tiled)")]
+    return [_kernel(node, kernel_name, source, (grid, 1, 1), (tile, rows, 1), True, what)]
 
 
 def _slice(node, kernel_name):
@@ -574,7 +576,7 @@ def _scatter(node, kernel_name):
         dim = node.attrs["dim"] % len(shape)
         lines, coords = _coords(tuple(src.shape) or (1,), "i", "c")
         coords[dim] = "k"
-        what = f"dim {dim}: {_shape_text(src.shape)} into {_shape_text(out.shape)}"
+        what = f"dim {dim}: {_shape_text(src.shape)} into {_shape_text(out.shape)} (atomicAdd)"
         source = _render("scatter.cu.j2", kind="scatter_add", comment=_comment(node, what),
                          out_shape=_shape_text(out.shape), src_shape=_shape_text(src.shape), dim=dim,
                          size=shape[dim], index_t=index.dtype.ctype, src_t=src.dtype.ctype,
@@ -586,12 +588,12 @@ def _scatter(node, kernel_name):
             dim = node.attrs["dim"] % len(shape)
             outer, size, inner = _select_layout(shape, dim)
             names, pad = ("index", "src", "out"), -1
-            what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)}"
+            what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)} (atomicAdd)"
         else:                                               # embedding_backward(grad, indices)
             outer, size, inner = 1, out.shape[0], out.shape[1]
             names, pad = ("grad", "index", "out"), node.attrs.get("padding_idx", -1)
             pad = -1 if pad is None or pad < 0 else pad
-            what = f"{index.numel} rows into {_shape_text(out.shape)}"
+            what = f"{index.numel} rows into {_shape_text(out.shape)} (atomicAdd)"
         n = index.numel
         j_expr, offset = _select_exprs(outer, n, inner, size)
         source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
@@ -600,8 +602,7 @@ def _scatter(node, kernel_name):
                          node.op == "index_add" else "grad", **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
     if src.numel:
-        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False,
-                               what + " (atomicAdd)"))
+        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what))
     return kernels
 
 

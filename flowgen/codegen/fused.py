@@ -100,9 +100,11 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
 class _Emitter:
     """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
 
-    def __init__(self, node, producers):
+    def __init__(self, node, producers, stream_values=None):
         self.node = node
         self.producers = producers
+        self.stream_values = stream_values or {}   # rng state name -> its Value
+        self.streams: set = set()
         self.params: list = []
         self.args: list = []
         self.var: dict = {}
@@ -135,12 +137,25 @@ class _Emitter:
             self.var[v] = name
         return lines
 
+    def random_stream(self, attrs: dict) -> dict:
+        """Seed and offset of a random op read from the graph's rng state (see passes/random_streams)."""
+        stream = attrs["stream"]
+        if stream not in self.streams:
+            self.streams.add(stream)
+            self.params.append(f"const long long* __restrict__ {stream}")
+            self.args.append(BufferArg(self.stream_values[stream], "const long long*"))
+        return {**attrs, "seed": f"(unsigned long long){stream}[0]",
+                "offset": f"(unsigned long long)({stream}[1] + {literal(attrs['offset'])})"}
+
     def compute(self, body_node, index_var: str = "i") -> str:
         op = get_op(body_node.op)
         expr = op.lowering.expr
         if callable(expr):
             expr = expr(body_node.attrs)
         attrs = {k: literal(v) for k, v in body_node.attrs.items()}
+        if "stream" in body_node.attrs:
+            attrs = self.random_stream(attrs | {"stream": body_node.attrs["stream"],
+                                                "offset": body_node.attrs["offset"]})
         text = expr.format(*(self.var[v] for v in body_node.inputs), idx=index_var, **attrs)
         out = body_node.output
         name = self.fresh()
@@ -161,10 +176,10 @@ def kernel_name(index: int, node, ops) -> str:
     return f"k{index}_{scope}_{tail}"
 
 
-def render_elementwise(node, index: int, producers) -> Kernel:
+def render_elementwise(node, index: int, producers, stream_values=None) -> Kernel:
     body = node.body
     shape = tuple(body[-1].output.shape)
-    em = _Emitter(node, producers)
+    em = _Emitter(node, producers, stream_values)
     index_lines = []
     if any(tuple(v.shape) != shape and scalar_constant(v, producers) is None for v in node.inputs):
         index_lines = coordinate_lines(shape, "i", "c")
@@ -204,7 +219,7 @@ def _reduce_geometry(red):
     return in_shape, out_keep, dims
 
 
-def render_reduction(node, index: int, producers) -> Kernel:
+def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
     body = node.body
     r = next(k for k, b in enumerate(body) if isinstance(get_op(b.op).lowering, Reduction))
     red = body[r]
@@ -214,7 +229,7 @@ def render_reduction(node, index: int, producers) -> Kernel:
     reduce_shape = [in_shape[d] for d in dims]
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
-    em = _Emitter(node, producers)
+    em = _Emitter(node, producers, stream_values)
     acc_type = COMPUTE_TYPE[red.output.dtype]
 
     kept = [d for d in range(len(in_shape)) if d not in dims]

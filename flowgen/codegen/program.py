@@ -45,6 +45,7 @@ def render_kernels(graph):
     from flowgen.codegen.families import render_node
 
     producers = graph.producers()
+    stream_values = {s.name: s.value for s in graph.state if s.kind == "hyper"}
     kernels: list = []
     aliases: dict = {}
     constants: dict = {}
@@ -55,7 +56,7 @@ def render_kernels(graph):
             continue
         if node.op == "fused":
             render = fused.render_reduction if node.attrs["kind"] == "reduction" else fused.render_elementwise
-            kernels.append(render(node, len(kernels), producers))
+            kernels.append(render(node, len(kernels), producers, stream_values))
             continue
         lowering = get_op(node.op).lowering
         if isinstance(lowering, View):

@@ -125,11 +125,11 @@ def _float_ref(fn):
 
 
 # ======================================================================== unary
-def _unary(name, ref, expr, grad=None, infer=_float_unary_infer, doc="", **kw):
-    defop(name, infer=infer, ref=ref, grad=grad, lowering=Elementwise(expr, **kw), doc=doc)
+def _unary(name, ref, expr, grad=None, infer=_float_unary_infer, doc=""):
+    defop(name, infer=infer, ref=ref, grad=grad, lowering=Elementwise(expr), doc=doc)
 
 
-_unary("neg", np.negative, "(-{0})", infer=_unary_infer,
+_unary("neg", np.negative, "(-({0}))", infer=_unary_infer,
        grad=lambda ctx, g: (F.neg(g),))
 _unary("abs", np.abs, "(({0}) < 0 ? -({0}) : ({0}))", infer=_unary_infer,
        grad=lambda ctx, g: (g * F.sign(ctx.inputs[0]),))
@@ -222,23 +222,29 @@ def _gelu_grad_infer(g, a, approximate="none"):
     return TensorMeta(broadcast_shapes(g.shape, a.shape, op="gelu_grad"), out if out.is_floating else dt.float32)
 
 
+_GELU_ERF = "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.70710678118654752f)))"
 _GELU_TANH = ("(0.5f * ({0}) * (1.0f + tanhf(0.79788456080286536f * "
               "(({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))")
+_TANH_INNER = "tanhf(0.79788456080286536f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1})))"
+_GELU_GRAD_ERF = ("(({0}) * (0.5f * (1.0f + erff(({1}) * 0.70710678118654752f)) + "
+                  "({1}) * 0.39894228040143268f * expf(-0.5f * ({1}) * ({1}))))")
+_GELU_GRAD_TANH = (f"(({{0}}) * (0.5f * (1.0f + {_TANH_INNER}) + 0.5f * ({{1}}) * "
+                   f"(1.0f - {_TANH_INNER} * {_TANH_INNER}) * 0.79788456080286536f * "
+                   f"(1.0f + 0.134145f * ({{1}}) * ({{1}}))))")
+
+
+def _by_approximate(erf_expr, tanh_expr):
+    def expr(attrs):
+        return tanh_expr if attrs.get("approximate", "none") == "tanh" else erf_expr
+    return expr
+
+
 defop("gelu", infer=_gelu_infer, ref=_gelu_ref,
       grad=lambda ctx, g: (F.gelu_grad(g, ctx.inputs[0], ctx.attrs.get("approximate", "none")),),
-      lowering=Elementwise("(0.5f * ({0}) * (1.0f + erff(({0}) * 0.70710678118654752f)))",
-                           variants=(("approximate", "tanh", _GELU_TANH),)),
-      doc="gelu(x, approximate='none'|'tanh')")
-
-_TANH_INNER = "tanhf(0.79788456080286536f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1})))"
+      lowering=Elementwise(_by_approximate(_GELU_ERF, _GELU_TANH)),
+      doc="gelu(x, approximate='none'|'tanh'); the expression depends on `approximate` (callable expr)")
 defop("gelu_grad", infer=_gelu_grad_infer, ref=_gelu_grad_ref,
-      lowering=Elementwise(
-          "(({0}) * (0.5f * (1.0f + erff(({1}) * 0.70710678118654752f)) + "
-          "({1}) * 0.39894228040143268f * expf(-0.5f * ({1}) * ({1}))))",
-          variants=(("approximate", "tanh",
-                     f"(({{0}}) * (0.5f * (1.0f + {_TANH_INNER}) + 0.5f * ({{1}}) * "
-                     f"(1.0f - {_TANH_INNER} * {_TANH_INNER}) * 0.79788456080286536f * "
-                     f"(1.0f + 0.134145f * ({{1}}) * ({{1}}))))"),)),
+      lowering=Elementwise(_by_approximate(_GELU_GRAD_ERF, _GELU_GRAD_TANH)),
       doc="gelu_grad(grad_out, x, approximate): grad_out * gelu'(x)")
 
 

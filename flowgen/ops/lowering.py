@@ -19,23 +19,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Elementwise:
-    """A C++ expression; ``{0}``, ``{1}``... are the inputs (plain identifiers holding values
-    already converted to the compute type), ``{name}`` an attribute rendered by `cpp_literal`,
-    ``{idx}`` the linear output index.
+    """A C++ expression; ``{0}``, ``{1}``... are the inputs (identifiers or literals holding
+    values already converted to the compute type), ``{name}`` an attribute rendered as a C++
+    literal, ``{idx}`` the linear output index.
 
-    ``variants`` picks another expression when an attribute has a given value (gelu's
-    ``approximate``): ``((attr, value, expr), ...)``; `expression(attrs)` does the choice and
-    `render(operands, attrs)` the whole substitution.
+    ``expr`` is a string, or a callable ``expr(attrs) -> str`` when the expression depends on
+    an attribute (gelu's ``approximate``). `expression(attrs)` resolves it and
+    `render(operands, attrs)` does the whole substitution (attributes through `cpp_literal`).
     """
 
-    expr: str
-    variants: tuple = ()
+    expr: object
 
     def expression(self, attrs) -> str:
-        for attr, value, expr in self.variants:
-            if attrs.get(attr) == value:
-                return expr
-        return self.expr
+        return self.expr(attrs) if callable(self.expr) else self.expr
 
     def render(self, operands, attrs, idx: str = "idx") -> str:
         expr = self.expression(attrs)
@@ -52,6 +48,8 @@ def cpp_literal(value) -> str:
     if isinstance(value, int):
         if value == -(2 ** 63):
             return "(-9223372036854775807LL - 1)"
+        if value >= 2 ** 63:
+            return f"{value}ULL"
         return f"{value}LL" if not -(2 ** 31) <= value < 2 ** 31 else str(value)
     value = float(value)
     if math.isnan(value):

@@ -523,9 +523,10 @@ def _pool_geometry(shape, kernel_size, stride, padding, dilation, ceil_mode, op)
     k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
     if min(k) < 1 or min(s) < 1 or min(d) < 1 or min(p) < 0:
         raise RuntimeError(f"{op}: kernel_size, stride and dilation must be >= 1, padding >= 0")
-    if p[0] > k[0] // 2 or p[1] > k[1] // 2:
+    effective = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
+    if p[0] > effective[0] // 2 or p[1] > effective[1] // 2:
         raise RuntimeError(f"{op}: pad should be at most half of effective kernel size, "
-                           f"but got pad={p} and kernel_size={k}")
+                           f"but got pad={p}, kernel_size={k} and dilation={d}")
     out = tuple(pool_output_size(shape[2 + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(2))
     if min(out) < 1:
         raise RuntimeError(f"{op}: output size {out} is too small for input {tuple(shape)}")
@@ -844,14 +845,16 @@ def dropout_keep_mask(shape, p, seed, offset):
     return u >= np.float32(p)
 
 
-def _dropout_infer(x, p, seed, offset):
+def _dropout_infer(x, p, seed, offset, stream=None):
     _require_float(x, "dropout")
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
     return x
 
 
-def _dropout_ref(x, p, seed, offset):
+def _dropout_ref(x, p, seed, offset, stream=None):
+    # `stream` names the graph state that supplies seed/offset per call in compiled graphs
+    # (flowgen/passes/random_streams.py); the reference uses the attributes as given.
     keep = dropout_keep_mask(x.shape, p, seed, offset)
     ct = _ctype(x)
     scale = np.float32(1.0) - np.float32(p)          # (1.0f - (float)p), as the kernel computes it

@@ -20,7 +20,7 @@ from flowgen.passes.autodiff import _next_index
 @dataclass
 class HostScalar:
     name: str
-    compute: Callable[[], float]   # evaluated on the host right before each call
+    compute: Callable[[], object]   # evaluated on the host right before each call (number or array)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from flowgen import random
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
@@ -19,6 +20,7 @@ from flowgen.nn.graph.report import meta_repr
 from flowgen.passes.autodiff import autodiff
 from flowgen.passes.optimizer import lower_optimizers
 from flowgen.passes.pipeline import default_passes, run_passes
+from flowgen.passes.random_streams import bind_random_streams
 
 
 class CompiledGraph:
@@ -60,7 +62,7 @@ class CompiledGraph:
                 continue  # the device copy is the newest
             self.executor.write_state(value, tensor.numpy_view())
         for value, scalar in self.host_scalars:
-            self.executor.write_state(value, np.asarray(scalar.compute(), np.float32))
+            self.executor.write_state(value, np.asarray(scalar.compute(), value.dtype.np_dtype))
 
     def _mark_device_newer(self):
         for value, tensor in self.bindings:
@@ -166,7 +168,7 @@ def compile_step(graph, args):
     io: dict = {}
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
-        with tracer:
+        with tracer, random.preserved_dropout_stream():
             lazy_args = [tracer.add_input(a, i) for i, a in enumerate(args)]
             for k, a in enumerate(args):
                 graph._log(1, f"(INPUT:_{graph.name}-input_{k}:{meta_repr(a, lazy=False)})")
@@ -197,6 +199,9 @@ def compile_step(graph, args):
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars = [(state[h.name].value, h) for h in host]
+    ir, rng = bind_random_streams(ir)
+    if rng is not None:
+        host_scalars.append((ir.state_by_name()[rng.name].value, rng))
     passes = default_passes(graph.config)
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
