@@ -330,6 +330,10 @@ class Tensor:
         if self.is_lazy:
             raise RuntimeError("item assignment on a lazy tensor inside nn.Graph.build() is not supported; "
                                "use flow.where or masked_fill")
+        if isinstance(key, tuple):
+            key = tuple(k.numpy_view() if isinstance(k, Tensor) else k for k in key)
+        elif isinstance(key, Tensor):
+            key = key.numpy_view()
         self.numpy_view()[key] = value.numpy_view() if isinstance(value, Tensor) else value
         self._version += 1
 

@@ -357,3 +357,32 @@ def test_kernels_on_gpu(rendered):
             failures.append(case.id)
     module.close()
     assert not failures, f"kernels that disagree with the reference on the GPU: {failures}"
+
+
+def test_every_gemm_tile_configuration(monkeypatch):
+    """Each tile shape of the GEMM core (picked by problem size in practice) on one matmul and
+    one split-k conv2d_grad_weight with M, N, K tails."""
+    from flowgen.codegen import families
+
+    rng = np.random.default_rng(7)
+    a, b = _rand(rng, (2, 130, 37)), _rand(rng, (37, 135))
+    g, x = _rand(rng, (2, 5, 33, 33)), _rand(rng, (2, 3, 35, 35))
+    conv = Case("wgrad", "conv2d_grad_weight", None, weight_shape=(5, 3, 3, 3), stride=(1, 1), padding=(0, 0),
+                dilation=(1, 1), groups=1)
+    rendered = []
+    for i, tile in enumerate(families._TILES):
+        monkeypatch.setattr(families, "_TILES", (tile,))
+        mm = _node(Case("mm", "matmul", None), [a, b])
+        wg = _node(conv, [g, x])
+        rendered.append((mm, [a, b], render_node(mm, f"tile{i}_mm")))
+        rendered.append((wg, [g, x], render_node(wg, f"tile{i}_wgrad")))
+    monkeypatch.undo()
+    assert any(len(k) == 2 for _, _, k in rendered), "the conv case should exercise split-k"
+    source = "\n".join(k.source for _, _, ks in rendered for k in ks)
+    module = CpuModule(build_cpu_library(source, "test_families_tiles"))
+    for node, arrays, kernels in rendered:
+        r = type("R", (), {})()
+        r.node, r.arrays, r.kernels = node, arrays, kernels
+        got = _run(r, {k.name: module for k in kernels})
+        want = get_op(node.op).ref(*arrays, **node.attrs)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=kernels[-1].comment)

@@ -567,6 +567,9 @@ def test_setitem_and_iteration():
     assert t.tolist() == [[0, 0], [1, 2], [0, 7]]
     rows = [r.tolist() for r in t]
     assert rows == [[0, 0], [1, 2], [0, 7]]
+    t[t > 1] = -1
+    t[flow.tensor([0])] = 5
+    assert t.tolist() == [[5, 5], [1, -1], [0, -1]]
 
 
 # ============================================================== matmul

@@ -211,8 +211,8 @@ def _render(template: str, **context) -> str:
 # gemm
 
 # (BM, BN, TM, TN): every configuration uses 256 threads and a k step of 16.
-_TILES = ((64, 64, 4, 4), (32, 64, 2, 4), (64, 32, 4, 2), (32, 32, 2, 2), (16, 64, 1, 4), (64, 16, 4, 1),
-          (16, 16, 1, 1))
+_TILES = ((128, 128, 8, 8), (128, 64, 8, 4), (64, 128, 4, 8), (64, 64, 4, 4), (32, 64, 2, 4), (64, 32, 4, 2),
+          (32, 32, 2, 2), (16, 64, 1, 4), (64, 16, 4, 1), (16, 16, 1, 1))
 
 
 class _Tile(dict):
@@ -221,19 +221,25 @@ class _Tile(dict):
     __getattr__ = dict.__getitem__
 
 
-def _choose_tile(M: int, N: int, batch: int, acc: str, a_order: str, b_order: str) -> _Tile:
-    """The tile with the least estimated time: waves of blocks x work per block, where small
-    per-thread tiles pay more shared-memory traffic per multiply-add."""
+def _choose_tile(M: int, N: int, batch: int, acc: str, a_order: str, b_order: str, k_splits=None) -> _Tile:
+    """The tile with the least estimated time: padded work x per-multiply-add overhead (shared
+    memory traffic falls with larger per-thread tiles), scaled up when there are too few blocks
+    to fill the GPU. `k_splits(blocks)`, when given, says how many ways the k loop may be split
+    across blocks (more blocks for the same tile)."""
     best, best_cost = None, None
     for BM, BN, TM, TN in _TILES:
+        if acc == "double" and TM * TN > 16:                 # keep double accumulators in registers
+            continue
         blocks = -(-M // BM) * -(-N // BN) * batch
-        waves = -(-blocks // TARGET_BLOCKS)
-        cost = waves * BM * BN * (1.0 + 1.0 / TM + 1.0 / TN)
-        if best_cost is None or cost < best_cost:
+        if k_splits is not None:
+            blocks *= k_splits(blocks)
+        padded = -(-M // BM) * BM * -(-N // BN) * BN
+        cost = padded * (1.0 + 2.0 / TM + 2.0 / TN) * max(1.0, TARGET_BLOCKS / blocks)
+        if best_cost is None or cost < best_cost * 0.999:
             best, best_cost = (BM, BN, TM, TN), cost
     BM, BN, TM, TN = best
-    return _Tile(BM=BM, BN=BN, BK=16, TM=TM, TN=TN, RX=BN // TN, RY=BM // TM, NT=(BM // TM) * (BN // TN),
-                 acc=acc, a_order=a_order, b_order=b_order)
+    return _Tile(BM=BM, BN=BN, BK=16 if BM * BN <= 64 * 64 else 8, TM=TM, TN=TN, RX=BN // TN, RY=BM // TM,
+                 NT=(BM // TM) * (BN // TN), acc=acc, a_order=a_order, b_order=b_order)
 
 
 def _batch_offset_lines(out_batch, a_batch, b_batch, a_mat: int, b_mat: int) -> list:
@@ -803,12 +809,17 @@ def _conv2d(node, kernel_name):
         GM, GN, GK, a_order, b_order = OG, CG * KH * KW, N * OH * OW, "k", "k"
     if max(GM, GN, GK) >= 2 ** 31 - 2 ** 16:
         raise NotImplementedError(f"{node.op}: implicit GEMM of {GM}x{GN}x{GK} overflows int indexing")
-    t = _choose_tile(GM, GN, G, acc, a_order, b_order)
+    can_split = op == "wgrad" and out.dtype in (dt.float32, dt.float64)
+
+    def k_splits(blocks, bk=16):
+        """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
+        return max(1, min(-(-TARGET_BLOCKS // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
+
+    t = _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None)
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
     splits, kchunk = 1, GK
-    if op == "wgrad" and out.dtype in (dt.float32, dt.float64):
-        blocks = m_tiles * n_tiles * G
-        want = min(-(-TARGET_BLOCKS // blocks), -(-GK // (t.BK * 16)), max(1, 65535 // G))
+    if can_split:
+        want = k_splits(m_tiles * n_tiles * G, t.BK)
         if want > 1:
             kchunk = -(-(-(-GK // want)) // t.BK) * t.BK
             splits = -(-GK // kchunk)

@@ -26,7 +26,10 @@ def literal(value) -> str:
     if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
     if isinstance(value, (int, np.integer)):
-        return f"{int(value)}LL" if abs(int(value)) > 2**31 - 1 else str(int(value))
+        v = int(value)
+        if v > 2**63 - 1:
+            return f"{v}ULL"
+        return f"{v}LL" if abs(v) > 2**31 - 1 else str(v)
     if isinstance(value, (float, np.floating)):
         v = float(value)
         if np.isnan(v):

@@ -523,10 +523,9 @@ def _pool_geometry(shape, kernel_size, stride, padding, dilation, ceil_mode, op)
     k, s, p, d = _pair(kernel_size), _pair(stride), _pair(padding), _pair(dilation)
     if min(k) < 1 or min(s) < 1 or min(d) < 1 or min(p) < 0:
         raise RuntimeError(f"{op}: kernel_size, stride and dilation must be >= 1, padding >= 0")
-    effective = tuple(d[i] * (k[i] - 1) + 1 for i in range(2))
-    if p[0] > effective[0] // 2 or p[1] > effective[1] // 2:
+    if p[0] > k[0] // 2 or p[1] > k[1] // 2:   # PyTorch's rule (on the undilated kernel size)
         raise RuntimeError(f"{op}: pad should be at most half of effective kernel size, "
-                           f"but got pad={p}, kernel_size={k} and dilation={d}")
+                           f"but got pad={p} and kernel_size={k}")
     out = tuple(pool_output_size(shape[2 + i], k[i], s[i], p[i], d[i], ceil_mode) for i in range(2))
     if min(out) < 1:
         raise RuntimeError(f"{op}: output size {out} is too small for input {tuple(shape)}")

@@ -54,14 +54,20 @@ def cse(graph):
     return graph.copy_with(nodes=nodes, outputs=outputs, updates=updates)
 
 
-def fold_constants(graph, max_elements: int = 1 << 16):
-    """Evaluate nodes whose inputs are all constants (small results only)."""
+def fold_constants(graph):
+    """Evaluate nodes whose inputs are all constants.
+
+    Only when the result is no bigger than its largest input: folding a broadcast
+    (ones expanded to the batch) would turn a literal the kernels inline into an
+    array in memory.
+    """
     producers = graph.producers()
     nodes = []
     for node in graph.nodes:
         if (node.op != "constant" and node.op not in _IMPURE and node.inputs
                 and all(producers.get(v) is not None and producers[v].op == "constant" for v in node.inputs)
-                and len(node.outputs) == 1 and node.output.numel <= max_elements):
+                and len(node.outputs) == 1
+                and node.output.numel <= max([1] + [v.numel for v in node.inputs])):
             value = get_op(node.op).ref(*(producers[v].attrs["value"] for v in node.inputs), **node.attrs)
             value = np.asarray(value).astype(node.output.dtype.np_dtype).reshape(node.output.shape)
             node = type(node)("constant", [], node.outputs, {"value": value}, node.scope, node.loc)
