@@ -1,6 +1,9 @@
 import os
 
-import pytest
+# One BLAS thread: CI has 2 cores and the emulator already runs blocks on both.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
 
 os.environ.setdefault("FLOWGEN_CACHE", os.path.join(os.path.dirname(__file__), "..", ".flowgen-cache"))
 

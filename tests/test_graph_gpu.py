@@ -1,0 +1,104 @@
+"""The same graphs on a real GPU (skipped without one): CUDA results equal eager and the emulator."""
+import copy
+import math
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+
+pytestmark = pytest.mark.gpu
+
+
+class Infer(nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+class Train(nn.Graph):
+    def __init__(self, model, loss_fn, opt):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(33, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(), nn.Dropout(0.0), nn.Linear(64, 5))
+
+
+def test_inference_on_cuda_equals_eager_and_emulator():
+    model = _mlp()
+    x = flow.randn(17, 33)
+    expected = model(x).numpy()
+    cpu_out = Infer(copy.deepcopy(model))(x).numpy()
+    gpu_model = copy.deepcopy(model).to("cuda")
+    graph = Infer(gpu_model)
+    out = graph(x.to("cuda"))
+    assert out.device.type == "cuda"
+    np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out.numpy(), cpu_out, rtol=1e-4, atol=1e-5)
+    out2 = graph(x.to("cuda"))   # second call replays the captured CUDA graph
+    np.testing.assert_allclose(out2.numpy(), out.numpy())
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: flow.optim.SGD(p, lr=0.05, momentum=0.9),
+                                      lambda p: flow.optim.Adam(p, lr=1e-3)], ids=["sgd", "adam"])
+def test_training_on_cuda_matches_eager(make_opt):
+    flow.manual_seed(0)
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    gpu_model = model.to("cuda")
+    loss_fn = nn.CrossEntropyLoss()
+    graph = Train(gpu_model, loss_fn, make_opt(gpu_model.parameters()))
+    opt = make_opt(eager.parameters())
+    for step in range(5):
+        x, y = flow.randn(16, 33), flow.randint(0, 5, (16,))
+        lg = graph(x.to("cuda"), y.to("cuda"))
+        le = loss_fn(eager(x), y)
+        opt.zero_grad()
+        le.backward()
+        opt.step()
+        np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-4, atol=1e-5)
+    for p, pe in zip(gpu_model.parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-3, atol=1e-5)
+
+
+def test_polyfit_graph_on_cuda():
+    x = flow.tensor(np.linspace(-math.pi, math.pi, 2000), dtype=flow.float32)
+    y = flow.tensor(np.sin(x), dtype=flow.float32)
+    xx = flow.cat([x.unsqueeze(-1).pow(1), x.unsqueeze(-1).pow(2), x.unsqueeze(-1).pow(3)], dim=1)
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
+    eager = copy.deepcopy(model)
+    model.to("cuda")
+    loss_fn = nn.MSELoss(reduction="sum")
+    graph = Train(model, loss_fn, flow.optim.SGD(model.parameters(), lr=1e-6))
+    opt = flow.optim.SGD(eager.parameters(), lr=1e-6)
+    for _ in range(200):
+        lg = graph(xx.to("cuda"), y.to("cuda"))
+        le = loss_fn(eager(xx), y)
+        opt.zero_grad()
+        le.backward()
+        opt.step()
+    np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-3)
+    np.testing.assert_allclose(model[0].weight.numpy(), eager[0].weight.numpy(), rtol=1e-3, atol=1e-6)
+
+
+def test_dropout_masks_on_cuda_equal_eager():
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.4))
+    x = flow.randn(8, 16)
+    flow.manual_seed(3)
+    gpu = Infer(copy.deepcopy(model).to("cuda"))(x.to("cuda")).numpy()
+    flow.manual_seed(3)
+    ref = model(x).numpy()
+    np.testing.assert_allclose(gpu, ref, rtol=1e-5, atol=1e-6)
