@@ -260,6 +260,10 @@ def load(path, map_location=None):
     if not os.path.isdir(path):
         raise ValueError(f"flow.load: {path} is a file; flow.save writes a directory containing {STRUCTURE_FILE} "
                          f"and {TENSORS_FILE}")
+    if os.path.isfile(os.path.join(path, "graph.json")):   # flow.save(graph, dir): a deployable graph
+        from flowgen.saved_graph import load_saved_graph
+
+        return load_saved_graph(path)
     structure_path = os.path.join(path, STRUCTURE_FILE)
     tensors_path = os.path.join(path, TENSORS_FILE)
     if not os.path.isfile(structure_path):

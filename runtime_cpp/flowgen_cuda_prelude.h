@@ -15,6 +15,18 @@
   extern __shared__ __align__(16) unsigned char name##_raw[];   \
   T* name = reinterpret_cast<T*>(name##_raw)
 
+// NVRTC has no <math.h>/<climits>: the constants generated reductions use as identities.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+#ifndef LLONG_MAX
+#define LLONG_MAX 9223372036854775807LL
+#define LLONG_MIN (-LLONG_MAX - 1LL)
+#endif
+
 // Only the emulator needs a host-callable launcher per kernel.
 #define FLOWGEN_EMU_KERNEL(kname, needs_fibers)
 #endif

@@ -21,6 +21,7 @@
 #include <ucontext.h>  // fibers on targets other than x86-64
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>

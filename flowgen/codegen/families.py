@@ -36,8 +36,6 @@ Kernels by family (the main kernel carries `kernel_name`):
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from flowgen import dtype as dt
@@ -210,7 +208,7 @@ def _render(template: str, **context) -> str:
 # --------------------------------------------------------------------------
 # gemm
 
-# (BM, BN, TM, TN): every configuration uses 256 threads and a k step of 16.
+# (BM, BN, TM, TN): every configuration uses 256 threads; k steps are 16 wide (8 for the largest tiles).
 _TILES = ((128, 128, 8, 8), (128, 64, 8, 4), (64, 128, 4, 8), (64, 64, 4, 4), (32, 64, 2, 4), (64, 32, 4, 2),
           (32, 32, 2, 2), (16, 64, 1, 4), (64, 16, 4, 1), (16, 16, 1, 1))
 
@@ -323,11 +321,10 @@ def _permute(node, kernel_name):
     xs = _strides(x.shape)
     what = f"dims {tuple(dims)}: {_shape_text(x.shape)} -> {_shape_text(out.shape)}"
     plan = _transpose_plan(x.shape, dims)
-    if plan is not None:
-        what += " (tiled)"
     if plan is None:
         return _copy_map(node, kernel_name, lambda c: _offset(c, [xs[d] for d in dims]),
                          f"permuted index, dims {tuple(dims)}", what)
+    what += " (tiled)"
     a, b = plan
     os_ = _strides(out.shape)
     out_pos = {d: k for k, d in enumerate(dims)}           # input dim -> output position
@@ -405,27 +402,21 @@ def _cat(node, kernel_name):
         lines.append(f"const long long c{dim} = 0;")
         coords[dim] = f"c{dim}"
     parts, start = [], 0
-    for v in node.inputs:
-        vs = _strides(v.shape)
+    for k, v in enumerate(node.inputs):
         n = v.shape[dim]
-        if n == 0:
-            parts.append(None)
+        if n == 0:                  # an empty input keeps its parameter but gets no branch
             continue
         cs = list(coords)
         cs[dim] = coords[dim] if start == 0 else f"(c{dim} - {start})"
-        parts.append(dict(end=start + n, offset=_offset(cs, vs), convert=_converter(v.dtype, out.dtype)))
+        parts.append(dict(name=f"in{k}", end=start + n, offset=_offset(cs, _strides(v.shape)),
+                          convert=_converter(v.dtype, out.dtype)))
         start += n
     params = [f"const {v.dtype.ctype}* __restrict__ in{k}" for k, v in enumerate(node.inputs)]
     params.append(f"{out.dtype.ctype}* __restrict__ out")
-    # Empty inputs keep their parameter (argument order is the node's) but get no branch.
-    live = [p for p in parts if p is not None]
-    names = [f"in{k}" for k, p in enumerate(parts) if p is not None]
-    for p, nm in zip(live, names):
-        p["name"] = nm
     what = f"{len(node.inputs)} inputs along dim {dim} -> {_shape_text(out.shape)}"
     source = _render("copy.cu.j2", kind="cat", name=kernel_name, comment=_comment(node, what),
                      out_shape=_shape_text(out.shape), dim=dim, params=params, numel=out.numel,
-                     idx_t=_idx_type(out.numel), coord_lines=lines, parts=live)
+                     idx_t=_idx_type(out.numel), coord_lines=lines, parts=parts)
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 
 
@@ -471,9 +462,10 @@ def _softmax(node, kernel_name):
     f = "" if acc == "double" else "f"
     log = node.op == "log_softmax"
     ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
-               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, out_t=y.dtype.ctype, acc=acc, log=log, load=_loader(x.dtype, acc),
-               store=_storer(y.dtype, acc), elem=_elem(inner), fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}",
-               one="1.0" if acc == "double" else "1.0f", idx_t=_idx_type(rows))
+               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, out_t=y.dtype.ctype,
+               acc=acc, log=log, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
+               fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
+               idx_t=_idx_type(rows))
     if _use_columns(D, inner, rows):
         what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
         source = _render("softmax.cu.j2", kind="column", comment=_comment(node, what), **ctx)
@@ -493,8 +485,9 @@ def _argreduce(node, kernel_name):
     rows = outer * inner
     acc = _acc_type(x.dtype)
     ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
-               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, acc=acc, load=_loader(x.dtype, acc), elem=_elem(inner),
-               cmp=">" if node.op == "argmax" else "<", idx_t=_idx_type(rows))
+               stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, acc=acc,
+               load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if node.op == "argmax" else "<",
+               idx_t=_idx_type(rows))
     if _use_columns(D, inner, rows):
         what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
         source = _render("argreduce.cu.j2", kind="column", comment=_comment(node, what), **ctx)
@@ -560,9 +553,9 @@ def _gather(node, kernel_name):
 
 
 def _atomic_ops(dtype):
-    """(pointer cast, value cast) for atomicAdd on `dtype`."""
+    """(pointer, value) spellings for atomicAdd into a buffer of `dtype`."""
     if dtype in (dt.float32, dt.float64, dt.int32):
-        return (lambda p: p), _storer(dtype, "")
+        return (lambda p: p), (lambda v: v)
     if dtype == dt.int64:
         return (lambda p: f"(unsigned long long*){p}"), (lambda v: f"(unsigned long long)({v})")
     raise NotImplementedError(f"atomicAdd accumulation into {dtype.name} is not supported "
@@ -575,8 +568,7 @@ def _scatter(node, kernel_name):
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
     src_convert = _converter(src.dtype, out.dtype)
     ctx = dict(name=kernel_name, out_t=out.dtype.ctype, numel=src.numel, idx_t=_idx_type(src.numel, out.numel),
-               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)) if src.dtype != out.dtype
-               else (v if out.dtype in (dt.float32, dt.float64, dt.int32) else atomic_val(v)))
+               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)))
     if node.op == "scatter_add":
         shape = tuple(out.shape) or (1,)
         dim = node.attrs["dim"] % len(shape)
@@ -604,8 +596,8 @@ def _scatter(node, kernel_name):
         j_expr, offset = _select_exprs(outer, n, inner, size)
         source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
                          params=_params(node, names[:2], names[2:]), outer=outer, n=n, size=size, inner=inner,
-                         j_expr=j_expr, dst_offset=offset, padding_idx=pad, src_name=names[1] if
-                         node.op == "index_add" else "grad", **ctx)
+                         j_expr=j_expr, dst_offset=offset, padding_idx=pad,
+                         src_name="src" if node.op == "index_add" else "grad", **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
     if src.numel:
         kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what))
@@ -656,7 +648,6 @@ def _pool2d(node, kernel_name):
         if kind == "max":
             x = node.inputs[1]
             ctx.update(x_t=x.dtype.ctype, load=_loader(x.dtype, acc))
-        what = "gradient, " + what
     else:
         ctx.update(x_t=g.dtype.ctype, load=_loader(g.dtype, acc))
     kind += "_bwd" if grad else "_fwd"
@@ -726,8 +717,6 @@ def _upsample(node, kernel_name):
         ctx.update(x_t=src.dtype.ctype, load=_loader(src.dtype, acc), copy=_converter(src.dtype, out.dtype))
     kind = ("bilinear" if linear else "nearest") + ("_bwd" if grad else "_fwd")
     what = f"{_shape_text(small.shape)} -> {OH}x{OW}" + (" align_corners" if linear and align else "")
-    if grad:
-        what = "gradient, " + what
     source = _render("upsample.cu.j2", kind=kind, comment=_comment(node, what), **ctx)
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 
@@ -791,11 +780,11 @@ def _conv2d(node, kernel_name):
         kind = "dw_" + op
         if op == "wgrad":
             block = _row_block(N * OH * OW)
-            what = f"grad_weight {text} (depthwise, block per weight)"
+            what = f"{text} (depthwise, block per weight)"
             source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), block=block, **ctx)
             return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1), True,
                             what)]
-        what = ("" if op == "fwd" else "grad_input ") + f"{text} (depthwise, direct)"
+        what = f"{text} (depthwise, direct)"
         source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), numel=out.numel,
                          idx_t=_idx_type(out.numel), **ctx)
         return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
@@ -825,8 +814,7 @@ def _conv2d(node, kernel_name):
             splits = -(-GK // kchunk)
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
-    label = {"fwd": "", "dgrad": "grad_input ", "wgrad": "grad_weight "}[op]
-    what = f"{label}{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
+    what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
         (f", split-k {splits}" if splits > 1 else "") + ")"
     source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
                      splits=splits, kchunk=kchunk, pointwise=pointwise, **ctx)

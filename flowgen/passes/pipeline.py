@@ -4,16 +4,21 @@ from __future__ import annotations
 import time
 
 from flowgen.ir.verify import verify
+from flowgen.passes.checkpointing import checkpoint_activations
 from flowgen.passes.fusion import fuse
+from flowgen.passes.schedule import schedule
 from flowgen.passes.simplify import cse, dce, fold_constants
 
 
-def default_passes(config):
+def default_passes(config, checkpointed_scopes=()):
+    """The pass list for a graph (autodiff and optimizer lowering have already run)."""
     return [
         ("fold_constants", fold_constants),
         ("cse", cse),
         ("dce", dce),
+        ("activation_checkpointing", lambda g: checkpoint_activations(g, checkpointed_scopes)),
         ("fusion", lambda g: fuse(g, enabled=config.fusion)),
+        ("schedule", lambda g: schedule(g, straighten=config.straighten)),
     ]
 
 

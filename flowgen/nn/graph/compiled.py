@@ -134,17 +134,30 @@ def _module_hook(graph, tracer, paths: dict, io: dict):
 
 
 def _output_structure(result):
-    """Flatten build()'s return value; give back a function that rebuilds it."""
+    """Flatten build()'s return value (tensors in nested tuples/lists/dicts); return the
+    flat tensors and a function that rebuilds the structure from output tensors."""
     from flowgen.tensor import Tensor
 
-    if isinstance(result, Tensor):
-        return [result], lambda ts: ts[0]
-    if isinstance(result, (tuple, list)) and all(isinstance(r, Tensor) for r in result):
-        kind = type(result)
-        return list(result), lambda ts: kind(ts)
-    if result is None:
-        return [], lambda ts: None
-    raise TraceError(f"build() must return a tensor, a tuple/list of tensors or None, got {type(result).__name__}")
+    flat = []
+
+    def walk(obj):
+        if isinstance(obj, Tensor):
+            flat.append(obj)
+            index = len(flat) - 1
+            return lambda ts: ts[index]
+        if isinstance(obj, (tuple, list)):
+            parts = [walk(o) for o in obj]
+            kind = type(obj) if type(obj) in (tuple, list) else tuple
+            return lambda ts: kind(p(ts) for p in parts)
+        if isinstance(obj, dict):
+            parts = {k: walk(v) for k, v in obj.items()}
+            return lambda ts: {k: p(ts) for k, p in parts.items()}
+        if obj is None:
+            return lambda ts: None
+        raise TraceError(f"build() must return tensors (possibly in tuples, lists or dicts) or None; "
+                         f"it returned a {type(obj).__name__}")
+
+    return flat, walk(result)
 
 
 def compile_step(graph, args):
@@ -202,7 +215,8 @@ def compile_step(graph, args):
     ir, rng = bind_random_streams(ir)
     if rng is not None:
         host_scalars.append((ir.state_by_name()[rng.name].value, rng))
-    passes = default_passes(graph.config)
+    checkpointed = [path for path, options in graph._module_configs.items() if options.activation_checkpointing]
+    passes = default_passes(graph.config, checkpointed)
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()

@@ -30,6 +30,7 @@ class Graph:
         object.__setattr__(self, "_name", f"{cls}_{next(_counters[cls])}")
         object.__setattr__(self, "config", GraphConfig())
         object.__setattr__(self, "_modules", collections.OrderedDict())
+        object.__setattr__(self, "_module_configs", {})   # module path -> GraphModule options
         object.__setattr__(self, "_optimizers", [])
         object.__setattr__(self, "_grad_scaler", None)
         object.__setattr__(self, "_debug_level", -1)
@@ -46,7 +47,7 @@ class Graph:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
         if isinstance(value, Module):
             self._modules[name] = value
-            object.__setattr__(self, name, ProxyModule(value, name, self))
+            object.__setattr__(self, name, ProxyModule(value, name, self._module_configs))
             return
         if type(value).__module__.startswith("flowgen.optim") and hasattr(value, "param_groups"):
             raise AttributeError(f"'{name}' is an optimizer: register it with self.add_optimizer({name}) "
@@ -140,6 +141,12 @@ class Graph:
         # Compiled variants hold slot bindings made from the old optimizer state: rebuild them.
         self._variants.clear()
         object.__setattr__(self, "_last", None)
+
+    def _flowgen_save(self, path):
+        """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py)."""
+        from flowgen.saved_graph import save_graph
+
+        save_graph(self, path)
 
     def _after_step(self):
         """Host bookkeeping after a step: counters, Adam step counts, LR schedules."""

@@ -1,0 +1,555 @@
+"""`flow.save(graph, dir)` / `flow.load(dir)`: a compiled graph as a deployable directory.
+
+`flow.save(graph, dir)` (after the graph has been called once) writes the
+traced, optimised IR of the graph's last-used variant together with its state,
+so the step can be rebuilt without the Python code that defined it::
+
+    dir/
+      graph.json            the IR (format below)
+      constants.safetensors numeric attributes of IR nodes (captured constants)
+      weights.safetensors   every state value: parameters, buffers, optimizer
+                            slots and hyper scalars (lr, ...) with their values
+                            for the next step; metadata holds the step counter
+      signature.json        inputs/outputs (names, shapes, dtypes), training
+                            flag, graph name, flowgen version
+
+`flow.load(dir)` returns a `SavedGraph`: the IR rebuilt, the weights as NumPy
+arrays; `SavedGraph.run(*arrays)` runs one step on the CPU emulator, and
+`flowgen build dir` turns it into a standalone program.
+
+graph.json, format version 1
+----------------------------
+::
+
+    {"format": "flowgen.graph", "version": 1, "flowgen_version": "0.1.0",
+     "name": "G_0", "training": true,
+     "inputs":  [{"name": "input_0", "shape": [200, 3], "dtype": "float32"}],
+     "state":   [{"name": "model.0.weight", "shape": [1, 3], "dtype": "float32",
+                  "kind": "param"}],                 # param|buffer|optim|hyper|counter|const
+     "nodes":   [{"op": "matmul", "inputs": ["input_0", "t0"],
+                  "outputs": [{"name": "t1", "shape": [200, 1], "dtype": "float32"}],
+                  "attrs": {...}, "scope": "model.0", "loc": "train.py:42"},
+                 {"op": "fused", ..., "attrs": {"kind": "elementwise"},
+                  "body": [<nodes, same form>]}],
+     "outputs": ["t6"],
+     "updates": [["model.0.weight", "t24"]],          # state name <- value name
+     "constants_sha256": "<sha256 of constants.safetensors>"}
+
+Values are named once, where they are defined (an input, a state entry or a
+node output); everywhere else a value is its name. Names are unique in a graph
+(a fused node's outputs are the outputs of nodes in its body, named the same).
+The state value of a state entry has the entry's name. Attribute values are
+JSON with tags where JSON has no type of its own::
+
+    1, 2.5, "tanh", true, null, [..]        int, float, str, bool, None, list
+    {"$tuple": [1, 0]}                      tuple
+    {"$dtype": "float32"}                   a flowgen dtype
+    {"$float": "inf"}                       inf, -inf, nan
+    {"$scalar": "float32", "value": 0.5}    a NumPy scalar
+    {"$dict": {"k": ...}}                   a dict with string keys
+    {"$array": "t8", "dtype": "float32", "shape": [200]}
+                                            a NumPy array, stored in
+                                            constants.safetensors under that key
+                                            (a constant node's value is keyed by
+                                            its output's name, other arrays by
+                                            "<output name>.<attr>")
+
+A reader must refuse a version it does not know. Later versions may add keys;
+version 1 readers ignore keys they do not use.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+
+import numpy as np
+
+from flowgen import dtype as dt
+
+FORMAT = "flowgen.graph"
+VERSION = 1
+SIGNATURE_FORMAT = "flowgen.signature"
+WEIGHTS_FORMAT = "flowgen.weights"
+GRAPH_FILE = "graph.json"
+CONSTANTS_FILE = "constants.safetensors"
+WEIGHTS_FILE = "weights.safetensors"
+SIGNATURE_FILE = "signature.json"
+
+__all__ = ["SavedGraph", "save_graph", "load_saved_graph", "is_saved_graph"]
+
+
+def _flowgen_version() -> str:
+    import flowgen
+
+    return flowgen.__version__
+
+
+def _value_json(v) -> dict:
+    return {"name": v.name, "shape": [int(d) for d in v.shape], "dtype": v.dtype.name}
+
+
+# ------------------------------------------------------------------ encoding
+class _IREncoder:
+    def __init__(self):
+        self.arrays: dict = {}
+        self.defined: dict = {}   # name -> Value, to check that names identify values
+
+    def define(self, v) -> dict:
+        self._claim(v)
+        return _value_json(v)
+
+    def ref(self, v) -> str:
+        self._claim(v)
+        return v.name
+
+    def _claim(self, v):
+        other = self.defined.setdefault(v.name, v)
+        if other is not v:
+            raise ValueError(f"flow.save: the graph has two different values named %{v.name}; "
+                             f"graph.json identifies values by name")
+
+    def attr(self, value, key: str):
+        if isinstance(value, np.generic):   # before float: np.float64 is a float subclass
+            kind = dt.from_numpy(value.dtype).name
+            return {"$scalar": kind, "value": self.attr(value.item(), key)}
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float):
+            if math.isfinite(value):
+                return value
+            return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(value, dt.DType):
+            return {"$dtype": value.name}
+        if isinstance(value, np.ndarray):
+            if key in self.arrays:
+                raise ValueError(f"flow.save: two arrays would be stored as {key!r} in {CONSTANTS_FILE}")
+            self.arrays[key] = np.ascontiguousarray(value)
+            return {"$array": key, "dtype": dt.from_numpy(value.dtype).name, "shape": list(value.shape)}
+        if isinstance(value, tuple):
+            return {"$tuple": [self.attr(v, f"{key}.{i}") for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [self.attr(v, f"{key}.{i}") for i, v in enumerate(value)]
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return {"$dict": {k: self.attr(v, f"{key}.{k}") for k, v in value.items()}}
+        raise TypeError(f"flow.save: cannot store attribute {key!r} of type {type(value).__name__} in graph.json")
+
+    def node(self, node) -> dict:
+        out_name = node.outputs[0].name if node.outputs else "node"
+        attrs = {}
+        for k, v in node.attrs.items():
+            if k == "body":
+                continue
+            key = out_name if (node.op == "constant" and k == "value") else f"{out_name}.{k}"
+            attrs[k] = self.attr(v, key)
+        entry = {"op": node.op, "inputs": [self.ref(v) for v in node.inputs]}
+        body = node.attrs.get("body") if node.op == "fused" else None
+        if body is not None:
+            # The body defines the fused node's outputs; the node lists them by name.
+            entry["body"] = [self.node(n) for n in body]
+            entry["outputs"] = [_value_json(v) for v in node.outputs]
+            for v in node.outputs:
+                self._claim(v)
+        else:
+            entry["outputs"] = [self.define(v) for v in node.outputs]
+        entry["attrs"] = attrs
+        if node.scope:
+            entry["scope"] = node.scope
+        if node.loc:
+            entry["loc"] = node.loc
+        return entry
+
+
+def encode_graph(ir, training: bool) -> tuple:
+    """(graph.json dict without the constants hash, {key: array} for constants.safetensors)."""
+    enc = _IREncoder()
+    doc = {
+        "format": FORMAT,
+        "version": VERSION,
+        "flowgen_version": _flowgen_version(),
+        "name": ir.name,
+        "training": bool(training),
+        "inputs": [enc.define(v) for v in ir.inputs],
+        "state": [],
+    }
+    for s in ir.state:
+        if s.value.name != s.name:
+            raise ValueError(f"flow.save: state {s.name!r} is held in a value named %{s.value.name}; graph.json "
+                             f"names a state value after its state entry")
+        doc["state"].append(dict(enc.define(s.value), kind=s.kind))
+    doc["nodes"] = [enc.node(n) for n in ir.nodes]
+    doc["outputs"] = [enc.ref(v) for v in ir.outputs]
+    doc["updates"] = [[name, enc.ref(v)] for name, v in ir.updates]
+    return doc, enc.arrays
+
+
+# ------------------------------------------------------------------ decoding
+class FormatError(ValueError):
+    """A saved graph directory that cannot be read (corrupt, or written by another format version)."""
+
+
+class _IRDecoder:
+    def __init__(self, arrays: dict, source: str):
+        self.arrays = arrays
+        self.source = source
+        self.values: dict = {}
+
+    def fail(self, message: str):
+        raise FormatError(f"flow.load: {self.source}: {message}")
+
+    def new_value(self, entry):
+        from flowgen.ir.graph import Value
+
+        try:
+            name, shape, dtype = entry["name"], tuple(int(d) for d in entry["shape"]), dt.get(entry["dtype"])
+        except (KeyError, TypeError, ValueError) as e:
+            self.fail(f"bad value description {str(entry)[:80]} ({e})")
+        if not isinstance(name, str) or any(d < 0 for d in shape):
+            self.fail(f"bad value description {str(entry)[:80]}")
+        if name in self.values:
+            self.fail(f"value %{name} is defined twice")
+        v = Value(name, shape, dtype)
+        self.values[name] = v
+        return v
+
+    def ref(self, name):
+        if not isinstance(name, str) or name not in self.values:
+            self.fail(f"value {name!r} is used before it is defined")
+        return self.values[name]
+
+    def attr(self, node, key: str):
+        if node is None or isinstance(node, (bool, str, int, float)):
+            return node
+        if isinstance(node, list):
+            return [self.attr(v, key) for v in node]
+        if not isinstance(node, dict) or len(node) == 0:
+            self.fail(f"bad attribute value {str(node)[:80]}")
+        if "$tuple" in node:
+            return tuple(self.attr(v, key) for v in node["$tuple"])
+        if "$dtype" in node:
+            return dt.get(node["$dtype"])
+        if "$float" in node:
+            return float(node["$float"])
+        if "$scalar" in node:
+            return dt.get(node["$scalar"]).np_dtype.type(self.attr(node["value"], key))
+        if "$dict" in node:
+            return {k: self.attr(v, key) for k, v in node["$dict"].items()}
+        if "$array" in node:
+            array = self.arrays.get(node["$array"])
+            if array is None:
+                self.fail(f"constant {node['$array']!r} is missing from {CONSTANTS_FILE}")
+            if dt.get(node["dtype"]).np_dtype != array.dtype or list(array.shape) != list(node["shape"]):
+                self.fail(f"constant {node['$array']!r} in {CONSTANTS_FILE} is {array.dtype}{list(array.shape)}, "
+                          f"graph.json says {node['dtype']}{node['shape']}")
+            return array
+        self.fail(f"unknown attribute tag in {str(node)[:80]}")
+
+    def node(self, entry):
+        from flowgen.ir.graph import Node
+        from flowgen.ops.registry import get_op
+
+        try:
+            op = entry["op"]
+            get_op(op)
+        except (KeyError, TypeError) as e:
+            self.fail(f"bad node {str(entry)[:80]} (unknown op: {e})")
+        inputs = [self.ref(n) for n in entry.get("inputs", [])]
+        attrs = {k: self.attr(v, k) for k, v in entry.get("attrs", {}).items()}
+        if "body" in entry:
+            attrs["body"] = [self.node(n) for n in entry["body"]]
+            outputs = [self.ref(o["name"]) for o in entry["outputs"]]
+        else:
+            outputs = [self.new_value(o) for o in entry["outputs"]]
+        return Node(op, inputs, outputs, attrs, entry.get("scope", ""), entry.get("loc", ""))
+
+
+def decode_graph(doc: dict, arrays: dict, source: str):
+    from flowgen.ir.graph import Graph, StateVar
+    from flowgen.ir.verify import IRError, verify
+
+    dec = _IRDecoder(arrays, source)
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        dec.fail(f"{GRAPH_FILE} is not a flowgen graph file")
+    if doc.get("version") != VERSION:
+        dec.fail(f"{GRAPH_FILE} has format version {doc.get('version')!r}; this flowgen ({_flowgen_version()}) "
+                 f"reads version {VERSION}")
+    try:
+        graph = Graph(doc["name"])
+        graph.inputs = [dec.new_value(e) for e in doc["inputs"]]
+        graph.state = [StateVar(e["name"], dec.new_value(e), e["kind"]) for e in doc["state"]]
+        graph.nodes = [dec.node(n) for n in doc["nodes"]]
+        graph.outputs = [dec.ref(n) for n in doc["outputs"]]
+        graph.updates = [(name, dec.ref(v)) for name, v in doc["updates"]]
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, FormatError):
+            raise
+        dec.fail(f"{GRAPH_FILE} is malformed ({type(e).__name__}: {e})")
+    try:
+        verify(graph)
+    except (IRError, ValueError, TypeError, IndexError) as e:
+        dec.fail(f"{GRAPH_FILE} does not describe a valid graph: {e}")
+    return graph
+
+
+# ------------------------------------------------------------------ the object
+class SavedGraph:
+    """A graph loaded from a `flow.save(graph, dir)` directory: IR, weights, signature.
+
+    `run(*arrays)` runs one step with the Python executor on the CPU emulator
+    (training graphs update `weights`); `flowgen build dir` compiles the same IR
+    into a standalone program.
+    """
+
+    def __init__(self, ir, weights: dict, signature: dict, step: int = 0, path: str | None = None):
+        self.ir = ir
+        self.weights = weights          # state name -> ndarray, in ir.state order
+        self.signature = signature
+        self.step = int(step)           # steps the graph had run when it was saved (+ runs since)
+        self.path = path
+        self._program = None
+        self._executor = None
+
+    @property
+    def name(self) -> str:
+        return self.ir.name
+
+    @property
+    def training(self) -> bool:
+        return bool(self.signature.get("training", False))
+
+    @property
+    def inputs(self) -> list:
+        return self.signature["inputs"]
+
+    @property
+    def outputs(self) -> list:
+        return self.signature["outputs"]
+
+    def program(self):
+        """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR."""
+        if self._program is None:
+            from flowgen.codegen.program import build_program, count_unfused_kernels
+
+            self._program = build_program(self.ir)
+            self._program.kernels_before_fusion = count_unfused_kernels(self.ir)
+        return self._program
+
+    def _check_inputs(self, arrays) -> list:
+        if len(arrays) != len(self.ir.inputs):
+            raise TypeError(f"{self.name}: run() takes {len(self.ir.inputs)} input arrays, got {len(arrays)}")
+        result = []
+        for i, (a, v) in enumerate(zip(arrays, self.ir.inputs)):
+            a = np.asarray(a.numpy() if hasattr(a, "numpy") else a)
+            if tuple(a.shape) != tuple(v.shape):
+                raise ValueError(f"{self.name}: input {i} ({v.name}) has shape {tuple(a.shape)}, expected "
+                                 f"{tuple(v.shape)}")
+            if a.dtype != v.dtype.np_dtype:
+                raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}")
+            result.append(np.ascontiguousarray(a))
+        return result
+
+    def run(self, *arrays) -> list:
+        """One step on the CPU emulator; returns the outputs as NumPy arrays.
+
+        Hyper scalars (lr, ...) keep their saved values, as in the built program.
+        """
+        from flowgen.runtime.executor import CpuBackend, Executor
+
+        inputs = self._check_inputs(arrays)
+        if self._executor is None:
+            program = self.program()
+            self._executor = Executor(program, CpuBackend(program.source, self.name))
+        ex = self._executor
+        for s in self.ir.state:
+            ex.write_state(s.value, self.weights[s.name])
+        outputs = ex.run(inputs)
+        if self.training:
+            for s in self.ir.state:
+                self.weights[s.name] = ex.read_value(s.value)
+        self.step += 1
+        return outputs
+
+    def __repr__(self) -> str:
+        def sig(items):
+            return ", ".join(f"{e['name']}: {e['dtype']}{list(e['shape'])}" for e in items)
+
+        kind = "training" if self.training else "inference"
+        return (f"SavedGraph({self.name}, {kind}, inputs=({sig(self.inputs)}), outputs=({sig(self.outputs)}), "
+                f"{len(self.weights)} state tensors, path={self.path!r})")
+
+
+# ------------------------------------------------------------------ saving
+def _state_values(compiled) -> dict:
+    """Current value of every state entry: eager tensors for bound state, the host's value for hyper
+    scalars (what the next step would use), the device copy for anything else."""
+    bound = {id(v): t for v, t in compiled.bindings}
+    hyper = {id(v): h for v, h in compiled.host_scalars}
+    result = {}
+    for s in compiled.ir.state:
+        np_dtype = s.value.dtype.np_dtype
+        if id(s.value) in bound:
+            array = np.array(bound[id(s.value)].numpy(), dtype=np_dtype)
+        elif id(s.value) in hyper:
+            array = np.asarray(hyper[id(s.value)].compute(), dtype=np_dtype)
+        else:
+            array = compiled.executor.read_value(s.value)
+        result[s.name] = np.ascontiguousarray(array.reshape(s.value.shape))
+    return result
+
+
+def signature_of(ir, training: bool, graph_name: str) -> dict:
+    outputs = [dict(_value_json(v), name=f"output_{i}", value=v.name) for i, v in enumerate(ir.outputs)]
+    return {
+        "format": SIGNATURE_FORMAT,
+        "version": VERSION,
+        "graph": graph_name,
+        "flowgen_version": _flowgen_version(),
+        "training": bool(training),
+        "inputs": [_value_json(v) for v in ir.inputs],
+        "outputs": outputs,
+        "state": [dict(_value_json(s.value), kind=s.kind) for s in ir.state],
+    }
+
+
+def write_weights(weights: dict, filename: str, graph_name: str, step: int) -> None:
+    """weights.safetensors: tensors in state order; metadata names the graph and the step counter."""
+    from safetensors.numpy import save_file
+
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, filename,
+              metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step))})
+
+
+def _sha256(filename: str) -> str:
+    digest = hashlib.sha256()
+    with open(filename, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_json(obj, filename: str) -> None:
+    with open(filename, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, allow_nan=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def is_saved_graph(path) -> bool:
+    return os.path.isfile(os.path.join(os.fspath(path), GRAPH_FILE))
+
+
+def _check_replaceable(path: str) -> None:
+    from flowgen.serialization import STRUCTURE_FILE
+
+    if not os.path.lexists(path):
+        return
+    if os.path.islink(path) or not os.path.isdir(path):
+        raise FileExistsError(f"flow.save: {path} exists and is not a directory; remove it or choose another path")
+    if os.listdir(path) and not (is_saved_graph(path) or os.path.isfile(os.path.join(path, STRUCTURE_FILE))):
+        raise FileExistsError(f"flow.save: {path} is a non-empty directory that is not a flow.save directory "
+                              f"(no {GRAPH_FILE}); refusing to replace it")
+
+
+def save_graph(graph, path) -> None:
+    """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically."""
+    from flowgen.serialization import _replace_directory
+
+    if graph._last is None:
+        raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
+                           f"so that it is traced and compiled, then save it")
+    compiled = graph.compiled
+    path = os.path.abspath(os.fspath(path))
+    _check_replaceable(path)
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"flow.save: the parent directory {parent} does not exist")
+    doc, arrays = encode_graph(compiled.ir, graph.training)
+    weights = _state_values(compiled)
+    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
+    os.mkdir(tmp)
+    try:
+        from safetensors.numpy import save_file
+
+        constants_path = os.path.join(tmp, CONSTANTS_FILE)
+        save_file(arrays, constants_path, metadata={"format": "flowgen.constants"})
+        doc["constants_sha256"] = _sha256(constants_path)
+        _write_json(doc, os.path.join(tmp, GRAPH_FILE))
+        write_weights(weights, os.path.join(tmp, WEIGHTS_FILE), graph.name, graph._counter["calls"])
+        _write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
+        _replace_directory(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ------------------------------------------------------------------ loading
+def _read_json(filename: str, what: str):
+    try:
+        with open(filename, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FormatError(f"flow.load: {os.path.dirname(filename)} is incomplete: {what} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise FormatError(f"flow.load: {filename} is corrupt (not valid JSON: {e})") from None
+
+
+def _read_safetensors(filename: str) -> tuple:
+    from safetensors import safe_open
+
+    try:
+        arrays = {}
+        with safe_open(filename, framework="numpy") as f:
+            metadata = f.metadata() or {}
+            for key in f.keys():
+                arrays[key] = np.array(f.get_tensor(key))
+        return arrays, metadata
+    except FileNotFoundError:
+        raise FormatError(f"flow.load: {os.path.dirname(filename)} is incomplete: "
+                          f"{os.path.basename(filename)} is missing") from None
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for bad files
+        raise FormatError(f"flow.load: {filename} is corrupt ({type(e).__name__}: {e})") from None
+
+
+def check_weights(ir, weights: dict, source: str) -> None:
+    """The weights must hold exactly the graph's state, with its shapes and dtypes."""
+    expected = {s.name: s.value for s in ir.state}
+    missing = [n for n in expected if n not in weights]
+    extra = [n for n in weights if n not in expected]
+    if missing:
+        raise FormatError(f"{source}: missing tensor(s) {', '.join(missing)}")
+    if extra:
+        raise FormatError(f"{source}: unexpected tensor(s) {', '.join(extra)} (not state of graph {ir.name})")
+    for name, v in expected.items():
+        a = weights[name]
+        if a.dtype != v.dtype.np_dtype:
+            raise FormatError(f"{source}: tensor {name!r} has dtype {a.dtype}, expected {v.dtype.name}")
+        if tuple(a.shape) != tuple(v.shape):
+            raise FormatError(f"{source}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(v.shape)}")
+
+
+def load_saved_graph(path) -> SavedGraph:
+    path = os.path.abspath(os.fspath(path))
+    doc = _read_json(os.path.join(path, GRAPH_FILE), GRAPH_FILE)
+    constants_path = os.path.join(path, CONSTANTS_FILE)
+    expected = doc.get("constants_sha256") if isinstance(doc, dict) else None
+    if expected is not None and os.path.isfile(constants_path) and _sha256(constants_path) != expected:
+        raise FormatError(f"flow.load: {constants_path} is corrupt: its SHA-256 does not match graph.json")
+    arrays, _ = _read_safetensors(constants_path)
+    ir = decode_graph(doc, arrays, path)
+    weights_raw, metadata = _read_safetensors(os.path.join(path, WEIGHTS_FILE))
+    check_weights(ir, weights_raw, os.path.join(path, WEIGHTS_FILE))
+    weights = {s.name: weights_raw[s.name] for s in ir.state}
+    signature = _read_json(os.path.join(path, SIGNATURE_FILE), SIGNATURE_FILE)
+    if not isinstance(signature, dict) or signature.get("format") != SIGNATURE_FORMAT:
+        raise FormatError(f"flow.load: {path}/{SIGNATURE_FILE} is not a flowgen signature file")
+    try:
+        step = int(metadata.get("step", 0))
+    except ValueError:
+        step = 0
+    return SavedGraph(ir, weights, signature, step=step, path=path)
