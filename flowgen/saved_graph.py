@@ -88,6 +88,11 @@ def _flowgen_version() -> str:
     return flowgen.__version__
 
 
+def _contiguous(array) -> np.ndarray:
+    """A C-contiguous array of the same shape (np.ascontiguousarray would turn a 0-d array into 1-d)."""
+    return np.require(array, requirements="C")
+
+
 def _value_json(v) -> dict:
     return {"name": v.name, "shape": [int(d) for d in v.shape], "dtype": v.dtype.name}
 
@@ -129,7 +134,7 @@ class _IREncoder:
         if isinstance(value, np.ndarray):
             if key in self.arrays:
                 raise ValueError(f"flow.save: two arrays would be stored as {key!r} in {CONSTANTS_FILE}")
-            self.arrays[key] = np.ascontiguousarray(value)
+            self.arrays[key] = _contiguous(value)
             return {"$array": key, "dtype": dt.from_numpy(value.dtype).name, "shape": list(value.shape)}
         if isinstance(value, tuple):
             return {"$tuple": [self.attr(v, f"{key}.{i}") for i, v in enumerate(value)]}
@@ -255,7 +260,8 @@ class _IRDecoder:
 
         try:
             op = entry["op"]
-            get_op(op)
+            if op != "fused":   # fused nodes are made by the fusion pass, not registered ops
+                get_op(op)
         except (KeyError, TypeError) as e:
             self.fail(f"bad node {str(entry)[:80]} (unknown op: {e})")
         inputs = [self.ref(n) for n in entry.get("inputs", [])]
@@ -350,7 +356,7 @@ class SavedGraph:
                                  f"{tuple(v.shape)}")
             if a.dtype != v.dtype.np_dtype:
                 raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}")
-            result.append(np.ascontiguousarray(a))
+            result.append(_contiguous(a))
         return result
 
     def run(self, *arrays) -> list:
@@ -398,7 +404,7 @@ def _state_values(compiled) -> dict:
             array = np.asarray(hyper[id(s.value)].compute(), dtype=np_dtype)
         else:
             array = compiled.executor.read_value(s.value)
-        result[s.name] = np.ascontiguousarray(array.reshape(s.value.shape))
+        result[s.name] = _contiguous(array.reshape(s.value.shape))
     return result
 
 
@@ -420,7 +426,7 @@ def write_weights(weights: dict, filename: str, graph_name: str, step: int) -> N
     """weights.safetensors: tensors in state order; metadata names the graph and the step counter."""
     from safetensors.numpy import save_file
 
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, filename,
+    save_file({k: _contiguous(v) for k, v in weights.items()}, filename,
               metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step))})
 
 

@@ -479,7 +479,10 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
   const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
   const int nthreads = int(block[0] * block[1] * block[2]);
   if (nblocks == 0 || nthreads == 0) return;
-#pragma omp parallel
+  // Small launches run on the calling thread: waking the OpenMP team costs more than the
+  // work, and on a busy machine a descheduled team member stalls the whole launch.
+  const bool parallel = nblocks > 1 && nblocks * nthreads >= (1 << 16);
+#pragma omp parallel if (parallel)
   {
     gridDim = dim3(grid[0], grid[1], grid[2]);
     blockDim = dim3(block[0], block[1], block[2]);

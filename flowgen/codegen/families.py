@@ -258,32 +258,59 @@ def _batch_offset_lines(out_batch, a_batch, b_batch, a_mat: int, b_mat: int) -> 
 def _gemm(node, kernel_name: str) -> list:
     a, b = node.inputs
     c = node.output
+    store = _storer(c.dtype, _acc_type(a.dtype, b.dtype))
+    return [gemm_kernel(node, kernel_name, a, b, c, params=None, args=_args(node), epilogue_lines=[
+        f"c[c_base + (long long)m * GN + n] = {store('val')};"])]
+
+
+def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_trans=False, b_trans=False,
+                ops=None, what_extra="", a_ptr="a", b_ptr="b") -> Kernel:
+    """One tiled GEMM kernel for c = op(a) @ op(b), where op transposes the last two dims when
+    asked (the operand is then read in place: no transpose kernel). `params`/`args` default
+    to (a, b, c); `epilogue_lines` run per output element with `val` (the accumulator), `m`,
+    `n`, `c_base` in scope — the fusion pass puts bias adds and activations there."""
     if dt.bool_ in (a.dtype, b.dtype, c.dtype):
-        raise NotImplementedError(f"{node.op}: boolean matmul has no kernel")
-    M, K = a.shape[-2:]
-    N = b.shape[-1]
+        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): boolean matmul has no kernel")
+    M, K = (a.shape[-1], a.shape[-2]) if a_trans else a.shape[-2:]
+    N = b.shape[-2] if b_trans else b.shape[-1]
     out_batch = tuple(c.shape[:-2])
     batch = _numel(out_batch)
     acc = _acc_type(a.dtype, b.dtype)
-    t = _choose_tile(M, N, batch, acc, "k", "n")
+    t = _choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
     n_tiles, m_tiles = -(-N // t.BN), -(-M // t.BM)
     if m_tiles > 65535:
-        raise NotImplementedError(f"{node.op}: M = {M} needs more than 65535 row tiles")
+        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): M = {M} needs more than 65535 row tiles")
+    if n_tiles * batch >= 2 ** 31:
+        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): too many column tiles x batch entries")
 
     def batch_text(shape):
         return "".join(f"{s}, " for s in shape)
 
-    what = f"{_shape_text(a.shape)} @ {_shape_text(b.shape)} (tiled GEMM {t.BM}x{t.BN})"
+    def operand(name, trans):
+        return f"{name}^T" if trans else name
+
+    # Shallow (small K) or tiny problems: one thread per output, no shared memory or barriers.
+    direct = K <= 16 or (M * N * batch <= 256 and K <= 8192)
+    if params is None:
+        params = [f"const {a.dtype.ctype}* __restrict__ a", f"const {b.dtype.ctype}* __restrict__ b",
+                  f"{c.dtype.ctype}* __restrict__ c"]
+    what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
+            f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}){what_extra}")
     source = _render(
-        "gemm.cu.j2", name=kernel_name, comment=_comment(node, what),
-        a_t=a.dtype.ctype, b_t=b.dtype.ctype, c_t=c.dtype.ctype, M=M, N=N, K=K, batch=batch,
-        batch_text=batch_text(out_batch), a_batch_text=batch_text(a.shape[:-2]),
-        b_batch_text=batch_text(b.shape[:-2]), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
+        "gemm.cu.j2", name=kernel_name, comment=_comment(node, what), params=params,
+        a_ptr=a_ptr, b_ptr=b_ptr,
+        a_desc=operand("A", a_trans), b_desc=operand("B", b_trans), acc=acc,
+        a_index="(long long)k * GM + m" if a_trans else "(long long)m * GK + k",
+        b_index="(long long)n * GK + k" if b_trans else "(long long)k * GN + n",
+        M=M, N=N, K=K, batch=batch, batch_text=batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
-        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), store_c=_storer(c.dtype, acc))
-    if n_tiles * batch >= 2 ** 31:
-        raise NotImplementedError(f"{node.op}: too many column tiles x batch entries for one grid")
-    return [_kernel(node, kernel_name, source, (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1), True, what)]
+        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), epilogue_lines=epilogue_lines, direct=direct)
+    if direct:
+        grid, block = _grid_1d(batch * M * N), (BLOCK, 1, 1)
+    else:
+        grid, block = (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1)
+    return Kernel(name=kernel_name, source=source, args=args, grid=grid, block=block, smem=0,
+                  needs_fibers=not direct, comment=_comment(node, what), ops=ops or [node.op])
 
 
 # --------------------------------------------------------------------------

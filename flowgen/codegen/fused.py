@@ -205,7 +205,8 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     block = 256
     grid = max(1, min((numel + block - 1) // block, 4096))
     return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
-                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops)
+                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
+                  pointwise_reads=frozenset(v for v in node.inputs if tuple(v.shape) == shape))
 
 
 def _reduce_geometry(red):
@@ -294,4 +295,48 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
         reduced_var=reduced_var, epilogue_lines=epilogue_lines)
     numel_out = int(np.prod(out_shape, dtype=np.int64))
     return Kernel(name, source, em.args, (max(numel_out, 1), 1, 1), (block, 1, 1), 0, True,
-                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops)
+                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
+                  pointwise_reads=frozenset(v for v in epilogue_inputs if tuple(v.shape) == epi_shape
+                                            and v not in prologue_values))
+
+
+def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
+    """A matmul with transposes folded into its loads and an elementwise epilogue."""
+    from flowgen.codegen.families import gemm_kernel
+
+    body = node.body
+    mm_at = next(k for k, b in enumerate(body) if b.op == "matmul")
+    mm, prologue, epilogue = body[mm_at], body[:mm_at], body[mm_at + 1:]
+    transposed = {p.output: p.inputs[0] for p in prologue}   # operands read in place, transposed
+    a_val, b_val = mm.inputs
+    a_src, b_src = transposed.get(a_val, a_val), transposed.get(b_val, b_val)
+    em = _Emitter(node, producers, stream_values)
+    if any(scalar_constant(v, producers) is not None for v in (a_src, b_src)):
+        raise NotImplementedError(f"matmul ({node.scope or 'graph'}): a one-element constant operand")
+
+    out_shape = tuple(mm.output.shape)
+    em.var[mm.output] = "val"
+    store_transposed = bool(epilogue) and epilogue[0].op == "permute"
+    if store_transposed:   # (A @ B)^T: element (m, n) lands at (n, m)
+        out_shape = tuple(epilogue[0].output.shape)
+        em.var[epilogue[0].output] = "val"
+        epilogue = epilogue[1:]
+    coords = [f"e{d}" for d in range(len(out_shape))]
+    externals = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
+    lines = ["const long long i = c_base + (long long)n * GM + m;" if store_transposed
+             else "const long long i = c_base + (long long)m * GN + n;"]
+    if any(tuple(v.shape) != out_shape and scalar_constant(v, producers) is None for v in externals):
+        lines += coordinate_lines(out_shape, "i", "e")
+    lines += em.load_inputs(externals, lambda v: "i" if tuple(v.shape) == out_shape
+                            else broadcast_offset(v.shape, out_shape, coords))
+    for b in epilogue:
+        lines.append(em.compute(b))
+    lines += em.stores(set(node.outputs), "i")
+    ops = [b.op for b in body]
+    name = kernel_name(index, node, [o for o in ops if o != "permute"])
+    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
+    kernel = gemm_kernel(node, name, a_src, b_src, mm.output, params=em.params, args=em.args, epilogue_lines=lines,
+                         a_trans=a_val in transposed, b_trans=b_val in transposed, ops=ops, what_extra=extra,
+                         a_ptr=f"in{node.inputs.index(a_src)}", b_ptr=f"in{node.inputs.index(b_src)}")
+    kernel.pointwise_reads = frozenset(v for v in externals if tuple(v.shape) == out_shape and v not in (a_src, b_src))
+    return kernel

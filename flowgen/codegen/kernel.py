@@ -33,3 +33,6 @@ class Kernel:
     needs_fibers: bool = False
     comment: str = ""    # module path and the ops fused in
     ops: list = field(default_factory=list)   # op names fused into this kernel
+    # Inputs read only at the element the thread writes (same shape as the output): an
+    # update may overwrite such an input's buffer in place.
+    pointwise_reads: frozenset = frozenset()

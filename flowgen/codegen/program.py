@@ -32,6 +32,7 @@ class Program:
     constants: dict                   # Value -> ndarray uploaded once (non-scalar constants)
     plan: MemoryPlan
     source: str                       # kernels.cu
+    state_writes: dict = field(default_factory=dict)  # update Value -> state Value it is written into
     kernels_before_fusion: int = 0
     timings: dict = field(default_factory=dict)
 
@@ -55,7 +56,8 @@ def render_kernels(graph):
                 constants[node.output] = node.attrs["value"]
             continue
         if node.op == "fused":
-            render = fused.render_reduction if node.attrs["kind"] == "reduction" else fused.render_elementwise
+            render = {"reduction": fused.render_reduction, "gemm": fused.render_gemm,
+                      "elementwise": fused.render_elementwise}[node.attrs["kind"]]
             kernels.append(render(node, len(kernels), producers, stream_values))
             continue
         lowering = get_op(node.op).lowering
@@ -86,9 +88,35 @@ def count_unfused_kernels(graph) -> int:
     return count
 
 
+def _buffer_values(kernel, written: bool) -> list:
+    return [a.value for a in kernel.args
+            if getattr(a, "value", None) is not None and a.ctype.startswith("const") != written]
+
+
+def direct_state_writes(graph, kernels, aliases) -> dict:
+    """Updates a kernel can write straight into the state buffer, saving the arena slot and the
+    end-of-step copy: allowed when no later kernel reads the old state value, and the producing
+    kernel reads it (if at all) only at the element it writes (`Kernel.pointwise_reads`)."""
+    state = graph.state_by_name()
+    producer = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=True)}
+    direct = {}
+    for name, value in graph.updates:
+        old, i = state[name].value, producer.get(value)
+        if i is None or value in aliases or value in direct:
+            continue
+        if any(old in _buffer_values(k, written=False) for k in kernels[i + 1:]):
+            continue
+        if old in _buffer_values(kernels[i], written=False) and (
+                old not in kernels[i].pointwise_reads or tuple(old.shape) != tuple(value.shape)):
+            continue
+        direct[value] = old
+    return direct
+
+
 def build_program(graph, naive_memory: bool = False) -> Program:
     kernels, aliases, constants = render_kernels(graph)
-    external = set(graph.inputs) | {s.value for s in graph.state} | set(constants)
+    state_writes = direct_state_writes(graph, kernels, aliases)
+    external = set(graph.inputs) | {s.value for s in graph.state} | set(constants) | set(state_writes)
     steps = [Step(reads=[a.value for a in k.args if getattr(a, "value", None) is not None and a.ctype.startswith("const")],
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
                   # Elementwise kernels read element i before writing element i; with equal
@@ -99,7 +127,7 @@ def build_program(graph, naive_memory: bool = False) -> Program:
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None)
     source = KERNELS_HEADER.format(name=graph.name) + "\n".join(k.source for k in kernels)
-    return Program(graph, kernels, aliases, constants, plan, source)
+    return Program(graph, kernels, aliases, constants, plan, source, state_writes=state_writes)
 
 
 def describe_kernels(program) -> list:

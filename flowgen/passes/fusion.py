@@ -5,6 +5,9 @@
 * A reduction absorbs the elementwise group that only feeds it (prologue) and
   the elementwise nodes of its output shape that follow it (epilogue): kind
   ``reduction``.
+* A matmul reads transposed operands in place (absorbing the permute) and takes
+  the elementwise nodes of its output shape that follow it (bias add,
+  activation) as an epilogue: kind ``gemm``.
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
@@ -19,15 +22,29 @@ from flowgen.ops.lowering import Elementwise, Reduction
 from flowgen.ops.registry import get_op
 
 
+def _swaps_last_two(dims) -> bool:
+    n = len(dims)
+    return n >= 2 and tuple(dims) == tuple(range(n - 2)) + (n - 1, n - 2)
+
+
 def _kind(node) -> str:
     if node.op == "constant":
         return "constant"
+    if node.op == "matmul":
+        return "gemm"
     lowering = get_op(node.op).lowering
     if isinstance(lowering, Elementwise):
         return "elementwise"
     if isinstance(lowering, Reduction):
         return "reduction"
     return "other"
+
+
+def _transposes_gemm_result(node, group, producer_index, users, live_out) -> bool:
+    """`node` transposes the bare result of a GEMM group (no epilogue yet, no other reader)."""
+    v = node.inputs[0]
+    return (group is not None and group.kind == "gemm" and producer_index[v] == group.reduction
+            and max(group.members) == group.reduction and v not in live_out and len(users.get(v, [])) == 1)
 
 
 class _Group:
@@ -103,6 +120,28 @@ def fuse(graph, enabled: bool = True):
                 for m in prologue.members:
                     add(g, m)
             groups.append(g)
+            add(g, i)
+        elif kind == "gemm" and enabled:
+            # GEMM anchor: transposes that only feed it are read in place (prologue), and
+            # elementwise consumers of its output (bias, activation) join as the epilogue.
+            g = _Group("gemm", tuple(node.output.shape), i)
+            g.reduction = i
+            for v in node.inputs:
+                p = producer_index.get(v)
+                if (p is not None and nodes[p].op == "permute" and _swaps_last_two(nodes[p].attrs["dims"])
+                        and group_of.get(p) is None and v not in live_out
+                        and all(u is node for u in users.get(v, []))):
+                    add(g, p)
+                    g.first = min(g.first, p)
+            groups.append(g)
+            add(g, i)
+        elif (kind == "other" and enabled and node.op == "permute" and _swaps_last_two(node.attrs["dims"])
+              and _transposes_gemm_result(node, group_of.get(producer_index.get(node.inputs[0])),
+                                          producer_index, users, live_out)
+              and can_join(group_of[producer_index[node.inputs[0]]], i)):
+            # (A @ B)^T: the GEMM stores its tile transposed instead of a separate transpose kernel.
+            g = group_of[producer_index[node.inputs[0]]]
+            g.shape = tuple(node.output.shape)
             add(g, i)
         # template families, views and constants stay as they are
 

@@ -122,6 +122,8 @@ class Executor:
             self.address[v] = backend.alloc(v.nbytes)
         for s in graph.state:
             self.address[s.value] = backend.alloc(s.value.nbytes)
+        for value, state_value in program.state_writes.items():
+            self.address[value] = self.address[state_value]
         for v, array in program.constants.items():
             self.address[v] = backend.alloc(v.nbytes)
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))

@@ -1,0 +1,204 @@
+"""`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
+
+    flowgen build DIR -o OUT [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
+    flowgen run OUT INPUT.npy... -o RESDIR [--steps N]
+    flowgen inspect DIR|OUT [--source] [--ir] [--memory]
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+
+def _fail(message: str):
+    raise click.ClickException(message)
+
+
+def _load(path: str):
+    from flowgen.saved_graph import FormatError, is_saved_graph, load_saved_graph
+
+    if not is_saved_graph(path):
+        _fail(f"{path} is not a saved graph: it has no graph.json (write one with flow.save(graph, dir) after "
+              f"calling the graph once)")
+    try:
+        return load_saved_graph(path)
+    except FormatError as e:
+        _fail(str(e))
+
+
+def _read_manifest(out: str) -> dict:
+    path = Path(out) / "manifest.json"
+    if not path.is_file():
+        _fail(f"{out} is not a flowgen build directory: manifest.json is missing (run `flowgen build` first)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        _fail(f"{path} is corrupt: {e}")
+
+
+def _version() -> str:
+    import flowgen
+
+    return flowgen.__version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version(), prog_name="flowgen")
+def cli():
+    """flowgen: an ahead-of-time compiler for neural networks that emits readable CUDA C++.
+
+    Save a graph with `flow.save(graph, DIR)` after calling it once, then build it into a
+    standalone program, run it, or look inside.
+    """
+
+
+@cli.command()
+@click.argument("saved_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="Output directory: program.cu, the binary, weights.safetensors, manifest.json.")
+@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
+              help="cuda: GPU binary (builds without a GPU); cpu: the CPU emulator, runs anywhere.")
+@click.option("--arch", default="sm_90", show_default=True, help="GPU architecture of the embedded cubin (cuda target).")
+@click.option("--compiler", type=click.Choice(["nvrtc", "nvcc"]), default="nvrtc", show_default=True,
+              help="Device compiler for the cuda target; nvcc must be on PATH.")
+@click.option("--sanitize", is_flag=True, hidden=True, help="Build the host code with AddressSanitizer (testing).")
+def build(saved_dir, out_dir, target, arch, compiler, sanitize):
+    """Build the standalone program for the saved graph in DIR.
+
+    Renders OUT/program.cu (kernels + host code), compiles it to OUT/<graph name>, and writes
+    OUT/weights.safetensors and OUT/manifest.json.
+    """
+    from flowgen.codegen.aot import BuildError, build as build_program
+    from flowgen.runtime.toolchain import CompileError
+
+    start = time.perf_counter()
+    saved = _load(saved_dir)
+    kind = "training" if saved.training else "inference"
+    click.echo(f"flowgen build: {saved.name} ({kind}) -> {out_dir} [target {target}"
+               f"{', ' + arch + ' via ' + compiler if target == 'cuda' else ''}]", err=True)
+    click.echo(f"  {'load':<22} {time.perf_counter() - start:7.2f} s   {saved_dir}", err=True)
+    try:
+        result = build_program(saved, out_dir, target=target, arch=arch, compiler=compiler, sanitize=sanitize,
+                               log=lambda line: click.echo(line, err=True))
+    except (BuildError, CompileError, ValueError) as e:
+        _fail(str(e))
+    click.echo(f"built {result.binary} in {time.perf_counter() - start:.2f} s", err=True)
+
+
+@cli.command()
+@click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
+@click.argument("inputs", metavar="INPUT.npy...", nargs=-1, type=click.Path())
+@click.option("-o", "--out", "result_dir", required=True, type=click.Path(file_okay=False),
+              help="Where results go: output_<i>.npy; for training also weights.safetensors and losses.npy.")
+@click.option("--steps", type=click.IntRange(min=1), default=None,
+              help="Training: number of steps (default: one per input batch).")
+@click.option("--weights", type=click.Path(dir_okay=False), default=None,
+              help="State to start from (default: OUT/weights.safetensors).")
+@click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Training: print the loss every K steps.")
+def run(out_dir, inputs, result_dir, steps, weights, log_every):
+    """Run the program built in OUT on the given .npy inputs (one per graph input, in order).
+
+    Inference graphs write each output as RESDIR/output_<i>.npy. Training graphs run --steps
+    steps; an input whose first dimension is k times the traced one holds k batches, used in
+    order and wrapping. The loss is printed as the steps run, and the updated weights and
+    optimizer state are written to RESDIR/weights.safetensors. Hyper scalars (lr, ...) keep
+    the values stored in the weights for the whole run.
+    """
+    manifest = _read_manifest(out_dir)
+    binary = Path(out_dir) / manifest["binary"]
+    if not binary.is_file():
+        _fail(f"{binary} is missing; rebuild with `flowgen build`")
+    command = [str(binary), "--weights", weights or str(Path(out_dir) / "weights.safetensors")]
+    for path in inputs:
+        command += ["--input", path]
+    command += ["--out", result_dir, "--log-every", str(log_every)]
+    if steps is not None:
+        command += ["--steps", str(steps)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        click.echo(line, nl=False)
+    code = proc.wait()
+    if code < 0:
+        _fail(f"{binary.name} was killed by signal {-code}")
+    if code != 0:
+        sys.exit(code)
+
+
+def _format_bytes(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _io_lines(entries) -> list:
+    return [f"    {e['name']}: {e['dtype']}{list(e['shape'])}" for e in entries]
+
+
+@cli.command()
+@click.argument("path", metavar="DIR|OUT", type=click.Path(exists=True, file_okay=False))
+@click.option("--source", is_flag=True, help="Print the generated source (program.cu of a build, else kernels.cu).")
+@click.option("--ir", is_flag=True, help="Print the optimised IR.")
+@click.option("--memory", is_flag=True, help="Print the arena layout: every intermediate value's offset and lifetime.")
+def inspect(path, source, ir, memory):
+    """Summarise a saved graph (DIR) or a build (OUT): inputs/outputs, kernels and what each
+    fuses, launches per step, arena size against its lower bound."""
+    manifest = None
+    if (Path(path) / "manifest.json").is_file():
+        manifest = _read_manifest(path)
+    saved = _load(path)
+    program = saved.program()
+    plan = program.plan
+    kind = "training" if saved.training else "inference"
+    lines = [f"graph {saved.name} ({kind}, saved at step {saved.step})"]
+    if manifest:
+        arch = f" {manifest['arch']}" if manifest.get("arch") else ""
+        lines.append(f"  build: {manifest['binary']} for {manifest['target']}{arch} ({manifest['compiler']}), "
+                     f"flowgen {manifest['flowgen_version']}, program.cu sha256 {manifest['program_sha256'][:16]}...")
+    lines.append("  inputs:")
+    lines += _io_lines(saved.inputs)
+    lines.append("  outputs:")
+    lines += _io_lines(saved.outputs)
+    state_bytes = sum(a.nbytes for a in saved.weights.values())
+    kinds: dict = {}
+    for s in saved.ir.state:
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+    lines.append(f"  state: {len(saved.ir.state)} tensors, {_format_bytes(state_bytes)} "
+                 f"({', '.join(f'{n} {k}' for k, n in kinds.items())})")
+    lines.append(f"  launches per step: {program.num_launches} (one kernel per op would be "
+                 f"{program.kernels_before_fusion})")
+    lines.append(f"  memory: arena {_format_bytes(plan.arena_bytes)}, lower bound {_format_bytes(plan.lower_bound_bytes)}"
+                 f", naive {_format_bytes(plan.naive_bytes)} ({plan.n_buffers} buffers)")
+    lines.append("  kernels:")
+    for i, k in enumerate(program.kernels):
+        fuses = f"  [fuses {len(k.ops)} ops: {', '.join(k.ops)}]" if len(k.ops) > 1 else ""
+        lines.append(f"    {i:>3} {k.name}: {k.comment}{fuses}")
+    click.echo("\n".join(lines))
+    if memory:
+        click.echo("\narena layout (offset, bytes, live from step to step, value):")
+        rows = sorted(plan.offsets.items(), key=lambda kv: (kv[1], plan.lifetimes.get(kv[0], (0, 0))))
+        for value, offset in rows:
+            first, last = plan.lifetimes.get(value, ("?", "?"))
+            alias = f" -> %{program.aliases[value].name}" if value in program.aliases else ""
+            click.echo(f"  {offset:>10} {value.nbytes:>10}  [{first}, {last}]  %{value.name} {value.type_str}{alias}")
+    if ir:
+        click.echo("\n" + str(saved.ir))
+    if source:
+        program_cu = Path(path) / "program.cu"
+        click.echo("\n" + (program_cu.read_text() if manifest and program_cu.is_file() else program.source))
+
+
+def main(argv=None):
+    """Console entry point (`flowgen = flowgen.cli.main:main`)."""
+    cli.main(args=argv, prog_name="flowgen")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,418 @@
+"""The standalone program: render `program.cu` from a saved graph and build it (`flowgen build`).
+
+`render_program` turns a `Program` (kernels in launch order, memory plan, constants) into one
+C++ file from `templates/program.cu.j2`: the kernels verbatim, the step as straight-line
+launches, arena offsets as named constants, strict safetensors/.npy readers and `main()`.
+It mirrors `runtime/executor.py` exactly: bind addresses, copy inputs in, launch in order,
+copy state updates back, read outputs.
+
+`build` writes an output directory::
+
+    OUT/program.cu              the program (host + device code)
+    OUT/<graph name>            the binary
+    OUT/weights.safetensors     the state it starts from
+    OUT/manifest.json           inputs/outputs, state, kernels, memory, program.cu's sha256
+    OUT/flowgen_*.h, program_constants.inc[, program_cubin.inc]   (everything program.cu includes)
+    OUT/graph.json, constants.safetensors, signature.json   (the saved graph, for `inspect`)
+
+Targets: ``cpu`` compiles the whole file with g++ against the emulator header; ``cuda``
+compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary and the host
+half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.templates import get_template
+
+MANIFEST_FORMAT = "flowgen.manifest"
+MANIFEST_VERSION = 1
+MAX_DIMS = 8
+
+_DTYPE_ENUM = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.float64: "f64",
+               dt.int64: "i64", dt.int32: "i32", dt.bool_: "boolean"}
+_HEX = [f"\\x{i:02x}" for i in range(256)]
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message says which and why."""
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    binary: Path
+    manifest: dict
+    timings: dict = field(default_factory=dict)   # stage -> seconds
+
+
+# ----------------------------------------------------------------------------- rendering
+class _Names:
+    """C identifiers from IR names: `model.0.weight` -> `S_model_0_weight`, unique per prefix."""
+
+    def __init__(self):
+        self.used: set = set()
+
+    def __call__(self, prefix: str, name: str) -> str:
+        base = prefix + re.sub(r"[^0-9A-Za-z_]", "_", name)
+        candidate, n = base, 1
+        while candidate in self.used:
+            candidate, n = f"{base}_{n}", n + 1
+        self.used.add(candidate)
+        return candidate
+
+
+def _c_string(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _scalar_literal(ctype: str, value) -> str:
+    if ctype in ("float", "double"):
+        v = float(value)
+        if np.isnan(v):
+            text = "NAN"
+        elif np.isinf(v):
+            text = "INFINITY" if v > 0 else "-INFINITY"
+        else:
+            text = repr(v)
+        return f"({ctype}){text}" if ctype == "float" else text
+    suffix = {"int": "", "unsigned": "u", "long long": "LL", "unsigned long long": "ULL"}
+    if ctype not in suffix:
+        raise BuildError(f"a kernel takes a scalar argument of type {ctype!r}, which the program renderer "
+                         f"does not know")
+    return f"{int(value)}{suffix[ctype]}"
+
+
+def _tensor_spec(name: str, value, kind: str) -> str:
+    if len(value.shape) > MAX_DIMS:
+        raise BuildError(f"{name} has {len(value.shape)} dimensions; the program supports up to {MAX_DIMS}")
+    shape = ", ".join(str(int(d)) for d in value.shape)
+    return f'{{"{_c_string(name)}", DType::{_DTYPE_ENUM[value.dtype]}, {len(value.shape)}, {{{shape}}}, ' \
+           f'{value.nbytes}, "{kind}"}}'
+
+
+def _bytes_literal(symbol: str, data: bytes, comment: str) -> str:
+    lines = [f"static const unsigned char {symbol}[] =  // {comment}"]
+    for start in range(0, len(data), 32):
+        lines.append('    "' + "".join(map(_HEX.__getitem__, data[start:start + 32])) + '"')
+    if not data:
+        lines.append('    ""')
+    lines[-1] += ";"
+    return "\n".join(lines) + "\n"
+
+
+def _producers(graph) -> dict:
+    return {v: n for n in graph.nodes for v in n.outputs}
+
+
+def _describe_value(v, producers) -> str:
+    node = producers.get(v)
+    if node is None:
+        return v.type_str
+    if node.op == "fused":
+        ops = ", ".join(n.op for n in node.body)
+        what = f"fused {ops}"
+    else:
+        what = node.op
+    return f"{v.type_str} {what}" + (f" ({node.scope})" if node.scope else "")
+
+
+def render_program(program, *, name: str, training: bool, target: str, arch: str,
+                   build_commands: list) -> tuple:
+    """(program.cu text, program_constants.inc text) for `program`."""
+    import flowgen
+
+    ir = program.graph
+    names = _Names()
+    producers = _producers(ir)
+    input_index = {v: i for i, v in enumerate(ir.inputs)}
+    state_cname = {s.value: names("S_", s.name) for s in ir.state}
+    state_index = {s.value: j for j, s in enumerate(ir.state)}
+    constants = list(program.constants.items())
+    const_cname = {v: names("C_", v.name) for v, _ in constants}
+    # Updates the step writes straight into their state buffer (no arena slot, no copy).
+    state_writes = getattr(program, "state_writes", {})
+    offsets: dict = {}     # base Value -> context entry, in order of first use
+
+    def base_of(v):
+        while v in program.aliases:
+            v = program.aliases[v]
+        return v
+
+    def address(v):
+        """(C expression for the address of `v`, base Value)."""
+        base = base_of(v)
+        base = state_writes.get(base, base)
+        if base in input_index:
+            return f"m.input[{input_index[base]}]", base
+        if base in state_index:
+            return f"m.state[{state_cname[base]}]", base
+        if base in const_cname:
+            return f"m.constant[{const_cname[base]}]", base
+        if base not in offsets:
+            if base not in program.plan.offsets:
+                raise BuildError(f"%{base.name} has no place in the memory plan")
+            offsets[base] = {"cname": names("OFF_", base.name), "offset": program.plan.offsets[base],
+                             "comment": f"%{base.name} {_describe_value(base, producers)}, {base.nbytes} bytes"}
+        return f"m.arena + {offsets[base]['cname']}", base
+
+    kernels = []
+    for index, k in enumerate(program.kernels):
+        lines, refs = [], []
+        for j, arg in enumerate(k.args):
+            if isinstance(arg, BufferArg):
+                expr, base = address(arg.value)
+                view = "" if base is arg.value else (f" (into state %{base.name})" if base in state_index
+                                                     else f" (view of %{base.name})")
+                lines.append(f"DevPtr a{j} = {expr};  // {arg.ctype} %{arg.value.name} {arg.value.type_str}{view}")
+            else:
+                lines.append(f"{arg.ctype} a{j} = {_scalar_literal(arg.ctype, arg.literal)};")
+            refs.append(f"&a{j}")
+        kernels.append({
+            "name": k.name,
+            "cname": names("K_", k.name),
+            "comment": _one_line(k.comment),
+            "comment_c": _c_string(_one_line(k.comment)),
+            "smem": int(k.smem),
+            "grid": ", ".join(str(int(g)) for g in k.grid),
+            "block": ", ".join(str(int(b)) for b in k.block),
+            "arg_lines": lines,
+            "args_decl": f"void* args[] = {{{', '.join(refs)}}};" if refs else "void** args = nullptr;",
+        })
+
+    updates = []
+    for state_name, v in ir.updates:
+        target_value = next(s.value for s in ir.state if s.name == state_name)
+        src, base = address(v)
+        if base is target_value:
+            continue   # the step already wrote the state in place
+        updates.append({"dst": f"m.state[{state_cname[target_value]}]", "src": src, "nbytes": v.nbytes,
+                        "comment": f"{state_name} <- %{v.name}"})
+
+    outputs = []
+    for i, v in enumerate(ir.outputs):
+        expr, _ = address(v)
+        outputs.append({"spec": _tensor_spec(f"output_{i}", v, "output"), "value": v.name, "address": expr})
+
+    width = max((len(o["cname"]) + len(str(o["offset"])) for o in offsets.values()), default=0)
+    offset_list = []
+    for o in offsets.values():
+        o = dict(o, pad=" " * (width - len(o["cname"]) - len(str(o["offset"]))))
+        offset_list.append(o)
+
+    constant_list, inc_parts = [], [f"// program_constants.inc: the constant tensors of graph {name}, generated by "
+                                    f"flowgen {flowgen.__version__} with program.cu.\n"]
+    for v, array in constants:
+        data = np.asarray(array, v.dtype.np_dtype).reshape(v.shape).tobytes()
+        symbol = names("CONST_DATA_", v.name)
+        comment = f"%{v.name} {_describe_value(v, producers)}, {len(data)} bytes"
+        inc_parts.append(_bytes_literal(symbol, data, comment))
+        constant_list.append({"name": v.name, "cname": const_cname[v], "symbol": symbol, "nbytes": len(data),
+                              "comment": comment})
+
+    def summary(values, label):
+        return ", ".join(f"{label(i, v)}: {v.type_str}" for i, v in enumerate(values)) or "none"
+
+    plan = program.plan
+    context = {
+        "name": name,
+        "version": flowgen.__version__,
+        "target": target,
+        "arch": arch,
+        "training": training,
+        "build_commands": build_commands,
+        "kernels_source": program.source.rstrip("\n"),
+        "inputs_summary": summary(ir.inputs, lambda i, v: v.name),
+        "outputs_summary": summary(ir.outputs, lambda i, v: f"output_{i} (%{v.name})"),
+        "inputs": [{"spec": _tensor_spec(v.name, v, "input")} for v in ir.inputs],
+        "outputs": outputs,
+        "state": [{"spec": _tensor_spec(s.name, s.value, s.kind), "cname": state_cname[s.value]} for s in ir.state],
+        "arena_bytes": plan.arena_bytes,
+        "memory_line": plan.describe(),
+        "offsets": offset_list,
+        "constants": constant_list,
+        "kernels": kernels,
+        "updates": updates,
+    }
+    return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
+
+
+# ----------------------------------------------------------------------------- building
+def _cubin_inc(cubin: bytes, arch: str) -> str:
+    return (f"// program_cubin.inc: the device half of program.cu compiled for {arch} ({len(cubin)} bytes).\n"
+            + _bytes_literal("FLOWGEN_CUBIN", cubin, f"cubin for {arch}"))
+
+
+def _host_command(target: str, binary: str, sanitize: bool) -> list:
+    optimise = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if sanitize else ["-O2"]
+    if target == "cpu":
+        return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
+                "-x", "c++", "program.cu", "-o", binary]
+    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", binary, "-ldl"]
+
+
+def _nvcc_command(arch: str) -> list:
+    return ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-DFLOWGEN_DEVICE_PASS", "-I.", "-x", "cu",
+            "program.cu", "-o", "program.cubin"]
+
+
+def _sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _write(path: Path, data) -> None:
+    from flowgen.runtime.toolchain import atomic_write_bytes
+
+    atomic_write_bytes(path, data.encode() if isinstance(data, str) else data)
+
+
+def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None:
+    from flowgen.runtime.toolchain import CompileError
+
+    try:
+        result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise BuildError(f"{what}: {command[0]} was not found on PATH") from None
+    log = " ".join(command) + "\n" + result.stdout + result.stderr
+    _write(cwd / f"{what.replace(' ', '_')}.log", log)
+    if result.returncode != 0:
+        raise CompileError(command[0], log, source_text, cwd / "program.cu")
+
+
+def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
+                 timings: dict) -> dict:
+    import flowgen
+
+    ir = program.graph
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "flowgen_version": flowgen.__version__,
+        "graph": saved.name,
+        "binary": binary,
+        "target": target,
+        "arch": arch if target == "cuda" else None,
+        "compiler": compiler if target == "cuda" else "g++",
+        "training": saved.training,
+        "program_sha256": program_sha256,
+        "inputs": saved.signature["inputs"],
+        "outputs": saved.signature["outputs"],
+        "state": [{"name": s.name, "shape": list(s.value.shape), "dtype": s.value.dtype.name, "kind": s.kind}
+                  for s in ir.state],
+        "step": saved.step,
+        "kernels": [{"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
+                     "block": list(k.block), "smem": int(k.smem)} for k in program.kernels],
+        "launches_per_step": program.num_launches,
+        "kernels_before_fusion": program.kernels_before_fusion,
+        "memory": {"arena_bytes": program.plan.arena_bytes, "lower_bound_bytes": program.plan.lower_bound_bytes,
+                   "naive_bytes": program.plan.naive_bytes, "buffers": program.plan.n_buffers,
+                   "summary": program.plan.describe()},
+        "build_seconds": {k: round(v, 3) for k, v in timings.items()},
+    }
+
+
+def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compiler: str = "nvrtc",
+          sanitize: bool = False, log=None) -> BuildResult:
+    """Build the program for a saved graph (`source`: a `flow.save(graph, dir)` directory or a
+    `SavedGraph`) into `out_dir`. `log(text)` receives one line per finished stage."""
+    from flowgen.runtime.toolchain import runtime_cpp_dir, safe_tag
+    from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph,
+                                     load_saved_graph, write_weights)
+
+    log = log or (lambda text: None)
+    if target not in ("cpu", "cuda"):
+        raise BuildError(f"unknown target {target!r}; use cpu or cuda")
+    if compiler not in ("nvrtc", "nvcc"):
+        raise BuildError(f"unknown device compiler {compiler!r}; use nvrtc or nvcc")
+    if target == "cuda" and compiler == "nvcc" and shutil.which("nvcc") is None:
+        raise BuildError("--compiler nvcc: nvcc is not on PATH (install the CUDA toolkit, or use the default "
+                         "--compiler nvrtc, which needs only the pip wheels)")
+    timings: dict = {}
+    total = time.perf_counter()
+
+    def stage(key: str, text: str, start: float):
+        timings[key] = time.perf_counter() - start
+        log(f"  {key:<22} {timings[key]:7.2f} s   {text}")
+
+    start = time.perf_counter()
+    saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
+    program = saved.program()
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    binary = safe_tag(saved.name)
+    host_cmd = _host_command(target, binary, sanitize)
+    commands = []
+    if target == "cuda":
+        device_cmd = (" ".join(_nvcc_command(arch)) if compiler == "nvcc"
+                      else f"NVRTC --gpu-architecture={arch} -std=c++17 -I<runtime_cpp> -I<CUDA include> "
+                           f"program.cu -> cubin")
+        commands += [f"device: {device_cmd} (written as program_cubin.inc)"]
+        commands += [f"host:   {' '.join(host_cmd)}"]
+    else:
+        commands += [" ".join(host_cmd)]
+    text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
+                                         arch=arch, build_commands=commands)
+    runtime = runtime_cpp_dir()
+    for header in sorted(runtime.glob("*.h")):   # the kernels' headers, so OUT builds on its own
+        _write(out / header.name, header.read_bytes())
+    _write(out / "program.cu", text)
+    _write(out / "program_constants.inc", constants_inc)
+    if saved.path is not None and Path(saved.path).resolve() != out:
+        for name in (GRAPH_FILE, CONSTANTS_FILE, SIGNATURE_FILE):
+            _write(out / name, (Path(saved.path) / name).read_bytes())
+    stage("render", f"program.cu: {text.count(chr(10))} lines, {len(program.kernels)} kernels, "
+                    f"arena {program.plan.arena_bytes} bytes", start)
+
+    start = time.perf_counter()
+    if target == "cuda":
+        if compiler == "nvrtc":
+            from flowgen.runtime import nvrtc
+
+            cubin = nvrtc.compile_cuda(text, arch, f"aot-{binary}")
+        else:
+            _run_compiler(_nvcc_command(arch), out, "compile device code", text)
+            cubin = (out / "program.cubin").read_bytes()
+        _write(out / "program_cubin.inc", _cubin_inc(cubin, arch))
+        stage("compile device code", f"{compiler} -> {arch} cubin, {len(cubin)} bytes, embedded", start)
+
+    start = time.perf_counter()
+    partial = f".{binary}.partial"
+    _run_compiler(_host_command(target, partial, sanitize), out, "compile host code", text)
+    os.replace(out / partial, out / binary)
+    what = "g++ + emulator (device and host code)" if target == "cpu" else "g++ (driver API via dlopen)"
+    stage("compile host code", f"{what} -> {out / binary}" + (" [AddressSanitizer]" if sanitize else ""), start)
+
+    start = time.perf_counter()
+    fd, tmp = tempfile.mkstemp(dir=out, prefix=".weights.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write_weights(saved.weights, tmp, saved.name, saved.step)
+        os.replace(tmp, out / WEIGHTS_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    nbytes = sum(a.nbytes for a in saved.weights.values())
+    stage("write weights", f"{WEIGHTS_FILE}: {len(saved.weights)} tensors, {nbytes} bytes", start)
+    timings["total"] = time.perf_counter() - total
+
+    manifest = manifest_for(saved, program, target=target, arch=arch, compiler=compiler, binary=binary,
+                            program_sha256=_sha256_bytes(text.encode()), timings=timings)
+    _write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+    return BuildResult(out, out / binary, manifest, timings)

@@ -1,0 +1,441 @@
+"""Deployment: flow.save(graph, dir) / flow.load(dir), the standalone program built from it,
+and resuming training from flow.save(graph.state_dict()).
+
+Every program here is built for the CPU emulator (`--target cpu`) and compared with the
+graph it came from; the CUDA target is built too (no GPU needed) and run where a GPU exists.
+"""
+import json
+import math
+import os
+import subprocess
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen.codegen import aot
+from flowgen.saved_graph import FormatError, SavedGraph
+
+
+# ----------------------------------------------------------------------------- graphs
+class InferenceGraph(nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+class TrainGraph(nn.Graph):
+    def __init__(self, model, loss_fn, *optimizers):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        for opt in optimizers:   # an optimizer, or (optimizer, lr scheduler)
+            if isinstance(opt, tuple):
+                self.add_optimizer(opt[0], lr_sch=opt[1])
+            else:
+                self.add_optimizer(opt)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
+
+
+def conv_model():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                          nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    with flow.no_grad():   # non-trivial BatchNorm statistics, so eval mode uses them
+        model[1].running_mean.copy_(flow.randn(8) * 0.1)
+        model[1].running_var.copy_(flow.rand(8) + 0.5)
+    model.eval()
+    return model
+
+
+def run_binary(out_dir, *args, binary=None):
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    exe = binary or out_dir / manifest["binary"]
+    proc = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode >= 0, f"the program was killed by signal {-proc.returncode}:\n{proc.stderr}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def conv(tmp_path_factory):
+    """The issue's conv model as an inference graph: saved, and built for the CPU."""
+    flow.manual_seed(0)
+    tmp = tmp_path_factory.mktemp("conv")
+    model = conv_model()
+    graph = InferenceGraph(model)
+    x = flow.randn(2, 3, 8, 8)
+    expected = graph(x).numpy().copy()
+    flow.save(graph, tmp / "saved")
+    aot.build(tmp / "saved", tmp / "out", target="cpu")
+    np.save(tmp / "x.npy", x.numpy())
+    return {"tmp": tmp, "graph": graph, "x": x.numpy(), "expected": expected, "saved": tmp / "saved",
+            "out": tmp / "out"}
+
+
+# Poly-fit (seed 004, examples/polyfit_graph.py) with 4 batches of 50 points and momentum SGD.
+POLY_BATCH, POLY_BATCHES = 50, 4
+
+
+def poly_data():
+    x = np.linspace(-math.pi, math.pi, POLY_BATCH * POLY_BATCHES).astype(np.float32)
+    xx = np.stack([x, x ** 2, x ** 3], axis=1).astype(np.float32)
+    return xx, np.sin(x).astype(np.float32)
+
+
+def poly_batch(step):
+    xx, y = poly_data()
+    b = step % POLY_BATCHES
+    return flow.tensor(xx[b * POLY_BATCH:(b + 1) * POLY_BATCH]), flow.tensor(y[b * POLY_BATCH:(b + 1) * POLY_BATCH])
+
+
+@pytest.fixture(scope="module")
+def poly(tmp_path_factory):
+    flow.manual_seed(0)
+    tmp = tmp_path_factory.mktemp("poly")
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
+    optimizer = flow.optim.SGD(model.parameters(), lr=1e-5, momentum=0.9)
+    graph = TrainGraph(model, nn.MSELoss(reduction="sum"), optimizer)
+    graph(*poly_batch(0))                     # traced, compiled, one step taken
+    flow.save(graph, tmp / "saved")
+    aot.build(tmp / "saved", tmp / "out", target="cpu")
+    xx, y = poly_data()
+    np.save(tmp / "x.npy", xx)
+    np.save(tmp / "y.npy", y)
+    return {"tmp": tmp, "graph": graph, "model": model, "saved": tmp / "saved", "out": tmp / "out"}
+
+
+# ----------------------------------------------------------------------------- flow.save(graph)
+def test_saved_graph_directory_and_format(conv):
+    saved_dir = conv["saved"]
+    assert sorted(os.listdir(saved_dir)) == ["constants.safetensors", "graph.json", "signature.json",
+                                             "weights.safetensors"]
+    doc = json.loads((saved_dir / "graph.json").read_text())
+    assert doc["format"] == "flowgen.graph" and doc["version"] == 1 and doc["training"] is False
+    assert doc["inputs"] == [{"name": "input_0", "shape": [2, 3, 8, 8], "dtype": "float32"}]
+    kinds = {s["name"]: s["kind"] for s in doc["state"]}
+    assert kinds["model.0.weight"] == "param" and kinds["model.1.running_mean"] == "buffer"
+    ops = [n["op"] for n in doc["nodes"]]
+    assert "conv2d" in ops and "max_pool2d" in ops
+    conv_node = doc["nodes"][ops.index("conv2d")]
+    assert conv_node["scope"] == "model.0" and conv_node["attrs"]["padding"] == {"$tuple": [1, 1]}
+    fused = [n for n in doc["nodes"] if n["op"] == "fused"]
+    assert fused and all(n["body"] and n["attrs"]["kind"] in ("elementwise", "reduction") for n in fused)
+
+    signature = json.loads((saved_dir / "signature.json").read_text())
+    assert signature["graph"] == conv["graph"].name and signature["training"] is False
+    assert signature["outputs"][0]["name"] == "output_0" and signature["outputs"][0]["shape"] == [2, 5]
+    weights = load_file(saved_dir / "weights.safetensors")
+    model = conv["graph"].model
+    np.testing.assert_array_equal(weights["model.1.running_var"], model[1].running_var.numpy())
+
+
+def test_load_rebuilds_the_same_program_and_runs_it(conv):
+    saved = flow.load(conv["saved"])
+    assert isinstance(saved, SavedGraph) and not saved.training
+    assert str(saved.ir) == str(conv["graph"].compiled.ir)
+    assert saved.program().source == conv["graph"].compiled.program.source
+    (out,) = saved.run(conv["x"])
+    np.testing.assert_array_equal(out, conv["expected"])
+    with pytest.raises(ValueError, match="shape"):
+        saved.run(conv["x"][:1])
+
+
+def test_constants_go_to_constants_safetensors_keyed_by_value_name(poly):
+    doc = json.loads((poly["saved"] / "graph.json").read_text())
+    constants = load_file(poly["saved"] / "constants.safetensors")
+    refs = [n["attrs"]["value"] for n in doc["nodes"] if n["op"] == "constant"]
+    assert refs and all(r["$array"] in constants for r in refs)
+    for node in (n for n in doc["nodes"] if n["op"] == "constant"):
+        assert node["attrs"]["value"]["$array"] == node["outputs"][0]["name"]
+
+
+def test_training_graph_saves_optimizer_state_and_hyper_scalars(poly):
+    weights = load_file(poly["saved"] / "weights.safetensors")
+    doc = json.loads((poly["saved"] / "graph.json").read_text())
+    kinds = {s["name"]: s["kind"] for s in doc["state"]}
+    assert doc["training"] is True and set(weights) == set(kinds)
+    assert {"param", "optim", "hyper"} <= set(kinds.values())
+    assert weights["optim0.group0.lr"] == np.float32(1e-5)
+    # After the first step momentum is on: the hyper scalars hold the values of the next step.
+    assert weights["optim0.group0.model.0.weight.momentum"] == np.float32(0.9)
+    np.testing.assert_array_equal(weights["model.0.weight.momentum_buffer"],
+                                  poly["graph"].state_dict()["_optimizer0"]["state"][0]["momentum_buffer"].numpy())
+
+
+def test_load_refuses_other_versions_and_corrupt_files(conv, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(conv["saved"], copy)
+    doc = json.loads((copy / "graph.json").read_text())
+    (copy / "graph.json").write_text(json.dumps(dict(doc, version=99)))
+    with pytest.raises(FormatError, match="version 99"):
+        flow.load(copy)
+    (copy / "graph.json").write_text(json.dumps(doc))
+    weights = load_file(copy / "weights.safetensors")
+    weights["model.0.weight"] = weights["model.0.weight"][:4]
+    save_file(weights, copy / "weights.safetensors")
+    with pytest.raises(FormatError, match="model.0.weight.*shape"):
+        flow.load(copy)
+
+
+def test_save_before_the_first_call_says_what_to_do(tmp_path):
+    with pytest.raises(RuntimeError, match="call it once"):
+        flow.save(InferenceGraph(nn.Linear(2, 2)), tmp_path / "g")
+
+
+# ----------------------------------------------------------------------------- the program
+def test_cpu_program_matches_the_graph(conv, tmp_path):
+    proc = run_binary(conv["out"], "--input", conv["tmp"] / "x.npy", "--out", tmp_path / "res")
+    assert proc.returncode == 0, proc.stderr
+    got = np.load(tmp_path / "res" / "output_0.npy")
+    np.testing.assert_allclose(got, conv["expected"], rtol=1e-6, atol=1e-6)
+    assert sorted(os.listdir(tmp_path / "res")) == ["output_0.npy"]   # no temporary files left behind
+
+
+def test_program_is_readable_and_described_by_the_manifest(conv):
+    out = conv["out"]
+    text = (out / "program.cu").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    import hashlib
+
+    assert manifest["program_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert manifest["inputs"] == [{"name": "input_0", "shape": [2, 3, 8, 8], "dtype": "float32"}]
+    assert manifest["training"] is False and manifest["target"] == "cpu"
+    assert [s["name"] for s in manifest["state"]][:2] == ["model.0.weight", "model.0.bias"]
+    program = flow.load(conv["saved"]).program()
+    assert program.source.rstrip("\n") in text                       # the kernels, verbatim
+    for k in program.kernels:                                        # straight-line launches, commented
+        assert f"// [{program.kernels.index(k)}] {k.name}: {k.comment}" in text
+    assert "constexpr size_t ARENA_BYTES = " in text and "constexpr size_t OFF_" in text
+    help_text = run_binary(out, "--help")
+    assert help_text.returncode == 0 and "input_0 float32[2,3,8,8]" in help_text.stdout
+
+
+def test_training_program_matches_graph_steps(poly, tmp_path):
+    steps = 6   # wraps around the 4 batches
+    proc = run_binary(poly["out"], "--input", poly["tmp"] / "x.npy", "--input", poly["tmp"] / "y.npy",
+                      "--out", tmp_path / "res", "--steps", steps)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("loss") == steps
+    graph = poly["graph"]
+    losses = [float(graph(*poly_batch(s)).numpy()) for s in range(steps)]
+    np.testing.assert_allclose(np.load(tmp_path / "res" / "losses.npy"), losses, rtol=1e-6)
+    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    state = graph.state_dict()
+    for name in ("model.0.weight", "model.0.bias"):
+        np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(weights["model.0.weight.momentum_buffer"],
+                               state["_optimizer0"]["state"][0]["momentum_buffer"].numpy(), rtol=1e-6, atol=1e-6)
+    # The written weights are a valid starting point: two more steps from them.
+    again = run_binary(poly["out"], "--weights", tmp_path / "res" / "weights.safetensors", "--input",
+                       poly["tmp"] / "x.npy", "--input", poly["tmp"] / "y.npy", "--out", tmp_path / "res2",
+                       "--steps", 2)
+    assert again.returncode == 0, again.stderr
+
+
+# ----------------------------------------------------------------------------- refusing bad files
+def _npy_bytes(array):
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, array)
+    return buf.getvalue()
+
+
+def bad_inputs(x):
+    """(file name, bytes, words the error must contain)."""
+    good = _npy_bytes(x)
+    return [
+        ("wrong_shape.npy", _npy_bytes(x[:1]), ["shape", "[1,3,8,8]", "expected [2,3,8,8]"]),
+        ("wrong_dtype.npy", _npy_bytes(x.astype(np.float64)), ["dtype", "float64", "expected float32"]),
+        ("int_dtype.npy", _npy_bytes(x.astype(np.int64)), ["dtype", "int64", "expected float32"]),
+        ("truncated.npy", good[:-7], ["truncated"]),
+        ("header_only.npy", good[:40], ["truncated"]),
+        ("trailing.npy", good + b"\0" * 8, ["unexpected bytes"]),
+        ("fortran.npy", _npy_bytes(np.asfortranarray(x)), ["Fortran order"]),
+        ("random.npy", np.random.default_rng(1).bytes(600), ["not a .npy file"]),
+        ("empty.npy", b"", ["not a .npy file"]),
+        ("bad_header.npy", good[:10] + b"{'descr': '<f4', 'shape': [2, 3]}".ljust(len(good) - 10, b" "),
+         ["corrupt .npy header"]),
+    ]
+
+
+def bad_weights(path):
+    """(file name, bytes, words the error must contain) made from the good weights file at `path`."""
+    good = path.read_bytes()
+    n = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8:8 + n])
+    tensors = load_file(path)
+
+    def rewrite(change):
+        h = json.loads(good[8:8 + n])
+        change(h)
+        text = json.dumps(h).encode()
+        return len(text).to_bytes(8, "little") + text + good[8 + n:]
+
+    first = next(k for k in header if k != "__metadata__")
+    missing = dict(tensors)
+    missing.pop(first)
+    wrong_shape = dict(tensors)
+    wrong_shape[first] = tensors[first].reshape(-1)[:-1].copy() if tensors[first].size > 1 else np.zeros(2, np.float32)
+    import io
+    from safetensors.numpy import save
+
+    return [
+        ("truncated.safetensors", good[:-5], ["truncated"]),
+        ("short.safetensors", good[:5], ["truncated"]),
+        ("header_len.safetensors", (10 ** 9).to_bytes(8, "little") + good[8:], ["header length"]),
+        ("corrupt_header.safetensors", good[:8] + b"{\"x\": [1, 2" + good[19:], ["corrupt header"]),
+        ("garbage.safetensors", np.random.default_rng(2).bytes(len(good)), ["weights file"]),
+        ("wrong_dtype.safetensors", rewrite(lambda h: h[first].update(dtype="F64")), ["dtype F64", "expected F32"]),
+        ("offsets.safetensors", rewrite(lambda h: h[first].update(data_offsets=[0, 10 ** 6])), ["truncated"]),
+        ("missing.safetensors", save(missing), ["missing tensor", first]),
+        ("wrong_shape.safetensors", save(wrong_shape), [first, "shape"]),
+        ("extra.safetensors", save(dict(tensors, surplus=np.zeros(3, np.float32))), ["unexpected tensor 'surplus'"]),
+    ]
+
+
+def test_bad_inputs_are_refused_with_a_reason(conv, tmp_path):
+    for name, data, words in bad_inputs(conv["x"]):
+        (tmp_path / name).write_bytes(data)
+        proc = run_binary(conv["out"], "--input", tmp_path / name, "--out", tmp_path / "res")
+        assert proc.returncode == 1, (name, proc.stderr)
+        for word in words:
+            assert word in proc.stderr, (name, word, proc.stderr)
+    assert not (tmp_path / "res" / "output_0.npy").exists()
+    missing = run_binary(conv["out"], "--input", tmp_path / "nope.npy", "--out", tmp_path / "res")
+    assert missing.returncode == 1 and "cannot open" in missing.stderr
+    usage = run_binary(conv["out"], "--out", tmp_path / "res")
+    assert usage.returncode == 2 and "expected 1 --input" in usage.stderr
+
+
+def test_bad_weights_are_refused_with_a_reason(conv, tmp_path):
+    for name, data, words in bad_weights(conv["out"] / "weights.safetensors"):
+        (tmp_path / name).write_bytes(data)
+        proc = run_binary(conv["out"], "--weights", tmp_path / name, "--input", conv["tmp"] / "x.npy",
+                          "--out", tmp_path / "res")
+        assert proc.returncode == 1, (name, proc.stderr)
+        for word in words:
+            assert word in proc.stderr, (name, word, proc.stderr)
+
+
+def _mutations(data: bytes, rng, count: int):
+    """Truncations at many lengths, and copies with a few random bytes changed."""
+    for length in sorted({0, 1, 7, 8, 9, 10, 11, 12, *rng.integers(0, len(data), 12).tolist()}):
+        yield data[:length]
+    for _ in range(count):
+        buf = bytearray(data)
+        for pos in rng.integers(0, min(len(buf), 160), rng.integers(1, 6)):   # mostly the headers
+            buf[pos] = int(rng.integers(0, 256))
+        yield bytes(buf)
+
+
+def test_fuzzed_files_under_address_sanitizer(conv, tmp_path):
+    """An AddressSanitizer build reads truncated and byte-flipped inputs and weights: each is
+    either refused (exit 1) or, if still valid, run; never a crash or an ASan report."""
+    out = tmp_path / "asan"
+    aot.build(conv["saved"], out, target="cpu", sanitize=True)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:exitcode=99")
+    rng = np.random.default_rng(0)
+    x_npy = _npy_bytes(conv["x"])
+    weights = (out / "weights.safetensors").read_bytes()
+    cases = [("x", m) for m in _mutations(x_npy, rng, 24)] + [("w", m) for m in _mutations(weights, rng, 24)]
+    cases += [(k, name_data[1]) for k in ("x", "w") for name_data in
+              (bad_inputs(conv["x"]) if k == "x" else bad_weights(out / "weights.safetensors"))]
+    x_path, w_path = tmp_path / "x.npy", tmp_path / "w.safetensors"
+    refused = 0
+    for kind, data in [("x", x_npy)] + cases:
+        x_path.write_bytes(data if kind == "x" else x_npy)
+        w_path.write_bytes(data if kind == "w" else weights)
+        proc = subprocess.run([str(out / manifest_binary(out)), "--weights", str(w_path), "--input", str(x_path),
+                               "--out", str(tmp_path / "res")], capture_output=True, text=True, env=env, timeout=120)
+        assert "AddressSanitizer" not in proc.stderr and "LeakSanitizer" not in proc.stderr, proc.stderr
+        assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)
+        refused += proc.returncode == 1
+    assert refused > len(cases) // 2
+
+
+def manifest_binary(out):
+    return json.loads((out / "manifest.json").read_text())["binary"]
+
+
+# ----------------------------------------------------------------------------- the CUDA target
+def _gpu_available():
+    try:
+        from flowgen.runtime import cuda_driver
+        return cuda_driver.available()
+    except Exception:   # noqa: BLE001 - no driver bindings at all
+        return False
+
+
+def test_cuda_target_builds_without_a_gpu(conv, tmp_path):
+    out = tmp_path / "cuda"
+    result = aot.build(conv["saved"], out, target="cuda", arch="sm_80")
+    assert result.binary.is_file() and (out / "program_cubin.inc").is_file()
+    assert set(result.timings) >= {"render", "compile device code", "compile host code", "write weights"}
+    assert result.manifest["target"] == "cuda" and result.manifest["arch"] == "sm_80"
+    assert "dlopen(\"libcuda.so.1\"" in (out / "program.cu").read_text()
+    assert run_binary(out, "--help").returncode == 0
+    if _gpu_available():
+        return   # test_cuda_program_on_gpu runs it
+    proc = run_binary(out, "--input", conv["tmp"] / "x.npy", "--out", tmp_path / "res")
+    assert proc.returncode == 3 and "CUDA" in proc.stderr and "--target cpu" in proc.stderr, proc.stderr
+
+
+@pytest.mark.gpu
+def test_cuda_program_on_gpu(conv, poly, tmp_path):
+    from flowgen.runtime import cuda_driver
+
+    arch = cuda_driver.CudaContext.get().arch
+    aot.build(conv["saved"], tmp_path / "conv", target="cuda", arch=arch)
+    proc = run_binary(tmp_path / "conv", "--input", conv["tmp"] / "x.npy", "--out", tmp_path / "res")
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "res" / "output_0.npy"), conv["expected"], rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- resuming training
+def _resume_setup(seed):
+    flow.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(3, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0, 1))
+    sgd = flow.optim.SGD(list(model[0].parameters()) + list(model[1].parameters()), lr=0.05, momentum=0.9)
+    adam = flow.optim.Adam(model[3].parameters(), lr=0.01)
+    schedule = flow.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)
+    return TrainGraph(model, nn.MSELoss(), sgd, (adam, schedule))
+
+
+def test_resume_from_state_dict_is_bit_identical(tmp_path):
+    rng = np.random.default_rng(0)
+    batches = [(flow.tensor(rng.standard_normal((16, 3)).astype(np.float32)),
+                flow.tensor(rng.standard_normal(16).astype(np.float32))) for _ in range(8)]
+    graph = _resume_setup(seed=0)
+    first = [float(graph(*b).numpy()) for b in batches[:4]]
+    flow.save(graph.state_dict(), tmp_path / "ckpt")
+    uninterrupted = [float(graph(*b).numpy()) for b in batches[4:]]
+
+    resumed_graph = _resume_setup(seed=123)   # different initial weights: everything must come from the file
+    resumed_graph.load_state_dict(flow.load(tmp_path / "ckpt"))
+    resumed = [float(resumed_graph(*b).numpy()) for b in batches[4:]]
+    assert resumed == uninterrupted
+    assert first[0] != resumed[0]
+    for name, value in graph.state_dict().items():
+        if not name.startswith("_"):
+            np.testing.assert_array_equal(value.numpy(), resumed_graph.state_dict()[name].numpy(), err_msg=name)
+    assert resumed_graph.state_dict()["_step"] == graph.state_dict()["_step"] == 8
+
+
+def test_module_state_dict_through_the_graph_proxy(conv, tmp_path):
+    """Seed 003 warns that graph.model.state_dict() fails in OneFlow; in flowgen the proxy forwards it."""
+    state = conv["graph"].model.state_dict()
+    flow.save(state, tmp_path / "model_state")
+    restored = conv_model()
+    restored.load_state_dict(flow.load(tmp_path / "model_state"))
+    np.testing.assert_allclose(restored(flow.tensor(conv["x"])).numpy(), conv["expected"], rtol=1e-5, atol=1e-5)
