@@ -335,3 +335,31 @@ def test_straighten_algorithm_gives_a_valid_schedule_and_same_numbers():
     graph = InferGraph(model)
     graph.config.enable_straighten_algorithm(True)
     np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
+def _eval_convnet():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU6(),
+                          nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.MaxPool2d(2), nn.Flatten(), nn.Linear(8 * 4 * 4, 10))
+    with flow.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.copy_(flow.randn(8))
+                m.running_var.copy_(flow.rand(8) + 0.5)
+    return model.eval()
+
+
+def test_eval_convnet_runs_one_kernel_per_conv_and_sees_eager_changes():
+    model = _eval_convnet()
+    graph = InferGraph(model)
+    x = flow.randn(2, 3, 8, 8)
+    np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
+    compiled = graph.compiled
+    # conv+BN+act, depthwise conv+BN+act, pool, linear+bias: BN scales are prepared once.
+    assert compiled.num_launches == 4
+    assert len(compiled.program.prepare) == 2
+    assert "epilogue: add, sub, mul, mul, add, clamp" in compiled.sources["kernels.cu"]
+    with flow.no_grad():       # eager change to frozen state: the prepare kernels run again
+        model[1].running_var.mul_(4.0)
+        model[0].weight.mul_(0.5)
+    np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)

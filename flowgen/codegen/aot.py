@@ -149,6 +149,11 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
     const_cname = {v: names("C_", v.name) for v, _ in constants}
     # Updates the step writes straight into their state buffer (no arena slot, no copy).
     state_writes = getattr(program, "state_writes", {})
+    # Prepare kernels read only state the step never writes: they run once, after the weights
+    # are loaded, into buffers of their own (persistent values).
+    prepare_kernels = list(getattr(program, "prepare", []))
+    persistent = list(getattr(program, "persistent_values", []))
+    persistent_cname = {v: names("P_", v.name) for v in persistent}
     offsets: dict = {}     # base Value -> context entry, in order of first use
 
     def base_of(v):
@@ -164,6 +169,8 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             return f"m.input[{input_index[base]}]", base
         if base in state_index:
             return f"m.state[{state_cname[base]}]", base
+        if base in persistent_cname:
+            return f"m.persistent[{persistent_cname[base]}]", base
         if base in const_cname:
             return f"m.constant[{const_cname[base]}]", base
         if base not in offsets:
@@ -173,8 +180,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                              "comment": f"%{base.name} {_describe_value(base, producers)}, {base.nbytes} bytes"}
         return f"m.arena + {offsets[base]['cname']}", base
 
-    kernels = []
-    for index, k in enumerate(program.kernels):
+    def launch_entry(k):
         lines, refs = [], []
         for j, arg in enumerate(k.args):
             if isinstance(arg, BufferArg):
@@ -185,7 +191,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             else:
                 lines.append(f"{arg.ctype} a{j} = {_scalar_literal(arg.ctype, arg.literal)};")
             refs.append(f"&a{j}")
-        kernels.append({
+        return {
             "name": k.name,
             "cname": names("K_", k.name),
             "comment": _one_line(k.comment),
@@ -195,7 +201,10 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             "block": ", ".join(str(int(b)) for b in k.block),
             "arg_lines": lines,
             "args_decl": f"void* args[] = {{{', '.join(refs)}}};" if refs else "void** args = nullptr;",
-        })
+        }
+
+    prepare = [launch_entry(k) for k in prepare_kernels]
+    kernels = [launch_entry(k) for k in program.kernels]
 
     updates = []
     for state_name, v in ir.updates:
@@ -249,6 +258,10 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "offsets": offset_list,
         "constants": constant_list,
         "kernels": kernels,
+        "prepare": prepare,
+        "all_kernels": prepare + kernels,
+        "persistent": [{"name": v.name, "cname": persistent_cname[v], "nbytes": v.nbytes,
+                        "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
         "updates": updates,
     }
     return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
@@ -301,6 +314,11 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
     import flowgen
 
     ir = program.graph
+
+    def kernel_json(k):
+        return {"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
+                "block": list(k.block), "smem": int(k.smem)}
+
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -317,8 +335,8 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "state": [{"name": s.name, "shape": list(s.value.shape), "dtype": s.value.dtype.name, "kind": s.kind}
                   for s in ir.state],
         "step": saved.step,
-        "kernels": [{"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
-                     "block": list(k.block), "smem": int(k.smem)} for k in program.kernels],
+        "prepare_kernels": [kernel_json(k) for k in getattr(program, "prepare", [])],
+        "kernels": [kernel_json(k) for k in program.kernels],
         "launches_per_step": program.num_launches,
         "kernels_before_fusion": program.kernels_before_fusion,
         "memory": {"arena_bytes": program.plan.arena_bytes, "lower_bound_bytes": program.plan.lower_bound_bytes,

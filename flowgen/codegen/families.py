@@ -784,7 +784,16 @@ def _conv_text(geo) -> str:
     return text
 
 
-def _conv2d(node, kernel_name):
+def _conv2d(node, kernel_name, fusion=None):
+    """Conv kernels. `fusion` (forward only) gives the fused node's params/args, the epilogue
+    statements (run per output with `val` and its flat index `i`) and the fused op names."""
+    kernels = _conv2d_kernels(node, kernel_name, fusion)
+    if fusion is not None:
+        kernels[-1].args, kernels[-1].ops = fusion["args"], fusion["ops"]
+    return kernels
+
+
+def _conv2d_kernels(node, kernel_name, fusion):
     geo = _conv_geometry(node)
     out = node.output
     first, second = node.inputs
@@ -798,7 +807,8 @@ def _conv2d(node, kernel_name):
              "wgrad": dict(load_g=_loader(first.dtype, acc), load_x=_loader(second.dtype, acc), g_t=first.dtype.ctype,
                            x_t=second.dtype.ctype)}[op]
     ctx = dict(geo, name=kernel_name, acc=acc, store=_storer(out.dtype, acc), out_t=out.dtype.ctype, op=op,
-               params=_params(node, names[:2], names[2:]), **loads)
+               params=fusion["params"] if fusion else _params(node, names[:2], names[2:]),
+               epilogue_lines=fusion["epilogue_lines"] if fusion else None, **loads)
     text = _conv_text(geo)
     N, C, H, W, O, CG, OG, G = (geo[k] for k in ("N", "C", "H", "W", "O", "CG", "OG", "G"))
     KH, KW, OH, OW = geo["KH"], geo["KW"], geo["OH"], geo["OW"]
@@ -807,11 +817,11 @@ def _conv2d(node, kernel_name):
         kind = "dw_" + op
         if op == "wgrad":
             block = _row_block(N * OH * OW)
-            what = f"{text} (depthwise, block per weight)"
+            what = f"{text} (depthwise, block per weight)"  # grad_weight: never fused
             source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), block=block, **ctx)
             return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1), True,
                             what)]
-        what = f"{text} (depthwise, direct)"
+        what = f"{text} (depthwise, direct)" + (fusion["what_extra"] if fusion else "")
         source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), numel=out.numel,
                          idx_t=_idx_type(out.numel), **ctx)
         return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
@@ -842,7 +852,7 @@ def _conv2d(node, kernel_name):
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
-        (f", split-k {splits}" if splits > 1 else "") + ")"
+        (f", split-k {splits}" if splits > 1 else "") + ")" + (fusion["what_extra"] if fusion else "")
     source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
                      splits=splits, kchunk=kchunk, pointwise=pointwise, **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []

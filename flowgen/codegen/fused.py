@@ -103,9 +103,10 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
 class _Emitter:
     """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
 
-    def __init__(self, node, producers, stream_values=None):
+    def __init__(self, node, producers, stream_values=None, names=None):
         self.node = node
         self.producers = producers
+        names = names or {}   # input Value -> parameter name, where a template expects one (x, w)
         self.stream_values = stream_values or {}   # rng state name -> its Value
         self.streams: set = set()
         self.params: list = []
@@ -115,7 +116,7 @@ class _Emitter:
         for k, v in enumerate(node.inputs):
             if scalar_constant(v, producers) is not None:
                 continue
-            self.params.append(f"const {v.dtype.ctype}* __restrict__ in{k}")
+            self.params.append(f"const {v.dtype.ctype}* __restrict__ {names.get(v, f'in{k}')}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
         for k, v in enumerate(node.outputs):
             self.params.append(f"{v.dtype.ctype}* __restrict__ out{k}")
@@ -314,29 +315,54 @@ def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
     if any(scalar_constant(v, producers) is not None for v in (a_src, b_src)):
         raise NotImplementedError(f"matmul ({node.scope or 'graph'}): a one-element constant operand")
 
-    out_shape = tuple(mm.output.shape)
-    em.var[mm.output] = "val"
+    out_value = mm.output
     store_transposed = bool(epilogue) and epilogue[0].op == "permute"
     if store_transposed:   # (A @ B)^T: element (m, n) lands at (n, m)
-        out_shape = tuple(epilogue[0].output.shape)
-        em.var[epilogue[0].output] = "val"
-        epilogue = epilogue[1:]
-    coords = [f"e{d}" for d in range(len(out_shape))]
-    externals = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
-    lines = ["const long long i = c_base + (long long)n * GM + m;" if store_transposed
-             else "const long long i = c_base + (long long)m * GN + n;"]
-    if any(tuple(v.shape) != out_shape and scalar_constant(v, producers) is None for v in externals):
-        lines += coordinate_lines(out_shape, "i", "e")
-    lines += em.load_inputs(externals, lambda v: "i" if tuple(v.shape) == out_shape
-                            else broadcast_offset(v.shape, out_shape, coords))
-    for b in epilogue:
-        lines.append(em.compute(b))
-    lines += em.stores(set(node.outputs), "i")
+        out_value, epilogue = epilogue[0].output, epilogue[1:]
+    index_line = ("const long long i = c_base + (long long)n * GM + m;" if store_transposed
+                  else "const long long i = c_base + (long long)m * GN + n;")
+    lines, pointwise = _epilogue(em, epilogue, out_value, tuple(out_value.shape), producers, index_line)
     ops = [b.op for b in body]
     name = kernel_name(index, node, [o for o in ops if o != "permute"])
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     kernel = gemm_kernel(node, name, a_src, b_src, mm.output, params=em.params, args=em.args, epilogue_lines=lines,
                          a_trans=a_val in transposed, b_trans=b_val in transposed, ops=ops, what_extra=extra,
                          a_ptr=f"in{node.inputs.index(a_src)}", b_ptr=f"in{node.inputs.index(b_src)}")
-    kernel.pointwise_reads = frozenset(v for v in externals if tuple(v.shape) == out_shape and v not in (a_src, b_src))
+    kernel.pointwise_reads = pointwise - {a_src, b_src}
     return kernel
+
+
+def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
+    """Lines that finish one output element of an anchor kernel (GEMM, conv): load the
+    epilogue's other inputs at (broadcast) index `i`, evaluate its ops, store the outputs."""
+    coords = [f"e{d}" for d in range(len(out_shape))]
+    externals = {v for b in body_after for v in b.inputs} - {o for b in em.node.body for o in b.outputs}
+    lines = [index_line] if index_line else []
+    if any(tuple(v.shape) != out_shape and scalar_constant(v, producers) is None for v in externals):
+        lines += coordinate_lines(out_shape, "i", "e")
+    em.var[out_value] = "val"
+    lines += em.load_inputs(externals, lambda v: "i" if tuple(v.shape) == out_shape
+                            else broadcast_offset(v.shape, out_shape, coords))
+    for b in body_after:
+        lines.append(em.compute(b))
+    lines += em.stores(set(em.node.outputs), "i")
+    pointwise = frozenset(v for v in externals if tuple(v.shape) == out_shape)
+    return lines, pointwise
+
+
+def render_conv(node, index: int, producers, stream_values=None) -> list:
+    """A forward conv with its elementwise consumers (bias, folded BatchNorm shift, activation,
+    residual add) evaluated in the conv kernel's epilogue."""
+    from flowgen.codegen.families import _conv2d
+
+    body = node.body
+    conv, epilogue = body[0], body[1:]
+    x, w = conv.inputs
+    em = _Emitter(node, producers, stream_values, names={x: "x", w: "w"})
+    lines, pointwise = _epilogue(em, epilogue, conv.output, tuple(conv.output.shape), producers, None)
+    ops = [b.op for b in body]
+    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
+    kernels = _conv2d(conv, kernel_name(index, node, ops),
+                      fusion=dict(params=em.params, args=em.args, epilogue_lines=lines, ops=ops, what_extra=extra))
+    kernels[-1].pointwise_reads = pointwise - {x, w}
+    return kernels

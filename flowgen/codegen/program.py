@@ -27,7 +27,8 @@ KERNELS_HEADER = """\
 @dataclass
 class Program:
     graph: object                     # the IR the kernels were rendered from
-    kernels: list                     # Kernel, in launch order
+    kernels: list                     # Kernel, in launch order (every call)
+    prepare: list                     # Kernel: run only when state changed (they read nothing else)
     aliases: dict                     # view Value -> base Value (no kernel, same memory)
     constants: dict                   # Value -> ndarray uploaded once (non-scalar constants)
     plan: MemoryPlan
@@ -39,6 +40,11 @@ class Program:
     @property
     def num_launches(self) -> int:
         return len(self.kernels)
+
+    @property
+    def persistent_values(self) -> list:
+        """Values written by prepare kernels: they keep their own allocations across calls."""
+        return [v for k in self.prepare for v in _buffer_values(k, written=True)]
 
 
 def render_kernels(graph):
@@ -56,9 +62,10 @@ def render_kernels(graph):
                 constants[node.output] = node.attrs["value"]
             continue
         if node.op == "fused":
-            render = {"reduction": fused.render_reduction, "gemm": fused.render_gemm,
+            render = {"reduction": fused.render_reduction, "gemm": fused.render_gemm, "conv": fused.render_conv,
                       "elementwise": fused.render_elementwise}[node.attrs["kind"]]
-            kernels.append(render(node, len(kernels), producers, stream_values))
+            rendered = render(node, len(kernels), producers, stream_values)
+            kernels.extend(rendered if isinstance(rendered, list) else [rendered])
             continue
         lowering = get_op(node.op).lowering
         if isinstance(lowering, View):
@@ -113,10 +120,31 @@ def direct_state_writes(graph, kernels, aliases) -> dict:
     return direct
 
 
+def split_prepare(graph, kernels, aliases, constants):
+    """Kernels that read only state the graph never updates (and constants) compute the same
+    thing every call — folded BatchNorm scales, transposed frozen weights. They move to a
+    prepare list that runs once, and again only after eager code changes that state."""
+    updated = {name for name, _ in graph.updates}
+    static = {s.value for s in graph.state if s.kind != "hyper" and s.name not in updated} | set(constants)
+    static |= {view for view, base in aliases.items() if base in static}
+    prepare, main = [], []
+    for k in kernels:
+        reads = _buffer_values(k, written=False)
+        if reads and all(v in static for v in reads):
+            prepare.append(k)
+            static.update(_buffer_values(k, written=True))
+            static |= {view for view, base in aliases.items() if base in static}
+        else:
+            main.append(k)
+    return prepare, main
+
+
 def build_program(graph, naive_memory: bool = False) -> Program:
     kernels, aliases, constants = render_kernels(graph)
+    prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)
-    external = set(graph.inputs) | {s.value for s in graph.state} | set(constants) | set(state_writes)
+    external = (set(graph.inputs) | {s.value for s in graph.state} | set(constants) | set(state_writes)
+                | {v for k in prepare for v in _buffer_values(k, written=True)})
     steps = [Step(reads=[a.value for a in k.args if getattr(a, "value", None) is not None and a.ctype.startswith("const")],
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
                   # Elementwise kernels read element i before writing element i; with equal
@@ -126,8 +154,8 @@ def build_program(graph, naive_memory: bool = False) -> Program:
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None)
-    source = KERNELS_HEADER.format(name=graph.name) + "\n".join(k.source for k in kernels)
-    return Program(graph, kernels, aliases, constants, plan, source, state_writes=state_writes)
+    source = KERNELS_HEADER.format(name=graph.name) + "\n".join(k.source for k in prepare + kernels)
+    return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)
 
 
 def describe_kernels(program) -> list:

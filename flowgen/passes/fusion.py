@@ -8,6 +8,8 @@
 * A matmul reads transposed operands in place (absorbing the permute) and takes
   the elementwise nodes of its output shape that follow it (bias add,
   activation) as an epilogue: kind ``gemm``.
+* A forward conv takes the same kind of epilogue (bias, folded BatchNorm shift,
+  activation, residual add): kind ``conv``.
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
@@ -32,6 +34,8 @@ def _kind(node) -> str:
         return "constant"
     if node.op == "matmul":
         return "gemm"
+    if node.op == "conv2d":
+        return "conv"
     lowering = get_op(node.op).lowering
     if isinstance(lowering, Elementwise):
         return "elementwise"
@@ -119,6 +123,12 @@ def fuse(graph, enabled: bool = True):
                 g.first = prologue.first
                 for m in prologue.members:
                     add(g, m)
+            groups.append(g)
+            add(g, i)
+        elif kind == "conv" and enabled:
+            # Conv anchor: elementwise consumers of its output run in its epilogue.
+            g = _Group("conv", tuple(node.output.shape), i)
+            g.reduction = i
             groups.append(g)
             add(g, i)
         elif kind == "gemm" and enabled:

@@ -122,12 +122,15 @@ class Executor:
             self.address[v] = backend.alloc(v.nbytes)
         for s in graph.state:
             self.address[s.value] = backend.alloc(s.value.nbytes)
+        for v in program.persistent_values:
+            self.address[v] = backend.alloc(v.nbytes)
         for value, state_value in program.state_writes.items():
             self.address[value] = self.address[state_value]
         for v, array in program.constants.items():
             self.address[v] = backend.alloc(v.nbytes)
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))
         self.launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.kernels]
+        self.prepare_launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.prepare]
         # State updates: the new value is copied over the state buffer at the end of the step.
         state = graph.state_by_name()
         self.updates = [(self.address[state[name].value], self.resolve(v), v.nbytes)
@@ -159,10 +162,14 @@ class Executor:
         for dst, src, nbytes in self.updates:
             self.backend.copy(dst, src, nbytes)
 
-    def run(self, inputs):
-        """One step: `inputs` are contiguous arrays matching the graph inputs."""
+    def run(self, inputs, state_changed: bool = True):
+        """One step: `inputs` are contiguous arrays matching the graph inputs. Prepare kernels
+        (they read only state the graph never writes) run when `state_changed`."""
         for v, array in zip(self.program.graph.inputs, inputs):
             self.backend.upload(self.address[v], array)
+        if state_changed:
+            for launch in self.prepare_launches:
+                launch()
         if self.backend.name == "cuda" and self.calls >= 1 and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1":
             if self.graph_exec is None:
                 ctx, stream = self.backend.ctx, self.backend.stream

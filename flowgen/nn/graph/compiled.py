@@ -56,13 +56,17 @@ class CompiledGraph:
         return self.program.plan
 
     # --------------------------------------------------------------- running
-    def _upload_state(self):
+    def _upload_state(self) -> bool:
+        """Copy changed state to the device; True if anything was copied."""
+        changed = False
         for value, tensor in self.bindings:
             if getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version:
                 continue  # the device copy is the newest
             self.executor.write_state(value, tensor.numpy_view())
+            changed = True
         for value, scalar in self.host_scalars:
             self.executor.write_state(value, np.asarray(scalar.compute(), value.dtype.np_dtype))
+        return changed
 
     def _mark_device_newer(self):
         for value, tensor in self.bindings:
@@ -80,8 +84,8 @@ class CompiledGraph:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
                                    f"move inputs and modules to the same device")
-        self._upload_state()
-        outputs = self.executor.run([a.numpy_view() for a in args])
+        changed = self._upload_state()
+        outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
         self._graph._after_step()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
