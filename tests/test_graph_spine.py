@@ -363,3 +363,48 @@ def test_eval_convnet_runs_one_kernel_per_conv_and_sees_eager_changes():
         model[1].running_var.mul_(4.0)
         model[0].weight.mul_(0.5)
     np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_amp_graph_runs_matmuls_in_half_and_tracks_fp32_training():
+    flow.manual_seed(0)
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    loss_fn = nn.MSELoss()
+    amp = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.05))
+    amp.config.enable_amp(True)
+    amp.set_grad_scaler(flow.amp.StaticGradScaler(128.0))
+    fp32 = TrainGraph(reference, loss_fn, flow.optim.SGD(reference.parameters(), lr=0.05))
+    x, y = flow.randn(16, 5), flow.randn(16, 3)
+    for _ in range(5):
+        la, lf = float(amp(x, y)), float(fp32(x, y))
+        assert abs(la - lf) < 2e-2 * max(1.0, abs(lf))
+    ir = str(amp.compiled.ir)
+    assert "f16[" in ir and "cast" in ir
+    assert "__half" in amp.compiled.sources["kernels.cu"]
+    np.testing.assert_allclose(model[0].weight.numpy(), reference[0].weight.numpy(), atol=5e-3)
+
+
+def test_gradient_accumulation_averages_micro_batch_gradients():
+    flow.manual_seed(0)
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    loss_fn = nn.MSELoss()
+    graph = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    graph.config.set_gradient_accumulation_steps(4)
+    opt = flow.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(3):
+        x, y = flow.randn(16, 5), flow.randn(16, 3)
+        losses = graph(x, y)
+        assert tuple(losses.shape) == (4,)          # one loss per micro-batch
+        opt.zero_grad()
+        expected = []
+        for j in range(4):
+            loss = loss_fn(eager(x[4 * j:4 * j + 4]), y[4 * j:4 * j + 4])
+            (loss / 4).backward()
+            expected.append(float(loss))
+        opt.step()
+        np.testing.assert_allclose(losses.numpy(), expected, rtol=1e-5)
+    for p, pe in zip(model.parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6)
+    with pytest.raises(RuntimeError, match="dim 0"):
+        graph(flow.randn(6, 5), flow.randn(6, 3))

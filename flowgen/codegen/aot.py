@@ -185,8 +185,10 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         for j, arg in enumerate(k.args):
             if isinstance(arg, BufferArg):
                 expr, base = address(arg.value)
-                view = "" if base is arg.value else (f" (into state %{base.name})" if base in state_index
-                                                     else f" (view of %{base.name})")
+                if base_of(arg.value) in state_writes:
+                    view = f" (written straight into state %{base.name})"
+                else:
+                    view = "" if base is arg.value else f" (view of %{base.name})"
                 lines.append(f"DevPtr a{j} = {expr};  // {arg.ctype} %{arg.value.name} {arg.value.type_str}{view}")
             else:
                 lines.append(f"{arg.ctype} a{j} = {_scalar_literal(arg.ctype, arg.literal)};")
@@ -409,6 +411,8 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
             cubin = (out / "program.cubin").read_bytes()
         _write(out / "program_cubin.inc", _cubin_inc(cubin, arch))
         stage("compile device code", f"{compiler} -> {arch} cubin, {len(cubin)} bytes, embedded", start)
+    else:
+        log(f"  {'compile device code':<22} {'-':>7}     (cpu target: the kernels compile with the host code)")
 
     start = time.perf_counter()
     partial = f".{binary}.partial"

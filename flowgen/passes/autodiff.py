@@ -32,19 +32,23 @@ def _reaches(graph, root) -> set:
     return needed
 
 
-def autodiff(graph, loss, wrt: list, device=None):
-    """Returns (graph with backward nodes appended, {state name: grad Value})."""
+def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
+    """Returns (graph with backward nodes appended, {state name: grad Value}).
+
+    `loss_scale` seeds the backward pass with d(loss)/d(loss) = scale (a GradScaler's loss
+    scaling, which keeps float16 gradients from underflowing); the optimizer pass divides it out.
+    """
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
     tracer.graph = out
-    tracer.new_name = NameGen(start=_next_index(graph))
+    tracer.new_name = NameGen(start=next_value_index(graph))
     wrt_set = set(wrt)
     differentiable = _needs_grad(graph, wrt_set) & _reaches(graph, loss)
 
     grads: dict = {}
     with tracer:
         tracer.scopes.append("loss.backward")
-        seed = tracer.emit("constant", [], {"value": np.ones(loss.shape, loss.dtype.np_dtype)}).output
+        seed = tracer.emit("constant", [], {"value": np.full(loss.shape, loss_scale, loss.dtype.np_dtype)}).output
         grads[loss] = tracer.lazy(seed)
         tracer.scopes.pop()
         for node in reversed(graph.nodes):
@@ -74,7 +78,7 @@ def autodiff(graph, loss, wrt: list, device=None):
     return out, result
 
 
-def _next_index(graph) -> int:
+def next_value_index(graph) -> int:
     """First unused number for fresh `tN` names."""
     best = -1
     for node in graph.nodes:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from flowgen.ir.trace import Tracer
-from flowgen.passes.autodiff import _next_index
+from flowgen.passes.autodiff import next_value_index
 
 
 @dataclass
@@ -36,7 +36,8 @@ def _group_kind(optimizer) -> str:
     return kind
 
 
-def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict):
+def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,
+                     grad_unscale: float = 1.0):
     """Returns (graph, host scalars, slot bindings).
 
     `param_name` maps id(param) -> state name; `counter["calls"]` is the number of
@@ -48,8 +49,13 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
     tracer.graph = out
-    tracer.new_name = NameGen(start=_next_index(graph))
+    tracer.new_name = NameGen(start=next_value_index(graph))
     state = graph.state_by_name()
+    if grad_unscale != 1.0:   # undo the GradScaler's loss scaling before any update math
+        with tracer:
+            tracer.scopes.append("grad_scaler.unscale")
+            grads = {name: (tracer.lazy(g) * grad_unscale)._value for name, g in grads.items()}
+            tracer.scopes.pop()
     host: list = []
     slots: list = []
 

@@ -17,7 +17,8 @@ from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
 from flowgen.nn.graph.report import meta_repr
-from flowgen.passes.autodiff import autodiff
+from flowgen.ir.graph import NameGen
+from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.optimizer import lower_optimizers
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
@@ -164,13 +165,39 @@ def _output_structure(result):
     return flat, walk(result)
 
 
+def _micro_batch(graph, lazy_args, j: int, steps: int) -> list:
+    from flowgen import functional as F
+
+    out = []
+    for k, a in enumerate(lazy_args):
+        if not a.shape or a.shape[0] % steps:
+            raise TraceError(f"{graph.name}: gradient accumulation over {steps} steps splits every input along "
+                             f"dim 0, but input {k} has shape {tuple(a.shape)}")
+        size = a.shape[0] // steps
+        out.append(F.narrow(a, 0, j * size, size))
+    return out
+
+
+def _differentiate(graph, tracer, wrt, device, scale) -> dict:
+    """Append the backward pass of the loss just traced; the tracer continues after it."""
+    if not graph._optimizers:
+        raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
+                         f"call self.add_optimizer(optimizer) in __init__")
+    root = tracer.backward_roots.pop()
+    tracer.backward_roots.clear()
+    ir, grads = autodiff(tracer.graph, root, wrt, device, loss_scale=scale)
+    tracer.graph, tracer.new_name = ir, NameGen(start=next_value_index(ir))
+    return grads
+
+
 def compile_step(graph, args):
     cls = type(graph).__name__
     device = _device_of(graph, args)
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
-    tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None)
+    tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
+                    autocast=graph.config.amp)
     param_name, paths = {}, {}
     for mname, module in graph._modules.items():
         for path, sub in module.named_modules(prefix=mname):
@@ -183,14 +210,32 @@ def compile_step(graph, args):
             if b is not None and id(b) not in tracer.state_of:
                 tracer.add_state(bname, b, "buffer")
     io: dict = {}
+    wrt = [param_name[id(p)] for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]
+           if id(p) in param_name and p.requires_grad]
+    # A GradScaler's current scale is baked in (growth/backoff is an eager-mode feature).
+    scale = float(graph._grad_scaler.get_scale()) if graph._grad_scaler is not None else 1.0
+    steps = graph.config.gradient_accumulation_steps
+    grads = None
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
         with tracer, random.preserved_dropout_stream():
             lazy_args = [tracer.add_input(a, i) for i, a in enumerate(args)]
             for k, a in enumerate(args):
                 graph._log(1, f"(INPUT:_{graph.name}-input_{k}:{meta_repr(a, lazy=False)})")
-            result = graph.build(*lazy_args)
-            flat, structure = _output_structure(result)
+            micro_outputs = []
+            for j in range(steps):
+                result = graph.build(*(lazy_args if steps == 1 else _micro_batch(graph, lazy_args, j, steps)))
+                flat, structure = _output_structure(result)
+                micro_outputs.append(flat)
+                if tracer.backward_roots:
+                    # Differentiate this micro-batch now, so its activations die before the next one.
+                    micro_grads = _differentiate(graph, tracer, wrt, device, scale)
+                    grads = micro_grads if grads is None else {
+                        n: (tracer.lazy(grads[n]) + tracer.lazy(g))._value for n, g in micro_grads.items()}
+            if steps > 1:   # per-micro-batch outputs stacked along a new leading dim
+                from flowgen import functional as F
+
+                flat = [F.stack([m[i] for m in micro_outputs]) for i in range(len(micro_outputs[0]))]
             tracer.graph.outputs = [tracer.value_of(t) for t in flat]
     finally:
         module_mod.set_module_call_hook(previous_hook)
@@ -205,14 +250,10 @@ def compile_step(graph, args):
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
-    if tracer.backward_roots:
-        if not graph._optimizers:
-            raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
-                             f"call self.add_optimizer(optimizer) in __init__")
-        wrt = [param_name[id(p)] for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]
-               if id(p) in param_name and p.requires_grad]
-        ir, grads = autodiff(ir, tracer.backward_roots[-1], wrt, device)
-        ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter)
+    if grads is not None:
+        # Gradients are averaged over micro-batches and the loss scale divided out.
+        ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
+                                           grad_unscale=1.0 / (scale * steps))
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars = [(state[h.name].value, h) for h in host]
