@@ -54,6 +54,9 @@ JSON with tags where JSON has no type of its own::
                                             its output's name, other arrays by
                                             "<output name>.<attr>")
 
+Dtype names are flowgen's (float32, bfloat16, int64, bool, ...); attribute arrays and
+scalars of other NumPy dtypes use NumPy's spelling ("|u1").
+
 A reader must refuse a version it does not know. Later versions may add keys;
 version 1 readers ignore keys they do not use.
 """
@@ -93,6 +96,22 @@ def _contiguous(array) -> np.ndarray:
     return np.require(array, requirements="C")
 
 
+def _np_dtype_name(np_dtype) -> str:
+    """flowgen's name for the dtypes it has (float32, bfloat16, ...), NumPy's ('<u1') otherwise."""
+    np_dtype = np.dtype(np_dtype)
+    for d in dt.ALL:
+        if d.np_dtype == np_dtype:
+            return d.name
+    return np_dtype.str
+
+
+def _np_dtype(name: str) -> np.dtype:
+    try:
+        return dt.get(name).np_dtype
+    except TypeError:
+        return np.dtype(name)
+
+
 def _value_json(v) -> dict:
     return {"name": v.name, "shape": [int(d) for d in v.shape], "dtype": v.dtype.name}
 
@@ -119,8 +138,7 @@ class _IREncoder:
 
     def attr(self, value, key: str):
         if isinstance(value, np.generic):   # before float: np.float64 is a float subclass
-            kind = dt.from_numpy(value.dtype).name
-            return {"$scalar": kind, "value": self.attr(value.item(), key)}
+            return {"$scalar": _np_dtype_name(value.dtype), "value": self.attr(value.item(), key)}
         if value is None or isinstance(value, (bool, str)):
             return value
         if isinstance(value, int):
@@ -135,7 +153,7 @@ class _IREncoder:
             if key in self.arrays:
                 raise ValueError(f"flow.save: two arrays would be stored as {key!r} in {CONSTANTS_FILE}")
             self.arrays[key] = _contiguous(value)
-            return {"$array": key, "dtype": dt.from_numpy(value.dtype).name, "shape": list(value.shape)}
+            return {"$array": key, "dtype": _np_dtype_name(value.dtype), "shape": list(value.shape)}
         if isinstance(value, tuple):
             return {"$tuple": [self.attr(v, f"{key}.{i}") for i, v in enumerate(value)]}
         if isinstance(value, list):
@@ -241,14 +259,14 @@ class _IRDecoder:
         if "$float" in node:
             return float(node["$float"])
         if "$scalar" in node:
-            return dt.get(node["$scalar"]).np_dtype.type(self.attr(node["value"], key))
+            return _np_dtype(node["$scalar"]).type(self.attr(node["value"], key))
         if "$dict" in node:
             return {k: self.attr(v, key) for k, v in node["$dict"].items()}
         if "$array" in node:
             array = self.arrays.get(node["$array"])
             if array is None:
                 self.fail(f"constant {node['$array']!r} is missing from {CONSTANTS_FILE}")
-            if dt.get(node["dtype"]).np_dtype != array.dtype or list(array.shape) != list(node["shape"]):
+            if _np_dtype(node["dtype"]) != array.dtype or list(array.shape) != list(node["shape"]):
                 self.fail(f"constant {node['$array']!r} in {CONSTANTS_FILE} is {array.dtype}{list(array.shape)}, "
                           f"graph.json says {node['dtype']}{node['shape']}")
             return array

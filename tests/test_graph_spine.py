@@ -408,3 +408,30 @@ def test_gradient_accumulation_averages_micro_batch_gradients():
         np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6)
     with pytest.raises(RuntimeError, match="dim 0"):
         graph(flow.randn(6, 5), flow.randn(6, 3))
+
+
+def test_update_written_in_place_never_clobbers_a_value_still_read_through_a_view():
+    """Regression: BatchNorm's weight is read as a reshaped view by later backward kernels, so
+    its SGD update must not overwrite the parameter buffer before them."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8))
+    eager = copy.deepcopy(model)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=1.0))
+
+        def build(self, x, t):
+            loss = (self.model(x) * t).sum()
+            loss.backward()
+            return loss
+
+    x, t = flow.randn(4, 3, 8, 8), flow.randn(4, 8, 4, 4)
+    Step()(x, t)
+    opt = flow.optim.SGD(eager.parameters(), lr=1.0)
+    (eager(x) * t).sum().backward()
+    opt.step()
+    for p, pe in zip(model.parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-5, atol=1e-4)

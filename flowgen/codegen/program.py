@@ -106,15 +106,27 @@ def direct_state_writes(graph, kernels, aliases) -> dict:
     kernel reads it (if at all) only at the element it writes (`Kernel.pointwise_reads`)."""
     state = graph.state_by_name()
     producer = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=True)}
+
+    def views_of(base) -> set:
+        """`base` and every view that shares its memory (reshapes of a parameter, ...)."""
+        found = {base}
+        while True:
+            more = {view for view, b in aliases.items() if b in found} - found
+            if not more:
+                return found
+            found |= more
+
     direct = {}
     for name, value in graph.updates:
         old, i = state[name].value, producer.get(value)
         if i is None or value in aliases or value in direct:
             continue
-        if any(old in _buffer_values(k, written=False) for k in kernels[i + 1:]):
+        old_names = views_of(old)
+        if any(v in old_names for k in kernels[i + 1:] for v in _buffer_values(k, written=False)):
             continue
-        if old in _buffer_values(kernels[i], written=False) and (
-                old not in kernels[i].pointwise_reads or tuple(old.shape) != tuple(value.shape)):
+        reads_here = old_names & set(_buffer_values(kernels[i], written=False))
+        if reads_here and (reads_here != {old} or old not in kernels[i].pointwise_reads
+                           or tuple(old.shape) != tuple(value.shape)):
             continue
         direct[value] = old
     return direct
