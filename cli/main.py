@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -176,10 +175,17 @@ def inspect(path, source, ir, memory):
                  f"{program.kernels_before_fusion})")
     lines.append(f"  memory: arena {_format_bytes(plan.arena_bytes)}, lower bound {_format_bytes(plan.lower_bound_bytes)}"
                  f", naive {_format_bytes(plan.naive_bytes)} ({plan.n_buffers} buffers)")
+    def kernel_lines(kernels):
+        for i, k in enumerate(kernels):
+            fuses = f"  [fuses {len(k.ops)} ops: {', '.join(k.ops)}]" if len(k.ops) > 1 else ""
+            lines.append(f"    {i:>3} {k.name}: {k.comment}{fuses}")
+
+    prepare = getattr(program, "prepare", [])
+    if prepare:
+        lines.append("  prepare kernels (run once: they read only state the step never writes):")
+        kernel_lines(prepare)
     lines.append("  kernels:")
-    for i, k in enumerate(program.kernels):
-        fuses = f"  [fuses {len(k.ops)} ops: {', '.join(k.ops)}]" if len(k.ops) > 1 else ""
-        lines.append(f"    {i:>3} {k.name}: {k.comment}{fuses}")
+    kernel_lines(program.kernels)
     click.echo("\n".join(lines))
     if memory:
         click.echo("\narena layout (offset, bytes, live from step to step, value):")

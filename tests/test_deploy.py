@@ -7,6 +7,7 @@ graph it came from; the CUDA target is built too (no GPU needed) and run where a
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -59,7 +60,7 @@ def conv_model():
 def run_binary(out_dir, *args, binary=None):
     manifest = json.loads((out_dir / "manifest.json").read_text())
     exe = binary or out_dir / manifest["binary"]
-    proc = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, errors="replace", timeout=120)
     assert proc.returncode >= 0, f"the program was killed by signal {-proc.returncode}:\n{proc.stderr}"
     return proc
 
@@ -109,7 +110,9 @@ def poly(tmp_path_factory):
     xx, y = poly_data()
     np.save(tmp / "x.npy", xx)
     np.save(tmp / "y.npy", y)
-    return {"tmp": tmp, "graph": graph, "model": model, "saved": tmp / "saved", "out": tmp / "out"}
+    momentum = graph.state_dict()["_optimizer0"]["state"][0]["momentum_buffer"].numpy().copy()
+    return {"tmp": tmp, "graph": graph, "model": model, "saved": tmp / "saved", "out": tmp / "out",
+            "momentum_at_save": momentum}
 
 
 # ----------------------------------------------------------------------------- flow.save(graph)
@@ -122,12 +125,20 @@ def test_saved_graph_directory_and_format(conv):
     assert doc["inputs"] == [{"name": "input_0", "shape": [2, 3, 8, 8], "dtype": "float32"}]
     kinds = {s["name"]: s["kind"] for s in doc["state"]}
     assert kinds["model.0.weight"] == "param" and kinds["model.1.running_mean"] == "buffer"
-    ops = [n["op"] for n in doc["nodes"]]
+    def walk(nodes):   # nodes and the bodies of fused nodes
+        for n in nodes:
+            yield n
+            yield from walk(n.get("body", []))
+
+    nodes = list(walk(doc["nodes"]))
+    ops = [n["op"] for n in nodes]
     assert "conv2d" in ops and "max_pool2d" in ops
-    conv_node = doc["nodes"][ops.index("conv2d")]
+    conv_node = nodes[ops.index("conv2d")]
     assert conv_node["scope"] == "model.0" and conv_node["attrs"]["padding"] == {"$tuple": [1, 1]}
+    assert conv_node["outputs"][0] == {"name": conv_node["outputs"][0]["name"], "shape": [2, 8, 8, 8],
+                                       "dtype": "float32"}
     fused = [n for n in doc["nodes"] if n["op"] == "fused"]
-    assert fused and all(n["body"] and n["attrs"]["kind"] in ("elementwise", "reduction") for n in fused)
+    assert fused and all(n["body"] and "kind" in n["attrs"] for n in fused)
 
     signature = json.loads((saved_dir / "signature.json").read_text())
     assert signature["graph"] == conv["graph"].name and signature["training"] is False
@@ -166,13 +177,10 @@ def test_training_graph_saves_optimizer_state_and_hyper_scalars(poly):
     assert weights["optim0.group0.lr"] == np.float32(1e-5)
     # After the first step momentum is on: the hyper scalars hold the values of the next step.
     assert weights["optim0.group0.model.0.weight.momentum"] == np.float32(0.9)
-    np.testing.assert_array_equal(weights["model.0.weight.momentum_buffer"],
-                                  poly["graph"].state_dict()["_optimizer0"]["state"][0]["momentum_buffer"].numpy())
+    np.testing.assert_array_equal(weights["model.0.weight.momentum_buffer"], poly["momentum_at_save"])
 
 
 def test_load_refuses_other_versions_and_corrupt_files(conv, tmp_path):
-    import shutil
-
     copy = tmp_path / "copy"
     shutil.copytree(conv["saved"], copy)
     doc = json.loads((copy / "graph.json").read_text())
@@ -282,7 +290,7 @@ def bad_weights(path):
         text = json.dumps(h).encode()
         return len(text).to_bytes(8, "little") + text + good[8 + n:]
 
-    first = next(k for k in header if k != "__metadata__")
+    first = "model.0.weight"
     missing = dict(tensors)
     missing.pop(first)
     wrong_shape = dict(tensors)
@@ -357,7 +365,8 @@ def test_fuzzed_files_under_address_sanitizer(conv, tmp_path):
         x_path.write_bytes(data if kind == "x" else x_npy)
         w_path.write_bytes(data if kind == "w" else weights)
         proc = subprocess.run([str(out / manifest_binary(out)), "--weights", str(w_path), "--input", str(x_path),
-                               "--out", str(tmp_path / "res")], capture_output=True, text=True, env=env, timeout=120)
+                               "--out", str(tmp_path / "res")], capture_output=True, text=True, errors="replace", env=env,
+                              timeout=120)
         assert "AddressSanitizer" not in proc.stderr and "LeakSanitizer" not in proc.stderr, proc.stderr
         assert proc.returncode in (0, 1), (proc.returncode, proc.stderr)
         refused += proc.returncode == 1
@@ -391,6 +400,14 @@ def test_cuda_target_builds_without_a_gpu(conv, tmp_path):
     assert proc.returncode == 3 and "CUDA" in proc.stderr and "--target cpu" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_target_with_nvcc(poly, tmp_path):
+    result = aot.build(poly["saved"], tmp_path / "nvcc", target="cuda", compiler="nvcc", arch="sm_80")
+    assert result.binary.is_file() and result.manifest["compiler"] == "nvcc"
+    assert "nvcc -cubin -arch=sm_80" in (tmp_path / "nvcc" / "program.cu").read_text()
+
+
 @pytest.mark.gpu
 def test_cuda_program_on_gpu(conv, poly, tmp_path):
     from flowgen.runtime import cuda_driver
@@ -400,6 +417,13 @@ def test_cuda_program_on_gpu(conv, poly, tmp_path):
     proc = run_binary(tmp_path / "conv", "--input", conv["tmp"] / "x.npy", "--out", tmp_path / "res")
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_allclose(np.load(tmp_path / "res" / "output_0.npy"), conv["expected"], rtol=1e-4, atol=1e-5)
+    aot.build(poly["saved"], tmp_path / "poly", target="cuda", arch=arch)
+    saved = flow.load(poly["saved"])            # same weights, same (constant) hyper scalars
+    expected = [float(saved.run(*(t.numpy() for t in poly_batch(s)))[0]) for s in range(3)]
+    proc = run_binary(tmp_path / "poly", "--input", poly["tmp"] / "x.npy", "--input", poly["tmp"] / "y.npy",
+                      "--out", tmp_path / "res_poly", "--steps", 3)
+    assert proc.returncode == 0, proc.stderr
+    np.testing.assert_allclose(np.load(tmp_path / "res_poly" / "losses.npy"), expected, rtol=1e-4)
 
 
 # ----------------------------------------------------------------------------- resuming training
@@ -439,3 +463,23 @@ def test_module_state_dict_through_the_graph_proxy(conv, tmp_path):
     restored = conv_model()
     restored.load_state_dict(flow.load(tmp_path / "model_state"))
     np.testing.assert_allclose(restored(flow.tensor(conv["x"])).numpy(), conv["expected"], rtol=1e-5, atol=1e-5)
+
+
+def test_flowgen_run_trains_and_prints_the_loss(poly, tmp_path):
+    from click.testing import CliRunner
+
+    try:
+        from flowgen.cli.main import cli
+    except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
+        from cli.main import cli
+    result = CliRunner().invoke(cli, ["run", str(poly["out"]), str(poly["tmp"] / "x.npy"), str(poly["tmp"] / "y.npy"),
+                                      "-o", str(tmp_path / "res"), "--steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert [line.split()[:2] for line in result.output.splitlines()[:3]] == [["step", "1/3"], ["step", "2/3"],
+                                                                             ["step", "3/3"]]
+    saved = flow.load(poly["saved"])
+    expected = [float(saved.run(*(t.numpy() for t in poly_batch(s)))[0]) for s in range(3)]
+    np.testing.assert_allclose(np.load(tmp_path / "res" / "losses.npy"), expected, rtol=1e-6)
+    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    for name, value in saved.weights.items():
+        np.testing.assert_allclose(weights[name], value, rtol=1e-6, atol=1e-7, err_msg=name)

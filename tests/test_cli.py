@@ -1,0 +1,112 @@
+"""The `flowgen` command line: build / run / inspect, and examples/deploy.py end to end."""
+import json
+import runpy
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import flowgen as flow
+import flowgen.nn as nn
+
+try:
+    from flowgen.cli.main import cli
+except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
+    from cli.main import cli
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class MLPGraph(nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A small inference graph, saved and built for the CPU through the CLI."""
+    flow.manual_seed(0)
+    tmp = tmp_path_factory.mktemp("cli")
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 4), nn.Softmax(dim=1))
+    graph = MLPGraph(model)
+    x = flow.randn(3, 6)
+    expected = graph(x).numpy().copy()
+    flow.save(graph, tmp / "saved")
+    np.save(tmp / "x.npy", x.numpy())
+    result = CliRunner().invoke(cli, ["build", str(tmp / "saved"), "-o", str(tmp / "out"), "--target", "cpu"])
+    return {"tmp": tmp, "expected": expected, "build": result, "graph": graph}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["build", "--help"], ["run", "--help"], ["inspect", "--help"]])
+def test_help(args):
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "Usage: " in result.output
+
+
+def test_build_reports_each_stage_with_times(built):
+    result = built["build"]
+    assert result.exit_code == 0, result.output
+    for stage in ("load", "render", "compile host code", "write weights"):
+        assert f"  {stage} " in result.output
+    assert " s " in result.output and "built " in result.output
+    out = built["tmp"] / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (out / manifest["binary"]).is_file() and manifest["graph"] == built["graph"].name
+    assert manifest["outputs"][0]["shape"] == [3, 4] and manifest["flowgen_version"] == flow.__version__
+
+
+def test_run_writes_outputs(built):
+    tmp = built["tmp"]
+    result = CliRunner().invoke(cli, ["run", str(tmp / "out"), str(tmp / "x.npy"), "-o", str(tmp / "res")])
+    assert result.exit_code == 0, result.output
+    np.testing.assert_allclose(np.load(tmp / "res" / "output_0.npy"), built["expected"], rtol=1e-6, atol=1e-6)
+
+
+def test_run_passes_on_the_programs_refusal(built):
+    tmp = built["tmp"]
+    np.save(tmp / "bad.npy", np.zeros((3, 5), np.float32))
+    result = CliRunner().invoke(cli, ["run", str(tmp / "out"), str(tmp / "bad.npy"), "-o", str(tmp / "res2")])
+    assert result.exit_code == 1 and "shape [3,5], expected [3,6]" in result.output
+
+
+def test_inspect_summary_ir_source_memory(built):
+    tmp = built["tmp"]
+    for path in (tmp / "saved", tmp / "out"):
+        result = CliRunner().invoke(cli, ["inspect", str(path)])
+        assert result.exit_code == 0, result.output
+        assert "launches per step" in result.output and "lower bound" in result.output
+        assert "input_0: float32[3, 6]" in result.output and "kernels:" in result.output
+    built_only = CliRunner().invoke(cli, ["inspect", str(tmp / "out"), "--ir", "--source", "--memory"])
+    assert built_only.exit_code == 0, built_only.output
+    assert "build: " in built_only.output                    # the manifest's line
+    assert f"graph {built['graph'].name}(" in built_only.output   # the IR text
+    assert "static void run_step(" in built_only.output       # program.cu
+    assert "arena layout" in built_only.output
+
+
+def test_build_errors_are_messages_not_tracebacks(tmp_path):
+    result = CliRunner().invoke(cli, ["build", str(tmp_path), "-o", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "no graph.json" in result.output
+    result = CliRunner().invoke(cli, ["run", str(tmp_path), "x.npy", "-o", str(tmp_path / "res")])
+    assert result.exit_code == 1 and "manifest.json is missing" in result.output
+
+
+def test_nvcc_missing_is_a_clear_error(built, monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    result = CliRunner().invoke(cli, ["build", str(built["tmp"] / "saved"), "-o", str(built["tmp"] / "nvcc"),
+                                      "--compiler", "nvcc"])
+    assert result.exit_code == 1 and "nvcc is not on PATH" in result.output
+
+
+def test_deploy_example(tmp_path, capsys):
+    """examples/deploy.py: train, checkpoint, flow.save(graph), flowgen build + run, compare."""
+    module = runpy.run_path(str(REPO / "examples" / "deploy.py"))
+    diff = module["main"](target="cpu", workdir=tmp_path, steps=10)
+    assert diff <= 1e-6
+    assert "program output vs graph output" in capsys.readouterr().out
