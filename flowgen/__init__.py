@@ -20,5 +20,5 @@ long = int64
 int = int32  # noqa: A001
 
 __version__ = "0.1.0"
-from flowgen import nn, optim, utils, amp  # noqa: E402
+from flowgen import nn, optim, utils, amp, models  # noqa: E402
 from flowgen.serialization import save, load  # noqa: E402

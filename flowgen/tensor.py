@@ -8,6 +8,8 @@ definitions.
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from flowgen import dtype as dt
@@ -170,6 +172,16 @@ class Tensor:
 
     def __hash__(self):
         return id(self)
+
+    def __deepcopy__(self, memo):
+        """A copy of the data and autograd flags; graph bindings (device copies) are not copied."""
+        out = Tensor(self.numpy_view().copy(), dtype=self._dtype, device=self.device)
+        out.requires_grad = self.requires_grad
+        if self.grad is not None:
+            out.grad = copy.deepcopy(self.grad, memo)
+        out.__class__ = self.__class__
+        memo[id(self)] = out
+        return out
 
     def __repr__(self) -> str:
         extras = []

@@ -39,6 +39,8 @@ class ProxyModule:
         return self._origin.to(kind)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_origin", "_name", "_configs"):
+            raise AttributeError(name)   # not yet set (copy/pickle build the object empty)
         return self._wrap(getattr(self._origin, name), name)
 
     def __setattr__(self, name, value):
