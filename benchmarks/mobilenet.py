@@ -27,28 +27,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
 from flowgen.models import mobilenet_v2  # noqa: E402
-
-
-class TrainGraph(nn.Graph):
-    def __init__(self, model, loss_fn, optimizer):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.add_optimizer(optimizer)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
-
-
-class InferGraph(nn.Graph):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
+from graphs import InferGraph, TrainGraph  # noqa: E402  (tests/graphs.py)
 
 
 def _timed(fn, steps, sync=lambda: None):

@@ -62,16 +62,14 @@ version 1 readers ignore keys they do not use.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import secrets
-import shutil
 
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.serialization import file_sha256, write_json
 
 FORMAT = "flowgen.graph"
 VERSION = 1
@@ -448,68 +446,32 @@ def write_weights(weights: dict, filename: str, graph_name: str, step: int) -> N
               metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step))})
 
 
-def _sha256(filename: str) -> str:
-    digest = hashlib.sha256()
-    with open(filename, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_json(obj, filename: str) -> None:
-    with open(filename, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, allow_nan=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def is_saved_graph(path) -> bool:
     return os.path.isfile(os.path.join(os.fspath(path), GRAPH_FILE))
 
 
-def _check_replaceable(path: str) -> None:
-    from flowgen.serialization import STRUCTURE_FILE
-
-    if not os.path.lexists(path):
-        return
-    if os.path.islink(path) or not os.path.isdir(path):
-        raise FileExistsError(f"flow.save: {path} exists and is not a directory; remove it or choose another path")
-    if os.listdir(path) and not (is_saved_graph(path) or os.path.isfile(os.path.join(path, STRUCTURE_FILE))):
-        raise FileExistsError(f"flow.save: {path} is a non-empty directory that is not a flow.save directory "
-                              f"(no {GRAPH_FILE}); refusing to replace it")
-
-
 def save_graph(graph, path) -> None:
     """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically."""
-    from flowgen.serialization import _replace_directory
+    from safetensors.numpy import save_file
+
+    from flowgen.serialization import write_directory_atomically
 
     if graph._last is None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
-    path = os.path.abspath(os.fspath(path))
-    _check_replaceable(path)
-    parent = os.path.dirname(path)
-    if not os.path.isdir(parent):
-        raise FileNotFoundError(f"flow.save: the parent directory {parent} does not exist")
     doc, arrays = encode_graph(compiled.ir, graph.training)
     weights = _state_values(compiled)
-    tmp = f"{path}.tmp-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
-    try:
-        from safetensors.numpy import save_file
 
+    def write(tmp: str) -> None:
         constants_path = os.path.join(tmp, CONSTANTS_FILE)
         save_file(arrays, constants_path, metadata={"format": "flowgen.constants"})
-        doc["constants_sha256"] = _sha256(constants_path)
-        _write_json(doc, os.path.join(tmp, GRAPH_FILE))
+        doc["constants_sha256"] = file_sha256(constants_path)
+        write_json(doc, os.path.join(tmp, GRAPH_FILE))
         write_weights(weights, os.path.join(tmp, WEIGHTS_FILE), graph.name, graph._counter["calls"])
-        _write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
-        _replace_directory(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
+
+    write_directory_atomically(path, write)
 
 
 # ------------------------------------------------------------------ loading
@@ -562,7 +524,7 @@ def load_saved_graph(path) -> SavedGraph:
     doc = _read_json(os.path.join(path, GRAPH_FILE), GRAPH_FILE)
     constants_path = os.path.join(path, CONSTANTS_FILE)
     expected = doc.get("constants_sha256") if isinstance(doc, dict) else None
-    if expected is not None and os.path.isfile(constants_path) and _sha256(constants_path) != expected:
+    if expected is not None and os.path.isfile(constants_path) and file_sha256(constants_path) != expected:
         raise FormatError(f"flow.load: {constants_path} is corrupt: its SHA-256 does not match graph.json")
     arrays, _ = _read_safetensors(constants_path)
     ir = decode_graph(doc, arrays, path)

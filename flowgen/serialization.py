@@ -163,27 +163,44 @@ def save(obj, path) -> None:
     hook = getattr(obj, "_flowgen_save", None)
     if callable(hook) and not isinstance(obj, (dict, list, tuple, Tensor)):
         return hook(path)
+    encoder = _Encoder()
+    root = encoder.encode(obj, [])
+
+    def write(tmp: str) -> None:
+        tensors_path = os.path.join(tmp, TENSORS_FILE)
+        _write_tensors(encoder.arrays, tensors_path)
+        write_json({"format": FORMAT, "version": VERSION, "tensors_sha256": file_sha256(tensors_path),
+                    "root": root},
+                   os.path.join(tmp, STRUCTURE_FILE), allow_nan=True)
+
+    write_directory_atomically(path, write)
+
+
+def write_directory_atomically(path, write) -> None:
+    """Write a flow.save directory at `path`: `write(tmp)` fills a fresh temporary directory
+    beside it, which then replaces `path`. An interrupted save leaves the old directory intact."""
     path = os.path.abspath(os.fspath(path))
     _check_replaceable(path)
     parent = os.path.dirname(path)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"flow.save: the parent directory {parent} does not exist")
-    encoder = _Encoder()
-    root = encoder.encode(obj, [])
     tmp = f"{path}.tmp-{secrets.token_hex(4)}"
     os.mkdir(tmp)
     try:
-        tensors_path = os.path.join(tmp, TENSORS_FILE)
-        _write_tensors(encoder.arrays, tensors_path)
-        structure = {"format": FORMAT, "version": VERSION, "tensors_sha256": _sha256(tensors_path), "root": root}
-        with open(os.path.join(tmp, STRUCTURE_FILE), "w", encoding="utf-8") as f:
-            json.dump(structure, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
         _replace_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_json(obj, filename: str, allow_nan: bool = False) -> None:
+    """JSON written and fsynced (strict by default; state dicts may hold inf/nan scalars)."""
+    with open(filename, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, allow_nan=allow_nan)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_tensors(arrays: dict, filename: str) -> None:
@@ -194,7 +211,7 @@ def _write_tensors(arrays: dict, filename: str) -> None:
         os.fsync(f.fileno())
 
 
-def _sha256(filename: str) -> str:
+def file_sha256(filename: str) -> str:
     digest = hashlib.sha256()
     with open(filename, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -202,8 +219,12 @@ def _sha256(filename: str) -> str:
     return digest.hexdigest()
 
 
+# Files that mark a directory as written by flow.save (a state dict, or a saved graph).
+SAVE_MARKERS = (STRUCTURE_FILE, "graph.json")
+
+
 def _is_save_directory(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, STRUCTURE_FILE))
+    return any(os.path.isfile(os.path.join(path, marker)) for marker in SAVE_MARKERS)
 
 
 def _check_replaceable(path: str) -> None:
@@ -214,7 +235,7 @@ def _check_replaceable(path: str) -> None:
                               f"there, so remove it or choose another path")
     if os.listdir(path) and not _is_save_directory(path):
         raise FileExistsError(f"flow.save: {path} is a non-empty directory that is not a flow.save directory "
-                              f"(no {STRUCTURE_FILE}); refusing to replace it")
+                              f"(no {' or '.join(SAVE_MARKERS)}); refusing to replace it")
 
 
 def _replace_directory(new: str, path: str) -> None:
@@ -281,7 +302,7 @@ def load(path, map_location=None):
     if not os.path.isfile(tensors_path):
         raise FileNotFoundError(f"flow.load: {path} is incomplete: {TENSORS_FILE} is missing")
     expected = structure.get("tensors_sha256")
-    if expected is not None and _sha256(tensors_path) != expected:
+    if expected is not None and file_sha256(tensors_path) != expected:
         raise ValueError(f"flow.load: {tensors_path} is corrupt: its SHA-256 does not match the one recorded in "
                          f"{STRUCTURE_FILE} (truncated or modified after saving)")
     arrays = _read_tensors(tensors_path)

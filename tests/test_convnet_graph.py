@@ -21,6 +21,7 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.models import mobilenet_v2
+from graphs import InferGraph, TrainGraph
 
 SETTING = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 1, 2]]   # t, c, n, s: fewer blocks than the paper's table
 BATCH = 8
@@ -28,28 +29,6 @@ BATCH = 8
 
 def tiny_mobilenet():
     return mobilenet_v2(width_mult=0.25, num_classes=10, inverted_residual_setting=SETTING, dropout=0.0)
-
-
-class TrainGraph(nn.Graph):
-    def __init__(self, model, loss_fn, optimizer):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.add_optimizer(optimizer)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
-
-
-class InferGraph(nn.Graph):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
 
 
 def _batches(n, seed=0):

@@ -7,30 +7,9 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from graphs import InferGraph, TrainGraph
 
 pytestmark = pytest.mark.gpu
-
-
-class Infer(nn.Graph):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
-
-
-class Train(nn.Graph):
-    def __init__(self, model, loss_fn, opt):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        self.add_optimizer(opt)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
 
 
 def _mlp():
@@ -41,9 +20,9 @@ def test_inference_on_cuda_equals_eager_and_emulator():
     model = _mlp()
     x = flow.randn(17, 33)
     expected = model(x).numpy()
-    cpu_out = Infer(copy.deepcopy(model))(x).numpy()
+    cpu_out = InferGraph(copy.deepcopy(model))(x).numpy()
     gpu_model = copy.deepcopy(model).to("cuda")
-    graph = Infer(gpu_model)
+    graph = InferGraph(gpu_model)
     out = graph(x.to("cuda"))
     assert out.device.type == "cuda"
     np.testing.assert_allclose(out.numpy(), expected, rtol=1e-4, atol=1e-5)
@@ -60,7 +39,7 @@ def test_training_on_cuda_matches_eager(make_opt):
     eager = copy.deepcopy(model)
     gpu_model = model.to("cuda")
     loss_fn = nn.CrossEntropyLoss()
-    graph = Train(gpu_model, loss_fn, make_opt(gpu_model.parameters()))
+    graph = TrainGraph(gpu_model, loss_fn, make_opt(gpu_model.parameters()))
     opt = make_opt(eager.parameters())
     for step in range(5):
         x, y = flow.randn(16, 33), flow.randint(0, 5, (16,))
@@ -82,7 +61,7 @@ def test_polyfit_graph_on_cuda():
     eager = copy.deepcopy(model)
     model.to("cuda")
     loss_fn = nn.MSELoss(reduction="sum")
-    graph = Train(model, loss_fn, flow.optim.SGD(model.parameters(), lr=1e-6))
+    graph = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=1e-6))
     opt = flow.optim.SGD(eager.parameters(), lr=1e-6)
     for _ in range(200):
         lg = graph(xx.to("cuda"), y.to("cuda"))
@@ -98,7 +77,7 @@ def test_dropout_masks_on_cuda_equal_eager():
     model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.4))
     x = flow.randn(8, 16)
     flow.manual_seed(3)
-    gpu = Infer(copy.deepcopy(model).to("cuda"))(x.to("cuda")).numpy()
+    gpu = InferGraph(copy.deepcopy(model).to("cuda"))(x.to("cuda")).numpy()
     flow.manual_seed(3)
     ref = model(x).numpy()
     np.testing.assert_allclose(gpu, ref, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,24 @@
+"""The two graphs most tests and benchmarks need: run a model, or train it one step."""
+import flowgen.nn as nn
+
+
+class InferGraph(nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+class TrainGraph(nn.Graph):
+    def __init__(self, model, loss_fn, optimizer, lr_sch=None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.add_optimizer(optimizer, lr_sch=lr_sch)
+
+    def build(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
