@@ -12,7 +12,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.templates import get_template
-from flowgen.ops.lowering import Reduction
+from flowgen.ops.lowering import Reduction, View
 from flowgen.ops.registry import get_op
 
 COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", dt.float64: "double",
@@ -153,6 +153,9 @@ class _Emitter:
 
     def compute(self, body_node, index_var: str = "i") -> str:
         op = get_op(body_node.op)
+        if isinstance(op.lowering, View):   # a reshape moves no element: same variable
+            self.var[body_node.output] = self.var[body_node.inputs[0]]
+            return f"// {body_node.op}: {body_node.inputs[0].type_str} -> {body_node.output.type_str}"
         expr = op.lowering.expr
         if callable(expr):
             expr = expr(body_node.attrs)
@@ -184,13 +187,14 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     body = node.body
     shape = tuple(body[-1].output.shape)
     em = _Emitter(node, producers, stream_values)
+    numel = int(np.prod(shape, dtype=np.int64))
     index_lines = []
-    if any(tuple(v.shape) != shape and scalar_constant(v, producers) is None for v in node.inputs):
+    if any(v.numel != numel and scalar_constant(v, producers) is None for v in node.inputs):
         index_lines = coordinate_lines(shape, "i", "c")
     coords = [f"c{d}" for d in range(len(shape))]
 
-    def offset(v):
-        return "i" if tuple(v.shape) == shape else broadcast_offset(v.shape, shape, coords)
+    def offset(v):   # same element count: the same flat index (a reshape moves nothing)
+        return "i" if v.numel == numel else broadcast_offset(v.shape, shape, coords)
 
     lines = em.load_inputs(set(node.inputs), offset)
     for b in body:
@@ -198,7 +202,6 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     lines += em.stores(set(node.outputs), "i")
     ops = [b.op for b in body]
     name = kernel_name(index, node, ops)
-    numel = int(np.prod(shape, dtype=np.int64))
     source = get_template("elementwise").render(
         name=name, comment=f"{node.scope or 'graph'}: elementwise", ops=ops,
         shape_text=f"[{', '.join(map(str, shape))}]", params=em.params, numel=numel,
@@ -207,7 +210,7 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     grid = max(1, min((numel + block - 1) // block, 4096))
     return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
-                  pointwise_reads=frozenset(v for v in node.inputs if tuple(v.shape) == shape))
+                  pointwise_reads=frozenset(v for v in node.inputs if v.numel == numel))
 
 
 def _reduce_geometry(red):
@@ -266,11 +269,12 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
     epi_shape = out_shape
     epi_coords = [f"e{d}" for d in range(len(epi_shape))]
     epilogue_inputs = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
+    epi_numel = int(np.prod(epi_shape, dtype=np.int64))
     epilogue_index_lines = []
-    if any(tuple(v.shape) != epi_shape for v in epilogue_inputs):
+    if any(v.numel != epi_numel and scalar_constant(v, producers) is None for v in epilogue_inputs):
         epilogue_index_lines = coordinate_lines(epi_shape, "i", "e")
     epilogue_lines = em.load_inputs(
-        epilogue_inputs, lambda v: "i" if tuple(v.shape) == epi_shape else broadcast_offset(v.shape, epi_shape, epi_coords))
+        epilogue_inputs, lambda v: "i" if v.numel == epi_numel else broadcast_offset(v.shape, epi_shape, epi_coords))
     for b in epilogue:
         epilogue_lines.append(em.compute(b, index_var="i"))
     epilogue_lines += em.stores(set(node.outputs), "i")
@@ -297,7 +301,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
     numel_out = int(np.prod(out_shape, dtype=np.int64))
     return Kernel(name, source, em.args, (max(numel_out, 1), 1, 1), (block, 1, 1), 0, True,
                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
-                  pointwise_reads=frozenset(v for v in epilogue_inputs if tuple(v.shape) == epi_shape
+                  pointwise_reads=frozenset(v for v in epilogue_inputs if v.numel == epi_numel
                                             and v not in prologue_values))
 
 
@@ -338,15 +342,16 @@ def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
     coords = [f"e{d}" for d in range(len(out_shape))]
     externals = {v for b in body_after for v in b.inputs} - {o for b in em.node.body for o in b.outputs}
     lines = [index_line] if index_line else []
-    if any(tuple(v.shape) != out_shape and scalar_constant(v, producers) is None for v in externals):
+    numel = int(np.prod(out_shape, dtype=np.int64))
+    if any(v.numel != numel and scalar_constant(v, producers) is None for v in externals):
         lines += coordinate_lines(out_shape, "i", "e")
     em.var[out_value] = "val"
-    lines += em.load_inputs(externals, lambda v: "i" if tuple(v.shape) == out_shape
+    lines += em.load_inputs(externals, lambda v: "i" if v.numel == numel
                             else broadcast_offset(v.shape, out_shape, coords))
     for b in body_after:
         lines.append(em.compute(b))
     lines += em.stores(set(em.node.outputs), "i")
-    pointwise = frozenset(v for v in externals if tuple(v.shape) == out_shape)
+    pointwise = frozenset(v for v in externals if v.numel == numel)
     return lines, pointwise
 
 

@@ -266,12 +266,22 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         if training and n <= 1:
             raise ValueError(f"Expected more than 1 value per channel when training, got input size "
                              f"{list(input.shape)}")
-        out, mean, var = _normalize(input, dims, eps)
-        if training and running_mean is not None and running_var is not None:
-            m = 0.0 if momentum is None else float(momentum)
+        update = training and running_mean is not None and running_var is not None
+        m = 0.0 if momentum is None else float(momentum)
+        # Each running statistic is updated right after its batch statistic is computed, so a
+        # compiled graph folds the update into the kernel that reduces the statistic.
+        mean = _mean(input, dims, keepdim=True)
+        if update:
             with no_grad():
-                running_mean.copy_(running_mean * (1.0 - m) + _F.reshape(mean, (C,)) * m)
-                running_var.copy_(running_var * (1.0 - m) + _F.reshape(var, (C,)) * (m * n / max(n - 1, 1)))
+                # (1 - m) * running + m * stat, written so that every op reads the statistic's chain
+                running_mean.copy_(running_mean + (_F.reshape(mean, (C,)) - running_mean) * m)
+        diff = input - mean
+        var = _mean(diff * diff, dims, keepdim=True)
+        if update:
+            with no_grad():
+                unbiased = _F.reshape(var, (C,)) * (n / max(n - 1, 1))
+                running_var.copy_(running_var + (unbiased - running_var) * m)
+        out = diff * _F.rsqrt(var + eps)
     else:
         mean = _F.reshape(running_mean, bshape)
         var = _F.reshape(running_var, bshape)

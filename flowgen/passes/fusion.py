@@ -10,6 +10,8 @@
   activation) as an epilogue: kind ``gemm``.
 * A forward conv takes the same kind of epilogue (bias, folded BatchNorm shift,
   activation, residual add): kind ``conv``.
+* A reshape inside such a chain is free (elements keep their flat index), so
+  nodes after it join too when their other inputs are flat or scalar.
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
@@ -20,8 +22,15 @@ group produces (so the order stays valid).
 from __future__ import annotations
 
 from flowgen.ir.graph import Node
-from flowgen.ops.lowering import Elementwise, Reduction
+from flowgen.ops.lowering import Elementwise, Reduction, View
 from flowgen.ops.registry import get_op
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _swaps_last_two(dims) -> bool:
@@ -39,6 +48,8 @@ def _kind(node) -> str:
     lowering = get_op(node.op).lowering
     if isinstance(lowering, Elementwise):
         return "elementwise"
+    if isinstance(lowering, View):
+        return "view"
     if isinstance(lowering, Reduction):
         return "reduction"
     return "other"
@@ -92,9 +103,19 @@ def fuse(graph, enabled: bool = True):
         group.produced.update(nodes[index].outputs)
         group_of[index] = group
 
+    def fits(g: _Group, node) -> bool:
+        """Can `node` be evaluated at the group's iteration index? Same shape (its inputs may
+        broadcast), or same element count with every outside input read at the same flat
+        index or a scalar (a reshape in between does not move elements)."""
+        if tuple(node.output.shape) == g.shape:
+            return True
+        n = _numel(g.shape)
+        return _numel(node.output.shape) == n and all(
+            v in g.produced or v.numel in (1, n) for v in node.inputs)
+
     for i, node in enumerate(nodes):
         kind = _kind(node)
-        if kind == "elementwise":
+        if kind == "elementwise" or (kind == "view" and enabled):
             shape = tuple(node.output.shape)
             joined = False
             if enabled:
@@ -102,11 +123,13 @@ def fuse(graph, enabled: bool = True):
                     p = producer_index.get(v)
                     g = group_of.get(p)
                     # A reduction group takes epilogue nodes that read its result (not its prologue).
-                    if g is not None and g.shape == shape and can_join(g, i) \
+                    if g is not None and fits(g, node) and can_join(g, i) \
                             and (g.kind == "elementwise" or p >= g.reduction):
                         add(g, i)
                         joined = True
                         break
+            if not joined and kind == "view":
+                continue   # stays a view of its input: no kernel
             if not joined:
                 g = _Group("elementwise", shape, i)
                 groups.append(g)
