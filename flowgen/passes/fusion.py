@@ -113,6 +113,26 @@ def fuse(graph, enabled: bool = True):
         return _numel(node.output.shape) == n and all(
             v in g.produced or v.numel in (1, n) for v in node.inputs)
 
+    def merge_feeders(g: _Group, node):
+        """Pull in elementwise groups that exist only to feed `node` (e.g. the two masks of a
+        ReLU6 gradient): one kernel instead of several."""
+        for v in node.inputs:
+            h = group_of.get(producer_index.get(v))
+            if h is None or h is g or h.kind != "elementwise" or _numel(h.shape) != _numel(g.shape):
+                continue
+            members = set(h.members) | set(g.members)
+            if any(w in live_out or any(index_of[id(u)] not in members for u in users.get(w, []))
+                   for w in h.produced):
+                continue
+            if not all(fits(g, nodes[m]) for m in h.members):
+                continue
+            if g.kind != "elementwise" and min(h.members) < g.reduction:
+                continue   # anchored kernels split their body at the anchor: feeders must come after it
+            groups.remove(h)
+            g.first = min(g.first, h.first)
+            for m in h.members:
+                add(g, m)
+
     for i, node in enumerate(nodes):
         kind = _kind(node)
         if kind == "elementwise" or (kind == "view" and enabled):
@@ -127,6 +147,7 @@ def fuse(graph, enabled: bool = True):
                             and (g.kind == "elementwise" or p >= g.reduction):
                         add(g, i)
                         joined = True
+                        merge_feeders(g, node)
                         break
             if not joined and kind == "view":
                 continue   # stays a view of its input: no kernel
