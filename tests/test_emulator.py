@@ -497,3 +497,14 @@ def test_nvrtc_build_is_cached(tmp_path, monkeypatch):
     assert sorted(p.name for p in build_dir.iterdir()) == ["compile.log", "kernels.cu", "kernels.cubin"]
     monkeypatch.setattr(nvrtc.nvrtc, "nvrtcCompileProgram", None)  # any compile would now fail
     assert nvrtc.compile_cuda(source, arch="sm_90", tag="cached") == cubin
+
+
+def test_nvrtc_never_writes_into_shared_bytes_objects(tmp_path, monkeypatch):
+    """Regression: an empty compile log (size 1) was read into b" " * 1, CPython's shared
+    one-byte object, so NVRTC's NUL turned every later b" " into b"\\0"."""
+    from flowgen.runtime import nvrtc
+
+    monkeypatch.setenv("FLOWGEN_CACHE", str(tmp_path))   # a real compile, not a cache hit
+    nvrtc.compile_cuda('extern "C" __global__ void k_clean(float* x) { x[0] = 1.0f; }\n'
+                       "FLOWGEN_EMU_KERNEL(k_clean, false)\n", "sm_80", tag="shared-bytes-check")
+    assert b" " * 3 == b"   " and bytes([32]) == b" "

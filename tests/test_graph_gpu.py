@@ -81,3 +81,26 @@ def test_dropout_masks_on_cuda_equal_eager():
     flow.manual_seed(3)
     ref = model(x).numpy()
     np.testing.assert_allclose(gpu, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_conv_algorithm_search_picks_measured_tiles_and_caches_them():
+    from flowgen.codegen import families
+    from flowgen.runtime import cuda_driver
+    from flowgen.runtime.autotune import _cache_path
+
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.Conv2d(32, 32, 1), nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
+    eager = copy.deepcopy(model)
+    gpu_model = model.to("cuda")
+    loss_fn = nn.CrossEntropyLoss()
+    graph = TrainGraph(gpu_model, loss_fn, flow.optim.SGD(gpu_model.parameters(), lr=0.05))
+    graph.config.enable_cudnn_conv_heuristic_search_algo(True)
+    opt = flow.optim.SGD(eager.parameters(), lr=0.05)
+    x, y = flow.randn(4, 16, 8, 8), flow.randint(0, 10, (4,))
+    lg = graph(x.to("cuda"), y.to("cuda"))
+    le = loss_fn(eager(x), y)
+    np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-4)
+    cache = _cache_path(cuda_driver.CudaContext.get().arch).read_text()
+    convs = [n for node in graph.compiled.ir.nodes for n in (node.body if node.op == "fused" else [node])
+             if n.op.startswith("conv2d")]
+    assert convs and all(families.conv_key(n) in cache for n in convs)

@@ -426,3 +426,29 @@ def test_generated_source_is_deterministic():
         return graph.compiled.sources["kernels.cu"]   # a second instance (TrainGraph_1) reuses the cache
 
     assert source() == source()
+
+
+def test_conv_tile_choices_render_the_chosen_variant(monkeypatch):
+    """What the GPU conv search hands codegen (here forced to the cost model's runner-up)."""
+    from flowgen.codegen import families
+    from flowgen.nn.graph import compiled as compiled_mod
+
+    def runner_up(graph, ir, device):
+        convs = [n for node in ir.nodes for n in (node.body if node.op == "fused" else [node])
+                 if n.op.startswith("conv2d")]
+        return {families.conv_key(n): families.conv_tile_candidates(n)[1] for n in convs
+                if len(families.conv_tile_candidates(n)) > 1}
+
+    monkeypatch.setattr(compiled_mod, "_conv_tiles", runner_up)
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 24, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(24 * 6 * 6, 5))
+    eager = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss()
+    graph = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.1))
+    x, y = flow.randn(3, 8, 6, 6), flow.randint(0, 5, (3,))
+    np.testing.assert_allclose(graph(x, y).numpy(), loss_fn(eager(x), y).numpy(), rtol=1e-5)
+    chosen = runner_up(None, graph.compiled.ir, None)
+    assert chosen
+    source = graph.compiled.sources["kernels.cu"]
+    for dims in chosen.values():
+        assert f"implicit GEMM {dims[0]}x{dims[1]}" in source or f"1x1 as GEMM {dims[0]}x{dims[1]}" in source

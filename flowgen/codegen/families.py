@@ -36,6 +36,8 @@ Kernels by family (the main kernel carries `kernel_name`):
 """
 from __future__ import annotations
 
+import contextvars
+
 import numpy as np
 
 from flowgen import dtype as dt
@@ -219,12 +221,12 @@ class _Tile(dict):
     __getattr__ = dict.__getitem__
 
 
-def _choose_tile(M: int, N: int, batch: int, acc: str, a_order: str, b_order: str, k_splits=None) -> _Tile:
-    """The tile with the least estimated time: padded work x per-multiply-add overhead (shared
-    memory traffic falls with larger per-thread tiles), scaled up when there are too few blocks
-    to fill the GPU. `k_splits(blocks)`, when given, says how many ways the k loop may be split
-    across blocks (more blocks for the same tile)."""
-    best, best_cost = None, None
+def ranked_tiles(M: int, N: int, batch: int, acc: str, k_splits=None) -> list:
+    """Tile shapes (BM, BN, TM, TN), best first by estimated time: padded work x per-multiply-add
+    overhead (shared memory traffic falls with larger per-thread tiles), scaled up when there
+    are too few blocks to fill the GPU. `k_splits(blocks)`, when given, says how many ways the
+    k loop may be split across blocks (more blocks for the same tile)."""
+    costed, best, best_cost = [], None, None
     for BM, BN, TM, TN in _TILES:
         if acc == "double" and TM * TN > 16:                 # keep double accumulators in registers
             continue
@@ -233,11 +235,20 @@ def _choose_tile(M: int, N: int, batch: int, acc: str, a_order: str, b_order: st
             blocks *= k_splits(blocks)
         padded = -(-M // BM) * BM * -(-N // BN) * BN
         cost = padded * (1.0 + 2.0 / TM + 2.0 / TN) * max(1.0, TARGET_BLOCKS / blocks)
-        if best_cost is None or cost < best_cost * 0.999:
+        costed.append((cost, (BM, BN, TM, TN)))
+        if best_cost is None or cost < best_cost * 0.999:   # near-ties keep the table's order
             best, best_cost = (BM, BN, TM, TN), cost
-    BM, BN, TM, TN = best
+    return [best] + [dims for _, dims in sorted(costed, key=lambda c: c[0]) if dims != best]
+
+
+def make_tile(dims, acc: str, a_order: str, b_order: str) -> _Tile:
+    BM, BN, TM, TN = dims
     return _Tile(BM=BM, BN=BN, BK=16 if BM * BN <= 64 * 64 else 8, TM=TM, TN=TN, RX=BN // TN, RY=BM // TM,
                  NT=(BM // TM) * (BN // TN), acc=acc, a_order=a_order, b_order=b_order)
+
+
+def _choose_tile(M: int, N: int, batch: int, acc: str, a_order: str, b_order: str, k_splits=None) -> _Tile:
+    return make_tile(ranked_tiles(M, N, batch, acc, k_splits)[0], acc, a_order, b_order)
 
 
 def _batch_offset_lines(out_batch, a_batch, b_batch, a_mat: int, b_mat: int) -> list:
@@ -784,6 +795,29 @@ def _conv_text(geo) -> str:
     return text
 
 
+# Tile shapes measured by the conv autotuner (runtime/autotune.py) while a program is rendered:
+# conv_key(node) -> (BM, BN, TM, TN). Convs without an entry use the cost model's choice.
+conv_tile_choices: contextvars.ContextVar = contextvars.ContextVar("conv_tile_choices", default={})
+
+
+def conv_key(node) -> str:
+    """What a conv kernel's speed depends on: the op, its geometry and dtype."""
+    geo = _conv_geometry(node)
+    return f"{node.op}:{node.inputs[0].dtype.name}:" + ",".join(f"{k}={geo[k]}" for k in sorted(geo))
+
+
+def conv_tile_candidates(node, count: int = 4) -> list:
+    """The cost model's `count` best tiles for an implicit-GEMM conv; [] for depthwise convs."""
+    geo = _conv_geometry(node)
+    if geo["CG"] == 1:
+        return []
+    acc = _acc_type(*(v.dtype for v in node.inputs), node.output.dtype)
+    GM, GN = {"conv2d": (geo["OG"], geo["N"] * geo["OH"] * geo["OW"]),
+              "conv2d_grad_input": (geo["CG"], geo["N"] * geo["H"] * geo["W"]),
+              "conv2d_grad_weight": (geo["OG"], geo["CG"] * geo["KH"] * geo["KW"])}[node.op]
+    return ranked_tiles(GM, GN, geo["G"], acc)[:count]
+
+
 def _conv2d(node, kernel_name, fusion=None):
     """Conv kernels. `fusion` (forward only) gives the fused node's params/args, the epilogue
     statements (run per output with `val` and its flat index `i`) and the fused op names."""
@@ -841,7 +875,9 @@ def _conv2d_kernels(node, kernel_name, fusion):
         """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
         return max(1, min(-(-TARGET_BLOCKS // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
-    t = _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None)
+    chosen = conv_tile_choices.get().get(conv_key(node))
+    t = (make_tile(chosen, acc, a_order, b_order) if chosen
+         else _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None))
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
     splits, kchunk = 1, GK
     if can_split:

@@ -97,11 +97,18 @@ def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
     return image
 
 
+def _out_buffer(size: int) -> bytes:
+    """A fresh bytes object for NVRTC to write into. Never `b" " * 1`: CPython hands out one
+    shared object for every one-byte bytes value, and NVRTC writing the empty log's NUL into it
+    turned every later b" " in the process into b"\0" (NumPy's .npy header padding, for one)."""
+    return b" " * max(int(size), 2)
+
+
 def _program_log(program) -> str:
     size = _check(nvrtc.nvrtcGetProgramLogSize(program), "nvrtcGetProgramLogSize")
-    log = b" " * size
+    log = _out_buffer(size)
     _check(nvrtc.nvrtcGetProgramLog(program, log), "nvrtcGetProgramLog")
-    return log.rstrip(b"\0").decode(errors="replace")
+    return log[:size].rstrip(b"\0").decode(errors="replace")
 
 
 def _program_image(program, ptx: bool) -> bytes:
@@ -111,6 +118,6 @@ def _program_image(program, ptx: bool) -> bytes:
         else (nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN)
     )
     size = _check(get_size(program), get_size.__name__)
-    image = b" " * size
+    image = _out_buffer(size)
     _check(get(program, image), get.__name__)
-    return image
+    return image[:size]

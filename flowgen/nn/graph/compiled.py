@@ -12,6 +12,7 @@ import time
 import numpy as np
 
 from flowgen import random
+from flowgen.codegen import families
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
@@ -165,6 +166,19 @@ def _output_structure(result):
     return flat, walk(result)
 
 
+def _conv_tiles(graph, ir, device) -> dict:
+    """Measured conv tile choices when the graph asks for the search (on a GPU only)."""
+    if not graph.config.cudnn_conv_heuristic_search_algo or device.type != "cuda":
+        return {}
+    from flowgen.runtime import cuda_driver
+
+    if not cuda_driver.available():
+        return {}   # the backend reports the missing GPU
+    from flowgen.runtime.autotune import tune_convs
+
+    return tune_convs(ir, log=graph._log)
+
+
 def _micro_batch(graph, lazy_args, j: int, steps: int) -> list:
     from flowgen import functional as F
 
@@ -265,7 +279,11 @@ def compile_step(graph, args):
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
-    program = build_program(ir, naive_memory=graph.config.naive_memory)
+    token = families.conv_tile_choices.set(_conv_tiles(graph, ir, device))
+    try:
+        program = build_program(ir, naive_memory=graph.config.naive_memory)
+    finally:
+        families.conv_tile_choices.reset(token)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
