@@ -219,6 +219,49 @@ def train_graph(args, device, dataset):
     return {"losses": losses, "step_times": times, "model": model, "graph": graph_mobile_net_v2}
 
 
+def deploy(args, device, model, dataset):
+    """Seed 003's deployment story: the trained model as an inference graph, saved with
+    flow.save(graph, dir), built into a standalone program, whose logits must equal the graph's."""
+    import subprocess
+
+    from flowgen.codegen import aot
+
+    print("==== deployment ====")
+    model.eval()
+
+    class GraphMobileNetV2Infer(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def build(self, x):
+            return self.model(x)
+
+    graph = GraphMobileNetV2Infer()
+    x, _ = next(iter(DataLoader(dataset, args.batch_size)))
+    logits = graph(x.to(device)).numpy()
+    os.makedirs(args.deploy_dir, exist_ok=True)
+    saved, out, results = (os.path.join(args.deploy_dir, name) for name in ("saved", "out", "results"))
+    flow.save(graph, saved)
+    target = "cuda" if device.type == "cuda" else "cpu"
+    arch = "sm_90"
+    if target == "cuda":
+        from flowgen.runtime.cuda_driver import CudaContext
+
+        arch = CudaContext.get().arch
+    build = aot.build(saved, out, target=target, arch=arch, log=lambda line: print(f"  build: {line}"))
+    np.save(os.path.join(args.deploy_dir, "x.npy"), x.numpy())
+    run = subprocess.run([str(build.binary), "--input", os.path.join(args.deploy_dir, "x.npy"), "--out", results],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"the deployed program failed: {run.stderr}")
+    program_logits = np.load(os.path.join(results, "output_0.npy"))
+    diff = float(np.abs(program_logits - logits).max())
+    print(f"standalone program {build.binary}: max |logits - graph logits| = {diff:.2e}")
+    model.train()
+    return {"graph_logits": logits, "program_logits": program_logits, "binary": build.binary}
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", choices=["eager", "graph", "both"], default="both")
@@ -236,6 +279,8 @@ def parse_args(argv=None):
     p.add_argument("--no-print-graph", dest="print_graph", action="store_false")
     p.add_argument("--debug", type=int, default=None, help="nn.Graph debug level (0-3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deploy-dir", default=None,
+                   help="after graph training, save the model as an inference graph and build a standalone program here")
     return p.parse_args(argv)
 
 
@@ -254,8 +299,10 @@ def main(argv=None) -> dict:
         results["eager"] = train_eager(args, DEVICE, dataset)
     if args.mode in ("graph", "both"):
         results["graph"] = train_graph(args, DEVICE, dataset)
-    for mode, r in results.items():
-        t = r["step_times"]
+        if args.deploy_dir:
+            results["deploy"] = deploy(args, DEVICE, results["graph"]["model"], dataset)
+    for mode in ("eager", "graph"):
+        t = results[mode]["step_times"] if mode in results else []
         if t:
             steady = t[1:] or t
             print(f"{mode}: {len(t)} steps, first {t[0]:.2f} s, then {np.median(steady):.3f} s/step (median)")

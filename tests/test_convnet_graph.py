@@ -239,7 +239,11 @@ def test_example_script_trains_and_checkpoints(tmp_path, capsys):
     example = _load_example()
     ckpt = tmp_path / "GraphMobileNetV2"
     results = example.main(["--mode", "both", "--steps", "6", "--batch-size", "8", "--width-mult", "0.25",
-                            "--lr", "0.05", "--synthetic-size", "256", "--checkpoint-dir", str(ckpt)])
+                            "--lr", "0.05", "--synthetic-size", "256", "--checkpoint-dir", str(ckpt),
+                            "--deploy-dir", str(tmp_path / "deploy")])
+    # Seed 003's deployment: the standalone program's logits equal the inference graph's.
+    np.testing.assert_allclose(results["deploy"]["program_logits"], results["deploy"]["graph_logits"],
+                               rtol=1e-5, atol=1e-5)
     out = capsys.readouterr().out
     assert "SYNTHETIC" in out
     assert "loss: " in out and "[    0/  256]" in out and "[   40/  256]" in out
