@@ -86,30 +86,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, prefix,
                           decoupled=(kind == "AdamW"))
                 tracer.scopes.pop()
-    return _hoist(out, first=len(graph.nodes)), host, slots
-
-
-def _hoist(graph, first: int):
-    """Move each update node right after the last producer of its inputs.
-
-    Appended at the end, a parameter's update would keep its gradient (and, when
-    fused into the gradient's reduction, the activation gradient feeding it)
-    alive until the end of the step; placed early, it frees them as soon as the
-    backward pass has produced them.
-    """
-    nodes = list(graph.nodes[:first])
-    position = {v: i for i, n in enumerate(nodes) for v in n.outputs}
-    placed: dict = {}
-    for n in graph.nodes[first:]:
-        after = max((position.get(v, -1) for v in n.inputs), default=-1)
-        placed.setdefault(after, []).append(n)
-        for v in n.outputs:
-            position[v] = after   # later update nodes that read it go after it (same slot, in order)
-    result = [n for n in placed.get(-1, [])]
-    for i, n in enumerate(nodes):
-        result.append(n)
-        result.extend(placed.get(i, []))
-    return graph.copy_with(nodes=result)
+    return out, host, slots
 
 
 def _slot(optimizer, p, key, new_state, slots, name):

@@ -6,7 +6,9 @@ import time
 from flowgen.ir.verify import verify
 from flowgen.passes.checkpointing import checkpoint_activations
 from flowgen.passes.fusion import fuse
-from flowgen.passes.schedule import schedule
+from flowgen.ops.lowering import View
+from flowgen.ops.registry import get_op
+from flowgen.passes.schedule import hoist, schedule
 from flowgen.passes.simplify import cse, dce, fold_constants
 
 
@@ -17,9 +19,16 @@ def default_passes(config, checkpointed_scopes=()):
         ("cse", cse),
         ("dce", dce),
         ("activation_checkpointing", lambda g: checkpoint_activations(g, checkpointed_scopes)),
+        ("hoist_views_and_updates", lambda g: hoist(g, _hoistable)),
         ("fusion", lambda g: fuse(g, enabled=config.fusion)),
         ("schedule", lambda g: schedule(g, straighten=config.straighten)),
     ]
+
+
+def _hoistable(node) -> bool:
+    """Views (no kernel) and optimizer updates (scope "optimN...") go right after their inputs,
+    where they can join the kernel that produced them (an update joins its gradient's reduction)."""
+    return isinstance(get_op(node.op).lowering, View) or node.scope.startswith("optim")
 
 
 def run_passes(graph, passes, log=None, check: bool = False):

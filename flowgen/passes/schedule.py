@@ -20,3 +20,31 @@ def schedule(graph, straighten: bool = False):
 
     order = order_kernels(list(graph.nodes), deps, size_of=size_of, straighten_algorithm=straighten)
     return graph.copy_with(nodes=order)
+
+
+def hoist(graph, movable):
+    """Move every node for which `movable(node)` holds to just after the last producer of its
+    inputs (keeping the order among nodes placed at the same point).
+
+    Used for views (free) and optimizer updates: placed early, they let the update join the
+    kernel that reduces its gradient, and free gradients as soon as the backward pass made them.
+    """
+    position: dict = {}
+    placed: dict = {}
+    kept = []
+    for node in graph.nodes:
+        if movable(node):
+            after = max((position.get(v, -1) for v in node.inputs), default=-1)
+            placed.setdefault(after, []).append(node)
+            for v in node.outputs:
+                position[v] = after
+        else:
+            kept.append(node)
+            for v in node.outputs:
+                position[v] = len(kept) - 1
+    # Nodes hoisted behind a kept node k go right after it; chains of hoisted nodes stay in order.
+    result = list(placed.get(-1, []))
+    for k, node in enumerate(kept):
+        result.append(node)
+        result.extend(placed.get(k, []))
+    return graph.copy_with(nodes=result)
