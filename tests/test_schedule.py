@@ -1,51 +1,19 @@
 """Scheduler: stable topological order, memory-aware straightening, order checking."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import itertools
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 
-def _load(module: str, relpath: str):
-    """Import ``module`` normally; if the package import fails (a half-written sibling
-    module), load the file directly — the scheduler imports nothing from flowgen."""
-    try:
-        return importlib.import_module(module)
-    except Exception:  # noqa: BLE001
-        alias = "_direct_" + module.replace(".", "_")
-        if alias in sys.modules:
-            return sys.modules[alias]
-        path = Path(__file__).resolve().parent.parent / relpath
-        spec = importlib.util.spec_from_file_location(alias, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[alias] = mod
-        spec.loader.exec_module(mod)
-        return mod
-
-
-order_mod = _load("flowgen.schedule.order", "flowgen/schedule/order.py")
+import flowgen.schedule.order as order_mod
 topological_order = order_mod.topological_order
 straighten = order_mod.straighten
 check_order = order_mod.check_order
 ScheduleError = order_mod.ScheduleError
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    """Overrides conftest's seeding fixture, which needs the whole package importable."""
-    try:
-        import flowgen
-    except Exception:  # noqa: BLE001
-        return
-    if hasattr(flowgen, "manual_seed"):
-        flowgen.manual_seed(0)
 
 
 @dataclass(eq=False)
