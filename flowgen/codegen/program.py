@@ -170,8 +170,4 @@ def build_program(graph, naive_memory: bool = False) -> Program:
     return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)
 
 
-def describe_kernels(program) -> list:
-    return [f"{k.name}: {k.comment}" for k in program.kernels]
-
-
 __all__ = ["Program", "build_program", "Kernel", "count_unfused_kernels"]
