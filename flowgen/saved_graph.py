@@ -69,6 +69,7 @@ import os
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen import random
 from flowgen.serialization import file_sha256, write_json
 
 FORMAT = "flowgen.graph"
@@ -202,7 +203,10 @@ def encode_graph(ir, training: bool) -> tuple:
         if s.value.name != s.name:
             raise ValueError(f"flow.save: state {s.name!r} is held in a value named %{s.value.name}; graph.json "
                              f"names a state value after its state entry")
-        doc["state"].append(dict(enc.define(s.value), kind=s.kind))
+        entry = dict(enc.define(s.value), kind=s.kind)
+        if s.schedule:
+            entry["schedule"] = s.schedule   # how a hyper value advances per step (program.cu does it)
+        doc["state"].append(entry)
     doc["nodes"] = [enc.node(n) for n in ir.nodes]
     doc["outputs"] = [enc.ref(v) for v in ir.outputs]
     doc["updates"] = [[name, enc.ref(v)] for name, v in ir.updates]
@@ -303,7 +307,7 @@ def decode_graph(doc: dict, arrays: dict, source: str):
     try:
         graph = Graph(doc["name"])
         graph.inputs = [dec.new_value(e) for e in doc["inputs"]]
-        graph.state = [StateVar(e["name"], dec.new_value(e), e["kind"]) for e in doc["state"]]
+        graph.state = [StateVar(e["name"], dec.new_value(e), e["kind"], e.get("schedule")) for e in doc["state"]]
         graph.nodes = [dec.node(n) for n in doc["nodes"]]
         graph.outputs = [dec.ref(n) for n in doc["outputs"]]
         graph.updates = [(name, dec.ref(v)) for name, v in doc["updates"]]
@@ -378,7 +382,8 @@ class SavedGraph:
     def run(self, *arrays) -> list:
         """One step on the CPU emulator; returns the outputs as NumPy arrays.
 
-        Hyper scalars (lr, ...) keep their saved values, as in the built program.
+        Every call uses the saved hyper values (lr, bias corrections, dropout offset): it is the
+        saved step, replayed; the built program advances them from step to step.
         """
         from flowgen.runtime.executor import CpuBackend, Executor
 
@@ -417,7 +422,10 @@ def _state_values(compiled) -> dict:
         if id(s.value) in bound:
             array = np.array(bound[id(s.value)].numpy(), dtype=np_dtype)
         elif id(s.value) in hyper:
-            array = np.asarray(hyper[id(s.value)].compute(), dtype=np_dtype)
+            # Saving must not consume the dropout stream: the saved offset is the one the
+            # graph's next call will draw.
+            with random.preserved_dropout_stream():
+                array = np.asarray(hyper[id(s.value)].compute(), dtype=np_dtype)
         else:
             array = compiled.executor.read_value(s.value)
         result[s.name] = _contiguous(array.reshape(s.value.shape))

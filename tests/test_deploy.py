@@ -483,3 +483,30 @@ def test_flowgen_run_trains_and_prints_the_loss(poly, tmp_path):
     weights = load_file(tmp_path / "res" / "weights.safetensors")
     for name, value in saved.weights.items():
         np.testing.assert_allclose(weights[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_training_program_advances_adam_bias_correction_and_dropout(tmp_path):
+    """Hyper state with a per-step schedule (Adam's bias corrections, the dropout Philox offset,
+    SGD's first momentum step) advances inside the program exactly as the Python runtime sets it."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 1), nn.Flatten(0, 1))
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.Adam(model.parameters(), lr=1e-2))
+    rng = np.random.default_rng(1)
+    xs = rng.standard_normal((3 * 8, 5)).astype(np.float32)
+    ys = rng.standard_normal(3 * 8).astype(np.float32)
+    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))          # one step: traced and compiled
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    np.save(tmp_path / "x.npy", xs)
+    np.save(tmp_path / "y.npy", ys)
+    steps = 5
+    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
+                      "--out", tmp_path / "res", "--steps", steps)
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(graph(flow.tensor(xs[8 * (s % 3):8 * (s % 3) + 8]), flow.tensor(ys[8 * (s % 3):8 * (s % 3) + 8])))
+              for s in range(steps)]
+    np.testing.assert_allclose(np.load(tmp_path / "res" / "losses.npy"), losses, rtol=1e-5)
+    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    state = graph.state_dict()
+    for name in ("model.0.weight", "model.3.weight"):
+        np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6)

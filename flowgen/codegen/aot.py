@@ -265,8 +265,39 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "persistent": [{"name": v.name, "cname": persistent_cname[v], "nbytes": v.nbytes,
                         "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
         "updates": updates,
+        "schedules": _schedule_lines(ir),
     }
     return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
+
+
+def _schedule_lines(ir) -> list:
+    """C++ statements, run before step s (graph call t = start_step + s), that advance the hyper
+    state the way the Python runtime does before each call (passes/optimizer.py, random_streams.py).
+    A learning rate stays at its saved value: LR schedulers are Python objects."""
+    lines = []
+    for j, st in enumerate(ir.state):
+        sched = st.schedule or {"kind": "constant"}
+        kind = sched["kind"]
+        if kind == "constant":
+            continue
+        if kind == "first_step":
+            value = f"(t == 0 ? {float(sched['first'])!r}f : {float(sched['then'])!r}f)"
+        elif kind == "bias_correction":
+            value = (f"(float)({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
+                     f"(double)(t + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
+        elif kind == "philox_offset":
+            lines.append(f"{{  // {st.name}: seed, then the Philox offset of this step ({sched['count']} per step)")
+            lines.append(f"  long long rng[2] = {{hyper_start[{j}][0], hyper_start[{j}][1] + s * {int(sched['count'])}LL}};")
+            lines.append(f"  dev.upload(m.state[{j}], rng, sizeof rng);")
+            lines.append("}")
+            continue
+        else:
+            raise BuildError(f"state {st.name}: unknown per-step schedule {kind!r} (saved by a newer flowgen?)")
+        lines.append(f"{{  // {st.name}: {kind}")
+        lines.append(f"  const float v = {value};")
+        lines.append(f"  dev.upload(m.state[{j}], &v, sizeof v);")
+        lines.append("}")
+    return lines
 
 
 # ----------------------------------------------------------------------------- building

@@ -66,7 +66,10 @@ class Node:
 class StateVar:
     name: str
     value: Value
-    kind: str   # "param" | "buffer" | "optim" | "counter" | "const"
+    kind: str   # "param" | "buffer" | "optim" | "hyper"
+    # For "hyper" state: how the value moves from one step to the next, as plain data, so a
+    # standalone program can advance it without Python (see passes/optimizer.py, random_streams.py).
+    schedule: dict | None = None
 
 
 @dataclass(eq=False)

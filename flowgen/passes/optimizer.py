@@ -59,8 +59,9 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
     host: list = []
     slots: list = []
 
-    def new_state(name, tensor, kind):
+    def new_state(name, tensor, kind, schedule=None):
         var = tracer.add_state(name, tensor, kind)
+        var.schedule = schedule
         tracer.state_tensors.pop()  # bound explicitly below, not through the tracer
         return tracer.lazy(var.value)
 
@@ -74,16 +75,18 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     continue
                 tracer.scopes.append(f"{prefix}.{kind.lower()}")
 
-                def hyper(name, fn):
+                def hyper(name, fn, schedule):
                     host.append(HostScalar(f"{prefix}.{name}", fn))
-                    return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype="float32"), "hyper")
+                    return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype="float32"), "hyper", schedule)
 
-                lr = hyper("lr", lambda group=group: group["lr"])
+                # In Python the host recomputes these before every call (LR schedulers included);
+                # `schedule` says how a standalone program advances them (the LR stays constant there).
+                lr = hyper("lr", lambda group=group: group["lr"], {"kind": "constant"})
                 if kind == "SGD":
                     _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                          counter)
                 else:
-                    _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, prefix,
+                    _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, counter,
                           decoupled=(kind == "AdamW"))
                 tracer.scopes.pop()
     return out, host, slots
@@ -115,15 +118,17 @@ def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, 
             def started(first=first):
                 return not first or counter["calls"] > 0
 
-            keep = hyper(f"{name}.momentum", lambda: momentum if started() else 0.0)
-            scale = hyper(f"{name}.grad_scale", lambda: (1.0 - dampening) if started() else 1.0)
+            keep = hyper(f"{name}.momentum", lambda: momentum if started() else 0.0,
+                         {"kind": "first_step", "first": 0.0 if first else momentum, "then": momentum})
+            scale = hyper(f"{name}.grad_scale", lambda: (1.0 - dampening) if started() else 1.0,
+                          {"kind": "first_step", "first": 1.0 if first else 1.0 - dampening, "then": 1.0 - dampening})
             buf_new = buf * keep + g * scale
             tracer.graph.updates.append((f"{name}.momentum_buffer", buf_new._value))
             g = g + buf_new * momentum if nesterov else buf_new
         tracer.graph.updates.append((name, (param - lr * g)._value))
 
 
-def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, prefix, decoupled):
+def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, counter, decoupled):
     beta1, beta2 = group.get("betas", (0.9, 0.999))
     eps, wd = group.get("eps", 1e-8), group.get("weight_decay", 0)
     for p in params:
@@ -138,10 +143,15 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new
             s = st.get("step", 0)
             return int(s.item() if hasattr(s, "item") else s) + 1
 
-        step_size = hyper(f"{name}.step_size", lambda: group["lr"] / (1 - beta1 ** step()))
-        inv_sqrt_bc2 = hyper(f"{name}.inv_sqrt_bc2", lambda: 1.0 / math.sqrt(1 - beta2 ** step()))
+        # Adam's step count k at graph call t is k = t + offset (t counts the graph's calls).
+        offset = step() - counter["calls"]
+        step_size = hyper(f"{name}.step_size", lambda: group["lr"] / (1 - beta1 ** step()),
+                          {"kind": "bias_correction", "scale": group["lr"], "beta": beta1, "power": 1.0,
+                           "offset": offset})
+        inv_sqrt_bc2 = hyper(f"{name}.inv_sqrt_bc2", lambda: 1.0 / math.sqrt(1 - beta2 ** step()),
+                             {"kind": "bias_correction", "scale": 1.0, "beta": beta2, "power": 0.5, "offset": offset})
         if decoupled and wd:
-            decay = hyper(f"{name}.decay", lambda: 1.0 - group["lr"] * wd)
+            decay = hyper(f"{name}.decay", lambda: 1.0 - group["lr"] * wd, {"kind": "constant"})
             param = param * decay
         elif wd:
             g = g + param * wd

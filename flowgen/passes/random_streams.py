@@ -27,7 +27,8 @@ def bind_random_streams(graph):
     first, count = offsets[0], offsets[-1] - offsets[0] + 1
     nodes = [Node(n.op, n.inputs, n.outputs, {**n.attrs, "offset": n.attrs["offset"] - first, "stream": RNG_STATE},
                   n.scope, n.loc) if n.op == "dropout" else n for n in graph.nodes]
-    state = StateVar(RNG_STATE, Value(RNG_STATE, (2,), dt.int64), "hyper")
+    state = StateVar(RNG_STATE, Value(RNG_STATE, (2,), dt.int64), "hyper",
+                     schedule={"kind": "philox_offset", "count": count})
 
     def draw():
         from flowgen import random
