@@ -510,3 +510,30 @@ def test_training_program_advances_adam_bias_correction_and_dropout(tmp_path):
     state = graph.state_dict()
     for name in ("model.0.weight", "model.3.weight"):
         np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_sch", [
+    lambda o: flow.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    lambda o: flow.optim.lr_scheduler.MultiStepLR(o, milestones=[1, 3, 3], gamma=0.5),
+    lambda o: flow.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.001),
+    lambda o: flow.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
+], ids=["step", "multistep", "cosine", "linear"])
+def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.05)
+    graph = TrainGraph(model, nn.MSELoss(), (optimizer, make_sch(optimizer)))
+    xx, y = poly_data()
+    xs, ys = xx[:40] / 10, y[:40]
+    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    np.save(tmp_path / "x.npy", xs)
+    np.save(tmp_path / "y.npy", ys)
+    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
+                      "--out", tmp_path / "res", "--steps", 6)
+    assert proc.returncode == 0, proc.stderr
+    for s in range(6):
+        graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
+    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    np.testing.assert_allclose(weights["model.0.weight"], model[0].weight.numpy(), rtol=1e-5, atol=1e-7)

@@ -270,10 +270,33 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
     return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
 
 
+def _lr_expression(sched) -> str:
+    """C++ for the LR at graph call t, from a closed-form scheduler (passes/optimizer.lr_schedule)."""
+    e = f"(double)(t + {int(sched['offset'])}LL)"
+    base = f"{sched['base']!r}"
+    kind = sched["kind"]
+    if kind == "lr_StepLR":
+        return f"{base} * std::pow({sched['gamma']!r}, std::floor({e} / {sched['step_size']}))"
+    if kind == "lr_MultiStepLR":
+        passed = " + ".join(f"({e} >= {m})" for m in sched["milestones"]) or "0"
+        return f"{base} * std::pow({sched['gamma']!r}, (double)({passed}))"
+    if kind == "lr_ExponentialLR":
+        return f"{base} * std::pow({sched['gamma']!r}, {e})"
+    if kind == "lr_CosineAnnealingLR":
+        eta = f"{sched['eta_min']!r}"
+        return f"{eta} + ({base} - {eta}) * (1.0 + std::cos(3.141592653589793 * {e} / {sched['T_max']})) / 2.0"
+    if kind == "lr_LinearLR":
+        frac = f"std::min({e}, {float(sched['total'])!r}) / {float(sched['total'])!r}"
+        return f"{base} * ({sched['start']!r} + ({sched['end']!r} - {sched['start']!r}) * {frac})"
+    if kind == "lr_ConstantLR":
+        return f"{base} * ({e} < {sched['total']} ? {sched['factor']!r} : 1.0)"
+    raise BuildError(f"unknown LR schedule {kind!r} (saved by a newer flowgen?)")
+
+
 def _schedule_lines(ir) -> list:
     """C++ statements, run before step s (graph call t = start_step + s), that advance the hyper
     state the way the Python runtime does before each call (passes/optimizer.py, random_streams.py).
-    A learning rate stays at its saved value: LR schedulers are Python objects."""
+    LR schedulers with a closed form advance too; LambdaLR/SequentialLR keep the saved LR."""
     lines = []
     for j, st in enumerate(ir.state):
         sched = st.schedule or {"kind": "constant"}
@@ -285,6 +308,8 @@ def _schedule_lines(ir) -> list:
         elif kind == "bias_correction":
             value = (f"(float)({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
                      f"(double)(t + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
+        elif kind.startswith("lr_"):
+            value = f"(float)({_lr_expression(sched)})"
         elif kind == "philox_offset":
             lines.append(f"{{  // {st.name}: seed, then the Philox offset of this step ({sched['count']} per step)")
             lines.append(f"  long long rng[2] = {{hyper_start[{j}][0], hyper_start[{j}][1] + s * {int(sched['count'])}LL}};")

@@ -29,6 +29,31 @@ class SlotBinding:
     tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
 
 
+def lr_schedule(scheduler, group: int, counter: dict) -> dict:
+    """The LR schedule as plain data for a standalone program: closed forms of the common
+    schedulers, in the scheduler's epoch e = t + offset at graph call t. Others (LambdaLR,
+    SequentialLR) run Python code: the program keeps the saved LR ("constant")."""
+    kind = type(scheduler).__name__ if scheduler is not None else None
+    if kind not in ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR", "ConstantLR"):
+        return {"kind": "constant"}
+    sched = {"kind": "lr_" + kind, "base": float(scheduler.base_lrs[group]),
+             "offset": int(scheduler.last_epoch) - counter["calls"]}
+    if kind == "StepLR":
+        sched.update(step_size=int(scheduler.step_size), gamma=float(scheduler.gamma))
+    elif kind == "MultiStepLR":
+        sched.update(milestones=sorted(int(m) for m in scheduler.milestones.elements()), gamma=float(scheduler.gamma))
+    elif kind == "ExponentialLR":
+        sched.update(gamma=float(scheduler.gamma))
+    elif kind == "CosineAnnealingLR":
+        sched.update(T_max=int(scheduler.T_max), eta_min=float(scheduler.eta_min))
+    elif kind == "LinearLR":
+        sched.update(start=float(scheduler.start_factor), end=float(scheduler.end_factor),
+                     total=int(scheduler.total_iters))
+    else:
+        sched.update(factor=float(scheduler.factor), total=int(scheduler.total_iters))
+    return sched
+
+
 def _group_kind(optimizer) -> str:
     kind = type(optimizer).__name__
     if kind not in ("SGD", "Adam", "AdamW"):
@@ -81,7 +106,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
 
                 # In Python the host recomputes these before every call (LR schedulers included);
                 # `schedule` says how a standalone program advances them (the LR stays constant there).
-                lr = hyper("lr", lambda group=group: group["lr"], {"kind": "constant"})
+                lr = hyper("lr", lambda group=group: group["lr"], lr_schedule(_scheduler, g_index, counter))
                 if kind == "SGD":
                     _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                          counter)
