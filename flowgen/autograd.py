@@ -58,6 +58,21 @@ class GradNode:
         self.name = f"{op.name}_backward"
 
 
+def zero_grads(params, set_to_none: bool = True) -> None:
+    """`zero_grad()` of modules and optimizers: drop each gradient, or give it a fresh zero
+    buffer (never zero in place: eager gradients may share one buffer)."""
+    from flowgen.tensor import Tensor
+
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad = Tensor(np.zeros(p.grad.shape, p.grad.dtype.np_dtype), dtype=p.grad.dtype,
+                            device=p.grad.device)
+
+
 def wrap_outputs(op, inputs, attrs, result, metas=None):
     """Turn the NumPy result(s) of `op` into tensors and record them on the tape.
 

@@ -376,14 +376,9 @@ class Module:
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad = Tensor(np.zeros(p.grad.shape, p.grad.dtype.np_dtype), dtype=p.grad.dtype,
-                                device=p.grad.device)
+        from flowgen.autograd import zero_grads
+
+        zero_grads(self.parameters(), set_to_none)
 
     def apply(self, fn) -> "Module":
         for child in self.children():

@@ -81,16 +81,9 @@ class Optimizer:
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    # A fresh zero buffer: the old one may be shared with another tensor's gradient.
-                    p.grad = Tensor(np.zeros(p.grad.shape, p.grad.dtype.np_dtype), dtype=p.grad.dtype,
-                                    device=p.grad.device)
+        from flowgen.autograd import zero_grads
+
+        zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):
         loss = None
