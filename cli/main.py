@@ -107,8 +107,9 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
     Inference graphs write each output as RESDIR/output_<i>.npy. Training graphs run --steps
     steps; an input whose first dimension is k times the traced one holds k batches, used in
     order and wrapping. The loss is printed as the steps run, and the updated weights and
-    optimizer state are written to RESDIR/weights.safetensors. Hyper scalars (lr, ...) keep
-    the values stored in the weights for the whole run.
+    optimizer state are written to RESDIR/weights.safetensors. Momentum first steps, Adam's
+    bias corrections, dropout offsets and closed-form LR schedules advance per step as in
+    Python (LambdaLR/SequentialLR keep the saved learning rate).
     """
     manifest = _read_manifest(out_dir)
     binary = Path(out_dir) / manifest["binary"]
@@ -128,6 +129,49 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
         _fail(f"{binary.name} was killed by signal {-code}")
     if code != 0:
         sys.exit(code)
+
+
+@cli.command()
+@click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
+@click.argument("inputs", metavar="INPUT.npy...", nargs=-1, type=click.Path())
+@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
+              help="Steps to time in one run of the program (inference: the same step repeated).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the result as JSON to this file (atomically).")
+def bench(out_dir, inputs, steps, json_path):
+    """Time the program built in OUT: one process runs --steps steps on the given inputs and
+    reports its own clock (file I/O and start-up excluded), so the number is the step time."""
+    import json
+    import re
+    import tempfile
+
+    manifest = _read_manifest(out_dir)
+    binary = Path(out_dir) / manifest["binary"]
+    if not binary.is_file():
+        _fail(f"{binary} is missing; rebuild with `flowgen build`")
+    with tempfile.TemporaryDirectory(prefix="flowgen-bench-") as results:
+        command = [str(binary), "--weights", str(Path(out_dir) / "weights.safetensors")]
+        for path in inputs:
+            command += ["--input", path]
+        command += ["--out", results, "--steps", str(steps), "--log-every", str(steps)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        click.echo(proc.stderr, err=True, nl=False)
+        sys.exit(proc.returncode if proc.returncode > 0 else 1)
+    found = re.search(r"(\d+) step\(s\) on (.+) in ([0-9.]+) s", proc.stderr)
+    if not found:
+        _fail(f"{binary.name} did not report its timing:\n{proc.stderr}")
+    seconds = float(found.group(3))
+    result = {"graph": manifest.get("graph", binary.name), "device": found.group(2), "steps": steps,
+              "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "target": manifest.get("target")}
+    click.echo(f"{'graph':<24}{'device':<28}{'steps':>8}{'total s':>10}{'ms/step':>10}")
+    click.echo(f"{result['graph']:<24}{result['device'][:27]:<28}{steps:>8}{seconds:>10.3f}"
+               f"{result['ms_per_step']:>10.3f}")
+    if json_path:
+        from flowgen.runtime.toolchain import atomic_write_bytes
+
+        atomic_write_bytes(Path(json_path), json.dumps(result, indent=2).encode())
+        click.echo(f"wrote {json_path}")
 
 
 def _format_bytes(n: int) -> str:

@@ -42,7 +42,8 @@ def built(tmp_path_factory):
     return {"tmp": tmp, "expected": expected, "build": result, "graph": graph}
 
 
-@pytest.mark.parametrize("args", [["--help"], ["build", "--help"], ["run", "--help"], ["inspect", "--help"]])
+@pytest.mark.parametrize("args", [["--help"], ["build", "--help"], ["run", "--help"], ["inspect", "--help"],
+                                  ["bench", "--help"]])
 def test_help(args):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
@@ -73,6 +74,18 @@ def test_run_passes_on_the_programs_refusal(built):
     np.save(tmp / "bad.npy", np.zeros((3, 5), np.float32))
     result = CliRunner().invoke(cli, ["run", str(tmp / "out"), str(tmp / "bad.npy"), "-o", str(tmp / "res2")])
     assert result.exit_code == 1 and "shape [3,5], expected [3,6]" in result.output
+
+
+def test_bench_times_the_program_and_writes_json(built):
+    import json
+
+    tmp = built["tmp"]
+    result = CliRunner().invoke(cli, ["bench", str(tmp / "out"), str(tmp / "x.npy"), "--steps", "20",
+                                      "--json", str(tmp / "bench.json")])
+    assert result.exit_code == 0, result.output
+    assert "ms/step" in result.output
+    data = json.loads((tmp / "bench.json").read_text())
+    assert data["steps"] == 20 and data["seconds"] > 0 and abs(data["ms_per_step"] - data["seconds"] / 20 * 1e3) < 1e-9
 
 
 def test_inspect_summary_ir_source_memory(built):
