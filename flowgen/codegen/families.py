@@ -491,6 +491,21 @@ def _elem(inner: int):
     return lambda j: j if inner == 1 else f"(long long){j} * {inner}"
 
 
+def _row_kernels(node, kernel_name, template, ctx) -> list:
+    """One kernel that reduces along a dim: a thread per row when the dim is strided and rows
+    are many (coalesced), else a block per row with block reductions."""
+    D, inner, rows = ctx["D"], ctx["inner"], ctx["rows"]
+    where = f"over dim {ctx['dim']} of {ctx['shape']}"
+    if _use_columns(D, inner, rows):
+        what = f"{where} (thread per row)"
+        source = _render(template, kind="column", comment=_comment(node, what), **ctx)
+        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+    block = _row_block(D)
+    what = f"{where} (block per row)"
+    source = _render(template, kind="block", comment=_comment(node, what), block=block, **ctx)
+    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+
+
 def _softmax(node, kernel_name):
     x, y = node.inputs[0], node.output
     dim = node.attrs["dim"] % max(len(x.shape), 1)
@@ -504,14 +519,7 @@ def _softmax(node, kernel_name):
                acc=acc, log=log, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
                idx_t=_idx_type(rows))
-    if _use_columns(D, inner, rows):
-        what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
-        source = _render("softmax.cu.j2", kind="column", comment=_comment(node, what), **ctx)
-        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
-    block = _row_block(D)
-    what = f"over dim {dim} of {_shape_text(x.shape)} (block per row)"
-    source = _render("softmax.cu.j2", kind="block", comment=_comment(node, what), block=block, **ctx)
-    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+    return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
 
 
 def _argreduce(node, kernel_name):
@@ -526,14 +534,7 @@ def _argreduce(node, kernel_name):
                stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, acc=acc,
                load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if node.op == "argmax" else "<",
                idx_t=_idx_type(rows))
-    if _use_columns(D, inner, rows):
-        what = f"over dim {dim} of {_shape_text(x.shape)} (thread per row)"
-        source = _render("argreduce.cu.j2", kind="column", comment=_comment(node, what), **ctx)
-        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
-    block = _row_block(D)
-    what = f"over dim {dim} of {_shape_text(x.shape)} (block per row)"
-    source = _render("argreduce.cu.j2", kind="block", comment=_comment(node, what), block=block, **ctx)
-    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+    return _row_kernels(node, kernel_name, "argreduce.cu.j2", ctx)
 
 
 # --------------------------------------------------------------------------

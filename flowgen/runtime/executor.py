@@ -14,6 +14,7 @@ import os
 import numpy as np
 
 from flowgen.codegen.kernel import BufferArg
+from flowgen.runtime.toolchain import kernel_params
 
 _CTYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
            "unsigned": ctypes.c_uint, "unsigned long long": ctypes.c_ulonglong}
@@ -48,8 +49,6 @@ class CpuBackend:
         launcher = self.module._launcher(kernel.name)
         grid = (ctypes.c_uint * 3)(*kernel.grid)
         block = (ctypes.c_uint * 3)(*kernel.block)
-        from flowgen.runtime.toolchain import kernel_params
-
         params = kernel_params(args)
         self._keep.append((args, params))
         return lambda: launcher(grid, block, kernel.smem, params)
@@ -80,6 +79,7 @@ class CudaBackend:
         self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, self.ctx.arch, tag))
         self.stream = self.ctx.create_stream()
         self.allocations = []
+        self._keep = []
 
     def alloc(self, nbytes: int):
         ptr = self.ctx.alloc(nbytes)
@@ -101,7 +101,7 @@ class CudaBackend:
 
     def prepare(self, kernel, args):
         function = self.module.function(kernel.name)
-        self._keep = getattr(self, "_keep", []) + [args]
+        self._keep.append(args)   # the ctypes values must outlive every launch
         return lambda: self.module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
                                           self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
