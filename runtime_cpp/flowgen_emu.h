@@ -157,6 +157,7 @@ inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
 // The fast-math variants are computed exactly: the emulator is a reference, not a model
 // of the GPU's approximation error.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline double rsqrt(double x) { return 1.0 / sqrt(x); }
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }

@@ -2,8 +2,9 @@
 
 * a small MobileNetV2 (stem, t=1 block with residual, expanded blocks with stride 2
   and residual adds, depthwise convs, BN, ReLU6; dropout off) trains 3 steps in a
-  graph at batch 8 on 32x32 with losses, parameters and BN running statistics
-  equal to eager;
+  graph at batch 8 on 32x32 with losses (within 2e-4) and BN running statistics
+  equal to eager in float32, and losses, parameters and running statistics equal
+  to rounding in float64;
 * its eval inference graph equals eager eval;
 * every conv configuration (stride 1/2, padding, groups 1/g/C, dilation 2, 1x1,
   non-square) gives the same output and weight/bias/input gradients in a graph as
@@ -37,19 +38,19 @@ def _batches(n, seed=0):
              flow.tensor(rng.integers(0, 10, BATCH))) for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def trained():
-    """3 training steps of the same tiny MobileNetV2 in a graph and in eager."""
+def _train(dtype, steps=3):
+    """`steps` SGD-momentum steps of the same tiny MobileNetV2 in a graph and in eager, in `dtype`."""
     flow.manual_seed(0)
-    model = tiny_mobilenet()
-    eager = tiny_mobilenet()
+    model = tiny_mobilenet().to(dtype)
+    eager = tiny_mobilenet().to(dtype)
     eager.load_state_dict(model.state_dict())
     make_opt = lambda params: flow.optim.SGD(params, lr=0.05, momentum=0.9)   # noqa: E731
     opt_g, opt_e = make_opt(model.parameters()), make_opt(eager.parameters())
     loss_fn = nn.CrossEntropyLoss()
     graph = TrainGraph(model, loss_fn, opt_g)
     graph_losses, eager_losses, graph_times, eager_times = [], [], [], []
-    for x, y in _batches(3):
+    for x, y in _batches(steps):
+        x = x.to(dtype)
         start = time.perf_counter()
         graph_losses.append(float(graph(x, y).numpy()))
         graph_times.append(time.perf_counter() - start)
@@ -62,6 +63,16 @@ def trained():
         eager_losses.append(float(le.numpy()))
     return dict(model=model, eager=eager, graph=graph, graph_losses=graph_losses, eager_losses=eager_losses,
                 graph_times=graph_times, eager_times=eager_times)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return _train(flow.float32)
+
+
+@pytest.fixture(scope="module")
+def trained64():
+    return _train(flow.float64)
 
 
 def test_tiny_mobilenet_has_the_pieces():
@@ -80,16 +91,30 @@ def test_training_losses_equal_eager(trained):
           f"{', '.join(f'{t:.3f}' for t in trained['eager_times'])} s")
 
 
-def test_parameters_and_running_stats_equal_eager(trained):
-    graph_state, eager_state = trained["model"].state_dict(), trained["eager"].state_dict()
+def test_parameters_and_running_stats_equal_eager(trained64):
+    """Checked in float64, where graph and eager agree to rounding. In float32 the two differ by
+    rounding in the last bit, and over 3 momentum steps one ReLU6 mask element near 0 can flip
+    (a 1e-7 relative change of the initial weights does the same to float64 eager), moving
+    every parameter upstream of it by ~1e-5: a property of the net, not a graph bug."""
+    graph_state, eager_state = trained64["model"].state_dict(), trained64["eager"].state_dict()
     assert list(graph_state) == list(eager_state)
+    np.testing.assert_allclose(trained64["graph_losses"], trained64["eager_losses"], rtol=1e-12)
     for name, value in graph_state.items():
         got, expected = value.numpy(), eager_state[name].numpy()
         if name.endswith("num_batches_tracked"):
             assert int(got) == int(expected) == 3, name
             continue
-        scale = max(np.abs(expected).max(), 1e-2)   # some running means are float noise around 0
-        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5 * scale, err_msg=name)
+        assert got.dtype == np.float64, name
+        np.testing.assert_allclose(got, expected, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_float32_running_stats_equal_eager(trained):
+    graph_state, eager_state = trained["model"].state_dict(), trained["eager"].state_dict()
+    for name in graph_state:
+        if name.endswith(("running_mean", "running_var")):
+            expected = eager_state[name].numpy()
+            np.testing.assert_allclose(graph_state[name].numpy(), expected, rtol=1e-4,
+                                       atol=2e-5 * max(np.abs(expected).max(), 1e-2), err_msg=name)
 
 
 def test_eval_inference_graph_equals_eager_eval(trained):

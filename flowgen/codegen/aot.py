@@ -303,13 +303,15 @@ def _schedule_lines(ir) -> list:
         kind = sched["kind"]
         if kind == "constant":
             continue
+        ctype = "double" if st.value.dtype.name == "float64" else "float"
+        suffix = "" if ctype == "double" else "f"
         if kind == "first_step":
-            value = f"(t == 0 ? {float(sched['first'])!r}f : {float(sched['then'])!r}f)"
+            value = f"(t == 0 ? {float(sched['first'])!r}{suffix} : {float(sched['then'])!r}{suffix})"
         elif kind == "bias_correction":
-            value = (f"(float)({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
+            value = (f"({ctype})({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
                      f"(double)(t + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
         elif kind.startswith("lr_"):
-            value = f"(float)({_lr_expression(sched)})"
+            value = f"({ctype})({_lr_expression(sched)})"
         elif kind == "philox_offset":
             lines.append(f"{{  // {st.name}: seed, then the Philox offset of this step ({sched['count']} per step)")
             lines.append(f"  long long rng[2] = {{hyper_start[{j}][0], hyper_start[{j}][1] + s * {int(sched['count'])}LL}};")
@@ -319,7 +321,7 @@ def _schedule_lines(ir) -> list:
         else:
             raise BuildError(f"state {st.name}: unknown per-step schedule {kind!r} (saved by a newer flowgen?)")
         lines.append(f"{{  // {st.name}: {kind}")
-        lines.append(f"  const float v = {value};")
+        lines.append(f"  const {ctype} v = {value};")
         lines.append(f"  dev.upload(m.state[{j}], &v, sizeof v);")
         lines.append("}")
     return lines

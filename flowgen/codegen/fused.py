@@ -7,6 +7,8 @@ converted once at load and store.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from flowgen import dtype as dt
@@ -21,8 +23,9 @@ COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", 
 IDENTITY = {"sum": "0", "max": "-INFINITY", "min": "INFINITY"}
 
 
-def literal(value) -> str:
-    """A Python/NumPy scalar as a C++ literal of the right type."""
+def literal(value, double: bool = False) -> str:
+    """A Python/NumPy scalar as a C++ literal of the right type (floats as float literals, or
+    double ones for float64 kernels, where an ``f`` suffix would round the constant)."""
     if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
     if isinstance(value, (int, np.integer)):
@@ -36,12 +39,23 @@ def literal(value) -> str:
             return "NAN"
         if np.isinf(v):
             return "INFINITY" if v > 0 else "-INFINITY"
-        return f"{v!r}f" if "e" in repr(v) or "." in repr(v) else f"{v!r}.0f"
+        text = repr(v) if "e" in repr(v) or "." in repr(v) else f"{v!r}.0"
+        return text if double else f"{text}f"
     if isinstance(value, dt.DType):
         return COMPUTE_TYPE[value]
     if value is None:
         return "0"
     return str(value)
+
+
+_FLOAT_MATH = re.compile(r"\b(exp|log|log1p|expm1|sqrt|rsqrt|sin|cos|tan|tanh|erf|pow|floor|ceil|fabs|fmin|fmax|"
+                         r"round|trunc|fmod)f\(")
+_FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
+
+
+def as_double(expr: str) -> str:
+    """An op's float expression (``expf``, ``1.0f``) in double precision, for float64 kernels."""
+    return _FLOAT_LITERAL.sub(r"\1", _FLOAT_MATH.sub(r"\1(", expr))
 
 
 def _store(value_dtype, expr: str) -> str:
@@ -65,7 +79,7 @@ def scalar_constant(value, producers):
     node = producers.get(value)
     if node is None or node.op != "constant" or value.numel != 1:
         return None
-    return literal(np.asarray(node.attrs["value"]).reshape(()).item())
+    return literal(np.asarray(node.attrs["value"]).reshape(()).item(), double=value.dtype == dt.float64)
 
 
 def strides(shape) -> list:
@@ -159,11 +173,14 @@ class _Emitter:
         expr = op.lowering.expr
         if callable(expr):
             expr = expr(body_node.attrs)
-        attrs = {k: literal(v) for k, v in body_node.attrs.items()}
+        double = body_node.output.dtype == dt.float64
+        attrs = {k: literal(v, double) for k, v in body_node.attrs.items()}
         if "stream" in body_node.attrs:
             attrs = self.random_stream(attrs | {"stream": body_node.attrs["stream"],
                                                 "offset": body_node.attrs["offset"]})
         text = expr.format(*(self.var[v] for v in body_node.inputs), idx=index_var, **attrs)
+        if double:
+            text = as_double(text)
         out = body_node.output
         name = self.fresh()
         self.var[out] = name

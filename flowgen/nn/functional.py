@@ -281,7 +281,11 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
             with no_grad():
                 unbiased = _F.reshape(var, (C,)) * (n / max(n - 1, 1))
                 running_var.copy_(running_var + (unbiased - running_var) * m)
-        out = diff * _F.rsqrt(var + eps)
+        # One op with a closed-form gradient (flowgen/ops/norm_ops.py) instead of autodiff
+        # through the statistics: two channel reductions and one kernel in the backward.
+        return apply("batch_norm_affine", input, mean, _F.rsqrt(var + eps),
+                     1.0 if weight is None else _F.reshape(weight, bshape),
+                     0.0 if bias is None else _F.reshape(bias, bshape))
     else:
         mean = _F.reshape(running_mean, bshape)
         var = _F.reshape(running_var, bshape)

@@ -100,9 +100,12 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     continue
                 tracer.scopes.append(f"{prefix}.{kind.lower()}")
 
-                def hyper(name, fn, schedule):
+                # float64 parameters get float64 hyper scalars (a float32 LR would round the update)
+                hyper_dtype = "float64" if all(p.dtype.name == "float64" for p in params) else "float32"
+
+                def hyper(name, fn, schedule, hyper_dtype=hyper_dtype):
                     host.append(HostScalar(f"{prefix}.{name}", fn))
-                    return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype="float32"), "hyper", schedule)
+                    return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype=hyper_dtype), "hyper", schedule)
 
                 # In Python the host recomputes these before every call (LR schedulers included);
                 # `schedule` says how a standalone program advances them (the LR stays constant there).

@@ -1,0 +1,72 @@
+"""Normalisation ops with a closed-form gradient.
+
+``batch_norm_affine(x, mean, invstd, weight, bias)`` is ``(x - mean) * invstd * weight + bias``
+where ``mean`` and ``invstd = rsqrt(biased var + eps)`` are *the batch statistics of x* over
+every dim but the channel dim 1 (shape ``(1, C, 1, ...)``), as `nn.functional.batch_norm`
+computes them in training. Its gradient is the textbook closed form, with the paths through
+the statistics already folded in::
+
+    xhat = (x - mean) * invstd
+    dbias = sum(g),  dweight = sum(g * xhat)
+    dx = invstd * weight * (g - (dbias + xhat * dweight) / n)
+
+so ``mean`` and ``invstd`` take no gradient of their own. Autodiff of the composite would
+produce about ten kernels per BatchNorm layer in a training graph's backward; this is two
+channel reductions (``g`` and ``g * xhat`` read in one pass) and one elementwise kernel.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen import functional as F
+from flowgen.ops.lowering import Elementwise
+from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop
+
+
+def _stat_dims(x):
+    return (0,) + tuple(range(2, len(x.shape)))
+
+
+def _bn_affine_infer(x, mean, invstd, weight, bias):
+    if not x.dtype.is_floating:
+        raise TypeError(f"batch_norm: expected a floating point input, got {x.dtype!r}")
+    if len(x.shape) < 2:
+        raise ValueError(f"batch_norm: expected an input with at least 2 dims (N, C, ...), got {tuple(x.shape)}")
+    shape = broadcast_shapes(x.shape, mean.shape, invstd.shape, weight.shape, bias.shape, op="batch_norm")
+    if shape != tuple(x.shape):
+        raise ValueError(f"batch_norm: per-channel operands must broadcast to the input's shape {tuple(x.shape)}")
+    return TensorMeta(tuple(x.shape), dt.promote(x.dtype, weight.dtype))
+
+
+def _bn_affine_ref(x, mean, invstd, weight, bias):
+    ct = np.float64 if x.dtype == np.float64 else np.float32
+    c = [a.astype(ct, copy=False) for a in (x, mean, invstd, weight, bias)]
+    return (c[0] - c[1]) * c[2] * c[3] + c[4]
+
+
+def _wants(t) -> bool:
+    return t.is_lazy or t.requires_grad
+
+
+def _bn_affine_grad(ctx, g):
+    x, mean, invstd, weight, bias = ctx.inputs
+    dims = _stat_dims(x)
+    n = 1
+    for d in dims:
+        n *= int(x.shape[d])
+    xhat = (x - mean) * invstd
+    dbias = F.sum(g, dims, keepdim=True)
+    dweight = F.sum(g * xhat, dims, keepdim=True)
+    dx = None
+    if _wants(x):
+        dx = (invstd * weight) * (g - (dbias + xhat * dweight) * (1.0 / n))
+    return (dx, None, None,
+            F.sum_to(dweight, tuple(weight.shape)) if _wants(weight) else None,
+            F.sum_to(dbias, tuple(bias.shape)) if _wants(bias) else None)
+
+
+defop("batch_norm_affine", infer=_bn_affine_infer, ref=_bn_affine_ref, grad=_bn_affine_grad,
+      lowering=Elementwise("(((({0}) - ({1})) * ({2})) * ({3}) + ({4}))"),
+      doc="batch_norm_affine(x, mean, invstd, weight, bias): training BatchNorm with x's own batch "
+          "statistics; closed-form gradient (mean and invstd take none)")
