@@ -6,6 +6,7 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from flowgen.ir.trace import TraceError
 from flowgen.ir.interpret import interpret
 from flowgen.ir.verify import verify
 from flowgen.passes.pipeline import default_passes, run_passes
@@ -452,3 +453,63 @@ def test_conv_tile_choices_render_the_chosen_variant(monkeypatch):
     source = graph.compiled.sources["kernels.cu"]
     for dims in chosen.values():
         assert f"implicit GEMM {dims[0]}x{dims[1]}" in source or f"1x1 as GEMM {dims[0]}x{dims[1]}" in source
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_is_one_kernel_each_way_and_equals_eager(reduction):
+    """(N, C) logits with class indices: log-softmax + pick in one forward kernel, softmax - onehot
+    in one backward kernel (cross_entropy_rows), ignored rows included; one SGD step equals eager."""
+    flow.manual_seed(0)
+    model = nn.Linear(6, 300)
+    eager = copy.deepcopy(model)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=4, reduction=reduction)
+    weights = flow.randn(7) if reduction == "none" else flow.tensor(1.0)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.5))
+
+        def build(self, x, y, w):
+            loss = (loss_fn(self.model(x), y) * w).sum()
+            loss.backward()
+            return loss
+
+    x, y = flow.randn(7, 6), flow.tensor(np.array([4, 0, 299, 4, 17, 3, 250]))
+    graph = Step()
+    got = graph(x, y, weights)
+    expected = (loss_fn(eager(x), y) * weights).sum()
+    flow.optim.SGD(eager.parameters(), lr=0.5).zero_grad()
+    expected.backward()
+    with flow.no_grad():
+        for p in eager.parameters():
+            p.copy_(p - p.grad * 0.5)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5)
+    for name, p in eager.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), p.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    names = [k.name for k in graph.compiled.program.kernels]
+    assert sum("cross_entropy_rows_grad" in n for n in names) == 1
+    assert sum("cross_entropy_rows" in n and "grad" not in n for n in names) == 1
+    assert not any("softmax" in n or "gather" in n for n in names), names
+
+
+def test_optimized_parameter_outside_the_graph_modules_is_an_error():
+    """A Parameter set on the Graph itself (not in a module) would be captured as a constant and
+    never trained; the graph says so instead of silently diverging from eager."""
+    w = nn.Parameter(flow.randn(3))
+
+    class Loose(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.w = w
+            self.add_optimizer(flow.optim.SGD([w], lr=0.1))
+
+        def build(self, x):
+            loss = (self.w * x).sum()
+            loss.backward()
+            return loss
+
+    with pytest.raises(TraceError, match=r"parameter of shape \(3,\) that the optimizer trains but that belongs "
+                                         r"to no module"):
+        Loose()(flow.randn(3))

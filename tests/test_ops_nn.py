@@ -656,6 +656,30 @@ def test_cross_entropy_grad_finite_differences():
                wrt=[0])
 
 
+def test_fused_cross_entropy_rows_grad_and_double_grad_finite_differences():
+    """(N, C) logits with class indices take the one-kernel path (cross_entropy_rows); its gradient
+    op has a gradient of its own (double backward)."""
+    from flowgen.ops.registry import apply
+
+    x, target = _loss_inputs((5, 4))
+    target[2] = -100
+    for reduction in ("mean", "sum", "none"):
+        check_grad(lambda a, t: F.cross_entropy(a, t, reduction=reduction), x.astype(np.float64), target, wrt=[0])
+    g = RNG.standard_normal(5)
+    check_grad(lambda gg, a, t: apply("cross_entropy_rows_grad", gg, a, t, ignore_index=-100),
+               g, x.astype(np.float64), target, wrt=[0, 1])
+
+
+def test_fused_cross_entropy_errors_name_the_op():
+    x = ft(randn(3, 4))
+    with pytest.raises(IndexError, match="cross_entropy: index 4 is out of bounds"):
+        F.cross_entropy(x, flow.tensor(np.array([0, 4, 1])))
+    with pytest.raises(ValueError, match=r"cross_entropy: expected target of shape \(3,\)"):
+        F.cross_entropy(x, flow.tensor(np.array([0, 1])))
+    with pytest.raises(RuntimeError, match="int64 class-index target"):
+        F.cross_entropy(x, flow.tensor(np.array([True, False, True])))
+
+
 def test_loss_rejects_bad_reduction():
     with pytest.raises(ValueError, match="reduction"):
         F.mse_loss(ft(randn(2)), ft(randn(2)), reduction="avg")

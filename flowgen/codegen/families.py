@@ -15,8 +15,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 * gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides.
 * copy     — permute / slice / slice_backward / cat: one thread per output element
              with a baked index map (slice_backward writes zeros outside the slice).
-* softmax  — softmax / log_softmax over any dim: one block per row (block reductions
-             for max and sum) or, when the dim is not innermost, one thread per row
+* softmax  — softmax / log_softmax over any dim, and cross-entropy rows and their
+             gradient over (N, C) logits: one block per row (block reductions for
+             max and sum) or, when the dim is not innermost, one thread per row
              walking the dim (coalesced across neighbouring rows).
 * gather   — gather / index_select / embedding: one thread per output element.
              Indices outside [0, size) read as 0 (the NumPy reference raises instead).
@@ -506,19 +507,33 @@ def _row_kernels(node, kernel_name, template, ctx) -> list:
     return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
 
 
+# per op: (kernel parameter names, what the last pass over the row computes)
+_ROW_SOFTMAX_MODES = {
+    "softmax": (("x",), ("y",)),
+    "log_softmax": (("x",), ("y",)),
+    "cross_entropy_rows": (("x", "target"), ("loss",)),
+    "cross_entropy_rows_grad": (("g", "x", "target"), ("dx",)),
+}
+
+
 def _softmax(node, kernel_name):
-    x, y = node.inputs[0], node.output
-    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    """softmax / log_softmax along any dim, and the cross-entropy rows (forward: the row's loss
+    from its max and sum of exp; backward: g * (softmax - onehot)) on (N, C) logits."""
+    in_names, out_names = _ROW_SOFTMAX_MODES[node.op]
+    x, y = node.inputs[in_names.index("x")], node.output
+    dim = node.attrs["dim"] % max(len(x.shape), 1) if "dim" in node.attrs else 1
     outer, D, inner = _rows(x.shape, dim)
     rows = outer * inner
     acc = _acc_type(x.dtype, y.dtype)
     f = "" if acc == "double" else "f"
-    log = node.op == "log_softmax"
     ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
                stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, out_t=y.dtype.ctype,
-               acc=acc, log=log, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
+               acc=acc, mode=node.op, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
-               idx_t=_idx_type(rows))
+               idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
+               ignore_index=int(node.attrs.get("ignore_index", 0)))
+    if node.op.startswith("cross_entropy"):
+        ctx["load_g"] = _loader(node.inputs[0].dtype, acc)
     return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
 
 

@@ -614,6 +614,17 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
     _check_reduction(reduction, "cross_entropy")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    if (input.ndim == 2 and not target.dtype.is_floating and weight is None and label_smoothing == 0
+            and target.ndim == 1):
+        # The common case in one row kernel each way (flowgen/ops/nn_ops.py: cross_entropy_rows).
+        if not input.dtype.is_floating:
+            raise TypeError(f"cross_entropy: expected floating point logits, got {input.dtype!r}")
+        rows = apply("cross_entropy_rows", input, target, ignore_index=int(ignore_index))
+        if reduction == "none":
+            return rows
+        if reduction == "sum":
+            return _sum_all(rows)
+        return _sum_all(rows) / _sum_all(_F.cast(_F.ne(target, ignore_index), input.dtype))
     class_dim = 1 if input.ndim >= 2 else 0
     C = input.shape[class_dim]
     logp = log_softmax(input, class_dim)

@@ -126,6 +126,82 @@ defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softm
 
 
 # --------------------------------------------------------------------------
+# cross-entropy rows (Template "softmax": one row kernel each way)
+#
+# cross_entropy_rows(x (N, C), target (N,)) is -log_softmax(x)[n, target[n]] per row, 0 where
+# target == ignore_index: log-softmax and the pick in one pass, so the (N, C) log-probabilities
+# never reach memory. Its gradient is one kernel too: g[n] * (softmax(x)[n] - onehot(target[n])).
+
+def _ce_rows_check(x, target, op):
+    _require_float(x, op)
+    if len(x.shape) != 2:
+        raise ValueError(f"{op}: expected (N, C) logits, got {tuple(x.shape)}")
+    if target.dtype not in (dt.int64, dt.int32):
+        raise RuntimeError(f"cross_entropy: expected an int64 class-index target, got {target.dtype!r}")
+    if tuple(target.shape) != (x.shape[0],):
+        raise ValueError(f"cross_entropy: expected target of shape {(x.shape[0],)}, got {tuple(target.shape)}")
+
+
+def _ce_rows_infer(x, target, ignore_index=-100):
+    _ce_rows_check(x, target, "cross_entropy_rows")
+    return TensorMeta((x.shape[0],), x.dtype)
+
+
+def _ce_picked(x, target, ignore_index, op):
+    valid = target != ignore_index
+    safe = np.where(valid, target, 0)
+    _check_range(safe, x.shape[1], op, dim=1)
+    return valid, safe
+
+
+def _ce_rows_ref(x, target, ignore_index=-100):
+    valid, safe = _ce_picked(x, target, ignore_index, "cross_entropy")
+    logp = _log_softmax_ref(x, 1)
+    picked = np.take_along_axis(logp, safe[:, None], axis=1)[:, 0]
+    return np.where(valid, -picked, np.zeros((), logp.dtype))
+
+
+def _ce_rows_grad(ctx, g):
+    x, target = ctx.inputs
+    return apply("cross_entropy_rows_grad", g, x, target, ignore_index=ctx.attrs["ignore_index"]), None
+
+
+def _ce_rows_grad_infer(g, x, target, ignore_index=-100):
+    _ce_rows_check(x, target, "cross_entropy_rows_grad")
+    if tuple(g.shape) != (x.shape[0],):
+        raise ValueError(f"cross_entropy_rows_grad: grad shape {tuple(g.shape)} != ({x.shape[0]},)")
+    return TensorMeta(tuple(x.shape), x.dtype)
+
+
+def _ce_rows_grad_ref(g, x, target, ignore_index=-100):
+    valid, safe = _ce_picked(x, target, ignore_index, "cross_entropy")
+    d = _softmax_ref(x, 1)
+    np.put_along_axis(d, safe[:, None], np.take_along_axis(d, safe[:, None], axis=1) - 1, axis=1)
+    scale = np.where(valid, _f(g, d.dtype), np.zeros((), d.dtype))
+    return d * scale[:, None]
+
+
+def _ce_rows_grad_grad(ctx, gg):
+    # out = g[:, None] * (s - onehot), s = softmax(x): linear in g, and ds = s * (dx - sum(dx * s)).
+    g, x, target = ctx.inputs
+    valid = F.cast(F.ne(target, ctx.attrs["ignore_index"]), x.dtype)
+    safe = target * F.cast(F.ne(target, ctx.attrs["ignore_index"]), target.dtype)
+    s = F.softmax(x, 1)
+    picked = F.squeeze(apply("gather", gg, F.unsqueeze(safe, 1), dim=1), 1)
+    d_g = (F.sum(gg * s, 1) - picked) * valid
+    d_x = F.unsqueeze(g * valid, 1) * s * (gg - F.sum(gg * s, 1, keepdim=True))
+    return d_g, d_x, None
+
+
+defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
+      lowering=Template("softmax"),
+      doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored")
+defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
+      lowering=Template("softmax"),
+      doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
+
+
+# --------------------------------------------------------------------------
 # gather family (Template "gather") and its scatter adjoints (Template "scatter")
 
 def _gather_infer(x, index, dim):

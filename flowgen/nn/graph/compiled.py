@@ -197,6 +197,13 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     if not graph._optimizers:
         raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
                          f"call self.add_optimizer(optimizer) in __init__")
+    optimized = {id(p): p for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]}
+    for tensor, _value in tracer.constants.values():
+        if id(tensor) in optimized and tensor.requires_grad:
+            raise TraceError(f"{graph.name}: build() used a parameter of shape {tuple(tensor.shape)} that the "
+                             f"optimizer trains but that belongs to no module of this graph, so the graph "
+                             f"would treat it as a constant; assign the module that owns it in __init__ "
+                             f"(self.model = model)")
     root = tracer.backward_roots.pop()
     tracer.backward_roots.clear()
     ir, grads = autodiff(tracer.graph, root, wrt, device, loss_scale=scale)
