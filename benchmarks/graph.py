@@ -1,4 +1,5 @@
-"""Graph benchmarks: compile-time breakdown, launches before/after fusion, memory, step time.
+"""Graph benchmarks: compile-time breakdown, launches before/after fusion, memory, step time;
+kernel launches per call of MobileNetV2's training and inference graphs before/after fusion.
 
     python benchmarks/graph.py [--device cpu|cuda] [--steps N] [--out FILE]
 
@@ -96,6 +97,26 @@ def bench_training(case, device, steps):
     return row
 
 
+def convnet_launches(device):
+    """MobileNetV2 (CIFAR-10 shapes, full width): kernel launches per call of its training and
+    inference graphs, before and after fusion (one call each; step times are benchmarks/mobilenet.py's)."""
+    from flowgen.models import mobilenet_v2
+
+    flow.manual_seed(0)
+    batch = 64 if device.type == "cuda" else 2
+    model = mobilenet_v2(num_classes=10).to(device)
+    x, y = flow.randn(batch, 3, 32, 32).to(device), flow.randint(0, 10, (batch,)).to(device)
+    train = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    train(x, y)
+    model.eval()
+    infer = InferGraph(model)
+    infer(x[:1])
+    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    return [{"graph": f"mobilenet_v2_{kind}", "device": str(device), "batch": b, "convs": convs,
+             "kernels_unfused": g.compiled.kernels_before_fusion, "kernels_fused": g.compiled.num_launches}
+            for kind, g, b in (("train", train, batch), ("infer", infer, 1))]
+
+
 def torch_baselines(name, model, x, y, device, steps):
     """PyTorch eager and torch.compile on the same GPU and the same problem (cuda only)."""
     if device.type != "cuda":
@@ -167,6 +188,7 @@ def main():
             loss = graph(x, y)
         rows[0]["polyfit_2000_steps_s"] = time.perf_counter() - start
         rows[0]["polyfit_final_loss"] = float(loss.numpy())
+        launches = convnet_launches(device)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
 
@@ -175,13 +197,18 @@ def main():
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>14.4f}" if isinstance(r[c], float) else f"{str(r[c]):>14}" for c in cols))
+    print()
+    print(" | ".join(f"{c:>20}" for c in ("graph", "convs", "kernels_unfused", "kernels_fused")))
+    for r in launches:
+        print(" | ".join(f"{str(r[c]):>20}" for c in ("graph", "convs", "kernels_unfused", "kernels_fused")))
     for r in rows:
         extra = {k: v for k, v in r.items() if k.startswith(("torch", "polyfit"))}
         if extra:
             print(r["graph"], json.dumps(extra))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"graph_{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    payload = {"machine": platform.node(), "python": platform.python_version(), "rows": rows}
+    payload = {"machine": platform.node(), "python": platform.python_version(), "rows": rows,
+               "launches": launches}
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(payload, f, indent=2)

@@ -62,6 +62,10 @@ def _transposes_gemm_result(node, group, producer_index, users, live_out) -> boo
             and max(group.members) == group.reduction and v not in live_out and len(users.get(v, [])) == 1)
 
 
+# Elementwise groups this small are launch-bound: independent ones of one shape share a kernel.
+HORIZONTAL_MAX_NUMEL = 1
+
+
 class _Group:
     def __init__(self, kind: str, shape: tuple, first: int):
         self.kind = kind
@@ -80,6 +84,7 @@ def fuse(graph, enabled: bool = True):
     index_of = {id(n): i for i, n in enumerate(nodes)}
     live_out = graph.live_out()
     groups: list = []
+    small: dict = {}          # shape -> the latest elementwise group of at most HORIZONTAL_MAX_NUMEL elements
 
     def only_feeds(prologue: _Group, reduction_node) -> bool:
         for v in prologue.produced:
@@ -139,22 +144,36 @@ def fuse(graph, enabled: bool = True):
             shape = tuple(node.output.shape)
             joined = False
             if enabled:
+                candidates = []
                 for v in node.inputs:
                     p = producer_index.get(v)
                     g = group_of.get(p)
                     # A reduction group takes epilogue nodes that read its result (not its prologue).
-                    if g is not None and fits(g, node) and can_join(g, i) \
+                    if g is not None and g not in candidates and fits(g, node) and can_join(g, i) \
                             and (g.kind == "elementwise" or p >= g.reduction):
-                        add(g, i)
-                        joined = True
-                        merge_feeders(g, node)
-                        break
+                        candidates.append(g)
+                if candidates:
+                    # An anchored kernel (reduction, GEMM, conv) first: the elementwise groups
+                    # feeding the node can then merge into its epilogue, the other way round they can't.
+                    g = min(candidates, key=lambda c: c.kind == "elementwise")
+                    add(g, i)
+                    joined = True
+                    merge_feeders(g, node)
             if not joined and kind == "view":
                 continue   # stays a view of its input: no kernel
+            if not joined and enabled and _numel(shape) <= HORIZONTAL_MAX_NUMEL:
+                # Tiny independent work (each BatchNorm's num_batches_tracked += 1) shares one
+                # kernel with the previous tiny group of its shape when nothing in between reads it.
+                h = small.get(shape)
+                if h is not None and h in groups and can_join(h, i):
+                    add(h, i)
+                    joined = True
             if not joined:
                 g = _Group("elementwise", shape, i)
                 groups.append(g)
                 add(g, i)
+                if _numel(shape) <= HORIZONTAL_MAX_NUMEL:
+                    small[shape] = g
         elif kind == "reduction":
             g = _Group("reduction", tuple(node.output.shape), i)
             g.reduction = i

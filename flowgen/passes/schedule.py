@@ -24,7 +24,9 @@ def schedule(graph, straighten: bool = False):
 
 def hoist(graph, movable):
     """Move every node for which `movable(node)` holds to just after the last producer of its
-    inputs (keeping the order among nodes placed at the same point).
+    inputs (keeping the order among nodes placed at the same point). A movable node that reads
+    no computed value (a momentum buffer times the momentum, a reshape of a parameter) goes
+    just before its first consumer instead of to the top, so it lands next to the kernel it feeds.
 
     Used for views (free) and optimizer updates: placed early, they let the update join the
     kernel that reduces its gradient, and free gradients as soon as the backward pass made them.
@@ -32,16 +34,41 @@ def hoist(graph, movable):
     position: dict = {}
     placed: dict = {}
     kept = []
+    pending: dict = {}        # output Value -> its deferred node (reads only state/inputs/constants)
+
+    def release(node, slot):
+        """Place the deferred producers of `node`'s inputs in `slot`, in their original order."""
+        for v in node.inputs:
+            producer = pending.pop(v, None)
+            if producer is not None:
+                for w in producer.outputs:
+                    pending.pop(w, None)
+                release(producer, slot)
+                placed.setdefault(slot, []).append(producer)
+                for w in producer.outputs:
+                    position[w] = slot
+
     for node in graph.nodes:
         if movable(node):
+            if all(v not in position for v in node.inputs):
+                for v in node.outputs:
+                    pending[v] = node
+                continue
             after = max((position.get(v, -1) for v in node.inputs), default=-1)
+            release(node, after)
             placed.setdefault(after, []).append(node)
             for v in node.outputs:
                 position[v] = after
         else:
+            release(node, len(kept) - 1)
             kept.append(node)
             for v in node.outputs:
                 position[v] = len(kept) - 1
+    leftover = []
+    for node in pending.values():   # never read inside the graph (a graph output or an update)
+        if all(node is not n for n in leftover):
+            leftover.append(node)
+    placed.setdefault(len(kept) - 1, []).extend(sorted(leftover, key=graph.nodes.index))
     # Nodes hoisted behind a kept node k go right after it; chains of hoisted nodes stay in order.
     result = list(placed.get(-1, []))
     for k, node in enumerate(kept):
