@@ -513,3 +513,33 @@ def test_optimized_parameter_outside_the_graph_modules_is_an_error():
     with pytest.raises(TraceError, match=r"parameter of shape \(3,\) that the optimizer trains but that belongs "
                                          r"to no module"):
         Loose()(flow.randn(3))
+
+
+def test_batchnorm_training_kernels_recompute_x_minus_mean():
+    """Conv -> BatchNorm -> ReLU6 training step: BatchNorm's forward is 3 kernels (mean; variance
+    with x - mean recomputed in its prologue, not stored for the backward; normalise + ReLU6) and
+    its backward 4 (ReLU6 mask, the two channel reductions, dx); one SGD-momentum step equals eager."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+    eager = copy.deepcopy(model)
+    make_opt = lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), make_opt(model.parameters()))
+    opt = make_opt(eager.parameters())
+    x, y = flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,))
+    for _ in range(2):
+        got = graph(x, y)
+        loss = nn.CrossEntropyLoss()(eager(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+    for name, value in eager.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    bn_kernels = [k.name for k in graph.compiled.program.kernels if "_model_1_" in k.name]
+    forward = [k for k in bn_kernels if "backward" not in k and "ge_le" not in k and "num_batches" not in k]
+    assert len([k for k in forward if "sum" in k or "batch_norm_affine" in k]) == 3, bn_kernels
+    assert len(bn_kernels) - len(forward) <= 4, bn_kernels
+    # no kernel computes x - mean on its own: it is recomputed inside the two reductions
+    assert not any(k.endswith("_sub_mul") for k in bn_kernels), bn_kernels

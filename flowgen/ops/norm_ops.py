@@ -60,7 +60,8 @@ def _bn_affine_grad(ctx, g):
     dweight = F.sum(g * xhat, dims, keepdim=True)
     dx = None
     if _wants(x):
-        dx = (invstd * weight) * (g - (dbias + xhat * dweight) * (1.0 / n))
+        # full-size products only, so the whole expression is one elementwise kernel
+        dx = (g - (dbias + xhat * dweight) * (1.0 / n)) * invstd * weight
     return (dx, None, None,
             F.sum_to(dweight, tuple(weight.shape)) if _wants(weight) else None,
             F.sum_to(dbias, tuple(bias.shape)) if _wants(bias) else None)

@@ -6,6 +6,7 @@ import time
 from flowgen.ir.verify import verify
 from flowgen.passes.checkpointing import checkpoint_activations
 from flowgen.passes.fusion import fuse
+from flowgen.passes.rematerialize import rematerialize
 from flowgen.ops.lowering import View
 from flowgen.ops.registry import get_op
 from flowgen.passes.schedule import hoist, schedule
@@ -19,6 +20,7 @@ def default_passes(config, checkpointed_scopes=()):
         ("cse", cse),
         ("dce", dce),
         ("activation_checkpointing", lambda g: checkpoint_activations(g, checkpointed_scopes)),
+        ("rematerialize", lambda g: rematerialize(g) if config.fusion else g),
         ("hoist_views_and_updates", lambda g: hoist(g, _hoistable)),
         ("fusion", lambda g: fuse(g, enabled=config.fusion)),
         ("schedule", lambda g: schedule(g, straighten=config.straighten)),
