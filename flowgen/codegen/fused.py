@@ -7,55 +7,18 @@ converted once at load and store.
 """
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.templates import get_template
-from flowgen.ops.lowering import Reduction, View
+from flowgen.ops.lowering import Reduction, View, cpp_literal
 from flowgen.ops.registry import get_op
 
 COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", dt.float64: "double",
                 dt.int64: "long long", dt.int32: "int", dt.bool_: "bool"}
 
 IDENTITY = {"sum": "0", "max": "-INFINITY", "min": "INFINITY"}
-
-
-def literal(value, double: bool = False) -> str:
-    """A Python/NumPy scalar as a C++ literal of the right type (floats as float literals, or
-    double ones for float64 kernels, where an ``f`` suffix would round the constant)."""
-    if isinstance(value, (bool, np.bool_)):
-        return "true" if value else "false"
-    if isinstance(value, (int, np.integer)):
-        v = int(value)
-        if v > 2**63 - 1:
-            return f"{v}ULL"
-        return f"{v}LL" if abs(v) > 2**31 - 1 else str(v)
-    if isinstance(value, (float, np.floating)):
-        v = float(value)
-        if np.isnan(v):
-            return "NAN"
-        if np.isinf(v):
-            return "INFINITY" if v > 0 else "-INFINITY"
-        text = repr(v) if "e" in repr(v) or "." in repr(v) else f"{v!r}.0"
-        return text if double else f"{text}f"
-    if isinstance(value, dt.DType):
-        return COMPUTE_TYPE[value]
-    if value is None:
-        return "0"
-    return str(value)
-
-
-_FLOAT_MATH = re.compile(r"\b(exp|log|log1p|expm1|sqrt|rsqrt|sin|cos|tan|tanh|erf|pow|floor|ceil|fabs|fmin|fmax|"
-                         r"round|trunc|fmod)f\(")
-_FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
-
-
-def as_double(expr: str) -> str:
-    """An op's float expression (``expf``, ``1.0f``) in double precision, for float64 kernels."""
-    return _FLOAT_LITERAL.sub(r"\1", _FLOAT_MATH.sub(r"\1(", expr))
 
 
 def _store(value_dtype, expr: str) -> str:
@@ -79,7 +42,7 @@ def scalar_constant(value, producers):
     node = producers.get(value)
     if node is None or node.op != "constant" or value.numel != 1:
         return None
-    return literal(np.asarray(node.attrs["value"]).reshape(()).item(), double=value.dtype == dt.float64)
+    return cpp_literal(np.asarray(node.attrs["value"]).reshape(()).item(), double=value.dtype == dt.float64)
 
 
 def strides(shape) -> list:
@@ -156,31 +119,23 @@ class _Emitter:
         return lines
 
     def random_stream(self, attrs: dict) -> dict:
-        """Seed and offset of a random op read from the graph's rng state (see passes/random_streams)."""
+        """Seed and offset of a random op, as C++ reading the graph's rng state (see passes/random_streams)."""
         stream = attrs["stream"]
         if stream not in self.streams:
             self.streams.add(stream)
             self.params.append(f"const long long* __restrict__ {stream}")
             self.args.append(BufferArg(self.stream_values[stream], "const long long*"))
-        return {**attrs, "seed": f"(unsigned long long){stream}[0]",
-                "offset": f"(unsigned long long)({stream}[1] + {literal(attrs['offset'])})"}
+        return {"seed": f"(unsigned long long){stream}[0]",
+                "offset": f"(unsigned long long)({stream}[1] + {cpp_literal(attrs['offset'])})"}
 
     def compute(self, body_node, index_var: str = "i") -> str:
         op = get_op(body_node.op)
         if isinstance(op.lowering, View):   # a reshape moves no element: same variable
             self.var[body_node.output] = self.var[body_node.inputs[0]]
             return f"// {body_node.op}: {body_node.inputs[0].type_str} -> {body_node.output.type_str}"
-        expr = op.lowering.expr
-        if callable(expr):
-            expr = expr(body_node.attrs)
-        double = body_node.output.dtype == dt.float64
-        attrs = {k: literal(v, double) for k, v in body_node.attrs.items()}
-        if "stream" in body_node.attrs:
-            attrs = self.random_stream(attrs | {"stream": body_node.attrs["stream"],
-                                                "offset": body_node.attrs["offset"]})
-        text = expr.format(*(self.var[v] for v in body_node.inputs), idx=index_var, **attrs)
-        if double:
-            text = as_double(text)
+        expanded = self.random_stream(body_node.attrs) if "stream" in body_node.attrs else None
+        text = op.lowering.render([self.var[v] for v in body_node.inputs], body_node.attrs, idx=index_var,
+                                  double=body_node.output.dtype == dt.float64, expanded=expanded)
         out = body_node.output
         name = self.fresh()
         self.var[out] = name

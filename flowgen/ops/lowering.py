@@ -13,8 +13,11 @@
 from __future__ import annotations
 
 import math
+import re
 import string
 from dataclasses import dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -33,19 +36,36 @@ class Elementwise:
     def expression(self, attrs) -> str:
         return self.expr(attrs) if callable(self.expr) else self.expr
 
-    def render(self, operands, attrs, idx: str = "idx") -> str:
+    def render(self, operands, attrs, idx: str = "idx", double: bool = False, expanded=None) -> str:
+        """The expression with operands, ``{idx}`` and the attributes it names substituted;
+        `expanded` holds attributes already written as C++ (a dropout's seed read from the rng
+        state). `double`: a float64 kernel, so float math and literals become double ones."""
         expr = self.expression(attrs)
         fields = {f for _, f, _, _ in string.Formatter().parse(expr) if f and not f.isdigit()}
-        named = {f: cpp_literal(attrs[f]) for f in fields if f != "idx"}
-        return expr.format(*operands, idx=idx, **named)
+        expanded = expanded or {}
+        named = {f: expanded[f] if f in expanded else cpp_literal(attrs[f], double) for f in fields if f != "idx"}
+        text = expr.format(*operands, idx=idx, **named)
+        return as_double(text) if double else text
 
 
-def cpp_literal(value) -> str:
-    """A Python attribute value as a C++ literal: floats get an ``f`` suffix, infinities
-    ``INFINITY``, integers outside int32 an ``LL`` suffix, bools true/false."""
-    if isinstance(value, bool):
+_FLOAT_MATH = re.compile(r"\b(exp|log|log1p|expm1|sqrt|rsqrt|sin|cos|tan|tanh|erf|pow|floor|ceil|fabs|fmin|fmax|"
+                         r"round|trunc|fmod)f\(")
+_FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
+
+
+def as_double(expr: str) -> str:
+    """An op's float expression (``expf``, ``1.0f``) in double precision, for float64 kernels."""
+    return _FLOAT_LITERAL.sub(r"\1", _FLOAT_MATH.sub(r"\1(", expr))
+
+
+def cpp_literal(value, double: bool = False) -> str:
+    """A Python/NumPy scalar as a C++ literal: bools true/false, integers with an ``LL`` suffix
+    outside int32, floats with an ``f`` suffix (none in float64 kernels, where it would round
+    the constant), infinities ``INFINITY``, NaN ``NAN``."""
+    if isinstance(value, (bool, np.bool_)):
         return "true" if value else "false"
-    if isinstance(value, int):
+    if isinstance(value, (int, np.integer)):
+        value = int(value)
         if value == -(2 ** 63):
             return "(-9223372036854775807LL - 1)"
         if value >= 2 ** 63:
@@ -56,8 +76,9 @@ def cpp_literal(value) -> str:
         return "NAN"
     if math.isinf(value):
         return "INFINITY" if value > 0 else "(-INFINITY)"
-    text = repr(value)
-    return f"{text}f" if value >= 0 else f"({text}f)"
+    text = repr(value) if "e" in repr(value) or "." in repr(value) else f"{value!r}.0"
+    text = text if double else f"{text}f"
+    return text if value >= 0 else f"({text})"
 
 
 @dataclass(frozen=True)
