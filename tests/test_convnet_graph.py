@@ -38,12 +38,14 @@ def _batches(n, seed=0):
              flow.tensor(rng.integers(0, 10, BATCH))) for _ in range(n)]
 
 
-def _train(dtype, steps=3):
-    """`steps` SGD-momentum steps of the same tiny MobileNetV2 in a graph and in eager, in `dtype`."""
+def train_graph_and_eager(dtype, steps=3, device="cpu"):
+    """`steps` SGD-momentum steps of the same tiny MobileNetV2 in a graph (on `device`) and in
+    eager, in `dtype`."""
     flow.manual_seed(0)
     model = tiny_mobilenet().to(dtype)
     eager = tiny_mobilenet().to(dtype)
     eager.load_state_dict(model.state_dict())
+    model.to(device)
     make_opt = lambda params: flow.optim.SGD(params, lr=0.05, momentum=0.9)   # noqa: E731
     opt_g, opt_e = make_opt(model.parameters()), make_opt(eager.parameters())
     loss_fn = nn.CrossEntropyLoss()
@@ -52,7 +54,7 @@ def _train(dtype, steps=3):
     for x, y in _batches(steps):
         x = x.to(dtype)
         start = time.perf_counter()
-        graph_losses.append(float(graph(x, y).numpy()))
+        graph_losses.append(float(graph(x.to(device), y.to(device)).numpy()))
         graph_times.append(time.perf_counter() - start)
         start = time.perf_counter()
         le = loss_fn(eager(x), y)
@@ -67,12 +69,12 @@ def _train(dtype, steps=3):
 
 @pytest.fixture(scope="module")
 def trained():
-    return _train(flow.float32)
+    return train_graph_and_eager(flow.float32)
 
 
 @pytest.fixture(scope="module")
 def trained64():
-    return _train(flow.float64)
+    return train_graph_and_eager(flow.float64)
 
 
 def test_tiny_mobilenet_has_the_pieces():

@@ -537,3 +537,30 @@ def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
     weights = load_file(tmp_path / "res" / "weights.safetensors")
     np.testing.assert_allclose(weights["model.0.weight"], model[0].weight.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_training_program_carries_a_dynamic_grad_scaler(tmp_path):
+    """A GradScaler's scale and growth tracker are graph state: the program skips overflowing
+    steps and backs off / grows the scale exactly as the Python runtime does."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1), nn.Flatten(0, 1))
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    graph.set_grad_scaler(flow.amp.GradScaler(init_scale=2.0 ** 124, backoff_factor=0.125, growth_interval=2))
+    xx, y = poly_data()
+    xs, ys = xx[:40] / 10, y[:40]
+    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    np.save(tmp_path / "x.npy", xs)
+    np.save(tmp_path / "y.npy", ys)
+    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
+                      "--out", tmp_path / "res", "--steps", 8)
+    assert proc.returncode == 0, proc.stderr
+    scales = []
+    for s in range(8):
+        graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
+        scales.append(graph._grad_scaler.get_scale())
+    assert len(set(scales)) > 2          # the scale moved (backoff and growth) during these steps
+    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    for name in ("model.0.weight", "model.2.weight"):
+        np.testing.assert_allclose(weights[name], graph.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7)

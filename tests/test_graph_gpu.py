@@ -104,3 +104,48 @@ def test_conv_algorithm_search_picks_measured_tiles_and_caches_them():
     convs = [n for node in graph.compiled.ir.nodes for n in (node.body if node.op == "fused" else [node])
              if n.op.startswith("conv2d")]
     assert convs and all(families.conv_key(n) in cache for n in convs)
+
+
+@pytest.mark.parametrize("dtype", [flow.float32, flow.float64], ids=["f32", "f64"])
+def test_tiny_mobilenet_training_on_cuda_equals_eager(dtype):
+    """Convs (regular, depthwise, 1x1), training BatchNorm (closed-form backward), ReLU6,
+    residual adds and the fused cross-entropy on the GPU: in float64 the parameters equal eager
+    to rounding, in float32 the losses within 2e-4."""
+    from test_convnet_graph import train_graph_and_eager
+
+    run = train_graph_and_eager(dtype, device="cuda")
+    if dtype == flow.float32:
+        np.testing.assert_allclose(run["graph_losses"], run["eager_losses"], rtol=2e-4)
+        return
+    np.testing.assert_allclose(run["graph_losses"], run["eager_losses"], rtol=1e-12)
+    eager_state = run["eager"].state_dict()
+    for name, value in run["model"].state_dict().items():
+        if not name.endswith("num_batches_tracked"):
+            np.testing.assert_allclose(value.numpy(), eager_state[name].numpy(), rtol=1e-9, atol=1e-11,
+                                       err_msg=name)
+
+
+def test_grad_scaler_on_cuda_follows_eager():
+    """Overflowing steps are skipped and the scale backs off / grows on the GPU as in eager."""
+    flow.manual_seed(0)
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    gpu_model = model.to("cuda")
+    loss_fn = nn.MSELoss()
+    make_scaler = lambda: flow.amp.GradScaler(init_scale=2.0 ** 126, backoff_factor=0.25,  # noqa: E731
+                                              growth_interval=2)
+    graph = TrainGraph(gpu_model, loss_fn, flow.optim.Adam(gpu_model.parameters(), lr=1e-2))
+    graph.set_grad_scaler(make_scaler())
+    opt, scaler = flow.optim.Adam(eager.parameters(), lr=1e-2), make_scaler()
+    x, y = flow.randn(8, 33), flow.randn(8, 5) * 10
+    for _ in range(10):
+        got = graph(x.to("cuda"), y.to("cuda"))
+        loss = loss_fn(eager(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-4)
+        assert graph._grad_scaler.get_scale() == scaler.get_scale()
+    for p, pe in zip(gpu_model.parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-3, atol=1e-5)

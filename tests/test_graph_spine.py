@@ -543,3 +543,39 @@ def test_batchnorm_training_kernels_recompute_x_minus_mean():
     assert len(bn_kernels) - len(forward) <= 4, bn_kernels
     # no kernel computes x - mean on its own: it is recomputed inside the two reductions
     assert not any(k.endswith("_sub_mul") for k in bn_kernels), bn_kernels
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: flow.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1),
+                                      lambda p: flow.optim.Adam(p, lr=0.01)], ids=["sgd_momentum", "adam"])
+def test_grad_scaler_skips_inf_steps_and_adapts_the_scale_like_eager(make_opt):
+    """A dynamic GradScaler inside the graph: a scale so large the gradients overflow skips the
+    step (parameters, slots and Adam's step count unchanged) and backs off; clean steps grow it
+    every growth_interval. Scale, losses and parameters follow eager GradScaler step for step."""
+    flow.manual_seed(0)
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    loss_fn = nn.MSELoss()
+    make_scaler = lambda: flow.amp.GradScaler(init_scale=2.0 ** 126, backoff_factor=0.25,  # noqa: E731
+                                              growth_interval=2)
+    graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
+    graph.set_grad_scaler(make_scaler())
+    opt, scaler = make_opt(eager.parameters()), make_scaler()
+    x, y = flow.randn(8, 5), flow.randn(8, 3) * 10
+    scales = []
+    for _ in range(12):
+        got = graph(x, y)
+        loss = loss_fn(eager(x), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+        assert graph._grad_scaler.get_scale() == scaler.get_scale()
+        assert graph._grad_scaler._growth_tracker == scaler._growth_tracker
+        scales.append(scaler.get_scale())
+    steps = list(zip([2.0 ** 126] + scales, scales))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps)     # skipped steps and growth
+    for name, value in eager.state_dict().items():
+        expected = value.numpy()
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), expected, rtol=1e-4,
+                                   atol=1e-5 * np.abs(expected).max(), err_msg=name)

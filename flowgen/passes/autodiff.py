@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowgen.ir.graph import NameGen
+from flowgen.ir.graph import NameGen, Value
 from flowgen.ir.trace import Tracer
 from flowgen.ops.registry import GradContext, get_op
 
@@ -36,7 +36,8 @@ def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
     """Returns (graph with backward nodes appended, {state name: grad Value}).
 
     `loss_scale` seeds the backward pass with d(loss)/d(loss) = scale (a GradScaler's loss
-    scaling, which keeps float16 gradients from underflowing); the optimizer pass divides it out.
+    scaling, which keeps float16 gradients from underflowing): a number, or the Value of the
+    scale held as graph state; the optimizer pass divides it out.
     """
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
@@ -48,8 +49,13 @@ def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
     grads: dict = {}
     with tracer:
         tracer.scopes.append("loss.backward")
-        seed = tracer.emit("constant", [], {"value": np.full(loss.shape, loss_scale, loss.dtype.np_dtype)}).output
-        grads[loss] = tracer.lazy(seed)
+        if isinstance(loss_scale, Value):   # a GradScaler's scale, state of the graph
+            ones = tracer.emit("constant", [], {"value": np.ones(loss.shape, loss.dtype.np_dtype)}).output
+            scale = tracer.lazy(loss_scale)
+            grads[loss] = tracer.lazy(ones) * (scale if loss_scale.dtype == loss.dtype else scale.to(loss.dtype))
+        else:
+            seed = tracer.emit("constant", [], {"value": np.full(loss.shape, loss_scale, loss.dtype.np_dtype)}).output
+            grads[loss] = tracer.lazy(seed)
         tracer.scopes.pop()
         for node in reversed(graph.nodes):
             outs = [grads.get(v) for v in node.outputs]

@@ -24,6 +24,17 @@ class HostScalar:
 
 
 @dataclass
+class GraphScaler:
+    """A GradScaler inside the step: `scale` and `tracker` are hyper state values the host
+    writes before each call and reads back after it (see nn/graph/compiled.py)."""
+    scale: object         # Value: the current loss scale (float32)
+    tracker: object       # Value: clean steps since the last change (float32)
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+
+
+@dataclass
 class SlotBinding:
     state_name: str
     tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
@@ -62,11 +73,14 @@ def _group_kind(optimizer) -> str:
 
 
 def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,
-                     grad_unscale: float = 1.0):
+                     grad_unscale: float = 1.0, scaler: GraphScaler | None = None):
     """Returns (graph, host scalars, slot bindings).
 
     `param_name` maps id(param) -> state name; `counter["calls"]` is the number of
-    steps the graph has run, kept by the caller (used for SGD's first step).
+    steps the graph has run and `counter["skipped"]` how many of them a GradScaler skipped,
+    kept by the caller (used for SGD's first step). With a `scaler`, gradients are divided by
+    its scale, and a step whose gradients hold an inf or NaN changes no parameter or slot
+    and backs the scale off; `growth_interval` clean steps in a row grow it (PyTorch's rule).
     """
     from flowgen import creation
     from flowgen.ir.graph import NameGen
@@ -76,11 +90,16 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
     tracer.graph = out
     tracer.new_name = NameGen(start=next_value_index(graph))
     state = graph.state_by_name()
-    if grad_unscale != 1.0:   # undo the GradScaler's loss scaling before any update math
+    found_inf = None
+    if grad_unscale != 1.0 or scaler is not None:   # undo the loss scaling before any update math
         with tracer:
             tracer.scopes.append("grad_scaler.unscale")
-            grads = {name: (tracer.lazy(g) * grad_unscale)._value for name, g in grads.items()}
+            factor = grad_unscale if scaler is None else (1.0 / tracer.lazy(scaler.scale)) * grad_unscale
+            grads = {name: (tracer.lazy(g) * factor)._value for name, g in grads.items()}
+            if scaler is not None:
+                found_inf = _found_inf(tracer, grads)
             tracer.scopes.pop()
+    first_update = len(out.updates)
     host: list = []
     slots: list = []
 
@@ -117,7 +136,45 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, counter,
                           decoupled=(kind == "AdamW"))
                 tracer.scopes.pop()
+    if scaler is not None:
+        _skip_or_grow(tracer, out, first_update, found_inf, scaler)
     return out, host, slots
+
+
+def _found_inf(tracer, grads: dict):
+    """A bool scalar: some gradient element is inf or NaN (inf * 0 and NaN * 0 are NaN)."""
+    from flowgen import functional as F
+
+    total = None
+    for g in grads.values():
+        part = F.sum(tracer.lazy(g) * 0.0)
+        total = part if total is None else total + part
+    return F.ne(total, total)
+
+
+def _skip_or_grow(tracer, graph, first_update: int, found_inf, scaler: GraphScaler):
+    """Keep every parameter and slot as it was when `found_inf`; the scale update rule."""
+    from flowgen import functional as F
+
+    state = graph.state_by_name()
+    with tracer:
+        tracer.scopes.append("grad_scaler.update")
+        for k in range(first_update, len(graph.updates)):
+            name, value = graph.updates[k]
+            graph.updates[k] = (name, F.where(found_inf, tracer.lazy(state[name].value), tracer.lazy(value))._value)
+        scale, tracker = tracer.lazy(scaler.scale), tracer.lazy(scaler.tracker)
+        grown = tracker + 1.0
+        at_interval = F.ge(grown, float(scaler.growth_interval))
+        new_scale = F.where(found_inf, scale * scaler.backoff_factor,
+                            F.where(at_interval, scale * scaler.growth_factor, scale))
+        new_tracker = F.where(found_inf, 0.0, F.where(at_interval, 0.0, grown))
+        graph.updates += [(scaler_state_name("scale"), new_scale._value),
+                          (scaler_state_name("growth_tracker"), new_tracker._value)]
+        tracer.scopes.pop()
+
+
+def scaler_state_name(what: str) -> str:
+    return f"grad_scaler.{what}"
 
 
 def _slot(optimizer, p, key, new_state, slots, name):
@@ -144,7 +201,7 @@ def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, 
             buf = _slot(optimizer, p, "momentum_buffer", new_state, slots, f"{name}.momentum_buffer")
             # Eager SGD starts the buffer as the first gradient; afterwards buf = m*buf + (1-d)*g.
             def started(first=first):
-                return not first or counter["calls"] > 0
+                return not first or counter["calls"] > counter.get("skipped", 0)
 
             keep = hyper(f"{name}.momentum", lambda: momentum if started() else 0.0,
                          {"kind": "first_step", "first": 0.0 if first else momentum, "then": momentum})

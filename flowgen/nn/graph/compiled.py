@@ -20,7 +20,7 @@ from flowgen.nn import module as module_mod
 from flowgen.nn.graph.report import meta_repr
 from flowgen.ir.graph import NameGen
 from flowgen.passes.autodiff import autodiff, next_value_index
-from flowgen.passes.optimizer import lower_optimizers
+from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
 
@@ -40,6 +40,7 @@ class CompiledGraph:
         self.output_structure = output_structure
         self.timings = timings
         self.versions: dict = {}
+        self.scaler = None                  # GraphScaler when a GradScaler scales the loss
 
     @property
     def sources(self) -> dict:
@@ -70,6 +71,17 @@ class CompiledGraph:
             self.executor.write_state(value, np.asarray(scalar.compute(), value.dtype.np_dtype))
         return changed
 
+    def _read_back_scaler(self) -> bool:
+        """After a step with a GradScaler: its new scale and growth tracker go back to the Python
+        object; True if the step was skipped (an inf/NaN gradient backs the scale off)."""
+        if self.scaler is None:
+            return False
+        scaler = self._graph._grad_scaler
+        old = scaler.get_scale()
+        scaler._scale = float(self.executor.read_value(self.scaler.scale))
+        scaler._growth_tracker = int(self.executor.read_value(self.scaler.tracker))
+        return scaler._scale < old
+
     def _mark_device_newer(self):
         for value, tensor in self.bindings:
             tensor._graph_owner = self
@@ -89,7 +101,7 @@ class CompiledGraph:
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
-        self._graph._after_step()
+        self._graph._after_step(skipped=self._read_back_scaler())
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
         return self.output_structure(tensors)
 
@@ -233,8 +245,10 @@ def compile_step(graph, args):
     io: dict = {}
     wrt = [param_name[id(p)] for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]
            if id(p) in param_name and p.requires_grad]
-    # A GradScaler's current scale is baked in (growth/backoff is an eager-mode feature).
-    scale = float(graph._grad_scaler.get_scale()) if graph._grad_scaler is not None else 1.0
+    host_scalars = []
+    scaler = _add_grad_scaler(graph, tracer, host_scalars)
+    static_scale = _static_scale(graph)
+    scale = scaler.scale if scaler is not None else static_scale
     steps = graph.config.gradient_accumulation_steps
     grads = None
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
@@ -265,7 +279,6 @@ def compile_step(graph, args):
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
-    host_scalars = []
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
 
@@ -274,10 +287,10 @@ def compile_step(graph, args):
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
-                                           grad_unscale=1.0 / (scale * steps))
+                                           grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
-        host_scalars = [(state[h.name].value, h) for h in host]
+        host_scalars += [(state[h.name].value, h) for h in host]
     ir, rng = bind_random_streams(ir)
     if rng is not None:
         host_scalars.append((ir.state_by_name()[rng.name].value, rng))
@@ -301,4 +314,34 @@ def compile_step(graph, args):
     executor = Executor(program, executor_backend)
     timings["compile"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
-    return CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
+    compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
+    compiled.scaler = scaler if grads is not None else None
+    return compiled
+
+
+def _static_scale(graph) -> float:
+    """A StaticGradScaler's fixed scale (baked into the step), else 1."""
+    from flowgen.amp import StaticGradScaler
+
+    scaler = graph._grad_scaler
+    return float(scaler.get_scale()) if isinstance(scaler, StaticGradScaler) else 1.0
+
+
+def _add_grad_scaler(graph, tracer, host_scalars: list):
+    """The graph's (dynamic) GradScaler as state: its scale seeds the backward pass; the
+    optimizer pass adds the inf check, the skip and the growth/backoff rule (passes/optimizer.py)."""
+    from flowgen import creation
+    from flowgen.amp import StaticGradScaler
+
+    scaler = graph._grad_scaler
+    if scaler is None or not scaler.is_enabled() or isinstance(scaler, StaticGradScaler):
+        return None
+    values = {}
+    for what, read in (("scale", lambda: scaler.get_scale()), ("growth_tracker", lambda: scaler._growth_tracker)):
+        name = scaler_state_name(what)
+        var = tracer.add_state(name, creation.tensor(float(read()), dtype="float32"), "hyper")
+        tracer.state_tensors.pop()    # written by the host before each call, read back after it
+        host_scalars.append((var.value, HostScalar(name, read)))
+        values[what] = var.value
+    return GraphScaler(values["scale"], values["growth_tracker"], scaler.get_growth_factor(),
+                       scaler.get_backoff_factor(), scaler.get_growth_interval())

@@ -148,13 +148,16 @@ class Graph:
 
         save_graph(self, path)
 
-    def _after_step(self):
-        """Host bookkeeping after a step: counters, Adam step counts, LR schedules."""
+    def _after_step(self, skipped: bool = False):
+        """Host bookkeeping after a step: counters, Adam step counts, LR schedules. A step a
+        GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
         self._counter["calls"] += 1
+        if skipped:
+            self._counter["skipped"] = self._counter.get("skipped", 0) + 1
         if not self.config.training:
             return
         for opt, sch in self._optimizers:
-            if type(opt).__name__ in ("Adam", "AdamW"):
+            if type(opt).__name__ in ("Adam", "AdamW") and not skipped:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         st = opt.state.setdefault(p, {})
