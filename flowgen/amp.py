@@ -43,7 +43,8 @@ class GradScaler:
         if not self._enabled:
             return outputs
         if isinstance(outputs, Tensor):
-            return outputs * self._scale
+            with np.errstate(over="ignore"):     # an overflowing scale is what update() corrects
+                return outputs * self._scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
         raise TypeError(f"GradScaler.scale: outputs must be a Tensor or a list/tuple of Tensors, got "
@@ -71,7 +72,8 @@ class GradScaler:
                 if not np.isfinite(grad).all():
                     found_inf = True
                 # Replace, don't write in place: eager gradients may share one buffer.
-                p.grad._data = np.array(grad * inv_scale, dtype=grad.dtype, order="C")
+                with np.errstate(invalid="ignore"):
+                    p.grad._data = np.array(grad * inv_scale, dtype=grad.dtype, order="C")
                 p.grad._version += 1
         state["found_inf"] = found_inf
         state["stage"] = _UNSCALED

@@ -141,7 +141,8 @@ def backward(root, gradient=None):
         raise RuntimeError(f"backward(): gradient shape {tuple(gradient.shape)} does not match "
                            f"tensor shape {tuple(root.shape)}")
     grads = {id(root): gradient}
-    with no_grad():
+    # inf/NaN gradients are values (a GradScaler's overflowing step makes them on purpose): no warnings
+    with no_grad(), np.errstate(over="ignore", invalid="ignore"):
         for t in _topological_order(root):
             g = grads.pop(id(t), None)
             if g is None:
