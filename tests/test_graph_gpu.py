@@ -104,6 +104,8 @@ def test_conv_algorithm_search_picks_measured_tiles_and_caches_them():
     convs = [n for node in graph.compiled.ir.nodes for n in (node.body if node.op == "fused" else [node])
              if n.op.startswith("conv2d")]
     assert convs and all(families.conv_key(n) in cache for n in convs)
+    # the measured tiles are attributes of the conv nodes (saved graphs and programs keep them)
+    assert all(n.attrs.get("tile") for n in convs if families.conv_tile_candidates(n))
 
 
 @pytest.mark.parametrize("dtype", [flow.float32, flow.float64], ids=["f32", "f64"])

@@ -429,7 +429,7 @@ def test_generated_source_is_deterministic():
     assert source() == source()
 
 
-def test_conv_tile_choices_render_the_chosen_variant(monkeypatch):
+def test_conv_tile_choices_render_the_chosen_variant(monkeypatch, tmp_path):
     """What the GPU conv search hands codegen (here forced to the cost model's runner-up)."""
     from flowgen.codegen import families
     from flowgen.nn.graph import compiled as compiled_mod
@@ -453,6 +453,9 @@ def test_conv_tile_choices_render_the_chosen_variant(monkeypatch):
     source = graph.compiled.sources["kernels.cu"]
     for dims in chosen.values():
         assert f"implicit GEMM {dims[0]}x{dims[1]}" in source or f"1x1 as GEMM {dims[0]}x{dims[1]}" in source
+    # The choices are attributes of the conv nodes: a saved graph's program renders them too.
+    flow.save(graph, tmp_path / "saved")
+    assert flow.load(tmp_path / "saved").program().source == source
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -37,7 +37,6 @@ Kernels by family (the main kernel carries `kernel_name`):
 """
 from __future__ import annotations
 
-import contextvars
 
 import numpy as np
 
@@ -811,11 +810,6 @@ def _conv_text(geo) -> str:
     return text
 
 
-# Tile shapes measured by the conv autotuner (runtime/autotune.py) while a program is rendered:
-# conv_key(node) -> (BM, BN, TM, TN). Convs without an entry use the cost model's choice.
-conv_tile_choices: contextvars.ContextVar = contextvars.ContextVar("conv_tile_choices", default={})
-
-
 def conv_key(node) -> str:
     """What a conv kernel's speed depends on: the op, its geometry and dtype."""
     geo = _conv_geometry(node)
@@ -891,7 +885,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
         """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
         return max(1, min(-(-TARGET_BLOCKS // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
-    chosen = conv_tile_choices.get().get(conv_key(node))
+    chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
     t = (make_tile(chosen, acc, a_order, b_order) if chosen
          else _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None))
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)

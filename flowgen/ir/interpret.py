@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowgen.ops.registry import get_op
+from flowgen.ops.registry import get_op, semantic_attrs
 
 
 def run_nodes(nodes, env: dict) -> None:
@@ -13,7 +13,7 @@ def run_nodes(nodes, env: dict) -> None:
             run_nodes(node.body, env)
             continue
         op = get_op(node.op)
-        result = op.ref(*(env[v] for v in node.inputs), **node.attrs)
+        result = op.ref(*(env[v] for v in node.inputs), **semantic_attrs(node.attrs))
         results = result if len(node.outputs) > 1 else (result,)
         for v, r in zip(node.outputs, results):
             env[v] = np.asarray(r).astype(v.dtype.np_dtype, copy=False).reshape(v.shape)

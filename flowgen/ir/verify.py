@@ -1,7 +1,7 @@
 """The IR verifier: structural checks run after every pass in tests and debug mode."""
 from __future__ import annotations
 
-from flowgen.ops.registry import TensorMeta, get_op
+from flowgen.ops.registry import TensorMeta, get_op, semantic_attrs
 
 
 class IRError(AssertionError):
@@ -20,7 +20,8 @@ def _check_nodes(nodes, defined: set, where: str, check_types: bool) -> None:
             if missing:
                 raise IRError(f"{where}: fused node outputs {missing} are not produced by its body")
         elif check_types:
-            metas = get_op(node.op).infer(*(TensorMeta(v.shape, v.dtype) for v in node.inputs), **node.attrs)
+            metas = get_op(node.op).infer(*(TensorMeta(v.shape, v.dtype) for v in node.inputs),
+                                          **semantic_attrs(node.attrs))
             metas = metas if isinstance(metas, tuple) else (metas,)
             for v, m in zip(node.outputs, metas):
                 if tuple(v.shape) != tuple(m.shape) or v.dtype != m.dtype:

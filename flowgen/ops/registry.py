@@ -60,6 +60,16 @@ def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int =
     return op
 
 
+# Node attributes that only steer code generation (a conv's measured tile shape): not part of
+# an op's meaning, so shape rules and NumPy references never see them.
+HINT_ATTRS = frozenset({"tile"})
+
+
+def semantic_attrs(attrs: dict) -> dict:
+    """`attrs` without the code-generation hints (`HINT_ATTRS`)."""
+    return {k: v for k, v in attrs.items() if k not in HINT_ATTRS} if HINT_ATTRS & attrs.keys() else attrs
+
+
 def get_op(name: str) -> OpDef:
     try:
         return REGISTRY[name]

@@ -4,7 +4,8 @@ For every implicit-GEMM conv of a graph (forward, grad-input, grad-weight), the 
 best few tile shapes are compiled side by side, each is timed on the device with random data,
 and the fastest is kept. Results are cached per GPU architecture in
 `<cache>/autotune/conv_<arch>.json` (written atomically), so each conv shape is measured once;
-rendering then uses them through `families.conv_tile_choices`.
+`with_conv_tiles` writes the choices into the conv nodes' ``tile`` attribute, so they travel
+with the IR (graph.json included) to every program rendered from it.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from flowgen.codegen import families
+from flowgen.ir.graph import Node
 from flowgen.runtime.toolchain import atomic_write_bytes, cache_dir
 
 CANDIDATES = 4
@@ -26,6 +28,29 @@ def _conv_nodes(graph):
         for n in (node.body if node.op == "fused" else [node]):
             if n.op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
                 yield n
+
+
+def _with_tile(node, dims):
+    return Node(node.op, node.inputs, node.outputs, {**node.attrs, "tile": tuple(int(d) for d in dims)},
+                node.scope, node.loc)
+
+
+def with_conv_tiles(graph, choices: dict):
+    """The graph with every conv whose `conv_key` has a choice rendering that tile (IR -> IR)."""
+    if not choices:
+        return graph
+
+    def tiled(node):
+        if node.op == "fused":
+            return Node(node.op, node.inputs, node.outputs, {**node.attrs, "body": [tiled(n) for n in node.body]},
+                        node.scope, node.loc)
+        if node.op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+            dims = choices.get(families.conv_key(node))
+            if dims is not None:
+                return _with_tile(node, dims)
+        return node
+
+    return graph.copy_with(nodes=[tiled(n) for n in graph.nodes])
 
 
 def _cache_path(arch: str):
@@ -44,13 +69,7 @@ def _time_candidates(node, candidates, ctx, arch, log) -> tuple:
     from flowgen.runtime.cuda_driver import CudaModule
     from flowgen.runtime.nvrtc import compile_cuda
 
-    variants = []
-    for k, dims in enumerate(candidates):
-        token = families.conv_tile_choices.set({families.conv_key(node): dims})
-        try:
-            variants.append(families.render_node(node, f"tune{k}_{node.op}"))
-        finally:
-            families.conv_tile_choices.reset(token)
+    variants = [families.render_node(_with_tile(node, dims), f"tune{k}_{node.op}") for k, dims in enumerate(candidates)]
     source = "#include \"flowgen_cuda_prelude.h\"\n" + "\n".join(k.source for ks in variants for k in ks)
     module = CudaModule(compile_cuda(source, arch, tag="autotune"))
     rng = np.random.default_rng(0)

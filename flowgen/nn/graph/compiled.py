@@ -12,7 +12,6 @@ import time
 import numpy as np
 
 from flowgen import random
-from flowgen.codegen import families
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
@@ -191,6 +190,13 @@ def _conv_tiles(graph, ir, device) -> dict:
     return tune_convs(ir, log=graph._log)
 
 
+def _with_measured_conv_tiles(graph, ir, device):
+    """The IR with the measured tiles as conv attributes (saved graphs and programs keep them)."""
+    from flowgen.runtime.autotune import with_conv_tiles
+
+    return with_conv_tiles(ir, _conv_tiles(graph, ir, device))
+
+
 def _micro_batch(graph, lazy_args, j: int, steps: int) -> list:
     from flowgen import functional as F
 
@@ -299,11 +305,8 @@ def compile_step(graph, args):
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
-    token = families.conv_tile_choices.set(_conv_tiles(graph, ir, device))
-    try:
-        program = build_program(ir, naive_memory=graph.config.naive_memory)
-    finally:
-        families.conv_tile_choices.reset(token)
+    ir = _with_measured_conv_tiles(graph, ir, device)
+    program = build_program(ir, naive_memory=graph.config.naive_memory)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
