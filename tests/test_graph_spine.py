@@ -582,3 +582,45 @@ def test_grad_scaler_skips_inf_steps_and_adapts_the_scale_like_eager(make_opt):
         expected = value.numpy()
         np.testing.assert_allclose(model.state_dict()[name].numpy(), expected, rtol=1e-4,
                                    atol=1e-5 * np.abs(expected).max(), err_msg=name)
+
+
+def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_path):
+    """Conv weight gradients come from template kernels, so their SGD-momentum updates cannot join
+    them: they run as segments of one kernel (chunked when the buffers would not fit CUDA's
+    parameter space). Numbers equal eager; the saved graph's standalone program keeps it."""
+    from flowgen.codegen import aot
+    from flowgen.passes import fusion
+
+    def run(max_pointers):
+        monkeypatch.setattr(fusion, "MULTI_MAX_POINTERS", max_pointers)
+        flow.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                              nn.ReLU(), nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+        eager = copy.deepcopy(model)
+        make_opt = lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
+        graph = TrainGraph(model, nn.CrossEntropyLoss(), make_opt(model.parameters()))
+        opt = make_opt(eager.parameters())
+        x, y = flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,))
+        for _ in range(3):
+            got = graph(x, y)
+            loss = nn.CrossEntropyLoss()(eager(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+        for name, value in eager.state_dict().items():
+            np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+        return graph, [k for k in graph.compiled.program.kernels if k.horizontal]
+
+    default = fusion.MULTI_MAX_POINTERS
+    _, small = run(16)                              # room for two segments' buffers: 2 + 1
+    assert len(small) == 1 and "2 independent segments" in small[0].source
+    graph, multi = run(default)
+    assert len(multi) == 1 and "3 independent segments" in multi[0].source   # the three conv weights
+    from flowgen.runtime import nvrtc
+
+    assert len(nvrtc.compile_cuda(graph.compiled.sources["kernels.cu"], "sm_90")) > 0
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    assert "multi_tensor" in (tmp_path / "out" / "program.cu").read_text()

@@ -155,23 +155,30 @@ def kernel_name(index: int, node, ops) -> str:
     return f"k{index}_{scope}_{tail}"
 
 
-def render_elementwise(node, index: int, producers, stream_values=None) -> Kernel:
-    body = node.body
+def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
+    """(shape, coordinate lines, body lines) of an elementwise body over its last node's shape."""
     shape = tuple(body[-1].output.shape)
-    em = _Emitter(node, producers, stream_values)
     numel = int(np.prod(shape, dtype=np.int64))
     index_lines = []
-    if any(v.numel != numel and scalar_constant(v, producers) is None for v in node.inputs):
+    if any(v.numel != numel and scalar_constant(v, producers) is None for v in inputs):
         index_lines = coordinate_lines(shape, "i", "c")
     coords = [f"c{d}" for d in range(len(shape))]
 
     def offset(v):   # same element count: the same flat index (a reshape moves nothing)
         return "i" if v.numel == numel else broadcast_offset(v.shape, shape, coords)
 
-    lines = em.load_inputs(set(node.inputs), offset)
+    lines = em.load_inputs(set(inputs), offset)
     for b in body:
         lines.append(em.compute(b))
-    lines += em.stores(set(node.outputs), "i")
+    lines += em.stores(set(outputs), "i")
+    return shape, index_lines, lines
+
+
+def render_elementwise(node, index: int, producers, stream_values=None) -> Kernel:
+    body = node.body
+    em = _Emitter(node, producers, stream_values)
+    shape, index_lines, lines = _elementwise_lines(em, body, node.inputs, node.outputs, producers)
+    numel = int(np.prod(shape, dtype=np.int64))
     ops = [b.op for b in body]
     name = kernel_name(index, node, ops)
     source = get_template("elementwise").render(
@@ -183,6 +190,37 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
                   pointwise_reads=frozenset(v for v in node.inputs if v.numel == numel))
+
+
+SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
+
+
+def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
+    """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
+    of blocks and strides over its own elements."""
+    em = _Emitter(node, producers, stream_values)
+    segments, first_block, ops, pointwise = [], 0, [], set()
+    for positions in node.attrs["segments"]:
+        body = [node.body[p] for p in positions]
+        inside = {v for b in body for v in b.outputs}
+        inputs = [v for v in node.inputs if any(v in b.inputs for b in body)]
+        em.var = {v: n for v, n in em.var.items() if scalar_constant(v, producers) is not None}
+        shape, index_lines, lines = _elementwise_lines(em, body, inputs, [v for v in node.outputs if v in inside],
+                                                       producers)
+        numel = int(np.prod(shape, dtype=np.int64))
+        pointwise.update(v for v in inputs if v.numel == numel)
+        blocks = max(1, min(-(-numel // 256), SEGMENT_MAX_BLOCKS))
+        segments.append({"first_block": first_block, "end_block": first_block + blocks, "numel": numel,
+                         "index_lines": index_lines, "body_lines": lines,
+                         "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over [{', '.join(map(str, shape))}]"})
+        first_block += blocks
+        ops += [b.op for b in body]
+    name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
+    source = get_template("elementwise").render(name=name, comment=f"{node.scope or 'graph'}: multi-tensor",
+                                                ops=sorted(set(ops)), params=em.params, segments=segments)
+    return Kernel(name, source, em.args, (first_block, 1, 1), (256, 1, 1), 0, False,
+                  f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
+                  pointwise_reads=frozenset(pointwise), horizontal=True)
 
 
 def _reduce_geometry(red):

@@ -36,3 +36,6 @@ class Kernel:
     # Inputs read only at the element the thread writes (same shape as the output): an
     # update may overwrite such an input's buffer in place.
     pointwise_reads: frozenset = frozenset()
+    # Independent segments run side by side (a multi-tensor update): an output must not reuse
+    # another segment's input, so the memory planner never places one in place.
+    horizontal: bool = False

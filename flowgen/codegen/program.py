@@ -63,7 +63,7 @@ def render_kernels(graph):
             continue
         if node.op == "fused":
             render = {"reduction": fused.render_reduction, "gemm": fused.render_gemm, "conv": fused.render_conv,
-                      "elementwise": fused.render_elementwise}[node.attrs["kind"]]
+                      "elementwise": fused.render_elementwise, "multi": fused.render_segments}[node.attrs["kind"]]
             rendered = render(node, len(kernels), producers, stream_values)
             kernels.extend(rendered if isinstance(rendered, list) else [rendered])
             continue
@@ -161,7 +161,7 @@ def build_program(graph, naive_memory: bool = False) -> Program:
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
                   # Elementwise kernels read element i before writing element i; with equal
                   # element sizes an output may therefore reuse a dying input's memory.
-                  inplace_ok=all(isinstance(get_op(o).lowering, Elementwise) for o in k.ops)
+                  inplace_ok=not k.horizontal and all(isinstance(get_op(o).lowering, Elementwise) for o in k.ops)
                   and len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1)
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),

@@ -64,6 +64,8 @@ def _transposes_gemm_result(node, group, producer_index, users, live_out) -> boo
 
 # Elementwise groups this small are launch-bound: independent ones of one shape share a kernel.
 HORIZONTAL_MAX_NUMEL = 1
+# Buffers one multi-tensor update kernel may take (8-byte pointers within CUDA's 4 KB of parameters).
+MULTI_MAX_POINTERS = 400
 
 
 class _Group:
@@ -74,6 +76,7 @@ class _Group:
         self.produced: set = set()
         self.first = first
         self.reduction = None     # index of the reduction node, for kind "reduction"
+        self.segments = None      # kind "multi": the member indices of each independent segment
 
 
 def fuse(graph, enabled: bool = True):
@@ -218,6 +221,8 @@ def fuse(graph, enabled: bool = True):
             add(g, i)
         # template families, views and constants stay as they are
 
+    if enabled:
+        _merge_update_groups(groups, nodes, users, live_out, group_of)
     # Rebuild the node list: each group at the position of its last member.
     last_of = {max(g.members): g for g in groups}
     new_nodes = []
@@ -228,6 +233,45 @@ def fuse(graph, enabled: bool = True):
         elif i in last_of:
             new_nodes.append(_fused_node(graph, g, nodes, users))
     return graph.copy_with(nodes=new_nodes)
+
+
+def _is_update_group(g: _Group, nodes, users, live_out) -> bool:
+    """An elementwise group of the optimizer (or GradScaler) whose results are only state updates."""
+    if g.kind != "elementwise" or _numel(g.shape) <= HORIZONTAL_MAX_NUMEL:
+        return False
+    members = {id(nodes[m]) for m in g.members}
+    if not all(nodes[m].scope.startswith(("optim", "grad_scaler")) for m in g.members):
+        return False
+    return all(all(id(u) in members for u in users.get(v, [])) for v in g.produced) and \
+        any(v in live_out for v in g.produced)
+
+
+def _merge_update_groups(groups: list, nodes, users, live_out, group_of: dict):
+    """Parameter updates that did not join the kernel making their gradient (a conv weight's)
+    run as segments of one kernel after the last of them, like a multi-tensor optimizer step."""
+    updates = [g for g in groups if _is_update_group(g, nodes, users, live_out)]
+    chunks, pointers = [[]], 0
+    for g in updates:   # kernel parameters stay within CUDA's 4 KB: several kernels for big models
+        inside = {v for m in g.members for v in nodes[m].outputs}
+        n = len({v for m in g.members for v in nodes[m].inputs if v not in inside}) + \
+            sum(v in live_out for v in inside)
+        if pointers + n > MULTI_MAX_POINTERS and chunks[-1]:
+            chunks.append([])
+            pointers = 0
+        chunks[-1].append(g)
+        pointers += n
+    for chunk in chunks:
+        if len(chunk) < 2:
+            continue
+        merged = _Group("multi", (), min(g.first for g in chunk))
+        merged.segments = [sorted(g.members) for g in chunk]
+        for g in chunk:
+            groups.remove(g)
+            for m in g.members:
+                merged.members.append(m)
+                merged.produced.update(nodes[m].outputs)
+                group_of[m] = merged
+        groups.append(merged)
 
 
 def _fused_node(graph, group: _Group, nodes, users) -> Node:
@@ -252,4 +296,7 @@ def _fused_node(graph, group: _Group, nodes, users) -> Node:
         if n.scope and n.scope not in scopes:
             scopes.append(n.scope)
     attrs = {"kind": group.kind, "body": body}
+    if group.kind == "multi":   # independent elementwise bodies: positions in `body` per segment
+        position = {m: k for k, m in enumerate(members)}
+        attrs["segments"] = [[position[m] for m in seg] for seg in group.segments]
     return Node("fused", inputs, outputs, attrs, scope=scopes[0] if scopes else "", loc=body[-1].loc)
