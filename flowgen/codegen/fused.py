@@ -237,18 +237,42 @@ def _reduce_geometry(red):
     return in_shape, out_keep, dims
 
 
+def _combine_expr(combine: str, acc_type: str):
+    if acc_type == "float":
+        return lambda a, b: {"sum": f"({a} + {b})", "max": f"fmaxf({a}, {b})", "min": f"fminf({a}, {b})"}[combine]
+    return lambda a, b: {"sum": f"({a} + {b})", "max": f"max({a}, {b})", "min": f"min({a}, {b})"}[combine]
+
+
+def _split_reduction_body(body):
+    """(loop nodes computing the reductions' inputs, reduction nodes, epilogue nodes)."""
+    reds = [b for b in body if isinstance(get_op(b.op).lowering, Reduction)]
+    produced_by = {o: b for b in body for o in b.outputs}
+    in_loop, todo = set(), [r.inputs[0] for r in reds]
+    while todo:
+        b = produced_by.get(todo.pop())
+        if b is None or id(b) in in_loop or any(b is r for r in reds):
+            continue
+        in_loop.add(id(b))
+        todo.extend(b.inputs)
+    loop = [b for b in body if id(b) in in_loop]
+    epilogue = [b for b in body if id(b) not in in_loop and not any(b is r for r in reds)]
+    return loop, reds, epilogue
+
+
 def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
+    """One or more reductions over the same elements (BatchNorm's sum(g) and sum(g * xhat)) in one
+    pass: the loop computes their inputs (prologue), each keeps an accumulator, the epilogue
+    runs per output element on the reduced values."""
     body = node.body
-    r = next(k for k, b in enumerate(body) if isinstance(get_op(b.op).lowering, Reduction))
-    red = body[r]
-    prologue, epilogue = body[:r], body[r + 1:]
-    combine = get_op(red.op).lowering.combine
+    prologue, reds, epilogue = _split_reduction_body(body)
+    red = reds[0]
     in_shape, out_keep, dims = _reduce_geometry(red)
+    if any(_reduce_geometry(r) != (in_shape, out_keep, dims) for r in reds[1:]):
+        raise AssertionError(f"fused reductions over different elements in {node.scope or 'graph'}")
     reduce_shape = [in_shape[d] for d in dims]
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
     em = _Emitter(node, producers, stream_values)
-    acc_type = COMPUTE_TYPE[red.output.dtype]
 
     kept = [d for d in range(len(in_shape)) if d not in dims]
     kept_shape = [in_shape[d] for d in kept]
@@ -262,20 +286,25 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
         coord[d] = f"r{pos}"
     full_coords = [coord[d] for d in range(len(in_shape))]
 
-    prologue_values = set()
-    for b in prologue:
-        prologue_values.update(b.inputs)
-    prologue_values.add(red.inputs[0])
+    prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
     prologue_values -= {o for b in prologue for o in b.outputs}
     prologue_lines = em.load_inputs(prologue_values, lambda v: broadcast_offset(v.shape, in_shape, full_coords))
     for b in prologue:
         prologue_lines.append(em.compute(b, index_var="flat"))
-    source_var = em.var[red.inputs[0]]
+    sources = [em.var[r.inputs[0]] for r in reds]
     # Variables declared inside the loop are out of scope in the epilogue (literals stay usable).
     em.var = {v: n for v, n in em.var.items() if scalar_constant(v, producers) is not None}
 
-    reduced_var = em.fresh()
-    em.var[red.output] = reduced_var
+    red_ctx = []
+    for r, source_var in zip(reds, sources):
+        combine = get_op(r.op).lowering.combine
+        acc_type = COMPUTE_TYPE[r.output.dtype]
+        reduced_var = em.fresh()
+        em.var[r.output] = reduced_var
+        identity = IDENTITY[combine] if acc_type in ("float", "double") else \
+            {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
+        red_ctx.append({"combine": combine, "acc_type": acc_type, "identity": identity, "source_var": source_var,
+                        "reduced_var": reduced_var, "combine_expr": _combine_expr(combine, acc_type)})
     epi_shape = out_shape
     epi_coords = [f"e{d}" for d in range(len(epi_shape))]
     epilogue_inputs = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
@@ -294,20 +323,13 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
     block = 32
     while block < min(reduce_size, 256):
         block *= 2
-
-    def combine_expr(a, b):
-        return {"sum": f"({a} + {b})", "max": f"fmaxf({a}, {b})", "min": f"fminf({a}, {b})"}[combine] \
-            if acc_type == "float" else {"sum": f"({a} + {b})", "max": f"max({a}, {b})", "min": f"min({a}, {b})"}[combine]
-
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
     flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
     source = get_template("reduction").render(
-        name=name, comment=f"{node.scope or 'graph'}: reduction", ops=ops, combine=combine,
+        name=name, comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx,
         in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
-        params=em.params, acc_type=acc_type, block=block, identity=IDENTITY[combine] if acc_type in ("float", "double") else {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine],
-        out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line, prologue_lines=prologue_lines,
-        source_var=source_var, combine_expr=combine_expr, epilogue_index_lines=epilogue_index_lines,
-        reduced_var=reduced_var, epilogue_lines=epilogue_lines)
+        params=em.params, block=block, out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line,
+        prologue_lines=prologue_lines, epilogue_index_lines=epilogue_index_lines, epilogue_lines=epilogue_lines)
     numel_out = int(np.prod(out_shape, dtype=np.int64))
     return Kernel(name, source, em.args, (max(numel_out, 1), 1, 1), (block, 1, 1), 0, True,
                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,

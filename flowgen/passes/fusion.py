@@ -77,6 +77,7 @@ class _Group:
         self.first = first
         self.reduction = None     # index of the reduction node, for kind "reduction"
         self.segments = None      # kind "multi": the member indices of each independent segment
+        self.loop_values: set = set()   # kind "reduction": values computed inside the reduction loop
 
 
 def fuse(graph, enabled: bool = True):
@@ -121,6 +122,23 @@ def fuse(graph, enabled: bool = True):
         return _numel(node.output.shape) == n and all(
             v in g.produced or v.numel in (1, n) for v in node.inputs)
 
+    def sibling_reduction(g: _Group, i: int):
+        """An earlier reduction group over the same elements that node i's group is independent of."""
+        node = nodes[i]
+        for h in reversed(groups):
+            if h.kind != "reduction":
+                continue
+            first = nodes[h.reduction]
+            if (first.op != node.op or first.attrs != node.attrs
+                    or tuple(first.inputs[0].shape) != tuple(node.inputs[0].shape)):
+                continue
+            if any(v in h.produced for m in g.members for v in nodes[m].inputs):
+                continue   # depends on it (a variance reading its mean)
+            if all(any(v in h.produced for v in nodes[b].inputs) is False or group_of.get(b) in (g, h)
+                   for b in range(h.first, i)):
+                return h
+        return None
+
     def merge_feeders(g: _Group, node):
         """Pull in elementwise groups that exist only to feed `node` (e.g. the two masks of a
         ReLU6 gradient): one kernel instead of several."""
@@ -153,7 +171,7 @@ def fuse(graph, enabled: bool = True):
                     g = group_of.get(p)
                     # A reduction group takes epilogue nodes that read its result (not its prologue).
                     if g is not None and g not in candidates and fits(g, node) and can_join(g, i) \
-                            and (g.kind == "elementwise" or p >= g.reduction):
+                            and (g.kind == "elementwise" or (p >= g.reduction and v not in g.loop_values)):
                         candidates.append(g)
                 if candidates:
                     # An anchored kernel (reduction, GEMM, conv) first: the elementwise groups
@@ -189,8 +207,17 @@ def fuse(graph, enabled: bool = True):
                 g.first = prologue.first
                 for m in prologue.members:
                     add(g, m)
-            groups.append(g)
+                g.loop_values |= prologue.produced
             add(g, i)
+            h = sibling_reduction(g, i) if enabled else None
+            if h is None:
+                groups.append(g)
+            else:
+                # One pass over the same elements computes both (BatchNorm's sum(g), sum(g * xhat)).
+                h.first = min(h.first, g.first)
+                h.loop_values |= g.loop_values
+                for m in g.members:
+                    add(h, m)
         elif kind == "conv" and enabled:
             # Conv anchor: elementwise consumers of its output run in its epilogue.
             g = _Group("conv", tuple(node.output.shape), i)
