@@ -323,7 +323,11 @@ struct Block {
   Context scheduler;                          // resumed once every thread has finished
   std::vector<std::unique_ptr<Fiber>> pool;   // kept across blocks and launches
   std::vector<unsigned char> done;
-  std::vector<uint64_t> exchange;             // one slot per thread for shuffles and votes
+  // Shuffles and votes: two slots per thread, used alternately (parity), so one warp barrier
+  // per exchange suffices: a lane writes a slot again only two exchanges later, after every
+  // lane has passed the barrier between, i.e. finished reading it.
+  std::vector<uint64_t> exchange;
+  std::vector<unsigned char> parity;
   struct alignas(16) Chunk { unsigned char bytes[16]; };
   std::vector<Chunk> dynamic_shared;          // sized per launch
 };
@@ -370,7 +374,8 @@ inline void run_block_with_fibers(Block& b) {
     b.pool.push_back(std::move(fiber));
   }
   b.done.assign(n, 0);
-  b.exchange.resize(n);
+  b.exchange.resize(2 * size_t(n));
+  b.parity.assign(n, 0);
   for (int t = 0; t < n; ++t)
     start_context(b.pool[t]->context, b.pool[t]->stack.get(), FLOWGEN_EMU_FIBER_STACK, fiber_main);
   b.current = 0;
@@ -391,6 +396,14 @@ inline int warp_first(const Block& b) { return b.current & ~(warpSize - 1); }
 inline int warp_count(const Block& b) { return std::min(warpSize, b.nthreads - warp_first(b)); }
 inline void warp_barrier(Block& b) { yield_to_next(b.current, warp_first(b), warp_count(b)); }
 
+// This lane's slot of the exchange buffer for its next shuffle or vote (see Block::parity).
+inline uint64_t* exchange_slots(Block& b) {
+  const int me = b.current;
+  uint64_t* slots = &b.exchange[size_t(b.parity[me]) * b.nthreads];
+  b.parity[me] ^= 1;
+  return slots;
+}
+
 // Every lane publishes `v`, then reads the value of lane `src` of its warp; a lane whose
 // `src` is negative or names no thread gets its own value back.
 template <class T> inline T warp_exchange(T v, int src) {
@@ -398,12 +411,12 @@ template <class T> inline T warp_exchange(T v, int src) {
                 "warp shuffles move values of at most 8 bytes");
   Block& b = synchronising_block("a warp shuffle");
   const int me = b.current, first = warp_first(b);
-  std::memcpy(&b.exchange[me], &v, sizeof(T));
+  uint64_t* slots = exchange_slots(b);
+  std::memcpy(&slots[me], &v, sizeof(T));
   warp_barrier(b);
   T result = v;
   if (src >= 0 && src < warpSize && first + src < b.nthreads)
-    std::memcpy(&result, &b.exchange[first + src], sizeof(T));
-  warp_barrier(b);  // no lane may overwrite its slot before every lane has read
+    std::memcpy(&result, &slots[first + src], sizeof(T));
   return result;
 }
 
@@ -411,11 +424,11 @@ template <class T> inline T warp_exchange(T v, int src) {
 inline unsigned warp_vote(int predicate) {
   Block& b = synchronising_block("a warp vote");
   const int first = warp_first(b), count = warp_count(b);
-  b.exchange[b.current] = predicate != 0;
+  uint64_t* slots = exchange_slots(b);
+  slots[b.current] = predicate != 0;
   warp_barrier(b);
   unsigned bits = 0;
-  for (int lane = 0; lane < count; ++lane) bits |= unsigned(b.exchange[first + lane] != 0) << lane;
-  warp_barrier(b);
+  for (int lane = 0; lane < count; ++lane) bits |= unsigned(slots[first + lane] != 0) << lane;
   return bits;
 }
 

@@ -313,3 +313,23 @@ def test_example_reads_cifar10_python_batches(tmp_path, capsys):
     assert "SYNTHETIC" not in out and "CIFAR-10 from" in out and len(results["eager"]["losses"]) == 2
     with pytest.raises(FileNotFoundError, match="data_batch_1"):
         example.load_cifar10(str(tmp_path / "nowhere"))
+
+
+def test_training_program_of_the_tiny_mobilenet_equals_the_graph(tmp_path):
+    """The standalone training program (BatchNorm and cross-entropy ops, fused reductions,
+    multi-tensor updates, SGD momentum) takes the same 2 steps as the graph."""
+    from test_deploy import build_and_train
+
+    flow.manual_seed(0)
+    model = tiny_mobilenet()
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    (x0, y0), (x1, y1) = _batches(2, seed=3)
+    xs, ys = np.concatenate([x0.numpy(), x1.numpy()]), np.concatenate([y0.numpy(), y1.numpy()])
+    graph(x0, y0)                                             # traced and compiled; one step taken
+    weights = build_and_train(graph, xs, ys, 2, tmp_path)     # the program's steps 2 and 3 ...
+    graph(x0, y0)
+    graph(x1, y1)                                             # ... and the graph's
+    state = graph.state_dict()
+    for name in ("model.features.0.0.weight", "model.features.2.conv.1.1.weight", "model.classifier.1.weight",
+                 "model.features.3.conv.0.1.running_var"):
+        np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

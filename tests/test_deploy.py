@@ -64,6 +64,17 @@ def run_binary(out_dir, *args, binary=None):
     assert proc.returncode >= 0, f"the program was killed by signal {-proc.returncode}:\n{proc.stderr}"
     return proc
 
+def build_and_train(graph, xs, ys, steps, tmp_path):
+    """Save `graph`, build its cpu program, run `steps` training steps on (xs, ys); the weights."""
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    np.save(tmp_path / "x.npy", xs)
+    np.save(tmp_path / "y.npy", ys)
+    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
+                      "--out", tmp_path / "res", "--steps", steps)
+    assert proc.returncode == 0, proc.stderr
+    return load_file(tmp_path / "res" / "weights.safetensors")
+
 
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory):
@@ -526,16 +537,9 @@ def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
     xx, y = poly_data()
     xs, ys = xx[:40] / 10, y[:40]
     graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
-    flow.save(graph, tmp_path / "saved")
-    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
-    np.save(tmp_path / "x.npy", xs)
-    np.save(tmp_path / "y.npy", ys)
-    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
-                      "--out", tmp_path / "res", "--steps", 6)
-    assert proc.returncode == 0, proc.stderr
+    weights = build_and_train(graph, xs, ys, 6, tmp_path)
     for s in range(6):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
-    weights = load_file(tmp_path / "res" / "weights.safetensors")
     np.testing.assert_allclose(weights["model.0.weight"], model[0].weight.numpy(), rtol=1e-5, atol=1e-7)
 
 
@@ -549,18 +553,11 @@ def test_training_program_carries_a_dynamic_grad_scaler(tmp_path):
     xx, y = poly_data()
     xs, ys = xx[:40] / 10, y[:40]
     graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
-    flow.save(graph, tmp_path / "saved")
-    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
-    np.save(tmp_path / "x.npy", xs)
-    np.save(tmp_path / "y.npy", ys)
-    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
-                      "--out", tmp_path / "res", "--steps", 8)
-    assert proc.returncode == 0, proc.stderr
+    weights = build_and_train(graph, xs, ys, 8, tmp_path)
     scales = []
     for s in range(8):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
         scales.append(graph._grad_scaler.get_scale())
     assert len(set(scales)) > 2          # the scale moved (backoff and growth) during these steps
-    weights = load_file(tmp_path / "res" / "weights.safetensors")
     for name in ("model.0.weight", "model.2.weight"):
         np.testing.assert_allclose(weights[name], graph.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7)

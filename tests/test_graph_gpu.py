@@ -129,25 +129,7 @@ def test_tiny_mobilenet_training_on_cuda_equals_eager(dtype):
 
 def test_grad_scaler_on_cuda_follows_eager():
     """Overflowing steps are skipped and the scale backs off / grows on the GPU as in eager."""
-    flow.manual_seed(0)
-    model = _mlp()
-    eager = copy.deepcopy(model)
-    gpu_model = model.to("cuda")
-    loss_fn = nn.MSELoss()
-    make_scaler = lambda: flow.amp.GradScaler(init_scale=2.0 ** 126, backoff_factor=0.25,  # noqa: E731
-                                              growth_interval=2)
-    graph = TrainGraph(gpu_model, loss_fn, flow.optim.Adam(gpu_model.parameters(), lr=1e-2))
-    graph.set_grad_scaler(make_scaler())
-    opt, scaler = flow.optim.Adam(eager.parameters(), lr=1e-2), make_scaler()
-    x, y = flow.randn(8, 33), flow.randn(8, 5) * 10
-    for _ in range(10):
-        got = graph(x.to("cuda"), y.to("cuda"))
-        loss = loss_fn(eager(x), y)
-        opt.zero_grad()
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-4)
-        assert graph._grad_scaler.get_scale() == scaler.get_scale()
-    for p, pe in zip(gpu_model.parameters(), eager.parameters()):
-        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-3, atol=1e-5)
+    from test_graph_spine import scaled_training_like_eager
+
+    scaled_training_like_eager(_mlp(), lambda params: flow.optim.Adam(params, lr=1e-2), flow.randn(8, 33),
+                               flow.randn(8, 5) * 10, steps=10, device="cuda", rtol=1e-4)

@@ -17,6 +17,26 @@ def _mlp():
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
+def _train_like_eager(model, make_opt, x, y, steps, loss_fn=None):
+    """`steps` graph training steps beside the same steps in eager (a deep copy of `model`):
+    equal losses each step and equal parameters and buffers after; returns the graph."""
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    eager = copy.deepcopy(model)
+    graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
+    opt = make_opt(eager.parameters())
+    for _ in range(steps):
+        got = graph(x, y)
+        loss = loss_fn(eager(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+    for name, value in eager.state_dict().items():
+        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
+                                   err_msg=name)
+    return graph
+
+
 def test_inference_graph_equals_eager_and_exposes_compiled():
     model = _mlp()
     x = flow.randn(4, 5)
@@ -230,17 +250,8 @@ def test_polyfit_graph_example_matches_eager_losses():
     y = flow.tensor(np.sin(x), dtype=flow.float32)
     xx = flow.cat([x.unsqueeze(-1).pow(1), x.unsqueeze(-1).pow(2), x.unsqueeze(-1).pow(3)], dim=1)
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
-    eager = copy.deepcopy(model)
-    loss_fn = nn.MSELoss(reduction="sum")
-    graph = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=1e-5))
-    opt = flow.optim.SGD(eager.parameters(), lr=1e-5)
-    for _ in range(50):
-        lg = graph(xx, y)
-        le = loss_fn(eager(xx), y)
-        opt.zero_grad()
-        le.backward()
-        opt.step()
-        np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-5)
+    _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=1e-5), xx, y, steps=50,
+                      loss_fn=nn.MSELoss(reduction="sum"))
 
 
 def test_dropout_in_a_training_graph_draws_the_eager_masks():
@@ -526,21 +537,8 @@ def test_batchnorm_training_kernels_recompute_x_minus_mean():
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
-    eager = copy.deepcopy(model)
-    make_opt = lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
-    graph = TrainGraph(model, nn.CrossEntropyLoss(), make_opt(model.parameters()))
-    opt = make_opt(eager.parameters())
-    x, y = flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,))
-    for _ in range(2):
-        got = graph(x, y)
-        loss = nn.CrossEntropyLoss()(eager(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
-    for name, value in eager.state_dict().items():
-        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
-                                   err_msg=name)
+    graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+                              flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,)), steps=2)
     bn_kernels = [k.name for k in graph.compiled.program.kernels if "_model_1_" in k.name]
     forward = [k for k in bn_kernels if "backward" not in k and "ge_le" not in k and "num_batches" not in k]
     assert len([k for k in forward if "sum" in k or "batch_norm_affine" in k]) == 3, bn_kernels
@@ -560,34 +558,41 @@ def test_grad_scaler_skips_inf_steps_and_adapts_the_scale_like_eager(make_opt):
     """A dynamic GradScaler inside the graph: a scale so large the gradients overflow skips the
     step (parameters, slots and Adam's step count unchanged) and backs off; clean steps grow it
     every growth_interval. Scale, losses and parameters follow eager GradScaler step for step."""
+    scales = scaled_training_like_eager(_mlp(), make_opt, flow.randn(8, 5), flow.randn(8, 3) * 10, steps=12)
+    steps = list(zip([2.0 ** 126] + scales, scales))
+    assert any(b < a for a, b in steps) and any(b > a for a, b in steps)     # skipped steps and growth
+
+
+def scaled_training_like_eager(model, make_opt, x, y, steps, device="cpu", rtol=1e-5):
+    """`steps` MSE training steps with a GradScaler (init 2**126: the first steps overflow) in a graph
+    on `device` and in eager: equal losses, scales and trackers each step, equal parameters after;
+    returns the scales."""
     flow.manual_seed(0)
-    model = _mlp()
     eager = copy.deepcopy(model)
+    model.to(device)
     loss_fn = nn.MSELoss()
     make_scaler = lambda: flow.amp.GradScaler(init_scale=2.0 ** 126, backoff_factor=0.25,  # noqa: E731
                                               growth_interval=2)
     graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
     graph.set_grad_scaler(make_scaler())
     opt, scaler = make_opt(eager.parameters()), make_scaler()
-    x, y = flow.randn(8, 5), flow.randn(8, 3) * 10
     scales = []
-    for _ in range(12):
-        got = graph(x, y)
+    for _ in range(steps):
+        got = graph(x.to(device), y.to(device))
         loss = loss_fn(eager(x), y)
         opt.zero_grad()
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=rtol)
         assert graph._grad_scaler.get_scale() == scaler.get_scale()
         assert graph._grad_scaler._growth_tracker == scaler._growth_tracker
         scales.append(scaler.get_scale())
-    steps = list(zip([2.0 ** 126] + scales, scales))
-    assert any(b < a for a, b in steps) and any(b > a for a, b in steps)     # skipped steps and growth
     for name, value in eager.state_dict().items():
         expected = value.numpy()
         np.testing.assert_allclose(model.state_dict()[name].numpy(), expected, rtol=1e-4,
                                    atol=1e-5 * np.abs(expected).max(), err_msg=name)
+    return scales
 
 
 def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_path):
@@ -602,21 +607,8 @@ def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_
         flow.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8),
                               nn.ReLU(), nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
-        eager = copy.deepcopy(model)
-        make_opt = lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9)   # noqa: E731
-        graph = TrainGraph(model, nn.CrossEntropyLoss(), make_opt(model.parameters()))
-        opt = make_opt(eager.parameters())
-        x, y = flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,))
-        for _ in range(3):
-            got = graph(x, y)
-            loss = nn.CrossEntropyLoss()(eager(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
-        for name, value in eager.state_dict().items():
-            np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
-                                       err_msg=name)
+        graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+                                  flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,)), steps=3)
         return graph, [k for k in graph.compiled.program.kernels if k.horizontal]
 
     default = fusion.MULTI_MAX_POINTERS

@@ -192,6 +192,7 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
                   pointwise_reads=frozenset(v for v in node.inputs if v.numel == numel))
 
 
+REDUCE_ELEMS_PER_THREAD = 8
 SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
 
 
@@ -320,8 +321,10 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
 
     ops = [b.op for b in body]
     name = kernel_name(index, node, ops)
+    # Threads per output: a power of two in [32, 256] giving each thread at least
+    # REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block).
     block = 32
-    while block < min(reduce_size, 256):
+    while block < 256 and block * 2 * REDUCE_ELEMS_PER_THREAD <= reduce_size:
         block *= 2
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
     flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
