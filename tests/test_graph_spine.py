@@ -622,3 +622,39 @@ def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_
     flow.save(graph, tmp_path / "saved")
     aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
     assert "multi_tensor" in (tmp_path / "out" / "program.cu").read_text()
+
+
+def test_reductions_with_few_outputs_split_over_blocks(tmp_path):
+    """A whole-tensor sum and BatchNorm over few channels: several blocks per output write partial
+    results, a second kernel combines them and runs the epilogue (optimizer updates included).
+    Training equals eager; a saved graph's program (scratch buffers in its arena) runs the same."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 32 * 32, 2))
+    graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.01, momentum=0.9),
+                              flow.randn(16, 3, 32, 32), flow.randint(0, 2, (16,)), steps=2)
+    partial = [k for k in graph.compiled.program.kernels if k.name.endswith("_partial")]
+    assert partial and all(k.grid[1] > 1 for k in partial)
+    assert any("model_1" in k.name for k in partial)               # BatchNorm's channel statistics
+
+    x = flow.randn(512, 1024)
+    total = InferGraph(nn.Flatten(0, 1))
+    total.build = lambda t: (t * 2).sum()
+    np.testing.assert_allclose(total(x).numpy(), (x * 2).sum().numpy(), rtol=1e-5)
+    assert [k.grid for k in total.compiled.program.kernels if k.name.endswith("_partial")] == [(1, 64, 1)]
+    flow.save(total, tmp_path / "saved")
+    np.testing.assert_allclose(flow.load(tmp_path / "saved").run(x.numpy())[0], total(x).numpy(), rtol=1e-6)
+
+
+def test_broadcast_chain_fused_with_a_reshape_reads_the_right_elements():
+    """Regression: an elementwise chain with a per-channel operand fused with the reshape after it
+    (flatten before a Linear) indexed the operand by the reshaped shape's coordinates."""
+    x, b = flow.randn(16, 4, 8, 8), flow.randn(1, 4, 1, 1)
+
+    class Flat(nn.Graph):
+        def build(self, x, b):
+            return flow.relu(x * b + b).reshape(16, 256)
+
+    graph = Flat()
+    np.testing.assert_allclose(graph(x, b).numpy(), flow.relu(x * b + b).reshape(16, 256).numpy(), rtol=1e-6)
+    assert len(graph.compiled.program.kernels) == 1

@@ -155,18 +155,32 @@ def kernel_name(index: int, node, ops) -> str:
     return f"k{index}_{scope}_{tail}"
 
 
+def _flat_index_reads(body, inputs, numel: int, producers, index: str = "i", prefix: str = "c") -> tuple:
+    """(coordinate lines, offset function) for reading `inputs` in a fused body whose nodes all
+    have `numel` elements and run at the same flat index: full-size inputs are read at the flat
+    index; a broadcast input at the coordinates of the index in the shape of the node that reads
+    it (a reshape may sit between the nodes)."""
+    reader_shape = {}
+    for b in body:
+        for v in b.inputs:
+            reader_shape.setdefault(v, tuple(b.output.shape))
+    broadcast = [v for v in inputs if v.numel != numel and scalar_constant(v, producers) is None]
+    index_lines, coords = [], {}
+    for k, shape in enumerate(dict.fromkeys(reader_shape[v] for v in broadcast)):
+        name = prefix if k == 0 else f"{prefix}{k}_"
+        index_lines += coordinate_lines(shape, index, name)
+        coords[shape] = [f"{name}{d}" for d in range(len(shape))]
+
+    def offset(v):
+        return index if v.numel == numel else broadcast_offset(v.shape, reader_shape[v], coords[reader_shape[v]])
+
+    return index_lines, offset
+
+
 def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
-    """(shape, coordinate lines, body lines) of an elementwise body over its last node's shape."""
+    """(shape, coordinate lines, body lines) of an elementwise body evaluated at flat index `i`."""
     shape = tuple(body[-1].output.shape)
-    numel = int(np.prod(shape, dtype=np.int64))
-    index_lines = []
-    if any(v.numel != numel and scalar_constant(v, producers) is None for v in inputs):
-        index_lines = coordinate_lines(shape, "i", "c")
-    coords = [f"c{d}" for d in range(len(shape))]
-
-    def offset(v):   # same element count: the same flat index (a reshape moves nothing)
-        return "i" if v.numel == numel else broadcast_offset(v.shape, shape, coords)
-
+    index_lines, offset = _flat_index_reads(body, inputs, int(np.prod(shape, dtype=np.int64)), producers)
     lines = em.load_inputs(set(inputs), offset)
     for b in body:
         lines.append(em.compute(b))
@@ -193,6 +207,7 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
 
 
 REDUCE_ELEMS_PER_THREAD = 8
+REDUCE_SPLIT_MIN_PER_THREAD = 32   # a split reduction's blocks still reduce this many elements per thread
 SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
 
 
@@ -260,10 +275,40 @@ def _split_reduction_body(body):
     return loop, reds, epilogue
 
 
-def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
+def _reduce_block(size: int) -> int:
+    """Threads per block: a power of two in [32, 256] giving each thread at least
+    REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block)."""
+    block = 32
+    while block < 256 and block * 2 * REDUCE_ELEMS_PER_THREAD <= size:
+        block *= 2
+    return block
+
+
+def reduce_splits(outputs: int, reduce_size: int, block: int) -> int:
+    """Blocks per output: 1 when there are outputs enough to fill the GPU; else enough to reach
+    TARGET_BLOCKS, each still reducing at least REDUCE_SPLIT_MIN_PER_THREAD elements per thread."""
+    from flowgen.codegen.families import TARGET_BLOCKS
+
+    if 2 * outputs >= TARGET_BLOCKS:
+        return 1
+    return max(1, min(-(-TARGET_BLOCKS // outputs), reduce_size // (block * REDUCE_SPLIT_MIN_PER_THREAD), 1024))
+
+
+class _Part:
+    """The inputs and outputs one kernel of a split reduction takes (an `_Emitter` node)."""
+
+    def __init__(self, inputs, outputs):
+        self.inputs, self.outputs = list(inputs), list(outputs)
+
+
+def render_reduction(node, index: int, producers, stream_values=None) -> list:
     """One or more reductions over the same elements (BatchNorm's sum(g) and sum(g * xhat)) in one
     pass: the loop computes their inputs (prologue), each keeps an accumulator, the epilogue
-    runs per output element on the reduced values."""
+    runs per output element on the reduced values. With few outputs and many elements each
+    (a whole-tensor sum, BatchNorm over few channels) the pass is split over several blocks per
+    output writing partial results, and a second kernel combines them and runs the epilogue."""
+    from flowgen.ir.graph import Value
+
     body = node.body
     prologue, reds, epilogue = _split_reduction_body(body)
     red = reds[0]
@@ -273,7 +318,20 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
     reduce_shape = [in_shape[d] for d in dims]
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
-    em = _Emitter(node, producers, stream_values)
+    numel_out = max(int(np.prod(out_shape, dtype=np.int64)), 1)
+    block = _reduce_block(reduce_size)
+    splits = reduce_splits(numel_out, reduce_size, block)
+
+    prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
+    prologue_values -= {o for b in prologue for o in b.outputs}
+    inside = {o for b in body for o in b.outputs}
+    epilogue_inputs = {v for b in epilogue for v in b.inputs} - inside
+    if splits == 1:
+        em_loop = em_epi = _Emitter(node, producers, stream_values)
+    else:
+        em_loop = _Emitter(_Part([v for v in node.inputs if v in prologue_values], []), producers, stream_values)
+        em_epi = _Emitter(_Part([v for v in node.inputs if v in epilogue_inputs], node.outputs), producers,
+                          stream_values)
 
     kept = [d for d in range(len(in_shape)) if d not in dims]
     kept_shape = [in_shape[d] for d in kept]
@@ -287,57 +345,66 @@ def render_reduction(node, index: int, producers, stream_values=None) -> Kernel:
         coord[d] = f"r{pos}"
     full_coords = [coord[d] for d in range(len(in_shape))]
 
-    prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
-    prologue_values -= {o for b in prologue for o in b.outputs}
-    prologue_lines = em.load_inputs(prologue_values, lambda v: broadcast_offset(v.shape, in_shape, full_coords))
+    prologue_lines = em_loop.load_inputs(prologue_values, lambda v: broadcast_offset(v.shape, in_shape, full_coords))
     for b in prologue:
-        prologue_lines.append(em.compute(b, index_var="flat"))
-    sources = [em.var[r.inputs[0]] for r in reds]
+        prologue_lines.append(em_loop.compute(b, index_var="flat"))
+    sources = [em_loop.var[r.inputs[0]] for r in reds]
     # Variables declared inside the loop are out of scope in the epilogue (literals stay usable).
-    em.var = {v: n for v, n in em.var.items() if scalar_constant(v, producers) is not None}
+    em_epi.var = {v: n for v, n in em_loop.var.items() if scalar_constant(v, producers) is not None}
+    em_epi.counter = em_loop.counter
 
     red_ctx = []
-    for r, source_var in zip(reds, sources):
+    for k, (r, source_var) in enumerate(zip(reds, sources)):
         combine = get_op(r.op).lowering.combine
         acc_type = COMPUTE_TYPE[r.output.dtype]
-        reduced_var = em.fresh()
-        em.var[r.output] = reduced_var
+        reduced_var = em_epi.fresh()
+        em_epi.var[r.output] = reduced_var
         identity = IDENTITY[combine] if acc_type in ("float", "double") else \
             {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
         red_ctx.append({"combine": combine, "acc_type": acc_type, "identity": identity, "source_var": source_var,
-                        "reduced_var": reduced_var, "combine_expr": _combine_expr(combine, acc_type)})
-    epi_shape = out_shape
-    epi_coords = [f"e{d}" for d in range(len(epi_shape))]
-    epilogue_inputs = {v for b in epilogue for v in b.inputs} - {o for b in body for o in b.outputs}
-    epi_numel = int(np.prod(epi_shape, dtype=np.int64))
-    epilogue_index_lines = []
-    if any(v.numel != epi_numel and scalar_constant(v, producers) is None for v in epilogue_inputs):
-        epilogue_index_lines = coordinate_lines(epi_shape, "i", "e")
-    epilogue_lines = em.load_inputs(
-        epilogue_inputs, lambda v: "i" if v.numel == epi_numel else broadcast_offset(v.shape, epi_shape, epi_coords))
+                        "reduced_var": reduced_var, "combine_expr": _combine_expr(combine, acc_type),
+                        "scratch": f"partials{k}"})
+    epi_numel = int(np.prod(out_shape, dtype=np.int64))
+    epilogue_index_lines, epi_offset = _flat_index_reads(reds + epilogue, epilogue_inputs, epi_numel, producers,
+                                                         prefix="e")
+    epilogue_lines = em_epi.load_inputs(epilogue_inputs, epi_offset)
     for b in epilogue:
-        epilogue_lines.append(em.compute(b, index_var="i"))
-    epilogue_lines += em.stores(set(node.outputs), "i")
+        epilogue_lines.append(em_epi.compute(b, index_var="i"))
+    epilogue_lines += em_epi.stores(set(node.outputs), "i")
 
     ops = [b.op for b in body]
     name = kernel_name(index, node, ops)
-    # Threads per output: a power of two in [32, 256] giving each thread at least
-    # REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block).
-    block = 32
-    while block < 256 and block * 2 * REDUCE_ELEMS_PER_THREAD <= reduce_size:
-        block *= 2
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
     flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
-    source = get_template("reduction").render(
-        name=name, comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx,
-        in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
-        params=em.params, block=block, out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line,
-        prologue_lines=prologue_lines, epilogue_index_lines=epilogue_index_lines, epilogue_lines=epilogue_lines)
-    numel_out = int(np.prod(out_shape, dtype=np.int64))
-    return Kernel(name, source, em.args, (max(numel_out, 1), 1, 1), (block, 1, 1), 0, True,
-                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
-                  pointwise_reads=frozenset(v for v in epilogue_inputs if v.numel == epi_numel
-                                            and v not in prologue_values))
+    common = dict(comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx,
+                  in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
+                  out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line,
+                  prologue_lines=prologue_lines, epilogue_index_lines=epilogue_index_lines,
+                  epilogue_lines=epilogue_lines, splits=splits)
+    pointwise = frozenset(v for v in epilogue_inputs if v.numel == epi_numel and v not in prologue_values)
+    what = f"{node.scope or 'graph'}: {', '.join(ops)}"
+    if splits == 1:
+        source = get_template("reduction").render(name=name, stage="full", params=em_loop.params, block=block,
+                                                  **common)
+        return [Kernel(name, source, em_loop.args, (numel_out, 1, 1), (block, 1, 1), 0, True, what, ops,
+                       pointwise_reads=pointwise)]
+    scratch = [Value(f"{r.output.name}_partials", (numel_out * splits,),
+                     dt.float64 if c["acc_type"] == "double" else dt.int64 if c["acc_type"] == "long long"
+                     else dt.float32) for r, c in zip(reds, red_ctx)]
+    for v, c in zip(scratch, red_ctx):
+        em_loop.params.append(f"{v.dtype.ctype}* __restrict__ {c['scratch']}")
+        em_loop.args.append(BufferArg(v, f"{v.dtype.ctype}*"))
+        em_epi.params.insert(0, f"const {v.dtype.ctype}* __restrict__ {c['scratch']}")
+        em_epi.args.insert(0, BufferArg(v, f"const {v.dtype.ctype}*"))
+    partial = get_template("reduction").render(name=f"{name}_partial", stage="partial", params=em_loop.params,
+                                               block=block, **common)
+    final_block = _reduce_block(splits)
+    final = get_template("reduction").render(name=name, stage="final", params=em_epi.params, block=final_block,
+                                             **common)
+    return [Kernel(f"{name}_partial", partial, em_loop.args, (numel_out, splits, 1), (block, 1, 1), 0, True,
+                   f"{what} (partial sums, {splits} blocks per output)", ops),
+            Kernel(name, final, em_epi.args, (numel_out, 1, 1), (final_block, 1, 1), 0, True,
+                   f"{what} (combine {splits} partials)", ops, pointwise_reads=pointwise)]
 
 
 def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
@@ -374,15 +441,13 @@ def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
 def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
     """Lines that finish one output element of an anchor kernel (GEMM, conv): load the
     epilogue's other inputs at (broadcast) index `i`, evaluate its ops, store the outputs."""
-    coords = [f"e{d}" for d in range(len(out_shape))]
     externals = {v for b in body_after for v in b.inputs} - {o for b in em.node.body for o in b.outputs}
     lines = [index_line] if index_line else []
     numel = int(np.prod(out_shape, dtype=np.int64))
-    if any(v.numel != numel and scalar_constant(v, producers) is None for v in externals):
-        lines += coordinate_lines(out_shape, "i", "e")
+    index_lines, offset = _flat_index_reads(body_after, externals, numel, producers, prefix="e")
+    lines += index_lines
     em.var[out_value] = "val"
-    lines += em.load_inputs(externals, lambda v: "i" if v.numel == numel
-                            else broadcast_offset(v.shape, out_shape, coords))
+    lines += em.load_inputs(externals, offset)
     for b in body_after:
         lines.append(em.compute(b))
     lines += em.stores(set(em.node.outputs), "i")
