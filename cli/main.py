@@ -197,7 +197,7 @@ def inspect(path, source, ir, memory):
     if (Path(path) / "manifest.json").is_file():
         manifest = _read_manifest(path)
     saved = _load(path)
-    program = saved.program()
+    program = saved.program(manifest["target"] if manifest else "cuda")
     plan = program.plan
     kind = "training" if saved.training else "inference"
     lines = [f"graph {saved.name} ({kind}, saved at step {saved.step})"]

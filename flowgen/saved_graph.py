@@ -337,7 +337,7 @@ class SavedGraph:
         self.signature = signature
         self.step = int(step)           # steps the graph had run when it was saved (+ runs since)
         self.path = path
-        self._program = None
+        self._programs: dict = {}   # target -> Program
         self._executor = None
 
     @property
@@ -356,14 +356,16 @@ class SavedGraph:
     def outputs(self) -> list:
         return self.signature["outputs"]
 
-    def program(self):
-        """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR."""
-        if self._program is None:
+    def program(self, target: str = "cuda"):
+        """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR for `target`
+        ("cuda" or "cpu": tile shapes and reduction splits differ)."""
+        if target not in self._programs:
             from flowgen.codegen.program import build_program, count_unfused_kernels
 
-            self._program = build_program(self.ir)
-            self._program.kernels_before_fusion = count_unfused_kernels(self.ir)
-        return self._program
+            program = build_program(self.ir, target=target)
+            program.kernels_before_fusion = count_unfused_kernels(self.ir)
+            self._programs[target] = program
+        return self._programs[target]
 
     def _check_inputs(self, arrays) -> list:
         if len(arrays) != len(self.ir.inputs):
@@ -389,7 +391,7 @@ class SavedGraph:
 
         inputs = self._check_inputs(arrays)
         if self._executor is None:
-            program = self.program()
+            program = self.program("cpu")
             self._executor = Executor(program, CpuBackend(program.source, self.name))
         ex = self._executor
         for s in self.ir.state:

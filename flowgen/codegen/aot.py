@@ -431,7 +431,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
 
     start = time.perf_counter()
     saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
-    program = saved.program()
+    program = saved.program(target)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     binary = safe_tag(saved.name)

@@ -37,6 +37,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import os
 
 import numpy as np
 
@@ -49,8 +52,25 @@ from flowgen.ops.registry import get_op
 BLOCK = 256
 # Cap on grid.x for grid-stride loops (they handle any size).
 MAX_BLOCKS = 1 << 20
-# Roughly "enough blocks to fill an H100" (132 SMs, two resident tiles each).
-TARGET_BLOCKS = 264
+# Blocks that fill the device a program is rendered for: an H100 (132 SMs, two resident tiles
+# each), or the CPU emulator, which runs blocks on its cores and pays per thread switch, so few
+# large tiles are best there. `rendering_for(target)` sets it while a program is built.
+TARGET_BLOCKS = {"cuda": 264, "cpu": 2 * (os.cpu_count() or 1)}
+_target_blocks = contextvars.ContextVar("target_blocks", default=TARGET_BLOCKS["cuda"])
+
+
+def target_blocks() -> int:
+    return _target_blocks.get()
+
+
+@contextlib.contextmanager
+def rendering_for(target: str):
+    """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu")."""
+    token = _target_blocks.set(TARGET_BLOCKS[target])
+    try:
+        yield
+    finally:
+        _target_blocks.reset(token)
 
 
 # --------------------------------------------------------------------------
@@ -234,7 +254,7 @@ def ranked_tiles(M: int, N: int, batch: int, acc: str, k_splits=None) -> list:
         if k_splits is not None:
             blocks *= k_splits(blocks)
         padded = -(-M // BM) * BM * -(-N // BN) * BN
-        cost = padded * (1.0 + 2.0 / TM + 2.0 / TN) * max(1.0, TARGET_BLOCKS / blocks)
+        cost = padded * (1.0 + 2.0 / TM + 2.0 / TN) * max(1.0, target_blocks() / blocks)
         costed.append((cost, (BM, BN, TM, TN)))
         if best_cost is None or cost < best_cost * 0.999:   # near-ties keep the table's order
             best, best_cost = (BM, BN, TM, TN), cost
@@ -484,7 +504,7 @@ def _row_block(D: int) -> int:
 
 def _use_columns(D: int, inner: int, rows: int) -> bool:
     """One thread per row when the dim is strided and there are rows enough to fill the GPU."""
-    return inner > 1 and rows >= 32 * TARGET_BLOCKS // 4
+    return inner > 1 and rows >= 32 * target_blocks() // 4
 
 
 def _elem(inner: int):
@@ -883,7 +903,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
 
     def k_splits(blocks, bk=16):
         """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
-        return max(1, min(-(-TARGET_BLOCKS // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
+        return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
     t = (make_tile(chosen, acc, a_order, b_order) if chosen

@@ -286,12 +286,14 @@ def _reduce_block(size: int) -> int:
 
 def reduce_splits(outputs: int, reduce_size: int, block: int) -> int:
     """Blocks per output: 1 when there are outputs enough to fill the GPU; else enough to reach
-    TARGET_BLOCKS, each still reducing at least REDUCE_SPLIT_MIN_PER_THREAD elements per thread."""
-    from flowgen.codegen.families import TARGET_BLOCKS
+    the target's block count, each still reducing at least REDUCE_SPLIT_MIN_PER_THREAD elements per
+    thread."""
+    from flowgen.codegen.families import target_blocks
 
-    if 2 * outputs >= TARGET_BLOCKS:
+    blocks = target_blocks()
+    if 2 * outputs >= blocks:
         return 1
-    return max(1, min(-(-TARGET_BLOCKS // outputs), reduce_size // (block * REDUCE_SPLIT_MIN_PER_THREAD), 1024))
+    return max(1, min(-(-blocks // outputs), reduce_size // (block * REDUCE_SPLIT_MIN_PER_THREAD), 1024))
 
 
 class _Part:

@@ -151,8 +151,13 @@ def split_prepare(graph, kernels, aliases, constants):
     return prepare, main
 
 
-def build_program(graph, naive_memory: bool = False) -> Program:
-    kernels, aliases, constants = render_kernels(graph)
+def build_program(graph, naive_memory: bool = False, target: str = "cuda") -> Program:
+    """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
+    chosen for `target` ("cuda": a GPU; "cpu": the emulator)."""
+    from flowgen.codegen.families import rendering_for
+
+    with rendering_for(target):
+        kernels, aliases, constants = render_kernels(graph)
     prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)
     external = (set(graph.inputs) | {s.value for s in graph.state} | set(constants) | set(state_writes)
