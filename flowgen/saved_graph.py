@@ -10,6 +10,7 @@ so the step can be rebuilt without the Python code that defined it::
       weights.safetensors   every state value: parameters, buffers, optimizer
                             slots and hyper scalars (lr, ...) with their values
                             for the next step; metadata holds the step counter
+                            and how many steps a GradScaler skipped
       signature.json        inputs/outputs (names, shapes, dtypes), training
                             flag, graph name, flowgen version
 
@@ -331,11 +332,13 @@ class SavedGraph:
     into a standalone program.
     """
 
-    def __init__(self, ir, weights: dict, signature: dict, step: int = 0, path: str | None = None):
+    def __init__(self, ir, weights: dict, signature: dict, step: int = 0, path: str | None = None,
+                 skipped: int = 0):
         self.ir = ir
         self.weights = weights          # state name -> ndarray, in ir.state order
         self.signature = signature
         self.step = int(step)           # steps the graph had run when it was saved (+ runs since)
+        self.skipped = int(skipped)     # how many of them a GradScaler skipped
         self.path = path
         self._programs: dict = {}   # target -> Program
         self._executor = None
@@ -448,12 +451,14 @@ def signature_of(ir, training: bool, graph_name: str) -> dict:
     }
 
 
-def write_weights(weights: dict, filename: str, graph_name: str, step: int) -> None:
-    """weights.safetensors: tensors in state order; metadata names the graph and the step counter."""
+def write_weights(weights: dict, filename: str, graph_name: str, step: int, skipped: int = 0) -> None:
+    """weights.safetensors: tensors in state order; metadata names the graph, the step counter
+    and how many of those steps a GradScaler skipped (they do not count for Adam or SGD momentum)."""
     from safetensors.numpy import save_file
 
     save_file({k: _contiguous(v) for k, v in weights.items()}, filename,
-              metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step))})
+              metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step)),
+                        "skipped": str(int(skipped))})
 
 
 def is_saved_graph(path) -> bool:
@@ -478,7 +483,8 @@ def save_graph(graph, path) -> None:
         save_file(arrays, constants_path, metadata={"format": "flowgen.constants"})
         doc["constants_sha256"] = file_sha256(constants_path)
         write_json(doc, os.path.join(tmp, GRAPH_FILE))
-        write_weights(weights, os.path.join(tmp, WEIGHTS_FILE), graph.name, graph._counter["calls"])
+        write_weights(weights, os.path.join(tmp, WEIGHTS_FILE), graph.name, graph._counter["calls"],
+                      graph._counter.get("skipped", 0))
         write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
 
     write_directory_atomically(path, write)
@@ -546,6 +552,7 @@ def load_saved_graph(path) -> SavedGraph:
         raise FormatError(f"flow.load: {path}/{SIGNATURE_FILE} is not a flowgen signature file")
     try:
         step = int(metadata.get("step", 0))
+        skipped = int(metadata.get("skipped", 0))
     except ValueError:
         step = 0
-    return SavedGraph(ir, weights, signature, step=step, path=path)
+    return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped)

@@ -37,6 +37,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
+from flowgen.passes.optimizer import scaler_state_name
 
 MANIFEST_FORMAT = "flowgen.manifest"
 MANIFEST_VERSION = 1
@@ -266,6 +267,9 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                         "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
         "updates": updates,
         "schedules": _schedule_lines(ir),
+        "scaler_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("scale")), -1),
+        "tracker_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("growth_tracker")),
+                              -1),
     }
     return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
 
@@ -305,11 +309,13 @@ def _schedule_lines(ir) -> list:
             continue
         ctype = "double" if st.value.dtype.name == "float64" else "float"
         suffix = "" if ctype == "double" else "f"
+        # u counts the updates applied (calls minus the ones a GradScaler skipped): SGD's first
+        # momentum step and Adam's bias corrections follow it, the LR schedule follows t
         if kind == "first_step":
-            value = f"(t == 0 ? {float(sched['first'])!r}{suffix} : {float(sched['then'])!r}{suffix})"
+            value = f"(u == 0 ? {float(sched['first'])!r}{suffix} : {float(sched['then'])!r}{suffix})"
         elif kind == "bias_correction":
             value = (f"({ctype})({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
-                     f"(double)(t + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
+                     f"(double)(u + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
         elif kind.startswith("lr_"):
             value = f"({ctype})({_lr_expression(sched)})"
         elif kind == "philox_offset":
@@ -483,7 +489,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     fd, tmp = tempfile.mkstemp(dir=out, prefix=".weights.", suffix=".tmp")
     os.close(fd)
     try:
-        write_weights(saved.weights, tmp, saved.name, saved.step)
+        write_weights(saved.weights, tmp, saved.name, saved.step, saved.skipped)
         os.replace(tmp, out / WEIGHTS_FILE)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -134,8 +134,9 @@ def fuse(graph, enabled: bool = True):
                 continue
             if any(v in h.produced for m in g.members for v in nodes[m].inputs):
                 continue   # depends on it (a variance reading its mean)
-            if all(any(v in h.produced for v in nodes[b].inputs) is False or group_of.get(b) in (g, h)
-                   for b in range(h.first, i)):
+            # nothing outside the two groups may read h's results before the merged kernel runs
+            if not any(group_of.get(b) not in (g, h) and any(v in h.produced for v in nodes[b].inputs)
+                       for b in range(h.first, i)):
                 return h
         return None
 

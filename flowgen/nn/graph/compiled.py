@@ -79,7 +79,8 @@ class CompiledGraph:
         old = scaler.get_scale()
         scaler._scale = float(self.executor.read_value(self.scaler.scale))
         scaler._growth_tracker = int(self.executor.read_value(self.scaler.tracker))
-        return scaler._scale < old
+        # a skip resets the tracker without growing the scale (it backs off, or stays inf)
+        return scaler._growth_tracker == 0 and not scaler._scale > old
 
     def _mark_device_newer(self):
         for value, tensor in self.bindings:
