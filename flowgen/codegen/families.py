@@ -44,6 +44,7 @@ import os
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.codegen.fused import reduce_block
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.templates import get_template
 from flowgen.ops.registry import get_op
@@ -494,14 +495,6 @@ def _rows(shape, dim):
     return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
 
 
-def _row_block(D: int) -> int:
-    """Threads per row: a power of two in [32, 256], about one per element."""
-    block = 32
-    while block < D and block < 256:
-        block *= 2
-    return block
-
-
 def _use_columns(D: int, inner: int, rows: int) -> bool:
     """One thread per row when the dim is strided and there are rows enough to fill the GPU."""
     return inner > 1 and rows >= 32 * target_blocks() // 4
@@ -520,7 +513,7 @@ def _row_kernels(node, kernel_name, template, ctx) -> list:
         what = f"{where} (thread per row)"
         source = _render(template, kind="column", comment=_comment(node, what), **ctx)
         return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
-    block = _row_block(D)
+    block = reduce_block(D)
     what = f"{where} (block per row)"
     source = _render(template, kind="block", comment=_comment(node, what), block=block, **ctx)
     return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
@@ -880,7 +873,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
     if CG == 1:                                             # depthwise (one input channel per group)
         kind = "dw_" + op
         if op == "wgrad":
-            block = _row_block(N * OH * OW)
+            block = reduce_block(N * OH * OW)
             what = f"{text} (depthwise, block per weight)"  # grad_weight: never fused
             source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), block=block, **ctx)
             return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1), True,

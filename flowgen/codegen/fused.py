@@ -275,7 +275,7 @@ def _split_reduction_body(body):
     return loop, reds, epilogue
 
 
-def _reduce_block(size: int) -> int:
+def reduce_block(size: int) -> int:
     """Threads per block: a power of two in [32, 256] giving each thread at least
     REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block)."""
     block = 32
@@ -321,7 +321,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
     numel_out = max(int(np.prod(out_shape, dtype=np.int64)), 1)
-    block = _reduce_block(reduce_size)
+    block = reduce_block(reduce_size)
     splits = reduce_splits(numel_out, reduce_size, block)
 
     prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
@@ -400,7 +400,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
         em_epi.args.insert(0, BufferArg(v, f"const {v.dtype.ctype}*"))
     partial = get_template("reduction").render(name=f"{name}_partial", stage="partial", params=em_loop.params,
                                                block=block, **common)
-    final_block = _reduce_block(splits)
+    final_block = reduce_block(splits)
     final = get_template("reduction").render(name=name, stage="final", params=em_epi.params, block=final_block,
                                              **common)
     return [Kernel(f"{name}_partial", partial, em_loop.args, (numel_out, splits, 1), (block, 1, 1), 0, True,
