@@ -12,11 +12,15 @@ class InferGraph(nn.Graph):
 
 
 class TrainGraph(nn.Graph):
-    def __init__(self, model, loss_fn, optimizer, lr_sch=None):
+    def __init__(self, model, loss_fn, *optimizers):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
-        self.add_optimizer(optimizer, lr_sch=lr_sch)
+        for opt in optimizers:   # an optimizer, or (optimizer, lr scheduler)
+            if isinstance(opt, tuple):
+                self.add_optimizer(opt[0], lr_sch=opt[1])
+            else:
+                self.add_optimizer(opt)
 
     def build(self, x, y):
         loss = self.loss_fn(self.model(x), y)

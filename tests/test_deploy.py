@@ -18,33 +18,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.codegen import aot
 from flowgen.saved_graph import FormatError, SavedGraph
-
-
-# ----------------------------------------------------------------------------- graphs
-class InferenceGraph(nn.Graph):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def build(self, x):
-        return self.model(x)
-
-
-class TrainGraph(nn.Graph):
-    def __init__(self, model, loss_fn, *optimizers):
-        super().__init__()
-        self.model = model
-        self.loss_fn = loss_fn
-        for opt in optimizers:   # an optimizer, or (optimizer, lr scheduler)
-            if isinstance(opt, tuple):
-                self.add_optimizer(opt[0], lr_sch=opt[1])
-            else:
-                self.add_optimizer(opt)
-
-    def build(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        return loss
+from graphs import InferGraph, TrainGraph
 
 
 def conv_model():
@@ -82,7 +56,7 @@ def conv(tmp_path_factory):
     flow.manual_seed(0)
     tmp = tmp_path_factory.mktemp("conv")
     model = conv_model()
-    graph = InferenceGraph(model)
+    graph = InferGraph(model)
     x = flow.randn(2, 3, 8, 8)
     expected = graph(x).numpy().copy()
     flow.save(graph, tmp / "saved")
@@ -208,7 +182,7 @@ def test_load_refuses_other_versions_and_corrupt_files(conv, tmp_path):
 
 def test_save_before_the_first_call_says_what_to_do(tmp_path):
     with pytest.raises(RuntimeError, match="call it once"):
-        flow.save(InferenceGraph(nn.Linear(2, 2)), tmp_path / "g")
+        flow.save(InferGraph(nn.Linear(2, 2)), tmp_path / "g")
 
 
 # ----------------------------------------------------------------------------- the program

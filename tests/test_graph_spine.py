@@ -61,7 +61,7 @@ def _train_pair(make_opt, steps=6, make_sch=None, seed=0):
     sch_g = make_sch(opt_g) if make_sch else None
     sch_e = make_sch(opt_e) if make_sch else None
     loss_fn = nn.MSELoss()
-    graph = TrainGraph(model, loss_fn, opt_g, sch_g)
+    graph = TrainGraph(model, loss_fn, (opt_g, sch_g) if sch_g else opt_g)
     xs = [flow.randn(8, 5) for _ in range(steps)]
     ys = [flow.randn(8, 3) for _ in range(steps)]
     for x, y in zip(xs, ys):

@@ -12,6 +12,11 @@
   activation, residual add): kind ``conv``.
 * A reshape inside such a chain is free (elements keep their flat index), so
   nodes after it join too when their other inputs are flat or scalar.
+* Independent reductions over the same elements share one pass (one group with
+  several reduction nodes: BatchNorm's backward sums).
+* Independent one-element groups share a kernel; optimizer update groups that
+  joined no anchor (conv weights) become one kind ``multi`` node whose
+  ``segments`` run side by side (a multi-tensor update).
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
