@@ -158,6 +158,9 @@ inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
 // of the GPU's approximation error.
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline double rsqrt(double x) { return 1.0 / sqrt(x); }
+using std::isfinite;  // CUDA has these in the global namespace
+using std::isinf;
+using std::isnan;
 inline float __expf(float x) { return expf(x); }
 inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }

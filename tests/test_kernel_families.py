@@ -163,6 +163,12 @@ CASES = [
     Case("log_softmax_middle_columns", "log_softmax", lambda r: [_rand(r, (4, 9, 700))], dim=1),
     Case("softmax_f16_dim0", "softmax", lambda r: [_rand(r, (4, 9), F16)], rtol=1e-2, atol=1e-3, dim=0),
     Case("softmax_scalar", "softmax", lambda r: [np.float32(3.0).reshape(())], dim=0),
+    # one inf/NaN scan over several tensors (a GradScaler's skip test)
+    Case("nonfinite_clean", "nonfinite_flag", lambda r: [_rand(r, (5, 7)), _rand(r, (300,)), _rand(r, (2,), F16)]),
+    Case("nonfinite_inf_in_last", "nonfinite_flag",
+         lambda r: [_rand(r, (5, 7)), np.where(np.arange(700) == 699, np.inf, _rand(r, (700,))).astype(np.float32)]),
+    Case("nonfinite_nan_f16_f64", "nonfinite_flag",
+         lambda r: [np.array([1.0, np.nan], F16), _rand(r, (3, 3)).astype(np.float64)]),
     # cross-entropy rows (ignore_index rows give 0) and their gradient
     Case("cross_entropy_rows", "cross_entropy_rows",
          lambda r: [_rand(r, (6, 10)) * 4, np.array([3, 0, -100, 9, 9, 1])], ignore_index=-100),

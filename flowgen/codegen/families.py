@@ -219,6 +219,23 @@ def _zero_kernel(node, kernel_name: str, out, what: str) -> Kernel:
                   comment=_comment(node, f"(zero-fill {what})"), ops=[node.op])
 
 
+def _nonfinite(node, kernel_name):
+    """nonfinite_flag: zero the flag, then one launch over every input (a segment of blocks each)."""
+    out = node.output
+    segments, first = [], 0
+    for k, v in enumerate(node.inputs):
+        blocks = max(1, min(-(-v.numel // BLOCK), 1024))
+        load = _convert(f"in{k}[i]", v.dtype, "double" if v.dtype == dt.float64 else "float")
+        segments.append({"first_block": first, "end_block": first + blocks, "numel": v.numel, "load": load,
+                         "what": f"input {k}: {_shape_text(v.shape)} {v.dtype.name}"})
+        first += blocks
+    what = f"{len(node.inputs)} tensors"
+    source = _render("nonfinite.cu.j2", name=kernel_name, comment=_comment(node, what), segments=segments,
+                     params=_params(node, [f"in{k}" for k in range(len(node.inputs))], ["flag"]))
+    return [_zero_kernel(node, kernel_name, out, "the flag"),
+            _kernel(node, kernel_name, source, (first, 1, 1), (BLOCK, 1, 1), False, what)]
+
+
 def _kernel(node, name, source, grid, block, needs_fibers, what, smem=0) -> Kernel:
     return Kernel(name=name, source=source, args=_args(node), grid=tuple(grid), block=tuple(block), smem=smem,
                   needs_fibers=needs_fibers, comment=_comment(node, what), ops=[node.op])
@@ -926,6 +943,7 @@ _FAMILIES = {
     "argreduce": _argreduce,
     "gather": _gather,
     "scatter": _scatter,
+    "nonfinite": _nonfinite,
     "pool2d": _pool2d,
     "upsample": _upsample,
     "conv2d": _conv2d,

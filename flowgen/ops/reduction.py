@@ -176,3 +176,26 @@ defop("argmax", infer=_arg_infer("argmax"), ref=_arg_ref(np.argmax), lowering=Te
       doc="argmax(x, dim, keepdim) -> int64, first occurrence")
 defop("argmin", infer=_arg_infer("argmin"), ref=_arg_ref(np.argmin), lowering=Template("argreduce"),
       doc="argmin(x, dim, keepdim) -> int64, first occurrence")
+
+
+# --------------------------------------------------------------------------
+# nonfinite_flag(*tensors): int32 scalar, 1 when any element of any input is inf or NaN.
+# A GradScaler's skip test over every gradient in one launch (Template "nonfinite": the
+# inputs are segments of one grid, a thread that finds one sets the flag).
+
+def _nonfinite_infer(*xs):
+    if not xs:
+        raise ValueError("nonfinite_flag: needs at least one tensor")
+    for x in xs:
+        if not x.dtype.is_floating:
+            raise TypeError(f"nonfinite_flag: expected floating point tensors, got {x.dtype!r}")
+    return TensorMeta((), dt.int32)
+
+
+def _nonfinite_ref(*xs):
+    bad = any(not np.isfinite(x.astype(np.float32 if x.dtype in _LOW_PRECISION else x.dtype)).all() for x in xs)
+    return np.array(int(bad), np.int32)
+
+
+defop("nonfinite_flag", infer=_nonfinite_infer, ref=_nonfinite_ref, grad=None, lowering=Template("nonfinite"),
+      doc="nonfinite_flag(*tensors): int32 1 if any element is inf or NaN, else 0 (no gradient)")

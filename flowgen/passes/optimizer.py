@@ -141,15 +141,20 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
     return out, host, slots
 
 
-def _found_inf(tracer, grads: dict):
-    """A bool scalar: some gradient element is inf or NaN (inf * 0 and NaN * 0 are NaN)."""
-    from flowgen import functional as F
+NONFINITE_CHUNK = 256   # gradients per nonfinite_flag launch (kernel parameters stay within 4 KB)
 
-    total = None
-    for g in grads.values():
-        part = F.sum(tracer.lazy(g) * 0.0)
-        total = part if total is None else total + part
-    return F.ne(total, total)
+
+def _found_inf(tracer, grads: dict):
+    """A bool scalar: some gradient element is inf or NaN (one scan over all gradients)."""
+    from flowgen import functional as F
+    from flowgen.ops.registry import apply
+
+    values = [tracer.lazy(g) for g in grads.values()]
+    flag = None
+    for start in range(0, len(values), NONFINITE_CHUNK):
+        part = apply("nonfinite_flag", *values[start:start + NONFINITE_CHUNK])
+        flag = part if flag is None else flag + part
+    return F.ne(flag, 0)
 
 
 def _skip_or_grow(tracer, graph, first_update: int, found_inf, scaler: GraphScaler):
