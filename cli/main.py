@@ -109,7 +109,8 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
     order and wrapping. The loss is printed as the steps run, and the updated weights and
     optimizer state are written to RESDIR/weights.safetensors. Momentum first steps, Adam's
     bias corrections, dropout offsets and closed-form LR schedules advance per step as in
-    Python (LambdaLR/SequentialLR keep the saved learning rate).
+    Python (LambdaLR/SequentialLR keep the saved learning rate); a GradScaler skips steps whose
+    gradients overflow and backs off or grows its scale.
     """
     manifest = _read_manifest(out_dir)
     binary = Path(out_dir) / manifest["binary"]
