@@ -326,7 +326,7 @@ def test_training_program_of_the_tiny_mobilenet_equals_the_graph(tmp_path):
     (x0, y0), (x1, y1) = _batches(2, seed=3)
     xs, ys = np.concatenate([x0.numpy(), x1.numpy()]), np.concatenate([y0.numpy(), y1.numpy()])
     graph(x0, y0)                                             # traced and compiled; one step taken
-    weights = build_and_train(graph, xs, ys, 2, tmp_path)     # the program's steps 2 and 3 ...
+    weights, _ = build_and_train(graph, xs, ys, 2, tmp_path)  # the program's steps 2 and 3 ...
     graph(x0, y0)
     graph(x1, y1)                                             # ... and the graph's
     state = graph.state_dict()

@@ -38,8 +38,10 @@ def run_binary(out_dir, *args, binary=None):
     assert proc.returncode >= 0, f"the program was killed by signal {-proc.returncode}:\n{proc.stderr}"
     return proc
 
+
 def build_and_train(graph, xs, ys, steps, tmp_path):
-    """Save `graph`, build its cpu program, run `steps` training steps on (xs, ys); the weights."""
+    """Save `graph`, build its cpu program, run `steps` training steps on (xs, ys); the weights
+    and the losses it wrote."""
     flow.save(graph, tmp_path / "saved")
     aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
     np.save(tmp_path / "x.npy", xs)
@@ -47,7 +49,7 @@ def build_and_train(graph, xs, ys, steps, tmp_path):
     proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
                       "--out", tmp_path / "res", "--steps", steps)
     assert proc.returncode == 0, proc.stderr
-    return load_file(tmp_path / "res" / "weights.safetensors")
+    return load_file(tmp_path / "res" / "weights.safetensors"), np.load(tmp_path / "res" / "losses.npy")
 
 
 @pytest.fixture(scope="module")
@@ -480,18 +482,11 @@ def test_training_program_advances_adam_bias_correction_and_dropout(tmp_path):
     xs = rng.standard_normal((3 * 8, 5)).astype(np.float32)
     ys = rng.standard_normal(3 * 8).astype(np.float32)
     graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))          # one step: traced and compiled
-    flow.save(graph, tmp_path / "saved")
-    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
-    np.save(tmp_path / "x.npy", xs)
-    np.save(tmp_path / "y.npy", ys)
     steps = 5
-    proc = run_binary(tmp_path / "out", "--input", tmp_path / "x.npy", "--input", tmp_path / "y.npy",
-                      "--out", tmp_path / "res", "--steps", steps)
-    assert proc.returncode == 0, proc.stderr
+    weights, program_losses = build_and_train(graph, xs, ys, steps, tmp_path)
     losses = [float(graph(flow.tensor(xs[8 * (s % 3):8 * (s % 3) + 8]), flow.tensor(ys[8 * (s % 3):8 * (s % 3) + 8])))
               for s in range(steps)]
-    np.testing.assert_allclose(np.load(tmp_path / "res" / "losses.npy"), losses, rtol=1e-5)
-    weights = load_file(tmp_path / "res" / "weights.safetensors")
+    np.testing.assert_allclose(program_losses, losses, rtol=1e-5)
     state = graph.state_dict()
     for name in ("model.0.weight", "model.3.weight"):
         np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6)
@@ -511,7 +506,7 @@ def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
     xx, y = poly_data()
     xs, ys = xx[:40] / 10, y[:40]
     graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
-    weights = build_and_train(graph, xs, ys, 6, tmp_path)
+    weights, _ = build_and_train(graph, xs, ys, 6, tmp_path)
     for s in range(6):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
     np.testing.assert_allclose(weights["model.0.weight"], model[0].weight.numpy(), rtol=1e-5, atol=1e-7)
@@ -531,7 +526,7 @@ def test_training_program_carries_a_dynamic_grad_scaler(make_opt, tmp_path):
     xs, ys = xx[:40] / 10, y[:40] * 1000      # gradients ~1e3: the scale overflows them now and then
     graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
     assert graph._counter["skipped"] == 1     # saved after a skipped first step
-    weights = build_and_train(graph, xs, ys, 8, tmp_path)
+    weights, _ = build_and_train(graph, xs, ys, 8, tmp_path)
     for s in range(8):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
     assert 1 < graph._counter["skipped"] < 8  # steps skipped and steps applied in the program's span

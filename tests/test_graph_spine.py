@@ -17,25 +17,28 @@ def _mlp():
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def _train_like_eager(model, make_opt, x, y, steps, loss_fn=None):
-    """`steps` graph training steps beside the same steps in eager (a deep copy of `model`):
-    equal losses each step and equal parameters and buffers after; returns the graph."""
+def _train_like_eager(model, make_opt, batches, loss_fn=None, make_sch=None, loss_rtol=1e-5, loss_atol=0.0):
+    """Graph training steps on `batches` ((x, y) pairs) beside the same steps in eager (a deep copy
+    of `model`, with its own optimizer and, from `make_sch`, LR scheduler): equal losses each step
+    and equal parameters and buffers after; returns (graph, graph optimizer, eager optimizer)."""
     loss_fn = loss_fn or nn.CrossEntropyLoss()
     eager = copy.deepcopy(model)
-    graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
-    opt = make_opt(eager.parameters())
-    for _ in range(steps):
+    opt_g, opt_e = make_opt(model.parameters()), make_opt(eager.parameters())
+    sch_e = make_sch(opt_e) if make_sch else None
+    graph = TrainGraph(model, loss_fn, (opt_g, make_sch(opt_g)) if make_sch else opt_g)
+    for x, y in batches:
         got = graph(x, y)
         loss = loss_fn(eager(x), y)
-        opt.zero_grad()
+        opt_e.zero_grad()
         loss.backward()
-        opt.step()
-        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+        opt_e.step()
+        if sch_e:
+            sch_e.step()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=loss_rtol, atol=loss_atol)
     for name, value in eager.state_dict().items():
         np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
                                    err_msg=name)
-    return graph
-
+    return graph, opt_g, opt_e
 
 def test_inference_graph_equals_eager_and_exposes_compiled():
     model = _mlp()
@@ -53,29 +56,12 @@ def test_inference_graph_equals_eager_and_exposes_compiled():
 
 
 def _train_pair(make_opt, steps=6, make_sch=None, seed=0):
+    """The MLP trained on `steps` random batches in a graph and in eager (see _train_like_eager)."""
     flow.manual_seed(seed)
     model = _mlp()
-    eager_model = copy.deepcopy(model)
-    opt_g = make_opt(model.parameters())
-    opt_e = make_opt(eager_model.parameters())
-    sch_g = make_sch(opt_g) if make_sch else None
-    sch_e = make_sch(opt_e) if make_sch else None
-    loss_fn = nn.MSELoss()
-    graph = TrainGraph(model, loss_fn, (opt_g, sch_g) if sch_g else opt_g)
-    xs = [flow.randn(8, 5) for _ in range(steps)]
-    ys = [flow.randn(8, 3) for _ in range(steps)]
-    for x, y in zip(xs, ys):
-        lg = graph(x, y)
-        le = loss_fn(eager_model(x), y)
-        opt_e.zero_grad()
-        le.backward()
-        opt_e.step()
-        if sch_e:
-            sch_e.step()
-        np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=2e-5, atol=1e-6)
-    for (name, p), pe in zip(model.named_parameters(), eager_model.parameters()):
-        np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
-    return graph, opt_g, opt_e
+    batches = [(flow.randn(8, 5), flow.randn(8, 3)) for _ in range(steps)]
+    return _train_like_eager(model, make_opt, batches, loss_fn=nn.MSELoss(), make_sch=make_sch, loss_rtol=2e-5,
+                             loss_atol=1e-6)
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -250,7 +236,7 @@ def test_polyfit_graph_example_matches_eager_losses():
     y = flow.tensor(np.sin(x), dtype=flow.float32)
     xx = flow.cat([x.unsqueeze(-1).pow(1), x.unsqueeze(-1).pow(2), x.unsqueeze(-1).pow(3)], dim=1)
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
-    _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=1e-5), xx, y, steps=50,
+    _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=1e-5), [(xx, y)] * 50,
                       loss_fn=nn.MSELoss(reduction="sum"))
 
 
@@ -537,8 +523,8 @@ def test_batchnorm_training_kernels_recompute_x_minus_mean():
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
-    graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
-                              flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,)), steps=2)
+    graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+                                    [(flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,)))] * 2)
     bn_kernels = [k.name for k in graph.compiled.program.kernels if "_model_1_" in k.name]
     forward = [k for k in bn_kernels if "backward" not in k and "ge_le" not in k and "num_batches" not in k]
     assert len([k for k in forward if "sum" in k or "batch_norm_affine" in k]) == 3, bn_kernels
@@ -607,8 +593,8 @@ def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_
         flow.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8),
                               nn.ReLU(), nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
-        graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
-                                  flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,)), steps=3)
+        graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+                                        [(flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,)))] * 3)
         return graph, [k for k in graph.compiled.program.kernels if k.horizontal]
 
     default = fusion.MULTI_MAX_POINTERS
@@ -635,8 +621,8 @@ def test_reductions_with_few_outputs_split_over_blocks(tmp_path, monkeypatch):
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 32 * 32, 2))
-    graph = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.01, momentum=0.9),
-                              flow.randn(16, 3, 32, 32), flow.randint(0, 2, (16,)), steps=2)
+    graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.01, momentum=0.9),
+                                    [(flow.randn(16, 3, 32, 32), flow.randint(0, 2, (16,)))] * 2)
     partial = [k for k in graph.compiled.program.kernels if k.name.endswith("_partial")]
     assert partial and all(k.grid[1] > 1 for k in partial)
     assert any("model_1" in k.name for k in partial)               # BatchNorm's channel statistics
