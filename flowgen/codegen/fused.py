@@ -253,10 +253,11 @@ def _reduce_geometry(red):
     return in_shape, out_keep, dims
 
 
-def _combine_expr(combine: str, acc_type: str):
-    if acc_type == "float":
-        return lambda a, b: {"sum": f"({a} + {b})", "max": f"fmaxf({a}, {b})", "min": f"fminf({a}, {b})"}[combine]
-    return lambda a, b: {"sum": f"({a} + {b})", "max": f"max({a}, {b})", "min": f"min({a}, {b})"}[combine]
+def _combine_fn(combine: str, acc_type: str) -> str:
+    """How two partial results combine in the kernel (_common.j2's `combine`): "+" or a function."""
+    if combine == "sum":
+        return "+"
+    return ("fmaxf" if combine == "max" else "fminf") if acc_type == "float" else combine
 
 
 def _split_reduction_body(body):
@@ -364,8 +365,8 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
         identity = IDENTITY[combine] if acc_type in ("float", "double") else \
             {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
         red_ctx.append({"combine": combine, "acc_type": acc_type, "identity": identity, "source_var": source_var,
-                        "reduced_var": reduced_var, "combine_expr": _combine_expr(combine, acc_type),
-                        "scratch": f"partials{k}"})
+                        "reduced_var": reduced_var, "fn": _combine_fn(combine, acc_type), "scratch": f"partials{k}",
+                        "block_item": (f"acc{k}", f"partial{k}", _combine_fn(combine, acc_type))})
     epi_numel = int(np.prod(out_shape, dtype=np.int64))
     epilogue_index_lines, epi_offset = _flat_index_reads(reds + epilogue, epilogue_inputs, epi_numel, producers,
                                                          prefix="e")
