@@ -44,7 +44,7 @@ import os
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.fused import reduce_block
+from flowgen.codegen.fused import block_segments, reduce_block
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.templates import get_template
 from flowgen.ops.registry import get_op
@@ -222,18 +222,14 @@ def _zero_kernel(node, kernel_name: str, out, what: str) -> Kernel:
 def _nonfinite(node, kernel_name):
     """nonfinite_flag: zero the flag, then one launch over every input (a segment of blocks each)."""
     out = node.output
-    segments, first = [], 0
-    for k, v in enumerate(node.inputs):
-        blocks = max(1, min(-(-v.numel // BLOCK), 1024))
-        load = _convert(f"in{k}[i]", v.dtype, "double" if v.dtype == dt.float64 else "float")
-        segments.append({"first_block": first, "end_block": first + blocks, "numel": v.numel, "load": load,
-                         "what": f"input {k}: {_shape_text(v.shape)} {v.dtype.name}"})
-        first += blocks
+    segments = [{"numel": v.numel, "load": _convert(f"in{k}[i]", v.dtype, "double" if v.dtype == dt.float64 else "float"),
+                 "what": f"input {k}: {_shape_text(v.shape)} {v.dtype.name}"} for k, v in enumerate(node.inputs)]
+    blocks = block_segments(segments, BLOCK)
     what = f"{len(node.inputs)} tensors"
     source = _render("nonfinite.cu.j2", name=kernel_name, comment=_comment(node, what), segments=segments,
                      params=_params(node, [f"in{k}" for k in range(len(node.inputs))], ["flag"]))
     return [_zero_kernel(node, kernel_name, out, "the flag"),
-            _kernel(node, kernel_name, source, (first, 1, 1), (BLOCK, 1, 1), False, what)]
+            _kernel(node, kernel_name, source, (blocks, 1, 1), (BLOCK, 1, 1), False, what)]
 
 
 def _kernel(node, name, source, grid, block, needs_fibers, what, smem=0) -> Kernel:

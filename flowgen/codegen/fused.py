@@ -211,11 +211,22 @@ REDUCE_SPLIT_MIN_PER_THREAD = 32   # a split reduction's blocks still reduce thi
 SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
 
 
+def block_segments(segments: list, block: int = 256) -> int:
+    """Give each segment dict (with "numel") its own range of blocks, "first_block" up to
+    "end_block" (one thread per element, at most SEGMENT_MAX_BLOCKS blocks); the grid size."""
+    first = 0
+    for seg in segments:
+        blocks = max(1, min(-(-seg["numel"] // block), SEGMENT_MAX_BLOCKS))
+        seg.update(first_block=first, end_block=first + blocks)
+        first += blocks
+    return first
+
+
 def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
     """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
     of blocks and strides over its own elements."""
     em = _Emitter(node, producers, stream_values)
-    segments, first_block, ops, pointwise = [], 0, [], set()
+    segments, ops, pointwise = [], [], set()
     for positions in node.attrs["segments"]:
         body = [node.body[p] for p in positions]
         inside = {v for b in body for v in b.outputs}
@@ -225,16 +236,14 @@ def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
                                                        producers)
         numel = int(np.prod(shape, dtype=np.int64))
         pointwise.update(v for v in inputs if v.numel == numel)
-        blocks = max(1, min(-(-numel // 256), SEGMENT_MAX_BLOCKS))
-        segments.append({"first_block": first_block, "end_block": first_block + blocks, "numel": numel,
-                         "index_lines": index_lines, "body_lines": lines,
+        segments.append({"numel": numel, "index_lines": index_lines, "body_lines": lines,
                          "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over [{', '.join(map(str, shape))}]"})
-        first_block += blocks
         ops += [b.op for b in body]
+    blocks = block_segments(segments)
     name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
     source = get_template("elementwise").render(name=name, comment=f"{node.scope or 'graph'}: multi-tensor",
                                                 ops=sorted(set(ops)), params=em.params, segments=segments)
-    return Kernel(name, source, em.args, (first_block, 1, 1), (256, 1, 1), 0, False,
+    return Kernel(name, source, em.args, (blocks, 1, 1), (256, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
                   pointwise_reads=frozenset(pointwise), horizontal=True)
 
