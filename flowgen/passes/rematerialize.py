@@ -59,6 +59,8 @@ def rematerialize(graph):
     def shared(v) -> bool:
         return v in sources and v.numel >= MIN_NUMEL and len(users.get(v, [])) + (v in live_out) > 1
 
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+
     def chain(v) -> list:
         """The shared cheap nodes a private copy of `v` needs, in graph order."""
         todo, seen = [v], {}
@@ -68,7 +70,6 @@ def rematerialize(graph):
                 continue
             seen[w] = producers[w]
             todo.extend(u for u in producers[w].inputs if shared(u))
-        order = {id(n): i for i, n in enumerate(graph.nodes)}
         return sorted(seen.values(), key=lambda n: order[id(n)])
 
     def fuses_into(v, node) -> bool:

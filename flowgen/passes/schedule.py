@@ -64,11 +64,9 @@ def hoist(graph, movable):
             kept.append(node)
             for v in node.outputs:
                 position[v] = len(kept) - 1
-    leftover = []
-    for node in pending.values():   # never read inside the graph (a graph output or an update)
-        if all(node is not n for n in leftover):
-            leftover.append(node)
-    placed.setdefault(len(kept) - 1, []).extend(sorted(leftover, key=graph.nodes.index))
+    # never read inside the graph (graph outputs, updates): at the end, in graph order
+    leftover = {id(node): node for node in pending.values()}
+    placed.setdefault(len(kept) - 1, []).extend(node for node in graph.nodes if id(node) in leftover)
     # Nodes hoisted behind a kept node k go right after it; chains of hoisted nodes stay in order.
     result = list(placed.get(-1, []))
     for k, node in enumerate(kept):
