@@ -23,7 +23,7 @@ from numpy.lib.stride_tricks import as_strided
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise, Template
-from flowgen.ops.registry import TensorMeta, apply, defop, normalize_dim
+from flowgen.ops.registry import TensorMeta, apply, defop, normalize_dim, wants_grad
 
 
 # --------------------------------------------------------------------------
@@ -519,10 +519,6 @@ def _conv2d_grad_weight_ref(g, x, weight_shape, stride=(1, 1), padding=(0, 0), d
     return np.matmul(gp, cols).reshape(O, Cg, kh, kw)
 
 
-def _wants(t) -> bool:
-    return t.is_lazy or t.requires_grad
-
-
 def _conv_attrs(attrs):
     return {k: attrs[k] for k in ("stride", "padding", "dilation", "groups") if k in attrs}
 
@@ -532,8 +528,8 @@ def _conv2d_grad(ctx, g):
     a = _conv_attrs(ctx.attrs)
     # Eager mode skips gradients nobody asked for (the image fed to the first conv); lazy
     # tensors in graph autodiff carry no requires_grad, and dead-code elimination drops unused ones.
-    gx = apply("conv2d_grad_input", g, w, input_shape=tuple(x.shape), **a) if _wants(x) else None
-    gw = apply("conv2d_grad_weight", g, x, weight_shape=tuple(w.shape), **a) if _wants(w) else None
+    gx = apply("conv2d_grad_input", g, w, input_shape=tuple(x.shape), **a) if wants_grad(x) else None
+    gw = apply("conv2d_grad_weight", g, x, weight_shape=tuple(w.shape), **a) if wants_grad(w) else None
     return gx, gw
 
 

@@ -16,12 +16,12 @@ channel reductions (``g`` and ``g * xhat`` read in one pass) and one elementwise
 """
 from __future__ import annotations
 
-import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise
-from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop
+from flowgen.ops.nn_ops import _ctype
+from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop, wants_grad
 
 
 def _stat_dims(x):
@@ -40,13 +40,9 @@ def _bn_affine_infer(x, mean, invstd, weight, bias):
 
 
 def _bn_affine_ref(x, mean, invstd, weight, bias):
-    ct = np.float64 if x.dtype == np.float64 else np.float32
+    ct = _ctype(x)
     c = [a.astype(ct, copy=False) for a in (x, mean, invstd, weight, bias)]
     return (c[0] - c[1]) * c[2] * c[3] + c[4]
-
-
-def _wants(t) -> bool:
-    return t.is_lazy or t.requires_grad
 
 
 def _bn_affine_grad(ctx, g):
@@ -59,12 +55,12 @@ def _bn_affine_grad(ctx, g):
     dbias = F.sum(g, dims, keepdim=True)
     dweight = F.sum(g * xhat, dims, keepdim=True)
     dx = None
-    if _wants(x):
+    if wants_grad(x):
         # full-size products only, so the whole expression is one elementwise kernel
         dx = (g - (dbias + xhat * dweight) * (1.0 / n)) * invstd * weight
     return (dx, None, None,
-            F.sum_to(dweight, tuple(weight.shape)) if _wants(weight) else None,
-            F.sum_to(dbias, tuple(bias.shape)) if _wants(bias) else None)
+            F.sum_to(dweight, tuple(weight.shape)) if wants_grad(weight) else None,
+            F.sum_to(dbias, tuple(bias.shape)) if wants_grad(bias) else None)
 
 
 defop("batch_norm_affine", infer=_bn_affine_infer, ref=_bn_affine_ref, grad=_bn_affine_grad,

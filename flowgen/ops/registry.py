@@ -92,6 +92,12 @@ class GradContext:
         self.attrs = attrs
 
 
+def wants_grad(t) -> bool:
+    """Whether a gradient function should compute the gradient of input `t`: eager tensors say so
+    with requires_grad; lazy tensors in graph autodiff always get one (DCE drops unused ones)."""
+    return t.is_lazy or t.requires_grad
+
+
 # --------------------------------------------------------------------------
 # Shape-rule helpers shared by op definitions.
 
