@@ -16,7 +16,6 @@ channel reductions (``g`` and ``g * xhat`` read in one pass) and one elementwise
 """
 from __future__ import annotations
 
-
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise
