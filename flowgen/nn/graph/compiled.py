@@ -307,7 +307,8 @@ def compile_step(graph, args):
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
     ir = _with_measured_conv_tiles(graph, ir, device)
-    program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type)
+    program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type,
+                            compress_memory=graph.config.compress_memory)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())

@@ -1,5 +1,25 @@
-"""`graph.config`: the seeds' GraphConfig options."""
+"""`graph.config`: the seeds' GraphConfig options.
+
+Every option acts or says why it cannot:
+
+* `allow_fuse_model_update_ops`, `allow_fuse_add_to_output`, `allow_fuse_cast_scale` switch a
+  fusion family (passes/fusion.py). flowgen turns all three on by default (OneFlow: off);
+  `False` turns that family off and the program gets more, smaller kernels.
+* `enable_compress_memory` plans the arena with a search over placement orders
+  (memory/search.py) instead of one greedy pass.
+* `enable_zero` and `GraphModule.set_stage` shard or pipeline across devices; a graph here
+  runs on one device, so they warn that they have no effect yet.
+* `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
+  outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
+"""
 from __future__ import annotations
+
+import warnings
+
+
+def warn_single_device(option: str):
+    warnings.warn(f"{option} has no effect on a single device yet: flowgen runs a graph on one device, "
+                  f"so there is nothing to shard or pipeline across", UserWarning, stacklevel=3)
 
 
 class GraphConfig:
@@ -9,9 +29,9 @@ class GraphConfig:
         self.naive_memory = False       # flowgen: one allocation per intermediate (debugging)
         self.amp = False
         self.zero = False
-        self.fuse_model_update_ops = False
-        self.fuse_add_to_output = False
-        self.fuse_cast_scale = False
+        self.fuse_model_update_ops = True
+        self.fuse_add_to_output = True
+        self.fuse_cast_scale = True
         self.gradient_accumulation_steps = 1
         self.cudnn_conv_heuristic_search_algo = False
         self.straighten = False
@@ -21,16 +41,21 @@ class GraphConfig:
         self.amp = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
-        # One device: ZeRO sharding has nothing to shard across; recorded for repr.
+        if mode:
+            warn_single_device("enable_zero")
         self.zero = bool(mode)
 
     def allow_fuse_model_update_ops(self, mode: bool = True):
+        """Optimizer updates run in the kernel making their gradient (GEMM/reduction epilogue) and the
+        leftover ones in one multi-tensor kernel. Default on in flowgen."""
         self.fuse_model_update_ops = bool(mode)
 
     def allow_fuse_add_to_output(self, mode: bool = True):
+        """A residual add runs in the epilogue of the conv/GEMM producing one operand. Default on in flowgen."""
         self.fuse_add_to_output = bool(mode)
 
     def allow_fuse_cast_scale(self, mode: bool = True):
+        """Casts and multiplies by a one-element tensor join neighbouring kernels. Default on in flowgen."""
         self.fuse_cast_scale = bool(mode)
 
     def set_gradient_accumulation_steps(self, value: int):
@@ -45,7 +70,14 @@ class GraphConfig:
         self.straighten = bool(mode)
 
     def enable_compress_memory(self, mode: bool = True):
+        """Search placement orders for the smallest arena (slower planning; see memory/search.py)."""
         self.compress_memory = bool(mode)
+
+    def set_outputs_buffer_size(self, value: int = 2):
+        """OneFlow keeps the outputs of the last `value` calls valid. flowgen copies every output into a
+        fresh tensor, so all earlier outputs stay valid whatever `value` is: there is no buffer to size."""
+        if int(value) < 1:
+            raise ValueError(f"set_outputs_buffer_size: expected a positive integer, got {value}")
 
     def __repr__(self):
         extra = "".join(f"{k}={v}, " for k, v in (("amp", self.amp), ("zero", self.zero)) if v)
