@@ -108,6 +108,16 @@ def _batched_2d(fn, x, *args, **kwargs):
 # --------------------------------------------------------------------------
 # linear / convolution
 
+def depend(input: Tensor, depend) -> Tensor:
+    """`input`, with an order-only dependency on `depend` (a tensor or a list of them): in a graph,
+    whatever reads the result runs after the kernels computing `depend`. Numerically the
+    identity; in eager mode (everything already ran in program order) it returns `input` itself."""
+    deps = list(depend) if isinstance(depend, (list, tuple)) else [depend]
+    if not any(t.is_lazy for t in [input] + deps):
+        return input
+    return apply("depend", input, *deps)
+
+
 def linear(input, weight, bias=None):
     """y = input @ weight.T + bias (weight is (out_features, in_features))."""
     out = _F.matmul(input, _F.transpose(weight, 0, 1))

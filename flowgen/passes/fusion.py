@@ -57,6 +57,8 @@ def _swaps_last_two(dims) -> bool:
 def _kind(node) -> str:
     if node.op == "constant":
         return "constant"
+    if node.op == "depend":
+        return "other"   # stays a view of its first input, ordered after the others: joins no kernel
     if node.op == "matmul":
         return "gemm"
     if node.op == "conv2d":

@@ -8,6 +8,7 @@ and read back lazily when eager code looks at it.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 
@@ -16,7 +17,8 @@ from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
-from flowgen.nn.graph.report import meta_repr
+from flowgen.nn.graph.io import flatten
+from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
@@ -92,6 +94,7 @@ class CompiledGraph:
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
 
     def run(self, args):
+        """One call with the flat input tensors (io.flatten of the call's arguments)."""
         from flowgen.tensor import Tensor
 
         for a in args:
@@ -132,55 +135,34 @@ def _module_hook(graph, tracer, paths: dict, io: dict):
     def hook(module, forward, args, kwargs):
         path = paths.get(id(module))
         if path is None:
+            warnings.warn(f"{module_header(module)} is called in a nn.Graph, but not registered into a nn.Graph; "
+                          f"its parameters are traced as constants (assign it as a graph or module attribute)",
+                          UserWarning, stacklevel=3)
             return forward(*args, **kwargs)
         tracer.scopes.append(path)
-        graph._log(1, f"(MODULE:{path}:{type(module).__name__}())")
-        inputs = [meta_repr(a, lazy=True) for a in args if hasattr(a, "is_lazy")]
-        for k, m in enumerate(inputs):
-            graph._log(1, f"(INPUT:_{path}-input_{k}:{m})")
+        graph._log(1, f"(MODULE:{path}:{module_header(module)})")
+        inputs = io_lines("INPUT", path, args, kwargs, lazy=True)
+        for line in inputs + state_lines(module, path):
+            graph._log(1, line)
         try:
             out = forward(*args, **kwargs)
         finally:
             tracer.scopes.pop()
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        outputs = [meta_repr(o, lazy=True) for o in outs if hasattr(o, "is_lazy")]
-        for k, m in enumerate(outputs):
-            graph._log(1, f"(OUTPUT:_{path}-output_{k}:{m})")
+        outputs = io_lines("OUTPUT", path, out if type(out) in (tuple, list) else (out,), {}, lazy=True)
+        for line in outputs:
+            graph._log(1, line)
         io[path] = {"inputs": inputs, "outputs": outputs}
         return out
     return hook
 
 
-def _output_structure(result):
-    """Flatten build()'s return value (tensors in nested tuples/lists/dicts); return the
-    flat tensors and a function that rebuilds the structure from output tensors."""
-    from flowgen.tensor import Tensor
-
-    flat = []
-
-    def walk(obj):
-        if isinstance(obj, Tensor):
-            flat.append(obj)
-            index = len(flat) - 1
-            return lambda ts: ts[index]
-        if isinstance(obj, (tuple, list)):
-            parts = [walk(o) for o in obj]
-            kind = type(obj) if type(obj) in (tuple, list) else tuple
-            return lambda ts: kind(p(ts) for p in parts)
-        if isinstance(obj, dict):
-            parts = {k: walk(v) for k, v in obj.items()}
-            return lambda ts: {k: p(ts) for k, p in parts.items()}
-        if obj is None:
-            return lambda ts: None
-        raise TraceError(f"build() must return tensors (possibly in tuples, lists or dicts) or None; "
-                         f"it returned a {type(obj).__name__}")
-
-    return flat, walk(result)
-
-
 def _conv_tiles(graph, ir, device) -> dict:
     """Measured conv tile choices when the graph asks for the search (on a GPU only)."""
-    if not graph.config.cudnn_conv_heuristic_search_algo or device.type != "cuda":
+    if not graph.config.cudnn_conv_heuristic_search_algo:
+        return {}
+    if device.type != "cuda":
+        warnings.warn(f"{graph.name}: enable_cudnn_conv_heuristic_search_algo has no effect on the {device.type} "
+                      f"device: conv tile shapes are timed on a GPU only", UserWarning, stacklevel=4)
         return {}
     from flowgen.runtime import cuda_driver
 
@@ -230,9 +212,12 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args):
+def compile_step(graph, args: tuple, kwargs: dict):
+    """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
+    other values are constants of this variant) and compile it."""
     cls = type(graph).__name__
-    device = _device_of(graph, args)
+    inputs, rebuild_call = flatten((args, kwargs), "input")
+    device = _device_of(graph, inputs)
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
@@ -261,13 +246,17 @@ def compile_step(graph, args):
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
         with tracer, random.preserved_dropout_stream():
-            lazy_args = [tracer.add_input(a, i) for i, a in enumerate(args)]
-            for k, a in enumerate(args):
-                graph._log(1, f"(INPUT:_{graph.name}-input_{k}:{meta_repr(a, lazy=False)})")
+            lazy_inputs = [tracer.add_input(a, i) for i, a in enumerate(inputs)]
+            graph._log(1, f"(GRAPH:{graph.name}:{cls}) start building forward graph.")
+            graph_inputs = io_lines("INPUT", graph.name, args, kwargs, lazy=False)
+            for line in graph_inputs:
+                graph._log(1, line)
             micro_outputs = []
             for j in range(steps):
-                result = graph.build(*(lazy_args if steps == 1 else _micro_batch(graph, lazy_args, j, steps)))
-                flat, structure = _output_structure(result)
+                lazy_args, lazy_kwargs = rebuild_call(
+                    lazy_inputs if steps == 1 else _micro_batch(graph, lazy_inputs, j, steps))
+                result = graph.build(*lazy_args, **lazy_kwargs)
+                flat, structure = flatten(result, "output of build()")
                 micro_outputs.append(flat)
                 if tracer.backward_roots:
                     # Differentiate this micro-batch now, so its activations die before the next one.
@@ -281,13 +270,16 @@ def compile_step(graph, args):
             tracer.graph.outputs = [tracer.value_of(t) for t in flat]
     finally:
         module_mod.set_module_call_hook(previous_hook)
-    io[""] = {"inputs": [meta_repr(a, lazy=False) for a in args],
-              "outputs": [meta_repr(t, lazy=True) for t in flat]}
+    io[""] = {"inputs": graph_inputs, "outputs": io_lines("OUTPUT", graph.name, (structure(flat),), {}, lazy=True)}
+    for line in io[""]["outputs"]:
+        graph._log(1, line)
+    graph._log(1, f"(GRAPH:{graph.name}:{cls}) end building forward graph.")
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
@@ -319,6 +311,8 @@ def compile_step(graph, args):
     executor = Executor(program, executor_backend)
     timings["compile"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) compiling plan and init graph runtime Done! Cost time: "
+                  f"{sum(timings[k] for k in ('passes', 'codegen', 'compile')):.2f}s.")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
     return compiled

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import collections
 import itertools
+import warnings
+
 from flowgen.nn.graph.config import GraphConfig
+from flowgen.nn.graph.io import flatten, signature
 from flowgen.nn.graph.proxy import ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
@@ -73,8 +76,22 @@ class Graph:
         return self.config.training
 
     def debug(self, v_level: int = 0, *, ranks=None, max_py_stack_depth: int = 2, only_user_py_stack=True):
-        """Print build/compile stages: 0 stages, 1 + modules, 2 + ops and IR per pass, 3 + locations."""
-        object.__setattr__(self, "_debug_level", int(v_level))
+        """Print what the next compile does: -1 nothing, 0 the stages with their times, 1 + each module
+        (constructor arguments, INPUT/PARAMETER/BUFFER/OUTPUT lines, as OneFlow prints them) and each
+        pass, 2 + each op and the IR after each pass, 3 + each op's source location.
+
+        `ranks`: a graph runs in this one process, rank 0; a list without 0 (or -1, all ranks)
+        prints nothing, as on OneFlow's rank 0. flowgen records one location per op (the innermost
+        frame of user code), so `max_py_stack_depth` and `only_user_py_stack` other than their
+        defaults warn that they cannot change it."""
+        if not -1 <= int(v_level) <= 3:
+            raise ValueError(f"debug: v_level must be in [-1, 3], got {v_level}")
+        if max_py_stack_depth != 2 or not only_user_py_stack:
+            warnings.warn("debug: flowgen records one source location per op (the innermost user frame); "
+                          "max_py_stack_depth and only_user_py_stack cannot change it", UserWarning, stacklevel=2)
+        rank_list = [0] if ranks is None else [ranks] if isinstance(ranks, int) else list(ranks)
+        level = int(v_level) if (0 in rank_list or -1 in rank_list) else -1
+        object.__setattr__(self, "_debug_level", level)
 
     def _log(self, level: int, text: str):
         if self._debug_level >= level:
@@ -82,30 +99,24 @@ class Graph:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
-        from flowgen.tensor import Tensor
-
-        if kwargs:
-            raise TypeError(f"{self._name}: keyword arguments to a graph call are not supported "
-                            f"({', '.join(kwargs)}); pass tensors positionally")
-        for i, a in enumerate(args):
-            if not isinstance(a, Tensor):
-                raise TypeError(f"{self._name}: argument {i} of build() is a {type(a).__name__}, but graph inputs "
-                                f"must be flowgen tensors (wrap it with flow.tensor(...) or make it an attribute)")
-        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        """Run build(*args, **kwargs) compiled. Tensors may sit in nested tuples, lists and dicts;
+        None, bool, int, float and str values pass through (a new value compiles a new variant)."""
+        inputs, _ = flatten((args, kwargs), f"{self._name} input")
+        key = signature((args, kwargs))
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
-                             f"{[meta_repr(a, lazy=False) for a in args]}: tracing and compiling a new variant "
+                             f"{[meta_repr(a, lazy=False) for a in inputs]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args)
+            variant = compile_step(self, args, kwargs)
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
                 self._variants.popitem(last=False)
         else:
             self._variants.move_to_end(key)
         object.__setattr__(self, "_last", variant)
-        return variant.run(args)
+        return variant.run(inputs)
 
     @property
     def compiled(self) -> CompiledGraph:
