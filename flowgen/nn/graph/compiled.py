@@ -17,7 +17,7 @@ from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
-from flowgen.nn.graph.io import flatten
+from flowgen.nn.graph.io import flatten, non_tensor_arguments
 from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.passes.autodiff import autodiff, next_value_index
@@ -136,8 +136,8 @@ def _module_hook(graph, tracer, paths: dict, io: dict):
         path = paths.get(id(module))
         if path is None:
             warnings.warn(f"{module_header(module)} is called in a nn.Graph, but not registered into a nn.Graph; "
-                          f"its parameters are traced as constants (assign it as a graph or module attribute)",
-                          UserWarning, stacklevel=3)
+                          f"its parameters and buffers, if any, are read as constants (assign it as an attribute "
+                          f"of the graph or of a registered module)", UserWarning, stacklevel=3)
             return forward(*args, **kwargs)
         tracer.scopes.append(path)
         graph._log(1, f"(MODULE:{path}:{module_header(module)})")
@@ -255,7 +255,15 @@ def compile_step(graph, args: tuple, kwargs: dict):
             for j in range(steps):
                 lazy_args, lazy_kwargs = rebuild_call(
                     lazy_inputs if steps == 1 else _micro_batch(graph, lazy_inputs, j, steps))
-                result = graph.build(*lazy_args, **lazy_kwargs)
+                try:
+                    result = graph.build(*lazy_args, **lazy_kwargs)
+                except (TypeError, AttributeError) as exc:
+                    python_values = non_tensor_arguments(args, kwargs)
+                    if not python_values:
+                        raise
+                    raise TypeError(f"{graph.name}: build() failed ({exc}); {', '.join(python_values)}: values "
+                                    f"other than tensors reach build() as they are (OneFlow does the same); "
+                                    f"wrap data with flow.tensor(...) to make it a graph input") from exc
                 flat, structure = flatten(result, "output of build()")
                 micro_outputs.append(flat)
                 if tracer.backward_roots:

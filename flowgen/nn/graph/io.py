@@ -76,3 +76,11 @@ def leaf_names(args, kwargs: dict, prefix: str) -> list:
     for k, v in kwargs.items():
         walk(v, f"{prefix}_{k}")
     return out
+
+
+def non_tensor_arguments(args, kwargs: dict) -> list:
+    """`argument 0 is a list`, `argument 'scale' is a float`: the call's arguments holding Python
+    values other than None (for errors raised when build() uses one as if it were a tensor)."""
+    named = [(str(k), v) for k, v in enumerate(args)] + [(repr(k), v) for k, v in kwargs.items()]
+    return [f"argument {k} is a {type(v).__name__}" for k, v in named
+            if any(not isinstance(leaf, (Tensor, type(None))) for _, leaf in leaf_names((v,), {}, ""))]
