@@ -206,9 +206,11 @@ def test_proxy_and_graph_module_api():
     blocks = Blocks()
     graph = CastLossGraph(blocks)
     assert isinstance(graph.model, Proxy) and isinstance(graph.model.heads["left"], Proxy)
+    assert isinstance(graph.model, Blocks) and isinstance(graph.model.heads["left"], nn.Linear)
     left = graph.model.heads["left"].to(GraphModule)
     assert (left.name, left.name_prefix, left.type) == ("left", "model.heads.", "MODULE")
     assert graph.model.heads["left"].to(nn.Module) is blocks.heads["left"]
+    assert InferGraph(graph.model).model.to(nn.Module) is blocks   # a proxy given to another graph
     last = graph.model.layers[-1].to(GraphModule)
     assert (last.name, last.name_prefix) == ("2", "model.layers.")
     assert [p.to(GraphModule).name for p in graph.model.layers] == ["0", "1", "2"]

@@ -14,7 +14,7 @@ import warnings
 
 from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.io import flatten, signature
-from flowgen.nn.graph.proxy import ProxyModule
+from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
 
@@ -48,6 +48,8 @@ class Graph:
 
         if not hasattr(self, "_modules"):
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
+        if isinstance(value, Proxy):
+            value = value.to(Module)   # another graph's module: wrap the module itself
         if isinstance(value, Module):
             self._modules[name] = value
             object.__setattr__(self, name, ProxyModule(value, name, self._module_configs))

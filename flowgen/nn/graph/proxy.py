@@ -71,6 +71,12 @@ class ProxyModule(Proxy):
         object.__setattr__(self, "_path", path)
         object.__setattr__(self, "_configs", configs)   # path -> GraphModule, shared by the graph
 
+    @property
+    def __class__(self):
+        """The wrapped module's class, so `isinstance(graph.model.fc, nn.Linear)` holds in build() as in
+        OneFlow; `isinstance(graph.model, Proxy)` holds too (Python checks the real type first)."""
+        return type(self._origin)
+
     def _wrap(self, value):
         """A child module comes back wrapped under its own name (`-1` of a list is its last index)."""
         for name, child in self._origin._modules.items():
