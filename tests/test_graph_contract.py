@@ -153,6 +153,9 @@ def test_zero_and_set_stage_warn_that_they_have_no_effect_on_one_device():
         graph.model.fc.to(GraphModule).set_stage(0)
     with pytest.raises(ValueError, match="set_outputs_buffer_size"):
         graph.config.set_outputs_buffer_size(0)
+    graph.config.enable_cudnn_conv_heuristic_search_algo(True)
+    with pytest.warns(UserWarning, match=r"enable_cudnn_conv_heuristic_search_algo has no effect on the cpu"):
+        graph(flow.randn(4, 8))
 
 
 # ----------------------------------------------------------------- graph I/O
@@ -183,10 +186,14 @@ def test_graph_takes_keywords_nested_structures_and_non_tensor_values():
     assert isinstance(extra["kw"], tuple)
     np.testing.assert_array_equal(extra["kw"][1].numpy(), k.numpy())
     # a different non-tensor value is a different program
+    graph.config.set_outputs_buffer_size(1)
     again = graph(t, [a, {"b": b}], None, scale=-1.0, kw=(c, k))[0]
     np.testing.assert_allclose(again.numpy(), t.numpy() * -2, rtol=1e-6)
-    with pytest.raises(TypeError, match=r"input.*is a set"):
-        graph(t, {1, 2}, None)
+    # outputs are fresh tensors: the first call's are still valid after later calls
+    graph(t * 0, [a, {"b": b}], None, scale=3.0, kw=(c, k))
+    np.testing.assert_allclose(doubled.numpy(), t.numpy() * 6, rtol=1e-6)
+    with pytest.raises(TypeError, match=r"argument 1\[0\] is a set"):
+        graph(t, [{1, 2}], None)
 
 
 # ----------------------------------------------------------------- Proxy / GraphModule

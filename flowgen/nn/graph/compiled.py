@@ -17,7 +17,7 @@ from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
-from flowgen.nn.graph.io import flatten, non_tensor_arguments
+from flowgen.nn.graph.io import flatten, flatten_call, non_tensor_arguments
 from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.passes.autodiff import autodiff, next_value_index
@@ -216,7 +216,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it."""
     cls = type(graph).__name__
-    inputs, rebuild_call = flatten((args, kwargs), "input")
+    inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
     timings = {}
     start = time.perf_counter()
@@ -264,7 +264,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
                     raise TypeError(f"{graph.name}: build() failed ({exc}); {', '.join(python_values)}: values "
                                     f"other than tensors reach build() as they are (OneFlow does the same); "
                                     f"wrap data with flow.tensor(...) to make it a graph input") from exc
-                flat, structure = flatten(result, "output of build()")
+                flat, structure = flatten(result, f"{graph.name}: the output of build()")
                 micro_outputs.append(flat)
                 if tracer.backward_roots:
                     # Differentiate this micro-batch now, so its activations die before the next one.

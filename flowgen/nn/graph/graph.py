@@ -13,7 +13,7 @@ import itertools
 import warnings
 
 from flowgen.nn.graph.config import GraphConfig
-from flowgen.nn.graph.io import flatten, signature
+from flowgen.nn.graph.io import flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
@@ -103,7 +103,7 @@ class Graph:
     def __call__(self, *args, **kwargs):
         """Run build(*args, **kwargs) compiled. Tensors may sit in nested tuples, lists and dicts;
         None, bool, int, float and str values pass through (a new value compiles a new variant)."""
-        inputs, _ = flatten((args, kwargs), f"{self._name} input")
+        inputs, _ = flatten_call(args, kwargs, self._name)
         key = signature((args, kwargs))
         variant = self._variants.get(key)
         if variant is None:

@@ -22,27 +22,37 @@ def _rebuild_sequence(obj, parts):
     return lambda ts: kind(p(ts) for p in parts)
 
 
-def flatten(obj, what: str = "value"):
+def _walk(item, where: str, flat: list):
+    """Append `item`'s tensors to `flat`; return a function rebuilding `item` from replacements."""
+    if isinstance(item, Tensor):
+        flat.append(item)
+        index = len(flat) - 1
+        return lambda ts: ts[index]
+    if isinstance(item, (tuple, list)):
+        return _rebuild_sequence(item, [_walk(v, f"{where}[{k}]", flat) for k, v in enumerate(item)])
+    if isinstance(item, dict):
+        kind = type(item) if type(item).__init__ is dict.__init__ else dict
+        parts = {k: _walk(v, f"{where}[{k!r}]", flat) for k, v in item.items()}
+        return lambda ts: kind((k, p(ts)) for k, p in parts.items())
+    if isinstance(item, PASSED_THROUGH):
+        return lambda ts: item
+    raise TypeError(f"{where} is a {type(item).__name__}; graph inputs and outputs may hold tensors in tuples, "
+                    f"lists and dicts, and None, bool, int, float or str values (wrap data with flow.tensor(...))")
+
+
+def flatten(obj, what: str):
     """(tensors, rebuild): `rebuild(replacements)` is `obj` with its k-th tensor replaced."""
     flat = []
+    rebuild = _walk(obj, what, flat)
+    return flat, rebuild
 
-    def walk(item, where):
-        if isinstance(item, Tensor):
-            flat.append(item)
-            index = len(flat) - 1
-            return lambda ts: ts[index]
-        if isinstance(item, (tuple, list)):
-            return _rebuild_sequence(item, [walk(v, f"{where}[{k}]") for k, v in enumerate(item)])
-        if isinstance(item, dict):
-            kind = type(item) if type(item).__init__ is dict.__init__ else dict
-            parts = {k: walk(v, f"{where}[{k!r}]") for k, v in item.items()}
-            return lambda ts: kind((k, p(ts)) for k, p in parts.items())
-        if isinstance(item, PASSED_THROUGH):
-            return lambda ts: item
-        raise TypeError(f"{where} is a {type(item).__name__}; a graph {what} may hold tensors in tuples, lists "
-                        f"and dicts, and None, bool, int, float or str values")
 
-    return flat, walk(obj, what)
+def flatten_call(args: tuple, kwargs: dict, owner: str):
+    """`flatten` for a call: errors name the argument (`G_0: argument 1[0]`); `rebuild` gives (args, kwargs)."""
+    flat = []
+    positional = [_walk(v, f"{owner}: argument {k}", flat) for k, v in enumerate(args)]
+    keywords = {k: _walk(v, f"{owner}: argument {k!r}", flat) for k, v in kwargs.items()}
+    return flat, lambda ts: (tuple(p(ts) for p in positional), {k: p(ts) for k, p in keywords.items()})
 
 
 def signature(obj):
