@@ -9,6 +9,7 @@ calls with the same signature reuse that compiled variant.
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
 import warnings
 
@@ -68,6 +69,15 @@ class Graph:
 
     def build(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must override build(); see flow.nn.Graph's docstring")
+
+    @staticmethod
+    def trace(func):
+        """`@flow.nn.Graph.trace` on a function: a graph whose build() calls it (OneFlow's quick way to
+        run a function compiled; modules it calls are not registered, so their parameters are constants)."""
+        if not inspect.isfunction(func):
+            raise TypeError(f"nn.Graph.trace takes a function, got {type(func).__name__}")
+        cls = type(f"{func.__name__}_graph", (Graph,), {"build": lambda self, *args, **kwargs: func(*args, **kwargs)})
+        return cls()
 
     @property
     def name(self) -> str:
