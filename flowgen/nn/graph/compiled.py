@@ -141,14 +141,14 @@ def _module_hook(graph, tracer, paths: dict, io: dict):
             return forward(*args, **kwargs)
         tracer.scopes.append(path)
         graph._log(1, f"(MODULE:{path}:{module_header(module)})")
-        inputs = io_lines("INPUT", path, args, kwargs, lazy=True)
+        inputs = io_lines("INPUT", path, args, kwargs)
         for line in inputs + state_lines(module, path):
             graph._log(1, line)
         try:
             out = forward(*args, **kwargs)
         finally:
             tracer.scopes.pop()
-        outputs = io_lines("OUTPUT", path, out if type(out) in (tuple, list) else (out,), {}, lazy=True)
+        outputs = io_lines("OUTPUT", path, out if type(out) in (tuple, list) else (out,), {})
         for line in outputs:
             graph._log(1, line)
         io[path] = {"inputs": inputs, "outputs": outputs}
@@ -248,7 +248,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
         with tracer, random.preserved_dropout_stream():
             lazy_inputs = [tracer.add_input(a, i) for i, a in enumerate(inputs)]
             graph._log(1, f"(GRAPH:{graph.name}:{cls}) start building forward graph.")
-            graph_inputs = io_lines("INPUT", graph.name, args, kwargs, lazy=False)
+            graph_inputs = io_lines("INPUT", graph.name, args, kwargs)
             for line in graph_inputs:
                 graph._log(1, line)
             micro_outputs = []
@@ -278,7 +278,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
             tracer.graph.outputs = [tracer.value_of(t) for t in flat]
     finally:
         module_mod.set_module_call_hook(previous_hook)
-    io[""] = {"inputs": graph_inputs, "outputs": io_lines("OUTPUT", graph.name, (structure(flat),), {}, lazy=True)}
+    io[""] = {"inputs": graph_inputs, "outputs": io_lines("OUTPUT", graph.name, (structure(flat),), {})}
     for line in io[""]["outputs"]:
         graph._log(1, line)
     graph._log(1, f"(GRAPH:{graph.name}:{cls}) end building forward graph.")

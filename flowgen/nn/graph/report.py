@@ -40,13 +40,13 @@ def module_header(module) -> str:
     return f"{type(module).__name__}({extra})"
 
 
-def io_lines(kind: str, owner: str, args, kwargs: dict, lazy: bool) -> list:
+def io_lines(kind: str, owner: str, args, kwargs: dict) -> list:
     """`(INPUT:_model-input_0:tensor(...))` for each leaf; a non-tensor leaf is flagged the way
     OneFlow flags it: `[WARNING](INPUT:_model-input_1:<class 'int'>)`."""
     lines = []
     for name, leaf in leaf_names(args, kwargs, f"_{owner}-{kind.lower()}"):
         if hasattr(leaf, "is_lazy"):
-            lines.append(f"({kind}:{name}:{meta_repr(leaf, lazy=lazy)})")
+            lines.append(f"({kind}:{name}:{meta_repr(leaf, lazy=leaf.is_lazy)})")
         else:
             lines.append(f"[WARNING]({kind}:{name}:{type(leaf)})")
     return lines
