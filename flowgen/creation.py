@@ -21,7 +21,7 @@ from flowgen.random import initial_seed, manual_seed  # noqa: F401  (re-exported
 from flowgen.tensor import Tensor, c_array
 
 __all__ = [
-    "tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
+    "tensor", "as_tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
     "randn", "rand", "randint", "randperm", "normal", "zeros_like", "ones_like", "full_like", "empty_like",
     "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "cuda",
 ]
@@ -67,8 +67,9 @@ def _plain(data):
 def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
     """A new tensor holding a copy of `data` (list, scalar, ndarray or tensor).
 
-    Python floats and float64 arrays become float32 (flowgen's default float),
-    Python ints int64, bools bool; pass ``dtype=`` to choose.
+    Python floats become float32 (flowgen's default float), Python ints int64, bools
+    bool; NumPy arrays and NumPy scalars keep their dtype (float64 stays float64, as in
+    PyTorch and OneFlow); pass ``dtype=`` to choose.
     """
     if isinstance(data, Tensor):
         if data.is_lazy:
@@ -81,7 +82,8 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
         arr = np.array(_plain(data))
         if arr.dtype == object:
             raise TypeError(f"flow.tensor: cannot build a tensor from {type(data).__name__} data {data!r}")
-        if dtype is None and arr.dtype == np.float64:
+        keeps_dtype = isinstance(data, (np.ndarray, np.generic))
+        if dtype is None and arr.dtype == np.float64 and not keeps_dtype:
             dtype = dt.float32
     return _make(arr, dtype, device, requires_grad)
 
@@ -99,6 +101,11 @@ def from_numpy(array: np.ndarray) -> Tensor:
     """A tensor sharing `array`'s memory when it is contiguous (dtype kept, float64 included)."""
     array = np.asarray(array)
     return _make(array, dt.from_numpy(array.dtype), None, False)
+
+
+def from_dlpack(ext) -> Tensor:
+    """A tensor sharing the memory of any DLPack producer on the CPU (``torch`` tensors, NumPy arrays)."""
+    return from_numpy(np.from_dlpack(ext))
 
 
 # ------------------------------------------------------------------ constant fills

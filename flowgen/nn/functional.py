@@ -700,3 +700,95 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction, "binary_cross_entropy_with_logits")
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """KL(target || exp(input)) pointwise: target * (log target - input), 0 where target == 0
+    (`log_target`: target holds log-probabilities). "batchmean" divides the sum by the batch size."""
+    if reduction not in _REDUCTIONS + ("batchmean",):
+        raise ValueError(f"kl_div: {reduction!r} is not a valid value for reduction "
+                         f"(expected one of {_REDUCTIONS + ('batchmean',)})")
+    if log_target:
+        loss = _F.exp(target) * (target - input)
+    else:
+        safe_log = _F.log(_F.where(target > 0, target, 1.0))
+        loss = _F.where(target > 0, target * (safe_log - input), 0.0)
+    if reduction == "batchmean":
+        return _sum_all(loss) * (1.0 / (input.shape[0] if input.ndim else 1))
+    return _reduce(loss, reduction, "kl_div")
+
+
+def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    """max(0, -target * (input1 - input2) + margin)."""
+    _check_reduction(reduction, "margin_ranking_loss")
+    return _reduce(_F.clamp_min(-target * (input1 - input2) + margin, 0.0), reduction, "margin_ranking_loss")
+
+
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """x1 . x2 / max(|x1| |x2|, eps) along `dim` (PyTorch's formula: the product of norms is clamped)."""
+    dot = _F.sum(x1 * x2, dim)
+    norms = _F.sqrt(_F.sum(x1 * x1, dim) * _F.sum(x2 * x2, dim))
+    return dot / _F.clamp_min(norms, eps)
+
+
+def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
+    """|x1 - x2 + eps|_p over the last dim."""
+    return _F.norm(x1 - x2 + eps, p, -1, keepdim)
+
+
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """input / max(|input|_p, eps) along `dim`."""
+    if out is not None:
+        raise ValueError("normalize: out= is not supported; use the returned tensor")
+    return input / _F.clamp_min(_F.norm(input, p, dim, keepdim=True), eps)
+
+
+def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    """1 - cos(x1, x2) where target == 1, max(0, cos(x1, x2) - margin) where target == -1."""
+    _check_reduction(reduction, "cosine_embedding_loss")
+    # PyTorch's own eps placement: 1e-12 added to each squared norm before the product.
+    dim = input1.ndim - 1
+    dot = _F.sum(input1 * input2, dim)
+    cos = dot / _F.sqrt((_F.sum(input1 * input1, dim) + 1e-12) * (_F.sum(input2 * input2, dim) + 1e-12))
+    loss = _F.where(target == 1, 1.0 - cos, _F.where(target == -1, _F.clamp_min(cos - margin, 0.0), 0.0))
+    return _reduce(loss, reduction, "cosine_embedding_loss")
+
+
+def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6, swap=False, size_average=None,
+                        reduce=None, reduction="mean"):
+    """max(d(a, p) - d(a, n) + margin, 0) with d the pairwise p-distance (`swap`: d(a, n) becomes
+    min(d(a, n), d(p, n)), the distance swap of Balntas et al.)."""
+    _check_reduction(reduction, "triplet_margin_loss")
+    d_pos = pairwise_distance(anchor, positive, p, eps)
+    d_neg = pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        d_neg = _F.minimum(d_neg, pairwise_distance(positive, negative, p, eps))
+    return _reduce(_F.clamp_min(d_pos - d_neg + margin, 0.0), reduction, "triplet_margin_loss")
+
+
+def pixel_shuffle(input, upscale_factor):
+    """(*, C r^2, H, W) -> (*, C, H r, W r): sub-pixel rearrangement (reshape + permute)."""
+    r = int(upscale_factor)
+    *lead, c, h, w = input.shape
+    if c % (r * r):
+        raise ValueError(f"pixel_shuffle: channels {c} not divisible by upscale_factor^2 = {r * r}")
+    n = len(lead)
+    x = _F.reshape(input, (*lead, c // (r * r), r, r, h, w))
+    x = _F.permute(x, (*range(n), n, n + 3, n + 1, n + 4, n + 2))
+    return _F.reshape(x, (*lead, c // (r * r), h * r, w * r))
+
+
+def pixel_unshuffle(input, downscale_factor):
+    """(*, C, H r, W r) -> (*, C r^2, H, W): the inverse of pixel_shuffle."""
+    r = int(downscale_factor)
+    *lead, c, h, w = input.shape
+    if h % r or w % r:
+        raise ValueError(f"pixel_unshuffle: spatial size ({h}, {w}) not divisible by downscale_factor {r}")
+    n = len(lead)
+    x = _F.reshape(input, (*lead, c, h // r, r, w // r, r))
+    x = _F.permute(x, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
+    return _F.reshape(x, (*lead, c * r * r, h // r, w // r))
+
+
+__all__ += ["kl_div", "margin_ranking_loss", "cosine_similarity", "pairwise_distance", "normalize",
+            "cosine_embedding_loss", "triplet_margin_loss", "pixel_shuffle", "pixel_unshuffle"]

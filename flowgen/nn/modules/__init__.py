@@ -3,10 +3,13 @@ from flowgen.nn.modules.activation import (ELU, GELU, Hardsigmoid, Hardswish, Ha
                                            ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh)
 from flowgen.nn.modules.conv import Conv2d
 from flowgen.nn.modules.dropout import Dropout
-from flowgen.nn.modules.flatten import Flatten
+from flowgen.nn.modules.flatten import Flatten, Unflatten
 from flowgen.nn.modules.linear import Linear
-from flowgen.nn.modules.loss import BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss
+from flowgen.nn.modules.loss import (BCELoss, BCEWithLogitsLoss, CosineEmbeddingLoss, CrossEntropyLoss, HuberLoss,
+                                     KLDivLoss, L1Loss, MarginRankingLoss, MSELoss, NLLLoss, SmoothL1Loss,
+                                     TripletMarginLoss)
 from flowgen.nn.modules.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, InstanceNorm2d, LayerNorm
+from flowgen.nn.modules.pixelshuffle import PixelShuffle, PixelUnshuffle
 from flowgen.nn.modules.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
 from flowgen.nn.modules.sparse import Embedding
 from flowgen.nn.modules.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
@@ -16,5 +19,7 @@ __all__ = [
     "Sigmoid", "SiLU", "Softmax", "Softplus", "Tanh", "Conv2d", "Dropout", "Flatten",
     "Linear", "BCEWithLogitsLoss", "CrossEntropyLoss", "L1Loss", "MSELoss", "NLLLoss", "BatchNorm1d", "BatchNorm2d",
     "GroupNorm", "InstanceNorm2d", "LayerNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d", "Embedding",
-    "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
+    "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d", "Unflatten", "BCELoss", "CosineEmbeddingLoss",
+    "HuberLoss", "KLDivLoss", "MarginRankingLoss", "SmoothL1Loss", "TripletMarginLoss", "PixelShuffle",
+    "PixelUnshuffle",
 ]
