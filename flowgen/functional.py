@@ -984,6 +984,25 @@ def unflatten(x, dim, sizes):
     return reshape(x, tuple(x.shape[:d]) + tuple(sizes) + tuple(x.shape[d + 1:]))
 
 
+def repeat_interleave(x, repeats, dim=None):
+    """Repeat each element `repeats` times along `dim` (flattened when None); `repeats` is an int
+    (a tensor of per-element counts gives a data-dependent shape: eager only)."""
+    if dim is None:
+        x, dim = flatten(x), 0
+    d = normalize_dim(dim, x.ndim, op="repeat_interleave")
+    if _is_tensor(repeats):
+        if repeats.is_lazy:
+            raise RuntimeError("repeat_interleave: per-element repeat counts give a data-dependent shape, which "
+                               "nn.Graph cannot compile; pass an int")
+        counts = repeats.numpy_view().astype(np.int64).reshape(-1)
+        index = Tensor(np.repeat(np.arange(x.shape[d], dtype=np.int64), counts), device=x.device)
+        return apply("index_select", x, index, dim=d)
+    r = int(repeats)
+    shape = tuple(x.shape)
+    y = expand(unsqueeze(x, d + 1), shape[:d + 1] + (r,) + shape[d + 1:])
+    return reshape(y, shape[:d] + (shape[d] * r,) + shape[d + 1:])
+
+
 def _triangle_mask(x, diagonal, lower, name):
     if x.ndim < 2:
         raise ValueError(f"{name}: expects a tensor with at least 2 dims, got shape {tuple(x.shape)}")

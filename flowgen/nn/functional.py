@@ -792,3 +792,41 @@ def pixel_unshuffle(input, downscale_factor):
 
 __all__ += ["kl_div", "margin_ranking_loss", "cosine_similarity", "pairwise_distance", "normalize",
             "cosine_embedding_loss", "triplet_margin_loss", "pixel_shuffle", "pixel_unshuffle"]
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """softmax(q k^T * scale + mask) v over the last two dims (PyTorch's semantics).
+
+    `attn_mask`: bool (True = may attend) or float (added to the scores), broadcast to (..., L, S);
+    `is_causal`: query i attends keys j <= i (top-left aligned); `dropout_p` drops attention weights
+    (always, as torch's functional form); `enable_gqa`: key/value heads are repeated to the query's.
+    Built from matmul/softmax ops, so it runs (and differentiates) inside nn.Graph; the [L, S] scores
+    are materialised.
+    """
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
+        raise ValueError(f"scaled_dot_product_attention: query/key/value need at least 2 dims, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if enable_gqa and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = _F.repeat_interleave(key, groups, dim=key.ndim - 3)
+        value = _F.repeat_interleave(value, groups, dim=value.ndim - 3)
+    length, source = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scores = _F.matmul(query, _F.transpose(key, -2, -1)) * scale
+    if is_causal:
+        attn_mask = Tensor(np.tri(length, source, dtype=bool), device=query.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == dt.bool_:
+            scores = _F.where(attn_mask, scores, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = _F.softmax(scores, -1)
+    if dropout_p > 0.0:
+        weights = dropout(weights, dropout_p, training=True)
+    return _F.matmul(weights, value)
+
+
+__all__ += ["scaled_dot_product_attention"]

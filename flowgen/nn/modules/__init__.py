@@ -11,7 +11,10 @@ from flowgen.nn.modules.loss import (BCELoss, BCEWithLogitsLoss, CosineEmbedding
 from flowgen.nn.modules.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, InstanceNorm2d, LayerNorm
 from flowgen.nn.modules.pixelshuffle import PixelShuffle, PixelUnshuffle
 from flowgen.nn.modules.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
+from flowgen.nn.modules.rnn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell
 from flowgen.nn.modules.sparse import Embedding
+from flowgen.nn.modules.transformer import (MultiheadAttention, Transformer, TransformerDecoder,
+                                            TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
 from flowgen.nn.modules.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__ = [
@@ -21,5 +24,6 @@ __all__ = [
     "GroupNorm", "InstanceNorm2d", "LayerNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d", "Embedding",
     "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d", "Unflatten", "BCELoss", "CosineEmbeddingLoss",
     "HuberLoss", "KLDivLoss", "MarginRankingLoss", "SmoothL1Loss", "TripletMarginLoss", "PixelShuffle",
-    "PixelUnshuffle",
+    "PixelUnshuffle", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNBase", "RNNCell", "MultiheadAttention",
+    "Transformer", "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer",
 ]
