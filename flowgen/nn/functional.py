@@ -830,3 +830,136 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 __all__ += ["scaled_dot_product_attention"]
+
+
+# --------------------------------------------------------------------------
+# 1-d and 3-d layers and transposed convolutions, built on the 2-d ops
+# (so they train eagerly and run in nn.Graph through the conv/pool kernel families)
+
+def _single(v, name):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 1:
+            raise ValueError(f"{name} must be an int or a 1-tuple, got {v!r}")
+        return int(v[0])
+    return int(v)
+
+
+def _triple(v, name):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 3:
+            raise ValueError(f"{name} must be an int or a triple of ints, got {v!r}")
+        return tuple(int(x) for x in v)
+    return (int(v),) * 3
+
+
+def _batched_1d(fn, x, name):
+    """Run a (N, C, L) function on an unbatched (C, L) input too."""
+    if x.ndim == 2:
+        return _F.squeeze(fn(_F.unsqueeze(x, 0)), 0)
+    if x.ndim != 3:
+        raise ValueError(f"{name}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
+    return fn(x)
+
+
+def _as_2d(x):      # (N, C, L) -> (N, C, 1, L)
+    return _F.unsqueeze(x, 2)
+
+
+def _from_2d(y):    # (N, C, 1, L) -> (N, C, L)
+    return _F.squeeze(y, 2)
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """1-d convolution over (N, C, L): a conv2d over (N, C, 1, L). ``padding`` may be 'valid'/'same'."""
+    pad_arg = padding if isinstance(padding, str) else (0, _single(padding, "padding"))
+    w2 = _F.unsqueeze(weight, 2)
+    return _batched_1d(lambda x: _from_2d(conv2d(_as_2d(x), w2, bias, stride=(1, _single(stride, "stride")),
+                                                 padding=pad_arg, dilation=(1, _single(dilation, "dilation")),
+                                                 groups=groups)), input, "conv1d")
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """3-d convolution over (N, C, D, H, W): for each depth tap, one conv2d over the (strided, dilated)
+    depth slices batched together, summed over the taps."""
+    if input.ndim == 4:
+        return _F.squeeze(conv3d(_F.unsqueeze(input, 0), weight, bias, stride, padding, dilation, groups), 0)
+    if input.ndim != 5:
+        raise ValueError(f"conv3d: expected a 4-D or 5-D input, got shape {tuple(input.shape)}")
+    (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = (_triple(stride, "stride"), _triple(padding, "padding"),
+                                                _triple(dilation, "dilation"))
+    n, c, depth = input.shape[:3]
+    out_c, _, kd = weight.shape[:3]
+    out_d = (depth + 2 * pd - dd * (kd - 1) - 1) // sd + 1
+    if out_d <= 0:
+        raise ValueError(f"conv3d: kernel depth {kd} (dilation {dd}) is larger than the padded input depth "
+                         f"{depth + 2 * pd}")
+    x = pad(input, [0, 0, 0, 0, pd, pd]) if pd else input
+    total = None
+    for tap in range(kd):
+        start = tap * dd
+        slices = x[:, :, start:start + sd * (out_d - 1) + 1:sd]                     # (N, C, out_d, H, W)
+        flat = _F.reshape(_F.permute(slices, (0, 2, 1, 3, 4)), (n * out_d, c) + tuple(x.shape[3:]))
+        y = apply("conv2d", flat, weight[:, :, tap], stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw),
+                  groups=int(groups))
+        total = y if total is None else total + y
+    out = _F.permute(_F.reshape(total, (n, out_d) + tuple(total.shape[1:])), (0, 2, 1, 3, 4))
+    if bias is not None:
+        out = out + _F.reshape(bias, (1, out_c, 1, 1, 1))
+    return out
+
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """Transposed 2-d convolution: the adjoint of conv2d (its input gradient). weight (C_in, C_out/groups, kH, kW)."""
+    stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
+    output_padding, dilation = _pair(output_padding, "output_padding"), _pair(dilation, "dilation")
+    for op_, s_, d_ in zip(output_padding, stride, dilation):
+        if op_ >= max(s_, d_):
+            raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller than either "
+                             f"stride {stride} or dilation {dilation}")
+
+    def run(x):
+        n, c, h, w = x.shape
+        if c != weight.shape[0]:
+            raise RuntimeError(f"conv_transpose2d: input has {c} channels but weight expects {weight.shape[0]}")
+        k = weight.shape[2:]
+        out_hw = tuple((size - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1) + output_padding[i] + 1
+                       for i, size in enumerate((h, w)))
+        out = apply("conv2d_grad_input", x, weight, input_shape=(n, weight.shape[1] * groups) + out_hw,
+                    stride=stride, padding=padding, dilation=dilation, groups=int(groups))
+        if bias is not None:
+            out = out + _F.reshape(bias, (1, -1, 1, 1))
+        return out
+
+    return _batched_2d(run, input)
+
+
+def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    w2 = _F.unsqueeze(weight, 2)
+    return _batched_1d(lambda x: _from_2d(conv_transpose2d(
+        _as_2d(x), w2, bias, stride=(1, _single(stride, "stride")), padding=(0, _single(padding, "padding")),
+        output_padding=(0, _single(output_padding, "output_padding")), groups=groups,
+        dilation=(1, _single(dilation, "dilation")))), input, "conv_transpose1d")
+
+
+def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    k = _single(kernel_size, "kernel_size")
+    s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
+    return _batched_1d(lambda x: _from_2d(max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                     (1, _single(dilation, "dilation")), ceil_mode,
+                                                     return_indices)), input, "max_pool1d")
+
+
+def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
+    k = _single(kernel_size, "kernel_size")
+    s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
+    return _batched_1d(lambda x: _from_2d(avg_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                     ceil_mode, count_include_pad)), input, "avg_pool1d")
+
+
+def adaptive_avg_pool1d(input, output_size):
+    size = _single(output_size, "output_size")
+    return _batched_1d(lambda x: _from_2d(adaptive_avg_pool2d(_as_2d(x), (1, size))), input, "adaptive_avg_pool1d")
+
+
+__all__ += ["conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "avg_pool1d",
+            "adaptive_avg_pool1d"]
