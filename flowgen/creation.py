@@ -39,6 +39,17 @@ def _size(args, name="size") -> tuple:
     return size
 
 
+def _keyword_size(size, keyword, name):
+    """`size` given positionally or as ``size=`` (``flow.zeros(size=(2, 3))``)."""
+    if set(keyword) - {"size"}:
+        raise TypeError(f"{name}() got an unexpected keyword argument {sorted(set(keyword) - {'size'})[0]!r}")
+    if keyword:
+        if size:
+            raise TypeError(f"{name}() got the size twice: positionally and as size=")
+        return (keyword["size"],)
+    return size
+
+
 def _make(arr, dtype, device, requires_grad) -> Tensor:
     target = dt.get(dtype) if dtype is not None else None
     t = Tensor.__new__(Tensor)
@@ -116,17 +127,17 @@ def _fill(size_args, value, dtype, device, requires_grad, default=dt.float32, na
     return _make(arr, target, device, requires_grad)
 
 
-def zeros(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    return _fill(size, 0, dtype, device, requires_grad, name="zeros")
+def zeros(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
+    return _fill(_keyword_size(size, keyword, "zeros"), 0, dtype, device, requires_grad, name="zeros")
 
 
-def ones(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    return _fill(size, 1, dtype, device, requires_grad, name="ones")
+def ones(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
+    return _fill(_keyword_size(size, keyword, "ones"), 1, dtype, device, requires_grad, name="ones")
 
 
-def empty(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
+def empty(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
     """Uninitialised in PyTorch; zeros here (NumPy gives no cheaper safe choice)."""
-    return _fill(size, 0, dtype, device, requires_grad, name="empty")
+    return _fill(_keyword_size(size, keyword, "empty"), 0, dtype, device, requires_grad, name="empty")
 
 
 def _scalar_dtype(value):

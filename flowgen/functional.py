@@ -67,6 +67,18 @@ def _shape_args(args, name) -> tuple:
         raise TypeError(f"{name}: expected ints or one sequence of ints, got {args!r}") from None
 
 
+def _keyword_sizes(positional, keyword, names, fn):
+    """Sizes given positionally or by one of the keyword `names` (``x.reshape(shape=(2, 3))``)."""
+    unknown = set(keyword) - set(names)
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    if keyword:
+        if positional or len(keyword) > 1:
+            raise TypeError(f"{fn}() got the sizes twice: positionally and as {'/'.join(keyword)}=")
+        return (next(iter(keyword.values())),)
+    return positional
+
+
 # =================================================================== arithmetic
 def add(a, b, alpha=1):
     return apply("add", a, b if alpha == 1 else mul(b, alpha))
@@ -430,9 +442,10 @@ def all(x, dim=None, keepdim=False):  # noqa: A001
 
 
 # =================================================================== shapes
-def reshape(x, *shape):
-    """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`."""
-    shape = _shape_args(shape, "reshape")
+def reshape(x, *shape, **keyword):
+    """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`.
+    The shape may also be given as ``shape=`` (OneFlow/PyTorch keyword) or ``size=`` (view)."""
+    shape = _shape_args(_keyword_sizes(shape, keyword, ("shape", "size"), "reshape"), "reshape")
     in_shape = tuple(x.shape)
     if shape == in_shape:
         return x
@@ -489,8 +502,8 @@ def squeeze(x, dim=None):
     return apply("reshape", x, shape=tuple(s for i, s in enumerate(shape) if i not in dims))
 
 
-def permute(x, *dims):
-    dims = _shape_args(dims, "permute")
+def permute(x, *dims, **keyword):
+    dims = _shape_args(_keyword_sizes(dims, keyword, ("dims",), "permute"), "permute")
     if len(dims) != x.ndim:
         raise ValueError(f"permute: got {len(dims)} dims {dims} for a tensor of shape {tuple(x.shape)}")
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
@@ -517,9 +530,9 @@ def t(x):
     return transpose(x, 0, 1) if x.ndim == 2 else x
 
 
-def expand(x, *sizes):
+def expand(x, *sizes, **keyword):
     """Broadcast `x` to `sizes`; -1 keeps a dim's size. New dims are added on the left."""
-    sizes = _shape_args(sizes, "expand")
+    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("size",), "expand"), "expand")
     shape = tuple(x.shape)
     if len(sizes) < len(shape):
         raise ValueError(f"expand: the number of sizes {sizes} must be >= the number of dims of shape {shape}")
@@ -545,9 +558,9 @@ def broadcast_to(x, shape):
     return expand(x, tuple(shape))
 
 
-def repeat(x, *sizes):
+def repeat(x, *sizes, **keyword):
     """Tile `x` (torch.Tensor.repeat): built from reshape + expand + reshape."""
-    sizes = _shape_args(sizes, "repeat")
+    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("sizes", "repeats"), "repeat"), "repeat")
     if len(sizes) < x.ndim:
         raise ValueError(f"repeat: number of repeat dims {sizes} can not be smaller than the number of dims "
                          f"of shape {tuple(x.shape)}")

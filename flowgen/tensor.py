@@ -466,8 +466,17 @@ class Tensor:
             return lambda *args, **kwargs: fn(self, *args, **kwargs)
         raise AttributeError(f"'Tensor' object has no attribute {name!r}")
 
-    def view(self, *shape):
-        return F.reshape(self, *shape)
+    def view(self, *shape, **keyword):
+        return F.reshape(self, *shape, **keyword)
+
+    @property
+    def is_global(self) -> bool:
+        """OneFlow: whether the tensor has a placement/SBP across ranks; flowgen tensors are local."""
+        return False
+
+    @property
+    def is_local(self) -> bool:
+        return True
 
     def where(self, condition, other):
         """``x.where(cond, y)`` == ``flow.where(cond, x, y)``."""

@@ -254,3 +254,28 @@ def test_dlpack_and_array_interop_share_memory_on_the_cpu():
     np.testing.assert_array_equal(torch.tensor(flow.tensor(Y)).numpy(), Y)   # through __array__
     with pytest.raises(BufferError, match="bfloat16"):
         flow.tensor(X).to(flow.bfloat16).__dlpack__()
+
+
+def test_oneflow_and_pytorch_keyword_spellings():
+    x = flow.tensor(X)
+    assert tuple(x.reshape(shape=(5, 12)).shape) == (5, 12) and tuple(x.view(size=(60,)).shape) == (60,)
+    assert tuple(x.permute(dims=(2, 0, 1)).shape) == (5, 3, 4)
+    assert tuple(x[:, :1].expand(size=(3, 4, 5)).shape) == (3, 4, 5)
+    assert tuple(x.repeat(sizes=(1, 2, 1)).shape) == (3, 8, 5)
+    assert tuple(flow.zeros(size=(2, 3)).shape) == (2, 3) and tuple(flow.ones(size=[4]).shape) == (4,)
+    assert tuple(flow.empty(size=(1,)).shape) == (1,)
+    assert not x.is_global and x.is_local
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shap'"):
+        x.reshape(shap=(60,))
+    with pytest.raises(TypeError, match="twice"):
+        x.reshape(60, shape=(60,))
+
+
+def test_load_state_dict_takes_pytorch_tensors():
+    torch = get_torch()
+    t = torch.nn.Linear(3, 2)
+    m = nn.Linear(3, 2)
+    m.load_state_dict(t.state_dict())
+    np.testing.assert_array_equal(m.weight.numpy(), t.weight.detach().numpy())
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_allclose(m(flow.tensor(x)).numpy(), t(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
