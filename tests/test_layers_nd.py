@@ -101,3 +101,13 @@ def test_conv1d_and_transposed_conv_train_in_a_graph_like_eager():
         np.testing.assert_allclose(step(x).numpy(), le.numpy(), rtol=1e-5)
     for (name, pe), pg in zip(eager_m.named_parameters(), graph_m.parameters()):
         np.testing.assert_allclose(pg.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=2), dict(kernel_size=(2, 3), dilation=(1, 2), padding=1, stride=2)])
+def test_unfold_and_fold_match_torch(kwargs):
+    torch = get_torch()
+    x = RNG.standard_normal((2, 3, 6, 7)).astype(np.float32)
+    fu, tu = nn.Unfold(**kwargs), torch.nn.Unfold(**kwargs)
+    _check(fu, tu, x)
+    cols = tu(torch.from_numpy(x)).detach().numpy()
+    _check(nn.Fold((6, 7), **kwargs), torch.nn.Fold((6, 7), **kwargs), cols)

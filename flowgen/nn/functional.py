@@ -963,3 +963,48 @@ def adaptive_avg_pool1d(input, output_size):
 
 __all__ += ["conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "avg_pool1d",
             "adaptive_avg_pool1d"]
+
+
+def _patch_kernel(kernel, like):
+    """The identity filter bank (kh*kw, 1, kh, kw): output channel k copies kernel tap k."""
+    kh, kw = kernel
+    eye = np.eye(kh * kw, dtype=like.dtype.np_dtype).reshape(kh * kw, 1, kh, kw)
+    return Tensor(eye, dtype=like.dtype, device=like.device)
+
+
+def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
+    """im2col: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks, as torch.nn.functional.unfold. A conv2d with
+    an identity filter bank over each channel, so it runs (and differentiates) in graphs."""
+    kernel, dilation = _pair(kernel_size, "kernel_size"), _pair(dilation, "dilation")
+    padding, stride = _pair(padding, "padding"), _pair(stride, "stride")
+
+    def run(x):
+        n, c, h, w = x.shape
+        cols = apply("conv2d", _F.reshape(x, (n * c, 1, h, w)), _patch_kernel(kernel, x), stride=stride,
+                     padding=padding, dilation=dilation, groups=1)
+        return _F.reshape(cols, (n, c * kernel[0] * kernel[1], cols.shape[2] * cols.shape[3]))
+
+    return _batched_2d(run, input)
+
+
+def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):
+    """col2im: (N, C*kh*kw, L) -> (N, C, H, W), summing overlapping blocks (the adjoint of unfold)."""
+    kernel, dilation = _pair(kernel_size, "kernel_size"), _pair(dilation, "dilation")
+    padding, stride, (h, w) = _pair(padding, "padding"), _pair(stride, "stride"), _pair(output_size, "output_size")
+    taps = kernel[0] * kernel[1]
+    blocks = [(size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+              for i, size in enumerate((h, w))]
+    unbatched = input.ndim == 2
+    x = _F.unsqueeze(input, 0) if unbatched else input
+    if x.ndim != 3 or x.shape[1] % taps or x.shape[2] != blocks[0] * blocks[1]:
+        raise RuntimeError(f"fold: expected input of shape (N, C*{taps}, {blocks[0] * blocks[1]}) for output_size "
+                           f"{(h, w)} and kernel_size {kernel}, got {tuple(input.shape)}")
+    n, c = x.shape[0], x.shape[1] // taps
+    cols = _F.reshape(x, (n * c, taps, blocks[0], blocks[1]))
+    out = apply("conv2d_grad_input", cols, _patch_kernel(kernel, x), input_shape=(n * c, 1, h, w), stride=stride,
+                padding=padding, dilation=dilation, groups=1)
+    out = _F.reshape(out, (n, c, h, w))
+    return _F.squeeze(out, 0) if unbatched else out
+
+
+__all__ += ["unfold", "fold"]

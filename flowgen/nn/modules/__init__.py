@@ -3,7 +3,7 @@ from flowgen.nn.modules.activation import (ELU, GELU, Hardsigmoid, Hardswish, Ha
                                            ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh)
 from flowgen.nn.modules.conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d
 from flowgen.nn.modules.dropout import Dropout
-from flowgen.nn.modules.flatten import Flatten, Unflatten
+from flowgen.nn.modules.flatten import Flatten, Fold, Unflatten, Unfold
 from flowgen.nn.modules.linear import Linear
 from flowgen.nn.modules.loss import (BCELoss, BCEWithLogitsLoss, CosineEmbeddingLoss, CrossEntropyLoss, HuberLoss,
                                      KLDivLoss, L1Loss, MarginRankingLoss, MSELoss, NLLLoss, SmoothL1Loss,
@@ -29,5 +29,5 @@ __all__ = [
     "PixelUnshuffle", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNBase", "RNNCell", "MultiheadAttention",
     "Transformer", "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer",
     "Conv1d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm3d",
-    "AdaptiveAvgPool1d", "AvgPool1d", "MaxPool1d",
+    "AdaptiveAvgPool1d", "AvgPool1d", "MaxPool1d", "Fold", "Unfold",
 ]
