@@ -85,6 +85,10 @@ class CpuModule:
         self._library = ctypes.CDLL(str(self.path))
         self._launchers: dict[str, ctypes._CFuncPtr] = {}
 
+    def global_address(self, name: str) -> int:
+        """Address of the library's `extern "C"` variable `name` (a `__device__` global)."""
+        return ctypes.addressof(ctypes.c_char.in_dll(self._library, name))
+
     def _launcher(self, kernel_name: str) -> ctypes._CFuncPtr:
         if kernel_name not in self._launchers:
             try:
