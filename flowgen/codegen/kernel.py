@@ -32,9 +32,14 @@ class IndexCheck:
     what: str            # "label", "index along dim 1", ...
     size: int            # valid indices are [0, size)
 
-    def message(self, value: int) -> str:
+    def message_parts(self) -> tuple:
+        """(text before the bad value, text after it): the standalone program joins them too."""
         where = self.scope or "the graph's build()"
-        return f"{self.op} in {where}: {self.what} {value} out of range [0, {self.size})"
+        return f"{self.op} in {where}: {self.what} ", f" out of range [0, {self.size})"
+
+    def message(self, value: int) -> str:
+        before, after = self.message_parts()
+        return f"{before}{value}{after}"
 
 
 @dataclass
