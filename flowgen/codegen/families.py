@@ -596,9 +596,10 @@ _USER_OPS = {"cross_entropy_rows": "cross_entropy", "cross_entropy_rows_grad": "
              "embedding_backward": "embedding (backward)"}
 
 
-def _index_check(node, check_id: int, what: str, size: int) -> IndexCheck:
+def _index_check(node, check_id: int, what: str, size: int, dim=None) -> IndexCheck:
+    low = -int(size) if node.attrs.get("wrap_negative", False) else 0
     return IndexCheck(id=check_id, op=_USER_OPS.get(node.op, node.op), scope=node.scope or "", what=what,
-                      size=int(size))
+                      size=int(size), dim=dim, low=low)
 
 
 def _select_layout(shape, dim):
@@ -632,7 +633,7 @@ def _gather(node, kernel_name, check_id):
                          idx_t=_idx_type(out.numel), coord_lines=[ln for ln in lines if not ln.startswith(
                              f"const long long c{dim} ")], src_offset=_offset(coords, _strides(shape)),
                          zero=_zero_literal(out.dtype), check_id=check_id)
-        check = _index_check(node, check_id, f"index along dim {dim}", shape[dim])
+        check = _index_check(node, check_id, "index", shape[dim], dim)
         return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what,
                         index_check=check)]
     if node.op == "index_select":
@@ -641,7 +642,7 @@ def _gather(node, kernel_name, check_id):
         dim = node.attrs["dim"] % len(shape)
         outer, size, inner = _select_layout(shape, dim)
         names, what = ("x", "index"), f"dim {dim} of {_shape_text(x.shape)}, {index.numel} indices"
-        check = _index_check(node, check_id, f"index along dim {dim}", size)
+        check = _index_check(node, check_id, "index", size, dim)
     else:                                                   # embedding(weight, indices)
         x, index = node.inputs
         outer, size, inner = 1, x.shape[0], x.shape[1]
@@ -652,7 +653,8 @@ def _gather(node, kernel_name, check_id):
     source = _render("gather.cu.j2", kind="select", name=kernel_name, comment=_comment(node, what), what=node.op,
                      params=_params(node, names, ("out",)), outer=outer, n=n, size=size, inner=inner,
                      j_expr=j_expr, src_offset=offset, index_name=names[1], x_name=names[0], numel=out.numel,
-                     idx_t=_idx_type(out.numel), zero=_zero_literal(out.dtype), check_id=check_id)
+                     idx_t=_idx_type(out.numel), zero=_zero_literal(out.dtype), check_id=check_id,
+                     wrap_negative=node.attrs.get("wrap_negative", False))
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what, index_check=check)]
 
 
@@ -684,7 +686,7 @@ def _scatter(node, kernel_name, check_id):
                          size=shape[dim], index_t=index.dtype.ctype, src_t=src.dtype.ctype,
                          coord_lines=[ln for ln in lines if not ln.startswith(f"const long long c{dim} ")],
                          dst_offset=_offset(coords, _strides(shape)), **ctx)
-        check = _index_check(node, check_id, f"index along dim {dim}", shape[dim])
+        check = _index_check(node, check_id, "index", shape[dim], dim)
     else:
         if node.op == "index_add":
             shape = tuple(out.shape) or (1,)
@@ -692,19 +694,20 @@ def _scatter(node, kernel_name, check_id):
             outer, size, inner = _select_layout(shape, dim)
             names, pad = ("index", "src", "out"), -1
             what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)} (atomicAdd)"
+            check = _index_check(node, check_id, "index", size, dim)
         else:                                               # embedding_backward(grad, indices)
             outer, size, inner = 1, out.shape[0], out.shape[1]
             names, pad = ("grad", "index", "out"), node.attrs.get("padding_idx", -1)
             pad = -1 if pad is None or pad < 0 else pad
             what = f"{index.numel} rows into {_shape_text(out.shape)} (atomicAdd)"
-        check = _index_check(node, check_id, "index" if node.op == "embedding_backward" else f"index along dim {dim}",
-                             size)
+            check = _index_check(node, check_id, "index", size)
         n = index.numel
         j_expr, offset = _select_exprs(outer, n, inner, size)
         source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
                          params=_params(node, names[:2], names[2:]), outer=outer, n=n, size=size, inner=inner,
                          j_expr=j_expr, dst_offset=offset, padding_idx=pad,
-                         src_name="src" if node.op == "index_add" else "grad", **ctx)
+                         src_name="src" if node.op == "index_add" else "grad",
+                         wrap_negative=node.attrs.get("wrap_negative", False), **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
     if src.numel:
         kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what,

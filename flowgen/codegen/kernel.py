@@ -29,13 +29,16 @@ class IndexCheck:
     id: int              # 1, 2, ... within a program (0 in the record means "no error")
     op: str              # what the user called: cross_entropy, embedding, gather, ...
     scope: str           # module path of the node ("" at the top of build())
-    what: str            # "label", "index along dim 1", ...
-    size: int            # valid indices are [0, size)
+    what: str            # "label" or "index"
+    size: int            # valid indices are [low, size)
+    dim: int | None = None   # the dim the index selects along, where the op has one
+    low: int = 0         # -size where negative indices count from the end (x[idx])
 
     def message_parts(self) -> tuple:
         """(text before the bad value, text after it): the standalone program joins them too."""
         where = self.scope or "the graph's build()"
-        return f"{self.op} in {where}: {self.what} ", f" out of range [0, {self.size})"
+        along = "" if self.dim is None else f" for dim {self.dim}"
+        return f"{self.op} in {where}: {self.what} ", f" out of range [{self.low}, {self.size}){along}"
 
     def message(self, value: int) -> str:
         before, after = self.message_parts()
