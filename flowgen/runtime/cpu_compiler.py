@@ -47,7 +47,9 @@ def build_cpu_library(source: str, tag: str) -> Path:
     the same source, compiler and flags give the same directory, so a rebuild is skipped.
     """
     runtime = runtime_cpp_dir()
-    flags = [*_FLAGS, f"-I{runtime}", "-include", str(runtime / "flowgen_emu.h")]
+    # The prelude, as NVRTC gets it (runtime/nvrtc.py): with -DFLOWGEN_EMULATOR it pulls in the
+    # emulator, and it declares what kernels share (the index-error record, Philox).
+    flags = [*_FLAGS, f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
     build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, flags, runtime)[:20]}"
     library = build_dir / "kernels.so"
     if library.is_file():
