@@ -6,9 +6,10 @@ bakes them into `templates/<family>.cu.j2` as constants and returns one or more
 kernels in launch order.
 
 Index checks: a kernel that reads a tensor as indices (gather, scatter, cross-entropy rows)
-never uses an index outside [0, size); it reports the first one into the program's error
-record as `check_id` (`Kernel.index_check` says what was checked) and treats it as missing:
-a gathered element or a cross-entropy row (loss and gradient) is 0, a scattered one is dropped.
+never uses one outside its range ([0, size), or [-size, size) for `wrap_negative`); it reports
+the first such index into the program's error record as `check_id` (`Kernel.index_check` says
+what was checked) and treats it as missing: a gathered element or a cross-entropy row (loss
+and gradient) is 0, a scattered one is dropped. An ignore_index label is not checked.
 
 Argument order (every kernel): the node's inputs in `node.inputs` order as
 ``const T*`` buffers, then its outputs as ``T*`` buffers; no scalar arguments.
