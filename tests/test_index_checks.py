@@ -227,6 +227,8 @@ def test_standalone_program_exits_1_naming_the_bad_index(tmp_path):
     x, y = np.array([[1, 2], [3, 4]]), np.array([0, 2])
     graph(flow.tensor(x), flow.tensor(y))
     flow.save(graph, tmp_path / "saved")
+    with pytest.raises(IndexError, match=r"^cross_entropy in loss_fn: label 3 out of range \[0, 3\)$"):
+        flow.load(tmp_path / "saved").run(x, np.array([3, 0]))
     aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
     binary = tmp_path / "out" / json.loads((tmp_path / "out" / "manifest.json").read_text())["binary"]
 
