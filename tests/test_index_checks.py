@@ -141,7 +141,8 @@ def test_gather_and_indexing():
     table = flow.randn(4, 3)
     np.testing.assert_allclose(rows(table, flow.tensor([3, -1, -4])).numpy(), table.numpy()[[3, -1, -4]] * 2)
     _raises(rows, table, flow.tensor([0, -5]), match="index_select in model: index -5 out of range [-4, 4) for dim 0")
-    _raises(rows, table, flow.tensor([HUGE]), match=f"index_select in model: index {HUGE} out of range [-4, 4) for dim 0")
+    _raises(rows, table, flow.tensor([HUGE]),
+            match=f"index_select in model: index {HUGE} out of range [-4, 4) for dim 0")
     np.testing.assert_allclose(rows(table, flow.tensor([1, 1, 2])).numpy(), table.numpy()[[1, 1, 2]] * 2)
 
 
