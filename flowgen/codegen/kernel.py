@@ -25,7 +25,7 @@ class ScalarArg:
 @dataclass(frozen=True)
 class IndexCheck:
     """A kernel's bounds check of the indices it reads. The kernel reports an index outside
-    [0, size) into the program's error record (runtime_cpp/flowgen_cuda_prelude.h) as `id`."""
+    [low, size) into the program's error record (runtime_cpp/flowgen_cuda_prelude.h) as `id`."""
     id: int              # 1, 2, ... within a program (0 in the record means "no error")
     op: str              # what the user called: cross_entropy, embedding, gather, ...
     scope: str           # module path of the node ("" at the top of build())
