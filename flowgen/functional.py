@@ -775,12 +775,11 @@ def getitem(x, key):
         bad = (arr < -n) | (arr >= n)
         if bad.any():
             raise IndexError(f"index {int(arr[bad].flat[0])} is out of bounds for dimension {in_dim} with size {n}")
-        if (arr < 0).any():
-            idx = Tensor(np.where(arr < 0, arr + n, arr).astype(np.int64), device=x.device)
     flat = idx if idx.ndim == 1 else apply("reshape", idx, shape=(_prod(idx.shape),))
     if idx.dtype != dt.int64:
         flat = apply("cast", flat, dtype=dt.int64)
-    result = apply("index_select", result, flat, dim=pos)
+    # Python semantics: a negative index counts from the end (index_select alone refuses it).
+    result = apply("index_select", result, flat, dim=pos, wrap_negative=True)
     if idx.ndim != 1:
         result = apply("reshape", result, shape=out_shape[:pos] + tuple(idx.shape) + out_shape[pos + 1:])
     return result

@@ -266,6 +266,9 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "persistent": [{"name": v.name, "cname": persistent_cname[v], "nbytes": v.nbytes,
                         "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
         "updates": updates,
+        "index_checks": [{"id": check.id, "before": _c_string(check.message_parts()[0]),
+                          "after": _c_string(check.message_parts()[1])}
+                         for check in program.index_checks.values()],
         "schedules": _schedule_lines(ir),
         "scaler_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("scale")), -1),
         "tracker_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("growth_tracker")),

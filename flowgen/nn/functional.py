@@ -568,7 +568,7 @@ def _class_weight_shape(ndim, class_dim):
     return shape
 
 
-def _nll_parts(logp, target, weight, ignore_index):
+def _nll_parts(logp, target, weight, ignore_index, op="nll_loss"):
     """Per-element -w[t] * logp[t] (0 where ignored), the per-element weights, and the valid mask."""
     if target.dtype not in (dt.int64, dt.int32):
         raise RuntimeError(f"nll_loss: expected an int64 class-index target, got {target.dtype!r}")
@@ -578,6 +578,11 @@ def _nll_parts(logp, target, weight, ignore_index):
         raise ValueError(f"nll_loss: expected target of shape {(logp.shape[0],) + tuple(logp.shape[2:])}, "
                          f"got {tuple(target.shape)}")
     C = logp.shape[1]
+    if not target.is_lazy:   # in a graph, the gather kernel below checks (and names the module)
+        t = target.numpy_view()
+        bad = (t != ignore_index) & ((t < 0) | (t >= C))
+        if bad.any():
+            raise IndexError(f"{op}: target {int(t[bad].flat[0])} is out of bounds for {C} classes")
     valid = _F.ne(target, ignore_index)
     safe = target * _F.cast(valid, target.dtype)          # ignored entries read class 0, then get weight 0
     picked = _F.squeeze(apply("gather", logp, _F.unsqueeze(safe, 1), dim=1), 1)
@@ -647,7 +652,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         return _sum_all(loss) * (C / max(input.numel(), 1))
 
     logp_b, target_b, unbatched = _unbatched(logp, target)
-    nll, w, valid = _nll_parts(logp_b, target_b, weight, ignore_index)
+    nll, w, valid = _nll_parts(logp_b, target_b, weight, ignore_index, "cross_entropy")
     if reduction == "none":
         nll_red = nll
     elif reduction == "sum":

@@ -102,6 +102,8 @@ class CompiledGraph:
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
         self._graph._after_step(skipped=self._read_back_scaler())
+        # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
+        self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
         return self.output_structure(tensors)
 
