@@ -60,7 +60,7 @@ def _traced_step_gradients(parameters, name: str) -> dict:
     """Inside build(): {parameter: its lazy gradient} for the step being traced."""
     tracer = registry._tracer_hook
     grads = tracer.step_gradients(f"nn.utils.{name}")
-    return {p: tracer.lazy(grads[tracer.state_of[id(p)].name]) for p in _parameter_list(parameters)
+    return {p: tracer.lazy(grads[tracer.state_of[id(p)].name]) for p in parameters
             if id(p) in tracer.state_of and tracer.state_of[id(p)].name in grads}
 
 
@@ -70,7 +70,7 @@ def _replace_traced_gradients(clipped: dict) -> None:
 
 
 def _tracing(parameters) -> bool:
-    return registry._tracer_hook is not None and any(p.is_lazy for p in _parameter_list(parameters))
+    return registry._tracer_hook is not None and any(p.is_lazy for p in parameters)
 
 
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -80,6 +80,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     Returns the total norm before clipping (a 0-d float32 tensor), as PyTorch. Inside
     `nn.Graph.build()` it clips the step's gradients and returns the norm as a lazy tensor.
     """
+    parameters = _parameter_list(parameters)
     if _tracing(parameters):
         if error_if_nonfinite:
             raise RuntimeError("nn.utils.clip_grad_norm_(error_if_nonfinite=True) inside nn.Graph.build(): a "
@@ -114,6 +115,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
     """Clamp every gradient element into [-clip_value, clip_value] (inside `nn.Graph.build()`:
     the step's gradients)."""
+    parameters = _parameter_list(parameters)
     if _tracing(parameters):
         grads = _traced_step_gradients(parameters, "clip_grad_value_")
         _replace_traced_gradients({p: F.clamp(g, -clip_value, clip_value) for p, g in grads.items()})
