@@ -9,6 +9,7 @@ exactly the eager one.
 """
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -350,7 +351,7 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
         created.append((p, key, tensor))
         return tensor
 
-    traced_state: dict = {}
+    traced_state: defaultdict = defaultdict(dict)
     for p in params:
         name = param_name.get(id(p))
         p.grad = tracer.lazy(grads[name]) if name in grads else None
@@ -359,7 +360,7 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
         p._value = state[name].value
         tracer.state_of[id(p)] = state[name]
         traced_state[p] = _TracedSlots(eager_state.get(p, {}), lambda key, t, p=p: bind_slot(p, key, t))
-    plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in traced_state.items()}
+    plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in list(traced_state.items())}
     optimizer.state = traced_state
     numbers = _group_numbers(optimizer)
     tracer.scopes.append(f"optim{opt_index}.{cls.lower()}")
