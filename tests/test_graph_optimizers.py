@@ -139,6 +139,9 @@ def test_user_written_optimizer_options_are_constants_and_python_state_is_refuse
     model = _model()
     with pytest.raises(TraceError, match=r"CountingSGD.step\(\) keeps Python values in its state"):
         TrainGraph(model, nn.MSELoss(), CountingSGD(model.parameters(), lr=0.1, momentum=0.9))(x, y)
+    opt = MomentumSGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(TraceError, match="MomentumSGD: .* cannot follow lr_sch=StepLR"):
+        TrainGraph(model, nn.MSELoss(), (opt, flow.optim.lr_scheduler.StepLR(opt, step_size=1)))(x, y)
 
 
 def test_graph_leaves_the_users_lr_scheduler_alone():
@@ -212,7 +215,7 @@ def test_clip_grad_inside_build_clips_the_step():
     _assert_same_parameters(model, eager)
 
 
-def test_clip_grad_norm_inside_build_needs_backward_first():
+def test_clip_grad_norm_inside_build_refuses_what_it_cannot_do():
     class NoBackward(ClippingGraph):
         def build(self, x, y):
             nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -220,10 +223,15 @@ def test_clip_grad_norm_inside_build_needs_backward_first():
             loss.backward()
             return loss
 
-    model = _model()
+    model = _deep_model()
     with pytest.raises(TraceError, match=r"nn.utils.clip_grad_norm_ in build\(\) needs the gradients: call "
                                          r"loss.backward\(\) before it"):
         NoBackward(model, flow.optim.SGD(model.parameters(), lr=0.1))(*_batches(1)[0])
+    accumulating = ClippingGraph(model, flow.optim.SGD(model.parameters(), lr=0.1))
+    accumulating.config.set_gradient_accumulation_steps(2)
+    with pytest.raises(TraceError, match="gradient clipping\\) with a GradScaler or gradient accumulation is not "
+                                         "supported yet"):
+        accumulating(*_batches(1)[0])
 
 
 def test_training_program_follows_lr_schedulers_for_adam(tmp_path):

@@ -371,3 +371,18 @@ def test_grad_scaler_matches_torch_scale_sequence(torch):
         theirs.update()
         assert ours.get_scale() == theirs.get_scale()
         np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-6)
+
+
+def test_loading_a_state_dict_refuses_options_this_optimizer_lacks(torch):
+    """PyTorch's implementation switches load while off; an option with an effect flowgen lacks is refused."""
+    p, tp = nn.Parameter(flow.ones(2)), torch.nn.Parameter(torch.ones(2))
+    for cls in ("Adam", "AdamW"):
+        getattr(optim, cls)([p]).load_state_dict(getattr(torch.optim, cls)([tp]).state_dict())
+    saved = torch.optim.Adam([tp], decoupled_weight_decay=True).state_dict()
+    with pytest.raises(ValueError, match="Adam.load_state_dict: parameter group 0 has option "
+                                         "'decoupled_weight_decay' = True"):
+        optim.Adam([p]).load_state_dict(saved)
+    saved = optim.SGD([{"params": [p], "lr_scale": 0.5}], lr=0.1).state_dict()
+    saved["param_groups"][0]["nesterov_typo"] = True
+    with pytest.raises(ValueError, match="'nesterov_typo' = True, which SGD does not have"):
+        optim.SGD([p], lr=0.1).load_state_dict(saved)

@@ -50,6 +50,9 @@ def write_back(dest: np.ndarray, values: np.ndarray) -> None:
 
 
 GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr")
+# Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
+# while off (False/None); switched on they are refused like any unknown option.
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")
 
 
 def group_lr(group: dict) -> float:
@@ -214,6 +217,12 @@ class Optimizer:
                 raise ValueError(f"loaded state dict contains a parameter group {i} of {len(saved['params'])} "
                                  f"parameters that doesn't match the size of optimizer's group "
                                  f"({len(group['params'])} parameters)")
+        for i, saved in enumerate(saved_groups):
+            for key, value in saved.items():
+                unknown = key != "params" and key not in self.defaults and key not in GROUP_KEYS
+                if unknown and not self._matches_without_storing(key, value):
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: parameter group {i} has option "
+                                     f"{key!r} = {value!r}, which {type(self).__name__} does not have")
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             for index, p in zip(saved["params"], group["params"]):
@@ -228,8 +237,15 @@ class Optimizer:
         self.state = new_state
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
-                if key != "params":
+                if key != "params" and not self._matches_without_storing(key, value):
                     group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+    def _matches_without_storing(self, key: str, value) -> bool:
+        """A key of PyTorch's saved groups that this optimizer's math already agrees with: an
+        implementation switch that is off, or Adam's `decoupled_weight_decay` (True for AdamW)."""
+        if key == "decoupled_weight_decay":
+            return bool(value) == getattr(self, "_decoupled_weight_decay", None)
+        return key in TORCH_IMPLEMENTATION_KEYS and not value
 
     def _load_state_value(self, p: Tensor, name: str, value):
         if name == "step":

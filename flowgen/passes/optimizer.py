@@ -137,6 +137,10 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
             kind = type(optimizer).__name__ if type(optimizer) in LOWERED else None
             grads = _clip_groups(tracer, optimizer, opt_index, grads, param_name)
             if kind is None:
+                if scheduler is not None:
+                    raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
+                                     f"with its options as constants, so it cannot follow lr_sch="
+                                     f"{type(scheduler).__name__}; use SGD, Adam or AdamW, or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
             for g_index, group in enumerate(optimizer.param_groups):
