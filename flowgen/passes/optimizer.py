@@ -1,11 +1,14 @@
-"""Optimizer lowering: append each parameter's update (SGD, Adam, AdamW) to the graph.
+"""Optimizer lowering: append each parameter's update to the graph.
 
-The update math is written with flowgen ops on lazy tensors, so it is traced
-into IR like the model. Optimizer slots (momentum, exp_avg, exp_avg_sq) become
-persistent state; per-step scalars that depend on the step count or the LR
-schedule (lr, bias corrections, first-step momentum switch) become ``hyper``
-state that the host writes before each call (`HostScalar`), so the schedule is
-exactly the eager one.
+SGD, Adam and AdamW have their math written here with flowgen ops on lazy
+tensors (every constructor option and OneFlow's group keys: `lr_scale`,
+per-group `clip_grad_max_norm`/`clip_grad_norm_type`, `do_bias_correction`), so
+it is traced into IR like the model. Any other `Optimizer` subclass has its own
+`step()` traced on lazy parameters and gradients. Optimizer slots (momentum,
+exp_avg, exp_avg_sq, max_exp_avg_sq) become persistent state; per-step scalars
+that depend on the step count or the LR schedule (lr, bias corrections,
+first-step momentum switch) become ``hyper`` state that the host writes before
+each call (`HostScalar`), so the schedule is exactly the eager one.
 """
 from __future__ import annotations
 
