@@ -12,7 +12,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.ir.trace import TraceError
 from graphs import TrainGraph
-from test_deploy import build_and_train
+from test_deploy import build_and_train, run_binary
 
 
 def _model():
@@ -253,3 +253,5 @@ def test_training_program_follows_lr_schedulers_for_adam(tmp_path):
     for name in ("model.0.weight", "model.2.weight"):
         np.testing.assert_allclose(weights[name], graph.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7,
                                    err_msg=name)
+    usage = run_binary(tmp_path / "out", "--help").stdout   # says so, as README does
+    assert "the LR of\nevery optimizer follows its StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR" in usage
