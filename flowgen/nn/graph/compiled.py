@@ -302,10 +302,12 @@ def compile_step(graph, args):
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    checks = []
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
-        ir, host, slots, checks = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
-                                           grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
+        ir, host, slots, checks = lower_optimizers(ir, grads, graph._optimizers, param_name, device,
+                                                   graph._counter, grad_unscale=1.0 / (static_scale * steps),
+                                                   scaler=scaler)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
@@ -331,7 +333,7 @@ def compile_step(graph, args):
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
-    compiled.checks = checks if grads is not None else []
+    compiled.checks = checks
     return compiled
 
 
