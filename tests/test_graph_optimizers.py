@@ -1,7 +1,7 @@
 """Optimizers inside nn.Graph: every option lowers exactly (graph == eager over several steps; eager
 == PyTorch is tests/test_optim.py), OneFlow's group keys work, a user-written optimizer is traced,
-the user's LR scheduler is left alone, gradient clipping inside build() clips, and the standalone
-program follows LR schedulers for every optimizer."""
+the user's LR scheduler is left alone and gradient clipping inside build() clips. (The standalone
+program's LR schedules for every optimizer: tests/test_deploy.py.)"""
 import copy
 import math
 
@@ -12,7 +12,6 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.ir.trace import TraceError
 from graphs import TrainGraph
-from test_deploy import build_and_train, run_binary
 
 
 def _model():
@@ -33,26 +32,29 @@ def _assert_same_parameters(model, eager, rtol=1e-5, atol=1e-6):
 
 def _graph_and_eager(make_opts, steps=4, clip_in_eager=False, make_eager_opts=None, model=_model):
     """A model trained `steps` steps by a graph and by eager code with its own optimizers (from
-    `make_eager_opts`, default `make_opts`: a list of optimizers for a model); eager calls
-    `optimizer.clip_grad()` (OneFlow's API) where the graph clips inside its step."""
+    `make_eager_opts`, default `make_opts`: a list of optimizers or (optimizer, LR scheduler) pairs
+    for a model); eager steps the schedulers, and calls `optimizer.clip_grad()` (OneFlow's API)
+    where the graph clips inside its step."""
     flow.manual_seed(0)
     model = model()
     eager = copy.deepcopy(model)
     graph = TrainGraph(model, nn.MSELoss(), *make_opts(model))
-    opts_e = (make_eager_opts or make_opts)(eager)
+    pairs_e = [o if isinstance(o, tuple) else (o, None) for o in (make_eager_opts or make_opts)(eager)]
     for x, y in _batches(steps):
         got = graph(x, y)
         loss = nn.MSELoss()(eager(x), y)
-        for opt in opts_e:
+        for opt, _ in pairs_e:
             opt.zero_grad()
         loss.backward()
-        for opt in opts_e:
+        for opt, sch in pairs_e:
             if clip_in_eager:
                 opt.clip_grad()
             opt.step()
+            if sch is not None:
+                sch.step()
         np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
     _assert_same_parameters(model, eager)
-    return model, eager
+    return graph
 
 
 def _deep_model():
@@ -60,9 +62,15 @@ def _deep_model():
                          nn.Linear(7, 3))
 
 
-def test_optimizer_options_lower_exactly():
-    """Three optimizers, five groups, every option away from its default: one graph."""
+def test_optimizer_options_lower_exactly_and_the_scheduler_is_left_alone():
+    """Three optimizers, five groups, every option away from its default: one graph. As in OneFlow,
+    the graph advances the LR scheduler given to add_optimizer itself: the scheduler object and
+    the optimizer's lr stay as the user left them, the weights follow eager's stepped schedule."""
+    made = []
+
     def make_opts(m):
+        adamw = flow.optim.AdamW(m[6].parameters(), lr=0.05, betas=(0.8, 0.95), weight_decay=0.2, amsgrad=True)
+        made.append(adamw)
         return [flow.optim.SGD([
                     {"params": m[0].parameters(), "momentum": 0.9, "dampening": 0.3, "weight_decay": 0.1,
                      "maximize": True},
@@ -71,8 +79,20 @@ def test_optimizer_options_lower_exactly():
                     {"params": m[4].weight, "betas": (0.7, 0.9), "eps": 1e-4, "weight_decay": 0.05, "amsgrad": True,
                      "maximize": True},
                     {"params": m[4].bias, "lr": 0.02, "amsgrad": True}], lr=0.05),
-                flow.optim.AdamW(m[6].parameters(), lr=0.05, betas=(0.8, 0.95), weight_decay=0.2, amsgrad=True)]
+                (adamw, flow.optim.lr_scheduler.StepLR(adamw, step_size=1, gamma=0.5))]
+
     _graph_and_eager(make_opts, model=_deep_model)
+    graph_adamw, eager_adamw = made
+    assert graph_adamw.param_groups[0]["lr"] == 0.05 and eager_adamw.param_groups[0]["lr"] == 0.05 / 16
+
+
+def test_add_optimizer_checks_its_arguments():
+    model = _model()
+    sgd = flow.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="lr_sch StepLR schedules another optimizer than the SGD"):
+        TrainGraph(model, nn.MSELoss(), (sgd, flow.optim.lr_scheduler.StepLR(flow.optim.SGD(model.parameters()), 1)))
+    with pytest.raises(TypeError, match="add_optimizer: lr_sch is a str"):
+        TrainGraph(model, nn.MSELoss(), (sgd, "cosine"))
 
 
 def test_oneflow_group_keys_lr_scale_clipping_and_bias_correction():
@@ -114,21 +134,23 @@ class MomentumSGD(flow.optim.Optimizer):
 
 
 def test_user_written_optimizer_is_traced_into_the_graph():
-    """The graph traces MomentumSGD.step(); eager runs flowgen's SGD with momentum (== PyTorch's)."""
-    _graph_and_eager(lambda m: [MomentumSGD(m.parameters(), lr=0.02, momentum=0.9)],
-                     make_eager_opts=lambda m: [flow.optim.SGD(m.parameters(), lr=0.02, momentum=0.9)])
+    """The graph traces MomentumSGD.step(); eager runs flowgen's SGD with momentum (== PyTorch's).
+    Its options are constants of the traced step: changing one is refused, not ignored."""
+    made = []
 
+    def make_opts(m):
+        made.append(MomentumSGD(m.parameters(), lr=0.02, momentum=0.9))
+        return made[-1:]
 
-def test_user_written_optimizer_options_are_constants_and_python_state_is_refused():
-    flow.manual_seed(0)
-    model = _model()
-    opt = MomentumSGD(model.parameters(), lr=0.02, momentum=0.9)
-    graph = TrainGraph(model, nn.MSELoss(), opt)
-    x, y = _batches(1)[0]
-    graph(x, y)
-    opt.param_groups[0]["lr"] = 0.01
+    graph = _graph_and_eager(make_opts, make_eager_opts=lambda m: [flow.optim.SGD(m.parameters(), lr=0.02,
+                                                                                  momentum=0.9)])
+    made[0].param_groups[0]["lr"] = 0.01
     with pytest.raises(RuntimeError, match="MomentumSGD: parameter group 0 option 'lr' changed from 0.02 to 0.01"):
-        graph(x, y)
+        graph(*_batches(1)[0])
+
+
+def test_user_written_optimizer_refuses_python_state_and_lr_schedulers():
+    x, y = _batches(1)[0]
 
     class CountingSGD(MomentumSGD):
         def step(self):
@@ -142,29 +164,6 @@ def test_user_written_optimizer_options_are_constants_and_python_state_is_refuse
     opt = MomentumSGD(model.parameters(), lr=0.1, momentum=0.9)
     with pytest.raises(TraceError, match="MomentumSGD: .* cannot follow lr_sch=StepLR"):
         TrainGraph(model, nn.MSELoss(), (opt, flow.optim.lr_scheduler.StepLR(opt, step_size=1)))(x, y)
-
-
-def test_graph_leaves_the_users_lr_scheduler_alone():
-    """OneFlow's add_optimizer(optim, lr_sch=...): the graph advances the schedule itself; the
-    scheduler object and the optimizer's lr stay as the user left them."""
-    flow.manual_seed(0)
-    model = _model()
-    eager = copy.deepcopy(model)
-    opt = flow.optim.SGD(model.parameters(), lr=0.1)
-    sch = flow.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    graph = TrainGraph(model, nn.MSELoss(), (opt, sch))
-    opt_e = flow.optim.SGD(eager.parameters(), lr=0.1)
-    sch_e = flow.optim.lr_scheduler.StepLR(opt_e, step_size=1, gamma=0.5)
-    for x, y in _batches(3):
-        graph(x, y)
-        opt_e.zero_grad()
-        nn.MSELoss()(eager(x), y).backward()
-        opt_e.step()
-        sch_e.step()
-    _assert_same_parameters(model, eager)
-    assert sch.last_epoch == 0 and sch.get_last_lr() == [0.1] and opt.param_groups[0]["lr"] == 0.1
-    with pytest.raises(ValueError, match="lr_sch StepLR schedules another optimizer"):
-        TrainGraph(model, nn.MSELoss(), (flow.optim.SGD(model.parameters(), lr=0.1), sch))
 
 
 CLIPS = [(0, 2.0, 0.1), (2, math.inf, 0.03), (4, 1.0, 0.3), (6, None, 0.02)]   # (layer, norm type, max)
@@ -232,26 +231,3 @@ def test_clip_grad_norm_inside_build_refuses_what_it_cannot_do():
     with pytest.raises(TraceError, match="gradient clipping\\) with a GradScaler or gradient accumulation is not "
                                          "supported yet"):
         accumulating(*_batches(1)[0])
-
-
-def test_training_program_follows_lr_schedulers_for_adam(tmp_path):
-    """The standalone program advances Adam + StepLR and AdamW + CosineAnnealingLR (two layers,
-    two optimizers) as the graph does."""
-    flow.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 1), nn.Flatten(0, 1))
-    adam = flow.optim.Adam(model[0].parameters(), lr=0.05)
-    adamw = flow.optim.AdamW(model[2].parameters(), lr=0.05, weight_decay=0.1)
-    graph = TrainGraph(model, nn.MSELoss(), (adam, flow.optim.lr_scheduler.StepLR(adam, step_size=2, gamma=0.5)),
-                       (adamw, flow.optim.lr_scheduler.CosineAnnealingLR(adamw, T_max=4, eta_min=0.001)))
-    rng = np.random.default_rng(0)
-    xs = rng.standard_normal((5 * 8, 5)).astype(np.float32)
-    ys = rng.standard_normal(5 * 8).astype(np.float32)
-    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
-    weights, _ = build_and_train(graph, xs, ys, 6, tmp_path)
-    for s in range(6):
-        graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
-    for name in ("model.0.weight", "model.2.weight"):
-        np.testing.assert_allclose(weights[name], graph.state_dict()[name].numpy(), rtol=1e-5, atol=1e-7,
-                                   err_msg=name)
-    usage = run_binary(tmp_path / "out", "--help").stdout   # says so, as README does
-    assert "the LR of\nevery optimizer follows its StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR" in usage
