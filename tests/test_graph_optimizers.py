@@ -166,6 +166,16 @@ def test_user_written_optimizer_refuses_python_state_and_lr_schedulers():
         TrainGraph(model, nn.MSELoss(), (opt, flow.optim.lr_scheduler.StepLR(opt, step_size=1)))(x, y)
 
 
+def test_a_user_written_optimizer_as_a_graph_attribute_is_refused():
+    class Holding(nn.Graph):
+        def __init__(self, model):
+            super().__init__()
+            self.opt = MomentumSGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    with pytest.raises(AttributeError, match=r"'opt' is an optimizer: register it with self.add_optimizer\(opt\)"):
+        Holding(_model())
+
+
 CLIPS = [(0, 2.0, 0.1), (2, math.inf, 0.03), (4, 1.0, 0.3), (6, None, 0.02)]   # (layer, norm type, max)
 
 

@@ -51,7 +51,7 @@ class Graph:
             self._modules[name] = value
             object.__setattr__(self, name, ProxyModule(value, name, self._module_configs))
             return
-        if type(value).__module__.startswith("flowgen.optim") and hasattr(value, "param_groups"):
+        if isinstance(value, Optimizer):   # flowgen's or a user-written one
             raise AttributeError(f"'{name}' is an optimizer: register it with self.add_optimizer({name}) "
                                  f"instead of assigning it as an attribute of the graph")
         object.__setattr__(self, name, value)
