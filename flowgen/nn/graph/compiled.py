@@ -265,7 +265,9 @@ def compile_step(graph, args):
     def differentiate(in_build: bool) -> dict:
         if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
             raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) with a "
-                             f"GradScaler or gradient accumulation is not supported yet")
+                             f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
+                             f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
+                             f"unscaled, accumulated gradients inside the step)")
         return _differentiate(graph, tracer, wrt, device, scale)
 
     tracer.differentiate = differentiate
