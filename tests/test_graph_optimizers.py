@@ -155,7 +155,7 @@ def test_user_written_optimizer_refuses_python_state_and_lr_schedulers():
     class CountingSGD(MomentumSGD):
         def step(self):
             for p in self.param_groups[0]["params"]:
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                self.state[p]["step"] = self.state[p].setdefault("step", 0) + 1
             super().step()
 
     model = _model()

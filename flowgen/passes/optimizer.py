@@ -333,6 +333,11 @@ class _TracedSlots(dict):
             value = held.copy_(value)
         super().__setitem__(key, value)
 
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
 
 def _group_numbers(optimizer) -> list:
     return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
