@@ -1,0 +1,256 @@
+"""Tensor cores: the warp-level primitives (mma.sync, ldmatrix, cp.async) and the GEMM family
+built on them.
+
+The primitive kernels below are plain CUDA C++ that call the named device functions of
+runtime_cpp/flowgen_cuda_prelude.h; the emulator runs them with the PTX ISA's per-lane
+fragment layouts and NVRTC compiles the same source for sm_80 and sm_90. Values are small
+integers wherever a test compares exactly, so every sum is exact in fp32 and only a layout
+mistake (a transposed or shifted fragment) can change a result.
+"""
+
+import ctypes
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from flowgen.runtime import nvrtc
+from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+
+PRIMITIVES = r"""
+// One warp multiplies a 16x16 A (row-major) by a 16x8 B (stored k-major, B[k][n]) and adds C,
+// building each lane's fragments straight from global memory by the PTX ISA's formulas.
+template <int Kind>
+__device__ void mma16_from_global(const unsigned short* A, const unsigned short* B, const float* C, float* D) {
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  auto pair = [](const unsigned short* p, int first, int stride) {
+    return unsigned(p[first]) | unsigned(p[first + stride]) << 16;
+  };
+  unsigned a[4] = {pair(A, g * 16 + 2 * t, 1), pair(A, (g + 8) * 16 + 2 * t, 1),
+                   pair(A, g * 16 + 2 * t + 8, 1), pair(A, (g + 8) * 16 + 2 * t + 8, 1)};
+  unsigned b[2] = {pair(B, (2 * t) * 8 + g, 8), pair(B, (2 * t + 8) * 8 + g, 8)};
+  float acc[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
+  if (Kind == 0) mma_m16n8k16_bf16(acc, a, b); else mma_m16n8k16_f16(acc, a, b);
+  D[g * 8 + 2 * t] = acc[0];
+  D[g * 8 + 2 * t + 1] = acc[1];
+  D[(g + 8) * 8 + 2 * t] = acc[2];
+  D[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+extern "C" __global__ void mma_bf16(const unsigned short* A, const unsigned short* B, const float* C, float* D) {
+  mma16_from_global<0>(A, B, C, D);
+}
+FLOWGEN_EMU_KERNEL(mma_bf16, true)
+extern "C" __global__ void mma_f16(const unsigned short* A, const unsigned short* B, const float* C, float* D) {
+  mma16_from_global<1>(A, B, C, D);
+}
+FLOWGEN_EMU_KERNEL(mma_f16, true)
+
+// 16x8 A (row-major fp32) times 8x8 B (B[k][n]) plus C on the tf32 path; inputs are rounded
+// by float_to_tf32 (cvt.rna.tf32.f32).
+extern "C" __global__ void mma_tf32(const float* A, const float* B, const float* C, float* D) {
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  unsigned a[4] = {float_to_tf32(A[g * 8 + t]), float_to_tf32(A[(g + 8) * 8 + t]),
+                   float_to_tf32(A[g * 8 + t + 4]), float_to_tf32(A[(g + 8) * 8 + t + 4])};
+  unsigned b[2] = {float_to_tf32(B[t * 8 + g]), float_to_tf32(B[(t + 4) * 8 + g])};
+  float acc[4] = {C[g * 8 + 2 * t], C[g * 8 + 2 * t + 1], C[(g + 8) * 8 + 2 * t], C[(g + 8) * 8 + 2 * t + 1]};
+  mma_m16n8k8_tf32(acc, a, b);
+  D[g * 8 + 2 * t] = acc[0];
+  D[g * 8 + 2 * t + 1] = acc[1];
+  D[(g + 8) * 8 + 2 * t] = acc[2];
+  D[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+FLOWGEN_EMU_KERNEL(mma_tf32, true)
+
+// Stages 32 rows of 8 16-bit values in shared memory (rows padded to 24 elements); lane l
+// passes the address of row order[l]; out[l][j] receives register j of every ldmatrix variant:
+// columns 0 (x1), 1-2 (x2), 3-6 (x4), then the same three with .trans (columns 7-13).
+extern "C" __global__ void ldmatrix_all(const unsigned short* rows, const int* order, unsigned* out) {
+  __shared__ __align__(16) unsigned short tile[32][24];
+  const int lane = threadIdx.x;
+  for (int c = 0; c < 8; ++c) tile[lane][c] = rows[lane * 8 + c];
+  __syncwarp();
+  const void* row = &tile[order[lane]][0];
+  unsigned* mine = out + lane * 14;
+  unsigned r1[1], r2[2], r4[4];
+  ldmatrix_x1(r1, row);
+  mine[0] = r1[0];
+  ldmatrix_x2(r2, row);
+  mine[1] = r2[0]; mine[2] = r2[1];
+  ldmatrix_x4(r4, row);
+  for (int j = 0; j < 4; ++j) mine[3 + j] = r4[j];
+  ldmatrix_x1_trans(r1, row);
+  mine[7] = r1[0];
+  ldmatrix_x2_trans(r2, row);
+  mine[8] = r2[0]; mine[9] = r2[1];
+  ldmatrix_x4_trans(r4, row);
+  for (int j = 0; j < 4; ++j) mine[10 + j] = r4[j];
+}
+FLOWGEN_EMU_KERNEL(ldmatrix_all, true)
+
+// The usual pairing: A (16x16 row-major) through ldmatrix.x4, B stored k-major (B[k][n],
+// 16x8) through ldmatrix.x2.trans, then one bf16 mma; D = A @ B.
+extern "C" __global__ void ldmatrix_mma(const __nv_bfloat16* A, const __nv_bfloat16* B, float* D) {
+  __shared__ __align__(16) __nv_bfloat16 As[16][16 + 8];
+  __shared__ __align__(16) __nv_bfloat16 Bs[16][8 + 8];
+  const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+  for (int e = lane; e < 256; e += 32) As[e / 16][e % 16] = A[e];
+  for (int e = lane; e < 128; e += 32) Bs[e / 8][e % 8] = B[e];
+  __syncwarp();
+  unsigned a[4], b[2];
+  ldmatrix_x4(a, &As[lane % 16][(lane / 16) * 8]);      // matrices (rows 0-7 | 8-15) x (k 0-7 | 8-15)
+  ldmatrix_x2_trans(b, &Bs[lane % 16][0]);               // lanes 0-15: rows k = 0..15
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma_m16n8k16_bf16(acc, a, b);
+  D[g * 8 + 2 * t] = acc[0];
+  D[g * 8 + 2 * t + 1] = acc[1];
+  D[(g + 8) * 8 + 2 * t] = acc[2];
+  D[(g + 8) * 8 + 2 * t + 1] = acc[3];
+}
+FLOWGEN_EMU_KERNEL(ldmatrix_mma, true)
+
+// cp.async: each of 32 threads copies 16 + 8 + 4 bytes with .ca and 16 with .cg into a
+// shared buffer first filled with 0xAB. Group 0 (.ca 16 and 8, src-size `partial` for the
+// 16-byte copy) is committed before group 1 (.ca 4 and .cg 16, src-size 0 for odd threads).
+// snapshot[0] is the buffer after commit, before any wait; [1] after wait_group 1; [2] after
+// wait_group 0.
+extern "C" __global__ void async_copies(const unsigned char* src, int partial, unsigned char* snapshot) {
+  __shared__ __align__(16) unsigned char buf[32 * 44];
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 32 * 44; i += 32) buf[i] = 0xAB;
+  __syncthreads();
+  unsigned char* mine = buf + tid * 44;
+  const unsigned char* from = src + tid * 44;
+  cp_async_ca<16>(mine, from, partial);
+  cp_async_ca<8>(mine + 16, from + 16, 8);
+  cp_async_commit();
+  cp_async_ca<4>(mine + 24, from + 24, 4);
+  cp_async_cg(mine + 28, from + 28, tid % 2 ? 0 : 16);
+  cp_async_commit();
+  for (int i = 0; i < 44; ++i) snapshot[tid * 44 + i] = mine[i];
+  cp_async_wait_group<1>();
+  for (int i = 0; i < 24; ++i) snapshot[32 * 44 + tid * 44 + i] = mine[i];
+  cp_async_wait_group<0>();
+  for (int i = 0; i < 44; ++i) snapshot[2 * 32 * 44 + tid * 44 + i] = mine[i];
+}
+FLOWGEN_EMU_KERNEL(async_copies, true)
+"""
+
+
+@pytest.fixture(scope="module")
+def primitives():
+    return CpuModule(build_cpu_library(PRIMITIVES, "test_tensor_cores"))
+
+
+def ptr(array: np.ndarray) -> ctypes.c_void_p:
+    return ctypes.c_void_p(array.ctypes.data)
+
+
+def small_ints(rng, shape, low=-4, high=5) -> np.ndarray:
+    return rng.integers(low, high, size=shape).astype(np.float32)
+
+
+def launch_warp(module, name, *args):
+    module.launch(name, (1, 1, 1), (32, 1, 1), 0, [a if isinstance(a, ctypes._SimpleCData) else ptr(a) for a in args])
+
+
+@pytest.mark.parametrize("kernel, np_dtype", [("mma_bf16", ml_dtypes.bfloat16), ("mma_f16", np.float16)])
+def test_mma_m16n8k16_fragments_follow_the_ptx_layout(primitives, kernel, np_dtype):
+    rng = np.random.default_rng(1)
+    a, b, c = small_ints(rng, (16, 16)), small_ints(rng, (16, 8)), small_ints(rng, (16, 8), -50, 50)
+    d = np.zeros((16, 8), np.float32)
+    launch_warp(primitives, kernel, a.astype(np_dtype).view(np.uint16), b.astype(np_dtype).view(np.uint16), c, d)
+    np.testing.assert_array_equal(d, a @ b + c)
+
+
+def test_mma_m16n8k16_accumulates_in_fp32_from_bf16_inputs(primitives):
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((16, 16)).astype(ml_dtypes.bfloat16)
+    b = rng.standard_normal((16, 8)).astype(ml_dtypes.bfloat16)
+    c = np.zeros((16, 8), np.float32)
+    d = np.zeros((16, 8), np.float32)
+    launch_warp(primitives, "mma_bf16", a.view(np.uint16), b.view(np.uint16), c, d)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    # 16 fp32 additions of exact products: far closer than one bf16 rounding of the result
+    np.testing.assert_allclose(d, exact, rtol=0, atol=16 * 2.0 ** -24 * np.abs(exact).max() + 1e-30)
+    assert np.abs(d - exact).max() < np.abs(exact.astype(ml_dtypes.bfloat16).astype(np.float64) - exact).max()
+
+
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest, ties away from zero."""
+    bits = x.astype(np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_mma_m16n8k8_tf32_fragments_follow_the_ptx_layout(primitives):
+    rng = np.random.default_rng(3)
+    a, b, c = small_ints(rng, (16, 8)), small_ints(rng, (8, 8)), small_ints(rng, (16, 8), -50, 50)
+    d = np.zeros((16, 8), np.float32)
+    launch_warp(primitives, "mma_tf32", a, b, c, d)
+    np.testing.assert_array_equal(d, a @ b + c)
+
+
+def test_mma_tf32_rounds_inputs_to_nearest_ties_away(primitives):
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    a[0, :4] = np.array([1 + 2.0 ** -11, -(1 + 2.0 ** -11), 1 + 3 * 2.0 ** -11, 1 + 2.0 ** -12], np.float32)
+    eye, zero = np.eye(8, dtype=np.float32), np.zeros((16, 8), np.float32)
+    d = np.zeros((16, 8), np.float32)
+    launch_warp(primitives, "mma_tf32", a, eye, zero, d)
+    np.testing.assert_array_equal(d, tf32_round(a))
+    np.testing.assert_array_equal(d[0, :4], [1 + 2.0 ** -10, -(1 + 2.0 ** -10), 1 + 2 * 2.0 ** -10, 1.0])
+
+
+def ldmatrix_expected(rows: np.ndarray, order: np.ndarray, matrices: int, trans: bool) -> np.ndarray:
+    """What each lane's registers hold per the PTX ISA: matrix j's rows come from the
+    addresses of lanes 8j..8j+7; lane l gets row l/4, columns 2(l%4), 2(l%4)+1 (or, with
+    .trans, column l/4 of rows 2(l%4), 2(l%4)+1); the lower column/row in the low half."""
+    out = np.zeros((32, matrices), np.uint32)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for j in range(matrices):
+            m = rows[order[8 * j: 8 * j + 8]].astype(np.uint32)   # 8 x 8 matrix j
+            lo, hi = (m[2 * t, g], m[2 * t + 1, g]) if trans else (m[g, 2 * t], m[g, 2 * t + 1])
+            out[lane, j] = lo | hi << 16
+    return out
+
+
+def test_ldmatrix_distributes_rows_like_the_ptx_isa(primitives):
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 2 ** 16, size=(32, 8)).astype(np.uint16)
+    order = rng.permutation(32).astype(np.int32)
+    out = np.zeros((32, 14), np.uint32)
+    launch_warp(primitives, "ldmatrix_all", rows, order, out)
+    columns = {(1, False): [0], (2, False): [1, 2], (4, False): [3, 4, 5, 6],
+               (1, True): [7], (2, True): [8, 9], (4, True): [10, 11, 12, 13]}
+    for (matrices, trans), cols in columns.items():
+        np.testing.assert_array_equal(out[:, cols], ldmatrix_expected(rows, order, matrices, trans),
+                                      err_msg=f"ldmatrix x{matrices}{' trans' if trans else ''}")
+
+
+def test_ldmatrix_fragments_feed_mma(primitives):
+    rng = np.random.default_rng(6)
+    a, b = small_ints(rng, (16, 16)), small_ints(rng, (16, 8))
+    d = np.zeros((16, 8), np.float32)
+    launch_warp(primitives, "ldmatrix_mma", a.astype(ml_dtypes.bfloat16), b.astype(ml_dtypes.bfloat16), d)
+    np.testing.assert_array_equal(d, a @ b)
+
+
+def test_cp_async_lands_groups_on_wait_and_zero_fills_past_src_size(primitives):
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, size=32 * 44).astype(np.uint8)
+    snapshot = np.zeros(3 * 32 * 44, np.uint8)
+    launch_warp(primitives, "async_copies", src, ctypes.c_int(10), snapshot)
+    before, after_one, final = snapshot.reshape(3, 32, 44)
+    expected = src.reshape(32, 44).copy()
+    expected[:, 10:16] = 0                  # src-size 10 of a 16-byte copy: the rest is zero
+    expected[1::2, 28:44] = 0               # src-size 0: all zeros
+    np.testing.assert_array_equal(final, expected)
+    np.testing.assert_array_equal(after_one[:, :24], expected[:, :24])   # group 0 complete after wait_group 1
+    # The emulator lands copies only at a wait, so a kernel that skips one reads stale data.
+    assert (before == 0xAB).all()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_primitives_compile_with_nvrtc(arch):
+    cubin = nvrtc.compile_cuda(PRIMITIVES, arch=arch, tag="test_tensor_cores")
+    assert cubin[:4] == b"\x7fELF"
