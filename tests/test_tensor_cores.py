@@ -14,6 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import flowgen  # noqa: F401  (registers the ops)
+from flowgen import dtype as dt
+from flowgen.codegen.families import gemm_kernel, rendering_for
+from flowgen.codegen.kernel import BufferArg
+from flowgen.ir.graph import Node, Value
 from flowgen.runtime import nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 
@@ -254,3 +259,109 @@ def test_cp_async_lands_groups_on_wait_and_zero_fills_past_src_size(primitives):
 def test_primitives_compile_with_nvrtc(arch):
     cubin = nvrtc.compile_cuda(PRIMITIVES, arch=arch, tag="test_tensor_cores")
     assert cubin[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------
+# The GEMM family on tensor cores (templates/gemm_mma.cu.j2), one kernel per case, rendered
+# the way the fused GEMM path calls it: operands possibly transposed (read in place), an
+# fp32 output written by the epilogue lines.
+
+KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "tf32": np.float32}
+
+
+def render_gemm_case(name, kind, a_shape, b_shape, a_trans, b_trans, out_dtype=dt.float32, epilogue=None):
+    """One GEMM kernel for c = op(a) @ op(b) (op transposes the last two dims when asked)."""
+    in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
+    a, b = Value("a", a_shape, in_dtype), Value("b", b_shape, in_dtype)
+    M = a_shape[-1] if a_trans else a_shape[-2]
+    N = b_shape[-2] if b_trans else b_shape[-1]
+    batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
+    c = Value("c", tuple(batch) + (M, N), out_dtype)
+    node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
+    args = [BufferArg(a, f"const {a.dtype.ctype}*"), BufferArg(b, f"const {b.dtype.ctype}*"),
+            BufferArg(c, f"{c.dtype.ctype}*")]
+    lines = epilogue or ["c[c_base + (long long)m * GN + n] = val;"]
+    with rendering_for("cpu", allow_tf32=kind == "tf32"):
+        return gemm_kernel(node, f"tc_{name}", a, b, c, params=None, args=args, epilogue_lines=lines,
+                           a_trans=a_trans, b_trans=b_trans)
+
+
+def stored(x: np.ndarray, trans: bool) -> np.ndarray:
+    """The buffer holding operand x: x itself, or x^T laid out contiguously (read transposed)."""
+    return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if trans else x
+
+
+class GemmCase:
+    def __init__(self, kind, M, N, K, a_trans=False, b_trans=False, a_batch=(), b_batch=()):
+        self.kind, self.M, self.N, self.K, self.a_trans, self.b_trans = kind, M, N, K, a_trans, b_trans
+        self.a_shape = a_batch + ((K, M) if a_trans else (M, K))
+        self.b_shape = b_batch + ((N, K) if b_trans else (K, N))
+        self.out_shape = tuple(np.broadcast_shapes(a_batch, b_batch)) + (M, N)
+        self.id = (f"{kind}_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
+                   f"{'_batch' if a_batch or b_batch else ''}")
+        self.kernel = render_gemm_case(self.id, kind, self.a_shape, self.b_shape, a_trans, b_trans)
+
+    def operands(self, make):
+        """Logical A (.., M, K) and B (.., K, N) from `make(shape)`, rounded to the input precision."""
+        dtype = KINDS[self.kind]
+        a = make(self.a_shape[:-2] + (self.M, self.K)).astype(dtype)
+        b = make(self.b_shape[:-2] + (self.K, self.N)).astype(dtype)
+        return a, b
+
+    def run(self, module, a, b):
+        out = np.full(self.out_shape, 123, np.float32)   # poison: an output the kernel skips shows up
+        buffers = [stored(a, self.a_trans), stored(b, self.b_trans), out]
+        k = self.kernel
+        module.launch(k.name, k.grid, k.block, k.smem, [ptr(x) for x in buffers])
+        return out
+
+
+# Tails in every dim (K = 70: 4-byte copies for 16-bit A, plain loads for B's rows of 45),
+# 16-byte cp.async.cg copies, several blocks and a K shorter than one k tile, a broadcast batch.
+GEMM_CASES = [GemmCase(kind, 37, 45, 70, a_trans, b_trans) for kind in ("bf16", "f16", "tf32")
+              for a_trans, b_trans in ((False, False), (True, True), (False, True))] + [
+    GemmCase("bf16", 72, 136, 24), GemmCase("bf16", 72, 136, 24, True, True),
+    GemmCase("tf32", 16, 64, 48, True, False),
+    GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,)),
+]
+
+
+@pytest.fixture(scope="module")
+def gemm_module():
+    source = "\n".join(case.kernel.source for case in GEMM_CASES)
+    return CpuModule(build_cpu_library(source, "test_tensor_cores_gemm"))
+
+
+def test_gemm_cases_run_on_tensor_cores():
+    for case in GEMM_CASES:
+        assert f"tensor-core GEMM" in case.kernel.comment and f"{case.kind} mma.sync" in case.kernel.comment
+        assert case.kernel.smem > 0 and case.kernel.block[0] % 128 == 0
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[c.id for c in GEMM_CASES])
+def test_tensor_core_gemm_is_exact_on_integers(case, gemm_module):
+    a, b = case.operands(lambda shape: small_ints(np.random.default_rng(case.M * case.K), shape))
+    got = case.run(gemm_module, a, b)
+    np.testing.assert_array_equal(got, (a.astype(np.float32) @ b.astype(np.float32)))
+
+
+@pytest.mark.parametrize("case", [c for c in GEMM_CASES if not c.a_trans], ids=lambda c: c.id)
+def test_tensor_core_gemm_matches_the_reference_in_its_precision(case, gemm_module):
+    """Random values: inputs rounded to bf16/fp16 (tf32 by the kernel itself), products summed
+    in fp32. The bound is fp32 summation error over K terms; a wrong precision (fp32 inputs on
+    the tf32 path, or bf16 rounding of the accumulator) misses it by orders of magnitude."""
+    rng = np.random.default_rng(case.N)
+    a, b = case.operands(lambda shape: rng.standard_normal(shape))
+    if case.kind == "tf32":
+        want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
+    else:
+        want = a.astype(np.float64) @ b.astype(np.float64)
+    got = case.run(gemm_module, a, b)
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    np.testing.assert_array_less(np.abs(got - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_gemm_kernels_compile_with_nvrtc(arch):
+    source = "\n".join(case.kernel.source for case in GEMM_CASES)
+    assert nvrtc.compile_cuda(source, arch=arch, tag="test_tensor_cores_gemm")[:4] == b"\x7fELF"
