@@ -8,19 +8,22 @@ integers wherever a test compares exactly, so every sum is exact in fp32 and onl
 mistake (a transposed or shifted fragment) can change a result.
 """
 
+import copy
 import ctypes
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-import flowgen  # noqa: F401  (registers the ops)
+import flowgen as flow
+import flowgen.nn as nn
 from flowgen import dtype as dt
 from flowgen.codegen.families import gemm_kernel, rendering_for
 from flowgen.codegen.kernel import BufferArg
 from flowgen.ir.graph import Node, Value
 from flowgen.runtime import nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from graphs import InferGraph, TrainGraph
 
 PRIMITIVES = r"""
 // One warp multiplies a 16x16 A (row-major) by a 16x8 B (stored k-major, B[k][n]) and adds C,
@@ -365,3 +368,75 @@ def test_tensor_core_gemm_matches_the_reference_in_its_precision(case, gemm_modu
 def test_gemm_kernels_compile_with_nvrtc(arch):
     source = "\n".join(case.kernel.source for case in GEMM_CASES)
     assert nvrtc.compile_cuda(source, arch=arch, tag="test_tensor_cores_gemm")[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------
+# Precision switches through the public API: graph against eager float32, with bounds from
+# the unit roundoff u of the input format (inputs rounded once each, fp32 accumulation).
+
+U_TF32, U_BF16 = 2.0 ** -11, 2.0 ** -8   # 10 and 7 stored mantissa bits, round to nearest
+U_FP32 = 2.0 ** -24
+
+
+def gemm_error_bound(u: float, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """|x @ w^T| error when both operands are rounded with unit roundoff u and K products are
+    summed in fp32: (2u + K u_fp32) (|x| @ |w|^T), first order."""
+    return (2 * u + x.shape[-1] * U_FP32) * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+
+
+def tensor_core_kernels(graph) -> list:
+    return [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
+
+
+@pytest.mark.parametrize("tf32", [True, False])
+def test_allow_tf32_runs_float32_linear_on_tensor_cores(tf32):
+    flow.manual_seed(0)
+    model = nn.Linear(96, 40)
+    graph = InferGraph(model)
+    graph.config.allow_tf32(tf32)
+    x = flow.randn(24, 96)
+    got, want = graph(x).numpy().astype(np.float64), model(x).numpy().astype(np.float64)
+    error = np.abs(got - want)
+    w = model.weight.numpy()
+    fp32_bound = gemm_error_bound(0.0, x.numpy(), w) + 2 * U_FP32 * np.abs(want)
+    if tf32:
+        assert [k.comment.count("tf32 mma.sync") for k in tensor_core_kernels(graph)] == [1]
+        assert "mma_m16n8k8_tf32" in graph.compiled.sources["kernels.cu"]
+        np.testing.assert_array_less(error, gemm_error_bound(U_TF32, x.numpy(), w) + 2 * U_FP32 * np.abs(want))
+        assert (error > fp32_bound).any()      # TF32 rounding shows: the inputs were not used in fp32
+    else:
+        assert tensor_core_kernels(graph) == []
+        np.testing.assert_array_less(error, fp32_bound + 1e-30)
+
+
+def test_bf16_amp_trains_with_fp32_master_weights_on_tensor_cores():
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 24))
+    reference = copy.deepcopy(model)
+    loss_fn = nn.MSELoss()
+    amp = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.05))
+    amp.config.enable_amp(True, dtype=flow.bfloat16)
+    eager_opt = flow.optim.SGD(reference.parameters(), lr=0.05)
+    x, y = flow.randn(64, 32), flow.randn(64, 24)
+    for _ in range(3):
+        loss = float(amp(x, y))
+        eager_opt.zero_grad()
+        eager_loss = loss_fn(reference(x), y)
+        eager_loss.backward()
+        eager_opt.step()
+        # two bf16 GEMMs in a row, each off by at most ~3u relative, through a squared error
+        assert abs(loss - float(eager_loss)) <= 12 * U_BF16 * abs(float(eager_loss))
+    ir = str(amp.compiled.ir)
+    assert "bf16[" in ir
+    # Forward and both gradients of the second layer, forward and weight gradient of the first.
+    assert len(tensor_core_kernels(amp)) == 5
+    assert all("bf16 mma.sync" in k.comment for k in tensor_core_kernels(amp))
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert p.dtype == flow.float32     # master weights stay float32
+        np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=0, atol=3 * 0.05 * 12 * U_BF16)
+
+
+def test_enable_amp_names_the_dtypes_it_accepts():
+    graph = InferGraph(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="float16 or flow.bfloat16"):
+        graph.config.enable_amp(True, dtype=flow.float64)

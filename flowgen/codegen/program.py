@@ -151,12 +151,13 @@ def split_prepare(graph, kernels, aliases, constants):
     return prepare, main
 
 
-def build_program(graph, naive_memory: bool = False, target: str = "cuda") -> Program:
+def build_program(graph, naive_memory: bool = False, target: str = "cuda", allow_tf32: bool = False) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
-    chosen for `target` ("cuda": a GPU; "cpu": the emulator)."""
+    chosen for `target` ("cuda": a GPU; "cpu": the emulator); `allow_tf32` runs float32
+    GEMMs on tensor cores with TF32 inputs."""
     from flowgen.codegen.families import rendering_for
 
-    with rendering_for(target):
+    with rendering_for(target, allow_tf32):
         kernels, aliases, constants = render_kernels(graph)
     prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)
