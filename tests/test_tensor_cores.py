@@ -10,10 +10,17 @@ mistake (a transposed or shifted fragment) can change a result.
 
 import copy
 import ctypes
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import nvidia
 import pytest
+from cuda.bindings import nvrtc as nvrtc_api
 
 import flowgen as flow
 import flowgen.nn as nn
@@ -23,6 +30,7 @@ from flowgen.codegen.kernel import BufferArg
 from flowgen.ir.graph import Node, Value
 from flowgen.runtime import nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from flowgen.runtime.toolchain import cuda_include_dirs, runtime_cpp_dir
 from graphs import InferGraph, TrainGraph
 
 PRIMITIVES = r"""
@@ -440,3 +448,69 @@ def test_enable_amp_names_the_dtypes_it_accepts():
     graph = InferGraph(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="float16 or flow.bfloat16"):
         graph.config.enable_amp(True, dtype=flow.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# Machine code for sm_90: tensor-core instructions, asynchronous copies, no spills. Full-size
+# tiles (M, N, K = 4096) beside the test cases, which use the small tiles.
+
+SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True), GemmCase("f16", 4096, 4096, 4096, True),
+                           GemmCase("tf32", 4096, 4096, 4096)]
+
+
+def ptxas_report(source: str, arch: str) -> str:
+    """NVRTC's log of compiling `source` with ptxas --verbose (registers, stack, spills per kernel)."""
+    options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=--verbose",
+               *(f"-I{d}" for d in (runtime_cpp_dir(), *cuda_include_dirs()))]
+    status, program = nvrtc_api.nvrtcCreateProgram(source.encode(), b"kernels.cu", 0, [], [])
+    try:
+        (status,) = nvrtc_api.nvrtcCompileProgram(program, len(options), [o.encode() for o in options])
+        _, size = nvrtc_api.nvrtcGetProgramLogSize(program)
+        log = b" " * size
+        nvrtc_api.nvrtcGetProgramLog(program, log)
+    finally:
+        nvrtc_api.nvrtcDestroyProgram(program)
+    assert status == nvrtc_api.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    return log.decode(errors="replace").replace("\0", "")
+
+
+def test_ptxas_reports_no_spills_for_sm_90():
+    source = '#include "flowgen_cuda_prelude.h"\n' + "\n".join(c.kernel.source for c in SASS_CASES)
+    report = ptxas_report(source, "sm_90")
+    per_kernel = dict(re.findall(r"Function properties for (\w+)\s*ptxas\s+\.\s+([^\n]*)", report))
+    assert set(per_kernel) == {c.kernel.name for c in SASS_CASES}
+    for name, frame in per_kernel.items():
+        assert frame == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", (name, frame)
+
+
+def cuda_binary_tool(name: str):
+    """A CUDA binary utility from PATH or the pip wheels (nvidia/*/bin), else None."""
+    candidates = [shutil.which(name)] + [str(c) for root in nvidia.__path__ for c in sorted(Path(root).glob(f"*/bin/{name}"))]
+    return next((c for c in candidates if c), None)
+
+
+CUOBJDUMP, NVDISASM = cuda_binary_tool("cuobjdump"), cuda_binary_tool("nvdisasm")
+MMA_SASS = {"bf16": "HMMA.16816.F32.BF16", "f16": "HMMA.16816.F32 ", "tf32": "HMMA.1688.F32.TF32"}
+
+
+@pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
+                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+def test_sm_90_sass_has_tensor_core_and_async_copy_instructions_and_no_local_memory(tmp_path):
+    cubin = tmp_path / "gemm.cubin"
+    cubin.write_bytes(nvrtc.compile_cuda("\n".join(c.kernel.source for c in SASS_CASES), "sm_90",
+                                         tag="test_tensor_cores_sass"))
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(NVDISASM).parent), os.environ.get("PATH", "")]))
+
+    def dump(flag):
+        return subprocess.run([CUOBJDUMP, flag, str(cubin)], env=env, capture_output=True, text=True, check=True).stdout
+
+    sass = {chunk.split("\n", 1)[0].strip(): chunk for chunk in re.split(r"\n\s*Function : ", dump("-sass"))[1:]}
+    usage = dict(re.findall(r"Function (\w+):\s*\n\s*(REG:[^\n]*)", dump("-res-usage")))
+    for case in SASS_CASES:
+        name, code = case.kernel.name, sass[case.kernel.name]
+        assert MMA_SASS[case.kind] in code, name
+        assert ("LDSM.16.M" in code) == (case.kind != "tf32"), name        # ldmatrix for 16-bit fragments
+        if "cp_async_c" in case.kernel.source:
+            assert "LDGSTS" in code and "DEPBAR" in code, name             # cp.async and wait_group
+        assert "LDL" not in code and "STL" not in code, name               # no local memory (spills)
+        assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])
