@@ -439,26 +439,35 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
     out_batch = tuple(c.shape[:-2])
     batch = _numel(out_batch)
     BM, BN, WM, WN = _mma_tile(M, N, batch)
-    mma, KSTEP, BK, STAGES = _MMA_KINDS[kind]
+    BK = _MMA_KINDS[kind][2]
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
     a_op = _mma_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, kind,
                         "A(m, k), m in [m0, m0 + %d), k in [k0, k0 + %d)" % (BM, BK))
     b_op = _mma_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, kind,
                         "B(k, n), n in [n0, n0 + %d), k in [k0, k0 + %d)" % (BN, BK))
     a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
-    t = _Tile(BM=BM, BN=BN, BK=BK, WM=WM, WN=WN, WARPS_M=BM // WM, NT=32 * (BM // WM) * (BN // WN), STAGES=STAGES,
-              MI=WM // 16, NI=WN // 8, KSTEP=KSTEP, kind=kind, mma=mma, elem=a.dtype.ctype,
-              elem_bytes=a.dtype.itemsize, zero=_zero_literal(a.dtype), stage_elems=a_op.elems + b_op.elems)
+    t = _mma_tile_config(kind, (BM, BN, WM, WN), a.dtype, a_op, b_op)
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" (tensor-core GEMM {BM}x{BN}, {kind} mma.sync){what_extra}")
     source = _render(
-        "gemm_mma.cu.j2", name=kernel_name, comment=_comment(node, what), params=params, t=t, a=a_op, b=b_op,
+        "gemm_mma.cu.j2", name=kernel_name, comment=_comment(node, what), params=params, t=t,
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines)
-    smem = STAGES * t.stage_elems * a.dtype.itemsize
     return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
-                  smem=smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
+                  smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
+
+
+def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
+    """The `t` of _mma.j2: block and warp tiles, the mma, pipeline depth, operand staging, and
+    `smem`, the dynamic shared memory of all stages in bytes."""
+    BM, BN, WM, WN = dims
+    mma, KSTEP, BK, STAGES = _MMA_KINDS[kind]
+    stage_elems = a_op.elems + b_op.elems
+    return _Tile(BM=BM, BN=BN, BK=BK, WM=WM, WN=WN, WARPS_M=BM // WM, NT=32 * (BM // WM) * (BN // WN), STAGES=STAGES,
+                 MI=WM // 16, NI=WN // 8, KSTEP=KSTEP, kind=kind, mma=mma, elem=dtype.ctype, elem_bytes=dtype.itemsize,
+                 zero=_zero_literal(dtype), to_elem=_storer(dtype, "float"), a=a_op, b=b_op, stage_elems=stage_elems,
+                 smem=STAGES * stage_elems * dtype.itemsize)
 
 
 # --------------------------------------------------------------------------
