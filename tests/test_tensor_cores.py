@@ -25,9 +25,10 @@ from cuda.bindings import nvrtc as nvrtc_api
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import gemm_kernel, rendering_for
+from flowgen.codegen.families import gemm_kernel, render_node, rendering_for
 from flowgen.codegen.kernel import BufferArg
 from flowgen.ir.graph import Node, Value
+from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime import nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from flowgen.runtime.toolchain import cuda_include_dirs, runtime_cpp_dir
@@ -311,6 +312,7 @@ class GemmCase:
         self.id = (f"{kind}_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
                    f"{'_batch' if a_batch or b_batch else ''}")
         self.kernel = render_gemm_case(self.id, kind, self.a_shape, self.b_shape, a_trans, b_trans)
+        self.kernels = [self.kernel]
 
     def operands(self, make):
         """Logical A (.., M, K) and B (.., K, N) from `make(shape)`, rounded to the input precision."""
@@ -372,9 +374,67 @@ def test_tensor_core_gemm_matches_the_reference_in_its_precision(case, gemm_modu
     np.testing.assert_array_less(np.abs(got - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
 
 
-def test_gemm_kernels_compile_with_nvrtc_for_sm_80():   # sm_90: see sm_90_build below
-    source = "\n".join(case.kernel.source for case in GEMM_CASES)
-    assert nvrtc.compile_cuda(source, arch="sm_80", tag="test_tensor_cores_gemm")[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------
+# Implicit-GEMM convolutions on the same core: weights and gathered input windows (or output
+# gradient taps) staged in shared memory by the conv template's load statements.
+
+CONV_GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, groups)
+    ("3x3_s1_p1", 2, 8, 7, 7, 20, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ("3x2_s2_p10_g2", 2, 8, 9, 8, 12, (3, 2), (2, 2), (1, 0), (1, 1), 2),
+    ("1x1", 2, 24, 5, 6, 18, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+]
+
+
+class ConvCase:
+    def __init__(self, kind, op, geometry):
+        name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
+        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}"
+        attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
+        in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
+        y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
+        if op == "conv2d":
+            shapes = (x_shape, w_shape)
+        elif op == "conv2d_grad_input":
+            shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
+        else:
+            shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
+        self.shapes, self.attrs = shapes, attrs
+        inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
+        meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
+        self.out = Value("out", tuple(meta.shape), meta.dtype)
+        self.node = Node(op, inputs, [self.out], attrs, scope=f"test.{self.id}")
+        with rendering_for("cpu", allow_tf32=kind == "tf32"):
+            self.kernels = render_node(self.node, f"tc_{self.id}")   # a zero fill first when split-k
+        self.kernel = self.kernels[-1]
+
+
+# bf16: forward and both gradients for each geometry; tf32 on the first.
+CONV_CASES = [ConvCase("bf16", op, g) for g in CONV_GEOMETRIES
+              for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
+    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")]
+
+
+@pytest.fixture(scope="module")
+def conv_module():
+    source = "\n".join(k.source for case in CONV_CASES for k in case.kernels)
+    return CpuModule(build_cpu_library(source, "test_tensor_cores_conv"))
+
+
+@pytest.mark.parametrize("case", CONV_CASES, ids=[c.id for c in CONV_CASES])
+def test_implicit_gemm_conv_on_tensor_cores_is_exact_on_integers(case, conv_module):
+    """Values in {-1, 0, 1}: every sum (at most 98 terms) is exact in fp32 and in the bf16 output."""
+    assert f"on tensor cores, {case.kind} mma.sync" in case.kernel.comment
+    rng = np.random.default_rng(len(case.id))
+    arrays = [rng.integers(-1, 2, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    out = np.full(case.out.shape, 123, case.out.dtype.np_dtype)
+    buffers = {v: x for v, x in zip(case.node.inputs, arrays)} | {case.out: out}
+    for k in case.kernels:
+        conv_module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    np.testing.assert_array_equal(out.astype(np.float64), want)
 
 
 # ---------------------------------------------------------------------------------------
@@ -451,10 +511,16 @@ def test_enable_amp_names_the_dtypes_it_accepts():
 
 # ---------------------------------------------------------------------------------------
 # Machine code for sm_90: tensor-core instructions, asynchronous copies, no spills. Full-size
-# tiles (M, N, K = 4096) beside the test cases, which use the small tiles.
+# GEMM tiles (M, N, K = 4096) beside the test cases, which use the small tiles.
 
-SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True), GemmCase("f16", 4096, 4096, 4096, True),
-                           GemmCase("tf32", 4096, 4096, 4096)]
+def test_kernels_compile_with_nvrtc_for_sm_80():   # sm_90: see sm_90_build below
+    source = "\n".join(k.source for case in GEMM_CASES + CONV_CASES for k in case.kernels)
+    assert nvrtc.compile_cuda(source, arch="sm_80", tag="test_tensor_cores")[:4] == b"\x7fELF"
+
+
+SASS_CASES = GEMM_CASES + CONV_CASES + [
+    GemmCase("bf16", 4096, 4096, 4096, False, True), GemmCase("f16", 4096, 4096, 4096, True),
+    GemmCase("tf32", 4096, 4096, 4096)]
 
 
 @pytest.fixture(scope="module")
@@ -512,7 +578,7 @@ def test_sm_90_sass_has_tensor_core_and_async_copy_instructions_and_no_local_mem
         name, code = case.kernel.name, sass[case.kernel.name]
         assert MMA_SASS[case.kind] in code, name
         assert ("LDSM.16.M" in code) == (case.kind != "tf32"), name        # ldmatrix for 16-bit fragments
-        if "cp_async_c" in case.kernel.source:
+        if re.search(r"cp_async_c[ag]\b", case.kernel.source):     # a copied (not gathered) operand
             assert "LDGSTS" in code and "DEPBAR" in code, name             # cp.async and wait_group
         assert "LDL" not in code and "STL" not in code, name               # no local memory (spills)
         assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])

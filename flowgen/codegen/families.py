@@ -458,6 +458,21 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
                   smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
 
+def _mma_implicit_gemm_tile(kind, GM: int, GN: int, groups: int, dtype, op: str) -> _Tile:
+    """The `t` of an implicit-GEMM conv on tensor cores: both operands gathered by the conv
+    template's load statements, A (GM x GK) staged k-major and B (GK x GN) n-major."""
+    BM, BN, WM, WN = _mma_tile(GM, GN, groups)
+    BK = _MMA_KINDS[kind][2]
+    names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
+             "wgrad": ("output gradients", "input windows")}[op]
+    a_op = _Tile(name="a", major="k", R=BM, C=BK, LD=BK + (4 if kind == "tf32" else 8), copy_kind="gather",
+                 what=f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
+    b_op = _Tile(name="b", major="mn", R=BK, C=BN, LD=BN + 8, copy_kind="gather",
+                 what=f"B(k, n) ({names[1]}), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_op["elems"], b_op["elems"] = a_op.R * a_op.LD, b_op.R * b_op.LD
+    return _mma_tile_config(kind, (BM, BN, WM, WN), dtype, a_op, b_op)
+
+
 def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
     """The `t` of _mma.j2: block and warp tiles, the mma, pipeline depth, operand staging, and
     `smem`, the dynamic shared memory of all stages in bytes."""
@@ -1023,9 +1038,14 @@ def _conv2d_kernels(node, kernel_name, fusion):
         """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
         return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
+    kind = tensor_core_kind(first.dtype, second.dtype)
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
-    t = (make_tile(chosen, acc, a_order, b_order) if chosen
-         else _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None))
+    if kind is not None:
+        t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
+    elif chosen:
+        t = make_tile(chosen, acc, a_order, b_order)
+    else:
+        t = _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None)
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
     splits, kchunk = 1, GK
     if can_split:
@@ -1036,11 +1056,13 @@ def _conv2d_kernels(node, kernel_name, fusion):
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
+        (f" on tensor cores, {kind} mma.sync" if kind else "") + \
         (f", split-k {splits}" if splits > 1 else "") + ")" + (fusion["what_extra"] if fusion else "")
     source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
-                     splits=splits, kchunk=kchunk, pointwise=pointwise, **ctx)
+                     splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
-    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what))
+    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what,
+                           smem=t.smem if kind else 0))
     return kernels
 
 
