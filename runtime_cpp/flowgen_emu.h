@@ -648,7 +648,9 @@ template <int Bytes> inline void cp_async_ca(void* smem, const void* gmem, int s
   static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async.ca copies 4, 8 or 16 bytes");
   flowgen_emu::cp_async(smem, gmem, Bytes, src_bytes);
 }
-inline void cp_async_cg(void* smem, const void* gmem, int src_bytes) { flowgen_emu::cp_async(smem, gmem, 16, src_bytes); }
+inline void cp_async_cg(void* smem, const void* gmem, int src_bytes) {
+  flowgen_emu::cp_async(smem, gmem, 16, src_bytes);
+}
 inline void cp_async_commit() {
   flowgen_emu::Block& b = flowgen_emu::synchronising_block("cp.async.commit_group");
   auto& queue = b.async_copies[b.current];

@@ -554,7 +554,8 @@ def test_ptxas_reports_no_spills_for_sm_90(sm_90_build):
 
 def cuda_binary_tool(name: str):
     """A CUDA binary utility from PATH or the pip wheels (nvidia/*/bin), else None."""
-    candidates = [shutil.which(name)] + [str(c) for root in nvidia.__path__ for c in sorted(Path(root).glob(f"*/bin/{name}"))]
+    wheels = [str(c) for root in nvidia.__path__ for c in sorted(Path(root).glob(f"*/bin/{name}"))]
+    candidates = [shutil.which(name)] + wheels
     return next((c for c in candidates if c), None)
 
 

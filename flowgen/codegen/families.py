@@ -427,8 +427,8 @@ def _mma_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, mn_
         R, C, o0, O, i0, I, ld = tile_mn, BK, mn_origin, mn_extent, "k0", "GK", "GK"
     else:
         R, C, o0, O, i0, I, ld = BK, tile_mn, "k0", "GK", mn_origin, mn_extent, mn_extent
-    return _Tile(name=name, ptr=ptr, major="k" if k_contiguous else "mn", R=R, C=C, LD=C + pad, vec=vec, copy_kind=copy_kind,
-                 o0=o0, O=O, i0=i0, I=I, ld=ld, elems=R * (C + pad), what=what)
+    return _Tile(name=name, ptr=ptr, major="k" if k_contiguous else "mn", R=R, C=C, LD=C + pad, vec=vec,
+                 copy_kind=copy_kind, o0=o0, O=O, i0=i0, I=I, ld=ld, elems=R * (C + pad), what=what)
 
 
 def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans, ops,
@@ -442,9 +442,9 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
     BK = _MMA_KINDS[kind][2]
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
     a_op = _mma_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, kind,
-                        "A(m, k), m in [m0, m0 + %d), k in [k0, k0 + %d)" % (BM, BK))
+                        f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
     b_op = _mma_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, kind,
-                        "B(k, n), n in [n0, n0 + %d), k in [k0, k0 + %d)" % (BN, BK))
+                        f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
     a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
     t = _mma_tile_config(kind, (BM, BN, WM, WN), a.dtype, a_op, b_op)
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
