@@ -342,6 +342,7 @@ struct Block {
   struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; };
   struct AsyncQueue { std::vector<AsyncCopy> open; std::deque<std::vector<AsyncCopy>> groups; };
   std::vector<AsyncQueue> async_copies;
+  bool async_used = false;  // a thread of this block issued cp.async: clear the queues before the next
   struct alignas(16) Chunk { unsigned char bytes[16]; };
   std::vector<Chunk> dynamic_shared;          // sized per launch
 };
@@ -391,7 +392,14 @@ inline void run_block_with_fibers(Block& b) {
   b.exchange.resize(2 * size_t(n));
   b.wide_exchange.resize(2 * size_t(n));
   b.parity.assign(n, 0);
-  b.async_copies.assign(n, Block::AsyncQueue{});
+  if (b.async_copies.size() < size_t(n)) b.async_copies.resize(n);
+  if (b.async_used) {  // copies a kernel never waited for must not land in the next block
+    for (Block::AsyncQueue& queue : b.async_copies) {
+      queue.open.clear();
+      queue.groups.clear();
+    }
+    b.async_used = false;
+  }
   for (int t = 0; t < n; ++t)
     start_context(b.pool[t]->context, b.pool[t]->stack.get(), FLOWGEN_EMU_FIBER_STACK, fiber_main);
   b.current = 0;
@@ -603,6 +611,7 @@ inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
     std::abort();
   }
   b.async_copies[b.current].open.push_back({dst, src, bytes, src_bytes});
+  b.async_used = true;
 }
 
 // Lands every committed group but the newest `pending` ones.
