@@ -388,9 +388,9 @@ CONV_GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation,
 
 
 class ConvCase:
-    def __init__(self, kind, op, geometry):
+    def __init__(self, kind, op, geometry, target="cpu"):
         name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
-        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}"
+        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}_{target}"
         attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
         x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
         in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
@@ -406,15 +406,22 @@ class ConvCase:
         meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
         self.out = Value("out", tuple(meta.shape), meta.dtype)
         self.node = Node(op, inputs, [self.out], attrs, scope=f"test.{self.id}")
-        with rendering_for("cpu", allow_tf32=kind == "tf32"):
+        with rendering_for(target, allow_tf32=kind == "tf32"):
             self.kernels = render_node(self.node, f"tc_{self.id}")   # a zero fill first when split-k
         self.kernel = self.kernels[-1]
 
 
-# bf16: forward and both gradients for each geometry; tf32 on the first.
+# bf16: forward and both gradients for each geometry; tf32 on the first; a weight gradient
+# rendered for the GPU, whose deep reduction (2 x 14 x 14) is split across blocks (split-k:
+# a zero fill, then atomicAdd from the tensor-core epilogue).
 CONV_CASES = [ConvCase("bf16", op, g) for g in CONV_GEOMETRIES
               for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
-    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")]
+    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
+    ConvCase("tf32", "conv2d_grad_weight", ("3x3_14x14", 2, 4, 14, 14, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), "cuda")]
+
+
+def test_deep_weight_gradient_splits_k_on_tensor_cores():
+    assert "split-k" in CONV_CASES[-1].kernel.comment and CONV_CASES[-1].kernels[0].name.endswith("_zero")
 
 
 @pytest.fixture(scope="module")
