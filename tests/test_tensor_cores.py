@@ -1,5 +1,6 @@
-"""Tensor cores: the warp-level primitives (mma.sync, ldmatrix, cp.async) and the GEMM family
-built on them.
+"""Tensor cores: the warp-level primitives (mma.sync, ldmatrix, cp.async), the GEMM and
+implicit-GEMM conv kernels built on them, the precision switches that select them
+(`enable_amp(True, dtype=flow.bfloat16)`, `allow_tf32`), and their sm_90 machine code.
 
 The primitive kernels below are plain CUDA C++ that call the named device functions of
 runtime_cpp/flowgen_cuda_prelude.h; the emulator runs them with the PTX ISA's per-lane
