@@ -511,6 +511,22 @@ def test_bf16_amp_trains_with_fp32_master_weights_on_tensor_cores():
         np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=0, atol=3 * 0.05 * 12 * U_BF16)
 
 
+def test_bf16_amp_conv_runs_on_tensor_cores_with_its_fused_epilogue():
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(6, 16, 3, padding=1), nn.ReLU())
+    graph = InferGraph(model)
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    x = flow.randn(2, 6, 9, 7)
+    got, want = graph(x).numpy().astype(np.float64), model(x).numpy().astype(np.float64)
+    (conv,) = [k for k in graph.compiled.program.kernels if "conv2d" in k.ops]
+    assert "on tensor cores, bf16 mma.sync" in conv.comment and "relu" in conv.ops
+    # |conv(x, w)| summed term by term bounds the rounding: inputs (2u), the bf16 result (u), fp32 sums
+    magnitude = nn.functional.conv2d(flow.tensor(np.abs(x.numpy())), flow.tensor(np.abs(model[0].weight.numpy())),
+                                     padding=1).numpy().astype(np.float64)
+    bound = (3 * U_BF16 + 6 * 9 * U_FP32) * magnitude + 2 * U_FP32 * np.abs(want)
+    np.testing.assert_array_less(np.abs(got - want), bound + 1e-30)
+
+
 def test_enable_amp_names_the_dtypes_it_accepts():
     graph = InferGraph(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="float16 or flow.bfloat16"):
