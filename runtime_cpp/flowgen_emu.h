@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <tuple>
 #include <type_traits>
@@ -331,6 +332,17 @@ struct Block {
   // lane has passed the barrier between, i.e. finished reading it.
   std::vector<uint64_t> exchange;
   std::vector<unsigned char> parity;
+  // Warp-wide operand exchange of the tensor-core primitives (mma, ldmatrix): like
+  // `exchange` but 32 bytes per slot; it shares `parity`, so the same one-barrier argument holds.
+  struct alignas(16) WideSlot { unsigned char bytes[32]; };
+  std::vector<WideSlot> wide_exchange;
+  // cp.async: each thread's copies not yet committed, then its committed groups, oldest
+  // first. A copy lands when wait_group retires its group (one legal GPU schedule), so a
+  // kernel that reads shared memory before waiting reads stale data here too.
+  struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; };
+  struct AsyncQueue { std::vector<AsyncCopy> open; std::deque<std::vector<AsyncCopy>> groups; };
+  std::vector<AsyncQueue> async_copies;
+  bool async_used = false;  // a thread of this block issued cp.async: clear the queues before the next
   struct alignas(16) Chunk { unsigned char bytes[16]; };
   std::vector<Chunk> dynamic_shared;          // sized per launch
 };
@@ -378,7 +390,16 @@ inline void run_block_with_fibers(Block& b) {
   }
   b.done.assign(n, 0);
   b.exchange.resize(2 * size_t(n));
+  b.wide_exchange.resize(2 * size_t(n));
   b.parity.assign(n, 0);
+  if (b.async_copies.size() < size_t(n)) b.async_copies.resize(n);
+  if (b.async_used) {  // copies a kernel never waited for must not land in the next block
+    for (Block::AsyncQueue& queue : b.async_copies) {
+      queue.open.clear();
+      queue.groups.clear();
+    }
+    b.async_used = false;
+  }
   for (int t = 0; t < n; ++t)
     start_context(b.pool[t]->context, b.pool[t]->stack.get(), FLOWGEN_EMU_FIBER_STACK, fiber_main);
   b.current = 0;
@@ -481,6 +502,171 @@ inline int __all_sync(unsigned mask, int predicate) {
   unsigned voters = mask & flowgen_emu::warp_lanes();
   return (__ballot_sync(mask, predicate) & voters) == voters;
 }
+
+// ---------------------------------------------------------------------------------------
+// Tensor-core primitives: the emulator's versions of the device functions that
+// flowgen_cuda_prelude.h writes in inline PTX (same names, same per-lane fragments).
+// Fragment layouts follow the PTX ISA, "Warp Level Matrix Multiply-Accumulate Instructions":
+// groupID = lane / 4, threadID_in_group = lane % 4, and a .b32 register holding two 16-bit
+// elements keeps the lower-indexed one in its low half.
+namespace flowgen_emu {
+
+// Every lane of the warp publishes `n` (<= 32) bytes; the result points at lane 0's slot.
+inline const Block::WideSlot* warp_publish(const void* data, size_t n) {
+  Block& b = synchronising_block("a tensor-core primitive (mma, ldmatrix)");
+  const int me = b.current, first = warp_first(b);
+  Block::WideSlot* slots = &b.wide_exchange[size_t(b.parity[me]) * b.nthreads];
+  b.parity[me] ^= 1;
+  std::memcpy(slots[me].bytes, data, n);
+  warp_barrier(b);
+  if (warp_count(b) != warpSize) {
+    std::fprintf(stderr, "flowgen emulator: mma/ldmatrix need a full warp of 32 threads\n");
+    std::abort();
+  }
+  return &slots[first];
+}
+
+inline float bf16_bits_to_float(uint32_t bits) { return bits_float(bits << 16); }
+// Element `which` (0: low half, 1: high half) of a register holding two 16-bit values.
+inline uint32_t half_of(uint32_t reg, int which) { return (reg >> (16 * which)) & 0xffffu; }
+
+struct MmaOperands { uint32_t a[4], b[2]; };
+
+inline MmaOperands operands_of(const Block::WideSlot* lanes, int lane) {
+  MmaOperands o;
+  std::memcpy(&o, lanes[lane].bytes, sizeof o);
+  return o;
+}
+
+// D = A (16 x K, row) * B (K x 8, col) + D for K = 16 (16-bit inputs) or 8 (tf32), fp32
+// accumulation. Products of 16-bit or tf32 values are exact in float; each output sums its
+// k terms in increasing k onto the accumulator.
+template <int K, class Element>
+inline void mma_m16n8(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2], Element element) {
+  MmaOperands mine;
+  std::memcpy(mine.a, a, sizeof mine.a);
+  std::memcpy(mine.b, b, sizeof mine.b);
+  const Block::WideSlot* lanes = warp_publish(&mine, sizeof mine);
+  const int lane = lane_id(), group = lane / 4, in_group = lane % 4;
+  for (int i = 0; i < 4; ++i) {  // C/D: row groupID (+8 for c2, c3), col 2 * threadID_in_group + (i & 1)
+    const int row = group + 8 * (i / 2), col = 2 * in_group + (i % 2);
+    float sum = acc[i];
+    for (int k = 0; k < K; ++k) sum += element.a(lanes, row, k) * element.b(lanes, k, col);
+    acc[i] = sum;
+  }
+}
+
+// m16n8k16 .f16/.bf16: A element (row, k) is in lane 4 * (row % 8) + (k % 8) / 2, register
+// (row >= 8) + 2 * (k >= 8); B element (k, col) in lane 4 * col + (k % 8) / 2, register (k >= 8).
+template <float (*Decode)(uint32_t)> struct Elements16 {
+  float a(const Block::WideSlot* lanes, int row, int k) const {
+    MmaOperands o = operands_of(lanes, 4 * (row % 8) + (k % 8) / 2);
+    return Decode(half_of(o.a[(row >= 8) + 2 * (k >= 8)], k % 2));
+  }
+  float b(const Block::WideSlot* lanes, int k, int col) const {
+    MmaOperands o = operands_of(lanes, 4 * col + (k % 8) / 2);
+    return Decode(half_of(o.b[k >= 8], k % 2));
+  }
+};
+
+inline float half_register_to_float(uint32_t bits) { return half_bits_to_float(uint16_t(bits)); }
+
+// The tensor core reads the top 19 bits of a .tf32 operand (sign, exponent, 10 mantissa bits).
+inline float tf32_operand(uint32_t bits) { return bits_float(bits & 0xffffe000u); }
+
+// m16n8k8 .tf32: A element (row, k) is in lane 4 * (row % 8) + k % 4, register
+// (row >= 8) + 2 * (k >= 4); B element (k, col) in lane 4 * col + k % 4, register (k >= 4).
+struct ElementsTf32 {
+  float a(const Block::WideSlot* lanes, int row, int k) const {
+    return tf32_operand(operands_of(lanes, 4 * (row % 8) + k % 4).a[(row >= 8) + 2 * (k >= 4)]);
+  }
+  float b(const Block::WideSlot* lanes, int k, int col) const {
+    return tf32_operand(operands_of(lanes, 4 * col + k % 4).b[k >= 4]);
+  }
+};
+
+// ldmatrix .m8n8 .b16: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes each);
+// register j of lane l then holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j,
+// or with .trans column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
+template <int Matrices, bool Transposed> inline void ldmatrix(unsigned* regs, const void* row) {
+  const Block::WideSlot* lanes = warp_publish(&row, sizeof row);
+  const int lane = lane_id(), group = lane / 4, in_group = lane % 4;
+  auto element = [&](int matrix, int r, int c) {
+    const void* address;
+    std::memcpy(&address, lanes[8 * matrix + r].bytes, sizeof address);
+    uint16_t bits;
+    std::memcpy(&bits, static_cast<const unsigned char*>(address) + 2 * c, 2);
+    return uint32_t(bits);
+  };
+  for (int j = 0; j < Matrices; ++j) {
+    regs[j] = Transposed ? element(j, 2 * in_group, group) | element(j, 2 * in_group + 1, group) << 16
+                         : element(j, group, 2 * in_group) | element(j, group, 2 * in_group + 1) << 16;
+  }
+}
+
+inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+  Block& b = synchronising_block("cp.async");
+  if (src_bytes < 0 || src_bytes > bytes) {
+    std::fprintf(stderr, "flowgen emulator: cp.async src-size %d outside [0, %d]\n", src_bytes, bytes);
+    std::abort();
+  }
+  b.async_copies[b.current].open.push_back({dst, src, bytes, src_bytes});
+  b.async_used = true;
+}
+
+// Lands every committed group but the newest `pending` ones.
+inline void cp_async_retire(int pending) {
+  Block& b = synchronising_block("cp.async.wait_group");
+  auto& groups = b.async_copies[b.current].groups;
+  while (int(groups.size()) > pending) {
+    for (const Block::AsyncCopy& c : groups.front()) {
+      std::memcpy(c.dst, c.src, size_t(c.src_bytes));
+      std::memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, size_t(c.bytes - c.src_bytes));
+    }
+    groups.pop_front();
+  }
+}
+
+}  // namespace flowgen_emu
+
+inline void mma_m16n8k16_bf16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  flowgen_emu::mma_m16n8<16>(acc, a, b, flowgen_emu::Elements16<flowgen_emu::bf16_bits_to_float>{});
+}
+inline void mma_m16n8k16_f16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  flowgen_emu::mma_m16n8<16>(acc, a, b, flowgen_emu::Elements16<flowgen_emu::half_register_to_float>{});
+}
+inline void mma_m16n8k8_tf32(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  flowgen_emu::mma_m16n8<8>(acc, a, b, flowgen_emu::ElementsTf32{});
+}
+
+// cvt.rna.tf32.f32: round to 10 mantissa bits, to nearest with ties away from zero.
+inline unsigned float_to_tf32(float x) {
+  const uint32_t bits = flowgen_emu::float_bits(x);
+  if ((bits & 0x7fffffffu) >= 0x7f800000u) return bits;  // inf and NaN pass through
+  return (bits + 0x1000u) & 0xffffe000u;
+}
+
+inline void ldmatrix_x1(unsigned (&r)[1], const void* row) { flowgen_emu::ldmatrix<1, false>(r, row); }
+inline void ldmatrix_x2(unsigned (&r)[2], const void* row) { flowgen_emu::ldmatrix<2, false>(r, row); }
+inline void ldmatrix_x4(unsigned (&r)[4], const void* row) { flowgen_emu::ldmatrix<4, false>(r, row); }
+inline void ldmatrix_x1_trans(unsigned (&r)[1], const void* row) { flowgen_emu::ldmatrix<1, true>(r, row); }
+inline void ldmatrix_x2_trans(unsigned (&r)[2], const void* row) { flowgen_emu::ldmatrix<2, true>(r, row); }
+inline void ldmatrix_x4_trans(unsigned (&r)[4], const void* row) { flowgen_emu::ldmatrix<4, true>(r, row); }
+
+template <int Bytes> inline void cp_async_ca(void* smem, const void* gmem, int src_bytes) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async.ca copies 4, 8 or 16 bytes");
+  flowgen_emu::cp_async(smem, gmem, Bytes, src_bytes);
+}
+inline void cp_async_cg(void* smem, const void* gmem, int src_bytes) {
+  flowgen_emu::cp_async(smem, gmem, 16, src_bytes);
+}
+inline void cp_async_commit() {
+  flowgen_emu::Block& b = flowgen_emu::synchronising_block("cp.async.commit_group");
+  auto& queue = b.async_copies[b.current];
+  queue.groups.push_back(std::move(queue.open));
+  queue.open.clear();
+}
+template <int N> inline void cp_async_wait_group() { flowgen_emu::cp_async_retire(N); }
 
 // ---------------------------------------------------------------------------------------
 // Dynamic shared memory: one 16-byte-aligned buffer per OS thread, sized at launch.

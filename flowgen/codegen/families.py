@@ -18,7 +18,9 @@ Helper kernels that only zero-fill an output before an accumulating kernel
 
 Kernels by family (the main kernel carries `kernel_name`):
 
-* gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides.
+* gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides; bf16/fp16
+             operands (and float32 ones when TF32 is allowed) run on tensor cores instead
+             (gemm_mma.cu.j2: mma.sync, ldmatrix, a cp.async pipeline).
 * copy     — permute / slice / slice_backward / cat: one thread per output element
              with a baked index map (slice_backward writes zeros outside the slice).
 * softmax  — softmax / log_softmax over any dim, and cross-entropy rows and their
@@ -63,6 +65,8 @@ MAX_BLOCKS = 1 << 20
 # large tiles are best there. `rendering_for(target)` sets it while a program is built.
 TARGET_BLOCKS = {"cuda": 264, "cpu": 2 * (os.cpu_count() or 1)}
 _target_blocks = contextvars.ContextVar("target_blocks", default=TARGET_BLOCKS["cuda"])
+# Whether float32 GEMMs may run on tensor cores in TF32 (`graph.config.allow_tf32`).
+_allow_tf32 = contextvars.ContextVar("allow_tf32", default=False)
 
 
 def target_blocks() -> int:
@@ -70,12 +74,15 @@ def target_blocks() -> int:
 
 
 @contextlib.contextmanager
-def rendering_for(target: str):
-    """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu")."""
+def rendering_for(target: str, allow_tf32: bool = False):
+    """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
+    `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs."""
     token = _target_blocks.set(TARGET_BLOCKS[target])
+    tf32_token = _allow_tf32.set(bool(allow_tf32))
     try:
         yield
     finally:
+        _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)
 
 
@@ -329,33 +336,26 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
     out_batch = tuple(c.shape[:-2])
     batch = _numel(out_batch)
     acc = _acc_type(a.dtype, b.dtype)
-    t = _choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
-    n_tiles, m_tiles = -(-N // t.BN), -(-M // t.BM)
-    if m_tiles > 65535:
-        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): M = {M} needs more than 65535 row tiles")
-    if n_tiles * batch >= 2 ** 31:
-        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): too many column tiles x batch entries")
-
-    def batch_text(shape):
-        return "".join(f"{s}, " for s in shape)
-
-    def operand(name, trans):
-        return f"{name}^T" if trans else name
-
     # Shallow (small K) or tiny problems: one thread per output, no shared memory or barriers.
     direct = K <= 16 or (M * N * batch <= 256 and K <= 8192)
     if params is None:
         params = [f"const {a.dtype.ctype}* __restrict__ a", f"const {b.dtype.ctype}* __restrict__ b",
                   f"{c.dtype.ctype}* __restrict__ c"]
+    kind = None if direct else tensor_core_kind(a.dtype, b.dtype)
+    if kind is not None:
+        return _mma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
+                                a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
+    t = _choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
+    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, t.BM, t.BN)
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}){what_extra}")
     source = _render(
         "gemm.cu.j2", name=kernel_name, comment=_comment(node, what), params=params,
         a_ptr=a_ptr, b_ptr=b_ptr,
-        a_desc=operand("A", a_trans), b_desc=operand("B", b_trans), acc=acc,
+        a_desc=_operand_text("A", a_trans), b_desc=_operand_text("B", b_trans), acc=acc,
         a_index="(long long)k * GM + m" if a_trans else "(long long)m * GK + k",
         b_index="(long long)n * GK + k" if b_trans else "(long long)k * GN + n",
-        M=M, N=N, K=K, batch=batch, batch_text=batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
+        M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), epilogue_lines=epilogue_lines, direct=direct)
     if direct:
@@ -364,6 +364,133 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
         grid, block = (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1)
     return Kernel(name=kernel_name, source=source, args=args, grid=grid, block=block, smem=0,
                   needs_fibers=not direct, comment=_comment(node, what), ops=ops or [node.op])
+
+
+def _batch_text(shape) -> str:
+    return "".join(f"{s}, " for s in shape)
+
+
+def _operand_text(name: str, trans: bool) -> str:
+    return f"{name}^T" if trans else name
+
+
+def _grid_tiles(node, M: int, N: int, batch: int, BM: int, BN: int) -> tuple:
+    """(column tiles, row tiles) of a GEMM grid: x = column tiles x batch entries, y = row tiles."""
+    n_tiles, m_tiles = -(-N // BN), -(-M // BM)
+    if m_tiles > 65535:
+        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): M = {M} needs more than 65535 row tiles")
+    if n_tiles * batch >= 2 ** 31:
+        raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): too many column tiles x batch entries")
+    return n_tiles, m_tiles
+
+
+# --------------------------------------------------------------------------
+# gemm on tensor cores (templates/gemm_mma.cu.j2)
+
+# Block tiles (BM, BN, WM, WN), four warps each; in table order when costs tie.
+_MMA_TILES = ((128, 128, 64, 64), (128, 64, 64, 32), (64, 128, 32, 64), (64, 64, 32, 32))
+# Per input precision: the mma.sync device function, its k, the block's k step, pipeline stages.
+_MMA_KINDS = {"bf16": ("mma_m16n8k16_bf16", 16, 32, 3), "f16": ("mma_m16n8k16_f16", 16, 32, 3),
+              "tf32": ("mma_m16n8k8_tf32", 8, 16, 3)}
+
+
+def tensor_core_kind(a_dtype, b_dtype):
+    """The tensor-core precision of a GEMM with these operand dtypes: "bf16" / "f16" (16-bit
+    operands, fp32 accumulation), "tf32" for float32 operands when the graph allows TF32
+    (`rendering_for(..., allow_tf32=True)`), or None: the SIMT kernel."""
+    if a_dtype != b_dtype:
+        return None
+    if a_dtype == dt.bfloat16:
+        return "bf16"
+    if a_dtype == dt.float16:
+        return "f16"
+    if a_dtype == dt.float32 and _allow_tf32.get():
+        return "tf32"
+    return None
+
+
+def _mma_tile(M: int, N: int, batch: int) -> tuple:
+    """The (BM, BN, WM, WN) with the least padded work, scaled up when too few blocks fill the target."""
+    def cost(dims):
+        BM, BN = dims[:2]
+        blocks = -(-M // BM) * -(-N // BN) * batch
+        return -(-M // BM) * BM * -(-N // BN) * BN * max(1.0, target_blocks() / blocks)
+    best = _MMA_TILES[0]
+    for dims in _MMA_TILES[1:]:
+        if cost(dims) < cost(best) * 0.999:
+            best = dims
+    return best
+
+
+def _mma_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, mn_size, K, dtype, kind, what):
+    """How one operand's k tile is staged: rows over its non-contiguous dim, `vec` elements per
+    copy (16-byte cp.async.cg where the contiguous length allows aligned vectors, else 8- or
+    4-byte cp.async.ca, else plain loads for 16-bit rows of odd length)."""
+    contiguous_len = K if k_contiguous else mn_size
+    item = dtype.itemsize
+    vec = next(v for v in (16 // item, 8 // item, 4 // item, 1) if v >= 1 and contiguous_len % v == 0)
+    copy_kind = "cg" if vec * item == 16 else "ca" if vec * item >= 4 else "plain"
+    pad = 4 if kind == "tf32" and k_contiguous else 8
+    if k_contiguous:
+        R, C, o0, O, i0, I, ld = tile_mn, BK, mn_origin, mn_extent, "k0", "GK", "GK"
+    else:
+        R, C, o0, O, i0, I, ld = BK, tile_mn, "k0", "GK", mn_origin, mn_extent, mn_extent
+    return _Tile(name=name, ptr=ptr, major="k" if k_contiguous else "mn", R=R, C=C, LD=C + pad, vec=vec,
+                 copy_kind=copy_kind, o0=o0, O=O, i0=i0, I=I, ld=ld, elems=R * (C + pad), what=what)
+
+
+def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans, ops,
+                     what_extra, a_ptr, b_ptr) -> Kernel:
+    """c = op(a) @ op(b) on tensor cores; same arguments and epilogue contract as `gemm_kernel`."""
+    a, b, c = operands
+    M, N, K = sizes
+    out_batch = tuple(c.shape[:-2])
+    batch = _numel(out_batch)
+    BM, BN, WM, WN = _mma_tile(M, N, batch)
+    BK = _MMA_KINDS[kind][2]
+    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
+    a_op = _mma_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, kind,
+                        f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
+    b_op = _mma_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, kind,
+                        f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
+    t = _mma_tile_config(kind, (BM, BN, WM, WN), a.dtype, a_op, b_op)
+    what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
+            f" (tensor-core GEMM {BM}x{BN}, {kind} mma.sync){what_extra}")
+    source = _render(
+        "gemm_mma.cu.j2", name=kernel_name, comment=_comment(node, what), params=params, t=t,
+        M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
+        batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
+        epilogue_lines=epilogue_lines)
+    return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
+                  smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
+
+
+def _mma_implicit_gemm_tile(kind, GM: int, GN: int, groups: int, dtype, op: str) -> _Tile:
+    """The `t` of an implicit-GEMM conv on tensor cores: both operands gathered by the conv
+    template's load statements, A (GM x GK) staged k-major and B (GK x GN) n-major."""
+    BM, BN, WM, WN = _mma_tile(GM, GN, groups)
+    BK = _MMA_KINDS[kind][2]
+    names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
+             "wgrad": ("output gradients", "input windows")}[op]
+    a_op = _Tile(name="a", major="k", R=BM, C=BK, LD=BK + (4 if kind == "tf32" else 8), copy_kind="gather",
+                 what=f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
+    b_op = _Tile(name="b", major="mn", R=BK, C=BN, LD=BN + 8, copy_kind="gather",
+                 what=f"B(k, n) ({names[1]}), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_op["elems"], b_op["elems"] = a_op.R * a_op.LD, b_op.R * b_op.LD
+    return _mma_tile_config(kind, (BM, BN, WM, WN), dtype, a_op, b_op)
+
+
+def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
+    """The `t` of _mma.j2: block and warp tiles, the mma, pipeline depth, operand staging, and
+    `smem`, the dynamic shared memory of all stages in bytes."""
+    BM, BN, WM, WN = dims
+    mma, KSTEP, BK, STAGES = _MMA_KINDS[kind]
+    stage_elems = a_op.elems + b_op.elems
+    return _Tile(BM=BM, BN=BN, BK=BK, WM=WM, WN=WN, WARPS_M=BM // WM, NT=32 * (BM // WM) * (BN // WN), STAGES=STAGES,
+                 MI=WM // 16, NI=WN // 8, KSTEP=KSTEP, kind=kind, mma=mma, elem=dtype.ctype, elem_bytes=dtype.itemsize,
+                 zero=_zero_literal(dtype), to_elem=_storer(dtype, "float"), a=a_op, b=b_op, stage_elems=stage_elems,
+                 smem=STAGES * stage_elems * dtype.itemsize)
 
 
 # --------------------------------------------------------------------------
@@ -944,9 +1071,14 @@ def _conv2d_kernels(node, kernel_name, fusion):
         """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
         return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
+    kind = tensor_core_kind(first.dtype, second.dtype)
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
-    t = (make_tile(chosen, acc, a_order, b_order) if chosen
-         else _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None))
+    if kind is not None:
+        t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
+    elif chosen:
+        t = make_tile(chosen, acc, a_order, b_order)
+    else:
+        t = _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None)
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
     splits, kchunk = 1, GK
     if can_split:
@@ -957,11 +1089,13 @@ def _conv2d_kernels(node, kernel_name, fusion):
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
+        (f" on tensor cores, {kind} mma.sync" if kind else "") + \
         (f", split-k {splits}" if splits > 1 else "") + ")" + (fusion["what_extra"] if fusion else "")
     source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
-                     splits=splits, kchunk=kchunk, pointwise=pointwise, **ctx)
+                     splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
-    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what))
+    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what,
+                           smem=t.smem if kind else 0))
     return kernels
 
 

@@ -158,13 +158,15 @@ def split_prepare(graph, kernels, aliases, constants):
     return prepare, main
 
 
-def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False) -> Program:
+def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
+                  allow_tf32: bool = False) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
     chosen for `target` ("cuda": a GPU; "cpu": the emulator); `compress_memory` searches
-    placement orders for a smaller arena (memory/search.py)."""
+    placement orders for a smaller arena (memory/search.py); `allow_tf32` runs float32
+    GEMMs on tensor cores with TF32 inputs."""
     from flowgen.codegen.families import rendering_for
 
-    with rendering_for(target):
+    with rendering_for(target, allow_tf32):
         kernels, aliases, constants = render_kernels(graph)
     prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)

@@ -33,14 +33,14 @@ def user_location() -> str:
     return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
-# Ops that run in float16 under `config.enable_amp(True)`: float32 inputs are cast down, the
-# kernel accumulates in float32, and the result is cast back, so the rest of the graph (and the
-# loss) stays float32. Everything else runs in the dtype it was given.
+# Ops that run in float16 or bfloat16 under `config.enable_amp(True, dtype=...)`: float32 inputs
+# are cast down, the kernel accumulates in float32, and the result is cast back, so the rest of
+# the graph (and the loss) stays float32. Everything else runs in the dtype it was given.
 AUTOCAST_OPS = frozenset({"matmul", "conv2d"})
 
 
 class Tracer:
-    def __init__(self, name: str, device, log=None, autocast: bool = False):
+    def __init__(self, name: str, device, log=None, autocast=None):
         self.graph = Graph(name)
         self.new_name = NameGen()
         self.device = device
@@ -52,7 +52,7 @@ class Tracer:
         self.differentiate = None     # set by nn.Graph: (in_build) -> backward of the marked loss, {state name: grad}
         self.grads = None             # the step's gradients once build() asked for them (nn.utils clipping)
         self.log = log                # callable(level, text) for graph.debug()
-        self.autocast = autocast      # mixed precision (see AUTOCAST_OPS)
+        self.autocast = autocast      # mixed precision: None, or the dtype of AUTOCAST_OPS
 
     # ------------------------------------------------------------------ state
     def add_state(self, name: str, tensor, kind: str) -> StateVar:
@@ -118,10 +118,10 @@ class Tracer:
         """The registry hook: record `op` on `tensors` and return lazy results."""
         from flowgen import dtype as dt
 
-        if self.autocast and op.name in AUTOCAST_OPS and all(t.dtype == dt.float32 for t in tensors):
+        if self.autocast is not None and op.name in AUTOCAST_OPS and all(t.dtype == dt.float32 for t in tensors):
             from flowgen import functional as F
 
-            low = registry.apply(op.name, *(F.cast(t, dt.float16) for t in tensors), **attrs)
+            low = registry.apply(op.name, *(F.cast(t, self.autocast) for t in tensors), **attrs)
             return F.cast(low, dt.float32)
         node = self.emit(op.name, [self.value_of(t) for t in tensors], attrs)
         needs_grad = op.grad is not None and any(t.requires_grad for t in tensors)

@@ -87,6 +87,9 @@ class CudaBackend:
             raise RuntimeError(f"flowgen needs a GPU of compute capability 7.0 or newer; this one is {self.ctx.arch}")
         if "__nv_bfloat16" in source and major < 8:
             raise RuntimeError(f"this graph uses bfloat16, which needs sm_80 or newer; the GPU is {self.ctx.arch}")
+        if "mma_m16n8k" in source and major < 8:
+            raise RuntimeError(f"this graph runs GEMMs on tensor cores (mma.sync, cp.async), which needs sm_80 or "
+                               f"newer; the GPU is {self.ctx.arch}")
         self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, self.ctx.arch, tag))
         self.stream = self.ctx.create_stream()
         self.allocations = []

@@ -227,7 +227,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
     tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
-                    autocast=graph.config.amp)
+                    autocast=graph.config.amp_dtype if graph.config.amp else None)
     param_name, paths = {}, {}
     for mname, module in graph._modules.items():
         for path, sub in module.named_modules(prefix=mname):
@@ -325,7 +325,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
     start = time.perf_counter()
     ir = _with_measured_conv_tiles(graph, ir, device)
     program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type,
-                            compress_memory=graph.config.compress_memory)
+                            compress_memory=graph.config.compress_memory, allow_tf32=graph.config.tf32)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())

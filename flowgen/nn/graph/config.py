@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import warnings
 
+from flowgen import dtype as dt
+
 
 def warn_single_device(option: str):
     warnings.warn(f"{option} has no effect on a single device yet: flowgen runs a graph on one device, "
@@ -28,6 +30,8 @@ class GraphConfig:
         self.fusion = True              # flowgen: fuse elementwise chains and reduction prologues/epilogues
         self.naive_memory = False       # flowgen: one allocation per intermediate (debugging)
         self.amp = False
+        self.amp_dtype = dt.float16     # what matmul/conv2d compute in under enable_amp
+        self.tf32 = False               # float32 GEMMs may run on tensor cores with TF32 inputs
         self.zero = False
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
@@ -37,8 +41,18 @@ class GraphConfig:
         self.straighten = False
         self.compress_memory = False
 
-    def enable_amp(self, mode: bool = True):
+    def enable_amp(self, mode: bool = True, dtype=dt.float16):
+        """Mixed precision: matmul and conv2d of float32 tensors compute in `dtype` (float16 or
+        bfloat16) with float32 accumulation, on tensor cores; parameters stay float32."""
+        if dtype not in (dt.float16, dt.bfloat16):
+            raise ValueError(f"enable_amp: dtype must be flow.float16 or flow.bfloat16, got {dtype}")
         self.amp = bool(mode)
+        self.amp_dtype = dtype
+
+    def allow_tf32(self, mode: bool = True):
+        """Let float32 matmuls run on tensor cores with inputs rounded to TF32 (10 mantissa bits,
+        fp32 accumulation), like PyTorch's `torch.backends.cuda.matmul.allow_tf32`."""
+        self.tf32 = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
         if mode:
@@ -80,5 +94,6 @@ class GraphConfig:
             raise ValueError(f"set_outputs_buffer_size: expected a positive integer, got {value}")
 
     def __repr__(self):
-        extra = "".join(f"{k}={v}, " for k, v in (("amp", self.amp), ("zero", self.zero)) if v)
+        extra = "".join(f"{k}={v}, " for k, v in (("amp", self.amp and self.amp_dtype.name), ("tf32", self.tf32),
+                                                     ("zero", self.zero)) if v)
         return f"GraphConfig(training={self.training}, {extra})"
