@@ -9,6 +9,7 @@ definitions.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 
@@ -16,6 +17,15 @@ from flowgen import dtype as dt
 from flowgen.device import CPU, as_device
 
 _OPERANDS = (int, float, bool, np.ndarray, np.generic, list, tuple)  # + Tensor, added below
+
+# Every tensor gets a creation number: a graph's tracer tells the eager tensors that existed before
+# build() ran (free eager tensors, bound as graph state) from those build() creates (constants).
+_creation_numbers = itertools.count()
+
+
+def creation_mark() -> int:
+    """A number above that of every tensor created so far (and below every later one)."""
+    return next(_creation_numbers)
 
 
 def c_array(arr, np_dtype=None) -> np.ndarray:
@@ -38,6 +48,7 @@ class Tensor:
         self._retains_grad = False
         self._version = 0             # bumped by in-place writes (graphs re-upload state on change)
         self._sync_from_device = None  # callable that refreshes _data from a graph's device copy
+        self._serial = next(_creation_numbers)
         if _value is not None:
             self._dtype = _value.dtype
         elif data is not None:
@@ -58,6 +69,7 @@ class Tensor:
         t._retains_grad = False
         t._version = 0
         t._sync_from_device = None
+        t._serial = next(_creation_numbers)
         return t
 
     def _set_data(self, data, dtype=None):
@@ -326,6 +338,24 @@ class Tensor:
     def clamp_(self, min=None, max=None):
         return self._assign(F.clamp(self, min, max))
 
+    # Random fills draw from the Philox stream (flowgen/ops/random_ops.py): graph ops inside build().
+    def uniform_(self, a=0.0, b=1.0):
+        return self._assign(creation.uniform(tuple(self.shape), a, b, dtype=self._dtype))
+
+    def normal_(self, mean=0.0, std=1.0):
+        return self._assign(creation.normal(mean, std, tuple(self.shape), dtype=self._dtype))
+
+    def bernoulli_(self, p=0.5):
+        return self._assign(creation.bernoulli(self, p))
+
+    def bernoulli(self, p=None):
+        return creation.bernoulli(self, p)
+
+    def new_empty(self, *size, dtype=None, device=None, requires_grad=False):
+        """A new tensor of `size` with this tensor's dtype and device (zeros, as `flow.empty`)."""
+        return creation.empty(*size, dtype=dtype or self._dtype, device=device or self.device,
+                              requires_grad=requires_grad)
+
     def _inplace(self, new: "Tensor") -> "Tensor":
         # `x += y`: in place (same buffer) unless autograd is recording it, where the result is
         # a new tensor (as if `x = x + y`) so the gradient stays correct.
@@ -446,3 +476,4 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
 
 
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
+from flowgen import creation  # noqa: E402

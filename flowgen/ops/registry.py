@@ -160,9 +160,9 @@ def apply(name: str, *inputs, **attrs):
         if t._value is not None:
             lazy = True
             break
+    if _tracer_hook is not None and (lazy or _tracer_hook.records(op, tensors)):
+        return _tracer_hook(op, list(tensors), attrs)
     if lazy:
-        if _tracer_hook is not None:
-            return _tracer_hook(op, list(tensors), attrs)
         raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
     arrays = [t.numpy_view() for t in tensors]
     # infer raises readable shape/dtype errors before NumPy sees the data

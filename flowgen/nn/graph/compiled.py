@@ -217,7 +217,7 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
         raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
                          f"call self.add_optimizer(optimizer) in __init__")
     optimized = {id(p): p for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]}
-    for tensor, _value in tracer.constants.values():
+    for tensor in [t for t, _value in tracer.constants.values()] + tracer.free_tensors:
         if id(tensor) in optimized and tensor.requires_grad:
             raise TraceError(f"{graph.name}: build() used a parameter of shape {tuple(tensor.shape)} that the "
                              f"optimizer trains but that belongs to no module of this graph, so the graph "
@@ -237,7 +237,7 @@ def compile_step(graph, args):
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
     tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
-                    autocast=graph.config.amp)
+                    autocast=graph.config.amp, capture_free_tensors=True)
     param_name, paths = {}, {}
     for mname, module in graph._modules.items():
         for path, sub in module.named_modules(prefix=mname):
