@@ -149,7 +149,7 @@ def get_rng_state():
 
 def set_rng_state(state):
     """Restore a state from `get_rng_state()` (a tensor or array of 8 int64 words)."""
-    words = np.asarray(state.numpy() if isinstance(state, Tensor) else state)
+    words = np.asarray(state.numpy_view() if isinstance(state, Tensor) else state)
     if words.shape != (len(_STATE_WORDS),) or words.dtype != np.int64:
         raise ValueError(f"set_rng_state: expected the int64[{len(_STATE_WORDS)}] tensor get_rng_state() returns, "
                          f"got {words.dtype}{list(words.shape)}")

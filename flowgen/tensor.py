@@ -49,6 +49,7 @@ class Tensor:
         self._version = 0             # bumped by in-place writes (graphs re-upload state on change)
         self._sync_from_device = None  # callable that refreshes _data from a graph's device copy
         self._serial = next(_creation_numbers)
+        self._storage_shared = False  # .numpy() handed the storage out (graphs keep it in sync)
         if _value is not None:
             self._dtype = _value.dtype
         elif data is not None:
@@ -70,11 +71,12 @@ class Tensor:
         t._version = 0
         t._sync_from_device = None
         t._serial = next(_creation_numbers)
+        t._storage_shared = False
         return t
 
     def _set_data(self, data, dtype=None):
         if isinstance(data, Tensor):
-            data = data.numpy()
+            data = data.numpy_view()
         target = dt.get(dtype) if dtype is not None else None
         arr = np.asarray(data)
         if target is None:
@@ -138,7 +140,7 @@ class Tensor:
 
     @data.setter
     def data(self, other):
-        self._set_data(other.numpy() if isinstance(other, Tensor) else other, self._dtype)
+        self._set_data(other.numpy_view() if isinstance(other, Tensor) else other, self._dtype)
         self._version += 1
 
     def numpy_view(self) -> np.ndarray:
@@ -153,7 +155,15 @@ class Tensor:
         return self._data
 
     def numpy(self) -> np.ndarray:
-        return self.numpy_view()
+        """The tensor's storage as an ndarray, shared as in PyTorch: writing into the array writes
+        the tensor. For a tensor a compiled graph holds (parameter, buffer, optimizer slot, free
+        eager tensor) that sharing holds across graph calls too: once `.numpy()` has handed its
+        storage out, the graph uploads the tensor before each call and refreshes the array in place
+        after it (nn/graph/compiled.py), so writes reach the graph and the array shows the graph's
+        updates. (``np.asarray(tensor)`` is a read: it does not set this up.)"""
+        arr = self.numpy_view()
+        self._storage_shared = True
+        return arr
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy_view()

@@ -62,8 +62,9 @@ class CompiledGraph:
         """Copy changed state to the device; True if anything was copied."""
         changed = False
         for value, tensor in self.bindings:
-            if getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version:
-                continue  # the device copy is the newest
+            if (getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version
+                    and not tensor._storage_shared):
+                continue  # the device copy is the newest (an array from .numpy() may have been written)
             self.executor.write_state(value, tensor.numpy_view())
             changed = True
         for value, scalar in self.host_scalars:
@@ -83,10 +84,16 @@ class CompiledGraph:
         return scaler._growth_tracker == 0 and not scaler._scale > old
 
     def _mark_device_newer(self):
+        """After a call: eager reads of bound tensors download the graph's copy, lazily, except
+        for tensors whose storage `.numpy()` handed out: their arrays are refreshed now."""
         for value, tensor in self.bindings:
             tensor._graph_owner = self
             self.versions[id(tensor)] = tensor._version
-            tensor._sync_from_device = lambda t, v=value: self._download(t, v)
+            if tensor._storage_shared:
+                self._download(tensor, value)
+                tensor._sync_from_device = None
+            else:
+                tensor._sync_from_device = lambda t, v=value: self._download(t, v)
 
     def _download(self, tensor, value):
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
