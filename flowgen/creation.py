@@ -217,9 +217,16 @@ def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=Fa
                  mean=float(mean), std=float(std))
 
 
-def randint(*args, size=None, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    """``randint(high, size)`` or ``randint(low, high, size)``: ints in [low, high), int64 by default."""
+def randint(*args, low=None, high=None, size=None, dtype=None, device=None, requires_grad=False,
+            generator=None) -> Tensor:
+    """``randint(high, size)`` or ``randint(low, high, size)`` (any of them by keyword): ints in
+    [low, high), int64 by default."""
     args = list(args)
+    if high is not None:              # randint(low=0, high=10, size=...), randint(0, high=10, size=...)
+        low = low if low is not None else (args.pop(0) if args else 0)
+        args = [low, high] + args
+    elif low is not None:
+        raise TypeError("randint: low= given without high=")
     if size is None:
         if not args:
             raise TypeError("randint: missing size")
@@ -242,12 +249,8 @@ def randint(*args, size=None, dtype=None, device=None, requires_grad=False, gene
 
 
 def randperm(n, dtype=None, device=None, generator=None) -> Tensor:
-    """A random permutation of 0..n-1 (Fisher-Yates over the Philox stream). It has no kernel, so
-    it is refused inside nn.Graph.build() rather than frozen into the graph (ops/random_ops.py)."""
-    if registry._tracer_hook is not None:
-        raise TraceError(f"flow.randperm({n}) inside nn.Graph.build(): a permutation is a sequential shuffle with "
-                         f"no graph kernel in flowgen; draw it in eager code (perm = flow.randperm({n})) and pass "
-                         f"it to the graph as an input")
+    """A random permutation of 0..n-1 (Fisher-Yates over the Philox stream, ops/random_ops.py)."""
+    _refuse_generator_in_build("randperm", generator)
     if generator is not None:
         return _make(generator.permutation(int(n)).astype(np.int64), _random_dtype(dtype, dt.int64), device, False)
     out = _draw("randperm", device, False, n=int(n))

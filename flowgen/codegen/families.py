@@ -34,6 +34,8 @@ Kernels by family (the main kernel carries `kernel_name`):
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
+* randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
+             seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
 from __future__ import annotations
 
@@ -77,8 +79,9 @@ def rendering_for(target: str):
 # --------------------------------------------------------------------------
 # dispatch
 
-def render_node(node, kernel_name: str) -> list:
-    """The kernels (in launch order) that compute `node`, a template-family op."""
+def render_node(node, kernel_name: str, stream_values=None) -> list:
+    """The kernels (in launch order) that compute `node`, a template-family op. A random op
+    (one with a ``stream`` attribute) also gets the rng state Value, from `stream_values`."""
     lowering = get_op(node.op).lowering
     family = getattr(lowering, "family", None)
     try:
@@ -87,6 +90,8 @@ def render_node(node, kernel_name: str) -> list:
         raise NotImplementedError(f"codegen has no template family {family!r} (op {node.op})") from None
     if all(v.numel == 0 for v in node.outputs):
         return []
+    if "stream" in node.attrs:
+        return render(node, kernel_name, stream_values[node.attrs["stream"]])
     return render(node, kernel_name)
 
 
@@ -932,6 +937,18 @@ def _conv2d_kernels(node, kernel_name, fusion):
     return kernels
 
 
+# --------------------------------------------------------------------------
+# randperm
+
+def _randperm(node, kernel_name, rng):
+    n = node.output.numel
+    comment = _comment(node, f"of {n}")
+    source = _render("randperm.cu.j2", name=kernel_name, comment=comment, n=n, offset=node.attrs["offset"])
+    args = [BufferArg(node.output, "long long*"), BufferArg(rng, "const long long*")]
+    return [Kernel(name=kernel_name, source=source, args=args, grid=(1, 1, 1), block=(1, 1, 1),
+                   needs_fibers=False, comment=comment, ops=[node.op])]
+
+
 _FAMILIES = {
     "gemm": _gemm,
     "copy": _copy,
@@ -943,4 +960,5 @@ _FAMILIES = {
     "pool2d": _pool2d,
     "upsample": _upsample,
     "conv2d": _conv2d,
+    "randperm": _randperm,
 }

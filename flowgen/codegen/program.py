@@ -73,7 +73,7 @@ def render_kernels(graph):
             continue
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
-        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}"):
+        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", stream_values):
             kernels.append(k)
     # Scalar constants that a template kernel reads as a buffer must be uploaded too.
     for k in kernels:

@@ -13,9 +13,9 @@ draws for the same seed and call sequence. In a graph, `passes/random_streams.py
   to ``dtype``. (The uniforms have 24 bits, so ``|z| <= 5.77``.)
 * ``random_int(shape, dtype, low, high)``: ``low + ((w[2i] << 32) | w[2i+1]) mod (high - low)``.
 * ``randperm(n)``: Fisher-Yates from the top, ``p[i] <-> p[j]`` with
-  ``j = ((w[2i] << 32) | w[2i+1]) mod (i + 1)`` for ``i = n-1 .. 1``. It is sequential, so
-  it has no kernel: `flow.randperm` refuses to run inside ``nn.Graph.build()`` (draw the
-  permutation in eager code and pass it in as an input).
+  ``j = ((w[2i] << 32) | w[2i+1]) mod (i + 1)`` for ``i = n-1 .. 1``. A shuffle is
+  sequential: its kernel (template family ``randperm``) runs on one GPU thread, fine for
+  the index permutations graphs draw (batch shuffles), slow for millions of elements.
 
 Bit-for-bit agreement: uniforms and integers are exact. Normal samples and uniforms over
 other bounds go through double math (log, cos, a multiply-add) rounded to the output dtype:
@@ -33,7 +33,7 @@ import math
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.ops.lowering import Elementwise, cpp_literal
+from flowgen.ops.lowering import Elementwise, Template, cpp_literal
 from flowgen.ops.registry import TensorMeta, defop
 from flowgen.random import philox_uint32, uniform_from_words
 
@@ -116,13 +116,13 @@ defop("random_int", infer=_int_infer, ref=_int_ref,
       random=True, doc="random_int(shape, dtype, low, high, seed, offset): low + philox pair mod (high - low)")
 
 
-def _randperm_infer(n, seed, offset):
+def _randperm_infer(n, seed, offset, stream=None):
     if int(n) < 0:
         raise ValueError(f"randperm: n must be non-negative, got {n}")
     return TensorMeta((int(n),), dt.int64)
 
 
-def _randperm_ref(n, seed, offset):
+def _randperm_ref(n, seed, offset, stream=None):
     n = int(n)
     perm = np.arange(n, dtype=np.int64)
     pairs = _word_pairs(seed, offset, n)
@@ -132,5 +132,5 @@ def _randperm_ref(n, seed, offset):
     return perm
 
 
-defop("randperm", infer=_randperm_infer, ref=_randperm_ref, random=True,
-      doc="randperm(n, seed, offset): Fisher-Yates over philox pairs (eager only; see the module docstring)")
+defop("randperm", infer=_randperm_infer, ref=_randperm_ref, lowering=Template("randperm"), random=True,
+      doc="randperm(n, seed, offset): Fisher-Yates over philox pairs, one thread")
