@@ -314,11 +314,13 @@ class Tensor:
 
     # ------------------------------------------------------------- in-place
     def _assign(self, new: "Tensor") -> "Tensor":
-        """Write `new` into this tensor (eager: same buffer; traced: a state update)."""
+        """Write `new` into this tensor (eager: same buffer; traced: a state update, or a new
+        value of a free eager tensor for the rest of the call, ir/trace.py)."""
         from flowgen.ops import registry
 
-        if self.is_lazy or new.is_lazy:
-            return registry._tracer_hook.assign(self, new) if registry._tracer_hook else None
+        tracer = registry._tracer_hook
+        if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
+            return tracer.assign(self, new) if tracer else None
         value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
         self.numpy_view()[...] = value
         self._version += 1

@@ -191,18 +191,22 @@ def test_inplace_op_on_free_eager_tensor_in_build_is_a_graph_op():
     in-place result on every call; the eager tensor itself is not changed, not even while tracing."""
     start = np.arange(6, dtype=np.float32).reshape(2, 3)
     x = flow.tensor(start)
+    filled = flow.zeros(3)
 
     class Double(nn.Graph):
         def build(self):
             x.mul_(2)
-            return x + 1, x
+            filled.fill_(4.0)         # the new value comes from no graph tensor at all
+            return x + 1, x, filled
 
     graph = Double()
     for _ in range(2):
-        plus_one, doubled = graph()
+        plus_one, doubled, fours = graph()
         np.testing.assert_array_equal(doubled.numpy(), start * 2)
         np.testing.assert_array_equal(plus_one.numpy(), start * 2 + 1)
+        np.testing.assert_array_equal(fours.numpy(), [4.0, 4.0, 4.0])
         np.testing.assert_array_equal(x.numpy(), start)
+        np.testing.assert_array_equal(filled.numpy(), [0.0, 0.0, 0.0])
     x.fill_(1.0)
     np.testing.assert_array_equal(graph()[1].numpy(), np.full((2, 3), 2.0))
 

@@ -72,6 +72,7 @@ class Tracer:
         self.capture_free_tensors = capture_free_tensors
         self.first_new = None         # creation mark at __enter__: older eager tensors are free ones
         self.free_tensors: list = []  # free eager tensors bound as state, in order
+        self.free_values: dict = {}   # id(free tensor) -> its value now (in-place ops in build() rebind it)
         self.rebound: list = []       # eager tensors build() created and then wrote in place
 
     # ------------------------------------------------------------------ state
@@ -113,12 +114,16 @@ class Tracer:
             raise TraceError(f"a tensor on {tensor.device} was used in a graph running on {self.device} "
                              f"(in {self.scope or 'build()'}); move it with .to('{self.device}')")
 
-    def bind_free(self, tensor) -> Value:
-        """Bind free eager tensor `tensor` as graph state; it stays lazy until the trace ends."""
+    def free_value(self, tensor) -> Value:
+        """The value of free eager tensor `tensor` in the graph, binding it as state on first use.
+        The tensor itself stays eager: tracing never reads or writes its data."""
+        value = self.free_values.get(id(tensor))
+        if value is not None:
+            return value
         self._check_device(tensor)
         var = self.add_state(f"free_eager_tensor_{len(self.free_tensors)}", tensor, "buffer")
         self.free_tensors.append(tensor)
-        tensor._value = var.value
+        self.free_values[id(tensor)] = var.value
         if self.log is not None:
             self.log(2, f"(FREE_EAGER_TENSOR: {var.name} {var.value.type_str} read in {self.scope or 'build'} "
                         f"at {user_location()})")
@@ -128,7 +133,7 @@ class Tracer:
         if tensor.is_lazy:
             return tensor._value
         if self.is_free(tensor):
-            return self.bind_free(tensor)
+            return self.free_value(tensor)
         cached = self.constants.get(id(tensor))
         if cached is not None:
             return cached[1]
@@ -176,14 +181,17 @@ class Tracer:
         if new_value.dtype != target.dtype:
             new_value = self.emit("cast", [new_value], {"dtype": target.dtype}).output
         if self.is_free(target):
-            self.bind_free(target)
-        elif not target.is_lazy:
+            # The graph uses the new value for the rest of the call; the eager tensor is left
+            # unchanged (OneFlow), so every call starts again from its current eager value.
+            self.free_value(target)
+            self.free_values[id(target)] = new_value
+            return target
+        if not target.is_lazy:
             self.rebound.append(target)   # created by build(): a value of this trace from now on
         var = self.state_of.get(id(target))
-        if var is not None and not any(t is target for t in self.free_tensors):
+        if var is not None:
             self.graph.updates = [(n, v) for n, v in self.graph.updates if n != var.name]
             self.graph.updates.append((var.name, new_value))
-        # A free eager tensor is rebound for the rest of this call only (OneFlow leaves it unchanged).
         target._value = new_value
         return target
 
