@@ -208,13 +208,18 @@ def uniform(size, low=0.0, high=1.0, dtype=None, device=None) -> Tensor:
                  dtype=_random_dtype(dtype), low=float(low), high=float(high))
 
 
-def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
+def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=False, generator=None,
+           out=None) -> Tensor:
+    """Normal(mean, std) samples of `size`; with ``out=`` they are written into `out` (as OneFlow)."""
     shape = _size((size,) if isinstance(size, int) else (tuple(size),), "normal")
     _refuse_generator_in_build("normal", generator)
     if generator is not None:
-        return _make(generator.normal(float(mean), float(std), shape), _random_dtype(dtype), device, requires_grad)
-    return _draw("random_normal", device, requires_grad, shape=shape, dtype=_random_dtype(dtype),
-                 mean=float(mean), std=float(std))
+        result = _make(generator.normal(float(mean), float(std), shape), _random_dtype(dtype), device, requires_grad)
+    else:
+        result = _draw("random_normal", device, requires_grad, shape=shape,
+                       dtype=_random_dtype(dtype if dtype is not None or out is None else out.dtype),
+                       mean=float(mean), std=float(std))
+    return result if out is None else out.copy_(result)
 
 
 def randint(*args, low=None, high=None, size=None, dtype=None, device=None, requires_grad=False,

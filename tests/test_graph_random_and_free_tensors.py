@@ -18,6 +18,7 @@ def _draws(x):
             x.new_empty(3, 1).bernoulli_(0.25),        # the drop-path / stochastic-depth mask
             flow.zeros(2, 2).uniform_(-1.0, 3.0),
             flow.zeros(2, 2).normal_(0.5, 2.0),
+            flow.normal(0.0, 1.0, (2, 3), out=flow.zeros(2, 3, dtype=flow.float64)),
             flow.rand_like(x) < 0.5,
             flow.randn_like(x))
 
