@@ -180,6 +180,8 @@ def _draw(op: str, device, requires_grad: bool, **attrs) -> Tensor:
     out = apply(op, seed=seed, offset=offset, **attrs)
     if not out.is_lazy and device is not None:
         out.device = as_device(device)
+    if requires_grad and not out.dtype.is_floating:
+        raise RuntimeError(f"only floating point tensors can require gradients, got {out.dtype!r}")
     return out.requires_grad_() if requires_grad else out
 
 

@@ -239,3 +239,30 @@ def test_writes_into_numpy_arrays_of_graph_tensors_reach_the_graph():
     out = graph(x)
     out.numpy()[...] = 5.0
     assert float(out.numpy()) == 5.0
+
+
+def test_nn_init_in_build_is_a_graph_op_or_refused():
+    """OneFlow runs `nn.init.uniform_` inside build() as a random op; flowgen does too (and the
+    initialisers built on it), and refuses the ones that would freeze a NumPy draw."""
+    free = flow.zeros(3)
+
+    class Init(nn.Graph):
+        def build(self, x):
+            a, b = x.clone(), x.clone()
+            nn.init.uniform_(a, -2.0, 2.0)
+            nn.init.kaiming_normal_(b)
+            return a, b
+
+    class Frozen(nn.Graph):
+        def build(self):
+            nn.init.trunc_normal_(free)
+            return free
+
+    graph = Init()
+    x = flow.zeros(4, 6)
+    (a0, b0), (a1, b1) = graph(x), graph(x)
+    assert not np.array_equal(a0.numpy(), a1.numpy()) and not np.array_equal(b0.numpy(), b1.numpy())
+    assert np.all(np.abs(a0.numpy()) <= 2.0) and np.abs(b0.numpy()).max() > 0
+    with pytest.raises(TraceError, match=r"nn\.init\.trunc_normal_ cannot run inside nn\.Graph\.build\(\)"):
+        Frozen()()
+    np.testing.assert_array_equal(free.numpy(), [0.0, 0.0, 0.0])
