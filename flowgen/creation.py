@@ -28,8 +28,9 @@ from flowgen.tensor import Tensor, c_array
 
 __all__ = [
     "tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
-    "randn", "rand", "randint", "randperm", "normal", "bernoulli", "zeros_like", "ones_like", "full_like", "empty_like",
-    "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "get_rng_state", "set_rng_state", "cuda",
+    "randn", "rand", "randint", "randperm", "normal", "bernoulli", "zeros_like", "ones_like", "full_like",
+    "empty_like", "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "get_rng_state",
+    "set_rng_state", "cuda",
 ]
 
 

@@ -3,8 +3,9 @@
 They draw from `flowgen.random.generator()`, so `flow.manual_seed(s)` makes
 module construction reproducible. Inside `nn.Graph.build()`, on a graph tensor or a free
 eager tensor, `uniform_`/`normal_` (and the initialisers built on them) are the Philox
-random ops of `Tensor.uniform_`/`normal_`; the others refuse rather than freeze one draw. The tensor keeps its NumPy buffer (graphs
-alias parameter memory); its version is bumped so a graph re-uploads it.
+random ops of `Tensor.uniform_`/`normal_`; the others refuse rather than freeze one draw.
+The tensor keeps its NumPy buffer (graphs alias parameter memory); its version is bumped
+so a graph re-uploads it.
 """
 from __future__ import annotations
 

@@ -110,9 +110,12 @@ def _int_ref(shape, dtype, low, high, seed, offset, stream=None):
     return (np.int64(low) + r.astype(np.int64)).astype(dtype.np_dtype).reshape(shape)
 
 
-defop("random_int", infer=_int_infer, ref=_int_ref,
-      lowering=Elementwise(lambda attrs: f"({cpp_literal(int(attrs['low']))} + (long long)"
-                                         f"{_stream_call('flowgen_philox_below', ', ' + str(int(attrs['high']) - int(attrs['low'])) + 'ULL')})"),
+def _int_expr(attrs) -> str:
+    span = int(attrs["high"]) - int(attrs["low"])
+    return f"({cpp_literal(int(attrs['low']))} + (long long){_stream_call('flowgen_philox_below', f', {span}ULL')})"
+
+
+defop("random_int", infer=_int_infer, ref=_int_ref, lowering=Elementwise(_int_expr),
       random=True, doc="random_int(shape, dtype, low, high, seed, offset): low + philox pair mod (high - low)")
 
 
