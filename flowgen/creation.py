@@ -27,7 +27,7 @@ from flowgen.random import get_rng_state, initial_seed, manual_seed, set_rng_sta
 from flowgen.tensor import Tensor, c_array
 
 __all__ = [
-    "tensor", "as_tensor", "from_numpy", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
+    "tensor", "as_tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
     "randn", "rand", "randint", "randperm", "normal", "bernoulli", "zeros_like", "ones_like", "full_like",
     "empty_like", "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "get_rng_state",
     "set_rng_state", "cuda",
@@ -43,6 +43,17 @@ def _size(args, name="size") -> tuple:
         raise TypeError(f"{name}: sizes must be ints or one sequence of ints, got {args!r}") from None
     if any(s < 0 for s in size):
         raise ValueError(f"{name}: negative size in {size}")
+    return size
+
+
+def _keyword_size(size, keyword, name):
+    """`size` given positionally or as ``size=`` (``flow.zeros(size=(2, 3))``)."""
+    if set(keyword) - {"size"}:
+        raise TypeError(f"{name}() got an unexpected keyword argument {sorted(set(keyword) - {'size'})[0]!r}")
+    if keyword:
+        if size:
+            raise TypeError(f"{name}() got the size twice: positionally and as size=")
+        return (keyword["size"],)
     return size
 
 
@@ -74,8 +85,9 @@ def _plain(data):
 def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
     """A new tensor holding a copy of `data` (list, scalar, ndarray or tensor).
 
-    Python floats and float64 arrays become float32 (flowgen's default float),
-    Python ints int64, bools bool; pass ``dtype=`` to choose.
+    Python floats become float32 (flowgen's default float), Python ints int64, bools
+    bool; NumPy arrays and NumPy scalars keep their dtype (float64 stays float64, as in
+    PyTorch and OneFlow); pass ``dtype=`` to choose.
     """
     if isinstance(data, Tensor):
         if data.is_lazy:
@@ -88,7 +100,8 @@ def tensor(data, dtype=None, device=None, requires_grad=False) -> Tensor:
         arr = np.array(_plain(data))
         if arr.dtype == object:
             raise TypeError(f"flow.tensor: cannot build a tensor from {type(data).__name__} data {data!r}")
-        if dtype is None and arr.dtype == np.float64:
+        keeps_dtype = isinstance(data, (np.ndarray, np.generic))
+        if dtype is None and arr.dtype == np.float64 and not keeps_dtype:
             dtype = dt.float32
     return _make(arr, dtype, device, requires_grad)
 
@@ -108,6 +121,11 @@ def from_numpy(array: np.ndarray) -> Tensor:
     return _make(array, dt.from_numpy(array.dtype), None, False)
 
 
+def from_dlpack(ext) -> Tensor:
+    """A tensor sharing the memory of any DLPack producer on the CPU (``torch`` tensors, NumPy arrays)."""
+    return from_numpy(np.from_dlpack(ext))
+
+
 # ------------------------------------------------------------------ constant fills
 def _fill(size_args, value, dtype, device, requires_grad, default=dt.float32, name="full"):
     size = _size(size_args, name)
@@ -116,17 +134,17 @@ def _fill(size_args, value, dtype, device, requires_grad, default=dt.float32, na
     return _make(arr, target, device, requires_grad)
 
 
-def zeros(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    return _fill(size, 0, dtype, device, requires_grad, name="zeros")
+def zeros(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
+    return _fill(_keyword_size(size, keyword, "zeros"), 0, dtype, device, requires_grad, name="zeros")
 
 
-def ones(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
-    return _fill(size, 1, dtype, device, requires_grad, name="ones")
+def ones(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
+    return _fill(_keyword_size(size, keyword, "ones"), 1, dtype, device, requires_grad, name="ones")
 
 
-def empty(*size, dtype=None, device=None, requires_grad=False) -> Tensor:
+def empty(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
     """Uninitialised in PyTorch; zeros here (NumPy gives no cheaper safe choice)."""
-    return _fill(size, 0, dtype, device, requires_grad, name="empty")
+    return _fill(_keyword_size(size, keyword, "empty"), 0, dtype, device, requires_grad, name="empty")
 
 
 def _scalar_dtype(value):

@@ -67,6 +67,18 @@ def _shape_args(args, name) -> tuple:
         raise TypeError(f"{name}: expected ints or one sequence of ints, got {args!r}") from None
 
 
+def _keyword_sizes(positional, keyword, names, fn):
+    """Sizes given positionally or by one of the keyword `names` (``x.reshape(shape=(2, 3))``)."""
+    unknown = set(keyword) - set(names)
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+    if keyword:
+        if positional or len(keyword) > 1:
+            raise TypeError(f"{fn}() got the sizes twice: positionally and as {'/'.join(keyword)}=")
+        return (next(iter(keyword.values())),)
+    return positional
+
+
 # =================================================================== arithmetic
 def add(a, b, alpha=1):
     return apply("add", a, b if alpha == 1 else mul(b, alpha))
@@ -430,9 +442,10 @@ def all(x, dim=None, keepdim=False):  # noqa: A001
 
 
 # =================================================================== shapes
-def reshape(x, *shape):
-    """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`."""
-    shape = _shape_args(shape, "reshape")
+def reshape(x, *shape, **keyword):
+    """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`.
+    The shape may also be given as ``shape=`` (OneFlow/PyTorch keyword) or ``size=`` (view)."""
+    shape = _shape_args(_keyword_sizes(shape, keyword, ("shape", "size"), "reshape"), "reshape")
     in_shape = tuple(x.shape)
     if shape == in_shape:
         return x
@@ -489,8 +502,8 @@ def squeeze(x, dim=None):
     return apply("reshape", x, shape=tuple(s for i, s in enumerate(shape) if i not in dims))
 
 
-def permute(x, *dims):
-    dims = _shape_args(dims, "permute")
+def permute(x, *dims, **keyword):
+    dims = _shape_args(_keyword_sizes(dims, keyword, ("dims",), "permute"), "permute")
     if len(dims) != x.ndim:
         raise ValueError(f"permute: got {len(dims)} dims {dims} for a tensor of shape {tuple(x.shape)}")
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
@@ -517,9 +530,9 @@ def t(x):
     return transpose(x, 0, 1) if x.ndim == 2 else x
 
 
-def expand(x, *sizes):
+def expand(x, *sizes, **keyword):
     """Broadcast `x` to `sizes`; -1 keeps a dim's size. New dims are added on the left."""
-    sizes = _shape_args(sizes, "expand")
+    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("size",), "expand"), "expand")
     shape = tuple(x.shape)
     if len(sizes) < len(shape):
         raise ValueError(f"expand: the number of sizes {sizes} must be >= the number of dims of shape {shape}")
@@ -545,9 +558,9 @@ def broadcast_to(x, shape):
     return expand(x, tuple(shape))
 
 
-def repeat(x, *sizes):
+def repeat(x, *sizes, **keyword):
     """Tile `x` (torch.Tensor.repeat): built from reshape + expand + reshape."""
-    sizes = _shape_args(sizes, "repeat")
+    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("sizes", "repeats"), "repeat"), "repeat")
     if len(sizes) < x.ndim:
         raise ValueError(f"repeat: number of repeat dims {sizes} can not be smaller than the number of dims "
                          f"of shape {tuple(x.shape)}")
@@ -762,12 +775,11 @@ def getitem(x, key):
         bad = (arr < -n) | (arr >= n)
         if bad.any():
             raise IndexError(f"index {int(arr[bad].flat[0])} is out of bounds for dimension {in_dim} with size {n}")
-        if (arr < 0).any():
-            idx = Tensor(np.where(arr < 0, arr + n, arr).astype(np.int64), device=x.device)
     flat = idx if idx.ndim == 1 else apply("reshape", idx, shape=(_prod(idx.shape),))
     if idx.dtype != dt.int64:
         flat = apply("cast", flat, dtype=dt.int64)
-    result = apply("index_select", result, flat, dim=pos)
+    # Python semantics: a negative index counts from the end (index_select alone refuses it).
+    result = apply("index_select", result, flat, dim=pos, wrap_negative=True)
     if idx.ndim != 1:
         result = apply("reshape", result, shape=out_shape[:pos] + tuple(idx.shape) + out_shape[pos + 1:])
     return result
@@ -842,6 +854,338 @@ def index_select(x, dim, index):
     if not _is_tensor(index):
         index = _index_tensor(index)
     return apply("index_select", x, index, dim=normalize_dim(dim, x.ndim, op="index_select"))
+
+
+# =================================================================== more math
+def erf(x):
+    return apply("erf", _to_float(x))
+
+
+def log1p(x):
+    return apply("log1p", _to_float(x))
+
+
+def expm1(x):
+    return apply("expm1", _to_float(x))
+
+
+def ceil(x):
+    return apply("ceil", x) if x.dtype.is_floating else x
+
+
+def trunc(x):
+    return apply("trunc", x) if x.dtype.is_floating else x
+
+
+fix = trunc
+
+
+def round(x, decimals=0):  # noqa: A001
+    """Round half to even (torch.round); `decimals` scales by 10**decimals first."""
+    if not x.dtype.is_floating:
+        return x
+    if decimals == 0:
+        return apply("round", x)
+    scale = 10.0 ** decimals
+    return apply("div", apply("round", apply("mul", x, scale)), scale)
+
+
+def frac(x):
+    return sub(x, trunc(x))
+
+
+def isnan(x):
+    return apply("isnan", x) if x.dtype.is_floating else zeros_like(x, dtype=dt.bool_)
+
+
+def isinf(x):
+    return apply("isinf", x) if x.dtype.is_floating else zeros_like(x, dtype=dt.bool_)
+
+
+def isfinite(x):
+    return apply("isfinite", x) if x.dtype.is_floating else ones_like(x, dtype=dt.bool_)
+
+
+def nan_to_num(x, nan=0.0, posinf=None, neginf=None):
+    """NaN -> `nan`, +inf -> `posinf`, -inf -> `neginf` (default: the dtype's largest/lowest finite value)."""
+    if not x.dtype.is_floating:
+        return x
+    info = np.finfo(x.dtype.np_dtype)
+    posinf = float(info.max) if posinf is None else posinf
+    neginf = float(info.min) if neginf is None else neginf
+    y = where(isnan(x), nan, x)
+    return where(isinf(y), where(gt(y, 0), posinf, neginf), y)
+
+
+def atan2(a, b):
+    return apply("atan2", _to_float(a), _to_float(b))
+
+
+arctan2 = atan2
+
+
+def fmod(a, b):
+    return apply("fmod", a, b)
+
+
+def remainder(a, b):
+    return apply("remainder", a, b)
+
+
+def lerp(start, end, weight):
+    """start + weight * (end - start)."""
+    return add(start, mul(weight, sub(end, start)))
+
+
+def addcmul(x, t1, t2, value=1):
+    return add(x, mul(mul(t1, t2), value))
+
+
+def addcdiv(x, t1, t2, value=1):
+    return add(x, mul(div(t1, t2), value))
+
+
+def logsumexp(x, dim, keepdim=False):
+    """log(sum(exp(x))) over `dim`, shifted by the (gradient-free) maximum so large inputs do not overflow."""
+    dims = _dims(x, dim, "logsumexp")
+    x = _to_float(x)
+    shift = detach(amax(x, dims, keepdim=True))
+    shift = where(isinf(shift), 0.0, shift)   # all -inf (or +inf) rows: no shift, the sum says it
+    out = add(log(sum(exp(sub(x, shift)), dims, keepdim=True)), shift)
+    return out if keepdim else squeeze(out, dims) if dims else out
+
+
+def norm(x, p="fro", dim=None, keepdim=False, dtype=None):
+    """Vector p-norm over `dim` (all elements by default): p = 2/"fro", 1, inf, -inf, 0 or any float."""
+    x = cast(x, dtype) if dtype is not None else _to_float(x)
+    dims = _dims(x, dim, "norm")
+    if p in ("fro", 2, 2.0):
+        return sqrt(sum(mul(x, x), dims, keepdim))
+    if p in (float("inf"), "inf"):
+        return amax(abs(x), dims, keepdim)
+    if p in (float("-inf"), "-inf"):
+        return amin(abs(x), dims, keepdim)
+    if p == 1:
+        return sum(abs(x), dims, keepdim)
+    if p == 0:
+        return sum(cast(ne(x, 0), x.dtype), dims, keepdim)
+    if isinstance(p, numbers.Real):
+        return pow(sum(pow(abs(x), float(p)), dims, keepdim), 1.0 / float(p))
+    raise ValueError(f"norm: unsupported norm type p={p!r} (a number, 'fro', inf or -inf)")
+
+
+# =================================================================== more shape ops
+def movedim(x, source, destination):
+    src = [normalize_dim(d, x.ndim, op="movedim") for d in ([source] if isinstance(source, int) else source)]
+    dst = [normalize_dim(d, x.ndim, op="movedim") for d in ([destination] if isinstance(destination, int)
+                                                             else destination)]
+    if len(src) != len(dst):
+        raise ValueError(f"movedim: source {source} and destination {destination} differ in length")
+    order = [None] * x.ndim
+    for s_, d_ in zip(src, dst):
+        order[d_] = s_
+    rest = iter(d for d in range(x.ndim) if d not in src)
+    return permute(x, [o if o is not None else next(rest) for o in order])
+
+
+moveaxis = movedim
+
+
+def unflatten(x, dim, sizes):
+    d = normalize_dim(dim, x.ndim, op="unflatten")
+    return reshape(x, tuple(x.shape[:d]) + tuple(sizes) + tuple(x.shape[d + 1:]))
+
+
+def repeat_interleave(x, repeats, dim=None):
+    """Repeat each element `repeats` times along `dim` (flattened when None); `repeats` is an int
+    (a tensor of per-element counts gives a data-dependent shape: eager only)."""
+    if dim is None:
+        x, dim = flatten(x), 0
+    d = normalize_dim(dim, x.ndim, op="repeat_interleave")
+    if _is_tensor(repeats):
+        if repeats.is_lazy:
+            raise RuntimeError("repeat_interleave: per-element repeat counts give a data-dependent shape, which "
+                               "nn.Graph cannot compile; pass an int")
+        counts = repeats.numpy_view().astype(np.int64).reshape(-1)
+        index = Tensor(np.repeat(np.arange(x.shape[d], dtype=np.int64), counts), device=x.device)
+        return apply("index_select", x, index, dim=d)
+    r = int(repeats)
+    shape = tuple(x.shape)
+    y = expand(unsqueeze(x, d + 1), shape[:d + 1] + (r,) + shape[d + 1:])
+    return reshape(y, shape[:d] + (shape[d] * r,) + shape[d + 1:])
+
+
+def _triangle_mask(x, diagonal, lower, name):
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expects a tensor with at least 2 dims, got shape {tuple(x.shape)}")
+    rows, cols = x.shape[-2], x.shape[-1]
+    keep = np.tri(rows, cols, int(diagonal), dtype=bool) if lower else ~np.tri(rows, cols, int(diagonal) - 1,
+                                                                               dtype=bool)
+    return Tensor(keep, device=x.device)
+
+
+def tril(x, diagonal=0):
+    """Lower triangle of the last two dims (elements with col - row <= diagonal), zeros elsewhere."""
+    return where(_triangle_mask(x, diagonal, True, "tril"), x, zeros_like(x) if x.ndim == 0 else 0)
+
+
+def triu(x, diagonal=0):
+    """Upper triangle of the last two dims (elements with col - row >= diagonal), zeros elsewhere."""
+    return where(_triangle_mask(x, diagonal, False, "triu"), x, 0)
+
+
+def flip(x, dims):
+    """Reverse the order of elements along `dims` (index_select with a reversed constant index)."""
+    for d in normalize_dims(dims, x.ndim, op="flip"):
+        reverse = Tensor(np.arange(x.shape[d] - 1, -1, -1, dtype=np.int64), device=x.device)
+        x = apply("index_select", x, reverse, dim=d)
+    return x
+
+
+def roll(x, shifts, dims=None):
+    """Shift elements along `dims` with wrap-around (torch.roll); no dims: over the flattened tensor."""
+    if dims is None:
+        return reshape(roll(flatten(x), shifts, 0), tuple(x.shape))
+    shifts = [shifts] if isinstance(shifts, int) else list(shifts)
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    if len(shifts) != len(dims):
+        raise ValueError(f"roll: shifts {shifts} and dims {dims} must have the same length")
+    for shift, dim in zip(shifts, dims):
+        d = normalize_dim(dim, x.ndim, op="roll")
+        n = x.shape[d]
+        k = shift % n if n else 0
+        if k:
+            x = cat([narrow(x, d, n - k, k), narrow(x, d, 0, n - k)], d)
+    return x
+
+
+def diff(x, n=1, dim=-1):
+    d = normalize_dim(dim, x.ndim, op="diff")
+    for _ in range(n):
+        length = x.shape[d] - 1
+        x = sub(narrow(x, d, 1, length), narrow(x, d, 0, length))
+    return x
+
+
+def outer(a, b):
+    if a.ndim != 1 or b.ndim != 1:
+        raise ValueError(f"outer: expects 1-D tensors, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return mul(reshape(a, (-1, 1)), reshape(b, (1, -1)))
+
+
+ger = outer
+
+
+def addmm(x, m1, m2, beta=1, alpha=1):
+    """beta * x + alpha * (m1 @ m2)."""
+    product = mm(m1, m2)
+    return add(mul(x, beta) if beta != 1 else x, mul(product, alpha) if alpha != 1 else product)
+
+
+def baddbmm(x, b1, b2, beta=1, alpha=1):
+    product = bmm(b1, b2)
+    return add(mul(x, beta) if beta != 1 else x, mul(product, alpha) if alpha != 1 else product)
+
+
+def trace(x):
+    if x.ndim != 2:
+        raise ValueError(f"trace: expects a 2-D tensor, got shape {tuple(x.shape)}")
+    return sum(where(Tensor(np.eye(*x.shape, dtype=bool), device=x.device), x, 0))
+
+
+def einsum(equation, *operands):
+    """Einstein summation built from permute/reshape/mul/sum (any equation with explicit or implicit
+    output; repeated labels within one operand are refused). Runs in graphs too."""
+    if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
+        operands = tuple(operands[0])
+    eq = equation.replace(" ", "")
+    inputs, arrow, output = eq.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands):
+        raise ValueError(f"einsum: equation {equation!r} names {len(terms)} operands, got {len(operands)}")
+    if "." in eq:
+        raise NotImplementedError(f"einsum: ellipsis ('...') is not supported yet in {equation!r}")
+    for term, op_ in zip(terms, operands):
+        if len(term) != op_.ndim:
+            raise ValueError(f"einsum: term {term!r} has {len(term)} labels but its operand has shape "
+                             f"{tuple(op_.shape)}")
+        if len(set(term)) != len(term):
+            raise NotImplementedError(f"einsum: repeated label in one operand ({term!r}) is not supported yet")
+    if not arrow:
+        counts = {}
+        for c in "".join(terms):
+            counts[c] = counts.get(c, 0) + 1
+        output = "".join(sorted(c for c, k in counts.items() if k == 1))
+    labels = list(dict.fromkeys("".join(terms)))
+    sizes = {}
+    for term, op_ in zip(terms, operands):
+        for c, s_ in zip(term, op_.shape):
+            if sizes.setdefault(c, s_) != s_ and s_ != 1 and sizes[c] != 1:
+                raise ValueError(f"einsum: label {c!r} has sizes {sizes[c]} and {s_}")
+            sizes[c] = builtins.max(sizes[c], s_)
+    # Each operand viewed over all labels (size-1 where absent), multiplied, then summed over the rest.
+    product = None
+    for term, op_ in zip(terms, operands):
+        order = sorted(range(len(term)), key=lambda i: labels.index(term[i]))
+        view = permute(op_, order) if order != list(range(len(term))) else op_
+        present = "".join(term[i] for i in order)
+        view = reshape(view, tuple(sizes[c] if c in present else 1 for c in labels)) if len(labels) else view
+        product = view if product is None else mul(product, view)
+    summed = [i for i, c in enumerate(labels) if c not in output]
+    if summed:
+        product = sum(product, summed)
+    kept = [c for c in labels if c in output]
+    return permute(product, [kept.index(c) for c in output]) if len(kept) > 1 else product
+
+
+# =================================================================== order-dependent (eager only)
+def sort(x, dim=-1, descending=False, stable=True):
+    """(values, indices) sorted along `dim`; stable. Eager only (no graph kernel yet)."""
+    d = normalize_dim(dim, x.ndim, op="sort") if x.ndim else 0
+    values, indices = apply("sort", x, dim=d, descending=bool(descending))
+    return _ValuesIndices(values, indices)
+
+
+def argsort(x, dim=-1, descending=False, stable=True):
+    return sort(x, dim, descending).indices
+
+
+def topk(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
+    """(values, indices) of the `k` largest (or smallest) elements along `dim`, in order. Eager only."""
+    d = normalize_dim(dim, x.ndim, op="topk") if x.ndim else 0
+    values, indices = apply("topk", x, k=int(k), dim=d, largest=bool(largest))
+    return _ValuesIndices(values, indices)
+
+
+def cumsum(x, dim, dtype=None):
+    x = cast(x, dtype) if dtype is not None else (cast(x, dt.int64) if x.dtype == dt.bool_ else x)
+    return apply("cumsum", x, dim=normalize_dim(dim, x.ndim, op="cumsum") if x.ndim else 0)
+
+
+def cumprod(x, dim, dtype=None):
+    x = cast(x, dtype) if dtype is not None else (cast(x, dt.int64) if x.dtype == dt.bool_ else x)
+    return apply("cumprod", x, dim=normalize_dim(dim, x.ndim, op="cumprod") if x.ndim else 0)
+
+
+def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    """A Python bool: reads the data, so it is eager only."""
+    return builtins.bool(np.allclose(_eager_array(a, "allclose"), _eager_array(b, "allclose"), rtol=rtol,
+                                     atol=atol, equal_nan=equal_nan))
+
+
+def equal(a, b) -> bool:
+    """True when both tensors have the same shape and elements (a Python bool; eager only)."""
+    x, y = _eager_array(a, "equal"), _eager_array(b, "equal")
+    return x.shape == y.shape and builtins.bool(np.array_equal(x, y))
+
+
+def _eager_array(t, name):
+    if _is_tensor(t):
+        if t.is_lazy:
+            raise RuntimeError(f"{name}() returns a Python bool, so it needs data: it cannot run on a lazy "
+                               f"tensor inside nn.Graph.build()")
+        return t.numpy_view()
+    return np.asarray(t)
 
 
 __all__ = [name for name, value in list(globals().items())

@@ -388,7 +388,8 @@ class SavedGraph:
         """One step on the CPU emulator; returns the outputs as NumPy arrays.
 
         Every call uses the saved hyper values (lr, bias corrections, dropout offset): it is the
-        saved step, replayed; the built program advances them from step to step.
+        saved step, replayed; the built program advances them from step to step. An input index
+        out of range raises IndexError after the step, as a graph call does.
         """
         from flowgen.runtime.executor import CpuBackend, Executor
 
@@ -404,6 +405,7 @@ class SavedGraph:
             for s in self.ir.state:
                 self.weights[s.name] = ex.read_value(s.value)
         self.step += 1
+        ex.raise_index_error()
         return outputs
 
     def __repr__(self) -> str:

@@ -37,7 +37,21 @@ def c_array(arr, np_dtype=None) -> np.ndarray:
 class Tensor:
     __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
 
-    def __init__(self, data=None, *, dtype=None, device=None, requires_grad=False, _value=None):
+    def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
+        """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
+        (float64 data becomes float32, as torch.Tensor/flow.Tensor do); ``Tensor(2, 3)`` or
+        ``Tensor(flow.Size([2, 3]))`` is a zero-filled float32 tensor of that shape."""
+        sizes = tuple(data[0]) if len(data) == 1 and isinstance(data[0], Size) else data
+        if sizes and all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in sizes):
+            data = np.zeros(sizes, dt.get(dtype).np_dtype if dtype is not None else np.float32)
+        elif len(data) == 1:
+            data = data[0]
+        elif data:
+            raise TypeError(f"Tensor(): expected one data argument or sizes (ints), got {data!r}")
+        elif _value is None:
+            data = np.zeros((0,), dt.get(dtype).np_dtype if dtype is not None else np.float32)
+        else:
+            data = None
         self._value = _value          # IR value while tracing, else None
         self._data = None
         self._dtype = None
@@ -78,7 +92,7 @@ class Tensor:
         if isinstance(data, Tensor):
             data = data.numpy_view()
         target = dt.get(dtype) if dtype is not None else None
-        arr = np.asarray(data)
+        arr = np.array(data)   # a copy: the tensor never shares the caller's array
         if target is None:
             # float64 data (NumPy's default) becomes float32, flowgen's default float.
             target = dt.from_numpy(arr.dtype)
@@ -312,6 +326,73 @@ class Tensor:
     def contiguous(self):
         return self
 
+    # ---------------------------------------------------- layout and new tensors
+    def is_contiguous(self, memory_format=None) -> bool:
+        return True   # flowgen tensors are always dense and row-major
+
+    def stride(self, dim=None):
+        strides, step = [], 1
+        for size in reversed(self.shape):
+            strides.append(step)
+            step *= max(size, 1)
+        strides = tuple(reversed(strides))
+        return strides if dim is None else strides[dim]
+
+    def storage_offset(self) -> int:
+        return 0
+
+    def element_size(self) -> int:
+        return self._dtype.itemsize
+
+    def nelement(self) -> int:
+        return self.numel()
+
+    def ndimension(self) -> int:
+        return self.ndim
+
+    def is_floating_point(self) -> bool:
+        return self._dtype.is_floating
+
+    def double(self):
+        return self.to(dt.float64)
+
+    def bfloat16(self):
+        return self.to(dt.bfloat16)
+
+    def _new(self, fill, size, dtype, device, requires_grad):
+        from_size = size[0] if len(size) == 1 and isinstance(size[0], (tuple, list)) else size
+        arr = np.full(tuple(int(s) for s in from_size), fill, dt.get(dtype or self._dtype).np_dtype)
+        return Tensor(arr, dtype=dtype or self._dtype, device=device or self.device, requires_grad=requires_grad)
+
+    def new_zeros(self, *size, dtype=None, device=None, requires_grad=False):
+        """Zeros of `size` with this tensor's dtype and device (unless given)."""
+        return self._new(0, size, dtype, device, requires_grad)
+
+    def new_ones(self, *size, dtype=None, device=None, requires_grad=False):
+        return self._new(1, size, dtype, device, requires_grad)
+
+    def new_empty(self, *size, dtype=None, device=None, requires_grad=False):
+        return self._new(0, size, dtype, device, requires_grad)
+
+    def new_full(self, size, fill_value, dtype=None, device=None, requires_grad=False):
+        return self._new(fill_value, (size,), dtype, device, requires_grad)
+
+    def new_tensor(self, data, dtype=None, device=None, requires_grad=False):
+        """A copy of `data` with this tensor's dtype and device (unless given)."""
+        arr = data.numpy() if isinstance(data, Tensor) else np.array(data)
+        return Tensor(arr, dtype=dtype or self._dtype, device=device or self.device, requires_grad=requires_grad)
+
+    # ---------------------------------------------------------------- DLPack
+    def __dlpack__(self, stream=None, **kwargs):
+        """Zero-copy export of the host data (``torch.from_dlpack(t)``, ``np.from_dlpack(t)``)."""
+        if self._dtype == dt.bfloat16:
+            raise BufferError("__dlpack__: bfloat16 tensors cannot be exported through NumPy's DLPack; "
+                              "cast with .float() first")
+        return self.numpy_view().__dlpack__(**({"stream": stream} if stream is not None else {}), **kwargs)
+
+    def __dlpack_device__(self):
+        return self.numpy_view().__dlpack_device__()
+
     # ------------------------------------------------------------- in-place
     def _assign(self, new: "Tensor") -> "Tensor":
         """Write `new` into this tensor (eager: same buffer; traced: a state update, or a new
@@ -362,11 +443,6 @@ class Tensor:
 
     def bernoulli(self, p=None):
         return creation.bernoulli(self, p)
-
-    def new_empty(self, *size, dtype=None, device=None, requires_grad=False):
-        """A new tensor of `size` with this tensor's dtype and device (zeros, as `flow.empty`)."""
-        return creation.empty(*size, dtype=dtype or self._dtype, device=device or self.device,
-                              requires_grad=requires_grad)
 
     def _inplace(self, new: "Tensor") -> "Tensor":
         # `x += y`: in place (same buffer) unless autograd is recording it, where the result is
@@ -427,8 +503,17 @@ class Tensor:
             return lambda *args, **kwargs: fn(self, *args, **kwargs)
         raise AttributeError(f"'Tensor' object has no attribute {name!r}")
 
-    def view(self, *shape):
-        return F.reshape(self, *shape)
+    def view(self, *shape, **keyword):
+        return F.reshape(self, *shape, **keyword)
+
+    @property
+    def is_global(self) -> bool:
+        """OneFlow: whether the tensor has a placement/SBP across ranks; flowgen tensors are local."""
+        return False
+
+    @property
+    def is_local(self) -> bool:
+        return True
 
     def where(self, condition, other):
         """``x.where(cond, y)`` == ``flow.where(cond, x, y)``."""
@@ -454,6 +539,9 @@ relu sigmoid tanh gelu silu softmax log_softmax sin cos
 matmul mm bmm masked_fill gather index_select where
 eq ne lt le gt ge logical_and logical_or logical_not logical_xor
 add sub mul div floor_divide maximum minimum
+erf log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
+lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
+trace sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave
 """.split())
 
 

@@ -33,3 +33,23 @@
 
 // Device functions shared by generated kernels on both targets.
 #include "flowgen_philox.h"
+
+// ---------------------------------------------------------------------------------------
+// The program's index-error record. A kernel that reads a tensor as indices (cross-entropy
+// labels, gather / index_select / embedding / scatter indices) checks each index; one out of
+// range is never used to read or write, and the first such index of a step is recorded here:
+// `check` names the failing bounds check (Program.index_checks, numbered from 1; 0 means no
+// error) and `value` is the index it read. The host reads the record after every step, raises
+// (Python) or exits (standalone program) naming the op, and clears it.
+struct FlowgenIndexError {
+  unsigned long long check;
+  long long value;
+};
+extern "C" {
+__device__ FlowgenIndexError flowgen_index_error;
+}
+
+__device__ inline void flowgen_report_bad_index(unsigned long long check, long long value) {
+  // atomicCAS: when many threads (or several checks) fail, the first one to get here wins.
+  if (atomicCAS(&flowgen_index_error.check, 0ULL, check) == 0ULL) flowgen_index_error.value = value;
+}

@@ -192,6 +192,8 @@ CASES = [
     Case("index_select_dim1", "index_select", lambda r: [_rand(r, (4, 7, 5)), _index(r, 7, (9,))], dim=1),
     Case("index_select_dim0", "index_select", lambda r: [_rand(r, (4, 7, 5)), _index(r, 4, (3,))], dim=0),
     Case("index_select_last", "index_select", lambda r: [_rand(r, (4, 7, 5)), _index(r, 5, (3,))], dim=2),
+    Case("index_select_wrap_negative", "index_select", lambda r: [_rand(r, (4, 7, 5)), _index(r, 14, (9,)) - 7],
+         dim=1, wrap_negative=True),
     Case("embedding", "embedding", lambda r: [_rand(r, (11, 6)), _index(r, 11, (3, 5))], padding_idx=-1),
     Case("embedding_f16", "embedding", lambda r: [_rand(r, (11, 6), F16), _index(r, 11, (4,))], padding_idx=-1),
     # scatter
@@ -202,6 +204,8 @@ CASES = [
     Case("index_add_dim1", "index_add", lambda r: [_index(r, 7, (9,)), _rand(r, (4, 9, 5))], shape=(4, 7, 5), dim=1),
     Case("index_add_dim0", "index_add", lambda r: [_index(r, 4, (9,)), _rand(r, (9, 7, 5))], shape=(4, 7, 5), dim=0),
     Case("index_add_last", "index_add", lambda r: [_index(r, 5, (9,)), _rand(r, (4, 7, 9))], shape=(4, 7, 5), dim=2),
+    Case("index_add_wrap_negative", "index_add", lambda r: [_index(r, 14, (9,)) - 7, _rand(r, (4, 9, 5))],
+         shape=(4, 7, 5), dim=1, wrap_negative=True),
     Case("embedding_backward_pad", "embedding_backward", lambda r: [_rand(r, (3, 5, 6)), _index(r, 11, (3, 5))],
          num_weights=11, padding_idx=2),
     Case("embedding_backward", "embedding_backward", lambda r: [_rand(r, (40, 6)), _index(r, 5, (40,))],

@@ -18,7 +18,7 @@ def test_tensor_from_data_and_default_dtypes():
     assert flow.tensor([1.0, 2.0]).dtype == flow.float32
     assert flow.tensor([1, 2]).dtype == flow.int64
     assert flow.tensor([True, False]).dtype == flow.bool
-    assert flow.tensor(np.zeros(3)).dtype == flow.float32            # float64 data -> float32
+    assert flow.tensor(np.zeros(3)).dtype == flow.float64            # arrays keep their dtype (PyTorch)
     assert flow.tensor(np.zeros(3, np.int32)).dtype == flow.int32
     assert flow.tensor(np.zeros(3, np.float16)).dtype == flow.float16
     assert flow.tensor([1, 2], dtype=flow.float16).dtype == flow.float16

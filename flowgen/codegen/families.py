@@ -1,9 +1,15 @@
 """Render one template-family IR node (matmul, conv2d, softmax, ...) into `Kernel`s.
 
-`render_node(node, kernel_name)` looks up the op's `Template` lowering and calls the
-function for that family; each family reads the node's static shapes and attributes,
+`render_node(node, kernel_name, check_id)` looks up the op's `Template` lowering and calls
+the function for that family; each family reads the node's static shapes and attributes,
 bakes them into `templates/<family>.cu.j2` as constants and returns one or more
 kernels in launch order.
+
+Index checks: a kernel that reads a tensor as indices (gather, scatter, cross-entropy rows)
+never uses one outside its range ([0, size), or [-size, size) for `wrap_negative`); it reports
+the first such index into the program's error record as `check_id` (`Kernel.index_check` says
+what was checked) and treats it as missing: a gathered element or a cross-entropy row (loss
+and gradient) is 0, a scattered one is dropped. An ignore_index label is not checked.
 
 Argument order (every kernel): the node's inputs in `node.inputs` order as
 ``const T*`` buffers, then its outputs as ``T*`` buffers; no scalar arguments.
@@ -20,10 +26,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              max and sum) or, when the dim is not innermost, one thread per row
              walking the dim (coalesced across neighbouring rows).
 * gather   — gather / index_select / embedding: one thread per output element.
-             Indices outside [0, size) read as 0 (the NumPy reference raises instead).
 * scatter  — scatter_add / index_add / embedding_backward: `<name>_zero` then one
-             atomicAdd per source element; out-of-range indices (and padding_idx) are
-             skipped. Accumulation order is not deterministic.
+             atomicAdd per source element; padding_idx is skipped. Accumulation order
+             is not deterministic.
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
              core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
              one-input-channel-per-group convs (depthwise) use direct kernels.
@@ -47,7 +52,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.fused import block_segments, reduce_block
-from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.templates import get_template
 from flowgen.ops.registry import get_op
 
@@ -79,9 +84,10 @@ def rendering_for(target: str):
 # --------------------------------------------------------------------------
 # dispatch
 
-def render_node(node, kernel_name: str, stream_values=None) -> list:
-    """The kernels (in launch order) that compute `node`, a template-family op. A random op
-    (one with a ``stream`` attribute) also gets the rng state Value, from `stream_values`."""
+def render_node(node, kernel_name: str, check_id: int = 1, stream_values=None) -> list:
+    """The kernels (in launch order) that compute `node`, a template-family op. `check_id`
+    (unique within a program) numbers the node's index check, if its op reads indices; a random
+    op (one with a ``stream`` attribute) also gets the rng state Value, from `stream_values`."""
     lowering = get_op(node.op).lowering
     family = getattr(lowering, "family", None)
     try:
@@ -90,6 +96,8 @@ def render_node(node, kernel_name: str, stream_values=None) -> list:
         raise NotImplementedError(f"codegen has no template family {family!r} (op {node.op})") from None
     if all(v.numel == 0 for v in node.outputs):
         return []
+    if family in _INDEX_FAMILIES:
+        return render(node, kernel_name, check_id)
     if "stream" in node.attrs:
         return render(node, kernel_name, stream_values[node.attrs["stream"]])
     return render(node, kernel_name)
@@ -237,9 +245,9 @@ def _nonfinite(node, kernel_name):
             _kernel(node, kernel_name, source, (blocks, 1, 1), (BLOCK, 1, 1), False, what)]
 
 
-def _kernel(node, name, source, grid, block, needs_fibers, what, smem=0) -> Kernel:
+def _kernel(node, name, source, grid, block, needs_fibers, what, smem=0, index_check=None) -> Kernel:
     return Kernel(name=name, source=source, args=_args(node), grid=tuple(grid), block=tuple(block), smem=smem,
-                  needs_fibers=needs_fibers, comment=_comment(node, what), ops=[node.op])
+                  needs_fibers=needs_fibers, comment=_comment(node, what), ops=[node.op], index_check=index_check)
 
 
 def _render(template: str, **context) -> str:
@@ -522,7 +530,7 @@ def _elem(inner: int):
     return lambda j: j if inner == 1 else f"(long long){j} * {inner}"
 
 
-def _row_kernels(node, kernel_name, template, ctx) -> list:
+def _row_kernels(node, kernel_name, template, ctx, index_check=None) -> list:
     """One kernel that reduces along a dim: a thread per row when the dim is strided and rows
     are many (coalesced), else a block per row with block reductions."""
     D, inner, rows = ctx["D"], ctx["inner"], ctx["rows"]
@@ -530,11 +538,13 @@ def _row_kernels(node, kernel_name, template, ctx) -> list:
     if _use_columns(D, inner, rows):
         what = f"{where} (thread per row)"
         source = _render(template, kind="column", comment=_comment(node, what), **ctx)
-        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what,
+                        index_check=index_check)]
     block = reduce_block(D)
     what = f"{where} (block per row)"
     source = _render(template, kind="block", comment=_comment(node, what), block=block, **ctx)
-    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what)]
+    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what,
+                    index_check=index_check)]
 
 
 # per op: (kernel parameter names, what the last pass over the row computes)
@@ -546,7 +556,7 @@ _ROW_SOFTMAX_MODES = {
 }
 
 
-def _softmax(node, kernel_name):
+def _softmax(node, kernel_name, check_id):
     """softmax / log_softmax along any dim, and the cross-entropy rows (forward: the row's loss
     from its max and sum of exp; backward: g * (softmax - onehot)) on (N, C) logits."""
     in_names, out_names = _ROW_SOFTMAX_MODES[node.op]
@@ -562,9 +572,11 @@ def _softmax(node, kernel_name):
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
                idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
                ignore_index=int(node.attrs.get("ignore_index", 0)))
-    if node.op.startswith("cross_entropy"):
-        ctx["load_g"] = _loader(node.inputs[0].dtype, acc)
-    return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
+    if not node.op.startswith("cross_entropy"):
+        return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
+    ctx.update(load_g=_loader(node.inputs[0].dtype, acc), check_id=check_id)
+    check = _index_check(node, check_id, "label", D)
+    return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx, index_check=check)
 
 
 def _argreduce(node, kernel_name):
@@ -585,6 +597,17 @@ def _argreduce(node, kernel_name):
 # --------------------------------------------------------------------------
 # gather: gather, index_select, embedding; scatter: scatter_add, index_add, embedding_backward
 
+# The op a user wrote, for error messages, where the IR op is a helper of it.
+_USER_OPS = {"cross_entropy_rows": "cross_entropy", "cross_entropy_rows_grad": "cross_entropy (backward)",
+             "embedding_backward": "embedding (backward)"}
+
+
+def _index_check(node, check_id: int, what: str, size: int, dim=None) -> IndexCheck:
+    low = -int(size) if node.attrs.get("wrap_negative", False) else 0
+    return IndexCheck(id=check_id, op=_USER_OPS.get(node.op, node.op), scope=node.scope or "", what=what,
+                      size=int(size), dim=dim, low=low)
+
+
 def _select_layout(shape, dim):
     """(outer, size, inner) of `shape` around `dim`."""
     return _numel(shape[:dim]), shape[dim], _numel(shape[dim + 1:])
@@ -600,7 +623,7 @@ def _select_exprs(outer, n, inner, size):
     return j_expr, offset
 
 
-def _gather(node, kernel_name):
+def _gather(node, kernel_name, check_id):
     out = node.output
     if node.op == "gather":
         x, index = node.inputs
@@ -615,25 +638,30 @@ def _gather(node, kernel_name):
                          x_t=x.dtype.ctype, index_t=index.dtype.ctype, out_t=out.dtype.ctype, numel=out.numel,
                          idx_t=_idx_type(out.numel), coord_lines=[ln for ln in lines if not ln.startswith(
                              f"const long long c{dim} ")], src_offset=_offset(coords, _strides(shape)),
-                         zero=_zero_literal(out.dtype))
-        return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+                         zero=_zero_literal(out.dtype), check_id=check_id)
+        check = _index_check(node, check_id, "index", shape[dim], dim)
+        return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what,
+                        index_check=check)]
     if node.op == "index_select":
         x, index = node.inputs
         shape = tuple(x.shape) or (1,)
         dim = node.attrs["dim"] % len(shape)
         outer, size, inner = _select_layout(shape, dim)
         names, what = ("x", "index"), f"dim {dim} of {_shape_text(x.shape)}, {index.numel} indices"
+        check = _index_check(node, check_id, "index", size, dim)
     else:                                                   # embedding(weight, indices)
         x, index = node.inputs
         outer, size, inner = 1, x.shape[0], x.shape[1]
         names, what = ("weight", "indices"), f"{index.numel} rows of {_shape_text(x.shape)}"
+        check = _index_check(node, check_id, "index", size)
     n = index.numel
     j_expr, offset = _select_exprs(outer, n, inner, size)
     source = _render("gather.cu.j2", kind="select", name=kernel_name, comment=_comment(node, what), what=node.op,
                      params=_params(node, names, ("out",)), outer=outer, n=n, size=size, inner=inner,
                      j_expr=j_expr, src_offset=offset, index_name=names[1], x_name=names[0], numel=out.numel,
-                     idx_t=_idx_type(out.numel), zero=_zero_literal(out.dtype))
-    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+                     idx_t=_idx_type(out.numel), zero=_zero_literal(out.dtype), check_id=check_id,
+                     wrap_negative=node.attrs.get("wrap_negative", False))
+    return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what, index_check=check)]
 
 
 def _atomic_ops(dtype):
@@ -646,13 +674,13 @@ def _atomic_ops(dtype):
                               f"(scatter kernels need float32, float64, int32 or int64)")
 
 
-def _scatter(node, kernel_name):
+def _scatter(node, kernel_name, check_id):
     out = node.output
     atomic_ptr, atomic_val = _atomic_ops(out.dtype)
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
     src_convert = _converter(src.dtype, out.dtype)
     ctx = dict(name=kernel_name, out_t=out.dtype.ctype, numel=src.numel, idx_t=_idx_type(src.numel, out.numel),
-               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)))
+               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)), check_id=check_id)
     if node.op == "scatter_add":
         shape = tuple(out.shape) or (1,)
         dim = node.attrs["dim"] % len(shape)
@@ -664,6 +692,7 @@ def _scatter(node, kernel_name):
                          size=shape[dim], index_t=index.dtype.ctype, src_t=src.dtype.ctype,
                          coord_lines=[ln for ln in lines if not ln.startswith(f"const long long c{dim} ")],
                          dst_offset=_offset(coords, _strides(shape)), **ctx)
+        check = _index_check(node, check_id, "index", shape[dim], dim)
     else:
         if node.op == "index_add":
             shape = tuple(out.shape) or (1,)
@@ -671,20 +700,24 @@ def _scatter(node, kernel_name):
             outer, size, inner = _select_layout(shape, dim)
             names, pad = ("index", "src", "out"), -1
             what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)} (atomicAdd)"
+            check = _index_check(node, check_id, "index", size, dim)
         else:                                               # embedding_backward(grad, indices)
             outer, size, inner = 1, out.shape[0], out.shape[1]
             names, pad = ("grad", "index", "out"), node.attrs.get("padding_idx", -1)
             pad = -1 if pad is None or pad < 0 else pad
             what = f"{index.numel} rows into {_shape_text(out.shape)} (atomicAdd)"
+            check = _index_check(node, check_id, "index", size)
         n = index.numel
         j_expr, offset = _select_exprs(outer, n, inner, size)
         source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
                          params=_params(node, names[:2], names[2:]), outer=outer, n=n, size=size, inner=inner,
                          j_expr=j_expr, dst_offset=offset, padding_idx=pad,
-                         src_name="src" if node.op == "index_add" else "grad", **ctx)
+                         src_name="src" if node.op == "index_add" else "grad",
+                         wrap_negative=node.attrs.get("wrap_negative", False), **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
     if src.numel:
-        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what))
+        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what,
+                               index_check=check))
     return kernels
 
 
@@ -935,6 +968,10 @@ def _conv2d_kernels(node, kernel_name, fusion):
     kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
     kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what))
     return kernels
+
+
+# Families whose ops read a tensor as indices: their renderers take the node's check id.
+_INDEX_FAMILIES = {"softmax", "gather", "scatter"}
 
 
 # --------------------------------------------------------------------------

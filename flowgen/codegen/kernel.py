@@ -22,6 +22,29 @@ class ScalarArg:
     literal: object      # the Python number passed at launch
 
 
+@dataclass(frozen=True)
+class IndexCheck:
+    """A kernel's bounds check of the indices it reads. The kernel reports an index outside
+    [low, size) into the program's error record (runtime_cpp/flowgen_cuda_prelude.h) as `id`."""
+    id: int              # 1, 2, ... within a program (0 in the record means "no error")
+    op: str              # what the user called: cross_entropy, embedding, gather, ...
+    scope: str           # module path of the node ("" at the top of build())
+    what: str            # "label" or "index"
+    size: int            # valid indices are [low, size)
+    dim: int | None = None   # the dim the index selects along, where the op has one
+    low: int = 0         # -size where negative indices count from the end (x[idx])
+
+    def message_parts(self) -> tuple:
+        """(text before the bad value, text after it): the standalone program joins them too."""
+        where = self.scope or "the graph's build()"
+        along = "" if self.dim is None else f" for dim {self.dim}"
+        return f"{self.op} in {where}: {self.what} ", f" out of range [{self.low}, {self.size}){along}"
+
+    def message(self, value: int) -> str:
+        before, after = self.message_parts()
+        return f"{before}{value}{after}"
+
+
 @dataclass
 class Kernel:
     name: str            # C identifier; also names the module path, e.g. k3_model_0_fused_add_relu
@@ -39,3 +62,5 @@ class Kernel:
     # Independent segments run side by side (a multi-tensor update): an output must not reuse
     # another segment's input, so the memory planner never places one in place.
     horizontal: bool = False
+    # Set when the kernel reads a tensor as indices and checks them (see IndexCheck).
+    index_check: IndexCheck | None = None

@@ -42,6 +42,11 @@ class Program:
         return len(self.kernels)
 
     @property
+    def index_checks(self) -> dict:
+        """Check id -> IndexCheck, for every kernel that reports bad indices into the error record."""
+        return {k.index_check.id: k.index_check for k in self.prepare + self.kernels if k.index_check}
+
+    @property
     def persistent_values(self) -> list:
         """Values written by prepare kernels: they keep their own allocations across calls."""
         return [v for k in self.prepare for v in _buffer_values(k, written=True)]
@@ -73,7 +78,9 @@ def render_kernels(graph):
             continue
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
-        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", stream_values):
+        # The node's first kernel number, plus one, is unique: it numbers the node's index check.
+        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", len(kernels) + 1,
+                             stream_values):
             kernels.append(k)
     # Scalar constants that a template kernel reads as a buffer must be uploaded too.
     for k in kernels:

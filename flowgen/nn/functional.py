@@ -469,15 +469,22 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
 
 
 def one_hot(tensor, num_classes=-1):
-    """int64 one-hot encoding along a new last dimension."""
+    """int64 one-hot encoding along a new last dimension: rows of the identity picked by `index_select`,
+    so a class outside [0, num_classes) raises IndexError (eager, and graphs through the index check)."""
     if tensor.dtype not in (dt.int64, dt.int32):
         raise RuntimeError("one_hot is only applicable to index tensors (int64)")
     if num_classes == -1:
         if tensor.is_lazy:
             raise RuntimeError("one_hot inside nn.Graph.build() needs an explicit num_classes")
         num_classes = int(tensor.numpy().max()) + 1 if tensor.numel() else 0
-    classes = _const(np.arange(num_classes, dtype=np.int64), tensor)
-    return _F.cast(_F.eq(_F.unsqueeze(tensor, -1), classes), dt.int64)
+    if not tensor.is_lazy and tensor.numel():
+        values = tensor.numpy_view()
+        bad = values[(values < 0) | (values >= num_classes)]
+        if bad.size:
+            raise IndexError(f"one_hot: class {int(bad.flat[0])} is out of range [0, {num_classes})")
+    identity = _const(np.eye(num_classes, dtype=np.int64), tensor)
+    rows = _F.index_select(identity, 0, _F.reshape(tensor, (-1,)))
+    return _F.reshape(rows, tuple(tensor.shape) + (num_classes,))
 
 
 def pad(input, pad, mode="constant", value=None):
@@ -568,7 +575,7 @@ def _class_weight_shape(ndim, class_dim):
     return shape
 
 
-def _nll_parts(logp, target, weight, ignore_index):
+def _nll_parts(logp, target, weight, ignore_index, op="nll_loss"):
     """Per-element -w[t] * logp[t] (0 where ignored), the per-element weights, and the valid mask."""
     if target.dtype not in (dt.int64, dt.int32):
         raise RuntimeError(f"nll_loss: expected an int64 class-index target, got {target.dtype!r}")
@@ -578,6 +585,11 @@ def _nll_parts(logp, target, weight, ignore_index):
         raise ValueError(f"nll_loss: expected target of shape {(logp.shape[0],) + tuple(logp.shape[2:])}, "
                          f"got {tuple(target.shape)}")
     C = logp.shape[1]
+    if not target.is_lazy:   # in a graph, the gather kernel below checks (and names the module)
+        t = target.numpy_view()
+        bad = (t != ignore_index) & ((t < 0) | (t >= C))
+        if bad.any():
+            raise IndexError(f"{op}: target {int(t[bad].flat[0])} is out of bounds for {C} classes")
     valid = _F.ne(target, ignore_index)
     safe = target * _F.cast(valid, target.dtype)          # ignored entries read class 0, then get weight 0
     picked = _F.squeeze(apply("gather", logp, _F.unsqueeze(safe, 1), dim=1), 1)
@@ -647,7 +659,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         return _sum_all(loss) * (C / max(input.numel(), 1))
 
     logp_b, target_b, unbatched = _unbatched(logp, target)
-    nll, w, valid = _nll_parts(logp_b, target_b, weight, ignore_index)
+    nll, w, valid = _nll_parts(logp_b, target_b, weight, ignore_index, "cross_entropy")
     if reduction == "none":
         nll_red = nll
     elif reduction == "sum":
@@ -700,3 +712,311 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction, "binary_cross_entropy_with_logits")
+
+
+def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
+    """KL(target || exp(input)) pointwise: target * (log target - input), 0 where target == 0
+    (`log_target`: target holds log-probabilities). "batchmean" divides the sum by the batch size."""
+    if reduction not in _REDUCTIONS + ("batchmean",):
+        raise ValueError(f"kl_div: {reduction!r} is not a valid value for reduction "
+                         f"(expected one of {_REDUCTIONS + ('batchmean',)})")
+    if log_target:
+        loss = _F.exp(target) * (target - input)
+    else:
+        safe_log = _F.log(_F.where(target > 0, target, 1.0))
+        loss = _F.where(target > 0, target * (safe_log - input), 0.0)
+    if reduction == "batchmean":
+        return _sum_all(loss) * (1.0 / (input.shape[0] if input.ndim else 1))
+    return _reduce(loss, reduction, "kl_div")
+
+
+def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    """max(0, -target * (input1 - input2) + margin)."""
+    _check_reduction(reduction, "margin_ranking_loss")
+    return _reduce(_F.clamp_min(-target * (input1 - input2) + margin, 0.0), reduction, "margin_ranking_loss")
+
+
+def cosine_similarity(x1, x2, dim=1, eps=1e-8):
+    """x1 . x2 / max(|x1| |x2|, eps) along `dim` (PyTorch's formula: the product of norms is clamped)."""
+    dot = _F.sum(x1 * x2, dim)
+    norms = _F.sqrt(_F.sum(x1 * x1, dim) * _F.sum(x2 * x2, dim))
+    return dot / _F.clamp_min(norms, eps)
+
+
+def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
+    """|x1 - x2 + eps|_p over the last dim."""
+    return _F.norm(x1 - x2 + eps, p, -1, keepdim)
+
+
+def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """input / max(|input|_p, eps) along `dim`."""
+    if out is not None:
+        raise ValueError("normalize: out= is not supported; use the returned tensor")
+    return input / _F.clamp_min(_F.norm(input, p, dim, keepdim=True), eps)
+
+
+def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
+    """1 - cos(x1, x2) where target == 1, max(0, cos(x1, x2) - margin) where target == -1."""
+    _check_reduction(reduction, "cosine_embedding_loss")
+    # PyTorch's own eps placement: 1e-12 added to each squared norm before the product.
+    dim = input1.ndim - 1
+    dot = _F.sum(input1 * input2, dim)
+    cos = dot / _F.sqrt((_F.sum(input1 * input1, dim) + 1e-12) * (_F.sum(input2 * input2, dim) + 1e-12))
+    loss = _F.where(target == 1, 1.0 - cos, _F.where(target == -1, _F.clamp_min(cos - margin, 0.0), 0.0))
+    return _reduce(loss, reduction, "cosine_embedding_loss")
+
+
+def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6, swap=False, size_average=None,
+                        reduce=None, reduction="mean"):
+    """max(d(a, p) - d(a, n) + margin, 0) with d the pairwise p-distance (`swap`: d(a, n) becomes
+    min(d(a, n), d(p, n)), the distance swap of Balntas et al.)."""
+    _check_reduction(reduction, "triplet_margin_loss")
+    d_pos = pairwise_distance(anchor, positive, p, eps)
+    d_neg = pairwise_distance(anchor, negative, p, eps)
+    if swap:
+        d_neg = _F.minimum(d_neg, pairwise_distance(positive, negative, p, eps))
+    return _reduce(_F.clamp_min(d_pos - d_neg + margin, 0.0), reduction, "triplet_margin_loss")
+
+
+def pixel_shuffle(input, upscale_factor):
+    """(*, C r^2, H, W) -> (*, C, H r, W r): sub-pixel rearrangement (reshape + permute)."""
+    r = int(upscale_factor)
+    *lead, c, h, w = input.shape
+    if c % (r * r):
+        raise ValueError(f"pixel_shuffle: channels {c} not divisible by upscale_factor^2 = {r * r}")
+    n = len(lead)
+    x = _F.reshape(input, (*lead, c // (r * r), r, r, h, w))
+    x = _F.permute(x, (*range(n), n, n + 3, n + 1, n + 4, n + 2))
+    return _F.reshape(x, (*lead, c // (r * r), h * r, w * r))
+
+
+def pixel_unshuffle(input, downscale_factor):
+    """(*, C, H r, W r) -> (*, C r^2, H, W): the inverse of pixel_shuffle."""
+    r = int(downscale_factor)
+    *lead, c, h, w = input.shape
+    if h % r or w % r:
+        raise ValueError(f"pixel_unshuffle: spatial size ({h}, {w}) not divisible by downscale_factor {r}")
+    n = len(lead)
+    x = _F.reshape(input, (*lead, c, h // r, r, w // r, r))
+    x = _F.permute(x, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
+    return _F.reshape(x, (*lead, c * r * r, h // r, w // r))
+
+
+__all__ += ["kl_div", "margin_ranking_loss", "cosine_similarity", "pairwise_distance", "normalize",
+            "cosine_embedding_loss", "triplet_margin_loss", "pixel_shuffle", "pixel_unshuffle"]
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                 enable_gqa=False):
+    """softmax(q k^T * scale + mask) v over the last two dims (PyTorch's semantics).
+
+    `attn_mask`: bool (True = may attend) or float (added to the scores), broadcast to (..., L, S);
+    `is_causal`: query i attends keys j <= i (top-left aligned); `dropout_p` drops attention weights
+    (always, as torch's functional form); `enable_gqa`: key/value heads are repeated to the query's.
+    Built from matmul/softmax ops, so it runs (and differentiates) inside nn.Graph; the [L, S] scores
+    are materialised.
+    """
+    if is_causal and attn_mask is not None:
+        raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
+    if query.ndim < 2 or key.ndim < 2 or value.ndim < 2:
+        raise ValueError(f"scaled_dot_product_attention: query/key/value need at least 2 dims, got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
+    if enable_gqa and query.ndim >= 3 and key.shape[-3] != query.shape[-3]:
+        groups = query.shape[-3] // key.shape[-3]
+        key = _F.repeat_interleave(key, groups, dim=key.ndim - 3)
+        value = _F.repeat_interleave(value, groups, dim=value.ndim - 3)
+    length, source = query.shape[-2], key.shape[-2]
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    scores = _F.matmul(query, _F.transpose(key, -2, -1)) * scale
+    if is_causal:
+        attn_mask = Tensor(np.tri(length, source, dtype=bool), device=query.device)
+    if attn_mask is not None:
+        if attn_mask.dtype == dt.bool_:
+            scores = _F.where(attn_mask, scores, float("-inf"))
+        else:
+            scores = scores + attn_mask
+    weights = _F.softmax(scores, -1)
+    if dropout_p > 0.0:
+        weights = dropout(weights, dropout_p, training=True)
+    return _F.matmul(weights, value)
+
+
+__all__ += ["scaled_dot_product_attention"]
+
+
+# --------------------------------------------------------------------------
+# 1-d and 3-d layers and transposed convolutions, built on the 2-d ops
+# (so they train eagerly and run in nn.Graph through the conv/pool kernel families)
+
+def _single(v, name):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 1:
+            raise ValueError(f"{name} must be an int or a 1-tuple, got {v!r}")
+        return int(v[0])
+    return int(v)
+
+
+def _triple(v, name):
+    if isinstance(v, (tuple, list)):
+        if len(v) != 3:
+            raise ValueError(f"{name} must be an int or a triple of ints, got {v!r}")
+        return tuple(int(x) for x in v)
+    return (int(v),) * 3
+
+
+def _batched_1d(fn, x, name):
+    """Run a (N, C, L) function on an unbatched (C, L) input too."""
+    if x.ndim == 2:
+        return _F.squeeze(fn(_F.unsqueeze(x, 0)), 0)
+    if x.ndim != 3:
+        raise ValueError(f"{name}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
+    return fn(x)
+
+
+def _as_2d(x):      # (N, C, L) -> (N, C, 1, L)
+    return _F.unsqueeze(x, 2)
+
+
+def _from_2d(y):    # (N, C, 1, L) -> (N, C, L)
+    return _F.squeeze(y, 2)
+
+
+def conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """1-d convolution over (N, C, L): a conv2d over (N, C, 1, L). ``padding`` may be 'valid'/'same'."""
+    pad_arg = padding if isinstance(padding, str) else (0, _single(padding, "padding"))
+    w2 = _F.unsqueeze(weight, 2)
+    return _batched_1d(lambda x: _from_2d(conv2d(_as_2d(x), w2, bias, stride=(1, _single(stride, "stride")),
+                                                 padding=pad_arg, dilation=(1, _single(dilation, "dilation")),
+                                                 groups=groups)), input, "conv1d")
+
+
+def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """3-d convolution over (N, C, D, H, W): for each depth tap, one conv2d over the (strided, dilated)
+    depth slices batched together, summed over the taps."""
+    if input.ndim == 4:
+        return _F.squeeze(conv3d(_F.unsqueeze(input, 0), weight, bias, stride, padding, dilation, groups), 0)
+    if input.ndim != 5:
+        raise ValueError(f"conv3d: expected a 4-D or 5-D input, got shape {tuple(input.shape)}")
+    (sd, sh, sw), (pd, ph, pw), (dd, dh, dw) = (_triple(stride, "stride"), _triple(padding, "padding"),
+                                                _triple(dilation, "dilation"))
+    n, c, depth = input.shape[:3]
+    out_c, _, kd = weight.shape[:3]
+    out_d = (depth + 2 * pd - dd * (kd - 1) - 1) // sd + 1
+    if out_d <= 0:
+        raise ValueError(f"conv3d: kernel depth {kd} (dilation {dd}) is larger than the padded input depth "
+                         f"{depth + 2 * pd}")
+    x = pad(input, [0, 0, 0, 0, pd, pd]) if pd else input
+    total = None
+    for tap in range(kd):
+        start = tap * dd
+        slices = x[:, :, start:start + sd * (out_d - 1) + 1:sd]                     # (N, C, out_d, H, W)
+        flat = _F.reshape(_F.permute(slices, (0, 2, 1, 3, 4)), (n * out_d, c) + tuple(x.shape[3:]))
+        y = apply("conv2d", flat, weight[:, :, tap], stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw),
+                  groups=int(groups))
+        total = y if total is None else total + y
+    out = _F.permute(_F.reshape(total, (n, out_d) + tuple(total.shape[1:])), (0, 2, 1, 3, 4))
+    if bias is not None:
+        out = out + _F.reshape(bias, (1, out_c, 1, 1, 1))
+    return out
+
+
+def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    """Transposed 2-d convolution: the adjoint of conv2d (its input gradient). weight (C_in, C_out/groups, kH, kW)."""
+    stride, padding = _pair(stride, "stride"), _pair(padding, "padding")
+    output_padding, dilation = _pair(output_padding, "output_padding"), _pair(dilation, "dilation")
+    for op_, s_, d_ in zip(output_padding, stride, dilation):
+        if op_ >= max(s_, d_):
+            raise ValueError(f"conv_transpose2d: output_padding {output_padding} must be smaller than either "
+                             f"stride {stride} or dilation {dilation}")
+
+    def run(x):
+        n, c, h, w = x.shape
+        if c != weight.shape[0]:
+            raise RuntimeError(f"conv_transpose2d: input has {c} channels but weight expects {weight.shape[0]}")
+        k = weight.shape[2:]
+        out_hw = tuple((size - 1) * stride[i] - 2 * padding[i] + dilation[i] * (k[i] - 1) + output_padding[i] + 1
+                       for i, size in enumerate((h, w)))
+        out = apply("conv2d_grad_input", x, weight, input_shape=(n, weight.shape[1] * groups) + out_hw,
+                    stride=stride, padding=padding, dilation=dilation, groups=int(groups))
+        if bias is not None:
+            out = out + _F.reshape(bias, (1, -1, 1, 1))
+        return out
+
+    return _batched_2d(run, input)
+
+
+def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    w2 = _F.unsqueeze(weight, 2)
+    return _batched_1d(lambda x: _from_2d(conv_transpose2d(
+        _as_2d(x), w2, bias, stride=(1, _single(stride, "stride")), padding=(0, _single(padding, "padding")),
+        output_padding=(0, _single(output_padding, "output_padding")), groups=groups,
+        dilation=(1, _single(dilation, "dilation")))), input, "conv_transpose1d")
+
+
+def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+    k = _single(kernel_size, "kernel_size")
+    s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
+    return _batched_1d(lambda x: _from_2d(max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                     (1, _single(dilation, "dilation")), ceil_mode,
+                                                     return_indices)), input, "max_pool1d")
+
+
+def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
+    k = _single(kernel_size, "kernel_size")
+    s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
+    return _batched_1d(lambda x: _from_2d(avg_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                     ceil_mode, count_include_pad)), input, "avg_pool1d")
+
+
+def adaptive_avg_pool1d(input, output_size):
+    size = _single(output_size, "output_size")
+    return _batched_1d(lambda x: _from_2d(adaptive_avg_pool2d(_as_2d(x), (1, size))), input, "adaptive_avg_pool1d")
+
+
+__all__ += ["conv1d", "conv3d", "conv_transpose1d", "conv_transpose2d", "max_pool1d", "avg_pool1d",
+            "adaptive_avg_pool1d"]
+
+
+def _patch_kernel(kernel, like):
+    """The identity filter bank (kh*kw, 1, kh, kw): output channel k copies kernel tap k."""
+    kh, kw = kernel
+    eye = np.eye(kh * kw, dtype=like.dtype.np_dtype).reshape(kh * kw, 1, kh, kw)
+    return Tensor(eye, dtype=like.dtype, device=like.device)
+
+
+def unfold(input, kernel_size, dilation=1, padding=0, stride=1):
+    """im2col: (N, C, H, W) -> (N, C*kh*kw, L) sliding blocks, as torch.nn.functional.unfold. A conv2d with
+    an identity filter bank over each channel, so it runs (and differentiates) in graphs."""
+    kernel, dilation = _pair(kernel_size, "kernel_size"), _pair(dilation, "dilation")
+    padding, stride = _pair(padding, "padding"), _pair(stride, "stride")
+
+    def run(x):
+        n, c, h, w = x.shape
+        cols = apply("conv2d", _F.reshape(x, (n * c, 1, h, w)), _patch_kernel(kernel, x), stride=stride,
+                     padding=padding, dilation=dilation, groups=1)
+        return _F.reshape(cols, (n, c * kernel[0] * kernel[1], cols.shape[2] * cols.shape[3]))
+
+    return _batched_2d(run, input)
+
+
+def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):
+    """col2im: (N, C*kh*kw, L) -> (N, C, H, W), summing overlapping blocks (the adjoint of unfold)."""
+    kernel, dilation = _pair(kernel_size, "kernel_size"), _pair(dilation, "dilation")
+    padding, stride, (h, w) = _pair(padding, "padding"), _pair(stride, "stride"), _pair(output_size, "output_size")
+    taps = kernel[0] * kernel[1]
+    blocks = [(size + 2 * padding[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1
+              for i, size in enumerate((h, w))]
+    unbatched = input.ndim == 2
+    x = _F.unsqueeze(input, 0) if unbatched else input
+    if x.ndim != 3 or x.shape[1] % taps or x.shape[2] != blocks[0] * blocks[1]:
+        raise RuntimeError(f"fold: expected input of shape (N, C*{taps}, {blocks[0] * blocks[1]}) for output_size "
+                           f"{(h, w)} and kernel_size {kernel}, got {tuple(input.shape)}")
+    n, c = x.shape[0], x.shape[1] // taps
+    cols = _F.reshape(x, (n * c, taps, blocks[0], blocks[1]))
+    out = apply("conv2d_grad_input", cols, _patch_kernel(kernel, x), input_shape=(n * c, 1, h, w), stride=stride,
+                padding=padding, dilation=dilation, groups=1)
+    out = _F.reshape(out, (n, c, h, w))
+    return _F.squeeze(out, 0) if unbatched else out
+
+
+__all__ += ["unfold", "fold"]

@@ -642,6 +642,104 @@ class ModuleDict(Module):
             self[key] = module
 
 
+class ParameterList(Module):
+    """A list of parameters the parent sees, named "0", "1", ... (PyTorch's ParameterList)."""
+
+    def __init__(self, values=None):
+        super().__init__()
+        for value in values or ():
+            self.append(value)
+
+    def _index(self, idx: int) -> int:
+        n = len(self._parameters)
+        if not -n <= idx < n:
+            raise IndexError(f"index {idx} is out of range for ParameterList of length {n}")
+        return idx % n
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return type(self)(list(self._parameters.values())[idx])
+        return self._parameters[str(self._index(idx))]
+
+    def __setitem__(self, idx: int, param) -> None:
+        self.register_parameter(str(self._index(idx)), _as_parameter(param))
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __iter__(self):
+        return iter(self._parameters.values())
+
+    def __iadd__(self, values) -> "ParameterList":
+        return self.extend(values)
+
+    def append(self, value) -> "ParameterList":
+        self.register_parameter(str(len(self)), _as_parameter(value))
+        return self
+
+    def extend(self, values) -> "ParameterList":
+        for v in values:
+            self.append(v)
+        return self
+
+    def extra_repr(self) -> str:
+        return "\n".join(f"({k}): Parameter containing: [{p.dtype} of size {tuple(p.shape)}]"
+                         for k, p in self._parameters.items())
+
+
+class ParameterDict(Module):
+    """A dict of parameters the parent sees, insertion order kept (PyTorch's ParameterDict)."""
+
+    def __init__(self, parameters=None):
+        super().__init__()
+        if parameters is not None:
+            self.update(parameters)
+
+    def __getitem__(self, key: str):
+        return self._parameters[key]
+
+    def __setitem__(self, key: str, param) -> None:
+        self.register_parameter(key, _as_parameter(param))
+
+    def __delitem__(self, key: str) -> None:
+        del self._parameters[key]
+
+    def __contains__(self, key) -> bool:
+        return key in self._parameters
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __iter__(self):
+        return iter(self._parameters)
+
+    def keys(self):
+        return self._parameters.keys()
+
+    def values(self):
+        return self._parameters.values()
+
+    def items(self):
+        return self._parameters.items()
+
+    def pop(self, key: str):
+        return self._parameters.pop(key)
+
+    def update(self, parameters) -> None:
+        items = parameters.items() if hasattr(parameters, "items") else parameters
+        for key, value in items:
+            self[key] = value
+
+    def extra_repr(self) -> str:
+        return "\n".join(f"({k}): Parameter containing: [{p.dtype} of size {tuple(p.shape)}]"
+                         for k, p in self._parameters.items())
+
+
+def _as_parameter(value) -> Parameter:
+    """A tensor put into a ParameterList/Dict becomes a Parameter (as in PyTorch)."""
+    return value if isinstance(value, Parameter) else Parameter(value)
+
+
 class Identity(Module):
     """Returns its input; accepts and ignores constructor arguments (as PyTorch)."""
 

@@ -262,6 +262,26 @@ _unary("reciprocal", _float_ref(lambda a: 1 / a), "(1.0f / ({0}))",
 _unary("logical_not", np.logical_not, "(!({0}))", infer=_bool_unary_infer)
 
 
+def _erf_ref(a):
+    return np.vectorize(math.erf, otypes=[a.dtype])(a) if a.size else a.copy()
+
+
+_unary("erf", _float_ref(_erf_ref), "erff({0})",
+       grad=lambda ctx, g: (g * F.exp(-ctx.inputs[0] * ctx.inputs[0]) * (2.0 / math.sqrt(math.pi)),))
+_unary("log1p", _float_ref(np.log1p), "log1pf({0})",
+       grad=lambda ctx, g: (g / (ctx.inputs[0] + 1),))
+_unary("expm1", _float_ref(np.expm1), "expm1f({0})",
+       grad=lambda ctx, g: (g * (ctx.outputs[0] + 1),))
+# Rounding: piecewise constant, so no gradient flows (as torch: zeros).
+_unary("ceil", np.ceil, "ceilf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
+_unary("trunc", np.trunc, "truncf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
+_unary("round", np.rint, "rintf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,),
+       doc="round half to even, as torch.round and np.rint")
+_unary("isnan", np.isnan, "(({0}) != ({0}))", infer=_bool_unary_infer)
+_unary("isinf", np.isinf, "isinf({0})", infer=_bool_unary_infer)
+_unary("isfinite", np.isfinite, "isfinite({0})", infer=_bool_unary_infer)
+
+
 def _cast_infer(a, dtype):
     return TensorMeta(a.shape, dt.get(dtype))
 
@@ -417,6 +437,43 @@ defop("maximum", infer=_binary_infer("maximum"), ref=_binary_ref(np.maximum),
 defop("minimum", infer=_binary_infer("minimum"), ref=_binary_ref(np.minimum),
       grad=_minmax_grad(lambda a, b: a < b),
       lowering=Elementwise("(((({0}) != ({0})) || ({0}) < ({1})) ? ({0}) : ({1}))"))
+
+
+
+def _atan2_grad(ctx, g):
+    a, b = ctx.inputs
+    denom = a * a + b * b
+    return (F.sum_to(g * b / denom, a.shape) if _needs(a) else None,
+            F.sum_to(-g * a / denom, b.shape) if _needs(b) else None)
+
+
+def _modulo_grad(quotient: str):
+    """d/da (a - q(a/b) * b) = 1, d/db = -q(a/b), q = trunc (fmod) or floor (remainder)."""
+    def grad(ctx, g):
+        a, b = ctx.inputs
+        return (F.sum_to(g, a.shape) if _needs(a) else None,
+                F.sum_to(-g * getattr(F, quotient)(a / b), b.shape) if _needs(b) else None)
+    return grad
+
+
+def _float_only_binary_infer(name):
+    def infer(a, b):
+        if not (a.dtype.is_floating and b.dtype.is_floating):
+            raise TypeError(f"{name}: only floating-point tensors are supported, got {a.dtype} and {b.dtype} "
+                            f"(cast with .float())")
+        return _binary_infer(name)(a, b)
+    return infer
+
+
+defop("atan2", infer=_float_binary_infer("atan2"), ref=_quiet(_binary_ref(np.arctan2)), grad=_atan2_grad,
+      lowering=Elementwise("atan2f({0}, {1})"))
+defop("fmod", infer=_float_only_binary_infer("fmod"), ref=_quiet(_binary_ref(np.fmod)), grad=_modulo_grad("trunc"),
+      lowering=Elementwise("fmodf({0}, {1})"),
+      doc="C fmod: the result takes the sign of the dividend (torch.fmod); floating inputs")
+defop("remainder", infer=_float_only_binary_infer("remainder"), ref=_quiet(_binary_ref(np.remainder)),
+      grad=_modulo_grad("floor"),
+      lowering=Elementwise("(({0}) - floorf(({0}) / ({1})) * ({1}))"),
+      doc="Python modulo: the result takes the sign of the divisor (torch.remainder); floating inputs")
 
 for _name, _fn, _sym in (("eq", np.equal, "=="), ("ne", np.not_equal, "!="), ("lt", np.less, "<"),
                          ("le", np.less_equal, "<="), ("gt", np.greater, ">"), ("ge", np.greater_equal, ">=")):

@@ -49,7 +49,7 @@ class Elementwise:
 
 
 _FLOAT_MATH = re.compile(r"\b(exp|log|log1p|expm1|sqrt|rsqrt|sin|cos|tan|tanh|erf|pow|floor|ceil|fabs|fmin|fmax|"
-                         r"round|trunc|fmod)f\(")
+                         r"round|rint|trunc|fmod|atan2)f\(")
 _FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
 
 

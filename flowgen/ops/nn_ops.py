@@ -14,6 +14,10 @@ Attribute conventions (what the kernel templates read from ``node.attrs``):
   scale factors, which PyTorch uses (as ``1/scale``) instead of ``in/out``.
 * Index inputs are int64 (or int32) tensors; they never get a gradient.
 * ``padding_idx`` is an int, ``-1`` meaning "none".
+* An index outside its range raises IndexError naming the op and the value (in a graph, the
+  kernel reports it and the call raises after the step: see runtime/executor.py). Negative
+  indices are out of range, except for ``index_select``/``index_add`` with ``wrap_negative``
+  (what ``x[idx]`` lowers to), where they count from the end as in Python.
 """
 from __future__ import annotations
 
@@ -58,9 +62,9 @@ def _require_index(meta, op, what="index"):
         raise TypeError(f"{op}: expected {what} to be an int64 (or int32) tensor, got {meta.dtype!r}")
 
 
-def _check_range(index, size, op, dim=None):
-    if index.size and (index.min() < 0 or index.max() >= size):
-        bad = index[(index < 0) | (index >= size)].flat[0]
+def _check_range(index, size, op, dim=None, low=0):
+    if index.size and (index.min() < low or index.max() >= size):
+        bad = index[(index < low) | (index >= size)].flat[0]
         where = f" for dimension {dim}" if dim is not None else ""
         raise IndexError(f"{op}: index {int(bad)} is out of bounds{where} with size {size}")
 
@@ -284,7 +288,14 @@ defop("scatter_add", infer=_scatter_add_infer, ref=_scatter_add_ref, grad=_scatt
       doc="scatter_add(index, src, shape, dim): zeros(shape) with src added at index along dim")
 
 
-def _index_select_infer(x, index, dim):
+def _selected(index, size, op, dim, wrap_negative):
+    """`index` checked against [0, size), or against [-size, size) with negatives counted from
+    the end when `wrap_negative`; the indices to use."""
+    _check_range(index, size, op, dim, low=-size if wrap_negative else 0)
+    return np.where(index < 0, index + size, index) if wrap_negative else index
+
+
+def _index_select_infer(x, index, dim, wrap_negative=False):
     _require_index(index, "index_select")
     if len(index.shape) > 1:
         raise RuntimeError(f"index_select(): index must be 0- or 1-dimensional, got shape {tuple(index.shape)}")
@@ -296,21 +307,22 @@ def _index_select_infer(x, index, dim):
     return TensorMeta(tuple(x.shape[:d]) + (n,) + tuple(x.shape[d + 1:]), x.dtype)
 
 
-def _index_select_ref(x, index, dim):
+def _index_select_ref(x, index, dim, wrap_negative=False):
     if x.ndim == 0:
-        _check_range(index, 1, "index_select")
+        _selected(index, 1, "index_select", None, wrap_negative)
         return np.broadcast_to(x, index.shape).copy()
     dim = dim % x.ndim
-    _check_range(index, x.shape[dim], "index_select", dim)
+    index = _selected(index, x.shape[dim], "index_select", dim, wrap_negative)
     return np.take(x, index.reshape(-1), axis=dim)
 
 
 def _index_select_grad(ctx, g):
     x, index = ctx.inputs
-    return apply("index_add", index, g, shape=tuple(x.shape), dim=ctx.attrs["dim"]), None
+    return apply("index_add", index, g, shape=tuple(x.shape), dim=ctx.attrs["dim"],
+                 wrap_negative=ctx.attrs.get("wrap_negative", False)), None
 
 
-def _index_add_infer(index, src, shape, dim):
+def _index_add_infer(index, src, shape, dim, wrap_negative=False):
     _require_index(index, "index_add")
     shape = tuple(shape)
     nd = len(shape)
@@ -322,13 +334,12 @@ def _index_add_infer(index, src, shape, dim):
     return TensorMeta(shape, src.dtype)
 
 
-def _index_add_ref(index, src, shape, dim):
+def _index_add_ref(index, src, shape, dim, wrap_negative=False):
     shape = tuple(shape)
     if not shape:
         return np.asarray(src.sum(), np.float64)
     dim = dim % len(shape)
-    _check_range(index, shape[dim], "index_add", dim)
-    idx = index.reshape(-1).astype(np.int64)
+    idx = _selected(index, shape[dim], "index_add", dim, wrap_negative).reshape(-1).astype(np.int64)
     bshape = [1] * len(shape)
     bshape[dim] = -1
     full_index = np.broadcast_to(idx.reshape(bshape), src.shape)
@@ -336,14 +347,18 @@ def _index_add_ref(index, src, shape, dim):
 
 
 def _index_add_grad(ctx, g):
-    return None, apply("index_select", g, ctx.inputs[0], dim=ctx.attrs["dim"])
+    return None, apply("index_select", g, ctx.inputs[0], dim=ctx.attrs["dim"],
+                       wrap_negative=ctx.attrs.get("wrap_negative", False))
 
 
 defop("index_select", infer=_index_select_infer, ref=_index_select_ref, grad=_index_select_grad,
-      lowering=Template("gather"), doc="index_select(input, index, dim): input rows `index` along dim")
+      lowering=Template("gather"),
+      doc="index_select(input, index, dim, wrap_negative): input rows `index` along dim (negative indices "
+          "count from the end if wrap_negative)")
 defop("index_add", infer=_index_add_infer, ref=_index_add_ref, grad=_index_add_grad,
       lowering=Template("scatter"),
-      doc="index_add(index, src, shape, dim): zeros(shape) with src slices added at index along dim")
+      doc="index_add(index, src, shape, dim, wrap_negative): zeros(shape) with src slices added at index along "
+          "dim (negative indices count from the end if wrap_negative)")
 
 
 def _embedding_infer(weight, indices, padding_idx=-1):

@@ -161,6 +161,9 @@ def apply(name: str, *inputs, **attrs):
             lazy = True
             break
     if _tracer_hook is not None and (lazy or _tracer_hook.records(op, tensors)):
+        if op.lowering is None:
+            raise NotImplementedError(f"{name} runs in eager mode only: nn.Graph has no kernel for it yet "
+                                      f"(call it outside build(), or on eager tensors)")
         return _tracer_hook(op, list(tensors), attrs)
     if lazy:
         raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")

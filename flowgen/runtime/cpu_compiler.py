@@ -47,7 +47,9 @@ def build_cpu_library(source: str, tag: str) -> Path:
     the same source, compiler and flags give the same directory, so a rebuild is skipped.
     """
     runtime = runtime_cpp_dir()
-    flags = [*_FLAGS, f"-I{runtime}", "-include", str(runtime / "flowgen_emu.h")]
+    # The prelude, as NVRTC gets it (runtime/nvrtc.py): with -DFLOWGEN_EMULATOR it pulls in the
+    # emulator, and it declares what kernels share (the index-error record, Philox).
+    flags = [*_FLAGS, f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
     build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, flags, runtime)[:20]}"
     library = build_dir / "kernels.so"
     if library.is_file():
@@ -84,6 +86,10 @@ class CpuModule:
         self.path = Path(library)
         self._library = ctypes.CDLL(str(self.path))
         self._launchers: dict[str, ctypes._CFuncPtr] = {}
+
+    def global_address(self, name: str) -> int:
+        """Address of the library's `extern "C"` variable `name` (a `__device__` global)."""
+        return ctypes.addressof(ctypes.c_char.in_dll(self._library, name))
 
     def _launcher(self, kernel_name: str) -> ctypes._CFuncPtr:
         if kernel_name not in self._launchers:

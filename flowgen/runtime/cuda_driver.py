@@ -208,6 +208,11 @@ class CudaModule:
             )
         return self._functions[name]
 
+    def global_address(self, name: str) -> int:
+        """Device address of the module's `extern "C" __device__` variable `name`."""
+        dptr, _ = check(cu.cuModuleGetGlobal(self.handle, name.encode()), f"cuModuleGetGlobal({name})")
+        return int(dptr)
+
     def _allow_dynamic_smem(self, func: cu.CUfunction, smem: int, name: str) -> None:
         key = int(func)
         if smem > max(_DEFAULT_DYNAMIC_SMEM_LIMIT, self._smem_opt_in.get(key, 0)):

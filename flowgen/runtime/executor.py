@@ -5,6 +5,14 @@ this class binds every buffer argument to an address once — graph inputs and
 outputs, state (parameters, buffers, optimizer slots, hyper-parameters),
 constants and the arena — and then each call is: copy inputs in, launch the
 kernels in order, write state updates back, copy outputs out.
+
+Index errors: kernels that read a tensor as indices report an out-of-range one into the
+module's error record (`flowgen_index_error`, runtime_cpp/flowgen_cuda_prelude.h) instead of
+using it. `run` reads the record (16 bytes) after every step and keeps what it found;
+`raise_index_error` then clears it and raises IndexError naming the op, the module path, the
+value and the valid range. The step itself has completed by then: its outputs are computed
+and its state updates applied, with each out-of-range index treated as missing (a gathered
+value or cross-entropy row of 0, a scattered value dropped).
 """
 from __future__ import annotations
 
@@ -52,6 +60,9 @@ class CpuBackend:
         params = kernel_params(args)
         self._keep.append((args, params))
         return lambda: launcher(grid, block, kernel.smem, params)
+
+    def global_address(self, name: str) -> int:
+        return self.module.global_address(name)
 
     def synchronize(self):
         pass
@@ -105,8 +116,15 @@ class CudaBackend:
         return lambda: self.module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
                                           self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
+    def global_address(self, name: str) -> int:
+        return self.module.global_address(name)
+
     def synchronize(self):
         self.ctx.synchronize(self.stream)
+
+
+# The error record's layout: {check (0: none, else the IndexCheck id), bad index value}.
+_INDEX_ERROR_RECORD = np.dtype([("check", np.uint64), ("value", np.int64)])
 
 
 class Executor:
@@ -117,6 +135,9 @@ class Executor:
         self.address: dict = {}
         self.calls = 0
         self.graph_exec = None     # CUDA graph of one step, captured on the second call
+        self.index_checks = program.index_checks
+        self.index_error = np.zeros((), _INDEX_ERROR_RECORD)   # the record as the last step left it
+        self.index_error_address = backend.global_address("flowgen_index_error") if self.index_checks else None
         self.arena = backend.alloc(program.plan.arena_bytes)
         for v in graph.inputs:
             self.address[v] = backend.alloc(v.nbytes)
@@ -182,4 +203,15 @@ class Executor:
             self._step()
         self.calls += 1
         self.backend.synchronize()
+        if self.index_error_address is not None:
+            self.backend.download(self.index_error, self.index_error_address)
         return [self.read_value(v) for v in self.program.graph.outputs]
+
+    def raise_index_error(self):
+        """If the last step read an out-of-range index: clear the record, raise IndexError."""
+        check_id, value = int(self.index_error["check"]), int(self.index_error["value"])
+        if check_id == 0:
+            return
+        self.index_error = np.zeros((), _INDEX_ERROR_RECORD)
+        self.backend.upload(self.index_error_address, self.index_error)
+        raise IndexError(self.index_checks[check_id].message(value))

@@ -40,6 +40,7 @@ class CompiledGraph:
         self.timings = timings
         self.versions: dict = {}
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
+        self.checks: list = []              # run before every call (a traced optimizer's fixed options)
 
     @property
     def sources(self) -> dict:
@@ -105,10 +106,14 @@ class CompiledGraph:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
                                    f"move inputs and modules to the same device")
+        for check in self.checks:
+            check()
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
         self._graph._after_step(skipped=self._read_back_scaler())
+        # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
+        self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
         return self.output_structure(tensors)
 
@@ -265,6 +270,16 @@ def compile_step(graph, args):
     scale = scaler.scale if scaler is not None else static_scale
     steps = graph.config.gradient_accumulation_steps
     grads = None
+
+    def differentiate(in_build: bool) -> dict:
+        if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
+            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) with a "
+                             f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
+                             f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
+                             f"unscaled, accumulated gradients inside the step)")
+        return _differentiate(graph, tracer, wrt, device, scale)
+
+    tracer.differentiate = differentiate
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
         with tracer, random.preserved_dropout_stream():
@@ -276,9 +291,9 @@ def compile_step(graph, args):
                 result = graph.build(*(lazy_args if steps == 1 else _micro_batch(graph, lazy_args, j, steps)))
                 flat, structure = _output_structure(result)
                 micro_outputs.append(flat)
-                if tracer.backward_roots:
-                    # Differentiate this micro-batch now, so its activations die before the next one.
-                    micro_grads = _differentiate(graph, tracer, wrt, device, scale)
+                # Differentiate this micro-batch now (if build() has not), so its activations die before the next.
+                micro_grads = tracer.take_step_gradients()
+                if micro_grads is not None:
                     grads = micro_grads if grads is None else {
                         n: (tracer.lazy(grads[n]) + tracer.lazy(g))._value for n, g in micro_grads.items()}
             if steps > 1:   # per-micro-batch outputs stacked along a new leading dim
@@ -298,10 +313,12 @@ def compile_step(graph, args):
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    checks = []
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
-        ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
-                                           grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
+        ir, host, slots, checks = lower_optimizers(ir, grads, graph._optimizers, param_name, device,
+                                                   graph._counter, grad_unscale=1.0 / (static_scale * steps),
+                                                   scaler=scaler)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
@@ -327,6 +344,7 @@ def compile_step(graph, args):
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
+    compiled.checks = checks
     return compiled
 
 

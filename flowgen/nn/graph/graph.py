@@ -15,6 +15,8 @@ from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.proxy import ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.optim.lr_scheduler import LRScheduler
+from flowgen.optim.optimizer import Optimizer
 
 def _as_int(step) -> int:
     return int(step.item() if hasattr(step, "item") else step)
@@ -50,12 +52,26 @@ class Graph:
             self._modules[name] = value
             object.__setattr__(self, name, ProxyModule(value, name, self._module_configs))
             return
-        if type(value).__module__.startswith("flowgen.optim") and hasattr(value, "param_groups"):
+        if isinstance(value, Optimizer):   # flowgen's or a user-written one
             raise AttributeError(f"'{name}' is an optimizer: register it with self.add_optimizer({name}) "
                                  f"instead of assigning it as an attribute of the graph")
         object.__setattr__(self, name, value)
 
     def add_optimizer(self, optimizer, *, lr_sch=None):
+        """Train with `optimizer` in every call (OneFlow's contract): the step clips the gradients of
+        groups that set `clip_grad_max_norm`, updates the parameters and advances `lr_sch`. The graph
+        advances its own copy of the schedule (call t uses the LR at epoch `lr_sch.last_epoch + t`) and
+        never steps the `lr_sch` object; without `lr_sch`, each call uses the groups' current `lr`."""
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{type(self).__name__}.add_optimizer: {type(optimizer).__name__} is not a "
+                            f"flow.optim.Optimizer")
+        if lr_sch is not None:
+            if not isinstance(lr_sch, LRScheduler):
+                raise TypeError(f"{type(self).__name__}.add_optimizer: lr_sch is a {type(lr_sch).__name__}, not a "
+                                f"flow.optim.lr_scheduler scheduler")
+            if lr_sch.optimizer is not optimizer:
+                raise ValueError(f"{type(self).__name__}.add_optimizer: lr_sch {type(lr_sch).__name__} schedules "
+                                 f"another optimizer than the {type(optimizer).__name__} it is added with")
         self._optimizers.append((optimizer, lr_sch))
         self.config.training = True
 
@@ -155,21 +171,19 @@ class Graph:
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):
-        """Host bookkeeping after a step: counters, Adam step counts, LR schedules. A step a
+        """Host bookkeeping after a step: counters and Adam step counts. A step a
         GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
         self._counter["calls"] += 1
         if skipped:
             self._counter["skipped"] = self._counter.get("skipped", 0) + 1
         if not self.config.training:
             return
-        for opt, sch in self._optimizers:
+        for opt, _sch in self._optimizers:   # the graph advances its schedule itself (add_optimizer)
             if type(opt).__name__ in ("Adam", "AdamW") and not skipped:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         st = opt.state.setdefault(p, {})
                         st["step"] = _as_int(st.get("step", 0)) + 1
-            if sch is not None:
-                sch.step()
 
     def __repr__(self) -> str:
         return format_graph_repr(self)

@@ -1,14 +1,22 @@
 """Layers and losses, one file per family."""
 from flowgen.nn.modules.activation import (ELU, GELU, Hardsigmoid, Hardswish, Hardtanh, LeakyReLU, LogSoftmax, Mish,
                                            ReLU, ReLU6, Sigmoid, SiLU, Softmax, Softplus, Tanh)
-from flowgen.nn.modules.conv import Conv2d
+from flowgen.nn.modules.conv import Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d
 from flowgen.nn.modules.dropout import Dropout
-from flowgen.nn.modules.flatten import Flatten
+from flowgen.nn.modules.flatten import Flatten, Fold, Unflatten, Unfold
 from flowgen.nn.modules.linear import Linear
-from flowgen.nn.modules.loss import BCEWithLogitsLoss, CrossEntropyLoss, L1Loss, MSELoss, NLLLoss
-from flowgen.nn.modules.normalization import BatchNorm1d, BatchNorm2d, GroupNorm, InstanceNorm2d, LayerNorm
-from flowgen.nn.modules.pooling import AdaptiveAvgPool2d, AvgPool2d, MaxPool2d
+from flowgen.nn.modules.loss import (BCELoss, BCEWithLogitsLoss, CosineEmbeddingLoss, CrossEntropyLoss, HuberLoss,
+                                     KLDivLoss, L1Loss, MarginRankingLoss, MSELoss, NLLLoss, SmoothL1Loss,
+                                     TripletMarginLoss)
+from flowgen.nn.modules.normalization import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d,
+                                              InstanceNorm2d, InstanceNorm3d, LayerNorm)
+from flowgen.nn.modules.pixelshuffle import PixelShuffle, PixelUnshuffle
+from flowgen.nn.modules.pooling import (AdaptiveAvgPool1d, AdaptiveAvgPool2d, AvgPool1d, AvgPool2d, MaxPool1d,
+                                        MaxPool2d)
+from flowgen.nn.modules.rnn import GRU, LSTM, RNN, GRUCell, LSTMCell, RNNBase, RNNCell
 from flowgen.nn.modules.sparse import Embedding
+from flowgen.nn.modules.transformer import (MultiheadAttention, Transformer, TransformerDecoder,
+                                            TransformerDecoderLayer, TransformerEncoder, TransformerEncoderLayer)
 from flowgen.nn.modules.upsampling import Upsample, UpsamplingBilinear2d, UpsamplingNearest2d
 
 __all__ = [
@@ -16,5 +24,10 @@ __all__ = [
     "Sigmoid", "SiLU", "Softmax", "Softplus", "Tanh", "Conv2d", "Dropout", "Flatten",
     "Linear", "BCEWithLogitsLoss", "CrossEntropyLoss", "L1Loss", "MSELoss", "NLLLoss", "BatchNorm1d", "BatchNorm2d",
     "GroupNorm", "InstanceNorm2d", "LayerNorm", "AdaptiveAvgPool2d", "AvgPool2d", "MaxPool2d", "Embedding",
-    "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d",
+    "Upsample", "UpsamplingBilinear2d", "UpsamplingNearest2d", "Unflatten", "BCELoss", "CosineEmbeddingLoss",
+    "HuberLoss", "KLDivLoss", "MarginRankingLoss", "SmoothL1Loss", "TripletMarginLoss", "PixelShuffle",
+    "PixelUnshuffle", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNBase", "RNNCell", "MultiheadAttention",
+    "Transformer", "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer",
+    "Conv1d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm3d",
+    "AdaptiveAvgPool1d", "AvgPool1d", "MaxPool1d", "Fold", "Unfold",
 ]

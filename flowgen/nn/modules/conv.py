@@ -1,4 +1,7 @@
-"""`nn.Conv2d` (zero padding; stride, dilation, groups)."""
+"""Convolutions: `nn.Conv1d/2d/3d` and `nn.ConvTranspose1d/2d` (zero padding; stride, dilation, groups).
+
+Conv1d, Conv3d and the transposed ones are built on the 2-d conv ops (see nn.functional).
+"""
 from __future__ import annotations
 
 import math
@@ -64,3 +67,97 @@ class Conv2d(Module):
         if self.bias is None:
             s += ", bias=False"
         return s
+
+
+class _ConvNd(Module):
+    """Conv1d/Conv3d/ConvTranspose*: weight/bias layout and init as PyTorch, forward by the functional."""
+
+    def __init__(self, name, dims, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                 padding_mode, transposed, output_padding=0, device=None, dtype=None):
+        super().__init__()
+        if groups <= 0 or in_channels % groups or out_channels % groups:
+            raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must both "
+                             f"be divisible by groups ({groups})")
+        if padding_mode != "zeros":
+            raise NotImplementedError(f"{name}: padding_mode={padding_mode!r} is not supported; only 'zeros'")
+
+        def tup(v):
+            return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * dims
+
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.dilation = tup(kernel_size), tup(stride), tup(dilation)
+        self.padding = padding if isinstance(padding, str) else tup(padding)
+        self.output_padding = tup(output_padding)
+        self.padding_mode, self.transposed = padding_mode, transposed
+        shape = (in_channels, out_channels // groups) if transposed else (out_channels, in_channels // groups)
+        self.weight = new_parameter(shape + self.kernel_size, dtype=dtype, device=device)
+        if bias:
+            self.bias = new_parameter((out_channels,), dtype=dtype, device=device)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    reset_parameters = Conv2d.reset_parameters
+
+    def extra_repr(self) -> str:
+        s = f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+        if self.padding != (0,) * len(self.kernel_size):
+            s += f", padding={self.padding}"
+        if self.dilation != (1,) * len(self.kernel_size):
+            s += f", dilation={self.dilation}"
+        if self.transposed and self.output_padding != (0,) * len(self.kernel_size):
+            s += f", output_padding={self.output_padding}"
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        return s
+
+
+class Conv1d(_ConvNd):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None):
+        super().__init__("Conv1d", 1, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                         bias, padding_mode, False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        padding = self.padding if isinstance(self.padding, str) else self.padding[0]
+        return NF.conv1d(x, self.weight, self.bias, self.stride[0], padding, self.dilation[0], self.groups)
+
+
+class Conv3d(_ConvNd):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", device=None, dtype=None):
+        if isinstance(padding, str):
+            raise NotImplementedError("Conv3d: string padding ('same'/'valid') is not supported yet; pass ints")
+        super().__init__("Conv3d", 3, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+                         bias, padding_mode, False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        return NF.conv3d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class ConvTranspose1d(_ConvNd):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
+                 bias=True, dilation=1, padding_mode="zeros", device=None, dtype=None):
+        super().__init__("ConvTranspose1d", 1, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, True, output_padding, device=device, dtype=dtype)
+
+    def forward(self, x, output_size=None):
+        if output_size is not None:
+            raise NotImplementedError("ConvTranspose1d: output_size= is not supported; use output_padding")
+        return NF.conv_transpose1d(x, self.weight, self.bias, self.stride[0], self.padding[0],
+                                   self.output_padding[0], self.groups, self.dilation[0])
+
+
+class ConvTranspose2d(_ConvNd):
+    def __init__(self, in_channels, out_channels, kernel_size, stride=1, padding=0, output_padding=0, groups=1,
+                 bias=True, dilation=1, padding_mode="zeros", device=None, dtype=None):
+        super().__init__("ConvTranspose2d", 2, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, True, output_padding, device=device, dtype=dtype)
+
+    def forward(self, x, output_size=None):
+        if output_size is not None:
+            raise NotImplementedError("ConvTranspose2d: output_size= is not supported; use output_padding")
+        return NF.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                                   self.groups, self.dilation)

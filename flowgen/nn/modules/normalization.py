@@ -1,4 +1,4 @@
-"""Normalisation layers: BatchNorm1d/2d, LayerNorm, GroupNorm, InstanceNorm2d."""
+"""Normalisation layers: BatchNorm1d/2d/3d, LayerNorm, GroupNorm, InstanceNorm1d/2d/3d."""
 from __future__ import annotations
 
 from flowgen import dtype as dt
@@ -87,23 +87,46 @@ class BatchNorm2d(_BatchNorm):
             raise ValueError(f"BatchNorm2d: expected 4D input (got {x.ndim}D input of shape {tuple(x.shape)})")
 
 
-class InstanceNorm2d(_NormBase):
-    """Per-sample, per-channel normalisation of (N, C, H, W) or unbatched (C, H, W) inputs."""
+class BatchNorm3d(_BatchNorm):
+    """Batch norm over (N, C, D, H, W) inputs."""
+
+    def _check_input_dim(self, x) -> None:
+        if x.ndim != 5:
+            raise ValueError(f"BatchNorm3d: expected 5D input (got {x.ndim}D input of shape {tuple(x.shape)})")
+
+
+class _InstanceNorm(_NormBase):
+    """Per-sample, per-channel normalisation over the spatial dims; unbatched inputs too."""
+
+    spatial_dims = 2
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
                  track_running_stats: bool = False, device=None, dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
 
     def forward(self, x):
-        if x.ndim not in (3, 4):
-            raise ValueError(f"InstanceNorm2d: expected 3D or 4D input (got {x.ndim}D input of shape "
-                             f"{tuple(x.shape)})")
-        if x.ndim == 3:
+        batched = self.spatial_dims + 2
+        if x.ndim not in (batched - 1, batched):
+            raise ValueError(f"{type(self).__name__}: expected {batched - 1}D or {batched}D input (got {x.ndim}D "
+                             f"input of shape {tuple(x.shape)})")
+        if x.ndim == batched - 1:
             return self.forward(x.unsqueeze(0)).squeeze(0)
         momentum = 0.1 if self.momentum is None else self.momentum
         return NF.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 use_input_stats=self.training or not self.track_running_stats,
                                 momentum=momentum, eps=self.eps)
+
+
+class InstanceNorm1d(_InstanceNorm):
+    spatial_dims = 1
+
+
+class InstanceNorm2d(_InstanceNorm):
+    spatial_dims = 2
+
+
+class InstanceNorm3d(_InstanceNorm):
+    spatial_dims = 3
 
 
 class LayerNorm(Module):
@@ -167,4 +190,5 @@ class GroupNorm(Module):
         return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"
 
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "InstanceNorm2d", "LayerNorm", "GroupNorm"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+           "LayerNorm", "GroupNorm"]

@@ -1,0 +1,295 @@
+"""The PyTorch/OneFlow tensor API real model files use (issue 14): math, shape ops, sorting,
+losses, containers, constructors, dtype rules and DLPack. Each against PyTorch (the test oracle);
+composites also run inside an nn.Graph on the CPU emulator and must equal eager."""
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+from graphs import InferGraph
+from torch_oracle import compare_with_torch, get_torch
+
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((3, 4, 5)).astype(np.float32)
+Y = RNG.standard_normal((3, 4, 5)).astype(np.float32)
+
+
+@pytest.mark.parametrize("name, flow_fn, torch_fn", [
+    ("erf", lambda x: flow.erf(x), lambda x: x.erf()),
+    ("log1p", lambda x: flow.log1p(x.abs()), lambda x: x.abs().log1p()),
+    ("expm1", lambda x: x.expm1(), lambda x: x.expm1()),
+    ("round", lambda x: flow.round(x * 4) + x, lambda x: (x * 4).round() + x),
+    ("round_decimals", lambda x: flow.round(x, decimals=2), lambda x: x.round(decimals=2)),
+    ("ceil_trunc_frac", lambda x: x.ceil() + x.trunc() * 2 + x.frac(), lambda x: x.ceil() + x.trunc() * 2 + x.frac()),
+    ("atan2", lambda x: flow.atan2(x, x * x + 0.5), lambda x: x.atan2(x * x + 0.5)),
+    ("fmod", lambda x: flow.fmod(x * 3, 0.7), lambda x: (x * 3).fmod(0.7)),
+    ("remainder", lambda x: flow.remainder(x * 3, -0.7), lambda x: (x * 3).remainder(-0.7)),
+    ("lerp", lambda x: flow.lerp(x, x * x, 0.3), lambda x: x.lerp(x * x, 0.3)),
+    ("addcmul_addcdiv", lambda x: flow.addcdiv(flow.addcmul(x, x, x, value=0.5), x, x * x + 1, value=2),
+     lambda x: x.addcmul(x, x, value=0.5).addcdiv(x, x * x + 1, value=2)),
+    ("logsumexp", lambda x: x.logsumexp(1), lambda x: x.logsumexp(1)),
+    ("logsumexp_keep", lambda x: flow.logsumexp(x * 50, (0, 2), keepdim=True),
+     lambda x: (x * 50).logsumexp((0, 2), keepdim=True)),
+    ("norm2", lambda x: x.norm(), lambda x: x.norm()),
+    ("norm3_dim", lambda x: flow.norm(x, 3, dim=2), lambda x: x.norm(3, dim=2)),
+    ("norm_inf", lambda x: flow.norm(x, float("inf"), dim=1), lambda x: x.norm(float("inf"), dim=1)),
+    ("norm1", lambda x: flow.norm(x, 1, dim=(0, 1), keepdim=True), lambda x: x.norm(1, dim=(0, 1), keepdim=True)),
+    ("tril", lambda x: x.tril(), lambda x: x.tril()),
+    ("triu_diag", lambda x: flow.triu(x, 1) + flow.tril(x, -2), lambda x: x.triu(1) + x.tril(-2)),
+    ("flip", lambda x: x.flip([0, 2]), lambda x: x.flip([0, 2])),
+    ("roll", lambda x: flow.roll(x, (1, -2), (0, 2)), lambda x: x.roll((1, -2), (0, 2))),
+    ("roll_flat", lambda x: flow.roll(x, 7), lambda x: x.roll(7)),
+    ("diff", lambda x: flow.diff(x, 2, dim=1), lambda x: x.diff(2, dim=1)),
+    ("movedim", lambda x: flow.movedim(x, (0, 1), (2, 0)), lambda x: x.movedim((0, 1), (2, 0))),
+    ("unflatten", lambda x: x.unflatten(2, (1, 5)), lambda x: x.unflatten(2, (1, 5))),
+    ("einsum_bmm", lambda x: flow.einsum("bij,bkj->bik", x, x), lambda x: get_torch().einsum("bij,bkj->bik", x, x)),
+    ("einsum_implicit", lambda x: flow.einsum("ijk,jk", x, x[0]), lambda x: get_torch().einsum("ijk,jk", x, x[0])),
+    ("einsum_trace_out", lambda x: flow.einsum("ijk->kj", x), lambda x: get_torch().einsum("ijk->kj", x)),
+    ("outer_addmm", lambda x: flow.addmm(flow.outer(x[0, :, 0], x[1, :, 0]), x[0], x[1].t(), beta=0.5, alpha=2),
+     lambda x: get_torch().addmm(x[0, :, 0].outer(x[1, :, 0]), x[0], x[1].t(), beta=0.5, alpha=2)),
+    ("baddbmm", lambda x: flow.baddbmm(x[:, :, :4], x, x.transpose(1, 2), alpha=0.5),
+     lambda x: get_torch().baddbmm(x[:, :, :4], x, x.transpose(1, 2), alpha=0.5)),
+    ("trace", lambda x: flow.trace(x[0]), lambda x: x[0].trace()),
+])
+def test_math_and_shape_ops_match_torch(name, flow_fn, torch_fn):
+    compare_with_torch(flow_fn, torch_fn, X)
+
+
+@pytest.mark.parametrize("name, flow_fn, torch_fn", [
+    ("sort", lambda x: flow.sort(x, 1), lambda x: x.sort(1)),
+    ("sort_desc", lambda x: x.sort(dim=2, descending=True), lambda x: x.sort(dim=2, descending=True)),
+    ("topk", lambda x: x.topk(2, dim=1), lambda x: x.topk(2, dim=1)),
+    ("topk_smallest", lambda x: flow.topk(x, 3, largest=False), lambda x: x.topk(3, largest=False)),
+    ("cumsum", lambda x: x.cumsum(1), lambda x: x.cumsum(1)),
+    ("cumprod", lambda x: flow.cumprod(x, 2), lambda x: x.cumprod(2)),
+])
+def test_order_ops_match_torch(name, flow_fn, torch_fn):
+    compare_with_torch(flow_fn, torch_fn, X)
+
+
+def test_sort_is_stable_with_ties_and_puts_nan_first_descending():
+    torch = get_torch()
+    a = np.array([[2.0, 1.0, 2.0, np.nan, 1.0, 2.0]], np.float32)
+    for descending in (False, True):
+        got = flow.sort(flow.tensor(a), descending=descending)
+        want = torch.sort(torch.tensor(a), descending=descending, stable=True)
+        np.testing.assert_array_equal(got.indices.numpy(), want.indices.numpy())
+        np.testing.assert_array_equal(got.values.numpy(), want.values.numpy())
+    np.testing.assert_array_equal(flow.argsort(flow.tensor(a)).numpy(), torch.argsort(torch.tensor(a), stable=True))
+
+
+@pytest.mark.parametrize("name, flow_loss, torch_loss, nargs", [
+    ("bce", lambda: nn.BCELoss(), lambda t: t.nn.BCELoss(), 2),
+    ("kl_batchmean", lambda: nn.KLDivLoss(reduction="batchmean"), lambda t: t.nn.KLDivLoss(reduction="batchmean"), 2),
+    ("kl_log_target", lambda: nn.KLDivLoss(reduction="sum", log_target=True),
+     lambda t: t.nn.KLDivLoss(reduction="sum", log_target=True), 2),
+    ("smooth_l1", lambda: nn.SmoothL1Loss(beta=0.4), lambda t: t.nn.SmoothL1Loss(beta=0.4), 2),
+    ("huber", lambda: nn.HuberLoss(reduction="none", delta=0.3), lambda t: t.nn.HuberLoss(reduction="none", delta=0.3), 2),
+    ("margin_ranking", lambda: nn.MarginRankingLoss(0.2), lambda t: t.nn.MarginRankingLoss(0.2), 3),
+    ("cosine_embedding", lambda: nn.CosineEmbeddingLoss(0.1), lambda t: t.nn.CosineEmbeddingLoss(0.1), 3),
+    ("triplet", lambda: nn.TripletMarginLoss(margin=2.0, p=1.5), lambda t: t.nn.TripletMarginLoss(margin=2.0, p=1.5), 3),
+    ("triplet_swap", lambda: nn.TripletMarginLoss(swap=True), lambda t: t.nn.TripletMarginLoss(swap=True), 3),
+])
+def test_losses_match_torch(name, flow_loss, torch_loss, nargs):
+    torch = get_torch()
+    a = RNG.standard_normal((6, 5)).astype(np.float32)
+    b = RNG.standard_normal((6, 5)).astype(np.float32)
+    sign = np.where(RNG.standard_normal(6) > 0, 1.0, -1.0).astype(np.float32)
+    if name == "bce":
+        args, prep = (a, b), lambda m, x, y: (m.sigmoid(x), m.sigmoid(y).detach())
+    elif name.startswith("kl"):
+        args, prep = (a, b), lambda m, x, y: (m.log_softmax(x, 1), (m.log_softmax(y, 1) if "log" in name
+                                                                    else m.softmax(y, 1)).detach())
+    elif name == "margin_ranking":
+        args, prep = (a[:, 0], b[:, 0], sign), lambda m, x, y, s: (x, y, s)
+    elif name == "cosine_embedding":
+        args, prep = (a, b, sign), lambda m, x, y, s: (x, y, s)
+    elif name.startswith("triplet"):
+        args, prep = (a, b, a * 0.5 + b), lambda m, x, y, z: (x, y, z)
+    else:
+        args, prep = (a, b), lambda m, x, y: (x, y)
+    compare_with_torch(lambda *t: flow_loss()(*prep(flow, *t)), lambda *t: torch_loss(torch)(*prep(torch, *t)),
+                       *args)
+    assert nargs == len(args)
+
+
+@pytest.mark.parametrize("name, flow_fn, torch_fn", [
+    ("cosine_similarity", lambda x, y: nn.functional.cosine_similarity(x, y, dim=2),
+     lambda x, y: get_torch().nn.functional.cosine_similarity(x, y, dim=2)),
+    ("pairwise_distance", lambda x, y: nn.functional.pairwise_distance(x, y, p=3.0),
+     lambda x, y: get_torch().nn.functional.pairwise_distance(x, y, p=3.0)),
+    ("normalize", lambda x, y: nn.functional.normalize(x, dim=1) + y,
+     lambda x, y: get_torch().nn.functional.normalize(x, dim=1) + y),
+])
+def test_similarity_functions_match_torch(name, flow_fn, torch_fn):
+    compare_with_torch(flow_fn, torch_fn, X, Y)
+
+
+@pytest.mark.parametrize("r", [2, 3])
+def test_pixel_shuffle_roundtrip_matches_torch(r):
+    x = RNG.standard_normal((2, 2 * r * r, 3, 2)).astype(np.float32)
+    compare_with_torch(lambda t: nn.PixelShuffle(r)(t), lambda t: get_torch().nn.PixelShuffle(r)(t), x)
+    compare_with_torch(lambda t: nn.PixelUnshuffle(r)(nn.PixelShuffle(r)(t)) * 2,
+                       lambda t: get_torch().nn.PixelUnshuffle(r)(get_torch().nn.PixelShuffle(r)(t)) * 2, x)
+
+
+class _Composites(nn.Module):
+    """Graph-capable composites in one model: every one must equal eager inside nn.Graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(5, 5)
+        self.scales = nn.ParameterList([nn.Parameter(flow.ones(5) * 0.5), flow.full((5,), 2.0)])
+        self.extra = nn.ParameterDict({"shift": nn.Parameter(flow.zeros(5) + 0.25)})
+
+    def forward(self, x):
+        h = self.proj(x) * self.scales[0] + self.extra["shift"]
+        h = h.tril() + flow.roll(h, 1, 2).flip([1]) + flow.triu(h, 1) * self.scales[1]
+        h = h + flow.logsumexp(h, 2, keepdim=True) + flow.einsum("bij,bkj->bik", h, h)[:, :, :1]
+        h = h + nn.functional.normalize(h, dim=2) + flow.erf(h) + flow.atan2(h, h * h + 1)
+        h = h + flow.remainder(h, 0.75) + flow.nan_to_num(flow.log(h))
+        return h.norm(dim=2) + nn.functional.cosine_similarity(h, flow.flip(h, [2]), dim=2)
+
+
+def test_composites_run_in_a_graph_equal_to_eager():
+    model = _Composites()
+    x = flow.tensor(X)
+    eager = model(x).numpy()
+    graph = InferGraph(model)
+    got = graph(x).numpy()
+    np.testing.assert_allclose(got, eager, rtol=1e-5, atol=1e-5)
+    assert [n for n, _ in model.named_parameters()] == ["proj.weight", "proj.bias", "scales.0", "scales.1",
+                                                         "extra.shift"]
+
+
+def test_training_through_parameter_containers_in_a_graph_equals_eager():
+    def make():
+        flow.manual_seed(3)
+        m = nn.Module()
+        m.layers = nn.ParameterList([nn.Parameter(flow.randn(5, 5) * 0.3) for _ in range(2)])
+        return m
+
+    def loss_of(m, x):
+        h = x
+        for w in m.layers:
+            h = flow.tanh(h @ w)
+        return nn.KLDivLoss(reduction="batchmean")(flow.log_softmax(h, -1), flow.softmax(x, -1))
+
+    eager_m, graph_m = make(), make()
+    opt_e = flow.optim.SGD(eager_m.parameters(), lr=0.5)
+    opt_g = flow.optim.SGD(graph_m.parameters(), lr=0.5)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.m = graph_m
+            self.add_optimizer(opt_g)
+
+        def build(self, x):
+            loss = loss_of(self.m, x)
+            loss.backward()
+            return loss
+
+    step = Step()
+    x = flow.tensor(X[0])
+    for _ in range(3):
+        opt_e.zero_grad()
+        le = loss_of(eager_m, x)
+        le.backward()
+        opt_e.step()
+        lg = step(x)
+        np.testing.assert_allclose(lg.numpy(), le.numpy(), rtol=1e-5)
+    for pe, pg in zip(eager_m.parameters(), graph_m.parameters()):
+        np.testing.assert_allclose(pg.numpy(), pe.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("call", [lambda x: flow.sort(x, 1).values, lambda x: x.topk(2).values,
+                                  lambda x: flow.cumsum(x, 0)])
+def test_eager_only_ops_are_refused_inside_a_graph(call):
+    class G(nn.Graph):
+        def build(self, x):
+            return call(x)
+
+    with pytest.raises(NotImplementedError, match="eager mode only"):
+        G()(flow.tensor(X))
+
+
+def test_allclose_and_equal_are_python_bools():
+    a = flow.tensor(X)
+    assert flow.allclose(a, a + 1e-9) is True and flow.equal(a, a.clone()) is True
+    assert flow.equal(a, a[:1]) is False and not a.allclose(a + 1)
+
+
+def test_dtype_rules_and_constructors_follow_pytorch():
+    torch = get_torch()
+    f64 = np.arange(3, dtype=np.float64)
+    assert flow.tensor(f64).dtype == flow.float64            # arrays keep their dtype
+    assert flow.tensor(np.float64(1.5)).dtype == flow.float64
+    assert flow.tensor([1.5, 2.0]).dtype == flow.float32     # Python floats: the default float
+    assert flow.Tensor(f64).dtype == flow.float32             # the legacy constructor is float32, as torch's
+    src = np.ones(3, np.float32)
+    t = flow.Tensor(src)
+    src[0] = 7.0
+    assert t.numpy()[0] == 1.0                                # Tensor(ndarray) copies
+    assert tuple(flow.Tensor(2, 3).shape) == (2, 3) and tuple(flow.Tensor(flow.Size([4])).shape) == (4,)
+    assert tuple(flow.Tensor().shape) == (0,)
+    x = flow.tensor(X)
+    z = x.new_zeros(2, 3)
+    assert z.dtype == flow.float32 and tuple(z.shape) == (2, 3) and not z.numpy().any()
+    assert x.new_full((2,), 3.0).numpy().tolist() == [3.0, 3.0] and x.new_ones((1,), dtype=flow.int64).dtype == flow.int64
+    assert x.new_tensor([1, 2]).dtype == flow.float32
+    assert x.stride() == torch.tensor(X).stride() and x.is_contiguous() and x.element_size() == 4
+    assert x.double().dtype == flow.float64 and x.is_floating_point() and x.nelement() == X.size
+
+
+def test_dlpack_and_array_interop_share_memory_on_the_cpu():
+    torch = get_torch()
+    x = flow.tensor(X)
+    t = torch.from_dlpack(x)
+    np.testing.assert_array_equal(t.numpy(), X)
+    t[0, 0, 0] = 42.0                                          # zero-copy: the flowgen tensor sees it
+    assert x.numpy()[0, 0, 0] == 42.0
+    back = flow.from_dlpack(torch.arange(4.0))
+    assert back.dtype == flow.float32 and back.numpy().tolist() == [0.0, 1.0, 2.0, 3.0]
+    np.testing.assert_array_equal(torch.tensor(flow.tensor(Y)).numpy(), Y)   # through __array__
+    with pytest.raises(BufferError, match="bfloat16"):
+        flow.tensor(X).to(flow.bfloat16).__dlpack__()
+
+
+def test_oneflow_and_pytorch_keyword_spellings():
+    x = flow.tensor(X)
+    assert tuple(x.reshape(shape=(5, 12)).shape) == (5, 12) and tuple(x.view(size=(60,)).shape) == (60,)
+    assert tuple(x.permute(dims=(2, 0, 1)).shape) == (5, 3, 4)
+    assert tuple(x[:, :1].expand(size=(3, 4, 5)).shape) == (3, 4, 5)
+    assert tuple(x.repeat(sizes=(1, 2, 1)).shape) == (3, 8, 5)
+    assert tuple(flow.zeros(size=(2, 3)).shape) == (2, 3) and tuple(flow.ones(size=[4]).shape) == (4,)
+    assert tuple(flow.empty(size=(1,)).shape) == (1,)
+    assert not x.is_global and x.is_local
+    with pytest.raises(TypeError, match="unexpected keyword argument 'shap'"):
+        x.reshape(shap=(60,))
+    with pytest.raises(TypeError, match="twice"):
+        x.reshape(60, shape=(60,))
+
+
+def test_load_state_dict_takes_pytorch_tensors():
+    torch = get_torch()
+    t = torch.nn.Linear(3, 2)
+    m = nn.Linear(3, 2)
+    m.load_state_dict(t.state_dict())
+    np.testing.assert_array_equal(m.weight.numpy(), t.weight.detach().numpy())
+    x = RNG.standard_normal((4, 3)).astype(np.float32)
+    np.testing.assert_allclose(m(flow.tensor(x)).numpy(), t(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+
+
+def test_one_hot_refuses_out_of_range_classes_in_eager_and_in_graphs():
+    with pytest.raises(IndexError, match=r"one_hot: class 3 is out of range \[0, 3\)"):
+        nn.functional.one_hot(flow.tensor([0, 3]), 3)
+
+    class G(nn.Graph):
+        def build(self, labels):
+            return nn.functional.one_hot(labels, 3)
+
+    graph = G()
+    np.testing.assert_array_equal(graph(flow.tensor([2, 0])).numpy(), [[0, 0, 1], [1, 0, 0]])
+    with pytest.raises(IndexError, match="out of range"):
+        graph(flow.tensor([1, 7]))
