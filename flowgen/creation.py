@@ -1,11 +1,13 @@
 """Tensor creation: `flow.tensor`, `zeros`, `randn`, `arange`, ... and `manual_seed`.
 
-Random creation functions draw from `flowgen.random.generator()`, so
-`flow.manual_seed(s)` makes them reproducible. Every function takes
+Random creation functions run the random ops of `flowgen/ops/random_ops.py` on the
+Philox stream of `flowgen.random` (one stream offset per call), so `flow.manual_seed(s)`
+makes them reproducible and, called inside `nn.Graph.build()`, they become graph ops that
+draw fresh numbers on every call, the numbers eager mode would draw. Every function takes
 ``dtype=``, ``device=`` and ``requires_grad=`` like OneFlow/PyTorch; sizes may be
 given as separate ints or one sequence (``zeros(2, 3)`` == ``zeros((2, 3))``).
 
-Creation functions return eager tensors even while a graph is being traced
+Non-random creation functions return eager tensors even while a graph is being traced
 (shapes are static, so ``zeros_like(lazy)`` is a constant of that shape).
 """
 from __future__ import annotations
@@ -17,13 +19,18 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random as _random
-from flowgen.random import initial_seed, manual_seed  # noqa: F401  (re-exported as flow.*)
+from flowgen.device import as_device
+from flowgen.ir.trace import TraceError
+from flowgen.ops import registry
+from flowgen.ops.registry import apply
+from flowgen.random import get_rng_state, initial_seed, manual_seed, set_rng_state  # noqa: F401  (flow.*)
 from flowgen.tensor import Tensor, c_array
 
 __all__ = [
     "tensor", "as_tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
-    "randn", "rand", "randint", "randperm", "normal", "zeros_like", "ones_like", "full_like", "empty_like",
-    "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "cuda",
+    "randn", "rand", "randint", "randperm", "normal", "bernoulli", "zeros_like", "ones_like", "full_like",
+    "empty_like", "randn_like", "rand_like", "randint_like", "manual_seed", "initial_seed", "seed", "get_rng_state",
+    "set_rng_state", "cuda",
 ]
 
 
@@ -178,29 +185,74 @@ def eye(n, m=None, dtype=None, device=None, requires_grad=False) -> Tensor:
 
 
 # ------------------------------------------------------------------ random
+def _refuse_generator_in_build(name: str, generator):
+    """An explicit NumPy generator has no kernel: inside build() it would freeze one draw."""
+    if generator is not None and registry._tracer_hook is not None:
+        raise TraceError(f"flow.{name}(generator=...) inside nn.Graph.build(): a NumPy generator cannot run in a "
+                         f"compiled graph; drop generator= (the graph then draws from flowgen's Philox stream, "
+                         f"as eager mode does) or draw the tensor outside build() and pass it in")
+
+
+def _draw(op: str, device, requires_grad: bool, **attrs) -> Tensor:
+    """Run random op `op` on the next Philox offset (a graph node inside build(), see ops/random_ops.py)."""
+    seed, offset = _random.next_dropout_seed()
+    out = apply(op, seed=seed, offset=offset, **attrs)
+    if not out.is_lazy and device is not None:
+        out.device = as_device(device)
+    if requires_grad and not out.dtype.is_floating:
+        raise RuntimeError(f"only floating point tensors can require gradients, got {out.dtype!r}")
+    return out.requires_grad_() if requires_grad else out
+
+
+def _random_dtype(dtype, default=dt.float32):
+    return dt.get(dtype) if dtype is not None else default
+
+
 def randn(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    """Standard normal samples (float32 drawn, then cast to `dtype`)."""
-    gen = generator if generator is not None else _random.generator()
-    arr = gen.standard_normal(_size(size, "randn"), dtype=np.float32)
-    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+    """Standard normal samples (ops/random_ops.py: Box-Muller over the Philox stream)."""
+    return normal(0.0, 1.0, _size(size, "randn"), dtype=dtype, device=device, requires_grad=requires_grad,
+                  generator=generator)
 
 
 def rand(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
     """Uniform samples in [0, 1)."""
-    gen = generator if generator is not None else _random.generator()
-    arr = gen.random(_size(size, "rand"), dtype=np.float32)
-    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+    shape = _size(size, "rand")
+    _refuse_generator_in_build("rand", generator)
+    if generator is not None:
+        return _make(generator.random(shape, dtype=np.float32), _random_dtype(dtype), device, requires_grad)
+    return _draw("random_uniform", device, requires_grad, shape=shape, dtype=_random_dtype(dtype), low=0.0, high=1.0)
 
 
-def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    gen = generator if generator is not None else _random.generator()
-    arr = gen.normal(float(mean), float(std), _size((size,) if isinstance(size, int) else (tuple(size),)))
-    return _make(arr, dtype if dtype is not None else dt.float32, device, requires_grad)
+def uniform(size, low=0.0, high=1.0, dtype=None, device=None) -> Tensor:
+    """Uniform samples in [low, high) (`Tensor.uniform_`), computed in double then rounded to `dtype`."""
+    return _draw("random_uniform", device, False, shape=_size((tuple(size),), "uniform"),
+                 dtype=_random_dtype(dtype), low=float(low), high=float(high))
 
 
-def randint(*args, size=None, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    """``randint(high, size)`` or ``randint(low, high, size)``: ints in [low, high), int64 by default."""
+def normal(mean=0.0, std=1.0, size=(), dtype=None, device=None, requires_grad=False, generator=None,
+           out=None) -> Tensor:
+    """Normal(mean, std) samples of `size`; with ``out=`` they are written into `out` (as OneFlow)."""
+    shape = _size((size,) if isinstance(size, int) else (tuple(size),), "normal")
+    _refuse_generator_in_build("normal", generator)
+    if generator is not None:
+        result = _make(generator.normal(float(mean), float(std), shape), _random_dtype(dtype), device, requires_grad)
+    else:
+        result = _draw("random_normal", device, requires_grad, shape=shape,
+                       dtype=_random_dtype(dtype if dtype is not None or out is None else out.dtype),
+                       mean=float(mean), std=float(std))
+    return result if out is None else out.copy_(result)
+
+
+def randint(*args, low=None, high=None, size=None, dtype=None, device=None, requires_grad=False,
+            generator=None) -> Tensor:
+    """``randint(high, size)`` or ``randint(low, high, size)`` (any of them by keyword): ints in
+    [low, high), int64 by default."""
     args = list(args)
+    if high is not None:              # randint(low=0, high=10, size=...), randint(0, high=10, size=...)
+        low = low if low is not None else (args.pop(0) if args else 0)
+        args = [low, high] + args
+    elif low is not None:
+        raise TypeError("randint: low= given without high=")
     if size is None:
         if not args:
             raise TypeError("randint: missing size")
@@ -213,15 +265,33 @@ def randint(*args, size=None, dtype=None, device=None, requires_grad=False, gene
         raise TypeError("randint(high, size) or randint(low, high, size)")
     if int(high) <= int(low):
         raise ValueError(f"randint: empty range [{low}, {high})")
-    gen = generator if generator is not None else _random.generator()
     shape = _size((size,) if isinstance(size, int) else (tuple(size),), "randint")
-    arr = gen.integers(int(low), int(high), size=shape, dtype=np.int64)
-    return _make(arr, dtype if dtype is not None else dt.int64, device, requires_grad)
+    _refuse_generator_in_build("randint", generator)
+    if generator is not None:
+        arr = generator.integers(int(low), int(high), size=shape, dtype=np.int64)
+        return _make(arr, _random_dtype(dtype, dt.int64), device, requires_grad)
+    return _draw("random_int", device, requires_grad, shape=shape, dtype=_random_dtype(dtype, dt.int64),
+                 low=int(low), high=int(high))
 
 
 def randperm(n, dtype=None, device=None, generator=None) -> Tensor:
-    gen = generator if generator is not None else _random.generator()
-    return _make(gen.permutation(int(n)).astype(np.int64), dtype if dtype is not None else dt.int64, device, False)
+    """A random permutation of 0..n-1 (Fisher-Yates over the Philox stream, ops/random_ops.py)."""
+    _refuse_generator_in_build("randperm", generator)
+    if generator is not None:
+        return _make(generator.permutation(int(n)).astype(np.int64), _random_dtype(dtype, dt.int64), device, False)
+    out = _draw("randperm", device, False, n=int(n))
+    return out if dtype is None else out.to(dt.get(dtype))
+
+
+def bernoulli(input, p=None, generator=None) -> Tensor:
+    """1 with probability `p` (default: the values of `input`), else 0, in `input`'s dtype:
+    ``rand_like(input) < p``, so graphs draw the same mask as eager mode."""
+    _refuse_generator_in_build("bernoulli", generator)
+    if generator is not None:
+        probs = np.broadcast_to(input.numpy_view() if p is None else p, tuple(input.shape))
+        return _make(generator.random(probs.shape) < probs, input.dtype, input.device, False)
+    u = rand(tuple(input.shape), dtype=dt.float32, device=input.device)
+    return (u < (input if p is None else p)).to(input.dtype)
 
 
 def seed() -> int:

@@ -1,13 +1,22 @@
-"""Random state: the eager NumPy generator and the Philox4x32-10 stream used by dropout.
+"""Random state: the Philox4x32-10 stream of random ops and dropout, and the NumPy generator
+of weight initialisers.
 
 Two sources, both reset by `manual_seed(seed)`:
 
-* `generator()` — a NumPy ``Generator`` (PCG64) used by the eager creation
-  functions (`randn`, `rand`, `randint`, ...) and weight initialisers.
 * `philox_uniform(seed, offset, n)` — a counter-based stream, defined below bit
   for bit, so a CUDA kernel can regenerate exactly the numbers eager mode used.
   `next_dropout_seed()` hands out ``(seed, offset)`` pairs: the seed is the one
-  given to `manual_seed`, the offset counts dropout calls since then.
+  given to `manual_seed`, the offset counts random calls since then (dropout and
+  the random ops of `flowgen/ops/random_ops.py`: `rand`, `randn`, `normal`,
+  `randint`, `randperm`, `bernoulli`, ...). A compiled graph draws its offsets from
+  the same counter on every call, so graph and eager numbers agree.
+* `generator()` — a NumPy ``Generator`` (PCG64) used by weight initialisers
+  (`flow.nn.init`), the data loader's shuffling and creation functions given an
+  explicit NumPy ``generator=``.
+
+`get_rng_state()` / `set_rng_state(state)` save and restore both (a graph's
+`state_dict()` carries it, so a resumed run draws the numbers an uninterrupted
+one would).
 
 Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
 SC'11), the standard constants::
@@ -37,6 +46,9 @@ dropout call) owns a disjoint counter range whatever n is.
 from __future__ import annotations
 
 import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.tensor import Tensor
 
 _DEFAULT_SEED = 67280421310721  # PyTorch's default; any fixed value keeps runs reproducible
 _MASK32 = np.uint64(0xFFFFFFFF)
@@ -69,7 +81,7 @@ def generator() -> np.random.Generator:
 
 
 def next_dropout_seed() -> tuple:
-    """``(seed, offset)`` for the next dropout call; advances the offset by one."""
+    """``(seed, offset)`` for the next random call (dropout or a random op); advances the offset by one."""
     global _offset
     pair = (_seed, _offset)
     _offset += 1
@@ -108,10 +120,47 @@ def philox_uint32(seed: int, offset: int, n: int) -> np.ndarray:
     return np.stack(words, axis=1).reshape(-1)[:n]
 
 
+def uniform_from_words(r: np.ndarray) -> np.ndarray:
+    """Stream words -> float32 uniforms in [0, 1): ``(r >> 8) * 2^-24`` (exact)."""
+    return ((r >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+
+
 def philox_uniform(seed: int, offset: int, n: int) -> np.ndarray:
     """``n`` float32 uniforms in [0, 1): element i as defined in the module docstring."""
-    r = philox_uint32(seed, offset, n)
-    return ((r >> np.uint32(8)).astype(np.float32) * np.float32(2.0 ** -24)).astype(np.float32)
+    return uniform_from_words(philox_uint32(seed, offset, n))
+
+
+# get_rng_state() layout: int64 words (uint64 bit patterns); 128-bit PCG64 values as lo, hi.
+_STATE_WORDS = ("seed", "offset", "pcg_state_lo", "pcg_state_hi", "pcg_inc_lo", "pcg_inc_hi",
+                "pcg_has_uint32", "pcg_uinteger")
+
+
+def get_rng_state():
+    """The whole random state as an int64 tensor of 8 words: the Philox seed and offset, then the
+    NumPy generator's PCG64 state (see `_STATE_WORDS`). `set_rng_state` restores it."""
+    pcg = _generator.bit_generator.state
+    if pcg["bit_generator"] != "PCG64":
+        raise RuntimeError(f"get_rng_state: the NumPy generator is {pcg['bit_generator']}, expected PCG64")
+    mask64 = (1 << 64) - 1
+    words = [_seed, _offset, pcg["state"]["state"] & mask64, pcg["state"]["state"] >> 64,
+             pcg["state"]["inc"] & mask64, pcg["state"]["inc"] >> 64, int(pcg["has_uint32"]), pcg["uinteger"]]
+    return Tensor(np.array(words, dtype=np.uint64).view(np.int64), dtype=dt.int64)
+
+
+def set_rng_state(state):
+    """Restore a state from `get_rng_state()` (a tensor or array of 8 int64 words)."""
+    words = np.asarray(state.numpy_view() if isinstance(state, Tensor) else state)
+    if words.shape != (len(_STATE_WORDS),) or words.dtype != np.int64:
+        raise ValueError(f"set_rng_state: expected the int64[{len(_STATE_WORDS)}] tensor get_rng_state() returns, "
+                         f"got {words.dtype}{list(words.shape)}")
+    global _seed, _offset, _generator
+    w = [int(x) for x in words.view(np.uint64)]
+    _seed, _offset = w[0], w[1]
+    generator = np.random.Generator(np.random.PCG64())
+    generator.bit_generator.state = {"bit_generator": "PCG64",
+                                     "state": {"state": w[2] | (w[3] << 64), "inc": w[4] | (w[5] << 64)},
+                                     "has_uint32": w[6], "uinteger": w[7]}
+    _generator = generator
 
 
 class preserved_dropout_stream:

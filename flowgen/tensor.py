@@ -9,6 +9,7 @@ definitions.
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 
@@ -16,6 +17,15 @@ from flowgen import dtype as dt
 from flowgen.device import CPU, as_device
 
 _OPERANDS = (int, float, bool, np.ndarray, np.generic, list, tuple)  # + Tensor, added below
+
+# Every tensor gets a creation number: a graph's tracer tells the eager tensors that existed before
+# build() ran (free eager tensors, bound as graph state) from those build() creates (constants).
+_creation_numbers = itertools.count()
+
+
+def creation_mark() -> int:
+    """A number above that of every tensor created so far (and below every later one)."""
+    return next(_creation_numbers)
 
 
 def c_array(arr, np_dtype=None) -> np.ndarray:
@@ -52,6 +62,8 @@ class Tensor:
         self._retains_grad = False
         self._version = 0             # bumped by in-place writes (graphs re-upload state on change)
         self._sync_from_device = None  # callable that refreshes _data from a graph's device copy
+        self._serial = next(_creation_numbers)
+        self._storage_shared = False  # .numpy() handed the storage out (graphs keep it in sync)
         if _value is not None:
             self._dtype = _value.dtype
         elif data is not None:
@@ -72,11 +84,13 @@ class Tensor:
         t._retains_grad = False
         t._version = 0
         t._sync_from_device = None
+        t._serial = next(_creation_numbers)
+        t._storage_shared = False
         return t
 
     def _set_data(self, data, dtype=None):
         if isinstance(data, Tensor):
-            data = data.numpy()
+            data = data.numpy_view()
         target = dt.get(dtype) if dtype is not None else None
         arr = np.array(data)   # a copy: the tensor never shares the caller's array
         if target is None:
@@ -140,7 +154,7 @@ class Tensor:
 
     @data.setter
     def data(self, other):
-        self._set_data(other.numpy() if isinstance(other, Tensor) else other, self._dtype)
+        self._set_data(other.numpy_view() if isinstance(other, Tensor) else other, self._dtype)
         self._version += 1
 
     def numpy_view(self) -> np.ndarray:
@@ -155,7 +169,15 @@ class Tensor:
         return self._data
 
     def numpy(self) -> np.ndarray:
-        return self.numpy_view()
+        """The tensor's storage as an ndarray, shared as in PyTorch: writing into the array writes
+        the tensor. For a tensor a compiled graph holds (parameter, buffer, optimizer slot, free
+        eager tensor) that sharing holds across graph calls too: once `.numpy()` has handed its
+        storage out, the graph uploads the tensor before each call and refreshes the array in place
+        after it (nn/graph/compiled.py), so writes reach the graph and the array shows the graph's
+        updates. (``np.asarray(tensor)`` is a read: it does not set this up.)"""
+        arr = self.numpy_view()
+        self._storage_shared = True
+        return arr
 
     def __array__(self, dtype=None, copy=None):
         arr = self.numpy_view()
@@ -373,11 +395,13 @@ class Tensor:
 
     # ------------------------------------------------------------- in-place
     def _assign(self, new: "Tensor") -> "Tensor":
-        """Write `new` into this tensor (eager: same buffer; traced: a state update)."""
+        """Write `new` into this tensor (eager: same buffer; traced: a state update, or a new
+        value of a free eager tensor for the rest of the call, ir/trace.py)."""
         from flowgen.ops import registry
 
-        if self.is_lazy or new.is_lazy:
-            return registry._tracer_hook.assign(self, new) if registry._tracer_hook else None
+        tracer = registry._tracer_hook
+        if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
+            return tracer.assign(self, new) if tracer else None
         value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
         self.numpy_view()[...] = value
         self._version += 1
@@ -406,6 +430,19 @@ class Tensor:
 
     def clamp_(self, min=None, max=None):
         return self._assign(F.clamp(self, min, max))
+
+    # Random fills draw from the Philox stream (flowgen/ops/random_ops.py): graph ops inside build().
+    def uniform_(self, a=0.0, b=1.0):
+        return self._assign(creation.uniform(tuple(self.shape), a, b, dtype=self._dtype))
+
+    def normal_(self, mean=0.0, std=1.0):
+        return self._assign(creation.normal(mean, std, tuple(self.shape), dtype=self._dtype))
+
+    def bernoulli_(self, p=0.5):
+        return self._assign(creation.bernoulli(self, p))
+
+    def bernoulli(self, p=None):
+        return creation.bernoulli(self, p)
 
     def _inplace(self, new: "Tensor") -> "Tensor":
         # `x += y`: in place (same buffer) unless autograd is recording it, where the result is
@@ -539,3 +576,4 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
 
 
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
+from flowgen import creation  # noqa: E402

@@ -41,6 +41,8 @@ Kernels by family (the main kernel carries `kernel_name`):
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
+* randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
+             seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
 from __future__ import annotations
 
@@ -89,9 +91,10 @@ def rendering_for(target: str, allow_tf32: bool = False):
 # --------------------------------------------------------------------------
 # dispatch
 
-def render_node(node, kernel_name: str, check_id: int = 1) -> list:
+def render_node(node, kernel_name: str, check_id: int = 1, stream_values=None) -> list:
     """The kernels (in launch order) that compute `node`, a template-family op. `check_id`
-    (unique within a program) numbers the node's index check, if its op reads indices."""
+    (unique within a program) numbers the node's index check, if its op reads indices; a random
+    op (one with a ``stream`` attribute) also gets the rng state Value, from `stream_values`."""
     lowering = get_op(node.op).lowering
     family = getattr(lowering, "family", None)
     try:
@@ -102,6 +105,8 @@ def render_node(node, kernel_name: str, check_id: int = 1) -> list:
         return []
     if family in _INDEX_FAMILIES:
         return render(node, kernel_name, check_id)
+    if "stream" in node.attrs:
+        return render(node, kernel_name, stream_values[node.attrs["stream"]])
     return render(node, kernel_name)
 
 
@@ -1102,6 +1107,19 @@ def _conv2d_kernels(node, kernel_name, fusion):
 # Families whose ops read a tensor as indices: their renderers take the node's check id.
 _INDEX_FAMILIES = {"softmax", "gather", "scatter"}
 
+
+# --------------------------------------------------------------------------
+# randperm
+
+def _randperm(node, kernel_name, rng):
+    n = node.output.numel
+    comment = _comment(node, f"of {n}")
+    source = _render("randperm.cu.j2", name=kernel_name, comment=comment, n=n, offset=node.attrs["offset"])
+    args = [BufferArg(node.output, "long long*"), BufferArg(rng, "const long long*")]
+    return [Kernel(name=kernel_name, source=source, args=args, grid=(1, 1, 1), block=(1, 1, 1),
+                   needs_fibers=False, comment=comment, ops=[node.op])]
+
+
 _FAMILIES = {
     "gemm": _gemm,
     "copy": _copy,
@@ -1113,4 +1131,5 @@ _FAMILIES = {
     "pool2d": _pool2d,
     "upsample": _upsample,
     "conv2d": _conv2d,
+    "randperm": _randperm,
 }

@@ -80,7 +80,8 @@ def render_kernels(graph):
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
         # The node's first kernel number, plus one, is unique: it numbers the node's index check.
-        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", len(kernels) + 1):
+        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", len(kernels) + 1,
+                             stream_values):
             kernels.append(k)
     # Scalar constants that a template kernel reads as a buffer must be uploaded too.
     for k in kernels:

@@ -1,9 +1,22 @@
 """Tracing: run `build()` with lazy tensors and record every op as an IR node.
 
 While a `Tracer` is active, `registry.apply` hands it any op that touches a
-lazy tensor. Parameters and buffers are made lazy for the duration of the trace
-(bound to state values), so everything computed from them is recorded, and
-in-place writes to them (BatchNorm running statistics) become state updates.
+lazy tensor, and every random op (they draw per call, ops/random_ops.py).
+Parameters and buffers are made lazy for the duration of the trace (bound to
+state values), so everything computed from them is recorded, and in-place writes
+to them (BatchNorm running statistics) become state updates.
+
+Free eager tensors (OneFlow's term: a tensor that existed before `build()` ran,
+read by it, but neither a parameter nor a buffer of the graph's modules: a
+module-level or closure tensor, a plain tensor attribute) follow OneFlow's
+nn.Graph: they are bound as graph state (kind ``buffer``, named
+``free_eager_tensor_<k>``), so every call reads the eager tensor's current value
+(uploaded when eager code changed it), never a copy frozen at trace time. An
+in-place op on one inside `build()` is part of the graph: later reads in that call
+see the new value, but the eager tensor itself is left unchanged, in tracing and
+in every call (OneFlow's test_graph_return_inplace_free_eager_tensor). Tensors
+that `build()` creates itself (``flow.tensor(...)``, ``flow.zeros(...)``) are
+constants of the graph.
 """
 from __future__ import annotations
 
@@ -12,9 +25,11 @@ import sys
 
 import numpy as np
 
+from flowgen import tensor as tensor_module
 from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
 from flowgen.ops import registry
 from flowgen.ops.registry import TensorMeta
+from flowgen.tensor import Tensor
 
 _FLOWGEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -40,7 +55,10 @@ AUTOCAST_OPS = frozenset({"matmul", "conv2d"})
 
 
 class Tracer:
-    def __init__(self, name: str, device, log=None, autocast=None):
+    """`capture_free_tensors`: bind free eager tensors as state (the tracer of `build()`; the
+    passes that trace gradient and optimizer formulas leave it off)."""
+
+    def __init__(self, name: str, device, log=None, autocast=None, capture_free_tensors: bool = False):
         self.graph = Graph(name)
         self.new_name = NameGen()
         self.device = device
@@ -53,11 +71,14 @@ class Tracer:
         self.grads = None             # the step's gradients once build() asked for them (nn.utils clipping)
         self.log = log                # callable(level, text) for graph.debug()
         self.autocast = autocast      # mixed precision: None, or the dtype of AUTOCAST_OPS
+        self.capture_free_tensors = capture_free_tensors
+        self.first_new = None         # creation mark at __enter__: older eager tensors are free ones
+        self.free_tensors: list = []  # free eager tensors bound as state, in order
+        self.free_values: dict = {}   # id(free tensor) -> its value now (in-place ops in build() rebind it)
+        self.rebound: list = []       # eager tensors build() created and then wrote in place
 
     # ------------------------------------------------------------------ state
     def add_state(self, name: str, tensor, kind: str) -> StateVar:
-        from flowgen.tensor import Tensor
-
         value = Value(name, tuple(tensor.shape), tensor.dtype)
         var = StateVar(name, value, kind)
         self.graph.state.append(var)
@@ -67,15 +88,11 @@ class Tracer:
         return var
 
     def add_input(self, tensor, index: int):
-        from flowgen.tensor import Tensor
-
         value = Value(f"input_{index}", tuple(tensor.shape), tensor.dtype)
         self.graph.inputs.append(value)
         return Tensor(_value=value, device=tensor.device)
 
     def lazy(self, value: Value, requires_grad: bool = False):
-        from flowgen.tensor import Tensor
-
         t = Tensor(_value=value, device=self.device)
         t.requires_grad = requires_grad
         return t
@@ -85,15 +102,44 @@ class Tracer:
     def scope(self) -> str:
         return self.scopes[-1] if self.scopes else ""
 
-    def value_of(self, tensor) -> Value:
-        if tensor.is_lazy:
-            return tensor._value
-        cached = self.constants.get(id(tensor))
-        if cached is not None:
-            return cached[1]
+    def is_free(self, tensor) -> bool:
+        """An eager tensor that existed before build() ran (see the module docstring)."""
+        return self.first_new is not None and not tensor.is_lazy and tensor._serial < self.first_new
+
+    def records(self, op, tensors) -> bool:
+        """Whether an op on eager `tensors` belongs in the graph: a random op (it must draw on
+        every call), or one that reads a free eager tensor."""
+        return op.extra.get("random", False) or any(self.is_free(t) for t in tensors)
+
+    def _check_device(self, tensor):
         if tensor.device != self.device and tensor.numel() > 1:
             raise TraceError(f"a tensor on {tensor.device} was used in a graph running on {self.device} "
                              f"(in {self.scope or 'build()'}); move it with .to('{self.device}')")
+
+    def free_value(self, tensor) -> Value:
+        """The value of free eager tensor `tensor` in the graph, binding it as state on first use.
+        The tensor itself stays eager: tracing never reads or writes its data."""
+        value = self.free_values.get(id(tensor))
+        if value is not None:
+            return value
+        self._check_device(tensor)
+        var = self.add_state(f"free_eager_tensor_{len(self.free_tensors)}", tensor, "buffer")
+        self.free_tensors.append(tensor)
+        self.free_values[id(tensor)] = var.value
+        if self.log is not None:
+            self.log(2, f"(FREE_EAGER_TENSOR: {var.name} {var.value.type_str} read in {self.scope or 'build'} "
+                        f"at {user_location()})")
+        return var.value
+
+    def value_of(self, tensor) -> Value:
+        if tensor.is_lazy:
+            return tensor._value
+        if self.is_free(tensor):
+            return self.free_value(tensor)
+        cached = self.constants.get(id(tensor))
+        if cached is not None:
+            return cached[1]
+        self._check_device(tensor)
         node = self.emit("constant", [], {"value": np.array(tensor.numpy_view())})
         self.constants[id(tensor)] = (tensor, node.output)
         return node.output
@@ -136,13 +182,21 @@ class Tracer:
             new_value = node.output
         if new_value.dtype != target.dtype:
             new_value = self.emit("cast", [new_value], {"dtype": target.dtype}).output
+        if self.is_free(target):
+            # The graph uses the new value for the rest of the call; the eager tensor is left
+            # unchanged (OneFlow), so every call starts again from its current eager value.
+            self.free_value(target)
+            self.free_values[id(target)] = new_value
+            return target
+        if not target.is_lazy:
+            if not self.capture_free_tensors:
+                raise TraceError(f"in-place write to a tensor that is neither a graph input nor graph state "
+                                 f"(in {self.scope or 'build()'} at {user_location()})")
+            self.rebound.append(target)   # created by build(): a value of this trace from now on
         var = self.state_of.get(id(target))
         if var is not None:
             self.graph.updates = [(n, v) for n, v in self.graph.updates if n != var.name]
             self.graph.updates.append((var.name, new_value))
-        elif not target.is_lazy:
-            raise TraceError(f"in-place write to a tensor that is neither a graph input nor module state "
-                             f"(in {self.scope or 'build()'} at {user_location()})")
         target._value = new_value
         return target
 
@@ -174,11 +228,14 @@ class Tracer:
     def __enter__(self):
         for t in self.state_tensors:
             t._value = self.state_of[id(t)].value
+        if self.capture_free_tensors:
+            self.first_new = tensor_module.creation_mark()
         self._previous = registry.set_tracer_hook(self)
         return self
 
     def __exit__(self, *exc):
         registry.set_tracer_hook(self._previous)
-        for t in self.state_tensors:
+        for t in self.state_tensors + self.rebound:
             t._value = None
+        self.first_new = None
         return False

@@ -1,8 +1,11 @@
 """Weight initialisers (`nn.init.*_`): fill a tensor in place from flowgen's global RNG.
 
 They draw from `flowgen.random.generator()`, so `flow.manual_seed(s)` makes
-module construction reproducible. The tensor keeps its NumPy buffer (graphs
-alias parameter memory); its version is bumped so a graph re-uploads it.
+module construction reproducible. Inside `nn.Graph.build()`, on a graph tensor or a free
+eager tensor, `uniform_`/`normal_` (and the initialisers built on them) are the Philox
+random ops of `Tensor.uniform_`/`normal_`; the others refuse rather than freeze one draw.
+The tensor keeps its NumPy buffer (graphs alias parameter memory); its version is bumped
+so a graph re-uploads it.
 """
 from __future__ import annotations
 
@@ -11,10 +14,23 @@ import math
 import numpy as np
 
 from flowgen import random as _random
+from flowgen.ir.trace import TraceError
+from flowgen.ops import registry
 from flowgen.tensor import Tensor
 
 
-def _write(tensor: Tensor, values) -> Tensor:
+def _in_graph(tensor: Tensor) -> bool:
+    """Inside build(), on a graph value or a free eager tensor: a write must be a graph op."""
+    tracer = registry._tracer_hook
+    return tracer is not None and (tensor.is_lazy or tracer.is_free(tensor))
+
+
+def _write(tensor: Tensor, values, name: str) -> Tensor:
+    if _in_graph(tensor):
+        raise TraceError(f"nn.init.{name} cannot run inside nn.Graph.build() on a graph tensor of shape "
+                         f"{tuple(tensor.shape)}: it draws from NumPy at trace time, which would freeze one draw; "
+                         f"nn.init.uniform_/normal_ (and kaiming_*/xavier_*, built on them) without generator= "
+                         f"are graph ops, or initialise the tensor before calling the graph")
     dest = tensor.numpy_view()
     dest[...] = np.asarray(values).astype(dest.dtype, copy=False)
     tensor._version += 1
@@ -62,11 +78,15 @@ def _fan(tensor: Tensor, mode: str) -> int:
 
 
 def uniform_(tensor: Tensor, a: float = 0.0, b: float = 1.0, generator=None) -> Tensor:
-    return _write(tensor, _rng(generator).uniform(a, b, size=tuple(tensor.shape)))
+    if generator is None and _in_graph(tensor):
+        return tensor.uniform_(a, b)      # the Philox random op: fresh numbers every call
+    return _write(tensor, _rng(generator).uniform(a, b, size=tuple(tensor.shape)), "uniform_")
 
 
 def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, generator=None) -> Tensor:
-    return _write(tensor, _rng(generator).normal(mean, std, size=tuple(tensor.shape)))
+    if generator is None and _in_graph(tensor):
+        return tensor.normal_(mean, std)
+    return _write(tensor, _rng(generator).normal(mean, std, size=tuple(tensor.shape)), "normal_")
 
 
 def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0,
@@ -78,25 +98,25 @@ def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float 
     while bad.any():
         out[bad] = rng.normal(mean, std, size=int(bad.sum()))
         bad = (out < a) | (out > b)
-    return _write(tensor, out)
+    return _write(tensor, out, "trunc_normal_")
 
 
 def constant_(tensor: Tensor, val: float) -> Tensor:
-    return _write(tensor, val)
+    return _write(tensor, val, "constant_")
 
 
 def zeros_(tensor: Tensor) -> Tensor:
-    return _write(tensor, 0)
+    return _write(tensor, 0, "zeros_")
 
 
 def ones_(tensor: Tensor) -> Tensor:
-    return _write(tensor, 1)
+    return _write(tensor, 1, "ones_")
 
 
 def eye_(tensor: Tensor) -> Tensor:
     if tensor.ndim != 2:
         raise ValueError("eye_ needs a 2-D tensor")
-    return _write(tensor, np.eye(*tensor.shape))
+    return _write(tensor, np.eye(*tensor.shape), "eye_")
 
 
 def xavier_uniform_(tensor: Tensor, gain: float = 1.0, generator=None) -> Tensor:

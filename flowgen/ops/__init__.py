@@ -6,4 +6,5 @@ from flowgen.ops import linalg  # noqa: F401
 from flowgen.ops import graph_ops  # noqa: F401
 from flowgen.ops import nn_ops  # noqa: F401
 from flowgen.ops import norm_ops  # noqa: F401
+from flowgen.ops import random_ops  # noqa: F401
 from flowgen.ops import sorting  # noqa: F401

@@ -951,5 +951,5 @@ def _dropout_ref(x, p, seed, offset, stream=None):
 
 defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
       grad=lambda ctx, g: (apply("dropout", g, **ctx.attrs),),
-      lowering=Elementwise(DROPOUT_EXPR),
+      lowering=Elementwise(DROPOUT_EXPR), random=True,
       doc="dropout(x, p, seed, offset): u = philox_uniform(seed, offset)[idx]; u >= p ? x / (1 - p) : 0")

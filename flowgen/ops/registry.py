@@ -160,12 +160,12 @@ def apply(name: str, *inputs, **attrs):
         if t._value is not None:
             lazy = True
             break
-    if lazy:
+    if _tracer_hook is not None and (lazy or _tracer_hook.records(op, tensors)):
         if op.lowering is None:
             raise NotImplementedError(f"{name} runs in eager mode only: nn.Graph has no kernel for it yet "
                                       f"(call it outside build(), or on eager tensors)")
-        if _tracer_hook is not None:
-            return _tracer_hook(op, list(tensors), attrs)
+        return _tracer_hook(op, list(tensors), attrs)
+    if lazy:
         raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
     arrays = [t.numpy_view() for t in tensors]
     # infer raises readable shape/dtype errors before NumPy sees the data

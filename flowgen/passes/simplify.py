@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowgen.ops.registry import get_op
+from flowgen.ops.registry import REGISTRY, get_op
 
 # Ops whose result must not be shared or precomputed (they draw random numbers per call).
-_IMPURE = {"dropout"}
+_IMPURE = frozenset(name for name, op in REGISTRY.items() if op.extra.get("random"))
 
 
 def dce(graph):

@@ -65,8 +65,9 @@ class CompiledGraph:
         """Copy changed state to the device; True if anything was copied."""
         changed = False
         for value, tensor in self.bindings:
-            if getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version:
-                continue  # the device copy is the newest
+            if (getattr(tensor, "_graph_owner", None) is self and self.versions.get(id(tensor)) == tensor._version
+                    and not tensor._storage_shared):
+                continue  # the device copy is the newest (an array from .numpy() may have been written)
             self.executor.write_state(value, tensor.numpy_view())
             changed = True
         for value, scalar in self.host_scalars:
@@ -86,10 +87,16 @@ class CompiledGraph:
         return scaler._growth_tracker == 0 and not scaler._scale > old
 
     def _mark_device_newer(self):
+        """After a call: eager reads of bound tensors download the graph's copy, lazily, except
+        for tensors whose storage `.numpy()` handed out: their arrays are refreshed now."""
         for value, tensor in self.bindings:
             tensor._graph_owner = self
             self.versions[id(tensor)] = tensor._version
-            tensor._sync_from_device = lambda t, v=value: self._download(t, v)
+            if tensor._storage_shared:
+                self._download(tensor, value)
+                tensor._sync_from_device = None
+            else:
+                tensor._sync_from_device = lambda t, v=value: self._download(t, v)
 
     def _download(self, tensor, value):
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
@@ -204,7 +211,7 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
         raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
                          f"call self.add_optimizer(optimizer) in __init__")
     optimized = {id(p): p for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]}
-    for tensor, _value in tracer.constants.values():
+    for tensor in [t for t, _value in tracer.constants.values()] + tracer.free_tensors:
         if id(tensor) in optimized and tensor.requires_grad:
             raise TraceError(f"{graph.name}: build() used a parameter of shape {tuple(tensor.shape)} that the "
                              f"optimizer trains but that belongs to no module of this graph, so the graph "
@@ -227,7 +234,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
     tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
-                    autocast=graph.config.amp_dtype if graph.config.amp else None)
+                    autocast=graph.config.amp_dtype if graph.config.amp else None, capture_free_tensors=True)
     param_name, paths = {}, {}
     for mname, module in graph._modules.items():
         for path, sub in module.named_modules(prefix=mname):

@@ -13,6 +13,7 @@ import inspect
 import itertools
 import warnings
 
+from flowgen import random
 from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.io import flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
@@ -154,7 +155,9 @@ class Graph:
 
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict:
-        """Model parameters and buffers, optimizer and LR-scheduler state, and the step counter."""
+        """Model parameters and buffers, optimizer and LR-scheduler state, the step counter, and
+        the random state (`flow.get_rng_state()`: the Philox position that dropout and random ops
+        in build() draw from), so a run resumed from it draws the numbers an uninterrupted one would."""
         result = {}
         for name, module in self._modules.items():
             for k, v in module.state_dict().items():
@@ -164,6 +167,7 @@ class Graph:
             if sch is not None:
                 result[f"_lr_scheduler{i}"] = sch.state_dict()
         result["_step"] = self._counter["calls"]
+        result["_rng_state"] = random.get_rng_state()
         return result
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
@@ -177,6 +181,8 @@ class Graph:
             if sch is not None and f"_lr_scheduler{i}" in state_dict:
                 sch.load_state_dict(state_dict[f"_lr_scheduler{i}"])
         self._counter["calls"] = int(state_dict.get("_step", self._counter["calls"]))
+        if "_rng_state" in state_dict:
+            random.set_rng_state(state_dict["_rng_state"])
         # Compiled variants hold slot bindings made from the old optimizer state: rebuild them.
         self._variants.clear()
         object.__setattr__(self, "_last", None)
