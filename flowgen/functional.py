@@ -23,7 +23,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.ops.registry import apply, normalize_dim, normalize_dims
 from flowgen.tensor import Tensor, as_tensor_like
-from flowgen.creation import (empty_like, full_like, ones_like, rand_like, randn_like,  # noqa: F401
+from flowgen.creation import (empty_like, full_like, ones_like, rand, rand_like, randn_like,  # noqa: F401
                               zeros_like)
 
 _bmax, _bmin, _bsum, _babs, _ball, _bany = builtins.max, builtins.min, builtins.sum, builtins.abs, builtins.all, \
@@ -1165,6 +1165,46 @@ def cumsum(x, dim, dtype=None):
 def cumprod(x, dim, dtype=None):
     x = cast(x, dtype) if dtype is not None else (cast(x, dt.int64) if x.dtype == dt.bool_ else x)
     return apply("cumprod", x, dim=normalize_dim(dim, x.ndim, op="cumprod") if x.ndim else 0)
+
+
+def multinomial(input, num_samples, replacement=False, generator=None):
+    """Category indices drawn by the weights in each row of `input` (1-D or 2-D, non-negative).
+
+    The uniforms come from the Philox stream (`flow.manual_seed` makes draws reproducible; the
+    numbers differ from PyTorch's generator). With replacement: the inverse of each row's CDF.
+    Without: the `num_samples` largest keys log(u) / p (weighted sampling without replacement,
+    Efraimidis-Spirakis), so zero-weight categories are never drawn. Eager only.
+    """
+    if input.is_lazy:
+        raise NotImplementedError("multinomial runs in eager mode only: nn.Graph has no kernel for it yet")
+    if generator is not None:
+        raise NotImplementedError("multinomial: generator= is not supported; seed with flow.manual_seed")
+    if input.ndim not in (1, 2):
+        raise RuntimeError(f"multinomial: prob_dist must be 1 or 2 dim, got shape {tuple(input.shape)}")
+    weights = np.atleast_2d(input.numpy_view()).astype(np.float64)
+    rows, categories = weights.shape
+    n = int(num_samples)
+    if n <= 0:
+        raise RuntimeError(f"multinomial: cannot sample n_sample <= 0 samples (got {n})")
+    if not np.isfinite(weights).all() or (weights < 0).any():
+        raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0")
+    nonzero = (weights > 0).sum(1)
+    if (nonzero == 0).any():
+        raise RuntimeError("multinomial: invalid multinomial distribution (sum of probabilities <= 0)")
+    if not replacement and (n > categories or (nonzero < n).any()):
+        raise RuntimeError(f"multinomial: cannot sample {n} samples without replacement from rows with fewer "
+                           f"non-zero categories (smallest row has {int(nonzero.min())})")
+    u = rand(rows, n if replacement else categories, dtype=dt.float64).numpy_view()
+    if replacement:
+        cdf = np.cumsum(weights, 1)
+        draws = np.stack([np.searchsorted(cdf[r], u[r] * cdf[r, -1], side="right") for r in range(rows)])
+        draws = np.minimum(draws, categories - 1)
+    else:
+        with np.errstate(divide="ignore"):
+            keys = np.log(np.maximum(u, np.finfo(np.float64).tiny)) / weights   # -inf for zero weights
+        draws = np.argsort(-keys, axis=1, kind="stable")[:, :n]
+    out = draws.astype(np.int64)
+    return Tensor(out if input.ndim == 2 else out[0], dtype=dt.int64, device=input.device)
 
 
 def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:

@@ -293,3 +293,24 @@ def test_one_hot_refuses_out_of_range_classes_in_eager_and_in_graphs():
     np.testing.assert_array_equal(graph(flow.tensor([2, 0])).numpy(), [[0, 0, 1], [1, 0, 0]])
     with pytest.raises(IndexError, match="out of range"):
         graph(flow.tensor([1, 7]))
+
+
+def test_multinomial_draws_follow_the_weights_reproducibly():
+    weights = flow.tensor([[0.1, 0.0, 0.6, 0.3], [2.0, 2.0, 2.0, 2.0]])
+    flow.manual_seed(4)
+    draws = flow.multinomial(weights, 40000, replacement=True).numpy()
+    freq = np.stack([np.bincount(row, minlength=4) / 40000 for row in draws])
+    np.testing.assert_allclose(freq, [[0.1, 0.0, 0.6, 0.3], [0.25] * 4], atol=0.012)   # ~5 sigma
+    flow.manual_seed(4)
+    np.testing.assert_array_equal(flow.multinomial(weights, 40000, replacement=True).numpy(), draws)
+    picks = flow.multinomial(weights, 3)                      # without replacement: distinct, never weight 0
+    assert picks.dtype == flow.int64 and tuple(picks.shape) == (2, 3)
+    for row in picks.numpy():
+        assert len(set(row.tolist())) == 3
+    assert 1 not in picks.numpy()[0]
+    firsts = np.array([flow.multinomial(weights[0], 1).item() for _ in range(4000)])
+    np.testing.assert_allclose(np.bincount(firsts, minlength=4) / 4000, [0.1, 0.0, 0.6, 0.3], atol=0.03)
+    with pytest.raises(RuntimeError, match="without replacement"):
+        flow.multinomial(weights, 4)
+    with pytest.raises(RuntimeError, match="element < 0"):
+        flow.multinomial(flow.tensor([0.5, -0.1]), 1)
