@@ -69,7 +69,7 @@ def cli():
 @click.option("--compiler", type=click.Choice(["nvrtc", "nvcc"]), default="nvrtc", show_default=True,
               help="Device compiler for the cuda target; nvcc must be on PATH.")
 @click.option("--sanitize", type=click.Choice(["address", "undefined", "address,undefined"]), default=None,
-              help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O1 -g, every report "
+              help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O0 -g, every report "
                    "fatal): for testing the program against hostile input files.")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize):
     """Build the standalone program for the saved graph in DIR.

@@ -35,6 +35,7 @@ graph.json, format version 1
      "outputs": ["t6"],
      "updates": [["model.0.weight", "t24"]],          # state name <- value name
      "constants_sha256": "<sha256 of constants.safetensors>",
+     "weights_sha256": "<sha256 of weights.safetensors as saved>",
      "graph_sha256": "<sha256 of this document without this key, as canonical JSON>"}
 
 Values are named once, where they are defined (an input, a state entry or a
@@ -64,8 +65,8 @@ version 1 readers ignore keys they do not use.
 
 Loading checks everything it reads: graph.json against its own hash (sorted-key
 compact JSON of the document without ``graph_sha256``, see
-`serialization.document_sha256`), constants.safetensors against
-``constants_sha256``, both safetensors files with the safetensors library, the
+`serialization.document_sha256`), constants.safetensors and weights.safetensors
+against ``constants_sha256`` and ``weights_sha256``, both with the safetensors library, the
 weights against the graph's state (names, dtypes, shapes; metadata ``step`` and
 ``skipped`` decimal integers) and signature.json against the graph. Anything
 refused raises `FormatError` (a `serialization.CheckpointError`) naming the file
@@ -547,10 +548,12 @@ def save_graph(graph, path) -> None:
         constants_path = os.path.join(tmp, CONSTANTS_FILE)
         with open(constants_path, "wb") as f:
             write_safetensors(arrays, f, {"format": "flowgen.constants"})
-        doc["constants_sha256"] = file_sha256(constants_path)
-        write_json(with_self_hash(doc, "graph_sha256"), os.path.join(tmp, GRAPH_FILE))
-        with open(os.path.join(tmp, WEIGHTS_FILE), "wb") as f:
+        weights_path = os.path.join(tmp, WEIGHTS_FILE)
+        with open(weights_path, "wb") as f:
             write_weights(weights, f, graph.name, graph._counter["calls"], graph._counter.get("skipped", 0))
+        doc["constants_sha256"] = file_sha256(constants_path)
+        doc["weights_sha256"] = file_sha256(weights_path)
+        write_json(with_self_hash(doc, "graph_sha256"), os.path.join(tmp, GRAPH_FILE))
         write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
 
     write_directory_atomically(path, write)
@@ -601,13 +604,14 @@ def load_saved_graph(path) -> SavedGraph:
     check_graph_format(doc, path)
     check_self_hash(doc, "graph_sha256", graph_path)
     constants_path = os.path.join(path, CONSTANTS_FILE)
-    arrays, _ = read_safetensors_file(constants_path)
-    if file_sha256(constants_path) != doc.get("constants_sha256"):
-        raise FormatError(f"flow.load: {constants_path} is corrupt: its SHA-256 does not match the constants_sha256 "
-                          f"field of {GRAPH_FILE}")
-    ir = decode_graph(doc, arrays, path)
     weights_path = os.path.join(path, WEIGHTS_FILE)
+    arrays, _ = read_safetensors_file(constants_path)
     weights_raw, metadata = read_safetensors_file(weights_path)
+    for filename, key in ((constants_path, "constants_sha256"), (weights_path, "weights_sha256")):
+        if file_sha256(filename) != doc.get(key):
+            raise FormatError(f"flow.load: {filename} is corrupt: its SHA-256 does not match the {key} field of "
+                              f"{GRAPH_FILE} (modified or damaged after saving)")
+    ir = decode_graph(doc, arrays, path)
     check_weights(ir, weights_raw, weights_path)
     weights = {s.name: weights_raw[s.name] for s in ir.state}
     step = _metadata_count(metadata, "step", weights_path)

@@ -18,6 +18,7 @@ from safetensors.numpy import load as load_safetensors_bytes, load_file, save_fi
 
 import flowgen as flow
 import flowgen.nn as nn
+from flowgen import serialization
 from flowgen.codegen import aot
 from flowgen.saved_graph import FormatError, SavedGraph
 from graphs import InferGraph, TrainGraph
@@ -180,6 +181,11 @@ def test_load_refuses_other_versions_and_corrupt_files(conv, tmp_path):
     weights = load_file(copy / "weights.safetensors")
     weights["model.0.weight"] = weights["model.0.weight"][:4]
     save_file(weights, copy / "weights.safetensors")
+    with pytest.raises(FormatError, match="weights.safetensors is corrupt.*weights_sha256"):
+        flow.load(copy)
+    doc.pop("graph_sha256")    # a consistent edit: the new weights' hash recorded, graph.json re-hashed
+    doc["weights_sha256"] = serialization.file_sha256(copy / "weights.safetensors")
+    (copy / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
     with pytest.raises(FormatError, match="model.0.weight.*shape"):
         flow.load(copy)
 

@@ -20,7 +20,7 @@ compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary 
 half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
 
 ``sanitize`` ("address", "undefined" or "address,undefined") builds the host code (on the cpu
-target: the kernels too) with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer, -O1 -g,
+target: the kernels too) with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer, -O0 -g,
 every report fatal; for testing the program against hostile files.
 
 Every file lands atomically (written beside its final name, then renamed) with the permissions
@@ -30,6 +30,7 @@ usual umask 022, so a service running as another user can read a deployed build.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
@@ -45,7 +46,7 @@ from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
 from flowgen.passes.optimizer import scaler_state_name
-from flowgen.serialization import write_file_atomic
+from flowgen.serialization import with_self_hash, write_file_atomic
 
 SANITIZERS = ("address", "undefined", "address,undefined")
 MANIFEST_FORMAT = "flowgen.manifest"
@@ -359,7 +360,8 @@ def _cubin_inc(cubin: bytes, arch: str) -> str:
 
 
 def _host_command(target: str, binary: str, sanitize: str | None) -> list:
-    optimise = (["-O1", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
+    # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
+    optimise = (["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
                 if sanitize else ["-O2"])
     if target == "cpu":
         return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
@@ -482,7 +484,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     _write(out / "program.cu", text)
     _write(out / "program_constants.inc", constants_inc)
     if saved.path is not None and Path(saved.path).resolve() != out:
-        for name in (GRAPH_FILE, CONSTANTS_FILE, SIGNATURE_FILE):
+        for name in (CONSTANTS_FILE, SIGNATURE_FILE):
             _write(out / name, (Path(saved.path) / name).read_bytes())
     stage("render", f"program.cu: {text.count(chr(10))} lines, {len(program.kernels)} kernels, "
                     f"arena {program.plan.arena_bytes} bytes", start)
@@ -509,8 +511,16 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     stage("compile host code", f"{what} -> {out / binary}" + (f" [-fsanitize={sanitize}]" if sanitize else ""), start)
 
     start = time.perf_counter()
-    write_file_atomic(out / WEIGHTS_FILE, lambda f: write_weights(saved.weights, f, saved.name, saved.step,
-                                                                  saved.skipped))
+    weights = io.BytesIO()
+    write_weights(saved.weights, weights, saved.name, saved.step, saved.skipped)
+    _write(out / WEIGHTS_FILE, weights.getvalue())
+    if saved.path is not None:
+        # OUT is a saved graph too (`flowgen inspect OUT`): graph.json records the weights' hash,
+        # and SavedGraph.run may have changed them since saving.
+        doc = json.loads((Path(saved.path) / GRAPH_FILE).read_text())
+        doc.pop("graph_sha256")
+        doc["weights_sha256"] = _sha256_bytes(weights.getvalue())
+        _write(out / GRAPH_FILE, json.dumps(with_self_hash(doc, "graph_sha256"), indent=1) + "\n")
     nbytes = sum(a.nbytes for a in saved.weights.values())
     stage("write weights", f"{WEIGHTS_FILE}: {len(saved.weights)} tensors, {nbytes} bytes", start)
     timings["total"] = time.perf_counter() - total
