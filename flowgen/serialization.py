@@ -23,8 +23,8 @@ A saved ``path`` is a directory holding two files:
 Errors: `flow.load` raises `CheckpointError` (a ValueError) for any directory it
 cannot read back — a missing, unreadable, truncated, damaged or hand-edited file —
 with a message naming the file and the field; `FileNotFoundError` only when
-``path`` itself does not exist. Saved graphs (`flow.save(graph, dir)`) raise
-`saved_graph.FormatError`, a `CheckpointError`.
+``path`` itself does not exist. For saved graphs (`flow.save(graph, dir)`) many of
+these are its subclass `saved_graph.FormatError`.
 
 Saving is atomic: everything is written into ``path + ".tmp-<pid>-<random>"``,
 flushed to disk, then swapped with ``path`` in one step (Linux
@@ -503,7 +503,7 @@ def load(path, map_location=None):
     if not os.path.isdir(path):
         raise CheckpointError(f"flow.load: {path} is a file; flow.save writes a directory containing "
                               f"{STRUCTURE_FILE} and {TENSORS_FILE}")
-    if os.path.isfile(os.path.join(path, "graph.json")):   # flow.save(graph, dir): a deployable graph
+    if os.path.lexists(os.path.join(path, "graph.json")):   # flow.save(graph, dir): a deployable graph
         from flowgen.saved_graph import load_saved_graph
 
         result = load_saved_graph(path)
