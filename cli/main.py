@@ -15,6 +15,9 @@ from pathlib import Path
 
 import click
 
+from flowgen.codegen.aot import SANITIZERS
+from flowgen.serialization import write_file_atomic
+
 
 def _fail(message: str):
     raise click.ClickException(message)
@@ -68,7 +71,7 @@ def cli():
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture of the embedded cubin (cuda target).")
 @click.option("--compiler", type=click.Choice(["nvrtc", "nvcc"]), default="nvrtc", show_default=True,
               help="Device compiler for the cuda target; nvcc must be on PATH.")
-@click.option("--sanitize", type=click.Choice(["address", "undefined", "address,undefined"]), default=None,
+@click.option("--sanitize", type=click.Choice(SANITIZERS), default=None,
               help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O0 -g, every report "
                    "fatal): for testing the program against hostile input files.")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize):
@@ -173,9 +176,8 @@ def bench(out_dir, inputs, steps, json_path):
     click.echo(f"{result['graph']:<24}{result['device'][:27]:<28}{steps:>8}{seconds:>10.3f}"
                f"{result['ms_per_step']:>10.3f}")
     if json_path:
-        from flowgen.runtime.toolchain import atomic_write_bytes
-
-        atomic_write_bytes(Path(json_path), json.dumps(result, indent=2).encode())
+        data = json.dumps(result, indent=2).encode()
+        write_file_atomic(json_path, lambda f: f.write(data))
         click.echo(f"wrote {json_path}")
 
 
