@@ -12,7 +12,8 @@ so the step can be rebuilt without the Python code that defined it::
                             for the next step; metadata holds the step counter
                             and how many steps a GradScaler skipped
       signature.json        inputs/outputs (names, shapes, dtypes), training
-                            flag, graph name, flowgen version
+                            flag, graph name, flowgen version, and
+                            signature_sha256 (its own hash, as graph.json's)
 
 `flow.load(dir)` returns a `SavedGraph`: the IR rebuilt, the weights as NumPy
 arrays; `SavedGraph.run(*arrays)` runs one step on the CPU emulator, and
@@ -257,7 +258,7 @@ class _IRDecoder:
         if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                                 for d in shape)):
             self.fail(f"value %{name[:40]} has a bad shape {str(shape)[:80]}")
-        if dtype not in _DTYPE_NAMES:
+        if not isinstance(dtype, str) or dtype not in _DTYPE_NAMES:
             self.fail(f"value %{name[:40]} has an unknown dtype {str(dtype)[:40]!r}")
         if name in self.values:
             self.fail(f"value %{name} is defined twice")
@@ -279,7 +280,7 @@ class _IRDecoder:
             self.fail(f"attribute {key!r}: bad value {str(node)[:80]}")
         if "$tuple" in node and isinstance(node["$tuple"], list):
             return tuple(self.attr(v, key) for v in node["$tuple"])
-        if "$dtype" in node and node["$dtype"] in _DTYPE_NAMES:
+        if "$dtype" in node and isinstance(node["$dtype"], str) and node["$dtype"] in _DTYPE_NAMES:
             return dt.get(node["$dtype"])
         if "$float" in node and node["$float"] in ("inf", "-inf", "nan"):
             return float(node["$float"])
@@ -305,9 +306,11 @@ class _IRDecoder:
 
     def np_dtype(self, name, key: str) -> np.dtype:
         try:
-            return _np_dtype(name)
-        except TypeError:
-            self.fail(f"attribute {key!r}: unknown dtype {str(name)[:40]!r}")
+            if isinstance(name, str):
+                return _np_dtype(name)
+        except (TypeError, ValueError, SyntaxError):   # NumPy parses dtype strings, e.g. "(2,)f4,"
+            pass
+        self.fail(f"attribute {key!r}: unknown dtype {str(name)[:40]!r}")
 
     def node(self, entry, where: str):
         from flowgen.ir.graph import Node
@@ -554,7 +557,8 @@ def save_graph(graph, path) -> None:
         doc["constants_sha256"] = file_sha256(constants_path)
         doc["weights_sha256"] = file_sha256(weights_path)
         write_json(with_self_hash(doc, "graph_sha256"), os.path.join(tmp, GRAPH_FILE))
-        write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
+        write_json(with_self_hash(signature_of(compiled.ir, graph.training, graph.name), "signature_sha256"),
+                   os.path.join(tmp, SIGNATURE_FILE))
 
     write_directory_atomically(path, write)
 
@@ -619,4 +623,5 @@ def load_saved_graph(path) -> SavedGraph:
     signature_path = os.path.join(path, SIGNATURE_FILE)
     signature = read_json_file(signature_path)
     _check_signature(signature, ir, bool(doc.get("training")), signature_path)
+    check_self_hash(signature, "signature_sha256", signature_path)
     return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped)

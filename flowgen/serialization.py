@@ -204,7 +204,7 @@ class _Decoder:
             self.fail(where, f"is a tensor with unknown fields {extra[:5]}")
         array = self._array(node["__tensor__"], where)
         name = node.get("dtype", dt.from_numpy(array.dtype).name)
-        if name not in _DTYPES:
+        if not isinstance(name, str) or name not in _DTYPES:
             self.fail(where, f"has dtype {str(name)[:40]!r}, not one of {', '.join(_DTYPES)}")
         dtype = _DTYPES[name]
         if array.dtype != dtype.np_dtype:
