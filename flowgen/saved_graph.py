@@ -233,6 +233,7 @@ class FormatError(CheckpointError):
 
 
 _STATE_KINDS = ("param", "buffer", "optim", "hyper", "counter", "const")
+_DTYPE_NAMES = {d.name for d in dt.ALL}
 
 
 class _IRDecoder:
@@ -342,9 +343,6 @@ class _IRDecoder:
         else:
             outputs = [self.new_value(o) for o in lists["outputs"]]
         return Node(op, inputs, outputs, attrs, scope, loc)
-
-
-_DTYPE_NAMES = {d.name for d in dt.ALL}
 
 
 def check_graph_format(doc, source: str) -> None:
