@@ -183,10 +183,27 @@ def test_load_refuses_other_versions_and_corrupt_files(conv, tmp_path):
     save_file(weights, copy / "weights.safetensors")
     with pytest.raises(FormatError, match="weights.safetensors is corrupt.*weights_sha256"):
         flow.load(copy)
-    doc.pop("graph_sha256")    # a consistent edit: the new weights' hash recorded, graph.json re-hashed
-    doc["weights_sha256"] = serialization.file_sha256(copy / "weights.safetensors")
-    (copy / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+    _rehash_graph_json(copy)
     with pytest.raises(FormatError, match="model.0.weight.*shape"):
+        flow.load(copy)
+
+
+def _rehash_graph_json(directory):
+    """Record the current weights' hash in graph.json and re-hash it: a consistent hand edit."""
+    doc = json.loads((directory / "graph.json").read_text())
+    doc.pop("graph_sha256")
+    doc["weights_sha256"] = serialization.file_sha256(directory / "weights.safetensors")
+    (directory / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+
+
+def test_load_names_a_bad_step_count_in_the_weights_metadata(conv, tmp_path):
+    """Issue 9: a step count that is not a number raised UnboundLocalError."""
+    copy = tmp_path / "copy"
+    shutil.copytree(conv["saved"], copy)
+    save_file(load_file(copy / "weights.safetensors"), copy / "weights.safetensors",
+              metadata={"format": "flowgen.weights", "step": "abc"})
+    _rehash_graph_json(copy)
+    with pytest.raises(FormatError, match="weights.safetensors: metadata 'step' is 'abc', not a step count"):
         flow.load(copy)
 
 
