@@ -1,6 +1,7 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
     flowgen build DIR -o OUT [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
+                  [--sanitize address|undefined|address,undefined]
     flowgen run OUT INPUT.npy... -o RESDIR [--steps N]
     flowgen inspect DIR|OUT [--source] [--ir] [--memory]
 """
@@ -14,20 +15,24 @@ from pathlib import Path
 
 import click
 
+from flowgen.codegen.aot import SANITIZERS
+from flowgen.serialization import write_file_atomic
+
 
 def _fail(message: str):
     raise click.ClickException(message)
 
 
 def _load(path: str):
-    from flowgen.saved_graph import FormatError, is_saved_graph, load_saved_graph
+    from flowgen.saved_graph import is_saved_graph, load_saved_graph
+    from flowgen.serialization import CheckpointError
 
     if not is_saved_graph(path):
         _fail(f"{path} is not a saved graph: it has no graph.json (write one with flow.save(graph, dir) after "
               f"calling the graph once)")
     try:
         return load_saved_graph(path)
-    except FormatError as e:
+    except CheckpointError as e:
         _fail(str(e))
 
 
@@ -66,7 +71,9 @@ def cli():
 @click.option("--arch", default="sm_90", show_default=True, help="GPU architecture of the embedded cubin (cuda target).")
 @click.option("--compiler", type=click.Choice(["nvrtc", "nvcc"]), default="nvrtc", show_default=True,
               help="Device compiler for the cuda target; nvcc must be on PATH.")
-@click.option("--sanitize", is_flag=True, hidden=True, help="Build the host code with AddressSanitizer (testing).")
+@click.option("--sanitize", type=click.Choice(SANITIZERS), default=None,
+              help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O0 -g, every report "
+                   "fatal): for testing the program against hostile input files.")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize):
     """Build the standalone program for the saved graph in DIR.
 
@@ -169,9 +176,8 @@ def bench(out_dir, inputs, steps, json_path):
     click.echo(f"{result['graph']:<24}{result['device'][:27]:<28}{steps:>8}{seconds:>10.3f}"
                f"{result['ms_per_step']:>10.3f}")
     if json_path:
-        from flowgen.runtime.toolchain import atomic_write_bytes
-
-        atomic_write_bytes(Path(json_path), json.dumps(result, indent=2).encode())
+        data = json.dumps(result, indent=2).encode()
+        write_file_atomic(json_path, lambda f: f.write(data))
         click.echo(f"wrote {json_path}")
 
 

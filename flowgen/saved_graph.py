@@ -12,7 +12,8 @@ so the step can be rebuilt without the Python code that defined it::
                             for the next step; metadata holds the step counter
                             and how many steps a GradScaler skipped
       signature.json        inputs/outputs (names, shapes, dtypes), training
-                            flag, graph name, flowgen version
+                            flag, graph name, flowgen version, and
+                            signature_sha256 (its own hash, as graph.json's)
 
 `flow.load(dir)` returns a `SavedGraph`: the IR rebuilt, the weights as NumPy
 arrays; `SavedGraph.run(*arrays)` runs one step on the CPU emulator, and
@@ -34,7 +35,9 @@ graph.json, format version 1
                   "body": [<nodes, same form>]}],
      "outputs": ["t6"],
      "updates": [["model.0.weight", "t24"]],          # state name <- value name
-     "constants_sha256": "<sha256 of constants.safetensors>"}
+     "constants_sha256": "<sha256 of constants.safetensors>",
+     "weights_sha256": "<sha256 of weights.safetensors as saved>",
+     "graph_sha256": "<sha256 of this document without this key, as canonical JSON>"}
 
 Values are named once, where they are defined (an input, a state entry or a
 node output); everywhere else a value is its name. Names are unique in a graph
@@ -60,10 +63,18 @@ scalars of other NumPy dtypes use NumPy's spelling ("|u1").
 
 A reader must refuse a version it does not know. Later versions may add keys;
 version 1 readers ignore keys they do not use.
+
+Loading checks everything it reads: graph.json against its own hash (sorted-key
+compact JSON of the document without ``graph_sha256``, see
+`serialization.document_sha256`), constants.safetensors and weights.safetensors
+against ``constants_sha256`` and ``weights_sha256``, both with the safetensors library, the
+weights against the graph's state (names, dtypes, shapes; metadata ``step`` and
+``skipped`` decimal integers) and signature.json against the graph. Anything
+refused raises `FormatError` (a `serialization.CheckpointError`) naming the file
+and the field.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -71,7 +82,9 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
-from flowgen.serialization import file_sha256, write_json
+from flowgen.serialization import (CheckpointError, check_self_hash, file_sha256, read_json_file,
+                                   read_safetensors_file, with_self_hash, write_directory_atomically, write_json,
+                                   write_safetensors)
 
 FORMAT = "flowgen.graph"
 VERSION = 1
@@ -215,11 +228,18 @@ def encode_graph(ir, training: bool) -> tuple:
 
 
 # ------------------------------------------------------------------ decoding
-class FormatError(ValueError):
+class FormatError(CheckpointError):
     """A saved graph directory that cannot be read (corrupt, or written by another format version)."""
 
 
+_STATE_KINDS = ("param", "buffer", "optim", "hyper", "counter", "const")
+_DTYPE_NAMES = {d.name for d in dt.ALL}
+
+
 class _IRDecoder:
+    """graph.json -> IR. The hash guards against damage; these checks make a well-formed but
+    wrong document a FormatError naming the entry too, never a crash."""
+
     def __init__(self, arrays: dict, source: str):
         self.arrays = arrays
         self.source = source
@@ -231,21 +251,25 @@ class _IRDecoder:
     def new_value(self, entry):
         from flowgen.ir.graph import Value
 
-        try:
-            name, shape, dtype = entry["name"], tuple(int(d) for d in entry["shape"]), dt.get(entry["dtype"])
-        except (KeyError, TypeError, ValueError) as e:
-            self.fail(f"bad value description {str(entry)[:80]} ({e})")
-        if not isinstance(name, str) or any(d < 0 for d in shape):
-            self.fail(f"bad value description {str(entry)[:80]}")
+        if not isinstance(entry, dict):
+            self.fail(f"bad value description {str(entry)[:80]} (not an object)")
+        name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype")
+        if not isinstance(name, str):
+            self.fail(f"bad value description {str(entry)[:80]} (no name)")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            self.fail(f"value %{name[:40]} has a bad shape {str(shape)[:80]}")
+        if not isinstance(dtype, str) or dtype not in _DTYPE_NAMES:
+            self.fail(f"value %{name[:40]} has an unknown dtype {str(dtype)[:40]!r}")
         if name in self.values:
             self.fail(f"value %{name} is defined twice")
-        v = Value(name, shape, dtype)
+        v = Value(name, tuple(shape), dt.get(dtype))
         self.values[name] = v
         return v
 
     def ref(self, name):
         if not isinstance(name, str) or name not in self.values:
-            self.fail(f"value {name!r} is used before it is defined")
+            self.fail(f"value {str(name)[:80]!r} is used before it is defined")
         return self.values[name]
 
     def attr(self, node, key: str):
@@ -254,72 +278,118 @@ class _IRDecoder:
         if isinstance(node, list):
             return [self.attr(v, key) for v in node]
         if not isinstance(node, dict) or len(node) == 0:
-            self.fail(f"bad attribute value {str(node)[:80]}")
-        if "$tuple" in node:
+            self.fail(f"attribute {key!r}: bad value {str(node)[:80]}")
+        if "$tuple" in node and isinstance(node["$tuple"], list):
             return tuple(self.attr(v, key) for v in node["$tuple"])
-        if "$dtype" in node:
+        if "$dtype" in node and isinstance(node["$dtype"], str) and node["$dtype"] in _DTYPE_NAMES:
             return dt.get(node["$dtype"])
-        if "$float" in node:
+        if "$float" in node and node["$float"] in ("inf", "-inf", "nan"):
             return float(node["$float"])
         if "$scalar" in node:
-            return _np_dtype(node["$scalar"]).type(self.attr(node["value"], key))
-        if "$dict" in node:
+            np_dtype = self.np_dtype(node["$scalar"], key)
+            value = self.attr(node.get("value"), key)
+            try:
+                return np_dtype.type(value)
+            except (TypeError, ValueError, OverflowError) as e:
+                self.fail(f"attribute {key!r}: bad {np_dtype} scalar {str(value)[:40]} ({e})")
+        if "$dict" in node and isinstance(node["$dict"], dict):
             return {k: self.attr(v, key) for k, v in node["$dict"].items()}
         if "$array" in node:
-            array = self.arrays.get(node["$array"])
+            name = node["$array"]
+            array = self.arrays.get(name) if isinstance(name, str) else None
             if array is None:
-                self.fail(f"constant {node['$array']!r} is missing from {CONSTANTS_FILE}")
-            if _np_dtype(node["dtype"]) != array.dtype or list(array.shape) != list(node["shape"]):
-                self.fail(f"constant {node['$array']!r} in {CONSTANTS_FILE} is {array.dtype}{list(array.shape)}, "
-                          f"graph.json says {node['dtype']}{node['shape']}")
+                self.fail(f"attribute {key!r}: constant {str(name)[:80]!r} is missing from {CONSTANTS_FILE}")
+            if self.np_dtype(node.get("dtype"), key) != array.dtype or list(array.shape) != node.get("shape"):
+                self.fail(f"constant {name!r} in {CONSTANTS_FILE} is {array.dtype}{list(array.shape)}, "
+                          f"graph.json says {str(node.get('dtype'))[:40]}{str(node.get('shape'))[:80]}")
             return array
-        self.fail(f"unknown attribute tag in {str(node)[:80]}")
+        self.fail(f"attribute {key!r}: unknown or malformed tag in {str(node)[:80]}")
 
-    def node(self, entry):
+    def np_dtype(self, name, key: str) -> np.dtype:
+        try:
+            if isinstance(name, str):
+                return _np_dtype(name)
+        except (TypeError, ValueError, SyntaxError):   # NumPy parses dtype strings, e.g. "(2,)f4,"
+            pass
+        self.fail(f"attribute {key!r}: unknown dtype {str(name)[:40]!r}")
+
+    def node(self, entry, where: str):
         from flowgen.ir.graph import Node
         from flowgen.ops.registry import get_op
 
-        try:
-            op = entry["op"]
-            if op != "fused":   # fused nodes are made by the fusion pass, not registered ops
+        if not isinstance(entry, dict) or not isinstance(entry.get("op"), str):
+            self.fail(f"{where} is not a node object with an op")
+        op = entry["op"]
+        if op != "fused":   # fused nodes are made by the fusion pass, not registered ops
+            try:
                 get_op(op)
-        except (KeyError, TypeError) as e:
-            self.fail(f"bad node {str(entry)[:80]} (unknown op: {e})")
-        inputs = [self.ref(n) for n in entry.get("inputs", [])]
-        attrs = {k: self.attr(v, k) for k, v in entry.get("attrs", {}).items()}
+            except (KeyError, TypeError) as e:
+                self.fail(f"{where}: unknown op {op[:40]!r} ({e})")
+        lists = {k: entry.get(k, []) for k in ("inputs", "outputs", "body")}
+        for k, v in lists.items():
+            if not isinstance(v, list):
+                self.fail(f"{where} ({op}): {k} is not a list")
+        attrs_entry = entry.get("attrs", {})
+        if not isinstance(attrs_entry, dict):
+            self.fail(f"{where} ({op}): attrs is not an object")
+        scope, loc = entry.get("scope", ""), entry.get("loc", "")
+        if not (isinstance(scope, str) and isinstance(loc, str)):
+            self.fail(f"{where} ({op}): scope and loc must be strings")
+        inputs = [self.ref(n) for n in lists["inputs"]]
+        attrs = {k: self.attr(v, k) for k, v in attrs_entry.items()}
         if "body" in entry:
-            attrs["body"] = [self.node(n) for n in entry["body"]]
-            outputs = [self.ref(o["name"]) for o in entry["outputs"]]
+            attrs["body"] = [self.node(n, f"{where}.body[{i}]") for i, n in enumerate(lists["body"])]
+            outputs = [self.ref(o.get("name") if isinstance(o, dict) else None) for o in lists["outputs"]]
         else:
-            outputs = [self.new_value(o) for o in entry["outputs"]]
-        return Node(op, inputs, outputs, attrs, entry.get("scope", ""), entry.get("loc", ""))
+            outputs = [self.new_value(o) for o in lists["outputs"]]
+        return Node(op, inputs, outputs, attrs, scope, loc)
+
+
+def check_graph_format(doc, source: str) -> None:
+    """Refuse a document that is not a graph.json of the version this flowgen reads."""
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise FormatError(f"flow.load: {source}: {GRAPH_FILE} is not a flowgen graph file")
+    if doc.get("version") != VERSION:
+        raise FormatError(f"flow.load: {source}: {GRAPH_FILE} has format version {str(doc.get('version'))[:20]}; "
+                          f"this flowgen ({_flowgen_version()}) reads version {VERSION}")
 
 
 def decode_graph(doc: dict, arrays: dict, source: str):
     from flowgen.ir.graph import Graph, StateVar
     from flowgen.ir.verify import IRError, verify
 
+    check_graph_format(doc, source)
     dec = _IRDecoder(arrays, source)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        dec.fail(f"{GRAPH_FILE} is not a flowgen graph file")
-    if doc.get("version") != VERSION:
-        dec.fail(f"{GRAPH_FILE} has format version {doc.get('version')!r}; this flowgen ({_flowgen_version()}) "
-                 f"reads version {VERSION}")
+    for key, kind in (("name", str), ("inputs", list), ("state", list), ("nodes", list), ("outputs", list),
+                      ("updates", list)):
+        if not isinstance(doc.get(key), kind):
+            dec.fail(f"{GRAPH_FILE}: the {key!r} field is missing or not a {kind.__name__}")
+    graph = Graph(doc["name"])
+    graph.inputs = [dec.new_value(e) for e in doc["inputs"]]
+    for i, e in enumerate(doc["state"]):
+        value = dec.new_value(e)
+        if e.get("kind") not in _STATE_KINDS:
+            dec.fail(f"{GRAPH_FILE}: state[{i}] ({value.name}) has kind {str(e.get('kind'))[:20]!r}, not one of "
+                     f"{', '.join(_STATE_KINDS)}")
+        schedule = e.get("schedule")
+        if schedule is not None and not (isinstance(schedule, dict) and isinstance(schedule.get("kind"), str)):
+            dec.fail(f"{GRAPH_FILE}: state[{i}] ({value.name}) has a malformed schedule")
+        graph.state.append(StateVar(value.name, value, e["kind"], schedule))
     try:
-        graph = Graph(doc["name"])
-        graph.inputs = [dec.new_value(e) for e in doc["inputs"]]
-        graph.state = [StateVar(e["name"], dec.new_value(e), e["kind"], e.get("schedule")) for e in doc["state"]]
-        graph.nodes = [dec.node(n) for n in doc["nodes"]]
-        graph.outputs = [dec.ref(n) for n in doc["outputs"]]
-        graph.updates = [(name, dec.ref(v)) for name, v in doc["updates"]]
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, FormatError):
-            raise
-        dec.fail(f"{GRAPH_FILE} is malformed ({type(e).__name__}: {e})")
+        graph.nodes = [dec.node(n, f"nodes[{i}]") for i, n in enumerate(doc["nodes"])]
+    except RecursionError:
+        dec.fail(f"{GRAPH_FILE}: an attribute is nested too deeply")
+    graph.outputs = [dec.ref(n) for n in doc["outputs"]]
+    for i, update in enumerate(doc["updates"]):
+        if not (isinstance(update, list) and len(update) == 2 and isinstance(update[0], str)):
+            dec.fail(f"{GRAPH_FILE}: updates[{i}] is not a [state name, value name] pair")
+        graph.updates.append((update[0], dec.ref(update[1])))
     try:
         verify(graph)
-    except (IRError, ValueError, TypeError, IndexError) as e:
+    except IRError as e:
         dec.fail(f"{GRAPH_FILE} does not describe a valid graph: {e}")
+    except Exception as e:  # noqa: BLE001 - verify runs every op's shape inference on the file's attributes
+        dec.fail(f"{GRAPH_FILE} does not describe a valid graph: {type(e).__name__}: {e}")
     return graph
 
 
@@ -453,14 +523,13 @@ def signature_of(ir, training: bool, graph_name: str) -> dict:
     }
 
 
-def write_weights(weights: dict, filename: str, graph_name: str, step: int, skipped: int = 0) -> None:
-    """weights.safetensors: tensors in state order; metadata names the graph, the step counter
-    and how many of those steps a GradScaler skipped (they do not count for Adam or SGD momentum)."""
-    from safetensors.numpy import save_file
-
-    save_file({k: _contiguous(v) for k, v in weights.items()}, filename,
-              metadata={"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step)),
-                        "skipped": str(int(skipped))})
+def write_weights(weights: dict, file, graph_name: str, step: int, skipped: int = 0) -> None:
+    """weights.safetensors, to the open binary `file`: tensors in state order; metadata names the
+    graph, the step counter and how many of those steps a GradScaler skipped (they do not count
+    for Adam or SGD momentum). The same state gives the same bytes in every process."""
+    write_safetensors({k: _contiguous(v) for k, v in weights.items()}, file,
+                      {"format": WEIGHTS_FORMAT, "graph": graph_name, "step": str(int(step)),
+                       "skipped": str(int(skipped))})
 
 
 def is_saved_graph(path) -> bool:
@@ -469,10 +538,6 @@ def is_saved_graph(path) -> bool:
 
 def save_graph(graph, path) -> None:
     """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically."""
-    from safetensors.numpy import save_file
-
-    from flowgen.serialization import write_directory_atomically
-
     if graph._last is None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
@@ -482,44 +547,21 @@ def save_graph(graph, path) -> None:
 
     def write(tmp: str) -> None:
         constants_path = os.path.join(tmp, CONSTANTS_FILE)
-        save_file(arrays, constants_path, metadata={"format": "flowgen.constants"})
+        with open(constants_path, "wb") as f:
+            write_safetensors(arrays, f, {"format": "flowgen.constants"})
+        weights_path = os.path.join(tmp, WEIGHTS_FILE)
+        with open(weights_path, "wb") as f:
+            write_weights(weights, f, graph.name, graph._counter["calls"], graph._counter.get("skipped", 0))
         doc["constants_sha256"] = file_sha256(constants_path)
-        write_json(doc, os.path.join(tmp, GRAPH_FILE))
-        write_weights(weights, os.path.join(tmp, WEIGHTS_FILE), graph.name, graph._counter["calls"],
-                      graph._counter.get("skipped", 0))
-        write_json(signature_of(compiled.ir, graph.training, graph.name), os.path.join(tmp, SIGNATURE_FILE))
+        doc["weights_sha256"] = file_sha256(weights_path)
+        write_json(with_self_hash(doc, "graph_sha256"), os.path.join(tmp, GRAPH_FILE))
+        write_json(with_self_hash(signature_of(compiled.ir, graph.training, graph.name), "signature_sha256"),
+                   os.path.join(tmp, SIGNATURE_FILE))
 
     write_directory_atomically(path, write)
 
 
 # ------------------------------------------------------------------ loading
-def _read_json(filename: str, what: str):
-    try:
-        with open(filename, encoding="utf-8") as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise FormatError(f"flow.load: {os.path.dirname(filename)} is incomplete: {what} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise FormatError(f"flow.load: {filename} is corrupt (not valid JSON: {e})") from None
-
-
-def _read_safetensors(filename: str) -> tuple:
-    from safetensors import safe_open
-
-    try:
-        arrays = {}
-        with safe_open(filename, framework="numpy") as f:
-            metadata = f.metadata() or {}
-            for key in f.keys():
-                arrays[key] = np.array(f.get_tensor(key))
-        return arrays, metadata
-    except FileNotFoundError:
-        raise FormatError(f"flow.load: {os.path.dirname(filename)} is incomplete: "
-                          f"{os.path.basename(filename)} is missing") from None
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for bad files
-        raise FormatError(f"flow.load: {filename} is corrupt ({type(e).__name__}: {e})") from None
-
-
 def check_weights(ir, weights: dict, source: str) -> None:
     """The weights must hold exactly the graph's state, with its shapes and dtypes."""
     expected = {s.name: s.value for s in ir.state}
@@ -537,24 +579,47 @@ def check_weights(ir, weights: dict, source: str) -> None:
             raise FormatError(f"{source}: tensor {name!r} has shape {tuple(a.shape)}, expected {tuple(v.shape)}")
 
 
+def _metadata_count(metadata: dict, key: str, filename: str) -> int:
+    text = metadata.get(key, "0")
+    if not (text.isascii() and text.isdigit() and len(text) < 16):
+        raise FormatError(f"flow.load: {filename}: metadata {key!r} is {text[:40]!r}, not a step count")
+    return int(text)
+
+
+def _check_signature(signature, ir, training: bool, filename: str) -> None:
+    """signature.json must describe the graph it sits beside."""
+    if not isinstance(signature, dict) or signature.get("format") != SIGNATURE_FORMAT:
+        raise FormatError(f"flow.load: {filename} is not a flowgen signature file")
+    if not isinstance(signature.get("graph"), str):
+        raise FormatError(f"flow.load: {filename}: the 'graph' field is missing or not a string")
+    expected = signature_of(ir, training, signature["graph"])
+    for key in ("version", "training", "inputs", "outputs", "state"):
+        if signature.get(key) != expected[key]:
+            raise FormatError(f"flow.load: {filename}: the {key!r} field does not match {GRAPH_FILE} "
+                              f"(found {str(signature.get(key))[:80]}, expected {str(expected[key])[:80]})")
+
+
 def load_saved_graph(path) -> SavedGraph:
     path = os.path.abspath(os.fspath(path))
-    doc = _read_json(os.path.join(path, GRAPH_FILE), GRAPH_FILE)
+    graph_path = os.path.join(path, GRAPH_FILE)
+    doc = read_json_file(graph_path)
+    check_graph_format(doc, path)
+    check_self_hash(doc, "graph_sha256", graph_path)
     constants_path = os.path.join(path, CONSTANTS_FILE)
-    expected = doc.get("constants_sha256") if isinstance(doc, dict) else None
-    if expected is not None and os.path.isfile(constants_path) and file_sha256(constants_path) != expected:
-        raise FormatError(f"flow.load: {constants_path} is corrupt: its SHA-256 does not match graph.json")
-    arrays, _ = _read_safetensors(constants_path)
+    weights_path = os.path.join(path, WEIGHTS_FILE)
+    arrays, _ = read_safetensors_file(constants_path)
+    weights_raw, metadata = read_safetensors_file(weights_path)
+    for filename, key in ((constants_path, "constants_sha256"), (weights_path, "weights_sha256")):
+        if file_sha256(filename) != doc.get(key):
+            raise FormatError(f"flow.load: {filename} is corrupt: its SHA-256 does not match the {key} field of "
+                              f"{GRAPH_FILE} (modified or damaged after saving)")
     ir = decode_graph(doc, arrays, path)
-    weights_raw, metadata = _read_safetensors(os.path.join(path, WEIGHTS_FILE))
-    check_weights(ir, weights_raw, os.path.join(path, WEIGHTS_FILE))
+    check_weights(ir, weights_raw, weights_path)
     weights = {s.name: weights_raw[s.name] for s in ir.state}
-    signature = _read_json(os.path.join(path, SIGNATURE_FILE), SIGNATURE_FILE)
-    if not isinstance(signature, dict) or signature.get("format") != SIGNATURE_FORMAT:
-        raise FormatError(f"flow.load: {path}/{SIGNATURE_FILE} is not a flowgen signature file")
-    try:
-        step = int(metadata.get("step", 0))
-        skipped = int(metadata.get("skipped", 0))
-    except ValueError:
-        step = 0
+    step = _metadata_count(metadata, "step", weights_path)
+    skipped = _metadata_count(metadata, "skipped", weights_path)
+    signature_path = os.path.join(path, SIGNATURE_FILE)
+    signature = read_json_file(signature_path)
+    _check_signature(signature, ir, bool(doc.get("training")), signature_path)
+    check_self_hash(signature, "signature_sha256", signature_path)
     return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped)

@@ -18,16 +18,24 @@ copy state updates back, read outputs.
 Targets: ``cpu`` compiles the whole file with g++ against the emulator header; ``cuda``
 compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary and the host
 half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
+
+``sanitize`` ("address", "undefined" or "address,undefined") builds the host code (on the cpu
+target: the kernels too) with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer, -O0 -g,
+every report fatal; for testing the program against hostile files.
+
+Every file lands atomically (written beside its final name, then renamed) with the permissions
+a normal file gets under the process umask: 0644 for files and 0755 for the binary under the
+usual umask 022, so a service running as another user can read a deployed build.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +46,9 @@ from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
 from flowgen.passes.optimizer import scaler_state_name
+from flowgen.serialization import with_self_hash, write_file_atomic
 
+SANITIZERS = ("address", "undefined", "address,undefined")
 MANIFEST_FORMAT = "flowgen.manifest"
 MANIFEST_VERSION = 1
 MAX_DIMS = 8
@@ -349,8 +359,10 @@ def _cubin_inc(cubin: bytes, arch: str) -> str:
             + _bytes_literal("FLOWGEN_CUBIN", cubin, f"cubin for {arch}"))
 
 
-def _host_command(target: str, binary: str, sanitize: bool) -> list:
-    optimise = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if sanitize else ["-O2"]
+def _host_command(target: str, binary: str, sanitize: str | None) -> list:
+    # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
+    optimise = (["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
+                if sanitize else ["-O2"])
     if target == "cpu":
         return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
                 "-x", "c++", "program.cu", "-o", binary]
@@ -367,9 +379,8 @@ def _sha256_bytes(data: bytes) -> str:
 
 
 def _write(path: Path, data) -> None:
-    from flowgen.runtime.toolchain import atomic_write_bytes
-
-    atomic_write_bytes(path, data.encode() if isinstance(data, str) else data)
+    data = data.encode() if isinstance(data, str) else data
+    write_file_atomic(path, lambda f: f.write(data))
 
 
 def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None:
@@ -386,7 +397,7 @@ def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None
 
 
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
-                 timings: dict) -> dict:
+                 timings: dict, sanitize: str | None = None) -> dict:
     import flowgen
 
     ir = program.graph
@@ -404,6 +415,7 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "target": target,
         "arch": arch if target == "cuda" else None,
         "compiler": compiler if target == "cuda" else "g++",
+        "sanitize": sanitize,
         "training": saved.training,
         "program_sha256": program_sha256,
         "inputs": saved.signature["inputs"],
@@ -423,9 +435,10 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
 
 
 def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compiler: str = "nvrtc",
-          sanitize: bool = False, log=None) -> BuildResult:
+          sanitize: str | None = None, log=None) -> BuildResult:
     """Build the program for a saved graph (`source`: a `flow.save(graph, dir)` directory or a
-    `SavedGraph`) into `out_dir`. `log(text)` receives one line per finished stage."""
+    `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS. `log(text)` receives
+    one line per finished stage."""
     from flowgen.runtime.toolchain import runtime_cpp_dir, safe_tag
     from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph,
                                      load_saved_graph, write_weights)
@@ -435,6 +448,8 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         raise BuildError(f"unknown target {target!r}; use cpu or cuda")
     if compiler not in ("nvrtc", "nvcc"):
         raise BuildError(f"unknown device compiler {compiler!r}; use nvrtc or nvcc")
+    if sanitize is not None and sanitize not in SANITIZERS:
+        raise BuildError(f"unknown sanitizer {sanitize!r}; use one of {', '.join(SANITIZERS)}")
     if target == "cuda" and compiler == "nvcc" and shutil.which("nvcc") is None:
         raise BuildError("--compiler nvcc: nvcc is not on PATH (install the CUDA toolkit, or use the default "
                          "--compiler nvrtc, which needs only the pip wheels)")
@@ -469,7 +484,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     _write(out / "program.cu", text)
     _write(out / "program_constants.inc", constants_inc)
     if saved.path is not None and Path(saved.path).resolve() != out:
-        for name in (GRAPH_FILE, CONSTANTS_FILE, SIGNATURE_FILE):
+        for name in (CONSTANTS_FILE, SIGNATURE_FILE):
             _write(out / name, (Path(saved.path) / name).read_bytes())
     stage("render", f"program.cu: {text.count(chr(10))} lines, {len(program.kernels)} kernels, "
                     f"arena {program.plan.arena_bytes} bytes", start)
@@ -491,24 +506,26 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     start = time.perf_counter()
     partial = f".{binary}.partial"
     _run_compiler(_host_command(target, partial, sanitize), out, "compile host code", text)
-    os.replace(out / partial, out / binary)
+    os.replace(out / partial, out / binary)   # the linker made it executable, under the umask
     what = "g++ + emulator (device and host code)" if target == "cpu" else "g++ (driver API via dlopen)"
-    stage("compile host code", f"{what} -> {out / binary}" + (" [AddressSanitizer]" if sanitize else ""), start)
+    stage("compile host code", f"{what} -> {out / binary}" + (f" [-fsanitize={sanitize}]" if sanitize else ""), start)
 
     start = time.perf_counter()
-    fd, tmp = tempfile.mkstemp(dir=out, prefix=".weights.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write_weights(saved.weights, tmp, saved.name, saved.step, saved.skipped)
-        os.replace(tmp, out / WEIGHTS_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    weights = io.BytesIO()
+    write_weights(saved.weights, weights, saved.name, saved.step, saved.skipped)
+    _write(out / WEIGHTS_FILE, weights.getvalue())
+    if saved.path is not None:
+        # OUT is a saved graph too (`flowgen inspect OUT`): graph.json records the weights' hash,
+        # and SavedGraph.run may have changed them since saving.
+        doc = json.loads((Path(saved.path) / GRAPH_FILE).read_text())
+        doc.pop("graph_sha256")
+        doc["weights_sha256"] = _sha256_bytes(weights.getvalue())
+        _write(out / GRAPH_FILE, json.dumps(with_self_hash(doc, "graph_sha256"), indent=1) + "\n")
     nbytes = sum(a.nbytes for a in saved.weights.values())
     stage("write weights", f"{WEIGHTS_FILE}: {len(saved.weights)} tensors, {nbytes} bytes", start)
     timings["total"] = time.perf_counter() - total
 
     manifest = manifest_for(saved, program, target=target, arch=arch, compiler=compiler, binary=binary,
-                            program_sha256=_sha256_bytes(text.encode()), timings=timings)
+                            program_sha256=_sha256_bytes(text.encode()), timings=timings, sanitize=sanitize)
     _write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, out / binary, manifest, timings)

@@ -173,7 +173,7 @@ _erf_exact = np.frompyfunc(math.erf, 1, 1)
 
 def _erf(x: np.ndarray) -> np.ndarray:
     if x.dtype == np.float64:
-        return _erf_exact(x).astype(np.float64)
+        return np.asarray(_erf_exact(x), dtype=np.float64)   # frompyfunc gives a Python float for 0-d input
     z = np.abs(x.astype(np.float64))
     t = 1.0 / (1.0 + 0.3275911 * z)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
