@@ -1,0 +1,122 @@
+"""Collectives between ranks, carried by MPI (mpi4py; MPICH from PyPI: `pip install '.[dist]'`).
+
+`world()` is the communicator of this process: `MpiWorld` when a launcher started several
+processes, `SingleProcess` (no MPI loaded) otherwise, so world-size-1 code runs the same calls.
+Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into one flat buffer
+so that it costs one MPI call (`all_reduce`).
+
+The `all_reduce` op is the IR's view of the same thing: one node per gradient bucket, inserted by
+`passes/gradient_allreduce.py`; it has no kernel (lowering `Collective`), the executor runs it on
+the host between the kernels that make the gradients and the ones that apply them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen.distributed import env
+from flowgen.ops.lowering import Collective
+from flowgen.ops.registry import TensorMeta, defop
+
+REDUCE_OPS = ("sum", "mean")
+
+
+class SingleProcess:
+    """The world of a process started without a launcher: every collective is the identity."""
+
+    rank, size = 0, 1
+
+    def all_reduce(self, arrays: list, op: str = "sum") -> list:
+        _check_op(op)
+        return [np.array(a) for a in arrays]
+
+    def all_gather(self, array: np.ndarray) -> list:
+        return [np.array(array)]
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        return np.array(array)
+
+    def barrier(self):
+        pass
+
+
+class MpiWorld:
+    """MPI_COMM_WORLD. mpi4py is imported here, not at module level: it is an optional
+    dependency, and importing it initialises MPI, which only launched processes should do."""
+
+    def __init__(self):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise RuntimeError(f"this process is rank {env.get_rank()} of {env.get_world_size()}, but mpi4py "
+                               f"is not installed; install flowgen's 'dist' extra: pip install 'flowgen[dist]'"
+                               ) from exc
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if (self.rank, self.size) != (env.get_rank(), env.get_world_size()):
+            raise RuntimeError(f"MPI says rank {self.rank} of {self.size}, the environment says "
+                               f"{env.get_rank()} of {env.get_world_size()}: launch with the mpiexec of the "
+                               f"MPI that mpi4py was built against")
+
+    def all_reduce(self, arrays: list, op: str = "sum") -> list:
+        """Element-wise sum (or mean) over ranks of each array; one MPI call per dtype."""
+        _check_op(op)
+        out = [None] * len(arrays)
+        for dtype in dict.fromkeys(np.asarray(a).dtype for a in arrays):
+            members = [i for i, a in enumerate(arrays) if np.asarray(a).dtype == dtype]
+            flat = np.concatenate([np.asarray(arrays[i]).ravel() for i in members])
+            self.comm.Allreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM)
+            if op == "mean":
+                flat = (flat / self.size).astype(dtype)
+            offset = 0
+            for i in members:
+                shape = np.shape(arrays[i])
+                out[i] = flat[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                offset += out[i].size
+        return out
+
+    def all_gather(self, array: np.ndarray) -> list:
+        """Every rank's array (shapes may differ), in rank order."""
+        return self.comm.allgather(np.ascontiguousarray(array))
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        data = np.ascontiguousarray(array).copy()
+        self.comm.Bcast(data, root=root)
+        return data
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+def _check_op(op: str):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+_world = None
+
+
+def world():
+    """This process's communicator, created on first use."""
+    global _world
+    if _world is None:
+        _world = MpiWorld() if env.get_world_size() > 1 else SingleProcess()
+    return _world
+
+
+# ------------------------------------------------------------------ the IR op
+def _all_reduce_infer(*metas, op: str, world_size: int):
+    _check_op(op)
+    return tuple(TensorMeta(m.shape, m.dtype) for m in metas)
+
+
+def _all_reduce_ref(*arrays, op: str, world_size: int):
+    comm = world()
+    if comm.size != world_size:
+        raise RuntimeError(f"all_reduce: the graph was compiled for {world_size} ranks but this world has {comm.size}")
+    out = comm.all_reduce(list(arrays), op)
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("all_reduce", infer=_all_reduce_infer, ref=_all_reduce_ref, lowering=Collective("all_reduce"),
+      doc="all_reduce(*xs, op, world_size): each x summed (op='sum') or averaged (op='mean') over the ranks")
