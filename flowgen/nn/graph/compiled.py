@@ -18,7 +18,9 @@ from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
 from flowgen.nn.graph.report import meta_repr
 from flowgen.ir.graph import NameGen
+from flowgen.distributed.data_parallel import broadcast_state, global_outputs
 from flowgen.passes.autodiff import autodiff, next_value_index
+from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
@@ -40,6 +42,8 @@ class CompiledGraph:
         self.timings = timings
         self.versions: dict = {}
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
+        self.data_parallel = None           # DataParallel when gradients are reduced over ranks
+        self.output_placement = None        # the global inputs' placement: outputs become global
 
     @property
     def sources(self) -> dict:
@@ -105,6 +109,8 @@ class CompiledGraph:
         # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
         self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
+        if self.output_placement is not None:
+            tensors = global_outputs(tensors, self.output_placement, self.data_parallel)
         return self.output_structure(tensors)
 
 
@@ -232,9 +238,13 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args):
+def compile_step(graph, args, data_parallel=None):
+    """`args` are this rank's local inputs; `data_parallel` (flowgen/distributed/data_parallel.py)
+    makes the step reduce its gradients over the ranks."""
     cls = type(graph).__name__
     device = _device_of(graph, args)
+    if data_parallel is not None:
+        broadcast_state(graph)
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
@@ -293,6 +303,9 @@ def compile_step(graph, args):
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    if grads is not None and data_parallel is not None:
+        ir, grads = all_reduce_gradients(ir, grads, device, data_parallel.world_size, data_parallel.reduce,
+                                         data_parallel.bucket_size)
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
@@ -322,6 +335,7 @@ def compile_step(graph, args):
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
+    compiled.data_parallel = data_parallel
     return compiled
 
 

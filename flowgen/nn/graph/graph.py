@@ -14,6 +14,7 @@ from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.proxy import ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 
 def _as_int(step) -> int:
     return int(step.item() if hasattr(step, "item") else step)
@@ -91,14 +92,16 @@ class Graph:
             if not isinstance(a, Tensor):
                 raise TypeError(f"{self._name}: argument {i} of build() is a {type(a).__name__}, but graph inputs "
                                 f"must be flowgen tensors (wrap it with flow.tensor(...) or make it an attribute)")
-        key = tuple((tuple(a.shape), a.dtype, a.device) for a in args)
+        args, placement, split = split_inputs(self, args)
+        key = (tuple((tuple(a.shape), a.dtype, a.device) for a in args), placement)
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
                              f"{[meta_repr(a, lazy=False) for a in args]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args)
+            variant = compile_step(self, args, data_parallel_of(self, split))
+            variant.output_placement = placement
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
                 self._variants.popitem(last=False)
