@@ -1,8 +1,10 @@
 """One rank of the multi-process tests in tests/test_distributed.py (run by mpiexec).
 
-`python worker.py SCENARIO OUT.npz`: trains as SCENARIO says on this rank's part of a fixed
-global batch and, on rank 0, saves the losses and final parameters to OUT.npz. Every rank checks
-that its parameters equal rank 0's (replicas must never drift apart) and exits non-zero if not.
+`python worker.py OUTDIR SCENARIO...`: for each training SCENARIO, trains on this rank's part of a
+fixed global batch and, on rank 0, saves the global-batch losses (the ranks' losses combined as the
+loss reduction says) and the final parameters to OUTDIR/SCENARIO.npz. Every rank checks that its
+parameters equal rank 0's (replicas must never drift apart) and exits non-zero if not. The
+scenario "global_tensors" saves what OneFlow's to_global/to_local conversions gave.
 `reference(SCENARIO)` trains the same model in one process on the whole global batch.
 """
 from __future__ import annotations
@@ -87,7 +89,29 @@ def train(scenario: str, rank: int, world: int):
             loss.backward()
             optimizer.step()
             losses.append(float(loss))
+    if mode.startswith("ddp"):   # each rank's loss is over its part: combine them like the gradients
+        losses = flow.distributed.collectives.world().all_reduce([np.array(losses)], reduction)[0]
     return np.array(losses), [p.numpy().copy() for p in model.parameters()]
+
+
+def global_tensors(rank: int, world: int) -> dict:
+    """OneFlow's conversions: local -> global (split, broadcast from rank 0, partial_sum) and
+    global -> global (S -> B, P -> B, B -> S), with their logical shapes."""
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    local = flow.tensor(np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * rank)
+    split = local.to_global(placement, flow.sbp.split(0))
+    split1 = local.to_global(placement, flow.sbp.split(1))
+    broadcast = local.to_global(placement, flow.sbp.broadcast)
+    partial = local.to_global(placement, flow.sbp.partial_sum)
+    return {
+        "split_shape": np.array(split.shape), "split1_shape": np.array(split1.shape),
+        "split_to_broadcast": split.to_global(sbp=flow.sbp.broadcast).to_local().numpy(),
+        "split1_numpy": split1.numpy(),
+        "broadcast_local": broadcast.to_local().numpy(),
+        "partial_to_broadcast": partial.to_global(sbp=flow.sbp.broadcast).to_local().numpy(),
+        "broadcast_to_split_local": broadcast.to_global(sbp=flow.sbp.split(1)).to_local().numpy(),
+        "partial_to_split_local": partial.to_global(sbp=flow.sbp.split(0)).to_local().numpy(),
+    }
 
 
 def reference(scenario: str):
@@ -103,15 +127,25 @@ def reference(scenario: str):
 
 
 def main():
-    scenario, out = sys.argv[1], sys.argv[2]
+    out_dir, scenarios = sys.argv[1], sys.argv[2:]
     rank, world = flow.env.get_rank(), flow.env.get_world_size()
-    losses, params = train(scenario, rank, world)
     comm = flow.distributed.collectives.world()
-    for k, p in enumerate(params):
-        if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
-            sys.exit(f"rank {rank}: parameter {k} differs between ranks after training")
-    if rank == 0:
-        np.savez(out, losses=losses, *params)
+    for scenario in scenarios:
+        if scenario == "global_tensors":
+            results = global_tensors(rank, world)
+            gathered = comm.all_gather(results["broadcast_to_split_local"])
+            results["broadcast_to_split_all"] = np.concatenate(gathered, axis=1)
+            gathered = comm.all_gather(results["partial_to_split_local"])
+            results["partial_to_split_all"] = np.concatenate(gathered, axis=0)
+            if rank == 0:
+                np.savez(f"{out_dir}/{scenario}.npz", **results)
+            continue
+        losses, params = train(scenario, rank, world)
+        for k, p in enumerate(params):
+            if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
+                sys.exit(f"rank {rank}: parameter {k} differs between ranks after {scenario}")
+        if rank == 0:
+            np.savez(f"{out_dir}/{scenario}.npz", losses=losses, *params)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
 from flowgen.nn.graph.report import meta_repr
 from flowgen.ir.graph import NameGen
+from flowgen.distributed.collectives import world
 from flowgen.distributed.data_parallel import broadcast_state, global_outputs
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import all_reduce_gradients
@@ -134,6 +135,17 @@ def _make_backend(device, source: str, tag: str):
     if not cuda_driver.available():
         raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
     return CudaBackend(source, tag)
+
+
+def _make_backend_once(device, source: str, tag: str, data_parallel):
+    """Ranks of a data-parallel graph compile the same source: rank 0 builds it into the
+    cache while the others wait, then they load it from there."""
+    if data_parallel is None or data_parallel.world_size == 1:
+        return _make_backend(device, source, tag)
+    comm = world()
+    backend = _make_backend(device, source, tag) if comm.rank == 0 else None
+    comm.barrier()
+    return backend if backend is not None else _make_backend(device, source, tag)
 
 
 def _module_hook(graph, tracer, paths: dict, io: dict):
@@ -327,7 +339,7 @@ def compile_step(graph, args, data_parallel=None):
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
-    executor_backend = _make_backend(device, program.source, graph.name)
+    executor_backend = _make_backend_once(device, program.source, graph.name, data_parallel)
     from flowgen.runtime.executor import Executor
 
     executor = Executor(program, executor_backend)

@@ -47,7 +47,7 @@ class DataParallelState:
     def check_no_bucket_pending(self):
         for k, ready in enumerate(self.ready):
             if ready:
-                missing = [n for n, p in self.buckets[k] if id(p) not in ready]
+                missing = [n for n, p in reversed(self.buckets[k]) if id(p) not in ready]   # in module order
                 raise RuntimeError(f"DistributedDataParallel: the last backward pass gave no gradient to "
                                    f"{', '.join(missing)}, so their bucket was never averaged over the ranks; "
                                    f"every parameter that requires grad must take part in the loss "
