@@ -115,14 +115,19 @@ def global_tensors(rank: int, world: int) -> dict:
 
 
 def reference(scenario: str):
-    """One process, the whole global batch: what every data-parallel run must equal."""
+    """One process, the whole global batch, eager mode: what every data-parallel run must equal."""
     _, reduction, opt_kind = SCENARIOS[scenario]
     model = make_model()
     loss_fn = flow.nn.MSELoss(reduction=reduction)
     optimizer = make_optimizer(opt_kind, model.parameters())
-    graph = make_graph(model, loss_fn, optimizer)
     xs, ys = global_batch()
-    losses = [float(graph(flow.tensor(xs[s]), flow.tensor(ys[s]))) for s in range(STEPS)]
+    losses = []
+    for s in range(STEPS):
+        loss = loss_fn(model(flow.tensor(xs[s])), flow.tensor(ys[s]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
     return np.array(losses), [p.numpy().copy() for p in model.parameters()]
 
 
