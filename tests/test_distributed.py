@@ -129,6 +129,18 @@ def test_graph_of_a_ddp_module_runs_the_all_reduce_steps_on_one_rank():
         np.testing.assert_allclose(b.numpy(), a, rtol=1e-6, atol=1e-7)
 
 
+def test_enable_zero_on_one_rank_changes_nothing():
+    model = worker.make_model()
+    graph = worker.make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    graph.config.enable_zero(True, stage=1, shard_min_size=1)
+    xs, ys = worker.global_batch()
+    half = worker.GLOBAL_BATCH // 2
+    graph(flow.tensor(xs[0, :half]), flow.tensor(ys[0, :half]))
+    assert graph.compiled.optimizer_state_bytes == sum(p.size_bytes() for p in model.parameters())
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        graph.config.enable_zero(True, stage=4)
+
+
 def test_gradient_buckets_follow_reverse_parameter_order():
     assert gradient_buckets(["w0", "b0", "w1", "b1", "w2"], 2) == [["w2", "b1"], ["w1", "b0"], ["w0"]]
 
@@ -175,14 +187,14 @@ def _run_ranks(nproc: int, out_dir, *scenarios, via_launcher: bool = False):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    _run_ranks(2, out, "global_tensors", *worker.SCENARIOS, via_launcher=True)
+    _run_ranks(2, out, "global_tensors", "unsupported", *worker.SCENARIOS, via_launcher=True)
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("four_ranks")
-    _run_ranks(4, out, "global_tensors", "graph_global_split")
+    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero1")
     return out
 
 
@@ -191,7 +203,7 @@ def _assert_equals_one_process(result_file, scenario):
     result = np.load(result_file)
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-6)
     for k, p in enumerate(params):
-        np.testing.assert_allclose(result[f"arr_{k}"], p, rtol=1e-6, atol=1e-6 * np.abs(p).max())
+        np.testing.assert_allclose(result[f"param_{k}"], p, rtol=1e-6, atol=1e-6 * np.abs(p).max())
 
 
 @needs_mpi
@@ -203,6 +215,32 @@ def test_two_ranks_train_like_one_process_on_the_global_batch(two_ranks, scenari
 @needs_mpi
 def test_four_ranks_train_like_one_process_on_the_global_batch(four_ranks):
     _assert_equals_one_process(four_ranks / "graph_global_split.npz", "graph_global_split")
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_zero_stage_1_equals_plain_data_parallel_with_a_shard_of_the_state_per_rank(request, ranks):
+    out = request.getfixturevalue(ranks)
+    plain, zero = np.load(out / "graph_global_split.npz"), np.load(out / "graph_zero1.npz")
+    for key in plain.files:
+        if key != "state_bytes":      # parameters, losses and the (gathered) momentum buffers
+            np.testing.assert_array_equal(zero[key], plain[key], err_msg=key)
+    world = 2 if ranks == "two_ranks" else 4
+    whole = int(plain["state_bytes"].ravel()[0])
+    params = [k for k in plain.files if k.startswith("param_")]
+    assert whole == sum(plain[k].nbytes for k in params)          # SGD momentum: one slot per parameter
+    per_rank = zero["state_bytes"].ravel()
+    # Parameters with fewer elements than ranks stay whole on every rank (the 3 biases at 4 ranks).
+    assert len(per_rank) == world and per_rank.sum() >= whole
+    assert per_rank.max() <= whole / world + 4 * len(params)       # + at most one float per parameter
+
+
+@needs_mpi
+def test_what_flowgen_cannot_split_raises_on_several_ranks(two_ranks):
+    messages = np.load(two_ranks / "unsupported.npz")
+    assert "enable_zero(stage=2) on 2 ranks" in str(messages["zero_stage2"])
+    assert "set_stage on model.0 with 2 ranks" in str(messages["set_stage"])
+    assert "needs a data-parallel graph" in str(messages["zero_without_data_parallel"])
 
 
 @needs_mpi

@@ -5,9 +5,10 @@ processes, `SingleProcess` (no MPI loaded) otherwise, so world-size-1 code runs 
 Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into one flat buffer
 so that it costs one MPI call (`all_reduce`).
 
-The `all_reduce` op is the IR's view of the same thing: one node per gradient bucket, inserted by
-`passes/gradient_allreduce.py`; it has no kernel (lowering `Collective`), the executor runs it on
-the host between the kernels that make the gradients and the ones that apply them.
+The `all_reduce` and `all_gather` ops are the IR's view of the same thing: `all_reduce` nodes (one
+per gradient bucket) come from `passes/gradient_allreduce.py`, `all_gather` nodes (the parameter
+shards ZeRO updated) from `passes/zero.py`. They have no kernel (lowering `Collective`): the
+executor runs them on the host between the kernels around them.
 """
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class SingleProcess:
 
     def all_gather(self, array: np.ndarray) -> list:
         return [np.array(array)]
+
+    def all_gather_flat(self, arrays: list, sizes: list) -> list:
+        return [np.array(a).ravel() for a in arrays]
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         return np.array(array)
@@ -79,6 +83,17 @@ class MpiWorld:
         """Every rank's array (shapes may differ), in rank order."""
         return self.comm.allgather(np.ascontiguousarray(array))
 
+    def all_gather_flat(self, arrays: list, sizes: list) -> list:
+        """Each array's pieces from all ranks, concatenated in rank order (`sizes[i]`: the
+        element count rank r contributes to array i)."""
+        out = []
+        for piece, counts in zip(arrays, sizes):
+            piece = np.ascontiguousarray(piece).ravel()
+            whole = np.empty(sum(counts), piece.dtype)
+            self.comm.Allgatherv(piece, [whole, list(counts)])
+            out.append(whole)
+        return out
+
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         data = np.ascontiguousarray(array).copy()
         self.comm.Bcast(data, root=root)
@@ -120,3 +135,21 @@ def _all_reduce_ref(*arrays, op: str, world_size: int):
 
 defop("all_reduce", infer=_all_reduce_infer, ref=_all_reduce_ref, lowering=Collective("all_reduce"),
       doc="all_reduce(*xs, op, world_size): each x summed (op='sum') or averaged (op='mean') over the ranks")
+
+
+def _all_gather_infer(*metas, sizes, world_size: int):
+    if len(sizes) != len(metas) or any(len(c) != world_size for c in sizes):
+        raise ValueError(f"all_gather: sizes must give {world_size} piece sizes per input, got {sizes!r}")
+    return tuple(TensorMeta((sum(c),), m.dtype) for m, c in zip(metas, sizes))
+
+
+def _all_gather_ref(*arrays, sizes, world_size: int):
+    comm = world()
+    if comm.size != world_size:
+        raise RuntimeError(f"all_gather: the graph was compiled for {world_size} ranks but this world has {comm.size}")
+    out = comm.all_gather_flat(list(arrays), [list(c) for c in sizes])
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("all_gather", infer=_all_gather_infer, ref=_all_gather_ref, lowering=Collective("all_gather"),
+      doc="all_gather(*pieces, sizes, world_size): each input's pieces from all ranks, flat, in rank order")

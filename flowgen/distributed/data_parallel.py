@@ -16,6 +16,11 @@ How gradients combine follows the loss modules of the graph (`reduction`): "mean
 every loss, and what a loss of reduction "none" reduced by the user is assumed to do) averages,
 which equals the global-batch gradient when the ranks' parts are equal (checked for global inputs);
 "sum" sums. Graphs mixing both raise.
+
+With `graph.config.enable_zero(True, stage=1)` on several ranks, passes/zero.py shards the optimizer
+slots: the device holds this rank's piece of each slot (`ShardedSlot.piece`, the tensor bound to
+the graph); the optimizer's full slot tensors are assembled from the pieces (an all-gather, so
+every rank must read them together, as `graph.state_dict()` does) when eager code reads them.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from flowgen.distributed import env, sbp
 from flowgen.distributed.collectives import world
 from flowgen.distributed.global_tensor import as_global
+from flowgen.passes.optimizer import SlotBinding
 
 DEFAULT_BUCKET_SIZE = 10    # gradients per all_reduce, as DistributedDataParallel's bucket_size
 
@@ -99,3 +105,36 @@ def global_outputs(tensors: list, placement, data_parallel) -> list:
         out[i] = as_global(type(tensors[i])(value, dtype=tensors[i].dtype, device=tensors[i].device),
                            placement, sbp.broadcast)
     return [t if t.is_global else as_global(t, placement, sbp.split(0)) for t in out]
+
+
+@dataclass
+class ShardedSlot:
+    """This rank's piece of an optimizer slot under ZeRO stage 1, and the full eager slot."""
+    piece: object           # Tensor bound to the graph's shard state
+    full: object            # the optimizer's slot tensor (optimizer.state[p][key])
+    full_version: int       # full._version when the piece was cut (a newer one: a checkpoint was loaded)
+    sizes: tuple            # every rank's piece size
+
+    def gather(self, full):
+        """`full`'s `_sync_from_device`: the whole slot from every rank's piece."""
+        whole = world().all_gather_flat([self.piece.numpy()], [list(self.sizes)])[0]
+        full._data[...] = whole.reshape(full._data.shape)
+
+
+def shard_slot_tensors(store: dict, slots: list, shards: dict) -> tuple:
+    """(slot bindings with sharded slots bound to this rank's pieces, the ShardedSlots used).
+    `store` (the graph's, shared by its variants) keeps the pieces between compilations."""
+    bindings, used = [], []
+    for slot in slots:
+        shard = shards.get(slot.state_name)
+        if shard is None:
+            bindings.append(slot)
+            continue
+        kept = store.get(slot.state_name)
+        if kept is None or kept.full is not slot.tensor or kept.full_version != slot.tensor._version:
+            flat = slot.tensor.numpy().reshape(-1)[shard.start:shard.start + shard.size].copy()
+            piece = type(slot.tensor)(flat, dtype=slot.tensor.dtype, device=slot.tensor.device)
+            kept = store[slot.state_name] = ShardedSlot(piece, slot.tensor, slot.tensor._version, shard.sizes)
+        bindings.append(SlotBinding(slot.state_name, kept.piece))
+        used.append(kept)
+    return bindings, used

@@ -10,7 +10,7 @@
 * `Template`   — a kernel family rendered from ``templates/<family>.cu.j2``
   (GEMM, conv, pooling, gather, softmax, copy...).
 * `Collective` — no kernel: the executor exchanges the values with the other ranks on the host
-  (the data-parallel gradient all-reduce).
+  (the data-parallel gradient all-reduce, the ZeRO parameter all-gather).
 """
 from __future__ import annotations
 
@@ -103,4 +103,4 @@ class Template:
 class Collective:
     """No kernel: the executor exchanges the node's inputs with the other ranks on the host
     (MPI) between the kernel launches before and after it (flowgen/distributed/collectives.py)."""
-    kind: str          # "all_reduce"
+    kind: str          # "all_reduce" | "all_gather"

@@ -34,6 +34,7 @@ def global_batch():
 SCENARIOS = {
     # name: (how the batch reaches the graph, loss reduction, optimizer)
     "graph_global_split": ("global", "mean", "sgd"),
+    "graph_zero1": ("global", "mean", "sgd"),      # the same with enable_zero(True, stage=1)
     "graph_ddp_sum": ("ddp_graph", "sum", "adam"),
     "eager_ddp": ("ddp_eager", "mean", "sgd"),
 }
@@ -69,6 +70,8 @@ def train(scenario: str, rank: int, world: int):
         model = flow.nn.parallel.DistributedDataParallel(model, bucket_size=2)
     optimizer = make_optimizer(opt_kind, model.parameters())
     graph = make_graph(model, loss_fn, optimizer) if mode != "ddp_eager" else None
+    if scenario == "graph_zero1":
+        graph.config.enable_zero(True, stage=1, shard_min_size=1)
     xs, ys = global_batch()
     part = GLOBAL_BATCH // world
     losses = []
@@ -91,7 +94,36 @@ def train(scenario: str, rank: int, world: int):
             losses.append(float(loss))
     if mode.startswith("ddp"):   # each rank's loss is over its part: combine them like the gradients
         losses = flow.distributed.collectives.world().all_reduce([np.array(losses)], reduction)[0]
-    return np.array(losses), [p.numpy().copy() for p in model.parameters()]
+    # Reading a slot gathers its pieces from every rank under ZeRO (all ranks read them together).
+    slots = [v.numpy().copy() for p in model.parameters() for v in optimizer.state[p].values()
+             if isinstance(v, flow.Tensor)]
+    state_bytes = graph.compiled.optimizer_state_bytes if graph is not None else 0
+    return np.array(losses), [p.numpy().copy() for p in model.parameters()], slots, state_bytes
+
+
+def unsupported_on_several_ranks(world: int) -> dict:
+    """What flowgen cannot split yet must say so on several ranks, never be ignored."""
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    x = flow.randn(2, 6).to_global(placement, flow.sbp.split(0))
+    y = flow.randn(2, 3).to_global(placement, flow.sbp.split(0))
+    messages = {}
+    for what in ("zero_stage2", "set_stage", "zero_without_data_parallel"):
+        model = make_model()
+        graph = make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
+        args = (x, y)
+        if what == "zero_stage2":
+            graph.config.enable_zero(True, stage=2)
+        elif what == "set_stage":
+            graph.model[0].to(flow.nn.graph.GraphModule).set_stage(0, placement)
+        else:
+            graph.config.enable_zero(True, stage=1)
+            args = (x.to_local(), y.to_local())
+        try:
+            graph(*args)
+            messages[what] = "no error"
+        except NotImplementedError as exc:
+            messages[what] = str(exc)
+    return messages
 
 
 def global_tensors(rank: int, world: int) -> dict:
@@ -145,12 +177,19 @@ def main():
             if rank == 0:
                 np.savez(f"{out_dir}/{scenario}.npz", **results)
             continue
-        losses, params = train(scenario, rank, world)
+        if scenario == "unsupported":
+            messages = unsupported_on_several_ranks(world)
+            if rank == 0:
+                np.savez(f"{out_dir}/{scenario}.npz", **messages)
+            continue
+        losses, params, slots, state_bytes = train(scenario, rank, world)
         for k, p in enumerate(params):
             if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
                 sys.exit(f"rank {rank}: parameter {k} differs between ranks after {scenario}")
+        every_rank_bytes = comm.all_gather(np.array(state_bytes))
         if rank == 0:
-            np.savez(f"{out_dir}/{scenario}.npz", losses=losses, *params)
+            np.savez(f"{out_dir}/{scenario}.npz", losses=losses, state_bytes=np.array(every_rank_bytes),
+                     **{f"param_{k}": p for k, p in enumerate(params)}, **{f"slot_{k}": v for k, v in enumerate(slots)})
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ from flowgen.nn import module as module_mod
 from flowgen.nn.graph.report import meta_repr
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
-from flowgen.distributed.data_parallel import broadcast_state, global_outputs
+from flowgen.distributed import env
+from flowgen.distributed.data_parallel import broadcast_state, global_outputs, shard_slot_tensors
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
+from flowgen.passes.zero import shard_optimizer_state
 
 
 class CompiledGraph:
@@ -45,6 +47,7 @@ class CompiledGraph:
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
         self.output_placement = None        # the global inputs' placement: outputs become global
+        self.sharded_slots = []             # ShardedSlot: optimizer slots ZeRO split over the ranks
 
     @property
     def sources(self) -> dict:
@@ -61,6 +64,11 @@ class CompiledGraph:
     @property
     def memory(self):
         return self.program.plan
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer slots this rank keeps on the device (a shard of each under ZeRO)."""
+        return sum(s.value.nbytes for s in self.ir.state if s.kind == "optim")
 
     # --------------------------------------------------------------- running
     def _upload_state(self) -> bool:
@@ -92,6 +100,8 @@ class CompiledGraph:
             tensor._graph_owner = self
             self.versions[id(tensor)] = tensor._version
             tensor._sync_from_device = lambda t, v=value: self._download(t, v)
+        for slot in self.sharded_slots:
+            slot.full._sync_from_device = slot.gather
 
     def _download(self, tensor, value):
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
@@ -255,6 +265,7 @@ def compile_step(graph, args, data_parallel=None):
     makes the step reduce its gradients over the ranks."""
     cls = type(graph).__name__
     device = _device_of(graph, args)
+    zero_min_size = _zero_shard_min_size(graph, data_parallel)
     if data_parallel is not None:
         broadcast_state(graph)
     timings = {}
@@ -280,8 +291,11 @@ def compile_step(graph, args, data_parallel=None):
     scaler = _add_grad_scaler(graph, tracer, host_scalars)
     static_scale = _static_scale(graph)
     scale = scaler.scale if scaler is not None else static_scale
+    if scaler is not None and zero_min_size is not None:
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage=1) with a GradScaler: the sharded update "
+                                  f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
-    grads = None
+    grads, sharded_slots = None, []
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
         with tracer, random.preserved_dropout_stream():
@@ -322,6 +336,10 @@ def compile_step(graph, args, data_parallel=None):
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
                                            grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
+        if zero_min_size is not None:
+            ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero_min_size, device,
+                                               data_parallel.bucket_size)
+            slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
@@ -348,7 +366,29 @@ def compile_step(graph, args, data_parallel=None):
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
     compiled.data_parallel = data_parallel
+    compiled.sharded_slots = sharded_slots
     return compiled
+
+
+def _zero_shard_min_size(graph, data_parallel):
+    """ZeRO stage 1's shard_min_size when the graph shards its optimizer state, else None. On one
+    rank enable_zero and set_stage have nothing to split; on several, what flowgen cannot do raises."""
+    world_size, config = env.get_world_size(), graph.config
+    staged = [path for path, options in graph._module_configs.items() if options.stage_id is not None]
+    if staged and world_size > 1:
+        raise NotImplementedError(f"{graph.name}: set_stage on {staged[0]} with {world_size} ranks: flowgen has no "
+                                  f"pipeline parallelism yet; remove set_stage (a graph with inputs split by "
+                                  f"flow.sbp.split(0) runs data parallel)")
+    if not config.zero or world_size == 1:
+        return None
+    if data_parallel is None:
+        raise NotImplementedError(f"{graph.name}: enable_zero on {world_size} ranks needs a data-parallel graph "
+                                  f"(inputs split by flow.sbp.split(0), or a DistributedDataParallel module)")
+    if config.zero_stage != 1:
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage={config.zero_stage}) on {world_size} ranks: "
+                                  f"flowgen shards optimizer state (stage=1) only; gradient (2) and parameter (3) "
+                                  f"sharding are not implemented")
+    return config.zero_shard_min_size
 
 
 def _static_scale(graph) -> float:

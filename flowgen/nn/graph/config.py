@@ -9,6 +9,8 @@ class GraphConfig:
         self.naive_memory = False       # flowgen: one allocation per intermediate (debugging)
         self.amp = False
         self.zero = False
+        self.zero_stage = 2
+        self.zero_shard_min_size = 1024
         self.fuse_model_update_ops = False
         self.fuse_add_to_output = False
         self.fuse_cast_scale = False
@@ -21,8 +23,12 @@ class GraphConfig:
         self.amp = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
-        # One device: ZeRO sharding has nothing to shard across; recorded for repr.
+        # One rank: nothing to shard across (recorded for repr). A data-parallel graph on several
+        # ranks shards its optimizer state with stage 1 (passes/zero.py); stages 2 and 3 raise there.
+        if stage not in (1, 2, 3):
+            raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
         self.zero = bool(mode)
+        self.zero_stage, self.zero_shard_min_size = int(stage), int(shard_min_size)
 
     def allow_fuse_model_update_ops(self, mode: bool = True):
         self.fuse_model_update_ops = bool(mode)
