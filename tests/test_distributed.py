@@ -127,6 +127,8 @@ def test_graph_of_a_ddp_module_runs_the_all_reduce_steps_on_one_rank():
     assert "all_reduce" not in graph.compiled.sources["kernels.cu"]
     for a, b in zip(_train_eager(plain, batch=half), model.parameters()):
         np.testing.assert_allclose(b.numpy(), a, rtol=1e-6, atol=1e-7)
+    with pytest.raises(NotImplementedError, match="data parallel.*one process only"):
+        flow.save(graph, "unused_dir")
 
 
 def test_enable_zero_on_one_rank_changes_nothing():

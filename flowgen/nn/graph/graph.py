@@ -150,6 +150,10 @@ class Graph:
         """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py)."""
         from flowgen.saved_graph import save_graph
 
+        if self._last is not None and self._last.data_parallel is not None:
+            raise NotImplementedError(f"flow.save({self._name}, ...): the graph is data parallel (it all-reduces "
+                                      f"gradients over ranks); standalone programs run on one process only, so "
+                                      f"save the graph of a one-process run, or save graph.state_dict() instead")
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):
