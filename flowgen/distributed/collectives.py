@@ -5,9 +5,10 @@ processes, `SingleProcess` (no MPI loaded) otherwise, so world-size-1 code runs 
 Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into one flat buffer
 so that it costs one MPI call (`all_reduce`).
 
-The `all_reduce` and `all_gather` ops are the IR's view of the same thing: `all_reduce` nodes (one
-per gradient bucket) come from `passes/gradient_allreduce.py`, `all_gather` nodes (the parameter
-shards ZeRO updated) from `passes/zero.py`. They have no kernel (lowering `Collective`): the
+The `all_reduce`, `reduce_scatter` and `all_gather` ops are the IR's view of the same thing:
+`all_reduce` nodes (one per gradient bucket) come from `passes/gradient_allreduce.py`,
+`reduce_scatter` (ZeRO-2's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated)
+from `passes/zero.py`. They have no kernel (lowering `Collective`): the
 executor runs them on the host between the kernels around them.
 """
 from __future__ import annotations
@@ -34,6 +35,10 @@ class SingleProcess:
         return [np.array(array)]
 
     def all_gather_flat(self, arrays: list, sizes: list) -> list:
+        return [np.array(a).ravel() for a in arrays]
+
+    def reduce_scatter_flat(self, arrays: list, sizes: list, op: str = "sum") -> list:
+        _check_op(op)
         return [np.array(a).ravel() for a in arrays]
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
@@ -92,6 +97,29 @@ class MpiWorld:
             whole = np.empty(sum(counts), piece.dtype)
             self.comm.Allgatherv(piece, [whole, list(counts)])
             out.append(whole)
+        return out
+
+    def reduce_scatter_flat(self, arrays: list, sizes: list, op: str = "sum") -> list:
+        """This rank's piece of the sum (or mean) over ranks of each flattened array (`sizes[i]`:
+        every rank's piece size of array i), in one MPI call per dtype: the send buffer holds rank
+        0's pieces of all arrays, then rank 1's, ..."""
+        _check_op(op)
+        out = [None] * len(arrays)
+        for dtype in dict.fromkeys(np.asarray(a).dtype for a in arrays):
+            members = [i for i, a in enumerate(arrays) if np.asarray(a).dtype == dtype]
+            flats = {i: np.asarray(arrays[i]).ravel() for i in members}
+            starts = {i: np.cumsum([0, *sizes[i]]) for i in members}
+            send = np.concatenate([flats[i][starts[i][r]:starts[i][r + 1]]
+                                   for r in range(self.size) for i in members])
+            counts = [sum(sizes[i][r] for i in members) for r in range(self.size)]
+            mine = np.empty(counts[self.rank], dtype)
+            self.comm.Reduce_scatter(send, mine, recvcounts=counts, op=self.MPI.SUM)
+            if op == "mean":
+                mine = (mine / self.size).astype(dtype)
+            offset = 0
+            for i in members:
+                out[i] = mine[offset:offset + sizes[i][self.rank]]
+                offset += sizes[i][self.rank]
         return out
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
@@ -153,3 +181,23 @@ def _all_gather_ref(*arrays, sizes, world_size: int):
 
 defop("all_gather", infer=_all_gather_infer, ref=_all_gather_ref, lowering=Collective("all_gather"),
       doc="all_gather(*pieces, sizes, world_size): each input's pieces from all ranks, flat, in rank order")
+
+
+def _reduce_scatter_infer(*metas, sizes, op: str, rank: int, world_size: int):
+    _check_op(op)
+    if len(sizes) != len(metas) or any(len(c) != world_size or sum(c) != int(np.prod(m.shape)) for m, c in zip(metas, sizes)):
+        raise ValueError(f"reduce_scatter: sizes must split each input over {world_size} ranks, got {sizes!r}")
+    return tuple(TensorMeta((c[rank],), m.dtype) for m, c in zip(metas, sizes))
+
+
+def _reduce_scatter_ref(*arrays, sizes, op: str, rank: int, world_size: int):
+    comm = world()
+    if (comm.rank, comm.size) != (rank, world_size):
+        raise RuntimeError(f"reduce_scatter: the graph was compiled for rank {rank} of {world_size}, "
+                           f"this process is rank {comm.rank} of {comm.size}")
+    out = comm.reduce_scatter_flat(list(arrays), [list(c) for c in sizes], op)
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("reduce_scatter", infer=_reduce_scatter_infer, ref=_reduce_scatter_ref, lowering=Collective("reduce_scatter"),
+      doc="reduce_scatter(*xs, sizes, op, rank, world_size): this rank's piece of each x summed/averaged over ranks")

@@ -35,6 +35,7 @@ SCENARIOS = {
     # name: (how the batch reaches the graph, loss reduction, optimizer)
     "graph_global_split": ("global", "mean", "sgd"),
     "graph_zero1": ("global", "mean", "sgd"),      # the same with enable_zero(True, stage=1)
+    "graph_zero2": ("global", "mean", "sgd"),      # ... and with stage=2
     "graph_ddp_sum": ("ddp_graph", "sum", "adam"),
     "eager_ddp": ("ddp_eager", "mean", "sgd"),
 }
@@ -70,8 +71,8 @@ def train(scenario: str, rank: int, world: int):
         model = flow.nn.parallel.DistributedDataParallel(model, bucket_size=2)
     optimizer = make_optimizer(opt_kind, model.parameters())
     graph = make_graph(model, loss_fn, optimizer) if mode != "ddp_eager" else None
-    if scenario == "graph_zero1":
-        graph.config.enable_zero(True, stage=1, shard_min_size=1)
+    if scenario.startswith("graph_zero"):
+        graph.config.enable_zero(True, stage=int(scenario[-1]), shard_min_size=1)
     xs, ys = global_batch()
     part = GLOBAL_BATCH // world
     losses = []
@@ -98,7 +99,8 @@ def train(scenario: str, rank: int, world: int):
     slots = [v.numpy().copy() for p in model.parameters() for v in optimizer.state[p].values()
              if isinstance(v, flow.Tensor)]
     state_bytes = graph.compiled.optimizer_state_bytes if graph is not None else 0
-    return np.array(losses), [p.numpy().copy() for p in model.parameters()], slots, state_bytes
+    collectives = [k.ops[0] for k in graph.compiled.program.kernels if k.collective] if graph is not None else []
+    return np.array(losses), [p.numpy().copy() for p in model.parameters()], slots, state_bytes, collectives
 
 
 def unsupported_on_several_ranks(world: int) -> dict:
@@ -107,12 +109,12 @@ def unsupported_on_several_ranks(world: int) -> dict:
     x = flow.randn(2, 6).to_global(placement, flow.sbp.split(0))
     y = flow.randn(2, 3).to_global(placement, flow.sbp.split(0))
     messages = {}
-    for what in ("zero_stage2", "set_stage", "zero_without_data_parallel"):
+    for what in ("zero_stage3", "set_stage", "zero_without_data_parallel"):
         model = make_model()
         graph = make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
         args = (x, y)
-        if what == "zero_stage2":
-            graph.config.enable_zero(True, stage=2)
+        if what == "zero_stage3":
+            graph.config.enable_zero(True, stage=3)
         elif what == "set_stage":
             graph.model[0].to(flow.nn.graph.GraphModule).set_stage(0, placement)
         else:
@@ -182,13 +184,14 @@ def main():
             if rank == 0:
                 np.savez(f"{out_dir}/{scenario}.npz", **messages)
             continue
-        losses, params, slots, state_bytes = train(scenario, rank, world)
+        losses, params, slots, state_bytes, collectives = train(scenario, rank, world)
         for k, p in enumerate(params):
             if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
                 sys.exit(f"rank {rank}: parameter {k} differs between ranks after {scenario}")
         every_rank_bytes = comm.all_gather(np.array(state_bytes))
         if rank == 0:
             np.savez(f"{out_dir}/{scenario}.npz", losses=losses, state_bytes=np.array(every_rank_bytes),
+                     collectives=np.array(collectives, dtype=str),
                      **{f"param_{k}": p for k, p in enumerate(params)}, **{f"slot_{k}": v for k, v in enumerate(slots)})
 
 

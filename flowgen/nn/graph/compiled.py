@@ -8,6 +8,7 @@ and read back lazily when eager code looks at it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,7 +27,7 @@ from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
-from flowgen.passes.zero import shard_optimizer_state
+from flowgen.passes.zero import shard_optimizer_state, shards_parameter
 
 
 class CompiledGraph:
@@ -265,7 +266,7 @@ def compile_step(graph, args, data_parallel=None):
     makes the step reduce its gradients over the ranks."""
     cls = type(graph).__name__
     device = _device_of(graph, args)
-    zero_min_size = _zero_shard_min_size(graph, data_parallel)
+    zero = _zero_settings(graph, data_parallel)
     if data_parallel is not None:
         broadcast_state(graph)
     timings = {}
@@ -291,7 +292,7 @@ def compile_step(graph, args, data_parallel=None):
     scaler = _add_grad_scaler(graph, tracer, host_scalars)
     static_scale = _static_scale(graph)
     scale = scaler.scale if scaler is not None else static_scale
-    if scaler is not None and zero_min_size is not None:
+    if scaler is not None and zero is not None:
         raise NotImplementedError(f"{graph.name}: enable_zero(stage=1) with a GradScaler: the sharded update "
                                   f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
@@ -330,15 +331,20 @@ def compile_step(graph, args, data_parallel=None):
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
     if grads is not None and data_parallel is not None:
-        ir, grads = all_reduce_gradients(ir, grads, device, data_parallel.world_size, data_parallel.reduce,
-                                         data_parallel.bucket_size)
+        # ZeRO-2 reduce-scatters the gradients of the parameters it shards (passes/zero.py).
+        reduced_here = grads if zero is None or zero.stage == 1 else {
+            n: g for n, g in grads.items()
+            if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
+        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size,
+                                           data_parallel.reduce, data_parallel.bucket_size)
+        grads = {**grads, **reduced}
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
                                            grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
-        if zero_min_size is not None:
-            ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero_min_size, device,
-                                               data_parallel.bucket_size)
+        if zero is not None:
+            ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
+                                               device, data_parallel.bucket_size, zero.stage, data_parallel.reduce)
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
@@ -370,9 +376,15 @@ def compile_step(graph, args, data_parallel=None):
     return compiled
 
 
-def _zero_shard_min_size(graph, data_parallel):
-    """ZeRO stage 1's shard_min_size when the graph shards its optimizer state, else None. On one
-    rank enable_zero and set_stage have nothing to split; on several, what flowgen cannot do raises."""
+@dataclass(frozen=True)
+class ZeroSettings:
+    stage: int
+    shard_min_size: int
+
+
+def _zero_settings(graph, data_parallel):
+    """How the graph shards its optimizer (ZeroSettings), or None. On one rank enable_zero and
+    set_stage have nothing to split; on several, what flowgen cannot do raises."""
     world_size, config = env.get_world_size(), graph.config
     staged = [path for path, options in graph._module_configs.items() if options.stage_id is not None]
     if staged and world_size > 1:
@@ -384,11 +396,11 @@ def _zero_shard_min_size(graph, data_parallel):
     if data_parallel is None:
         raise NotImplementedError(f"{graph.name}: enable_zero on {world_size} ranks needs a data-parallel graph "
                                   f"(inputs split by flow.sbp.split(0), or a DistributedDataParallel module)")
-    if config.zero_stage != 1:
-        raise NotImplementedError(f"{graph.name}: enable_zero(stage={config.zero_stage}) on {world_size} ranks: "
-                                  f"flowgen shards optimizer state (stage=1) only; gradient (2) and parameter (3) "
-                                  f"sharding are not implemented")
-    return config.zero_shard_min_size
+    if config.zero_stage == 3:
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage=3) on {world_size} ranks: flowgen shards "
+                                  f"optimizer state (stage=1) and gradients (stage=2); parameter sharding with "
+                                  f"just-in-time gathers (3) is not implemented")
+    return ZeroSettings(config.zero_stage, config.zero_shard_min_size)
 
 
 def _static_scale(graph) -> float:

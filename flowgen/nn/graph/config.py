@@ -24,7 +24,7 @@ class GraphConfig:
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
         # One rank: nothing to shard across (recorded for repr). A data-parallel graph on several
-        # ranks shards its optimizer state with stage 1 (passes/zero.py); stages 2 and 3 raise there.
+        # ranks shards optimizer state (stage 1) and gradients (2) in passes/zero.py; stage 3 raises.
         if stage not in (1, 2, 3):
             raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
         self.zero = bool(mode)
