@@ -492,16 +492,21 @@ def test_training_program_advances_adam_bias_correction_and_dropout(tmp_path):
         np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_sch", [
-    lambda o: flow.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
-    lambda o: flow.optim.lr_scheduler.MultiStepLR(o, milestones=[1, 3, 3], gamma=0.5),
-    lambda o: flow.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.001),
-    lambda o: flow.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3),
-], ids=["step", "multistep", "cosine", "linear"])
-def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
+@pytest.mark.parametrize("make_opt,make_sch", [
+    (lambda p: flow.optim.Adam(p, lr=0.05), lambda o: flow.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5)),
+    (lambda p: flow.optim.SGD(p, lr=0.05), lambda o: flow.optim.lr_scheduler.MultiStepLR(o, milestones=[1, 3, 3],
+                                                                                        gamma=0.5)),
+    (lambda p: flow.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+     lambda o: flow.optim.lr_scheduler.CosineAnnealingLR(o, T_max=4, eta_min=0.001)),
+    (lambda p: flow.optim.SGD(p, lr=0.05, momentum=0.9),
+     lambda o: flow.optim.lr_scheduler.LinearLR(o, start_factor=0.5, total_iters=3)),
+], ids=["adam_step", "sgd_multistep", "adamw_cosine", "momentum_linear"])
+def test_training_program_follows_lr_schedulers(make_opt, make_sch, tmp_path):
+    """Every optimizer follows its closed-form scheduler in the program (Adam's step size and
+    AdamW's decay included), and --help says so."""
     flow.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
-    optimizer = flow.optim.SGD(model.parameters(), lr=0.05)
+    optimizer = make_opt(model.parameters())
     graph = TrainGraph(model, nn.MSELoss(), (optimizer, make_sch(optimizer)))
     xx, y = poly_data()
     xs, ys = xx[:40] / 10, y[:40]
@@ -510,6 +515,8 @@ def test_training_program_follows_lr_schedulers(make_sch, tmp_path):
     for s in range(6):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
     np.testing.assert_allclose(weights["model.0.weight"], model[0].weight.numpy(), rtol=1e-5, atol=1e-7)
+    usage = run_binary(tmp_path / "out", "--help").stdout
+    assert "the LR of\nevery optimizer follows its StepLR, MultiStepLR, ExponentialLR, CosineAnnealingLR" in usage
 
 
 @pytest.mark.parametrize("make_opt", [lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9, dampening=0.1),

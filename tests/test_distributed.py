@@ -134,7 +134,8 @@ def test_graph_of_a_ddp_module_runs_the_all_reduce_steps_on_one_rank():
 def test_enable_zero_on_one_rank_changes_nothing():
     model = flow.nn.parallel.DistributedDataParallel(worker.make_model(), bucket_size=3)
     graph = worker.make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    graph.config.enable_zero(True, stage=1, shard_min_size=1)
+    with pytest.warns(UserWarning, match="enable_zero has no effect on a single device"):
+        graph.config.enable_zero(True, stage=1, shard_min_size=1)
     xs, ys = worker.global_batch()
     half = worker.GLOBAL_BATCH // 2
     graph(flow.tensor(xs[0, :half]), flow.tensor(ys[0, :half]))

@@ -43,6 +43,7 @@ def _run_pair(torch, make_ours, make_theirs, steps=6):
     dict(lr=0.1), dict(lr=0.1, momentum=0.9), dict(lr=0.05, momentum=0.9, dampening=0.3),
     dict(lr=0.05, momentum=0.8, nesterov=True), dict(lr=0.1, weight_decay=0.01),
     dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1), dict(lr=0.1, momentum=0.5, maximize=True),
+    dict(lr=0.05, momentum=0.9, dampening=0.2, weight_decay=0.1, maximize=True),
 ])
 def test_sgd_matches_torch(torch, kwargs):
     opt, topt, ours, theirs = _run_pair(torch, lambda p: optim.SGD(p, **kwargs), lambda p: torch.optim.SGD(p, **kwargs))
@@ -56,6 +57,8 @@ def test_sgd_matches_torch(torch, kwargs):
     ("Adam", dict(lr=0.01)), ("Adam", dict(lr=0.01, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)),
     ("Adam", dict(lr=0.01, amsgrad=True)), ("Adam", dict(lr=0.01, maximize=True)),
     ("AdamW", dict(lr=0.01)), ("AdamW", dict(lr=0.02, weight_decay=0.1, amsgrad=True)),
+    ("Adam", dict(lr=0.01, betas=(0.7, 0.9), eps=1e-4, weight_decay=0.05, amsgrad=True, maximize=True)),
+    ("AdamW", dict(lr=0.01, weight_decay=0.2, amsgrad=True, maximize=True)),
 ])
 def test_adam_and_adamw_match_torch(torch, cls, kwargs):
     opt, topt, ours, theirs = _run_pair(torch, lambda p: getattr(optim, cls)(p, **kwargs),
@@ -170,17 +173,38 @@ def test_loads_a_torch_optimizer_state_dict(torch):
         np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-7)
 
 
-def test_update_rule_describes_each_group():
-    a, b = nn.Parameter(flow.ones(2)), nn.Parameter(flow.ones(3))
-    rule = optim.SGD([{"params": [a]}, {"params": [b], "momentum": 0.9}], lr=0.1).update_rule()
-    assert rule[0]["kind"] == "sgd" and rule[0]["lr"] == 0.1 and rule[0]["momentum"] == 0.0
-    assert rule[1]["momentum"] == 0.9 and rule[1]["params"][0] is b and rule[1]["param_indices"] == [1]
-    assert rule[0]["state"] == {} and "momentum_buffer" in rule[1]["state"]
-    adamw = optim.AdamW([a], lr=0.001, betas=(0.8, 0.9)).update_rule()[0]
-    assert {k: adamw[k] for k in ("kind", "lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad")} == \
-        {"kind": "adamw", "lr": 0.001, "beta1": 0.8, "beta2": 0.9, "eps": 1e-8, "weight_decay": 0.01,
-         "amsgrad": False}
-    assert optim.Adam([a]).update_rule()[0]["kind"] == "adam"
+def test_param_group_keys_unknown_ones_are_refused():
+    a = nn.Parameter(flow.ones(2))
+    with pytest.raises(ValueError, match=r"SGD: parameter group 1 has unknown option 'lr_sclae' = 0.5"):
+        optim.SGD([{"params": [nn.Parameter(flow.ones(1))]}, {"params": [a], "lr_sclae": 0.5}], lr=0.1)
+    with pytest.raises(ValueError, match="Adam: .*'do_bias_corection'"):
+        optim.Adam([{"params": [a], "do_bias_corection": False}])
+    with pytest.raises(ValueError, match="sets 'clip_grad_max_norm' without 'clip_grad_norm_type'"):
+        optim.AdamW([{"params": [a], "clip_grad_max_norm": 1.0}])
+    with pytest.raises(ValueError, match="clip_grad_max_norm = -1.0"):
+        optim.SGD([{"params": [a], "clip_grad_max_norm": -1.0, "clip_grad_norm_type": 2}], lr=0.1)
+    kept = optim.SGD([{"params": [a], "param_names": ["a"], "lr_scale": 0.5}], lr=0.1)   # PyTorch's label key
+    assert kept.param_groups[0]["param_names"] == ["a"]
+
+
+def test_lr_scale_do_bias_correction_and_clip_grad_by_hand():
+    """OneFlow's group keys in eager: lr_scale multiplies the LR, do_bias_correction=False drops
+    both corrections, clip_grad() clips each group that asks by its own joint norm."""
+    w, b = nn.Parameter(flow.ones(3)), nn.Parameter(flow.ones(2))
+    g_w, g_b = np.array([3.0, 4.0, 0.0], np.float32), np.array([0.1, 0.2], np.float32)
+    opt = optim.Adam([{"params": [w], "lr_scale": 0.5, "clip_grad_max_norm": 1.0, "clip_grad_norm_type": 2.0},
+                      {"params": [b], "lr": 0.3}], lr=0.1, betas=(0.5, 0.75), eps=1e-3, do_bias_correction=False)
+    w.grad, b.grad = flow.tensor(g_w), flow.tensor(g_b)
+    opt.clip_grad()
+    clipped = g_w / (5.0 + 1e-6)                       # norm 5 > 1: scaled to norm 1; group 1 untouched
+    np.testing.assert_allclose(w.grad.numpy(), clipped, rtol=1e-6)
+    np.testing.assert_allclose(b.grad.numpy(), g_b)
+    opt.step()
+    for p, g, lr in ((w, clipped, 0.05), (b, g_b, 0.3)):
+        m, v = 0.5 * g, 0.25 * g * g                   # no bias correction
+        np.testing.assert_allclose(p.numpy(), 1 - lr * m / (np.sqrt(v) + 1e-3), rtol=1e-6)
+    with pytest.warns(UserWarning, match="no parameter group sets clip_grad_max_norm"):
+        optim.SGD([b], lr=0.1).clip_grad()
 
 
 # ------------------------------------------------------------------ schedulers
@@ -347,3 +371,18 @@ def test_grad_scaler_matches_torch_scale_sequence(torch):
         theirs.update()
         assert ours.get_scale() == theirs.get_scale()
         np.testing.assert_allclose(p.numpy(), tp.detach().numpy(), rtol=1e-6)
+
+
+def test_loading_a_state_dict_refuses_options_this_optimizer_lacks(torch):
+    """PyTorch's implementation switches load while off; an option with an effect flowgen lacks is refused."""
+    p, tp = nn.Parameter(flow.ones(2)), torch.nn.Parameter(torch.ones(2))
+    for cls in ("Adam", "AdamW"):
+        getattr(optim, cls)([p]).load_state_dict(getattr(torch.optim, cls)([tp]).state_dict())
+    saved = torch.optim.Adam([tp], decoupled_weight_decay=True).state_dict()
+    with pytest.raises(ValueError, match="Adam.load_state_dict: parameter group 0 has option "
+                                         "'decoupled_weight_decay' = True"):
+        optim.Adam([p]).load_state_dict(saved)
+    saved = optim.SGD([{"params": [p], "lr_scale": 0.5}], lr=0.1).state_dict()
+    saved["param_groups"][0]["nesterov_typo"] = True
+    with pytest.raises(ValueError, match="'nesterov_typo' = True, which SGD does not have"):
+        optim.SGD([p], lr=0.1).load_state_dict(saved)

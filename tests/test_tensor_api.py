@@ -279,3 +279,17 @@ def test_load_state_dict_takes_pytorch_tensors():
     np.testing.assert_array_equal(m.weight.numpy(), t.weight.detach().numpy())
     x = RNG.standard_normal((4, 3)).astype(np.float32)
     np.testing.assert_allclose(m(flow.tensor(x)).numpy(), t(torch.from_numpy(x)).detach().numpy(), rtol=1e-6)
+
+
+def test_one_hot_refuses_out_of_range_classes_in_eager_and_in_graphs():
+    with pytest.raises(IndexError, match=r"one_hot: class 3 is out of range \[0, 3\)"):
+        nn.functional.one_hot(flow.tensor([0, 3]), 3)
+
+    class G(nn.Graph):
+        def build(self, labels):
+            return nn.functional.one_hot(labels, 3)
+
+    graph = G()
+    np.testing.assert_array_equal(graph(flow.tensor([2, 0])).numpy(), [[0, 0, 1], [1, 0, 0]])
+    with pytest.raises(IndexError, match="out of range"):
+        graph(flow.tensor([1, 7]))

@@ -278,7 +278,12 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
 
 
 def _lr_expression(sched) -> str:
-    """C++ for the LR at graph call t, from a closed-form scheduler (passes/optimizer.lr_schedule)."""
+    """C++ for the LR at graph call t, from a closed-form scheduler (passes/optimizer.lr_schedule):
+    the schedule's value times the group's lr_scale."""
+    return f"{float(sched.get('scale', 1.0))!r} * ({_schedule_expression(sched)})"
+
+
+def _schedule_expression(sched) -> str:
     e = f"(double)(t + {int(sched['offset'])}LL)"
     base = f"{sched['base']!r}"
     kind = sched["kind"]
@@ -303,7 +308,9 @@ def _lr_expression(sched) -> str:
 def _schedule_lines(ir) -> list:
     """C++ statements, run before step s (graph call t = start_step + s), that advance the hyper
     state the way the Python runtime does before each call (passes/optimizer.py, random_streams.py).
-    LR schedulers with a closed form advance too; LambdaLR/SequentialLR keep the saved LR."""
+    The LR of every optimizer follows a closed-form scheduler (Adam's step size and AdamW's decay
+    are computed from it in the step); without one, or with LambdaLR/SequentialLR, it keeps the
+    saved LR."""
     lines = []
     for j, st in enumerate(ir.state):
         sched = st.schedule or {"kind": "constant"}

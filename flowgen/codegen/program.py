@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from flowgen.codegen import fused
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
+from flowgen.memory.search import compress
 from flowgen.ops.lowering import Collective, Elementwise, View
 from flowgen.ops.registry import get_op
 
@@ -168,9 +169,10 @@ def split_prepare(graph, kernels, aliases, constants):
     return prepare, main
 
 
-def build_program(graph, naive_memory: bool = False, target: str = "cuda") -> Program:
+def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
-    chosen for `target` ("cuda": a GPU; "cpu": the emulator)."""
+    chosen for `target` ("cuda": a GPU; "cpu": the emulator); `compress_memory` searches
+    placement orders for a smaller arena (memory/search.py)."""
     from flowgen.codegen.families import rendering_for
 
     with rendering_for(target):
@@ -187,7 +189,7 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda") -> Pr
                   and len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1)
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
-                       naive=naive_memory or None)
+                       naive=naive_memory or None, placement=compress if compress_memory else None)
     source = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0]) + "\n".join(
         k.source for k in prepare + kernels if k.collective is None)
     return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)

@@ -49,6 +49,8 @@ class Tracer:
         self.state_tensors: list = []  # the eager tensors bound to state, in order
         self.constants: dict = {}     # id(tensor) -> (tensor, Value): one node per captured tensor
         self.backward_roots: list = []
+        self.differentiate = None     # set by nn.Graph: (in_build) -> backward of the marked loss, {state name: grad}
+        self.grads = None             # the step's gradients once build() asked for them (nn.utils clipping)
         self.log = log                # callable(level, text) for graph.debug()
         self.autocast = autocast      # mixed precision (see AUTOCAST_OPS)
 
@@ -148,6 +150,25 @@ class Tracer:
         if loss.numel() != 1:
             raise TraceError(f"loss.backward() in build() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.backward_roots.append(loss._value)
+
+    def step_gradients(self, caller: str) -> dict:
+        """{state name: gradient Value} of the step being traced; differentiates a pending
+        `loss.backward()` now, so code after it in build() (gradient clipping) can use them."""
+        if self.backward_roots:
+            self.grads = self.differentiate(True)
+        if self.grads is None:
+            raise TraceError(f"{caller} in build() needs the gradients: call loss.backward() before it")
+        return self.grads
+
+    def replace_step_gradients(self, grads: dict) -> None:
+        self.grads = {**self.grads, **grads}
+
+    def take_step_gradients(self):
+        """After build(): the step's gradients (None without loss.backward()); resets for the next micro-batch."""
+        if self.backward_roots:
+            self.grads = self.differentiate(False)
+        grads, self.grads = self.grads, None
+        return grads
 
     # ------------------------------------------------------------- activation
     def __enter__(self):

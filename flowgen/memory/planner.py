@@ -216,9 +216,11 @@ def _naive_requested(naive) -> bool:
 
 
 def plan_memory(steps, aliases=None, external=None, live_out=None, alignment: int = DEFAULT_ALIGNMENT,
-                naive: bool | None = None, inplace: bool = True) -> MemoryPlan:
+                naive: bool | None = None, inplace: bool = True, placement=None) -> MemoryPlan:
     """Plan the arena. ``naive=None`` reads ``FLOWGEN_NAIVE_MEMORY``; ``inplace=False`` disables reuse
-    of an elementwise kernel's input for its output."""
+    of an elementwise kernel's input for its output. ``placement(records, lower_bound)`` sets the
+    records' offsets and returns its strategy name (default: greedy by size; memory/search.py
+    searches several orders)."""
     if _naive_requested(naive):
         return plan_naive(steps, aliases, external, live_out, alignment)
     lv = _Liveness(steps, aliases, external, live_out, alignment)
@@ -238,18 +240,19 @@ def plan_memory(steps, aliases=None, external=None, live_out=None, alignment: in
             seen.add(id(rec))
             unique.append(rec)
 
-    _greedy_by_size(unique)
+    lower_bound = lv.lower_bound(unique)
+    strategy = _greedy_by_size(unique) if placement is None else placement(unique, lower_bound)
     arena = max((r.offset + r.size for r in unique), default=0)
     offsets = {v: records[root].offset for v, root in lv.root_of.items()}
     return MemoryPlan(
         offsets=offsets,
         arena_bytes=arena,
-        lower_bound_bytes=lv.lower_bound(unique),
+        lower_bound_bytes=lower_bound,
         naive_bytes=sum(lv.size.values()),
         inplace=pairs,
         alignment=alignment,
         lifetimes={r: (lv.first[r], lv.last[r]) for r in lv.roots()},
-        strategy="greedy_by_size",
+        strategy=strategy,
         n_buffers=len(lv.first),
     )
 
@@ -284,10 +287,20 @@ def _merge_inplace(lv: _Liveness, records: dict) -> dict:
     return pairs
 
 
-def _greedy_by_size(records: list) -> None:
-    """Set ``offset`` of each record: best-fit gap among placed records overlapping it in time."""
+def by_size_key(r):
+    return (-r.size, r.first, _name(r.members[0]), r.order)
+
+
+def _greedy_by_size(records: list) -> str:
+    place_in_order(sorted(records, key=by_size_key))
+    return "greedy_by_size"
+
+
+def place_in_order(records: list) -> None:
+    """Set ``offset`` of each record, in the given order: best-fit gap among the placed records
+    overlapping it in time, or on top of them."""
     placed: list = []
-    for rec in sorted(records, key=lambda r: (-r.size, r.first, _name(r.members[0]), r.order)):
+    for rec in records:
         neighbours = sorted((p for p in placed if p.overlaps(rec)), key=lambda p: (p.offset, p.size))
         best_offset = None
         best_gap = None

@@ -108,6 +108,16 @@ def _batched_2d(fn, x, *args, **kwargs):
 # --------------------------------------------------------------------------
 # linear / convolution
 
+def depend(input: Tensor, depend) -> Tensor:
+    """`input`, with an order-only dependency on `depend` (a tensor or a list of them): in a graph,
+    whatever reads the result runs after the kernels computing `depend`. Numerically the
+    identity; in eager mode (everything already ran in program order) it returns `input` itself."""
+    deps = list(depend) if isinstance(depend, (list, tuple)) else [depend]
+    if not any(t.is_lazy for t in [input] + deps):
+        return input
+    return apply("depend", input, *deps)
+
+
 def linear(input, weight, bias=None):
     """y = input @ weight.T + bias (weight is (out_features, in_features))."""
     out = _F.matmul(input, _F.transpose(weight, 0, 1))
@@ -469,15 +479,22 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
 
 
 def one_hot(tensor, num_classes=-1):
-    """int64 one-hot encoding along a new last dimension."""
+    """int64 one-hot encoding along a new last dimension: rows of the identity picked by `index_select`,
+    so a class outside [0, num_classes) raises IndexError (eager, and graphs through the index check)."""
     if tensor.dtype not in (dt.int64, dt.int32):
         raise RuntimeError("one_hot is only applicable to index tensors (int64)")
     if num_classes == -1:
         if tensor.is_lazy:
             raise RuntimeError("one_hot inside nn.Graph.build() needs an explicit num_classes")
         num_classes = int(tensor.numpy().max()) + 1 if tensor.numel() else 0
-    classes = _const(np.arange(num_classes, dtype=np.int64), tensor)
-    return _F.cast(_F.eq(_F.unsqueeze(tensor, -1), classes), dt.int64)
+    if not tensor.is_lazy and tensor.numel():
+        values = tensor.numpy_view()
+        bad = values[(values < 0) | (values >= num_classes)]
+        if bad.size:
+            raise IndexError(f"one_hot: class {int(bad.flat[0])} is out of range [0, {num_classes})")
+    identity = _const(np.eye(num_classes, dtype=np.int64), tensor)
+    rows = _F.index_select(identity, 0, _F.reshape(tensor, (-1,)))
+    return _F.reshape(rows, tuple(tensor.shape) + (num_classes,))
 
 
 def pad(input, pad, mode="constant", value=None):

@@ -3,6 +3,12 @@
 Gradients are replaced, never scaled in place: eager autograd may hand the
 same NumPy buffer to several tensors (an `add`'s two inputs get one gradient
 array), so writing into one would scale the others too.
+
+Inside `nn.Graph.build()`, after `loss.backward()`, the clipping functions work
+on the step's gradients: the tracer differentiates the loss at that point, the
+global norm becomes a reduction in the graph, the clipped gradients replace the
+step's gradients (the scale runs in the update kernels), and the total norm is
+a lazy tensor that `build()` may return.
 """
 from __future__ import annotations
 
@@ -10,6 +16,8 @@ import math
 
 import numpy as np
 
+from flowgen import functional as F
+from flowgen.ops import registry
 from flowgen.tensor import Tensor
 
 
@@ -24,12 +32,65 @@ def _replace(grad: Tensor, array: np.ndarray) -> None:
     grad._version += 1
 
 
+def _parameter_list(parameters) -> list:
+    return [parameters] if isinstance(parameters, Tensor) else list(parameters)
+
+
+def clip_by_total_norm(grads: list, max_norm: float, norm_type: float) -> tuple:
+    """(total norm, clipped gradients) for gradients given as flowgen tensors (lazy in a graph):
+    the joint `norm_type`-norm, and each gradient times min(max_norm / (total + 1e-6), 1)."""
+    norm_type = float(norm_type)
+    if math.isinf(norm_type):
+        per_grad = [F.amax(F.abs(g)) for g in grads]
+        total = per_grad[0]
+        for part in per_grad[1:]:
+            total = F.maximum(total, part)
+    else:
+        powered = [F.sum(F.abs(g) if norm_type == 1 else F.pow(F.abs(g), norm_type)) for g in grads]
+        total = powered[0]
+        for part in powered[1:]:
+            total = total + part
+        if norm_type != 1:
+            total = F.pow(total, 1.0 / norm_type)
+    coef = F.clamp(max_norm / (total + 1e-6), max=1.0)
+    return total, [g * coef for g in grads]
+
+
+def _traced_step_gradients(parameters, name: str) -> dict:
+    """Inside build(): {parameter: its lazy gradient} for the step being traced."""
+    tracer = registry._tracer_hook
+    grads = tracer.step_gradients(f"nn.utils.{name}")
+    return {p: tracer.lazy(grads[tracer.state_of[id(p)].name]) for p in parameters
+            if id(p) in tracer.state_of and tracer.state_of[id(p)].name in grads}
+
+
+def _replace_traced_gradients(clipped: dict) -> None:
+    tracer = registry._tracer_hook
+    tracer.replace_step_gradients({tracer.state_of[id(p)].name: g._value for p, g in clipped.items()})
+
+
+def _tracing(parameters) -> bool:
+    return registry._tracer_hook is not None and any(p.is_lazy for p in parameters)
+
+
 def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     foreach=None) -> Tensor:
     """Scale all gradients together so that their joint `norm_type`-norm is at most `max_norm`.
 
-    Returns the total norm before clipping (a 0-d float32 tensor), as PyTorch.
+    Returns the total norm before clipping (a 0-d float32 tensor), as PyTorch. Inside
+    `nn.Graph.build()` it clips the step's gradients and returns the norm as a lazy tensor.
     """
+    parameters = _parameter_list(parameters)
+    if _tracing(parameters):
+        if error_if_nonfinite:
+            raise RuntimeError("nn.utils.clip_grad_norm_(error_if_nonfinite=True) inside nn.Graph.build(): a "
+                               "compiled step cannot raise; return the total norm and check it after the call")
+        grads = _traced_step_gradients(parameters, "clip_grad_norm_")
+        if not grads:
+            return Tensor(np.float32(0.0))
+        total, clipped = clip_by_total_norm(list(grads.values()), max_norm, norm_type)
+        _replace_traced_gradients(dict(zip(grads, clipped)))
+        return total
     grads = _grads(parameters)
     if not grads:
         return Tensor(np.float32(0.0))
@@ -52,7 +113,13 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
 
 
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
-    """Clamp every gradient element into [-clip_value, clip_value]."""
+    """Clamp every gradient element into [-clip_value, clip_value] (inside `nn.Graph.build()`:
+    the step's gradients)."""
+    parameters = _parameter_list(parameters)
+    if _tracing(parameters):
+        grads = _traced_step_gradients(parameters, "clip_grad_value_")
+        _replace_traced_gradients({p: F.clamp(g, -clip_value, clip_value) for p, g in grads.items()})
+        return
     for g in _grads(parameters):
         _replace(g, np.clip(g.numpy_view(), -clip_value, clip_value))
 

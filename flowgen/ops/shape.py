@@ -46,6 +46,12 @@ defop("reshape", infer=_reshape_infer, ref=lambda a, shape: a.reshape(shape),
       lowering=View(), doc="reshape(x, shape): explicit target shape; a view of contiguous memory")
 
 
+# ---------------------------------------------------------------------- depend
+defop("depend", infer=lambda a, *deps: TensorMeta(a.shape, a.dtype), ref=lambda a, *deps: a,
+      grad=lambda ctx, g: (g,) + (None,) * (len(ctx.inputs) - 1),
+      lowering=View(), doc="depend(x, *deps): x itself, ordered after the kernels computing deps (graph mode)")
+
+
 # ---------------------------------------------------------------------- permute
 def _permute_infer(a, dims):
     dims = tuple(dims)

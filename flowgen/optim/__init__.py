@@ -1,4 +1,4 @@
-"""`flow.optim`: optimizers (eager NumPy step + `update_rule()` for graphs) and LR schedulers."""
+"""`flow.optim`: optimizers (eager NumPy steps; passes/optimizer.py lowers them for graphs) and LR schedulers."""
 from flowgen.optim import lr_scheduler  # noqa: F401
 from flowgen.optim.adam import Adam, AdamW
 from flowgen.optim.optimizer import Optimizer

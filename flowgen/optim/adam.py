@@ -5,7 +5,15 @@ import math
 
 import numpy as np
 
-from flowgen.optim.optimizer import Optimizer, compute_view, write_back
+from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, write_back
+
+
+def bias_corrections(group: dict, step: int) -> tuple[float, float]:
+    """(1 - beta1^step, sqrt(1 - beta2^step)) for Adam's step `step` (1, 1 without bias correction)."""
+    if not group["do_bias_correction"]:
+        return 1.0, 1.0
+    beta1, beta2 = group["betas"]
+    return 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
 
 
 class Adam(Optimizer):
@@ -19,13 +27,16 @@ class Adam(Optimizer):
         v_hat = max(v_max, v) if amsgrad else v        (v_max keeps the maximum)
         denom = sqrt(v_hat) / sqrt(1 - beta2^t) + eps
         w = w - (lr / (1 - beta1^t)) * m / denom
+
+    lr is the group's lr times its lr_scale; with OneFlow's `do_bias_correction=False` both
+    bias corrections are 1.
     """
 
     _decoupled_weight_decay = False
     _kind = "adam"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, *, maximize: bool = False):
+                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True):
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if eps < 0.0:
@@ -37,10 +48,11 @@ class Adam(Optimizer):
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      amsgrad=amsgrad, maximize=maximize))
+                                      amsgrad=amsgrad, maximize=maximize,
+                                      do_bias_correction=do_bias_correction))
 
     def _update_group(self, group: dict) -> None:
-        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        lr, (beta1, beta2), eps = group_lr(group), group["betas"], group["eps"]
         weight_decay, amsgrad, maximize = group["weight_decay"], group["amsgrad"], group["maximize"]
         for p, w_store, g in self._params_with_grad(group):
             w = compute_view(w_store)
@@ -65,8 +77,7 @@ class Adam(Optimizer):
                 np.maximum(v_hat, v, out=v_hat)
             else:
                 v_hat = v
-            bias_correction1 = 1 - beta1 ** step
-            bias_correction2_sqrt = math.sqrt(1 - beta2 ** step)
+            bias_correction1, bias_correction2_sqrt = bias_corrections(group, step)
             denom = np.sqrt(v_hat) / f(bias_correction2_sqrt) + f(eps)
             w -= f(lr / bias_correction1) * m / denom
             write_back(w_store, w)
@@ -74,25 +85,6 @@ class Adam(Optimizer):
                 if name in state:
                     state[name]._version += 1
             p._version += 1
-
-    def update_rule(self) -> list[dict]:
-        """Per group: ``{"kind": "adam" | "adamw", "lr", "beta1", "beta2", "eps", "weight_decay", "amsgrad",
-        "maximize", "params": [...], "param_indices": [...], "state": {"step": "int, counts from 1",
-        "exp_avg": "zeros", "exp_avg_sq": "zeros", ("max_exp_avg_sq": "zeros" if amsgrad)}}`` — the arithmetic
-        is the class docstring's; "adamw" decays the weight before the update."""
-        rules = []
-        for group, indices in zip(self.param_groups, self._param_indices()):
-            state = {"step": "int, counts from 1", "exp_avg": "zeros", "exp_avg_sq": "zeros"}
-            if group["amsgrad"]:
-                state["max_exp_avg_sq"] = "zeros"
-            rules.append({
-                "kind": self._kind, "lr": float(group["lr"]), "beta1": float(group["betas"][0]),
-                "beta2": float(group["betas"][1]), "eps": float(group["eps"]),
-                "weight_decay": float(group["weight_decay"]), "amsgrad": bool(group["amsgrad"]),
-                "maximize": bool(group["maximize"]), "params": list(group["params"]), "param_indices": indices,
-                "state": state,
-            })
-        return rules
 
 
 class AdamW(Adam):
@@ -102,5 +94,6 @@ class AdamW(Adam):
     _kind = "adamw"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 amsgrad: bool = False, *, maximize: bool = False):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize)
+                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         do_bias_correction=do_bias_correction)

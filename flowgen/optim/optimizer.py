@@ -4,18 +4,30 @@ Eager `step()` updates parameters in place on their NumPy buffers (compiled
 graphs alias those buffers, so a parameter's array object must never change)
 and bumps each parameter's `_version` so a graph knows to re-upload it.
 
-Subclasses implement `_update_group(group)` for the eager math and
-`update_rule()`, a plain-data description the graph compiler lowers to
-kernels; both must describe the same arithmetic.
+Subclasses implement `_update_group(group)` for the eager math;
+`passes/optimizer.py` lowers SGD, Adam and AdamW with the same arithmetic and
+traces any other subclass's `step()` (written with flowgen tensor ops).
+
+Parameter-group keys: the optimizer's defaults, plus OneFlow's group keys
+(`GROUP_KEYS`): `lr_scale` multiplies the group's LR in every step (eager and
+graph; OneFlow's eager step ignores it, its graph applies it);
+`clip_grad_max_norm` with `clip_grad_norm_type` clip the group's gradients by
+their joint norm: a graph does it inside every step (OneFlow's graph
+contract), eager code calls `optimizer.clip_grad()` before `step()` (OneFlow's
+eager API). PyTorch's `param_names` is kept as a label. Any other key is an
+error: PyTorch and OneFlow keep unknown keys silently, which hides typos and
+options flowgen does not have.
 """
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 
 import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.autograd import enable_grad
+from flowgen.nn.utils import clip_grad_norm_
 from flowgen.tensor import Tensor
 
 
@@ -35,6 +47,24 @@ def compute_view(array: np.ndarray) -> np.ndarray:
 def write_back(dest: np.ndarray, values: np.ndarray) -> None:
     if values is not dest:
         dest[...] = values.astype(dest.dtype, copy=False)
+
+
+GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr")
+# Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
+# while off (False/None); switched on they are refused like any unknown option.
+TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")
+
+
+def group_lr(group: dict) -> float:
+    """The LR a group's step uses: its `lr` times OneFlow's `lr_scale` (1 when absent)."""
+    return group["lr"] * group.get("lr_scale", 1.0)
+
+
+def group_clip(group: dict):
+    """(max_norm, norm_type) when the group asks for gradient clipping, else None."""
+    if "clip_grad_max_norm" not in group:
+        return None
+    return float(group["clip_grad_max_norm"]), float(group["clip_grad_norm_type"])
 
 
 class Optimizer:
@@ -74,12 +104,45 @@ class Optimizer:
             if default is required and name not in group:
                 raise ValueError(f"parameter group didn't specify a value of required optimization parameter {name}")
             group.setdefault(name, default)
+        self._check_group_keys(group, len(self.param_groups))
         seen = {id(p) for g in self.param_groups for p in g["params"]}
         if len({id(p) for p in group["params"]}) != len(group["params"]) or seen & {id(p) for p in group["params"]}:
             raise ValueError("some parameters appear in more than one parameter group (or twice in one)")
         self.param_groups.append(group)
 
+    def _check_group_keys(self, group: dict, index: int) -> None:
+        name = type(self).__name__
+        for key in group:
+            if key != "params" and key not in self.defaults and key not in GROUP_KEYS:
+                known = ", ".join(sorted(set(self.defaults) | set(GROUP_KEYS)))
+                raise ValueError(f"{name}: parameter group {index} has unknown option {key!r} = {group[key]!r}; "
+                                 f"{name} takes {known}")
+        if ("clip_grad_max_norm" in group) != ("clip_grad_norm_type" in group):
+            given = "clip_grad_max_norm" if "clip_grad_max_norm" in group else "clip_grad_norm_type"
+            missing = "clip_grad_norm_type" if given == "clip_grad_max_norm" else "clip_grad_max_norm"
+            raise ValueError(f"{name}: parameter group {index} sets {given!r} without {missing!r}; gradient "
+                             f"clipping needs both (OneFlow's rule)")
+        clip = group_clip(group)
+        if clip is not None and not clip[0] > 0:
+            raise ValueError(f"{name}: parameter group {index} has clip_grad_max_norm = {clip[0]!r}; it must be > 0")
+        if "lr_scale" in group and not group["lr_scale"] >= 0:
+            raise ValueError(f"{name}: parameter group {index} has lr_scale = {group['lr_scale']!r}; it must be >= 0")
+
     # ------------------------------------------------------------------ step
+    def clip_grad(self, error_if_nonfinite: bool = False) -> None:
+        """OneFlow's `Optimizer.clip_grad()`: clip each group that sets `clip_grad_max_norm` and
+        `clip_grad_norm_type` by its gradients' joint norm (`nn.utils.clip_grad_norm_`). A graph
+        does this inside its step; eager code calls it between `backward()` and `step()`."""
+        clipped = False
+        for group in self.param_groups:
+            clip = group_clip(group)
+            if clip is not None:
+                clip_grad_norm_(group["params"], clip[0], clip[1], error_if_nonfinite)
+                clipped = True
+        if not clipped:
+            warnings.warn(f"{type(self).__name__}.clip_grad(): no parameter group sets clip_grad_max_norm and "
+                          f"clip_grad_norm_type, so nothing is clipped")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         from flowgen.autograd import zero_grads
 
@@ -123,18 +186,6 @@ class Optimizer:
     def _state_np_dtype(p: Tensor):
         return np.float64 if p.dtype == dt.float64 else np.float32
 
-    # ------------------------------------------------------------ graph hook
-    def update_rule(self) -> list[dict]:
-        """One plain-data dict per parameter group describing the update (see the subclass)."""
-        raise NotImplementedError
-
-    def _param_indices(self) -> list[list[int]]:
-        indices, i = [], 0
-        for group in self.param_groups:
-            indices.append(list(range(i, i + len(group["params"]))))
-            i += len(group["params"])
-        return indices
-
     # ------------------------------------------------------------ state dict
     def state_dict(self) -> dict:
         """``{"state": {index: {...}}, "param_groups": [{..., "params": [index, ...]}]}`` (PyTorch's layout).
@@ -166,6 +217,12 @@ class Optimizer:
                 raise ValueError(f"loaded state dict contains a parameter group {i} of {len(saved['params'])} "
                                  f"parameters that doesn't match the size of optimizer's group "
                                  f"({len(group['params'])} parameters)")
+        for i, saved in enumerate(saved_groups):
+            for key, value in saved.items():
+                unknown = key != "params" and key not in self.defaults and key not in GROUP_KEYS
+                if unknown and not self._matches_without_storing(key, value):
+                    raise ValueError(f"{type(self).__name__}.load_state_dict: parameter group {i} has option "
+                                     f"{key!r} = {value!r}, which {type(self).__name__} does not have")
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             for index, p in zip(saved["params"], group["params"]):
@@ -180,8 +237,15 @@ class Optimizer:
         self.state = new_state
         for saved, group in zip(saved_groups, self.param_groups):
             for key, value in saved.items():
-                if key != "params":
+                if key != "params" and not self._matches_without_storing(key, value):
                     group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+
+    def _matches_without_storing(self, key: str, value) -> bool:
+        """A key of PyTorch's saved groups that this optimizer's math already agrees with: an
+        implementation switch that is off, or Adam's `decoupled_weight_decay` (True for AdamW)."""
+        if key == "decoupled_weight_decay":
+            return bool(value) == getattr(self, "_decoupled_weight_decay", None)
+        return key in TORCH_IMPLEMENTATION_KEYS and not value
 
     def _load_state_value(self, p: Tensor, name: str, value):
         if name == "step":

@@ -1,7 +1,7 @@
 """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay (PyTorch semantics)."""
 from __future__ import annotations
 
-from flowgen.optim.optimizer import Optimizer, compute_view, required, write_back
+from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, required, write_back
 
 
 class SGD(Optimizer):
@@ -13,7 +13,7 @@ class SGD(Optimizer):
             buf = d                                       (first step: no state yet)
             buf = momentum * buf + (1 - dampening) * d    (later steps)
             d = d + momentum * buf if nesterov else buf
-        w = w - lr * d
+        w = w - lr * d                                    (lr: the group's lr times its lr_scale)
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
@@ -30,7 +30,7 @@ class SGD(Optimizer):
                                       nesterov=nesterov, maximize=maximize))
 
     def _update_group(self, group: dict) -> None:
-        lr, momentum, dampening = group["lr"], group["momentum"], group["dampening"]
+        lr, momentum, dampening = group_lr(group), group["momentum"], group["dampening"]
         weight_decay, nesterov, maximize = group["weight_decay"], group["nesterov"], group["maximize"]
         for p, w_store, g in self._params_with_grad(group):
             w = compute_view(w_store)
@@ -53,18 +53,3 @@ class SGD(Optimizer):
             w -= f(lr) * d
             write_back(w_store, w)
             p._version += 1
-
-    def update_rule(self) -> list[dict]:
-        """Per group: ``{"kind": "sgd", "lr", "momentum", "dampening", "nesterov", "weight_decay", "maximize",
-        "params": [Parameter, ...], "param_indices": [int, ...], "state": {"momentum_buffer": "first step copies
-        d"} }`` — the arithmetic is the class docstring's."""
-        rules = []
-        for group, indices in zip(self.param_groups, self._param_indices()):
-            rules.append({
-                "kind": "sgd", "lr": float(group["lr"]), "momentum": float(group["momentum"]),
-                "dampening": float(group["dampening"]), "nesterov": bool(group["nesterov"]),
-                "weight_decay": float(group["weight_decay"]), "maximize": bool(group["maximize"]),
-                "params": list(group["params"]), "param_indices": indices,
-                "state": {"momentum_buffer": "first step copies d"} if group["momentum"] else {},
-            })
-        return rules

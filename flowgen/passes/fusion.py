@@ -20,6 +20,17 @@
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
+Three families can be switched off (``graph.config.allow_fuse_*``, all on by default):
+
+* ``model_update=False``: optimizer update nodes (scope ``optim...``/``grad_scaler``) form
+  kernels of their own: they join no gradient kernel (reduction, GEMM epilogue) and no
+  multi-tensor kernel; the update of one parameter stays one kernel.
+* ``add_to_output=False``: an ``add`` of two full-size tensors (a residual) does not join
+  a conv or GEMM epilogue (a bias add, which broadcasts, still does).
+* ``cast_scale=False``: a ``cast`` and a multiply/divide by a one-element tensor (a scale)
+  each run as their own kernel: they join no neighbour and no neighbour joins them (those
+  of the optimizer update belong to the model-update family, as in OneFlow).
+
 A group is emitted at the position of its last member; a node may only join
 a group if no node outside the group, positioned before it, reads a value the
 group produces (so the order stays valid).
@@ -46,6 +57,8 @@ def _swaps_last_two(dims) -> bool:
 def _kind(node) -> str:
     if node.op == "constant":
         return "constant"
+    if node.op == "depend":
+        return "other"   # stays a view of its first input, ordered after the others: joins no kernel
     if node.op == "matmul":
         return "gemm"
     if node.op == "conv2d":
@@ -83,9 +96,29 @@ class _Group:
         self.reduction = None     # index of the reduction node, for kind "reduction"
         self.segments = None      # kind "multi": the member indices of each independent segment
         self.loop_values: set = set()   # kind "reduction": values computed inside the reduction loop
+        self.sealed = False       # a cast/scale kept alone (cast_scale=False): nothing joins it
 
 
-def fuse(graph, enabled: bool = True):
+def _is_update(node) -> bool:
+    return node.scope.startswith(("optim", "grad_scaler"))
+
+
+def _is_add_to_output(node) -> bool:
+    """A residual add: both operands have the result's full size (a bias broadcasts)."""
+    return node.op == "add" and all(v.numel == node.output.numel for v in node.inputs)
+
+
+def _is_cast_or_scale(node) -> bool:
+    """Outside the optimizer: its casts and scales belong to the model-update family."""
+    if _is_update(node):
+        return False
+    if node.op == "cast":
+        return True
+    return node.op in ("mul", "div") and sorted(v.numel == 1 for v in node.inputs) == [False, True]
+
+
+def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: bool = True,
+         cast_scale: bool = True):
     nodes = graph.nodes
     users = graph.users()
     group_of: dict = {}       # node index -> _Group
@@ -111,6 +144,14 @@ def fuse(graph, enabled: bool = True):
             if any(v in group.produced for v in nodes[between].inputs):
                 return False
         return True
+
+    def family_allows(group: _Group, node) -> bool:
+        """The switched-off families (see the module docstring) keep `node` out of `group`."""
+        if group.sealed or (not cast_scale and _is_cast_or_scale(node)):
+            return False
+        if not model_update and any(_is_update(nodes[m]) != _is_update(node) for m in group.members):
+            return False
+        return add_to_output or group.kind not in ("conv", "gemm") or not _is_add_to_output(node)
 
     def add(group: _Group, index: int):
         group.members.append(index)
@@ -152,6 +193,8 @@ def fuse(graph, enabled: bool = True):
             h = group_of.get(producer_index.get(v))
             if h is None or h is g or h.kind != "elementwise" or _numel(h.shape) != _numel(g.shape):
                 continue
+            if h.sealed or not all(family_allows(g, nodes[m]) for m in h.members):
+                continue
             members = set(h.members) | set(g.members)
             if any(w in live_out or any(index_of[id(u)] not in members for u in users.get(w, []))
                    for w in h.produced):
@@ -177,6 +220,7 @@ def fuse(graph, enabled: bool = True):
                     g = group_of.get(p)
                     # A reduction group takes epilogue nodes that read its result (not its prologue).
                     if g is not None and g not in candidates and fits(g, node) and can_join(g, i) \
+                            and family_allows(g, node) \
                             and (g.kind == "elementwise" or (p >= g.reduction and v not in g.loop_values)):
                         candidates.append(g)
                 if candidates:
@@ -192,11 +236,12 @@ def fuse(graph, enabled: bool = True):
                 # Tiny independent work (each BatchNorm's num_batches_tracked += 1) shares one
                 # kernel with the previous tiny group of its shape when nothing in between reads it.
                 h = small.get(shape)
-                if h is not None and h in groups and can_join(h, i):
+                if h is not None and h in groups and can_join(h, i) and family_allows(h, node):
                     add(h, i)
                     joined = True
             if not joined:
                 g = _Group("elementwise", shape, i)
+                g.sealed = not cast_scale and _is_cast_or_scale(node)
                 groups.append(g)
                 add(g, i)
                 if _numel(shape) <= HORIZONTAL_MAX_NUMEL:
@@ -207,7 +252,8 @@ def fuse(graph, enabled: bool = True):
             src = node.inputs[0]
             prologue = group_of.get(producer_index.get(src))
             if (enabled and prologue is not None and prologue.kind == "elementwise"
-                    and prologue.shape == tuple(src.shape) and only_feeds(prologue, node)):
+                    and prologue.shape == tuple(src.shape) and only_feeds(prologue, node)
+                    and family_allows(prologue, node)):
                 # Absorb the prologue group: its values are only read by this reduction.
                 groups.remove(prologue)
                 g.first = prologue.first
@@ -254,7 +300,7 @@ def fuse(graph, enabled: bool = True):
             add(g, i)
         # template families, views and constants stay as they are
 
-    if enabled:
+    if enabled and model_update:
         _merge_update_groups(groups, nodes, users, live_out, group_of)
     # Rebuild the node list: each group at the position of its last member.
     last_of = {max(g.members): g for g in groups}

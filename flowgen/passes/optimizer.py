@@ -1,20 +1,34 @@
-"""Optimizer lowering: append each parameter's update (SGD, Adam, AdamW) to the graph.
+"""Optimizer lowering: append each parameter's update to the graph.
 
-The update math is written with flowgen ops on lazy tensors, so it is traced
-into IR like the model. Optimizer slots (momentum, exp_avg, exp_avg_sq) become
-persistent state; per-step scalars that depend on the step count or the LR
-schedule (lr, bias corrections, first-step momentum switch) become ``hyper``
-state that the host writes before each call (`HostScalar`), so the schedule is
-exactly the eager one.
+SGD, Adam and AdamW have their math written here with flowgen ops on lazy
+tensors (every constructor option and OneFlow's group keys: `lr_scale`,
+per-group `clip_grad_max_norm`/`clip_grad_norm_type`, `do_bias_correction`), so
+it is traced into IR like the model. Any other `Optimizer` subclass has its own
+`step()` traced on lazy parameters and gradients. Optimizer slots (momentum,
+exp_avg, exp_avg_sq, max_exp_avg_sq) become persistent state; per-step scalars
+that depend on the step count or the LR schedule (lr, bias corrections,
+first-step momentum switch) become ``hyper`` state that the host writes before
+each call (`HostScalar`), so the schedule is exactly the eager one.
 """
 from __future__ import annotations
 
-import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from flowgen.ir.trace import Tracer
+from flowgen import creation
+from flowgen import functional as F
+from flowgen.ir.graph import NameGen
+from flowgen.ir.trace import TraceError, Tracer
+from flowgen.nn.utils import clip_by_total_norm
+from flowgen.ops.registry import apply
+from flowgen.optim import SGD, Adam, AdamW
+from flowgen.optim.adam import bias_corrections
+from flowgen.optim.optimizer import group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
+from flowgen.tensor import Tensor
+
+LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering; others have step() traced
 
 
 @dataclass
@@ -40,15 +54,35 @@ class SlotBinding:
     tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
 
 
-def lr_schedule(scheduler, group: int, counter: dict) -> dict:
+LR_SCHEDULERS = ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR", "ConstantLR")
+
+
+def scheduler_epoch(scheduler, counter: dict) -> int:
+    """The scheduler epoch of the graph's next call: OneFlow's contract is that the graph advances
+    the scheduler given to `add_optimizer` itself and never steps the Python object, so call t
+    runs at epoch `last_epoch + t` (the object's own epoch stays where the user left it)."""
+    return int(scheduler.last_epoch) + counter["calls"]
+
+
+def group_lr_now(group: dict, g_index: int, scheduler, counter: dict) -> float:
+    """The LR group `g_index` uses on the graph's next call: the scheduler's (replayed, exactly as
+    eager computes it) or, without one, the group's current `lr` (code may write it every step);
+    times OneFlow's `lr_scale`."""
+    if scheduler is None:
+        return group_lr(group)
+    return scheduler.lr_at(scheduler_epoch(scheduler, counter), g_index) * group.get("lr_scale", 1.0)
+
+
+def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
     """The LR schedule as plain data for a standalone program: closed forms of the common
-    schedulers, in the scheduler's epoch e = t + offset at graph call t. Others (LambdaLR,
-    SequentialLR) run Python code: the program keeps the saved LR ("constant")."""
+    schedulers at epoch e = t + offset of graph call t, times `scale` (the group's lr_scale).
+    Without a scheduler, or with one that runs Python code (LambdaLR, SequentialLR), the
+    program keeps the saved LR ("constant")."""
     kind = type(scheduler).__name__ if scheduler is not None else None
-    if kind not in ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR", "ConstantLR"):
+    if kind not in LR_SCHEDULERS:
         return {"kind": "constant"}
-    sched = {"kind": "lr_" + kind, "base": float(scheduler.base_lrs[group]),
-             "offset": int(scheduler.last_epoch) - counter["calls"]}
+    sched = {"kind": "lr_" + kind, "base": float(scheduler.base_lrs[g_index]), "offset": int(scheduler.last_epoch),
+             "scale": float(group.get("lr_scale", 1.0))}
     if kind == "StepLR":
         sched.update(step_size=int(scheduler.step_size), gamma=float(scheduler.gamma))
     elif kind == "MultiStepLR":
@@ -65,26 +99,17 @@ def lr_schedule(scheduler, group: int, counter: dict) -> dict:
     return sched
 
 
-def _group_kind(optimizer) -> str:
-    kind = type(optimizer).__name__
-    if kind not in ("SGD", "Adam", "AdamW"):
-        raise NotImplementedError(f"nn.Graph cannot lower optimizer {kind}; supported: SGD, Adam, AdamW")
-    return kind
-
-
 def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,
                      grad_unscale: float = 1.0, scaler: GraphScaler | None = None):
-    """Returns (graph, host scalars, slot bindings).
+    """Returns (graph, host scalars, slot bindings, checks run on the host before every call).
 
     `param_name` maps id(param) -> state name; `counter["calls"]` is the number of
     steps the graph has run and `counter["skipped"]` how many of them a GradScaler skipped,
     kept by the caller (used for SGD's first step). With a `scaler`, gradients are divided by
     its scale, and a step whose gradients hold an inf or NaN changes no parameter or slot
     and backs the scale off; `growth_interval` clean steps in a row grow it (PyTorch's rule).
+    SGD, Adam and AdamW are lowered here; any other Optimizer has its `step()` traced.
     """
-    from flowgen import creation
-    from flowgen.ir.graph import NameGen
-
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
     tracer.graph = out
@@ -102,6 +127,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
     first_update = len(out.updates)
     host: list = []
     slots: list = []
+    checks: list = []
 
     def new_state(name, tensor, kind, schedule=None):
         var = tracer.add_state(name, tensor, kind)
@@ -110,8 +136,16 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
         return tracer.lazy(var.value)
 
     with tracer:
-        for opt_index, (optimizer, _scheduler) in enumerate(optimizers):
-            kind = _group_kind(optimizer)
+        for opt_index, (optimizer, scheduler) in enumerate(optimizers):
+            kind = type(optimizer).__name__ if type(optimizer) in LOWERED else None
+            grads = _clip_groups(tracer, optimizer, opt_index, grads, param_name)
+            if kind is None:
+                if scheduler is not None:
+                    raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
+                                     f"with its options as constants, so it cannot follow lr_sch="
+                                     f"{type(scheduler).__name__}; use SGD, Adam or AdamW, or build a graph per LR")
+                checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
+                continue
             for g_index, group in enumerate(optimizer.param_groups):
                 prefix = f"optim{opt_index}.group{g_index}"
                 params = [p for p in group["params"] if param_name.get(id(p)) in grads]
@@ -127,18 +161,34 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     return new_state(f"{prefix}.{name}", creation.tensor(fn(), dtype=hyper_dtype), "hyper", schedule)
 
                 # In Python the host recomputes these before every call (LR schedulers included);
-                # `schedule` says how a standalone program advances them (the LR stays constant there).
-                lr = hyper("lr", lambda group=group: group["lr"], lr_schedule(_scheduler, g_index, counter))
+                # `schedule` says how a standalone program advances them.
+                lr = hyper("lr", lambda group=group, g_index=g_index, scheduler=scheduler:
+                           group_lr_now(group, g_index, scheduler, counter), lr_schedule(scheduler, group, g_index))
                 if kind == "SGD":
                     _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                          counter)
                 else:
-                    _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, counter,
-                          decoupled=(kind == "AdamW"))
+                    _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
+                          counter, decoupled=(kind == "AdamW"))
                 tracer.scopes.pop()
     if scaler is not None:
         _skip_or_grow(tracer, out, first_update, found_inf, scaler)
-    return out, host, slots
+    return out, host, slots, checks
+
+
+def _clip_groups(tracer, optimizer, opt_index: int, grads: dict, param_name: dict) -> dict:
+    """OneFlow's per-group `clip_grad_max_norm` / `clip_grad_norm_type`: each such group's
+    gradients scaled by min(max_norm / (their joint norm + 1e-6), 1) before the update."""
+    for g_index, group in enumerate(optimizer.param_groups):
+        clip = group_clip(group)
+        names = [param_name[id(p)] for p in group["params"] if param_name.get(id(p)) in grads]
+        if clip is None or not names:
+            continue
+        tracer.scopes.append(f"optim{opt_index}.group{g_index}.clip_grad")
+        _total, clipped = clip_by_total_norm([tracer.lazy(grads[n]) for n in names], *clip)
+        grads = {**grads, **{n: g._value for n, g in zip(names, clipped)}}
+        tracer.scopes.pop()
+    return grads
 
 
 NONFINITE_CHUNK = 256   # gradients per nonfinite_flag launch (kernel parameters stay within 4 KB)
@@ -146,9 +196,6 @@ NONFINITE_CHUNK = 256   # gradients per nonfinite_flag launch (kernel parameters
 
 def _found_inf(tracer, grads: dict):
     """A bool scalar: some gradient element is inf or NaN (one scan over all gradients)."""
-    from flowgen import functional as F
-    from flowgen.ops.registry import apply
-
     values = [tracer.lazy(g) for g in grads.values()]
     flag = None
     for start in range(0, len(values), NONFINITE_CHUNK):
@@ -159,8 +206,6 @@ def _found_inf(tracer, grads: dict):
 
 def _skip_or_grow(tracer, graph, first_update: int, found_inf, scaler: GraphScaler):
     """Keep every parameter and slot as it was when `found_inf`; the scale update rule."""
-    from flowgen import functional as F
-
     state = graph.state_by_name()
     with tracer:
         tracer.scopes.append("grad_scaler.update")
@@ -183,8 +228,6 @@ def scaler_state_name(what: str) -> str:
 
 
 def _slot(optimizer, p, key, new_state, slots, name):
-    from flowgen import creation
-
     st = optimizer.state.setdefault(p, {})
     if key not in st or st[key] is None:
         st[key] = creation.zeros_like(p.detach())
@@ -193,12 +236,14 @@ def _slot(optimizer, p, key, new_state, slots, name):
 
 
 def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter):
-    momentum, dampening = group.get("momentum", 0), group.get("dampening", 0)
-    nesterov, wd = group.get("nesterov", False), group.get("weight_decay", 0)
+    momentum, dampening = group["momentum"], group["dampening"]
+    nesterov, wd, maximize = group["nesterov"], group["weight_decay"], group["maximize"]
     for p in params:
         name = param_name[id(p)]
         param = tracer.lazy(state[name].value)
         g = tracer.lazy(grads[name])
+        if maximize:
+            g = -g
         if wd:
             g = g + param * wd
         if momentum:
@@ -218,14 +263,21 @@ def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, 
         tracer.graph.updates.append((name, (param - lr * g)._value))
 
 
-def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new_state, slots, counter, decoupled):
-    beta1, beta2 = group.get("betas", (0.9, 0.999))
-    eps, wd = group.get("eps", 1e-8), group.get("weight_decay", 0)
+def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter,
+          decoupled):
+    """The Adam class docstring's arithmetic; the step size is lr times 1 / (1 - beta1^k) and the
+    decoupled decay 1 - lr * weight_decay, so both follow the LR hyper (and its schedule)."""
+    beta1, beta2 = group["betas"]
+    eps, wd, amsgrad, maximize = group["eps"], group["weight_decay"], group["amsgrad"], group["maximize"]
+    # without bias correction both corrections are 1: a beta of 0 in the schedule gives 1 - 0^k = 1
+    corrected = bool(group["do_bias_correction"])
     for p in params:
         name = param_name[id(p)]
         st = optimizer.state.setdefault(p, {})
         param = tracer.lazy(state[name].value)
         g = tracer.lazy(grads[name])
+        if maximize:
+            g = -g
         m = _slot(optimizer, p, "exp_avg", new_state, slots, f"{name}.exp_avg")
         v = _slot(optimizer, p, "exp_avg_sq", new_state, slots, f"{name}.exp_avg_sq")
 
@@ -235,20 +287,124 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, hyper, new
 
         # Adam's step count k at graph call t is k = t + offset (t counts the graph's calls).
         offset = step() - counter["calls"]
-        step_size = hyper(f"{name}.step_size", lambda: group["lr"] / (1 - beta1 ** step()),
-                          {"kind": "bias_correction", "scale": group["lr"], "beta": beta1, "power": 1.0,
-                           "offset": offset})
-        inv_sqrt_bc2 = hyper(f"{name}.inv_sqrt_bc2", lambda: 1.0 / math.sqrt(1 - beta2 ** step()),
-                             {"kind": "bias_correction", "scale": 1.0, "beta": beta2, "power": 0.5, "offset": offset})
+        inv_bc1 = hyper(f"{name}.inv_bc1", lambda: 1.0 / bias_corrections(group, step())[0],
+                        {"kind": "bias_correction", "scale": 1.0, "beta": beta1 if corrected else 0.0, "power": 1.0,
+                         "offset": offset})
+        inv_sqrt_bc2 = hyper(f"{name}.inv_sqrt_bc2", lambda: 1.0 / bias_corrections(group, step())[1],
+                             {"kind": "bias_correction", "scale": 1.0, "beta": beta2 if corrected else 0.0,
+                              "power": 0.5, "offset": offset})
         if decoupled and wd:
-            decay = hyper(f"{name}.decay", lambda: 1.0 - group["lr"] * wd, {"kind": "constant"})
-            param = param * decay
+            param = param * (1.0 - lr * wd)
         elif wd:
             g = g + param * wd
         m_new = m * beta1 + g * (1 - beta1)
         v_new = v * beta2 + g * g * (1 - beta2)
         tracer.graph.updates.append((f"{name}.exp_avg", m_new._value))
         tracer.graph.updates.append((f"{name}.exp_avg_sq", v_new._value))
+        if amsgrad:
+            v_max = _slot(optimizer, p, "max_exp_avg_sq", new_state, slots, f"{name}.max_exp_avg_sq")
+            v_new = F.maximum(v_max, v_new)
+            tracer.graph.updates.append((f"{name}.max_exp_avg_sq", v_new._value))
         denom = (v_new.sqrt() * inv_sqrt_bc2) + eps
-        updated = param - step_size * m_new / denom
+        updated = param - (lr * inv_bc1) * m_new / denom
         tracer.graph.updates.append((name, updated._value))
+
+
+class _TracedSlots(dict):
+    """One parameter's optimizer state while a user-written `step()` is traced. A tensor it
+    holds becomes persistent graph state: an eager tensor gives the initial value (as made by
+    `flow.zeros_like(p)`), and storing a traced tensor under the same key is that state's update."""
+
+    def __init__(self, items, make_slot):
+        super().__init__()
+        self._make_slot = make_slot
+        for key, value in items.items():
+            self[key] = value
+
+    def __setitem__(self, key, value):
+        held = self.get(key)
+        if isinstance(value, Tensor) and not value.is_lazy:
+            value = self._make_slot(key, value)
+        elif isinstance(value, Tensor):
+            if not isinstance(held, Tensor):
+                raise TraceError(f"optimizer state {key!r} is first stored from a value computed in the traced "
+                                 f"step(); create it with flow.zeros_like(param) (a value that does not depend on "
+                                 f"the step) so the graph keeps it as state between calls")
+            value = held.copy_(value)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+
+def _group_numbers(optimizer) -> list:
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name: dict, state: dict, slots: list):
+    """Trace a user-written optimizer's `step()` (flowgen tensor ops, in-place updates of its
+    parameters and state) on lazy parameters and gradients: its in-place writes become the
+    graph's updates. Returns the check run before every call: the groups' hyper-parameters are
+    constants of the traced step, so changing one later is refused rather than ignored."""
+    cls = type(optimizer).__name__
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    eager_grads = {id(p): p.grad for p in params}
+    eager_state = optimizer.state
+    created: list = []
+
+    def bind_slot(p, key, tensor):
+        name = f"{param_name[id(p)]}.{key}"
+        var = tracer.add_state(name, tensor, "optim")
+        tracer.state_tensors.pop()   # bound by hand: lazy only while step() is traced
+        tensor._value = var.value
+        slots.append(SlotBinding(name, tensor))
+        created.append((p, key, tensor))
+        return tensor
+
+    traced_state: defaultdict = defaultdict(dict)
+    for p in params:
+        name = param_name.get(id(p))
+        p.grad = tracer.lazy(grads[name]) if name in grads else None
+        if name is None:
+            continue
+        p._value = state[name].value
+        tracer.state_of[id(p)] = state[name]
+        traced_state[p] = _TracedSlots(eager_state.get(p, {}), lambda key, t, p=p: bind_slot(p, key, t))
+    plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in list(traced_state.items())}
+    optimizer.state = traced_state
+    numbers = _group_numbers(optimizer)
+    tracer.scopes.append(f"optim{opt_index}.{cls.lower()}")
+    try:
+        optimizer.step()
+    except (RuntimeError, TypeError, ValueError, AttributeError, NotImplementedError) as exc:
+        raise TraceError(f"nn.Graph traces {cls}.step() to update the parameters, and it failed: {exc}. A "
+                         f"user-written optimizer in a graph must update with flowgen tensor ops (in-place "
+                         f"ops on its parameters and state), not NumPy") from exc
+    finally:
+        tracer.scopes.pop()
+        optimizer.state = eager_state
+        for p in params:
+            p._value = None
+            p.grad = eager_grads[id(p)]
+        for p, key, tensor in created:
+            tensor._value = None
+            eager_state[p][key] = tensor
+    for p, before in plain_before.items():
+        after = {k: v for k, v in traced_state[p].items() if not isinstance(v, Tensor)}
+        if after != before:
+            raise TraceError(f"{cls}.step() keeps Python values in its state ({after}); a graph traces step() "
+                             f"once, so they would stay fixed: keep counters as tensors (flow.zeros(()) and "
+                             f"in-place .add_(1))")
+
+    def unchanged():
+        now = _group_numbers(optimizer)
+        for g_index, (old, new) in enumerate(zip(numbers, now)):
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    raise RuntimeError(f"{cls}: parameter group {g_index} option {key!r} changed from "
+                                       f"{old.get(key)!r} to {new.get(key)!r} after nn.Graph traced {cls}.step(), "
+                                       f"which made it a constant of the compiled step; build a new graph to "
+                                       f"change it (SGD, Adam and AdamW follow their options every call)")
+    return unchanged

@@ -8,6 +8,7 @@ and read back lazily when eager code looks at it.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,8 @@ from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
-from flowgen.nn.graph.report import meta_repr
+from flowgen.nn.graph.io import flatten, flatten_call, non_tensor_arguments
+from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
 from flowgen.distributed import env
@@ -46,6 +48,7 @@ class CompiledGraph:
         self.timings = timings
         self.versions: dict = {}
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
+        self.checks: list = []              # run before every call (a traced optimizer's fixed options)
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
         self.output_placement = None        # the global inputs' placement: outputs become global
         self.sharded_slots = []             # ShardedSlot: optimizer slots ZeRO split over the ranks
@@ -108,12 +111,15 @@ class CompiledGraph:
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
 
     def run(self, args):
+        """One call with the flat input tensors (io.flatten of the call's arguments)."""
         from flowgen.tensor import Tensor
 
         for a in args:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
                                    f"move inputs and modules to the same device")
+        for check in self.checks:
+            check()
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
@@ -163,55 +169,34 @@ def _module_hook(graph, tracer, paths: dict, io: dict):
     def hook(module, forward, args, kwargs):
         path = paths.get(id(module))
         if path is None:
+            warnings.warn(f"{module_header(module)} is called in a nn.Graph, but not registered into a nn.Graph; "
+                          f"its parameters and buffers, if any, are read as constants (assign it as an attribute "
+                          f"of the graph or of a registered module)", UserWarning, stacklevel=3)
             return forward(*args, **kwargs)
         tracer.scopes.append(path)
-        graph._log(1, f"(MODULE:{path}:{type(module).__name__}())")
-        inputs = [meta_repr(a, lazy=True) for a in args if hasattr(a, "is_lazy")]
-        for k, m in enumerate(inputs):
-            graph._log(1, f"(INPUT:_{path}-input_{k}:{m})")
+        graph._log(1, f"(MODULE:{path}:{module_header(module)})")
+        inputs = io_lines("INPUT", path, args, kwargs)
+        for line in inputs + state_lines(module, path):
+            graph._log(1, line)
         try:
             out = forward(*args, **kwargs)
         finally:
             tracer.scopes.pop()
-        outs = out if isinstance(out, (tuple, list)) else [out]
-        outputs = [meta_repr(o, lazy=True) for o in outs if hasattr(o, "is_lazy")]
-        for k, m in enumerate(outputs):
-            graph._log(1, f"(OUTPUT:_{path}-output_{k}:{m})")
+        outputs = io_lines("OUTPUT", path, out if type(out) in (tuple, list) else (out,), {})
+        for line in outputs:
+            graph._log(1, line)
         io[path] = {"inputs": inputs, "outputs": outputs}
         return out
     return hook
 
 
-def _output_structure(result):
-    """Flatten build()'s return value (tensors in nested tuples/lists/dicts); return the
-    flat tensors and a function that rebuilds the structure from output tensors."""
-    from flowgen.tensor import Tensor
-
-    flat = []
-
-    def walk(obj):
-        if isinstance(obj, Tensor):
-            flat.append(obj)
-            index = len(flat) - 1
-            return lambda ts: ts[index]
-        if isinstance(obj, (tuple, list)):
-            parts = [walk(o) for o in obj]
-            kind = type(obj) if type(obj) in (tuple, list) else tuple
-            return lambda ts: kind(p(ts) for p in parts)
-        if isinstance(obj, dict):
-            parts = {k: walk(v) for k, v in obj.items()}
-            return lambda ts: {k: p(ts) for k, p in parts.items()}
-        if obj is None:
-            return lambda ts: None
-        raise TraceError(f"build() must return tensors (possibly in tuples, lists or dicts) or None; "
-                         f"it returned a {type(obj).__name__}")
-
-    return flat, walk(result)
-
-
 def _conv_tiles(graph, ir, device) -> dict:
     """Measured conv tile choices when the graph asks for the search (on a GPU only)."""
-    if not graph.config.cudnn_conv_heuristic_search_algo or device.type != "cuda":
+    if not graph.config.cudnn_conv_heuristic_search_algo:
+        return {}
+    if device.type != "cuda":
+        warnings.warn(f"{graph.name}: enable_cudnn_conv_heuristic_search_algo has no effect on the {device.type} "
+                      f"device: conv tile shapes are timed on a GPU only", UserWarning, stacklevel=4)
         return {}
     from flowgen.runtime import cuda_driver
 
@@ -261,11 +246,14 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args, data_parallel=None):
-    """`args` are this rank's local inputs; `data_parallel` (flowgen/distributed/data_parallel.py)
-    makes the step reduce its gradients over the ranks."""
+def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
+    """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
+    other values are constants of this variant) and compile it. The tensors are this rank's
+    local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
+    gradients over the ranks."""
     cls = type(graph).__name__
-    device = _device_of(graph, args)
+    inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
+    device = _device_of(graph, inputs)
     zero = _zero_settings(graph, data_parallel)
     if data_parallel is not None:
         broadcast_state(graph)
@@ -297,20 +285,47 @@ def compile_step(graph, args, data_parallel=None):
                                   f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
     grads, sharded_slots = None, []
+
+    def differentiate(in_build: bool) -> dict:
+        if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
+            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) with a "
+                             f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
+                             f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
+                             f"unscaled, accumulated gradients inside the step)")
+        if in_build and data_parallel is not None:     # build() would see this rank's gradients only
+            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) in a "
+                             f"data-parallel graph is not supported yet: they are reduced over the ranks after "
+                             f"build(); give the optimizer's parameter groups clip_grad_max_norm and "
+                             f"clip_grad_norm_type instead (they clip the reduced gradients inside the step)")
+        return _differentiate(graph, tracer, wrt, device, scale)
+
+    tracer.differentiate = differentiate
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
     try:
         with tracer, random.preserved_dropout_stream():
-            lazy_args = [tracer.add_input(a, i) for i, a in enumerate(args)]
-            for k, a in enumerate(args):
-                graph._log(1, f"(INPUT:_{graph.name}-input_{k}:{meta_repr(a, lazy=False)})")
+            lazy_inputs = [tracer.add_input(a, i) for i, a in enumerate(inputs)]
+            graph._log(1, f"(GRAPH:{graph.name}:{cls}) start building forward graph.")
+            graph_inputs = io_lines("INPUT", graph.name, args, kwargs)
+            for line in graph_inputs:
+                graph._log(1, line)
             micro_outputs = []
             for j in range(steps):
-                result = graph.build(*(lazy_args if steps == 1 else _micro_batch(graph, lazy_args, j, steps)))
-                flat, structure = _output_structure(result)
+                lazy_args, lazy_kwargs = rebuild_call(
+                    lazy_inputs if steps == 1 else _micro_batch(graph, lazy_inputs, j, steps))
+                try:
+                    result = graph.build(*lazy_args, **lazy_kwargs)
+                except (TypeError, AttributeError) as exc:
+                    python_values = non_tensor_arguments(args, kwargs)
+                    if not python_values:
+                        raise
+                    raise TypeError(f"{graph.name}: build() failed ({exc}); {', '.join(python_values)}: values "
+                                    f"other than tensors reach build() as they are (OneFlow does the same); "
+                                    f"wrap data with flow.tensor(...) to make it a graph input") from exc
+                flat, structure = flatten(result, f"{graph.name}: the output of build()")
                 micro_outputs.append(flat)
-                if tracer.backward_roots:
-                    # Differentiate this micro-batch now, so its activations die before the next one.
-                    micro_grads = _differentiate(graph, tracer, wrt, device, scale)
+                # Differentiate this micro-batch now (if build() has not), so its activations die before the next.
+                micro_grads = tracer.take_step_gradients()
+                if micro_grads is not None:
                     grads = micro_grads if grads is None else {
                         n: (tracer.lazy(grads[n]) + tracer.lazy(g))._value for n, g in micro_grads.items()}
             if steps > 1:   # per-micro-batch outputs stacked along a new leading dim
@@ -320,13 +335,16 @@ def compile_step(graph, args, data_parallel=None):
             tracer.graph.outputs = [tracer.value_of(t) for t in flat]
     finally:
         module_mod.set_module_call_hook(previous_hook)
-    io[""] = {"inputs": [meta_repr(a, lazy=False) for a in args],
-              "outputs": [meta_repr(t, lazy=True) for t in flat]}
+    io[""] = {"inputs": graph_inputs, "outputs": io_lines("OUTPUT", graph.name, (structure(flat),), {})}
+    for line in io[""]["outputs"]:
+        graph._log(1, line)
+    graph._log(1, f"(GRAPH:{graph.name}:{cls}) end building forward graph.")
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
@@ -338,10 +356,12 @@ def compile_step(graph, args, data_parallel=None):
         ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size,
                                            data_parallel.reduce, data_parallel.bucket_size)
         grads = {**grads, **reduced}
+    checks = []
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
-        ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
-                                           grad_unscale=1.0 / (static_scale * steps), scaler=scaler)
+        ir, host, slots, checks = lower_optimizers(ir, grads, graph._optimizers, param_name, device,
+                                                   graph._counter, grad_unscale=1.0 / (static_scale * steps),
+                                                   scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
                                                device, data_parallel.bucket_size, zero.stage, data_parallel.reduce)
@@ -358,7 +378,8 @@ def compile_step(graph, args, data_parallel=None):
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
     ir = _with_measured_conv_tiles(graph, ir, device)
-    program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type)
+    program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type,
+                            compress_memory=graph.config.compress_memory)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
@@ -369,8 +390,11 @@ def compile_step(graph, args, data_parallel=None):
     executor = Executor(program, executor_backend)
     timings["compile"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) compiling plan and init graph runtime Done! Cost time: "
+                  f"{sum(timings[k] for k in ('passes', 'codegen', 'compile')):.2f}s.")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
+    compiled.checks = checks
     compiled.data_parallel = data_parallel
     compiled.sharded_slots = sharded_slots
     return compiled

@@ -1,5 +1,28 @@
-"""`graph.config`: the seeds' GraphConfig options."""
+"""`graph.config`: the seeds' GraphConfig options.
+
+Every option acts or says why it cannot:
+
+* `allow_fuse_model_update_ops`, `allow_fuse_add_to_output`, `allow_fuse_cast_scale` switch a
+  fusion family (passes/fusion.py). flowgen turns all three on by default (OneFlow: off);
+  `False` turns that family off and the program gets more, smaller kernels.
+* `enable_compress_memory` plans the arena with a search over placement orders
+  (memory/search.py) instead of one greedy pass.
+* `enable_zero` and `GraphModule.set_stage` shard or pipeline across ranks; in a process started
+  alone (world size 1) they warn that they have no effect. On several ranks a data-parallel graph
+  shards with ZeRO stage 1 or 2 (passes/zero.py); stage 3 and set_stage raise when compiling.
+* `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
+  outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
+"""
 from __future__ import annotations
+
+import warnings
+
+from flowgen.distributed import env
+
+
+def warn_single_device(option: str):
+    warnings.warn(f"{option} has no effect on a single device yet: flowgen runs a graph on one device, "
+                  f"so there is nothing to shard or pipeline across", UserWarning, stacklevel=3)
 
 
 class GraphConfig:
@@ -11,9 +34,9 @@ class GraphConfig:
         self.zero = False
         self.zero_stage = 2
         self.zero_shard_min_size = 1024
-        self.fuse_model_update_ops = False
-        self.fuse_add_to_output = False
-        self.fuse_cast_scale = False
+        self.fuse_model_update_ops = True
+        self.fuse_add_to_output = True
+        self.fuse_cast_scale = True
         self.gradient_accumulation_steps = 1
         self.cudnn_conv_heuristic_search_algo = False
         self.straighten = False
@@ -23,20 +46,26 @@ class GraphConfig:
         self.amp = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
-        # One rank: nothing to shard across (recorded for repr). A data-parallel graph on several
-        # ranks shards optimizer state (stage 1) and gradients (2) in passes/zero.py; stage 3 raises.
+        # A data-parallel graph on several ranks shards optimizer state (stage 1) and gradients (2)
+        # in passes/zero.py; stage 3 raises there. One rank has nothing to shard across.
         if stage not in (1, 2, 3):
             raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
+        if mode and env.get_world_size() == 1:
+            warn_single_device("enable_zero")
         self.zero = bool(mode)
         self.zero_stage, self.zero_shard_min_size = int(stage), int(shard_min_size)
 
     def allow_fuse_model_update_ops(self, mode: bool = True):
+        """Optimizer updates run in the kernel making their gradient (GEMM/reduction epilogue) and the
+        leftover ones in one multi-tensor kernel. Default on in flowgen."""
         self.fuse_model_update_ops = bool(mode)
 
     def allow_fuse_add_to_output(self, mode: bool = True):
+        """A residual add runs in the epilogue of the conv/GEMM producing one operand. Default on in flowgen."""
         self.fuse_add_to_output = bool(mode)
 
     def allow_fuse_cast_scale(self, mode: bool = True):
+        """Casts and multiplies by a one-element tensor join neighbouring kernels. Default on in flowgen."""
         self.fuse_cast_scale = bool(mode)
 
     def set_gradient_accumulation_steps(self, value: int):
@@ -51,7 +80,14 @@ class GraphConfig:
         self.straighten = bool(mode)
 
     def enable_compress_memory(self, mode: bool = True):
+        """Search placement orders for the smallest arena (slower planning; see memory/search.py)."""
         self.compress_memory = bool(mode)
+
+    def set_outputs_buffer_size(self, value: int = 2):
+        """OneFlow keeps the outputs of the last `value` calls valid. flowgen copies every output into a
+        fresh tensor, so all earlier outputs stay valid whatever `value` is: there is no buffer to size."""
+        if int(value) < 1:
+            raise ValueError(f"set_outputs_buffer_size: expected a positive integer, got {value}")
 
     def __repr__(self):
         extra = "".join(f"{k}={v}, " for k, v in (("amp", self.amp), ("zero", self.zero)) if v)

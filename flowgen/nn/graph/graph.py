@@ -9,12 +9,18 @@ calls with the same signature reuse that compiled variant.
 from __future__ import annotations
 
 import collections
+import inspect
 import itertools
+import warnings
+
 from flowgen.nn.graph.config import GraphConfig
-from flowgen.nn.graph.proxy import ProxyModule
+from flowgen.nn.graph.io import flatten_call, signature
+from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
+from flowgen.optim.lr_scheduler import LRScheduler
+from flowgen.optim.optimizer import Optimizer
 
 def _as_int(step) -> int:
     return int(step.item() if hasattr(step, "item") else step)
@@ -47,16 +53,32 @@ class Graph:
 
         if not hasattr(self, "_modules"):
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
+        if isinstance(value, Proxy):
+            value = value.to(Module)   # another graph's module: wrap the module itself
         if isinstance(value, Module):
             self._modules[name] = value
             object.__setattr__(self, name, ProxyModule(value, name, self._module_configs))
             return
-        if type(value).__module__.startswith("flowgen.optim") and hasattr(value, "param_groups"):
+        if isinstance(value, Optimizer):   # flowgen's or a user-written one
             raise AttributeError(f"'{name}' is an optimizer: register it with self.add_optimizer({name}) "
                                  f"instead of assigning it as an attribute of the graph")
         object.__setattr__(self, name, value)
 
     def add_optimizer(self, optimizer, *, lr_sch=None):
+        """Train with `optimizer` in every call (OneFlow's contract): the step clips the gradients of
+        groups that set `clip_grad_max_norm`, updates the parameters and advances `lr_sch`. The graph
+        advances its own copy of the schedule (call t uses the LR at epoch `lr_sch.last_epoch + t`) and
+        never steps the `lr_sch` object; without `lr_sch`, each call uses the groups' current `lr`."""
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{type(self).__name__}.add_optimizer: {type(optimizer).__name__} is not a "
+                            f"flow.optim.Optimizer")
+        if lr_sch is not None:
+            if not isinstance(lr_sch, LRScheduler):
+                raise TypeError(f"{type(self).__name__}.add_optimizer: lr_sch is a {type(lr_sch).__name__}, not a "
+                                f"flow.optim.lr_scheduler scheduler")
+            if lr_sch.optimizer is not optimizer:
+                raise ValueError(f"{type(self).__name__}.add_optimizer: lr_sch {type(lr_sch).__name__} schedules "
+                                 f"another optimizer than the {type(optimizer).__name__} it is added with")
         self._optimizers.append((optimizer, lr_sch))
         self.config.training = True
 
@@ -65,6 +87,15 @@ class Graph:
 
     def build(self, *args, **kwargs):
         raise NotImplementedError(f"{type(self).__name__} must override build(); see flow.nn.Graph's docstring")
+
+    @staticmethod
+    def trace(func):
+        """`@flow.nn.Graph.trace` on a function: a graph whose build() calls it (OneFlow's quick way to
+        run a function compiled; modules it calls are not registered, so their parameters are constants)."""
+        if not inspect.isfunction(func):
+            raise TypeError(f"nn.Graph.trace takes a function, got {type(func).__name__}")
+        cls = type(f"{func.__name__}_graph", (Graph,), {"build": lambda self, *args, **kwargs: func(*args, **kwargs)})
+        return cls()
 
     @property
     def name(self) -> str:
@@ -75,8 +106,22 @@ class Graph:
         return self.config.training
 
     def debug(self, v_level: int = 0, *, ranks=None, max_py_stack_depth: int = 2, only_user_py_stack=True):
-        """Print build/compile stages: 0 stages, 1 + modules, 2 + ops and IR per pass, 3 + locations."""
-        object.__setattr__(self, "_debug_level", int(v_level))
+        """Print what the next compile does: -1 nothing, 0 the stages with their times, 1 + each module
+        (constructor arguments, INPUT/PARAMETER/BUFFER/OUTPUT lines, as OneFlow prints them) and each
+        pass, 2 + each op and the IR after each pass, 3 + each op's source location.
+
+        `ranks`: a graph runs in this one process, rank 0; a list without 0 (or -1, all ranks)
+        prints nothing, as on OneFlow's rank 0. flowgen records one location per op (the innermost
+        frame of user code), so `max_py_stack_depth` and `only_user_py_stack` other than their
+        defaults warn that they cannot change it."""
+        if not -1 <= int(v_level) <= 3:
+            raise ValueError(f"debug: v_level must be in [-1, 3], got {v_level}")
+        if max_py_stack_depth != 2 or not only_user_py_stack:
+            warnings.warn("debug: flowgen records one source location per op (the innermost user frame); "
+                          "max_py_stack_depth and only_user_py_stack cannot change it", UserWarning, stacklevel=2)
+        rank_list = [0] if ranks is None else [ranks] if isinstance(ranks, int) else list(ranks)
+        level = int(v_level) if (0 in rank_list or -1 in rank_list) else -1
+        object.__setattr__(self, "_debug_level", level)
 
     def _log(self, level: int, text: str):
         if self._debug_level >= level:
@@ -84,24 +129,21 @@ class Graph:
 
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
-        from flowgen.tensor import Tensor
-
-        if kwargs:
-            raise TypeError(f"{self._name}: keyword arguments to a graph call are not supported "
-                            f"({', '.join(kwargs)}); pass tensors positionally")
-        for i, a in enumerate(args):
-            if not isinstance(a, Tensor):
-                raise TypeError(f"{self._name}: argument {i} of build() is a {type(a).__name__}, but graph inputs "
-                                f"must be flowgen tensors (wrap it with flow.tensor(...) or make it an attribute)")
-        args, placement, split = split_inputs(self, args)
-        key = (tuple((tuple(a.shape), a.dtype, a.device) for a in args), placement)
+        """Run build(*args, **kwargs) compiled. Tensors may sit in nested tuples, lists and dicts;
+        None, bool, int, float and str values pass through (a new value compiles a new variant).
+        Global tensors split along dim 0 make the call data parallel (distributed/data_parallel.py):
+        the graph runs on this rank's parts."""
+        inputs, rebuild_call = flatten_call(args, kwargs, self._name)
+        inputs, placement, split = split_inputs(self, inputs)
+        args, kwargs = rebuild_call(inputs)
+        key = (signature((args, kwargs)), placement)
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
-                             f"{[meta_repr(a, lazy=False) for a in args]}: tracing and compiling a new variant "
+                             f"{[meta_repr(a, lazy=False) for a in inputs]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args, data_parallel_of(self, split))
+            variant = compile_step(self, args, kwargs, data_parallel_of(self, split))
             variant.output_placement = placement
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
@@ -109,7 +151,7 @@ class Graph:
         else:
             self._variants.move_to_end(key)
         object.__setattr__(self, "_last", variant)
-        return variant.run(args)
+        return variant.run(inputs)
 
     @property
     def compiled(self) -> CompiledGraph:
@@ -157,21 +199,19 @@ class Graph:
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):
-        """Host bookkeeping after a step: counters, Adam step counts, LR schedules. A step a
+        """Host bookkeeping after a step: counters and Adam step counts. A step a
         GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
         self._counter["calls"] += 1
         if skipped:
             self._counter["skipped"] = self._counter.get("skipped", 0) + 1
         if not self.config.training:
             return
-        for opt, sch in self._optimizers:
+        for opt, _sch in self._optimizers:   # the graph advances its schedule itself (add_optimizer)
             if type(opt).__name__ in ("Adam", "AdamW") and not skipped:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         st = opt.state.setdefault(p, {})
                         st["step"] = _as_int(st.get("step", 0)) + 1
-            if sch is not None:
-                sch.step()
 
     def __repr__(self) -> str:
         return format_graph_repr(self)
