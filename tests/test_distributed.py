@@ -252,6 +252,8 @@ def test_what_flowgen_cannot_split_raises_on_several_ranks(two_ranks):
     assert "enable_zero(stage=3) on 2 ranks" in str(messages["zero_stage3"])
     assert "set_stage on model.0 with 2 ranks" in str(messages["set_stage"])
     assert "needs a data-parallel graph" in str(messages["zero_without_data_parallel"])
+    assert "enable_zero(stage=2): the gradient of model.0.weight is also read by" in str(
+        messages["zero_stage2_with_clipping"])
 
 
 @needs_mpi

@@ -119,6 +119,11 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
                         raise NotImplementedError(f"enable_zero(stage={stage}): the update of {item.var.name} reads "
                                                   f"a {v.type_str} value, neither a scalar nor parameter-shaped")
                     if stage == 2 and v is not item.var.value:
+                        readers = [n.op for n in graph.nodes if v in n.inputs and n not in item.chain]
+                        if readers:
+                            raise NotImplementedError(
+                                f"enable_zero(stage=2): the gradient of {item.var.name} is also read by {readers[0]} "
+                                f"(gradient clipping?), which needs the whole reduced gradient; use stage=1")
                         gradients.append((item, v))
                         item.piece_of[v] = None      # filled by the reduce-scatter below
                     else:
