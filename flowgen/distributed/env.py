@@ -41,7 +41,3 @@ def get_node_size() -> int:
     """How many machines take part: world size over processes per machine."""
     return max(1, get_world_size() // _first(_LOCAL_SIZE_VARS, get_world_size()))
 
-
-def is_multi_client() -> bool:
-    """True when more than one process takes part (OneFlow's name for it)."""
-    return get_world_size() > 1

@@ -153,6 +153,8 @@ class Executor:
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))
         self.launches = [self._host_collective(k) if k.collective is not None
                          else backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.kernels]
+        # Host collectives (data parallelism) cannot be captured into a CUDA graph.
+        self.capturable = all(k.collective is None for k in program.kernels)
         self.prepare_launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.prepare]
         # State updates: the new value is copied over the state buffer at the end of the step.
         state = graph.state_by_name()
@@ -206,9 +208,8 @@ class Executor:
         if state_changed:
             for launch in self.prepare_launches:
                 launch()
-        # A step with host collectives cannot be captured into a CUDA graph: it launches as a list.
-        capturable = all(k.collective is None for k in self.program.kernels)
-        if self.backend.name == "cuda" and self.calls >= 1 and capturable and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1":
+        if (self.backend.name == "cuda" and self.calls >= 1 and self.capturable
+                and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1"):
             if self.graph_exec is None:
                 ctx, stream = self.backend.ctx, self.backend.stream
                 ctx.synchronize(stream)

@@ -45,7 +45,7 @@ class Graph:
         object.__setattr__(self, "_last", None)
         object.__setattr__(self, "_io", None)
         object.__setattr__(self, "_counter", {"calls": 0})
-        object.__setattr__(self, "_zero_slots", {})   # state name -> ShardedSlot (ZeRO stage 1)
+        object.__setattr__(self, "_zero_slots", {})   # state name -> ShardedSlot (ZeRO, passes/zero.py)
 
     # ---------------------------------------------------------------- set-up
     def __setattr__(self, name, value):
