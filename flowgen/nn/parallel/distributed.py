@@ -72,7 +72,7 @@ def DistributedDataParallel(module, *, broadcast_buffers: bool = True, broadcast
             p.register_post_accumulate_grad_hook(state.gradient_ready)
 
     def before_forward(mod, args):
-        if any(getattr(a, "is_lazy", False) for a in args):
+        if any(p.is_lazy for p in mod.parameters()):
             return None     # traced by an nn.Graph, which all-reduces in the compiled step
         state.check_no_bucket_pending()
         if state.broadcast_buffers:
