@@ -152,6 +152,8 @@ def backward(root, gradient=None):
                 total = g.numpy_view() if t.grad is None else t.grad.numpy_view() + g.numpy_view()
                 t.grad = Tensor(c_array(total, t.dtype.np_dtype).copy() if t.grad is None else total,
                                 dtype=t.dtype, device=t.device)
+                for hook in t._post_accumulate_grad_hooks:
+                    hook(t)
             node = t.grad_fn
             if node is None:
                 continue

@@ -36,6 +36,8 @@ def c_array(arr, np_dtype=None) -> np.ndarray:
 
 class Tensor:
     __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
+    _global = None                     # GlobalInfo of a global tensor (flowgen/distributed/global_tensor.py)
+    _post_accumulate_grad_hooks = ()   # called after backward() accumulates into .grad (DDP's all-reduce)
 
     def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
         """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
@@ -113,6 +115,8 @@ class Tensor:
     def shape(self) -> tuple:
         if self._value is not None:
             return Size(self._value.shape)
+        if self._global is not None:
+            return Size(self._global.shape)
         return Size(self.numpy_view().shape)
 
     @property
@@ -163,6 +167,10 @@ class Tensor:
             raise RuntimeError(
                 "tensor.numpy() was called on a lazy tensor inside nn.Graph.build(): the graph has no values "
                 "while it is being traced. Return the tensor from build() and read it after the call.")
+        if self._global is not None:
+            raise RuntimeError(f"flowgen runs eager ops on local tensors only, and this tensor is global "
+                               f"({self._global.sbp[0]!r} on {self._global.placement!r}): use .to_local() for this "
+                               f"rank's part, .numpy() for the whole value, or pass it to an nn.Graph")
         if self._sync_from_device is not None:
             sync, self._sync_from_device = self._sync_from_device, None
             sync(self)
@@ -175,6 +183,8 @@ class Tensor:
         storage out, the graph uploads the tensor before each call and refreshes the array in place
         after it (nn/graph/compiled.py), so writes reach the graph and the array shows the graph's
         updates. (``np.asarray(tensor)`` is a read: it does not set this up.)"""
+        if self._global is not None:   # the logical value (a collective: every rank calls it)
+            return global_tensor.logical_value(self)
         arr = self.numpy_view()
         self._storage_shared = True
         return arr
@@ -225,7 +235,9 @@ class Tensor:
             extras.append(f"device='{self.device}'")
         if self.is_lazy:
             return f"tensor(..., {', '.join(extras + [f'is_lazy={chr(39)}True{chr(39)}'])}, size={tuple(self.shape)}, dtype={self._dtype!r})"
-        arr = self.numpy_view()
+        if self._global is not None:
+            extras += [f"placement={self._global.placement!r}", f"sbp={self._global.sbp!r}"]
+        arr = self.numpy()
         if self._dtype is dt.bfloat16:
             arr = arr.astype(np.float32)
         body = np.array2string(arr, separator=", ", prefix="tensor(", precision=4,
@@ -508,12 +520,39 @@ class Tensor:
 
     @property
     def is_global(self) -> bool:
-        """OneFlow: whether the tensor has a placement/SBP across ranks; flowgen tensors are local."""
-        return False
+        """OneFlow: whether the tensor has a placement and SBP across ranks (see `to_global`)."""
+        return self._global is not None
 
     @property
     def is_local(self) -> bool:
-        return True
+        return self._global is None
+
+    def to_global(self, placement=None, sbp=None) -> "Tensor":
+        """A local tensor becomes this rank's component of a global one (`broadcast` takes rank 0's
+        data); a global tensor changes its placement/SBP (flowgen/distributed/global_tensor.py)."""
+        return global_tensor.to_global(self, placement, sbp)
+
+    def to_local(self) -> "Tensor":
+        """This rank's component of a global tensor."""
+        if self._global is None:
+            raise RuntimeError("to_local(): the tensor is already local (to_local needs a global tensor)")
+        return self._global.local
+
+    @property
+    def placement(self):
+        if self._global is None:
+            raise RuntimeError("a local tensor has no placement; it is global after .to_global(placement, sbp)")
+        return self._global.placement
+
+    @property
+    def sbp(self) -> tuple:
+        if self._global is None:
+            raise RuntimeError("a local tensor has no sbp; it is global after .to_global(placement, sbp)")
+        return self._global.sbp
+
+    def register_post_accumulate_grad_hook(self, hook):
+        """`hook(tensor)` runs after backward() has accumulated this leaf's gradient into .grad."""
+        self._post_accumulate_grad_hooks = (*self._post_accumulate_grad_hooks, hook)
 
     def where(self, condition, other):
         """``x.where(cond, y)`` == ``flow.where(cond, x, y)``."""
@@ -577,3 +616,4 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
 
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
 from flowgen import creation  # noqa: E402
+from flowgen.distributed import global_tensor  # noqa: E402

@@ -64,3 +64,6 @@ class Kernel:
     horizontal: bool = False
     # Set when the kernel reads a tensor as indices and checks them (see IndexCheck).
     index_check: IndexCheck | None = None
+    # A collective (the op's attributes): no device code; the executor exchanges the input
+    # buffers with the other ranks on the host and writes the outputs (ops/lowering.Collective).
+    collective: dict | None = None

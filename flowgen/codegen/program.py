@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from flowgen.codegen import fused
-from flowgen.codegen.kernel import Kernel
+from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
 from flowgen.memory.search import compress
-from flowgen.ops.lowering import Elementwise, View
+from flowgen.ops.lowering import Collective, Elementwise, View
 from flowgen.ops.registry import get_op
 
 KERNELS_HEADER = """\
@@ -79,6 +79,9 @@ def render_kernels(graph):
             continue
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
+        if isinstance(lowering, Collective):
+            kernels.append(collective_step(node, fused.kernel_name(len(kernels), node, [node.op])))
+            continue
         # The node's first kernel number, plus one, is unique: it numbers the node's index check.
         for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", len(kernels) + 1,
                              stream_values):
@@ -91,6 +94,14 @@ def render_kernels(graph):
                     and producers[v].op == "constant":
                 constants[v] = producers[v].attrs["value"]
     return kernels, aliases, constants
+
+
+def collective_step(node, name: str) -> Kernel:
+    """A host step in the launch list: reads the node's inputs, writes its outputs, no source."""
+    args = ([BufferArg(v, f"const {v.dtype.ctype}*") for v in node.inputs]
+            + [BufferArg(v, f"{v.dtype.ctype}*") for v in node.outputs])
+    return Kernel(name, "", args, (1, 1, 1), (1, 1, 1), comment=f"{node.scope}: {node.op} on the host",
+                  ops=[node.op], collective=dict(node.attrs))
 
 
 def count_unfused_kernels(graph) -> int:
@@ -182,7 +193,8 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)
-    source = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0]) + "\n".join(k.source for k in prepare + kernels)
+    source = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0]) + "\n".join(
+        k.source for k in prepare + kernels if k.collective is None)
     return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)
 
 

@@ -8,4 +8,5 @@ from flowgen.nn.module import (Identity, Module, ModuleDict, ModuleList, Paramet
 from flowgen.nn.modules import *  # noqa: F401,F403
 from flowgen.nn.parameter import Parameter
 from flowgen.nn import utils  # noqa: F401
+from flowgen.nn import parallel  # noqa: F401
 from flowgen.nn.graph import Graph  # noqa: F401,E402

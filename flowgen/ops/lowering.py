@@ -9,6 +9,8 @@
   contiguous tensor). The memory planner extends the base's lifetime.
 * `Template`   — a kernel family rendered from ``templates/<family>.cu.j2``
   (GEMM, conv, pooling, gather, softmax, copy...).
+* `Collective` — no kernel: the executor exchanges the values with the other ranks on the host
+  (the data-parallel gradient all-reduce, the ZeRO parameter all-gather).
 """
 from __future__ import annotations
 
@@ -95,3 +97,10 @@ class View:
 @dataclass(frozen=True)
 class Template:
     family: str
+
+
+@dataclass(frozen=True)
+class Collective:
+    """No kernel: the executor exchanges the node's inputs with the other ranks on the host
+    (MPI) between the kernel launches before and after it (flowgen/distributed/collectives.py)."""
+    kind: str          # "all_reduce" | "reduce_scatter" | "all_gather"

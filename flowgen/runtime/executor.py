@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from flowgen.codegen.kernel import BufferArg
+from flowgen.ops.registry import get_op
 from flowgen.runtime.toolchain import kernel_params
 
 _CTYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
@@ -153,12 +154,28 @@ class Executor:
         for v, array in program.constants.items():
             self.address[v] = backend.alloc(v.nbytes)
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))
-        self.launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.kernels]
+        self.launches = [self._host_collective(k) if k.collective is not None
+                         else backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.kernels]
+        # Host collectives (data parallelism) cannot be captured into a CUDA graph.
+        self.capturable = all(k.collective is None for k in program.kernels)
         self.prepare_launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.prepare]
         # State updates: the new value is copied over the state buffer at the end of the step.
         state = graph.state_by_name()
         self.updates = [(self.address[state[name].value], self.resolve(v), v.nbytes)
                         for name, v in graph.updates if self.resolve(v) != self.address[state[name].value]]
+
+    def _host_collective(self, kernel):
+        """A collective between two launches: its inputs come to the host, the op's reference
+        exchanges them with the other ranks (MPI), the results go back to the output buffers."""
+        reference = get_op(kernel.ops[0]).ref
+        inputs = [a.value for a in kernel.args if a.ctype.startswith("const")]
+        outputs = [a.value for a in kernel.args if not a.ctype.startswith("const")]
+
+        def step():
+            results = reference(*(self.read_value(v) for v in inputs), **kernel.collective)
+            for v, r in zip(outputs, results if len(outputs) > 1 else (results,)):
+                self.backend.upload(self.resolve(v), np.ascontiguousarray(r, v.dtype.np_dtype))
+        return step
 
     def resolve(self, value) -> int:
         while value in self.program.aliases:
@@ -194,7 +211,8 @@ class Executor:
         if state_changed:
             for launch in self.prepare_launches:
                 launch()
-        if self.backend.name == "cuda" and self.calls >= 1 and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1":
+        if (self.backend.name == "cuda" and self.calls >= 1 and self.capturable
+                and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1"):
             if self.graph_exec is None:
                 ctx, stream = self.backend.ctx, self.backend.stream
                 ctx.synchronize(stream)

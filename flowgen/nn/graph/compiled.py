@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,10 +21,15 @@ from flowgen.nn import module as module_mod
 from flowgen.nn.graph.io import flatten, flatten_call, non_tensor_arguments
 from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
+from flowgen.distributed.collectives import world
+from flowgen.distributed import env
+from flowgen.distributed.data_parallel import broadcast_state, global_outputs, shard_slot_tensors
 from flowgen.passes.autodiff import autodiff, next_value_index
+from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
+from flowgen.passes.zero import shard_optimizer_state, shards_parameter
 
 
 class CompiledGraph:
@@ -43,6 +49,9 @@ class CompiledGraph:
         self.versions: dict = {}
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
         self.checks: list = []              # run before every call (a traced optimizer's fixed options)
+        self.data_parallel = None           # DataParallel when gradients are reduced over ranks
+        self.output_placement = None        # the global inputs' placement: outputs become global
+        self.sharded_slots = []             # ShardedSlot: optimizer slots ZeRO split over the ranks
 
     @property
     def sources(self) -> dict:
@@ -59,6 +68,11 @@ class CompiledGraph:
     @property
     def memory(self):
         return self.program.plan
+
+    @property
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer slots this rank keeps on the device (a shard of each under ZeRO)."""
+        return sum(s.value.nbytes for s in self.ir.state if s.kind == "optim")
 
     # --------------------------------------------------------------- running
     def _upload_state(self) -> bool:
@@ -97,6 +111,8 @@ class CompiledGraph:
                 tensor._sync_from_device = None
             else:
                 tensor._sync_from_device = lambda t, v=value: self._download(t, v)
+        for slot in self.sharded_slots:
+            slot.full._sync_from_device = slot.gather
 
     def _download(self, tensor, value):
         tensor._data[...] = self.executor.read_value(value).reshape(tensor._data.shape)
@@ -118,6 +134,8 @@ class CompiledGraph:
         # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
         self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
+        if self.output_placement is not None:
+            tensors = global_outputs(tensors, self.output_placement, self.data_parallel)
         return self.output_structure(tensors)
 
 
@@ -141,6 +159,17 @@ def _make_backend(device, source: str, tag: str):
     if not cuda_driver.available():
         raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
     return CudaBackend(source, tag)
+
+
+def _make_backend_once(device, source: str, tag: str, data_parallel):
+    """Ranks of a data-parallel graph compile the same source: rank 0 builds it into the
+    cache while the others wait, then they load it from there."""
+    if data_parallel is None or data_parallel.world_size == 1:
+        return _make_backend(device, source, tag)
+    comm = world()
+    backend = _make_backend(device, source, tag) if comm.rank == 0 else None
+    comm.barrier()
+    return backend if backend is not None else _make_backend(device, source, tag)
 
 
 def _module_hook(graph, tracer, paths: dict, io: dict):
@@ -224,12 +253,17 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args: tuple, kwargs: dict):
+def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
-    other values are constants of this variant) and compile it."""
+    other values are constants of this variant) and compile it. The tensors are this rank's
+    local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
+    gradients over the ranks."""
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
+    zero = _zero_settings(graph, data_parallel)
+    if data_parallel is not None:
+        broadcast_state(graph)
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
@@ -253,8 +287,11 @@ def compile_step(graph, args: tuple, kwargs: dict):
     scaler = _add_grad_scaler(graph, tracer, host_scalars)
     static_scale = _static_scale(graph)
     scale = scaler.scale if scaler is not None else static_scale
+    if scaler is not None and zero is not None:
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage=1) with a GradScaler: the sharded update "
+                                  f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
-    grads = None
+    grads, sharded_slots = None, []
 
     def differentiate(in_build: bool) -> dict:
         if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
@@ -262,6 +299,11 @@ def compile_step(graph, args: tuple, kwargs: dict):
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
+        if in_build and data_parallel is not None:     # build() would see this rank's gradients only
+            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) in a "
+                             f"data-parallel graph is not supported yet: they are reduced over the ranks after "
+                             f"build(); give the optimizer's parameter groups clip_grad_max_norm and "
+                             f"clip_grad_norm_type instead (they clip the reduced gradients inside the step)")
         return _differentiate(graph, tracer, wrt, device, scale)
 
     tracer.differentiate = differentiate
@@ -313,12 +355,24 @@ def compile_step(graph, args: tuple, kwargs: dict):
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    if grads is not None and data_parallel is not None:
+        # ZeRO-2 reduce-scatters the gradients of the parameters it shards (passes/zero.py).
+        reduced_here = grads if zero is None or zero.stage == 1 else {
+            n: g for n, g in grads.items()
+            if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
+        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size,
+                                           data_parallel.reduce, data_parallel.bucket_size)
+        grads = {**grads, **reduced}
     checks = []
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots, checks = lower_optimizers(ir, grads, graph._optimizers, param_name, device,
                                                    graph._counter, grad_unscale=1.0 / (static_scale * steps),
                                                    scaler=scaler)
+        if zero is not None:
+            ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
+                                               device, data_parallel.bucket_size, zero.stage, data_parallel.reduce)
+            slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
@@ -337,7 +391,7 @@ def compile_step(graph, args: tuple, kwargs: dict):
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
-    executor_backend = _make_backend(device, program.source, graph.name)
+    executor_backend = _make_backend_once(device, program.source, graph.name, data_parallel)
     from flowgen.runtime.executor import Executor
 
     executor = Executor(program, executor_backend)
@@ -348,7 +402,36 @@ def compile_step(graph, args: tuple, kwargs: dict):
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
     compiled.checks = checks
+    compiled.data_parallel = data_parallel
+    compiled.sharded_slots = sharded_slots
     return compiled
+
+
+@dataclass(frozen=True)
+class ZeroSettings:
+    stage: int
+    shard_min_size: int
+
+
+def _zero_settings(graph, data_parallel):
+    """How the graph shards its optimizer (ZeroSettings), or None. On one rank enable_zero and
+    set_stage have nothing to split; on several, what flowgen cannot do raises."""
+    world_size, config = env.get_world_size(), graph.config
+    staged = [path for path, options in graph._module_configs.items() if options.stage_id is not None]
+    if staged and world_size > 1:
+        raise NotImplementedError(f"{graph.name}: set_stage on {staged[0]} with {world_size} ranks: flowgen has no "
+                                  f"pipeline parallelism yet; remove set_stage (a graph with inputs split by "
+                                  f"flow.sbp.split(0) runs data parallel)")
+    if not config.zero or world_size == 1:
+        return None
+    if data_parallel is None:
+        raise NotImplementedError(f"{graph.name}: enable_zero on {world_size} ranks needs a data-parallel graph "
+                                  f"(inputs split by flow.sbp.split(0), or a DistributedDataParallel module)")
+    if config.zero_stage == 3:
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage=3) on {world_size} ranks: flowgen shards "
+                                  f"optimizer state (stage=1) and gradients (stage=2); parameter sharding with "
+                                  f"just-in-time gathers (3) is not implemented")
+    return ZeroSettings(config.zero_stage, config.zero_shard_min_size)
 
 
 def _static_scale(graph) -> float:

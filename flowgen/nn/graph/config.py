@@ -7,8 +7,9 @@ Every option acts or says why it cannot:
   `False` turns that family off and the program gets more, smaller kernels.
 * `enable_compress_memory` plans the arena with a search over placement orders
   (memory/search.py) instead of one greedy pass.
-* `enable_zero` and `GraphModule.set_stage` shard or pipeline across devices; a graph here
-  runs on one device, so they warn that they have no effect yet.
+* `enable_zero` and `GraphModule.set_stage` shard or pipeline across ranks; in a process started
+  alone (world size 1) they warn that they have no effect. On several ranks a data-parallel graph
+  shards with ZeRO stage 1 or 2 (passes/zero.py); stage 3 and set_stage raise when compiling.
 * `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
   outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import warnings
 
 from flowgen import dtype as dt
+from flowgen.distributed import env
 
 
 def warn_single_device(option: str):
@@ -33,6 +35,8 @@ class GraphConfig:
         self.amp_dtype = dt.float16     # what matmul/conv2d compute in under enable_amp
         self.tf32 = False               # float32 GEMMs may run on tensor cores with TF32 inputs
         self.zero = False
+        self.zero_stage = 2
+        self.zero_shard_min_size = 1024
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
         self.fuse_cast_scale = True
@@ -55,9 +59,14 @@ class GraphConfig:
         self.tf32 = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
-        if mode:
+        # A data-parallel graph on several ranks shards optimizer state (stage 1) and gradients (2)
+        # in passes/zero.py; stage 3 raises there. One rank has nothing to shard across.
+        if stage not in (1, 2, 3):
+            raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
+        if mode and env.get_world_size() == 1:
             warn_single_device("enable_zero")
         self.zero = bool(mode)
+        self.zero_stage, self.zero_shard_min_size = int(stage), int(shard_min_size)
 
     def allow_fuse_model_update_ops(self, mode: bool = True):
         """Optimizer updates run in the kernel making their gradient (GEMM/reduction epilogue) and the

@@ -19,6 +19,7 @@ from flowgen.nn.graph.io import flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
 from flowgen.optim.optimizer import Optimizer
 
@@ -45,6 +46,7 @@ class Graph:
         object.__setattr__(self, "_last", None)
         object.__setattr__(self, "_io", None)
         object.__setattr__(self, "_counter", {"calls": 0})
+        object.__setattr__(self, "_zero_slots", {})   # state name -> ShardedSlot (ZeRO, passes/zero.py)
 
     # ---------------------------------------------------------------- set-up
     def __setattr__(self, name, value):
@@ -129,16 +131,21 @@ class Graph:
     # ------------------------------------------------------------------ call
     def __call__(self, *args, **kwargs):
         """Run build(*args, **kwargs) compiled. Tensors may sit in nested tuples, lists and dicts;
-        None, bool, int, float and str values pass through (a new value compiles a new variant)."""
-        inputs, _ = flatten_call(args, kwargs, self._name)
-        key = signature((args, kwargs))
+        None, bool, int, float and str values pass through (a new value compiles a new variant).
+        Global tensors split along dim 0 make the call data parallel (distributed/data_parallel.py):
+        the graph runs on this rank's parts."""
+        inputs, rebuild_call = flatten_call(args, kwargs, self._name)
+        inputs, placement, split = split_inputs(self, inputs)
+        args, kwargs = rebuild_call(inputs)
+        key = (signature((args, kwargs)), placement)
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
                              f"{[meta_repr(a, lazy=False) for a in inputs]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args, kwargs)
+            variant = compile_step(self, args, kwargs, data_parallel_of(self, split))
+            variant.output_placement = placement
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
                 self._variants.popitem(last=False)
@@ -191,6 +198,10 @@ class Graph:
         """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py)."""
         from flowgen.saved_graph import save_graph
 
+        if self._last is not None and self._last.data_parallel is not None:
+            raise NotImplementedError(f"flow.save({self._name}, ...): the graph is data parallel (it all-reduces "
+                                      f"gradients over ranks); standalone programs run on one process only, so "
+                                      f"save the graph of a one-process run, or save graph.state_dict() instead")
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):

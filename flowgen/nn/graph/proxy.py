@@ -8,6 +8,7 @@ path, and `.to(flow.nn.Module)` the module itself.
 """
 from __future__ import annotations
 
+from flowgen.distributed import env
 from flowgen.nn.graph.config import warn_single_device
 from flowgen.nn.module import Module
 
@@ -43,8 +44,10 @@ class GraphModule:
         return self._stage_placement
 
     def set_stage(self, stage_id: int = None, placement=None):
-        """Pipeline stage of this module; one device has no pipeline, so it warns and only records it."""
-        warn_single_device("set_stage")
+        """Pipeline stage of this module. A process started alone has no pipeline: it warns and only
+        records it; a graph on several ranks refuses it when compiling (nn/graph/compiled.py)."""
+        if env.get_world_size() == 1:
+            warn_single_device("set_stage")
         self._stage_id = stage_id
         self._stage_placement = placement
 

@@ -1,0 +1,203 @@
+"""Collectives between ranks, carried by MPI (mpi4py; MPICH from PyPI: `pip install '.[dist]'`).
+
+`world()` is the communicator of this process: `MpiWorld` when a launcher started several
+processes, `SingleProcess` (no MPI loaded) otherwise, so world-size-1 code runs the same calls.
+Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into one flat buffer
+so that it costs one MPI call (`all_reduce`).
+
+The `all_reduce`, `reduce_scatter` and `all_gather` ops are the IR's view of the same thing:
+`all_reduce` nodes (one per gradient bucket) come from `passes/gradient_allreduce.py`,
+`reduce_scatter` (ZeRO-2's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated)
+from `passes/zero.py`. They have no kernel (lowering `Collective`): the
+executor runs them on the host between the kernels around them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen.distributed import env
+from flowgen.ops.lowering import Collective
+from flowgen.ops.registry import TensorMeta, defop
+
+REDUCE_OPS = ("sum", "mean")
+
+
+class SingleProcess:
+    """The world of a process started without a launcher: every collective is the identity."""
+
+    rank, size = 0, 1
+
+    def all_reduce(self, arrays: list, op: str = "sum") -> list:
+        _check_op(op)
+        return [np.array(a) for a in arrays]
+
+    def all_gather(self, array: np.ndarray) -> list:
+        return [np.array(array)]
+
+    def all_gather_flat(self, arrays: list, sizes: list) -> list:
+        return [np.array(a).ravel() for a in arrays]
+
+    def reduce_scatter_flat(self, arrays: list, sizes: list, op: str = "sum") -> list:
+        _check_op(op)
+        return [np.array(a).ravel() for a in arrays]
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        return np.array(array)
+
+    def barrier(self):
+        pass
+
+
+class MpiWorld:
+    """MPI_COMM_WORLD. mpi4py is imported here, not at module level: it is an optional
+    dependency, and importing it initialises MPI, which only launched processes should do."""
+
+    def __init__(self):
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise RuntimeError(f"this process is rank {env.get_rank()} of {env.get_world_size()}, but mpi4py "
+                               f"is not installed; install flowgen's 'dist' extra: pip install 'flowgen[dist]'"
+                               ) from exc
+        self.MPI = MPI
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if (self.rank, self.size) != (env.get_rank(), env.get_world_size()):
+            raise RuntimeError(f"MPI says rank {self.rank} of {self.size}, the environment says "
+                               f"{env.get_rank()} of {env.get_world_size()}: launch with the mpiexec of the "
+                               f"MPI that mpi4py was built against")
+
+    def all_reduce(self, arrays: list, op: str = "sum") -> list:
+        """Element-wise sum (or mean) over ranks of each array; one MPI call per dtype."""
+        _check_op(op)
+        out = [None] * len(arrays)
+        for dtype in dict.fromkeys(np.asarray(a).dtype for a in arrays):
+            members = [i for i, a in enumerate(arrays) if np.asarray(a).dtype == dtype]
+            flat = np.concatenate([np.asarray(arrays[i]).ravel() for i in members])
+            self.comm.Allreduce(self.MPI.IN_PLACE, flat, op=self.MPI.SUM)
+            if op == "mean":
+                flat = (flat / self.size).astype(dtype)
+            offset = 0
+            for i in members:
+                shape = np.shape(arrays[i])
+                out[i] = flat[offset:offset + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                offset += out[i].size
+        return out
+
+    def all_gather(self, array: np.ndarray) -> list:
+        """Every rank's array (shapes may differ), in rank order."""
+        return self.comm.allgather(np.ascontiguousarray(array))
+
+    def all_gather_flat(self, arrays: list, sizes: list) -> list:
+        """Each array's pieces from all ranks, concatenated in rank order (`sizes[i]`: the
+        element count rank r contributes to array i)."""
+        out = []
+        for piece, counts in zip(arrays, sizes):
+            piece = np.ascontiguousarray(piece).ravel()
+            whole = np.empty(sum(counts), piece.dtype)
+            self.comm.Allgatherv(piece, [whole, list(counts)])
+            out.append(whole)
+        return out
+
+    def reduce_scatter_flat(self, arrays: list, sizes: list, op: str = "sum") -> list:
+        """This rank's piece of the sum (or mean) over ranks of each flattened array (`sizes[i]`:
+        every rank's piece size of array i), in one MPI call per dtype: the send buffer holds rank
+        0's pieces of all arrays, then rank 1's, ..."""
+        _check_op(op)
+        out = [None] * len(arrays)
+        for dtype in dict.fromkeys(np.asarray(a).dtype for a in arrays):
+            members = [i for i, a in enumerate(arrays) if np.asarray(a).dtype == dtype]
+            flats = {i: np.asarray(arrays[i]).ravel() for i in members}
+            starts = {i: np.cumsum([0, *sizes[i]]) for i in members}
+            send = np.concatenate([flats[i][starts[i][r]:starts[i][r + 1]]
+                                   for r in range(self.size) for i in members])
+            counts = [sum(sizes[i][r] for i in members) for r in range(self.size)]
+            mine = np.empty(counts[self.rank], dtype)
+            self.comm.Reduce_scatter(send, mine, recvcounts=counts, op=self.MPI.SUM)
+            if op == "mean":
+                mine = (mine / self.size).astype(dtype)
+            offset = 0
+            for i in members:
+                out[i] = mine[offset:offset + sizes[i][self.rank]]
+                offset += sizes[i][self.rank]
+        return out
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        data = np.ascontiguousarray(array).copy()
+        self.comm.Bcast(data, root=root)
+        return data
+
+    def barrier(self):
+        self.comm.Barrier()
+
+
+def _check_op(op: str):
+    if op not in REDUCE_OPS:
+        raise ValueError(f"all_reduce: op must be one of {REDUCE_OPS}, got {op!r}")
+
+
+_world = None
+
+
+def world():
+    """This process's communicator, created on first use."""
+    global _world
+    if _world is None:
+        _world = MpiWorld() if env.get_world_size() > 1 else SingleProcess()
+    return _world
+
+
+# ------------------------------------------------------------------ the IR op
+def _all_reduce_infer(*metas, op: str, world_size: int):
+    _check_op(op)
+    return tuple(TensorMeta(m.shape, m.dtype) for m in metas)
+
+
+def _all_reduce_ref(*arrays, op: str, world_size: int):
+    comm = world()
+    if comm.size != world_size:
+        raise RuntimeError(f"all_reduce: the graph was compiled for {world_size} ranks but this world has {comm.size}")
+    out = comm.all_reduce(list(arrays), op)
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("all_reduce", infer=_all_reduce_infer, ref=_all_reduce_ref, lowering=Collective("all_reduce"),
+      doc="all_reduce(*xs, op, world_size): each x summed (op='sum') or averaged (op='mean') over the ranks")
+
+
+def _all_gather_infer(*metas, sizes, world_size: int):
+    if len(sizes) != len(metas) or any(len(c) != world_size for c in sizes):
+        raise ValueError(f"all_gather: sizes must give {world_size} piece sizes per input, got {sizes!r}")
+    return tuple(TensorMeta((sum(c),), m.dtype) for m, c in zip(metas, sizes))
+
+
+def _all_gather_ref(*arrays, sizes, world_size: int):
+    comm = world()
+    if comm.size != world_size:
+        raise RuntimeError(f"all_gather: the graph was compiled for {world_size} ranks but this world has {comm.size}")
+    out = comm.all_gather_flat(list(arrays), [list(c) for c in sizes])
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("all_gather", infer=_all_gather_infer, ref=_all_gather_ref, lowering=Collective("all_gather"),
+      doc="all_gather(*pieces, sizes, world_size): each input's pieces from all ranks, flat, in rank order")
+
+
+def _reduce_scatter_infer(*metas, sizes, op: str, rank: int, world_size: int):
+    _check_op(op)
+    if len(sizes) != len(metas) or any(len(c) != world_size or sum(c) != int(np.prod(m.shape)) for m, c in zip(metas, sizes)):
+        raise ValueError(f"reduce_scatter: sizes must split each input over {world_size} ranks, got {sizes!r}")
+    return tuple(TensorMeta((c[rank],), m.dtype) for m, c in zip(metas, sizes))
+
+
+def _reduce_scatter_ref(*arrays, sizes, op: str, rank: int, world_size: int):
+    comm = world()
+    if (comm.rank, comm.size) != (rank, world_size):
+        raise RuntimeError(f"reduce_scatter: the graph was compiled for rank {rank} of {world_size}, "
+                           f"this process is rank {comm.rank} of {comm.size}")
+    out = comm.reduce_scatter_flat(list(arrays), [list(c) for c in sizes], op)
+    return tuple(out) if len(out) > 1 else out[0]
+
+
+defop("reduce_scatter", infer=_reduce_scatter_infer, ref=_reduce_scatter_ref, lowering=Collective("reduce_scatter"),
+      doc="reduce_scatter(*xs, sizes, op, rank, world_size): this rank's piece of each x summed/averaged over ranks")

@@ -1,0 +1,271 @@
+"""Distributed training: OneFlow's global-tensor API, DistributedDataParallel, data-parallel graphs.
+
+In-process tests run at world size 1 (no MPI needed). The multi-process tests start 2 and 4 ranks
+with mpiexec (tests/distributed/worker.py) and check that data-parallel training equals training
+in one process on the global batch; they skip when mpi4py or mpiexec is missing
+(`pip install -e '.[dist]'`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+from flowgen.distributed import launch
+from flowgen.distributed.data_parallel import loss_reduction
+from flowgen.passes.gradient_allreduce import gradient_buckets
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
+import worker  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MPIEXEC = shutil.which("mpiexec")
+needs_mpi = pytest.mark.skipif(MPIEXEC is None or importlib.util.find_spec("mpi4py") is None,
+                               reason="needs mpi4py and mpiexec (pip install -e '.[dist]')")
+
+
+# ------------------------------------------------------------------ one process
+def test_env_without_a_launcher_is_rank_0_of_1():
+    assert (flow.env.get_rank(), flow.env.get_world_size(), flow.env.get_local_rank()) == (0, 1, 0)
+
+
+def test_env_reads_the_launchers_variables(monkeypatch):
+    monkeypatch.setenv("PMI_RANK", "3")
+    monkeypatch.setenv("PMI_SIZE", "4")
+    monkeypatch.setenv("MPI_LOCALRANKID", "1")
+    monkeypatch.setenv("MPI_LOCALNRANKS", "2")
+    assert (flow.env.get_rank(), flow.env.get_world_size(), flow.env.get_local_rank()) == (3, 4, 1)
+    assert flow.env.get_node_size() == 2
+
+
+def test_placement_and_sbp():
+    p = flow.placement("cpu", ranks=[0])
+    assert p == flow.placement.all("cpu") and p.ranks == [0] and p.hierarchy == (1,)
+    assert repr(p) == 'flowgen.placement(type="cpu", ranks=[0])'
+    assert repr(flow.sbp.split(1)) == "flowgen.sbp.split(dim=1)" and flow.sbp.split(1) == flow.sbp.split(1)
+    assert flow.sbp.broadcast != flow.sbp.partial_sum
+    with pytest.raises(ValueError, match="distinct ranks of this world of 1"):
+        flow.placement("cpu", ranks=[0, 1])
+    with pytest.raises(ValueError, match="flat list"):
+        flow.placement("cpu", ranks=[[0]])
+    with pytest.raises(ValueError, match="non-negative int"):
+        flow.sbp.split(-1)
+
+
+def test_to_global_and_back_on_one_rank():
+    p = flow.placement("cpu", ranks=[0])
+    x = flow.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    g = x.to_global(p, flow.sbp.split(0))
+    assert g.is_global and not g.is_local and x.is_local
+    assert g.shape == (2, 3) and g.placement == p and g.sbp == (flow.sbp.split(0),)
+    np.testing.assert_array_equal(g.to_local().numpy(), x.numpy())
+    b = g.to_global(sbp=flow.sbp.broadcast)
+    assert b.sbp == (flow.sbp.broadcast,)
+    np.testing.assert_array_equal(b.numpy(), x.numpy())
+    assert g.to_global(p, [flow.sbp.split(0)]) is g       # same layout: the tensor itself
+    assert "placement=flowgen.placement" in repr(g)
+
+
+def test_global_tensor_errors_name_the_fix():
+    x = flow.ones(2, 2)
+    g = x.to_global(flow.placement("cpu", [0]), flow.sbp.broadcast)
+    with pytest.raises(RuntimeError, match="eager ops on local tensors only.*to_local"):
+        g + 1
+    with pytest.raises(RuntimeError, match="already local"):
+        x.to_local()
+    with pytest.raises(RuntimeError, match="no placement"):
+        x.placement
+    with pytest.raises(ValueError, match="needs both placement and sbp"):
+        x.to_global(flow.placement("cpu", [0]))
+    with pytest.raises(ValueError, match="split"):
+        x.to_global(flow.placement("cpu", [0]), flow.sbp.split(2))
+
+
+def _train_eager(model, steps=3, batch=worker.GLOBAL_BATCH):
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = worker.global_batch()
+    for s in range(steps):
+        loss = flow.nn.functional.mse_loss(model(flow.tensor(xs[s, :batch])), flow.tensor(ys[s, :batch]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [p.numpy() for p in model.parameters()]
+
+
+def test_ddp_on_one_rank_trains_exactly_like_the_module():
+    plain = _train_eager(worker.make_model())
+    wrapped = flow.nn.parallel.DistributedDataParallel(worker.make_model(), bucket_size=3)
+    assert len(wrapped._data_parallel.buckets) == 2    # 4 parameters in buckets of 3
+    for a, b in zip(plain, _train_eager(wrapped)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_ddp_requires_every_parameter_to_get_a_gradient():
+    model = flow.nn.parallel.DistributedDataParallel(worker.make_model(), bucket_size=4)
+    model[0](flow.randn(2, 6)).sum().backward()      # the last layer gets no gradient
+    with pytest.raises(RuntimeError, match=r"no gradient to 2\.weight, 2\.bias"):
+        model(flow.randn(2, 6))
+
+
+def test_graph_of_a_ddp_module_runs_the_all_reduce_steps_on_one_rank():
+    model = flow.nn.parallel.DistributedDataParallel(worker.make_model(), bucket_size=3)
+    graph = worker.make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    plain = worker.make_model()
+    xs, ys = worker.global_batch()
+    half = worker.GLOBAL_BATCH // 2      # the batch of one of two ranks: its kernels are in the cache already
+    for s in range(3):
+        graph(flow.tensor(xs[s, :half]), flow.tensor(ys[s, :half]))
+    steps = [k for k in graph.compiled.program.kernels if k.collective is not None]
+    assert [len(k.args) for k in steps] == [6, 2]     # buckets of 3 gradients, 1 gradient (in + out)
+    assert all(k.collective == {"op": "mean", "world_size": 1} for k in steps)
+    assert "all_reduce" not in graph.compiled.sources["kernels.cu"]
+    for a, b in zip(_train_eager(plain, batch=half), model.parameters()):
+        np.testing.assert_allclose(b.numpy(), a, rtol=1e-6, atol=1e-7)
+    with pytest.raises(NotImplementedError, match="data parallel.*one process only"):
+        flow.save(graph, "unused_dir")
+
+
+def test_enable_zero_on_one_rank_changes_nothing():
+    model = flow.nn.parallel.DistributedDataParallel(worker.make_model(), bucket_size=3)
+    graph = worker.make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    with pytest.warns(UserWarning, match="enable_zero has no effect on a single device"):
+        graph.config.enable_zero(True, stage=1, shard_min_size=1)
+    xs, ys = worker.global_batch()
+    half = worker.GLOBAL_BATCH // 2
+    graph(flow.tensor(xs[0, :half]), flow.tensor(ys[0, :half]))
+    assert graph.compiled.optimizer_state_bytes == sum(p.size_bytes() for p in model.parameters())
+    with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
+        graph.config.enable_zero(True, stage=4)
+
+
+def test_gradient_buckets_follow_reverse_parameter_order():
+    assert gradient_buckets(["w0", "b0", "w1", "b1", "w2"], 2) == [["w2", "b1"], ["w1", "b0"], ["w0"]]
+
+
+def test_loss_reduction_comes_from_the_loss_modules():
+    class Two(flow.nn.Graph):
+        def __init__(self, *losses):
+            super().__init__()
+            for k, loss in enumerate(losses):
+                setattr(self, f"loss{k}", loss)
+
+    assert loss_reduction(Two(flow.nn.MSELoss(reduction="sum"))) == "sum"
+    assert loss_reduction(Two(flow.nn.L1Loss())) == "mean"
+    with pytest.raises(ValueError, match="reduction 'mean' and 'sum'"):
+        loss_reduction(Two(flow.nn.MSELoss(), flow.nn.L1Loss(reduction="sum")))
+
+
+def test_graph_inputs_must_be_split_on_dim_0_or_broadcast():
+    model = worker.make_model()
+    graph = worker.make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
+    p = flow.placement("cpu", [0])
+    with pytest.raises(NotImplementedError, match=r"sbp flowgen.sbp.split\(dim=1\)"):
+        graph(flow.randn(4, 6).to_global(p, flow.sbp.split(1)), flow.randn(4, 3))
+
+
+def test_launcher_runs_mpiexec():
+    assert launch.mpiexec_command(4, "train.py", ["--lr", "0.1"], mpiexec="/opt/mpi/bin/mpiexec") == [
+        "/opt/mpi/bin/mpiexec", "-n", "4", sys.executable, "train.py", "--lr", "0.1"]
+    with pytest.raises(SystemExit):
+        launch.main(["--nnodes", "2", "train.py"])
+
+
+# ---------------------------------------------------------------- several ranks
+def _run_ranks(nproc: int, out_dir, *scenarios, via_launcher: bool = False):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    script = [os.path.join(REPO, "tests", "distributed", "worker.py"), str(out_dir), *scenarios]
+    command = ([sys.executable, "-m", "flowgen.distributed.launch", "--nproc_per_node", str(nproc), *script]
+               if via_launcher else [MPIEXEC, "-n", str(nproc), sys.executable, *script])
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    _run_ranks(2, out, "global_tensors", "unsupported", "graph_global_split", "graph_zero1", "graph_ddp_sum",
+               "eager_ddp", via_launcher=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("four_ranks")
+    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2")
+    return out
+
+
+def _assert_equals_one_process(result_file, scenario):
+    losses, params = worker.reference(scenario)
+    result = np.load(result_file)
+    np.testing.assert_allclose(result["losses"], losses, rtol=1e-6)
+    for k, p in enumerate(params):
+        np.testing.assert_allclose(result[f"param_{k}"], p, rtol=1e-6, atol=1e-6 * np.abs(p).max())
+
+
+@needs_mpi
+@pytest.mark.parametrize("scenario", ["graph_global_split", "graph_ddp_sum", "eager_ddp"])
+def test_two_ranks_train_like_one_process_on_the_global_batch(two_ranks, scenario):
+    _assert_equals_one_process(two_ranks / f"{scenario}.npz", scenario)
+
+
+@needs_mpi
+def test_four_ranks_train_like_one_process_on_the_global_batch(four_ranks):
+    _assert_equals_one_process(four_ranks / "graph_global_split.npz", "graph_global_split")
+
+
+@needs_mpi
+@pytest.mark.parametrize(("ranks", "stage"), [("two_ranks", 1), ("four_ranks", 2)])
+def test_zero_equals_plain_data_parallel_with_a_shard_of_the_state_per_rank(request, ranks, stage):
+    out = request.getfixturevalue(ranks)
+    plain, zero = np.load(out / "graph_global_split.npz"), np.load(out / f"graph_zero{stage}.npz")
+    for key in plain.files:
+        if key.startswith(("param_", "slot_")) or key == "losses":   # slots: the gathered momentum buffers
+            if stage == 1:      # the same arithmetic per element
+                np.testing.assert_array_equal(zero[key], plain[key], err_msg=key)
+            else:               # reduce-scatter may add the ranks in another order than all-reduce
+                np.testing.assert_allclose(zero[key], plain[key], rtol=1e-6, atol=1e-7, err_msg=key)
+    world = 2 if ranks == "two_ranks" else 4
+    # Stage 2 reduce-scatters the gradients of sharded parameters: at 4 ranks the 3 biases (fewer
+    # elements than ranks) stay whole and keep an all-reduce.
+    expected = {1: {"all_reduce", "all_gather"}, 2: {"reduce_scatter", "all_gather"} | (
+        {"all_reduce"} if world == 4 else set())}[stage]
+    assert set(zero["collectives"]) == expected and set(plain["collectives"]) == {"all_reduce"}
+    whole = int(plain["state_bytes"].ravel()[0])
+    params = [k for k in plain.files if k.startswith("param_")]
+    assert whole == sum(plain[k].nbytes for k in params)          # SGD momentum: one slot per parameter
+    per_rank = zero["state_bytes"].ravel()
+    assert len(per_rank) == world and per_rank.sum() >= whole
+    assert per_rank.max() <= whole / world + 4 * len(params)       # + at most one float per parameter
+
+
+@needs_mpi
+def test_what_flowgen_cannot_split_raises_on_several_ranks(two_ranks):
+    messages = np.load(two_ranks / "unsupported.npz")
+    assert "enable_zero(stage=3) on 2 ranks" in str(messages["zero_stage3"])
+    assert "set_stage on model.0 with 2 ranks" in str(messages["set_stage"])
+    assert "needs a data-parallel graph" in str(messages["zero_without_data_parallel"])
+    assert "enable_zero(stage=2): the gradient of model.0.weight is also read by" in str(
+        messages["zero_stage2_with_clipping"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", ["two_ranks", "four_ranks"])
+def test_to_global_conversions_across_ranks(request, ranks):
+    r = np.load(request.getfixturevalue(ranks) / "global_tensors.npz")
+    world = 2 if ranks == "two_ranks" else 4
+    parts = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * k for k in range(world)]
+    assert list(r["split_shape"]) == [2 * world, 3] and list(r["split1_shape"]) == [2, 3 * world]
+    np.testing.assert_array_equal(r["split_to_broadcast"], np.concatenate(parts, 0))
+    np.testing.assert_array_equal(r["split1_numpy"], np.concatenate(parts, 1))
+    np.testing.assert_array_equal(r["broadcast_local"], parts[0])          # rank 0's data everywhere
+    np.testing.assert_array_equal(r["broadcast_to_split_all"], parts[0])   # ... as the other ranks' pieces show
+    np.testing.assert_array_equal(r["partial_to_broadcast"], sum(parts))
+    np.testing.assert_array_equal(r["partial_to_split_all"], sum(parts))
