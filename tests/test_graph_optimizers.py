@@ -241,3 +241,21 @@ def test_clip_grad_norm_inside_build_refuses_what_it_cannot_do():
     with pytest.raises(TraceError, match="gradient clipping\\) with a GradScaler or gradient accumulation is not "
                                          "supported yet"):
         accumulating(*_batches(1)[0])
+
+
+def test_adagrad_adadelta_rmsprop_lamb_lars_ftrl_lower_exactly():
+    """Every new optimizer, options away from their defaults, in one graph == eager (whose
+    optimizers match PyTorch or OneFlow's formulas: tests/test_optim.py); one follows a scheduler."""
+    def make_opts(m):
+        adagrad = flow.optim.Adagrad([m[0].weight], lr=0.05, lr_decay=0.1, weight_decay=0.05,
+                                     initial_accumulator_value=0.2, eps=1e-6, maximize=False)
+        return [(adagrad, flow.optim.lr_scheduler.ExponentialLR(adagrad, gamma=0.8)),
+                flow.optim.Adadelta([m[0].bias], lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
+                flow.optim.RMSprop([{"params": m[2].weight, "centered": True, "momentum": 0.5},
+                                    {"params": m[2].bias, "weight_decay": 0.1, "lr_scale": 0.5}], lr=0.01, alpha=0.9),
+                flow.optim.LAMB([{"params": m[4].weight}, {"params": m[4].bias, "adam_w_mode": False}], lr=0.02,
+                                betas=(0.8, 0.9), weight_decay=0.1),
+                flow.optim.LARS([m[6].weight], lr=0.5, momentum=0.8, weight_decay=0.01, trust_coefficient=0.02),
+                flow.optim.FTRL([m[6].bias], lr=0.1, weight_decay=0.01, lambda1=0.01, lambda2=0.01, beta=0.1)]
+
+    _graph_and_eager(make_opts, model=_deep_model)

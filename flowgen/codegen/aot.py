@@ -326,6 +326,9 @@ def _schedule_lines(ir) -> list:
         elif kind == "bias_correction":
             value = (f"({ctype})({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
                      f"(double)(u + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
+        elif kind == "inverse_linear":   # Adagrad's lr_decay: 1 / (1 + (k - 1) * lr_decay) at update k
+            value = (f"({ctype})(1.0 / (1.0 + (double)(u + {int(sched['offset'])}LL) * "
+                     f"{float(sched['rate'])!r}))")
         elif kind.startswith("lr_"):
             value = f"({ctype})({_lr_expression(sched)})"
         elif kind == "philox_offset":

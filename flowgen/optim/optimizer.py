@@ -68,6 +68,10 @@ def group_clip(group: dict):
 
 
 class Optimizer:
+    # Whether state["step"] counts the parameter's updates (Adam's and the RuleOptimizers'); a graph
+    # advances it after each applied step, as eager step() does.
+    counts_steps = False
+
     def __init__(self, params, defaults: dict):
         self.defaults = dict(defaults)
         self.state: defaultdict = defaultdict(dict)  # parameter -> {name: value}; tensors hash by identity

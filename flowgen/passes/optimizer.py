@@ -22,13 +22,21 @@ from flowgen.ir.graph import NameGen
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn.utils import clip_by_total_norm
 from flowgen.ops.registry import apply
-from flowgen.optim import SGD, Adam, AdamW
+from flowgen.optim import SGD, Adam, AdamW, RuleOptimizer
 from flowgen.optim.adam import bias_corrections
 from flowgen.optim.optimizer import group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
 from flowgen.tensor import Tensor
 
-LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering; others have step() traced
+LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering here
+
+
+def lowering_kind(optimizer) -> str | None:
+    """"SGD", "Adam" or "AdamW" (lowered here), "rule" (a RuleOptimizer: its `update` traced
+    per parameter), or None (any other Optimizer: its whole `step()` traced)."""
+    if type(optimizer) in LOWERED:
+        return type(optimizer).__name__
+    return "rule" if isinstance(optimizer, RuleOptimizer) else None
 
 
 @dataclass
@@ -137,13 +145,13 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
 
     with tracer:
         for opt_index, (optimizer, scheduler) in enumerate(optimizers):
-            kind = type(optimizer).__name__ if type(optimizer) in LOWERED else None
+            kind = lowering_kind(optimizer)
             grads = _clip_groups(tracer, optimizer, opt_index, grads, param_name)
             if kind is None:
                 if scheduler is not None:
                     raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
                                      f"with its options as constants, so it cannot follow lr_sch="
-                                     f"{type(scheduler).__name__}; use SGD, Adam or AdamW, or build a graph per LR")
+                                     f"{type(scheduler).__name__}; use a flow.optim optimizer, or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
             for g_index, group in enumerate(optimizer.param_groups):
@@ -151,7 +159,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                 params = [p for p in group["params"] if param_name.get(id(p)) in grads]
                 if not params:
                     continue
-                tracer.scopes.append(f"{prefix}.{kind.lower()}")
+                tracer.scopes.append(f"{prefix}.{type(optimizer).__name__.lower()}")
 
                 # float64 parameters get float64 hyper scalars (a float32 LR would round the update)
                 hyper_dtype = "float64" if all(p.dtype.name == "float64" for p in params) else "float32"
@@ -167,6 +175,9 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                 if kind == "SGD":
                     _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                          counter)
+                elif kind == "rule":
+                    _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
+                          counter)
                 else:
                     _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                           counter, decoupled=(kind == "AdamW"))
@@ -227,10 +238,10 @@ def scaler_state_name(what: str) -> str:
     return f"grad_scaler.{what}"
 
 
-def _slot(optimizer, p, key, new_state, slots, name):
+def _slot(optimizer, p, key, new_state, slots, name, init: float = 0.0):
     st = optimizer.state.setdefault(p, {})
     if key not in st or st[key] is None:
-        st[key] = creation.zeros_like(p.detach())
+        st[key] = creation.full_like(p.detach(), init)
     slots.append(SlotBinding(name, st[key]))
     return new_state(name, st[key], "optim")
 
@@ -282,8 +293,7 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
         v = _slot(optimizer, p, "exp_avg_sq", new_state, slots, f"{name}.exp_avg_sq")
 
         def step(st=st):
-            s = st.get("step", 0)
-            return int(s.item() if hasattr(s, "item") else s) + 1
+            return _step_count(st)
 
         # Adam's step count k at graph call t is k = t + offset (t counts the graph's calls).
         offset = step() - counter["calls"]
@@ -308,6 +318,36 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
         denom = (v_new.sqrt() * inv_sqrt_bc2) + eps
         updated = param - (lr * inv_bc1) * m_new / denom
         tracer.graph.updates.append((name, updated._value))
+
+
+def _step_count(st: dict) -> int:
+    """The number of the parameter's next update (1-based) from its optimizer state."""
+    s = st.get("step", 0)
+    return int(s.item() if hasattr(s, "item") else s) + 1
+
+
+def _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter):
+    """A RuleOptimizer's `update` traced on lazy tensors: the eager arithmetic, with its state
+    tensors as graph slots and its step scalars (`step_hypers`) as hyper state."""
+    names = optimizer.slot_names(group)
+    for p in params:
+        name = param_name[id(p)]
+        st = optimizer.state.setdefault(p, {})
+        g = tracer.lazy(grads[name])
+        held = {key: _slot(optimizer, p, key, new_state, slots, f"{name}.{key}", optimizer.slot_init(group, key))
+                for key in names}
+        # the update count k at graph call t is k = t + offset (t counts the graph's calls)
+        offset = _step_count(st) - counter["calls"]
+        hypers = {"lr": lr}
+        for key in optimizer.step_hypers(group, 1):
+            hypers[key] = hyper(f"{name}.{key}",
+                                lambda key=key, st=st: optimizer.step_hypers(group, _step_count(st))[key],
+                                optimizer.hyper_schedule(group, key, offset))
+        new_w, new_slots = optimizer.update(group, tracer.lazy(state[name].value), -g if group.get("maximize") else g,
+                                            held, hypers)
+        for key, value in new_slots.items():
+            tracer.graph.updates.append((f"{name}.{key}", value._value))
+        tracer.graph.updates.append((name, new_w._value))
 
 
 class _TracedSlots(dict):
