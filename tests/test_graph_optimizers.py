@@ -259,3 +259,95 @@ def test_adagrad_adadelta_rmsprop_lamb_lars_ftrl_lower_exactly():
                 flow.optim.FTRL([m[6].bias], lr=0.1, weight_decay=0.01, lambda1=0.01, lambda2=0.01, beta=0.1)]
 
     _graph_and_eager(make_opts, model=_deep_model)
+
+
+def _scheduled_optimizers(m):
+    """Seven LR schedulers of the new kinds, one optimizer per parameter (graph == eager replays each)."""
+    sch = flow.optim.lr_scheduler
+    opts = [flow.optim.SGD([p], lr=0.05, momentum=0.9) for p in (m[0].weight, m[0].bias, m[2].weight, m[2].bias)]
+    opts += [flow.optim.Adam([p], lr=0.02) for p in (m[4].weight, m[4].bias, m[6].weight)]
+    return [(opts[0], sch.PolynomialLR(opts[0], total_iters=4, power=2.0)),
+            (opts[1], sch.CosineAnnealingWarmRestarts(opts[1], T_0=2, T_mult=2, eta_min=0.001)),
+            (opts[2], sch.OneCycleLR(opts[2], max_lr=0.1, total_steps=8, cycle_momentum=False)),
+            (opts[3], sch.CyclicLR(opts[3], base_lr=0.01, max_lr=0.1, step_size_up=2, mode="triangular2",
+                                   cycle_momentum=False)),
+            (opts[4], sch.WarmupLR(sch.CosineDecayLR(opts[4], decay_steps=5, alpha=0.1), warmup_iters=2)),
+            (opts[5], sch.ChainedScheduler([sch.ConstantLR(opts[5], factor=0.5, total_iters=2),
+                                            sch.ExponentialLR(opts[5], gamma=0.8)])),
+            (opts[6], sch.MultiplicativeLR(opts[6], lambda e: 0.7))]
+
+
+def test_new_schedulers_in_a_graph_follow_the_eager_lr_sequence():
+    _graph_and_eager(_scheduled_optimizers, steps=6, model=_deep_model)
+
+
+def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_through_lr():
+    """ReduceLROnPlateau needs metrics: refused as lr_sch, and stepped in Python it acts through
+    the group's lr, which the graph reads every call. Momentum cycling is refused, not ignored."""
+    sch = flow.optim.lr_scheduler
+    model = _model()
+    sgd = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau cannot be add_optimizer's lr_sch"):
+        TrainGraph(model, nn.MSELoss(), (sgd, sch.ReduceLROnPlateau(sgd)))
+    with pytest.raises(ValueError, match="OneCycleLR: cycle_momentum=True changes the optimizer's momentum every "
+                                         "step, which a compiled graph keeps constant"):
+        TrainGraph(model, nn.MSELoss(), (sgd, sch.OneCycleLR(sgd, max_lr=0.1, total_steps=5)))
+    adam = flow.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="CyclicLR: cycle_momentum=True changes the optimizer's beta1"):
+        TrainGraph(model, nn.MSELoss(), (adam, sch.ChainedScheduler([sch.CyclicLR(adam, 0.01, 0.1)])))
+
+    plateaus = []
+
+    def make_opts(m):
+        opt = flow.optim.Adam(m.parameters(), lr=0.05)
+        plateaus.append(sch.ReduceLROnPlateau(opt, patience=0, factor=0.5))
+        return [opt]
+
+    flow.manual_seed(0)
+    model = _model()
+    eager = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.MSELoss(), *make_opts(model))
+    opt_e = make_opts(eager)[0]
+    for x, y in _batches(4):
+        graph(x, y)
+        opt_e.zero_grad()
+        nn.MSELoss()(eager(x), y).backward()
+        opt_e.step()
+        for plateau in plateaus:
+            plateau.step(10.0)        # never better than its best (10): halves the LR every step
+    assert opt_e.param_groups[0]["lr"] == 0.05 / 8
+    _assert_same_parameters(model, eager)
+
+
+def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
+    """A built program: Adagrad (lr_decay), LAMB and RMSprop under OneCycleLR, WarmupLR around
+    CosineDecayLR, CosineAnnealingWarmRestarts, CyclicLR and OneFlow's cycling PolynomialLR: its
+    weights after several steps == the graph's."""
+    from test_deploy import build_and_train, poly_data
+
+    sch = flow.optim.lr_scheduler
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0, 1))
+    adagrad = flow.optim.Adagrad([model[0].weight], lr=0.1, lr_decay=0.2)
+    lamb = flow.optim.LAMB([model[0].bias, model[2].weight], lr=0.05, weight_decay=0.1)
+    rmsprop = flow.optim.RMSprop([model[2].bias], lr=0.01, momentum=0.5)
+    sgd = flow.optim.SGD([model[4].weight], lr=0.05, momentum=0.9)
+    adam = flow.optim.Adam([model[4].bias], lr=0.05)
+    graph = TrainGraph(model, nn.MSELoss(),
+                       (adagrad, sch.OneCycleLR(adagrad, max_lr=0.2, total_steps=12, cycle_momentum=False)),
+                       (lamb, sch.WarmupLR(sch.CosineDecayLR(lamb, decay_steps=6, alpha=0.1), warmup_factor=0.2,
+                                           warmup_iters=3)),
+                       (rmsprop, sch.CosineAnnealingWarmRestarts(rmsprop, T_0=2, T_mult=2)),
+                       (sgd, sch.CyclicLR(sgd, base_lr=0.01, max_lr=0.05, step_size_up=2, mode="exp_range",
+                                          gamma=0.9, cycle_momentum=False)),
+                       (adam, sch.PolynomialLR(adam, decay_batch=3, end_learning_rate=0.001, power=2.0,
+                                               cycle=True)))
+    xx, y = poly_data()
+    xs, ys = xx[:40] / 10, y[:40]
+    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
+    weights, _ = build_and_train(graph, xs, ys, 7, tmp_path)
+    for s in range(7):
+        graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
+    for name, value in graph.state_dict().items():
+        if name.startswith("model."):
+            np.testing.assert_allclose(weights[name], value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)

@@ -62,9 +62,6 @@ class SlotBinding:
     tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
 
 
-LR_SCHEDULERS = ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR", "ConstantLR")
-
-
 def scheduler_epoch(scheduler, counter: dict) -> int:
     """The scheduler epoch of the graph's next call: OneFlow's contract is that the graph advances
     the scheduler given to `add_optimizer` itself and never steps the Python object, so call t
@@ -82,29 +79,61 @@ def group_lr_now(group: dict, g_index: int, scheduler, counter: dict) -> float:
 
 
 def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
-    """The LR schedule as plain data for a standalone program: closed forms of the common
-    schedulers at epoch e = t + offset of graph call t, times `scale` (the group's lr_scale).
-    Without a scheduler, or with one that runs Python code (LambdaLR, SequentialLR), the
-    program keeps the saved LR ("constant")."""
-    kind = type(scheduler).__name__ if scheduler is not None else None
-    if kind not in LR_SCHEDULERS:
+    """The LR schedule as plain data for a standalone program: the scheduler's closed form
+    (`closed_form_schedule`) at epoch e = t + offset of graph call t, times `scale` (the group's
+    lr_scale). Without a scheduler, or with one that runs Python code (LambdaLR,
+    MultiplicativeLR, SequentialLR, ChainedScheduler, CyclicLR with a scale_fn), the program keeps
+    the saved LR ("constant")."""
+    form = closed_form_schedule(scheduler, g_index) if scheduler is not None else None
+    if form is None:
         return {"kind": "constant"}
-    sched = {"kind": "lr_" + kind, "base": float(scheduler.base_lrs[g_index]), "offset": int(scheduler.last_epoch),
-             "scale": float(group.get("lr_scale", 1.0))}
+    return {**form, "offset": int(scheduler.last_epoch), "scale": float(group.get("lr_scale", 1.0))}
+
+
+def closed_form_schedule(scheduler, g_index: int) -> dict | None:
+    """`scheduler.closed_form(g_index, e)` as plain data ({"kind": "lr_<class name>", "base": the
+    group's base LR, parameters...}) that codegen/aot.py turns into C++, or None when it has none."""
+    kind = type(scheduler).__name__
+    base = float(scheduler.base_lrs[g_index])
+    form = {"kind": "lr_" + kind, "base": base}
     if kind == "StepLR":
-        sched.update(step_size=int(scheduler.step_size), gamma=float(scheduler.gamma))
-    elif kind == "MultiStepLR":
-        sched.update(milestones=sorted(int(m) for m in scheduler.milestones.elements()), gamma=float(scheduler.gamma))
-    elif kind == "ExponentialLR":
-        sched.update(gamma=float(scheduler.gamma))
-    elif kind == "CosineAnnealingLR":
-        sched.update(T_max=int(scheduler.T_max), eta_min=float(scheduler.eta_min))
-    elif kind == "LinearLR":
-        sched.update(start=float(scheduler.start_factor), end=float(scheduler.end_factor),
-                     total=int(scheduler.total_iters))
-    else:
-        sched.update(factor=float(scheduler.factor), total=int(scheduler.total_iters))
-    return sched
+        return {**form, "step_size": int(scheduler.step_size), "gamma": float(scheduler.gamma)}
+    if kind == "MultiStepLR":
+        return {**form, "milestones": sorted(int(m) for m in scheduler.milestones.elements()),
+                "gamma": float(scheduler.gamma)}
+    if kind == "ExponentialLR":
+        return {**form, "gamma": float(scheduler.gamma)}
+    if kind == "CosineAnnealingLR":
+        return {**form, "T_max": int(scheduler.T_max), "eta_min": float(scheduler.eta_min)}
+    if kind == "LinearLR":
+        return {**form, "start": float(scheduler.start_factor), "end": float(scheduler.end_factor),
+                "total": int(scheduler.total_iters)}
+    if kind == "ConstantLR":
+        return {**form, "factor": float(scheduler.factor), "total": int(scheduler.total_iters)}
+    if kind == "PolynomialLR":
+        return {**form, "total": int(scheduler.total_iters), "power": float(scheduler.power),
+                "end": float(scheduler.end_learning_rate), "cycle": bool(scheduler.cycle)}
+    if kind == "CosineDecayLR":
+        return {**form, "decay_steps": int(scheduler.decay_steps), "alpha": float(scheduler.alpha)}
+    if kind == "CosineAnnealingWarmRestarts":
+        return {**form, "T_0": int(scheduler.T_0), "T_mult": int(scheduler.T_mult),
+                "eta_min": float(scheduler.eta_min)}
+    if kind == "OneCycleLR":
+        values = scheduler.optimizer.param_groups[g_index]
+        return {**form, "anneal": scheduler.anneal_strategy,
+                "phases": [[float(end), float(values[start_lr]), float(values[end_lr])]
+                           for end, start_lr, end_lr, _m_from, _m_to in scheduler.phases]}
+    if kind == "CyclicLR" and scheduler.custom_scale_fn is None:
+        return {**form, "base": float(scheduler.cyclic_base_lrs[g_index]),
+                "max_lr": float(scheduler.max_lrs[g_index]), "total_size": float(scheduler.total_size),
+                "step_ratio": float(scheduler.step_ratio), "mode": scheduler.mode, "gamma": float(scheduler.gamma)}
+    if kind == "WarmupLR":
+        after = None if scheduler.scheduler is None else closed_form_schedule(scheduler.scheduler, g_index)
+        if scheduler.scheduler is not None and after is None:
+            return None
+        return {**form, "factor": float(scheduler.warmup_factor), "iters": int(scheduler.warmup_iters),
+                "method": scheduler.warmup_method, "prefix": bool(scheduler.warmup_prefix), "after": after}
+    return None
 
 
 def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,

@@ -71,6 +71,7 @@ class Graph:
             if lr_sch.optimizer is not optimizer:
                 raise ValueError(f"{type(self).__name__}.add_optimizer: lr_sch {type(lr_sch).__name__} schedules "
                                  f"another optimizer than the {type(optimizer).__name__} it is added with")
+            lr_sch.check_graph_replay()
         self._optimizers.append((optimizer, lr_sch))
         self.config.training = True
 
