@@ -168,3 +168,19 @@ def test_oneflow_warmup_lr():
         sched.WarmupLR(sched.MultiplicativeLR(_sgd(), lambda e: 0.5))
     with pytest.raises(ValueError, match="WarmupLR: warmup_method must be 'linear' or 'constant', got 'cos'"):
         sched.WarmupLR(_sgd(), warmup_method="cos")
+
+
+def test_scheduler_group_keys_survive_an_optimizer_state_dict_and_a_resume(torch):
+    """OneCycleLR writes initial_lr, max_lr, min_lr and the momentum bounds into the groups (as
+    PyTorch's does): an optimizer state dict with them loads, and the resumed schedule continues."""
+    ours_opt, theirs_opt = _optimizers(torch)
+    ours = sched.OneCycleLR(ours_opt, max_lr=0.5, total_steps=12)
+    theirs = torch.optim.lr_scheduler.OneCycleLR(theirs_opt, max_lr=0.5, total_steps=12)
+    _drive(ours, theirs, ours_opt, theirs_opt, steps=5)
+    resumed_opt, _ = _optimizers(torch)
+    resumed_opt.load_state_dict(ours_opt.state_dict())
+    resumed_opt.load_state_dict(theirs_opt.state_dict())      # PyTorch's saved groups load too
+    resumed = sched.OneCycleLR(resumed_opt, max_lr=0.5, total_steps=12, last_epoch=4)
+    resumed.load_state_dict(ours.state_dict())
+    assert resumed.get_last_lr() == ours.get_last_lr()
+    _drive(resumed, theirs, resumed_opt, theirs_opt, steps=6)

@@ -49,7 +49,9 @@ def write_back(dest: np.ndarray, values: np.ndarray) -> None:
         dest[...] = values.astype(dest.dtype, copy=False)
 
 
-GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr")
+GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr",
+              # written by LR schedulers (OneCycleLR, CyclicLR), as PyTorch's do
+              "max_lr", "min_lr", "max_momentum", "base_momentum")
 # Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
 # while off (False/None); switched on they are refused like any unknown option.
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")
