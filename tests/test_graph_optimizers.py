@@ -243,42 +243,34 @@ def test_clip_grad_norm_inside_build_refuses_what_it_cannot_do():
         accumulating(*_batches(1)[0])
 
 
-def test_adagrad_adadelta_rmsprop_lamb_lars_ftrl_lower_exactly():
-    """Every new optimizer, options away from their defaults, in one graph == eager (whose
-    optimizers match PyTorch or OneFlow's formulas: tests/test_optim.py); one follows a scheduler."""
-    def make_opts(m):
-        adagrad = flow.optim.Adagrad([m[0].weight], lr=0.05, lr_decay=0.1, weight_decay=0.05,
-                                     initial_accumulator_value=0.2, eps=1e-6, maximize=False)
-        return [(adagrad, flow.optim.lr_scheduler.ExponentialLR(adagrad, gamma=0.8)),
-                flow.optim.Adadelta([m[0].bias], lr=0.5, rho=0.8, weight_decay=0.1, maximize=True),
-                flow.optim.RMSprop([{"params": m[2].weight, "centered": True, "momentum": 0.5},
-                                    {"params": m[2].bias, "weight_decay": 0.1, "lr_scale": 0.5}], lr=0.01, alpha=0.9),
-                flow.optim.LAMB([{"params": m[4].weight}, {"params": m[4].bias, "adam_w_mode": False}], lr=0.02,
-                                betas=(0.8, 0.9), weight_decay=0.1),
-                flow.optim.LARS([m[6].weight], lr=0.5, momentum=0.8, weight_decay=0.01, trust_coefficient=0.02),
-                flow.optim.FTRL([m[6].bias], lr=0.1, weight_decay=0.01, lambda1=0.01, lambda2=0.01, beta=0.1)]
-
-    _graph_and_eager(make_opts, model=_deep_model)
-
-
-def _scheduled_optimizers(m):
-    """Seven LR schedulers of the new kinds, one optimizer per parameter (graph == eager replays each)."""
-    sch = flow.optim.lr_scheduler
-    opts = [flow.optim.SGD([p], lr=0.05, momentum=0.9) for p in (m[0].weight, m[0].bias, m[2].weight, m[2].bias)]
-    opts += [flow.optim.Adam([p], lr=0.02) for p in (m[4].weight, m[4].bias, m[6].weight)]
-    return [(opts[0], sch.PolynomialLR(opts[0], total_iters=4, power=2.0)),
-            (opts[1], sch.CosineAnnealingWarmRestarts(opts[1], T_0=2, T_mult=2, eta_min=0.001)),
-            (opts[2], sch.OneCycleLR(opts[2], max_lr=0.1, total_steps=8, cycle_momentum=False)),
-            (opts[3], sch.CyclicLR(opts[3], base_lr=0.01, max_lr=0.1, step_size_up=2, mode="triangular2",
-                                   cycle_momentum=False)),
-            (opts[4], sch.WarmupLR(sch.CosineDecayLR(opts[4], decay_steps=5, alpha=0.1), warmup_iters=2)),
-            (opts[5], sch.ChainedScheduler([sch.ConstantLR(opts[5], factor=0.5, total_iters=2),
-                                            sch.ExponentialLR(opts[5], gamma=0.8)])),
-            (opts[6], sch.MultiplicativeLR(opts[6], lambda e: 0.7))]
+def _new_optimizers_and_schedulers(m):
+    """Every new optimizer, options away from their defaults, each under one of the new LR
+    schedulers (plus an SGD for the seventh), one optimizer per parameter or group."""
+    sch, optim = flow.optim.lr_scheduler, flow.optim
+    adagrad = optim.Adagrad([m[0].weight], lr=0.05, lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.2,
+                            eps=1e-6)
+    adadelta = optim.Adadelta([m[0].bias], lr=0.5, rho=0.8, weight_decay=0.1, maximize=True)
+    rmsprop = optim.RMSprop([m[2].weight], lr=0.01, alpha=0.9, centered=True, momentum=0.5)
+    sgd = optim.SGD([m[2].bias], lr=0.05, momentum=0.9)
+    lamb = optim.LAMB([{"params": m[4].weight, "lr_scale": 0.5},
+                       {"params": m[4].bias, "adam_w_mode": False, "weight_decay": 0.1}], lr=0.02, betas=(0.8, 0.9))
+    lars = optim.LARS([m[6].weight], lr=0.5, momentum=0.8, weight_decay=0.01, trust_coefficient=0.02)
+    ftrl = optim.FTRL([m[6].bias], lr=0.1, weight_decay=0.01, lambda1=0.01, lambda2=0.01, beta=0.1)
+    return [(adagrad, sch.PolynomialLR(adagrad, total_iters=4, power=2.0)),
+            (adadelta, sch.CosineAnnealingWarmRestarts(adadelta, T_0=2, T_mult=2, eta_min=0.001)),
+            (rmsprop, sch.OneCycleLR(rmsprop, max_lr=0.05, total_steps=8, cycle_momentum=False)),
+            (sgd, sch.MultiplicativeLR(sgd, lambda e: 0.7)),
+            (lamb, sch.CyclicLR(lamb, base_lr=0.01, max_lr=0.1, step_size_up=2, mode="triangular2",
+                                cycle_momentum=False)),
+            (lars, sch.WarmupLR(sch.CosineDecayLR(lars, decay_steps=5, alpha=0.1), warmup_iters=2)),
+            (ftrl, sch.ChainedScheduler([sch.ConstantLR(ftrl, factor=0.5, total_iters=2),
+                                         sch.ExponentialLR(ftrl, gamma=0.8)]))]
 
 
-def test_new_schedulers_in_a_graph_follow_the_eager_lr_sequence():
-    _graph_and_eager(_scheduled_optimizers, steps=6, model=_deep_model)
+def test_new_optimizers_lower_exactly_and_follow_the_new_schedulers():
+    """graph == eager over six steps (eager optimizers and schedulers match PyTorch or OneFlow's
+    formulas: tests/test_optim.py, tests/test_schedulers.py)."""
+    _graph_and_eager(_new_optimizers_and_schedulers, steps=6, model=_deep_model)
 
 
 def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_through_lr():
