@@ -62,7 +62,8 @@ TORCH_SCHEDULERS = [
      dict(cls="Adam", lr=0.01)),
     ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, step_size_up=3), {}),
     ("CyclicLR", dict(base_lr=[0.01, 0.02], max_lr=0.1, step_size_up=2, step_size_down=4, mode="triangular2"), {}),
-    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, step_size_up=3, mode="exp_range", gamma=0.9), dict(cls="Adam", lr=0.01)),
+    ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, step_size_up=3, mode="exp_range", gamma=0.9),
+     dict(cls="Adam", lr=0.01)),
     ("CyclicLR", dict(base_lr=0.01, max_lr=0.1, step_size_up=3, scale_fn=lambda x: 1 / x, cycle_momentum=False),
      {}),
 ]

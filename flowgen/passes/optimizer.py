@@ -3,12 +3,16 @@
 SGD, Adam and AdamW have their math written here with flowgen ops on lazy
 tensors (every constructor option and OneFlow's group keys: `lr_scale`,
 per-group `clip_grad_max_norm`/`clip_grad_norm_type`, `do_bias_correction`), so
-it is traced into IR like the model. Any other `Optimizer` subclass has its own
+it is traced into IR like the model. A `RuleOptimizer` (Adagrad, Adadelta,
+RMSprop, LAMB, LARS, FTRL) has its `update()` traced per parameter: the very
+function its eager `step()` runs. Any other `Optimizer` subclass has its own
 `step()` traced on lazy parameters and gradients. Optimizer slots (momentum,
-exp_avg, exp_avg_sq, max_exp_avg_sq) become persistent state; per-step scalars
-that depend on the step count or the LR schedule (lr, bias corrections,
-first-step momentum switch) become ``hyper`` state that the host writes before
-each call (`HostScalar`), so the schedule is exactly the eager one.
+exp_avg, exp_avg_sq, ...) become persistent state; per-step scalars that
+depend on the step count or the LR schedule (lr, bias corrections, Adagrad's
+lr_decay, first-step momentum switch) become ``hyper`` state that the host
+writes before each call (`HostScalar`), so the schedule is exactly the eager
+one, and each carries a plain-data `schedule` (`lr_schedule` turns a
+scheduler's closed form into one) by which a standalone program advances it.
 """
 from __future__ import annotations
 
