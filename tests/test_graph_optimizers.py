@@ -275,7 +275,8 @@ def test_new_optimizers_lower_exactly_and_follow_the_new_schedulers():
 
 def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_through_lr():
     """ReduceLROnPlateau needs metrics: refused as lr_sch, and stepped in Python it acts through
-    the group's lr, which the graph reads every call. Momentum cycling is refused, not ignored."""
+    the group's lr, which the graph reads every call. Momentum cycling is refused, not ignored, and
+    so is any other option changed after compiling."""
     sch = flow.optim.lr_scheduler
     model = _model()
     sgd = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -309,6 +310,11 @@ def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_t
             plateau.step(10.0)        # never better than its best (10): halves the LR every step
     assert opt_e.param_groups[0]["lr"] == 0.05 / 8
     _assert_same_parameters(model, eager)
+    graph_adam = graph._optimizers[0][0]
+    graph_adam.param_groups[0]["betas"] = (0.5, 0.999)   # e.g. a cycling scheduler stepped in Python
+    with pytest.raises(RuntimeError, match=r"Adam: parameter group 0 option 'betas' changed from \(0.9, 0.999\) to "
+                                           r"\(0.5, 0.999\) after nn.Graph compiled its update"):
+        graph(*_batches(1)[0])
 
 
 def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):

@@ -408,6 +408,31 @@ def test_adagrad_adadelta_rmsprop_match_torch(torch, cls, kwargs):
                                            err_msg=name)
 
 
+@pytest.mark.parametrize("cls,kwargs", [("Adagrad", dict(lr=0.1, lr_decay=0.1)), ("Adadelta", dict(lr=0.5)),
+                                        ("RMSprop", dict(lr=0.01, momentum=0.5, centered=True))])
+def test_loads_a_torch_state_dict_of_the_new_optimizers(torch, cls, kwargs):
+    """Same state names and step counts as PyTorch: a PyTorch state dict resumes exactly."""
+    init = _arrays(0, *SHAPES)
+    tp = [torch.nn.Parameter(torch.tensor(a)) for a in init]
+    topt = getattr(torch.optim, cls)(tp, **kwargs)
+    for step in range(2):
+        for p, g in zip(tp, _arrays(step, *SHAPES)):
+            p.grad = torch.tensor(g)
+        topt.step()
+    tsd = topt.state_dict()
+    converted = {"param_groups": tsd["param_groups"],
+                 "state": {i: {k: v.numpy() for k, v in s.items()} for i, s in tsd["state"].items()}}
+    ours = [nn.Parameter(flow.tensor(p.detach().numpy().copy())) for p in tp]
+    opt = getattr(optim, cls)(ours, lr=1.0)
+    opt.load_state_dict(converted)
+    for p, t, g in zip(ours, tp, _arrays(9, *SHAPES)):
+        p.grad, t.grad = flow.tensor(g), torch.tensor(g)
+    opt.step()
+    topt.step()
+    for p, t in zip(ours, tp):
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
 def _one_step(opt_cls, w, g, steps=1, **kwargs):
     p = nn.Parameter(flow.tensor(w))
     opt = opt_cls([p], **kwargs)

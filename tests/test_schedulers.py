@@ -167,6 +167,9 @@ def test_oneflow_warmup_lr():
     assert [lr[0] for lr in _eager_lrs(alone, 6)] == pytest.approx([0.025, 0.04375, 0.0625, 0.08125, 0.1, 0.1])
     with pytest.raises(ValueError, match="WarmupLR: the wrapped MultiplicativeLR has no closed form"):
         sched.WarmupLR(sched.MultiplicativeLR(_sgd(), lambda e: 0.5))
+    with pytest.raises(ValueError, match="WarmupLR: the wrapped OneCycleLR cycles the momentum"):
+        opt = _sgd()
+        sched.WarmupLR(sched.OneCycleLR(optim.SGD(opt.param_groups[0]["params"], momentum=0.9), 0.1, 10))
     with pytest.raises(ValueError, match="WarmupLR: warmup_method must be 'linear' or 'constant', got 'cos'"):
         sched.WarmupLR(_sgd(), warmup_method="cos")
 

@@ -315,8 +315,13 @@ class LambdaLR(_Lambdas, LRScheduler):
         return self.base_lrs[group] * self.lr_lambdas[group](epoch)
 
 
-class _ChildrenInState:
-    """state_dict/load_state_dict of schedulers that drive others (`_schedulers`): each child's own."""
+class _Composite:
+    """Schedulers that drive others (`_schedulers`): a graph replays them if it can replay each;
+    state dicts hold each child's own."""
+
+    def check_graph_replay(self):
+        for scheduler in self._schedulers:
+            scheduler.check_graph_replay()
 
     def state_dict(self):
         state = {k: v for k, v in super().state_dict().items() if k != "_schedulers"}
@@ -331,7 +336,7 @@ class _ChildrenInState:
             scheduler.load_state_dict(child)
 
 
-class SequentialLR(_ChildrenInState, LRScheduler):
+class SequentialLR(_Composite, LRScheduler):
     """Run `schedulers[i]` between `milestones[i-1]` and `milestones[i]` (PyTorch semantics)."""
 
     def __init__(self, optimizer, schedulers, milestones, last_epoch: int = -1):
@@ -459,6 +464,10 @@ class WarmupLR(LRScheduler):
                  warmup_method: str = "linear", warmup_prefix: bool = False, last_epoch: int = -1):
         if isinstance(scheduler_or_optimizer, LRScheduler):
             self.scheduler, optimizer = scheduler_or_optimizer, scheduler_or_optimizer.optimizer
+            if getattr(self.scheduler, "cycle_momentum", False):
+                raise ValueError(f"WarmupLR: the wrapped {type(self.scheduler).__name__} cycles the momentum, which "
+                                 f"WarmupLR (using only its LR's closed form) would ignore; pass "
+                                 f"cycle_momentum=False to it")
             if not self.scheduler.has_closed_form():
                 raise ValueError(f"WarmupLR: the wrapped {type(self.scheduler).__name__} has no closed form; wrap "
                                  f"a scheduler whose LR is a function of the epoch (StepLR, CosineDecayLR, ...)")
@@ -716,7 +725,7 @@ class CyclicLR(_MomentumCycling, LRScheduler):
             self.custom_scale_fn.__dict__.update(attrs)
 
 
-class ChainedScheduler(_ChildrenInState, LRScheduler):
+class ChainedScheduler(_Composite, LRScheduler):
     """Step several chainable schedulers of one optimizer together (PyTorch semantics): each
     multiplies the LR the previous one left."""
 
@@ -743,10 +752,6 @@ class ChainedScheduler(_ChildrenInState, LRScheduler):
         for scheduler in self._schedulers:
             scheduler.step()
         self._last_lr = self._group_lrs()
-
-    def check_graph_replay(self):
-        for scheduler in self._schedulers:
-            scheduler.check_graph_replay()
 
 
 class ReduceLROnPlateau(LRScheduler):

@@ -187,6 +187,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                                      f"{type(scheduler).__name__}; use a flow.optim optimizer, or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
+            checks.append(options_unchanged(optimizer, FOLLOWED_EVERY_CALL, "compiled its update"))
             for g_index, group in enumerate(optimizer.param_groups):
                 prefix = f"optim{opt_index}.group{g_index}"
                 params = [p for p in group["params"] if param_name.get(id(p)) in grads]
@@ -412,8 +413,31 @@ class _TracedSlots(dict):
         return self[key]
 
 
-def _group_numbers(optimizer) -> list:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+FOLLOWED_EVERY_CALL = ("lr", "lr_scale")   # group keys a lowered optimizer's hyper state reads before each call
+
+
+def _group_numbers(optimizer, followed: tuple) -> list:
+    return [{k: v for k, v in group.items() if k != "params" and k not in followed}
+            for group in optimizer.param_groups]
+
+
+def options_unchanged(optimizer, followed: tuple, compiled_what: str):
+    """The check run before every call: the groups' options other than `followed` are constants
+    of the compiled step, so changing one later (code, or a scheduler's momentum cycling stepped
+    in Python) is refused rather than ignored."""
+    cls = type(optimizer).__name__
+    numbers = _group_numbers(optimizer, followed)
+
+    def unchanged():
+        now = _group_numbers(optimizer, followed)
+        for g_index, (old, new) in enumerate(zip(numbers, now)):
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    raise RuntimeError(f"{cls}: parameter group {g_index} option {key!r} changed from "
+                                       f"{old.get(key)!r} to {new.get(key)!r} after nn.Graph {compiled_what}, "
+                                       f"which made it a constant of the compiled step; build a new graph to "
+                                       f"change it (flow.optim's optimizers follow their lr every call)")
+    return unchanged
 
 
 def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name: dict, state: dict, slots: list):
@@ -447,7 +471,7 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
         traced_state[p] = _TracedSlots(eager_state.get(p, {}), lambda key, t, p=p: bind_slot(p, key, t))
     plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in list(traced_state.items())}
     optimizer.state = traced_state
-    numbers = _group_numbers(optimizer)
+    unchanged = options_unchanged(optimizer, (), f"traced {cls}.step()")
     tracer.scopes.append(f"optim{opt_index}.{cls.lower()}")
     try:
         optimizer.step()
@@ -471,13 +495,4 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
                              f"once, so they would stay fixed: keep counters as tensors (flow.zeros(()) and "
                              f"in-place .add_(1))")
 
-    def unchanged():
-        now = _group_numbers(optimizer)
-        for g_index, (old, new) in enumerate(zip(numbers, now)):
-            for key in sorted(set(old) | set(new)):
-                if old.get(key) != new.get(key):
-                    raise RuntimeError(f"{cls}: parameter group {g_index} option {key!r} changed from "
-                                       f"{old.get(key)!r} to {new.get(key)!r} after nn.Graph traced {cls}.step(), "
-                                       f"which made it a constant of the compiled step; build a new graph to "
-                                       f"change it (SGD, Adam and AdamW follow their options every call)")
     return unchanged
