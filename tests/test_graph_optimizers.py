@@ -319,15 +319,16 @@ def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_t
 
 def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
     """A built program: Adagrad (lr_decay), LAMB and RMSprop under OneCycleLR, WarmupLR around
-    CosineDecayLR, CosineAnnealingWarmRestarts, CyclicLR and OneFlow's cycling PolynomialLR: its
-    weights after several steps == the graph's."""
+    CosineDecayLR, CosineAnnealingWarmRestarts, a ChainedScheduler, CyclicLR and OneFlow's cycling
+    PolynomialLR: its weights after several steps == the graph's."""
     from test_deploy import build_and_train, poly_data
 
     sch = flow.optim.lr_scheduler
     flow.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0, 1))
     adagrad = flow.optim.Adagrad([model[0].weight], lr=0.1, lr_decay=0.2)
-    lamb = flow.optim.LAMB([model[0].bias, model[2].weight], lr=0.05, weight_decay=0.1)
+    lamb = flow.optim.LAMB([model[0].bias], lr=0.05, weight_decay=0.1)
+    chained = flow.optim.SGD([model[2].weight], lr=0.05)
     rmsprop = flow.optim.RMSprop([model[2].bias], lr=0.01, momentum=0.5)
     sgd = flow.optim.SGD([model[4].weight], lr=0.05, momentum=0.9)
     adam = flow.optim.Adam([model[4].bias], lr=0.05)
@@ -336,6 +337,8 @@ def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
                        (lamb, sch.WarmupLR(sch.CosineDecayLR(lamb, decay_steps=6, alpha=0.1), warmup_factor=0.2,
                                            warmup_iters=3)),
                        (rmsprop, sch.CosineAnnealingWarmRestarts(rmsprop, T_0=2, T_mult=2)),
+                       (chained, sch.ChainedScheduler([sch.LinearLR(chained, start_factor=0.5, total_iters=4),
+                                                       sch.MultiStepLR(chained, milestones=[2, 5], gamma=0.5)])),
                        (sgd, sch.CyclicLR(sgd, base_lr=0.01, max_lr=0.05, step_size_up=2, mode="exp_range",
                                           gamma=0.9, cycle_momentum=False)),
                        (adam, sch.PolynomialLR(adam, decay_batch=3, end_learning_rate=0.001, power=2.0,

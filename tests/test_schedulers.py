@@ -87,6 +87,9 @@ def test_chained_scheduler_matches_torch(torch):
                                   ts.ExponentialLR(theirs_opt, gamma=0.9)])
     lr_at = [ours.lrs_at(k) for k in range(12)]
     assert lr_at == _drive(ours, theirs, ours_opt, theirs_opt, steps=12)
+    # multiplicative schedulers chained: the product of their factors (what a program computes)
+    np.testing.assert_allclose([[ours.closed_form(g, k) for g in range(2)] for k in range(12)], lr_at, rtol=1e-12)
+    assert not sched.ChainedScheduler([sched.CosineAnnealingLR(ours_opt, T_max=3)]).has_closed_form()
     state = ours.state_dict()
     assert [s["last_epoch"] for s in state["_schedulers"]] == [12, 12]
 

@@ -341,6 +341,9 @@ def _closed_form_expression(form, e: str) -> str:
         return (f"[&] {{ const double x = {e}, cycle = std::floor(1.0 + x / {total}), pos = 1.0 + x / {total} - cycle; "
                 f"const double factor = pos <= {ratio} ? pos / {ratio} : (pos - 1.0) / ({ratio} - 1.0); "
                 f"return {base} + ({form['max_lr']!r} - {base}) * factor * ({scale}); }}()")
+    if kind == "lr_ChainedScheduler":   # the base LR times each multiplicative scheduler's factor
+        factors = " * ".join(f"(({_closed_form_expression(child, e)}) / {base})" for child in form["chained"])
+        return f"{base} * {factors}"
     if kind == "lr_WarmupLR":   # no local variable: the wrapped scheduler's expression may declare one
         iters = float(form["iters"])
 

@@ -103,6 +103,10 @@ class LRScheduler:
     def check_graph_replay(self) -> None:
         """Raise if a graph cannot replay this scheduler (nn.Graph.add_optimizer calls it)."""
 
+    # The LR is the base LR times a factor of the epoch alone, and eager steps multiply the current
+    # LR by the factor's change: chained with others of the kind, the factors multiply.
+    multiplicative = False
+
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict:
         """Every attribute except the optimizer (PyTorch's layout)."""
@@ -148,6 +152,8 @@ class LRScheduler:
 class StepLR(LRScheduler):
     """Multiply the LR by `gamma` every `step_size` steps."""
 
+    multiplicative = True
+
     def __init__(self, optimizer, step_size: int, gamma: float = 0.1, last_epoch: int = -1):
         self.step_size = step_size
         self.gamma = gamma
@@ -164,6 +170,8 @@ class StepLR(LRScheduler):
 
 class MultiStepLR(LRScheduler):
     """Multiply the LR by `gamma` at each milestone (a repeated milestone multiplies twice)."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, milestones, gamma: float = 0.1, last_epoch: int = -1):
         self.milestones = Counter(milestones)
@@ -186,6 +194,8 @@ class MultiStepLR(LRScheduler):
 class ExponentialLR(LRScheduler):
     """Multiply the LR by `gamma` every step."""
 
+    multiplicative = True
+
     def __init__(self, optimizer, gamma: float, last_epoch: int = -1):
         self.gamma = gamma
         super().__init__(optimizer, last_epoch)
@@ -201,6 +211,8 @@ class ExponentialLR(LRScheduler):
 
 class ConstantLR(LRScheduler):
     """Scale the LR by `factor` until step `total_iters`, then restore it."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1):
         if not 0 <= factor <= 1:
@@ -222,6 +234,8 @@ class ConstantLR(LRScheduler):
 
 class LinearLR(LRScheduler):
     """Scale the LR linearly from `start_factor` to `end_factor` over `total_iters` steps."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1):
@@ -752,6 +766,20 @@ class ChainedScheduler(_Composite, LRScheduler):
         for scheduler in self._schedulers:
             scheduler.step()
         self._last_lr = self._group_lrs()
+
+    def has_closed_form(self) -> bool:
+        return all(scheduler.multiplicative for scheduler in self._schedulers)
+
+    def closed_form(self, group, epoch):
+        """Chained multiplicative schedulers: the base LR times each one's factor at `epoch`."""
+        if not self.has_closed_form():
+            raise NotImplementedError("ChainedScheduler has a closed form only when every chained scheduler is "
+                                      "multiplicative (StepLR, MultiStepLR, ExponentialLR, ConstantLR, LinearLR)")
+        base = self.base_lrs[group]
+        factor = 1.0
+        for scheduler in self._schedulers:
+            factor *= scheduler.closed_form(group, epoch) / base
+        return base * factor
 
 
 class ReduceLROnPlateau(LRScheduler):

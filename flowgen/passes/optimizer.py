@@ -86,8 +86,8 @@ def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
     """The LR schedule as plain data for a standalone program: the scheduler's closed form
     (`closed_form_schedule`) at epoch e = t + offset of graph call t, times `scale` (the group's
     lr_scale). Without a scheduler, or with one that runs Python code (LambdaLR,
-    MultiplicativeLR, SequentialLR, ChainedScheduler, CyclicLR with a scale_fn), the program keeps
-    the saved LR ("constant")."""
+    MultiplicativeLR, SequentialLR, CyclicLR with a scale_fn, ChainedScheduler of others than
+    multiplicative schedulers), the program keeps the saved LR ("constant")."""
     form = closed_form_schedule(scheduler, g_index) if scheduler is not None else None
     if form is None:
         return {"kind": "constant"}
@@ -131,6 +131,8 @@ def closed_form_schedule(scheduler, g_index: int) -> dict | None:
         return {**form, "base": float(scheduler.cyclic_base_lrs[g_index]),
                 "max_lr": float(scheduler.max_lrs[g_index]), "total_size": float(scheduler.total_size),
                 "step_ratio": float(scheduler.step_ratio), "mode": scheduler.mode, "gamma": float(scheduler.gamma)}
+    if kind == "ChainedScheduler" and scheduler.has_closed_form():
+        return {**form, "chained": [closed_form_schedule(child, g_index) for child in scheduler._schedulers]}
     if kind == "WarmupLR":
         after = None if scheduler.scheduler is None else closed_form_schedule(scheduler.scheduler, g_index)
         if scheduler.scheduler is not None and after is None:
