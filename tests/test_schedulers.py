@@ -78,6 +78,25 @@ def test_schedulers_match_torch_and_lr_at(torch, name, kwargs, opt):
     assert lr_at == _drive(ours, theirs, ours_opt, theirs_opt)
 
 
+@pytest.mark.filterwarnings("ignore:The epoch parameter in `scheduler.step\\(\\)` was not necessary")
+def test_stepping_to_an_epoch_matches_torch(torch):
+    """step(epoch): fractional epochs of CosineAnnealingWarmRestarts, and OneCycleLR's momentum
+    moves along with its LR (both as PyTorch)."""
+    for name, kwargs in (("CosineAnnealingWarmRestarts", dict(T_0=2, T_mult=2, eta_min=0.01)),
+                         ("OneCycleLR", dict(max_lr=0.5, total_steps=20))):
+        ours_opt, theirs_opt = _optimizers(torch)
+        ours = getattr(sched, name)(ours_opt, **kwargs)
+        theirs = getattr(torch.optim.lr_scheduler, name)(theirs_opt, **kwargs)
+        for epoch in (0.5, 1.25, 3, 7.5, None, None, 9, None):
+            ours_opt.step()
+            theirs_opt.step()
+            ours.step(epoch)
+            theirs.step(epoch)
+            assert ours.get_last_lr() == pytest.approx(theirs.get_last_lr(), rel=1e-12), (name, epoch)
+            assert [_momentum(g) for g in ours_opt.param_groups] == \
+                pytest.approx([_momentum(g) for g in theirs_opt.param_groups], rel=1e-12)
+
+
 def test_chained_scheduler_matches_torch(torch):
     ours_opt, theirs_opt = _optimizers(torch)
     ts = torch.optim.lr_scheduler

@@ -525,7 +525,8 @@ WarmUpLR = WarmupLR   # OneFlow's other spelling
 
 class CosineAnnealingWarmRestarts(LRScheduler):
     """Cosine annealing from the base LR to eta_min over T_i steps, then a restart; the period
-    starts at T_0 and is multiplied by T_mult at each restart (PyTorch semantics)."""
+    starts at T_0 and is multiplied by T_mult at each restart (PyTorch semantics, fractional
+    epochs given to step(epoch) included)."""
 
     def __init__(self, optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1):  # noqa: N803
         if T_0 <= 0 or not isinstance(T_0, int):
@@ -535,14 +536,25 @@ class CosineAnnealingWarmRestarts(LRScheduler):
         self.T_0 = T_0
         self.T_mult = T_mult
         self.eta_min = eta_min
+        self.epoch = float(last_epoch)   # the (possibly fractional) epoch; last_epoch is its floor
         super().__init__(optimizer, last_epoch)
 
-    def get_lr(self):
-        return self._get_closed_form_lr()
+    def step(self, epoch: float | None = None) -> None:
+        if epoch is not None and epoch < 0:
+            raise ValueError(f"CosineAnnealingWarmRestarts: expected a non-negative epoch, but got {epoch}")
+        self._step_count += 1
+        self.epoch = self.epoch + 1 if epoch is None else float(epoch)
+        self.last_epoch = math.floor(self.epoch)
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = self._group_lrs()
 
-    def position(self, epoch: int) -> tuple[int, int]:
-        """(T_cur, T_i): the step within the current period and that period's length."""
-        t_cur, t_i = int(epoch), self.T_0
+    def get_lr(self):
+        return [self.closed_form(group, self.epoch) for group in range(len(self.base_lrs))]
+
+    def position(self, epoch: float) -> tuple[float, float]:
+        """(T_cur, T_i): the position within the current period and that period's length."""
+        t_cur, t_i = epoch, self.T_0
         while t_cur >= t_i:
             t_cur -= t_i
             t_i *= self.T_mult
@@ -578,6 +590,9 @@ class _MomentumCycling:
             for group, high, low in zip(optimizer.param_groups, self.max_momentums, self.base_momentums):
                 self._set_momentum(group, high)
                 group["max_momentum"], group["base_momentum"] = high, low
+
+    def _get_closed_form_lr(self):
+        return self.get_lr()   # step(epoch), as PyTorch: the LR and the cycled momentum at that epoch
 
     def _set_momentum(self, group, value):
         if self.use_beta1:
