@@ -182,6 +182,15 @@ def test_oneflow_warmup_lr():
             assert lrs[e][g] == pytest.approx(inner.closed_form(g, e), rel=1e-12)
     assert [s.lrs_at(e) for e in range(12)] == lrs
 
+    state = s.state_dict()                     # plain data: the wrapped scheduler's state, no optimizer
+    assert state["scheduler"]["decay_steps"] == 10 and "optimizer" not in state["scheduler"]
+    resumed_opt = _sgd(groups=2)
+    resumed = sched.WarmupLR(sched.CosineDecayLR(resumed_opt, decay_steps=3), warmup_factor=0.9, warmup_iters=1)
+    resumed.load_state_dict(state)
+    resumed.step()
+    s.step()
+    assert resumed.get_last_lr() == s.get_last_lr()
+
     prefix = sched.WarmupLR(sched.StepLR(_sgd(), step_size=2, gamma=0.5), warmup_factor=0.5, warmup_iters=2,
                             warmup_method="constant", warmup_prefix=True)
     assert [lr[0] for lr in _eager_lrs(prefix, 7)] == pytest.approx([0.05, 0.05, 0.1, 0.1, 0.05, 0.05, 0.025])

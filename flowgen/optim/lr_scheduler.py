@@ -520,6 +520,19 @@ class WarmupLR(LRScheduler):
         return base * (self.warmup_factor + (end_factor - self.warmup_factor) * epoch / self.warmup_iters)
 
 
+    def state_dict(self):
+        state = super().state_dict()
+        state["scheduler"] = None if self.scheduler is None else self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        inner = state.pop("scheduler", None)
+        super().load_state_dict(state)
+        if inner is not None:
+            self.scheduler.load_state_dict(inner)
+
+
 WarmUpLR = WarmupLR   # OneFlow's other spelling
 
 
