@@ -133,17 +133,37 @@ class MomentumSGD(flow.optim.Optimizer):
                 p.sub_(buf * group["lr"])
 
 
-def test_user_written_optimizer_is_traced_into_the_graph():
-    """The graph traces MomentumSGD.step(); eager runs flowgen's SGD with momentum (== PyTorch's).
-    Its options are constants of the traced step: changing one is refused, not ignored."""
+class SignMomentum(flow.optim.RuleOptimizer):
+    """A user's optimizer written as a rule: the update of one parameter, with flowgen tensor ops."""
+
+    def __init__(self, params, lr, beta):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    def slot_names(self, group):
+        return ("avg",)
+
+    def update(self, group, w, g, slots, hypers):
+        avg = slots["avg"] * group["beta"] + g * (1 - group["beta"])
+        return w - hypers["lr"] * avg.sign(), {"avg": avg}
+
+
+def test_user_written_optimizers_in_a_graph():
+    """The graph traces MomentumSGD.step() (eager runs flowgen's SGD with momentum, == PyTorch's)
+    and SignMomentum's update rule (eager runs the same rule). A traced step's options are
+    constants: changing one is refused, not ignored; with lr_sch the rule follows the schedule."""
     made = []
 
     def make_opts(m):
-        made.append(MomentumSGD(m.parameters(), lr=0.02, momentum=0.9))
-        return made[-1:]
+        made.append(MomentumSGD(m[0].parameters(), lr=0.02, momentum=0.9))
+        sign = SignMomentum(m[2].parameters(), lr=0.01, beta=0.8)
+        return made[-1:] + [(sign, flow.optim.lr_scheduler.StepLR(sign, step_size=2, gamma=0.5))]
 
-    graph = _graph_and_eager(make_opts, make_eager_opts=lambda m: [flow.optim.SGD(m.parameters(), lr=0.02,
-                                                                                  momentum=0.9)])
+    def make_eager_opts(m):
+        sign = SignMomentum(m[2].parameters(), lr=0.01, beta=0.8)
+        return [flow.optim.SGD(m[0].parameters(), lr=0.02, momentum=0.9),
+                (sign, flow.optim.lr_scheduler.StepLR(sign, step_size=2, gamma=0.5))]
+
+    graph = _graph_and_eager(make_opts, make_eager_opts=make_eager_opts)
     made[0].param_groups[0]["lr"] = 0.01
     with pytest.raises(RuntimeError, match="MomentumSGD: parameter group 0 option 'lr' changed from 0.02 to 0.01"):
         graph(*_batches(1)[0])

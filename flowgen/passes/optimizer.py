@@ -26,7 +26,7 @@ from flowgen.ir.graph import NameGen
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn.utils import clip_by_total_norm
 from flowgen.ops.registry import apply
-from flowgen.optim import SGD, Adam, AdamW, RuleOptimizer
+from flowgen.optim import SGD, Adam, AdamW, Optimizer, RuleOptimizer
 from flowgen.optim.adam import bias_corrections
 from flowgen.optim.optimizer import group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
@@ -36,11 +36,14 @@ LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering here
 
 
 def lowering_kind(optimizer) -> str | None:
-    """"SGD", "Adam" or "AdamW" (lowered here), "rule" (a RuleOptimizer: its `update` traced
-    per parameter), or None (any other Optimizer: its whole `step()` traced)."""
+    """"SGD", "Adam" or "AdamW" (lowered here), "rule" (a RuleOptimizer whose eager step is its
+    `update`: traced per parameter), or None (any other Optimizer, a RuleOptimizer subclass that
+    rewrites step() included: its whole `step()` traced)."""
     if type(optimizer) in LOWERED:
         return type(optimizer).__name__
-    return "rule" if isinstance(optimizer, RuleOptimizer) else None
+    cls = type(optimizer)
+    steps_by_rule = cls.step is Optimizer.step and cls._update_group is RuleOptimizer._update_group
+    return "rule" if isinstance(optimizer, RuleOptimizer) and steps_by_rule else None
 
 
 @dataclass
@@ -186,7 +189,8 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                 if scheduler is not None:
                     raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
                                      f"with its options as constants, so it cannot follow lr_sch="
-                                     f"{type(scheduler).__name__}; use a flow.optim optimizer, or build a graph per LR")
+                                     f"{type(scheduler).__name__}; write it as a flow.optim.RuleOptimizer (its update() "
+                                     f"follows the schedule), or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
             checks.append(options_unchanged(optimizer, FOLLOWED_EVERY_CALL, "compiled its update"))
