@@ -189,8 +189,8 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                 if scheduler is not None:
                     raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
                                      f"with its options as constants, so it cannot follow lr_sch="
-                                     f"{type(scheduler).__name__}; write it as a flow.optim.RuleOptimizer (its update() "
-                                     f"follows the schedule), or build a graph per LR")
+                                     f"{type(scheduler).__name__}; write it as a flow.optim.RuleOptimizer "
+                                     f"(its update() follows the schedule), or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
             checks.append(options_unchanged(optimizer, FOLLOWED_EVERY_CALL, "compiled its update"))
