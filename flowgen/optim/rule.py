@@ -38,6 +38,11 @@ class RuleOptimizer(Optimizer):
         """How a standalone program computes hyper `name` at update u + offset (passes/optimizer.py)."""
         raise NotImplementedError
 
+    @staticmethod
+    def descent_gradient(group: dict, g):
+        """The gradient `update` receives: negated when the group maximizes."""
+        return -g if group.get("maximize") else g
+
     def update(self, group: dict, w, g, slots: dict, hypers: dict):
         """(new parameter, {slot name: new value}) from the parameter `w`, its gradient `g`
         (already negated under `maximize`), its state and the step's scalars `hypers` (with "lr")."""
@@ -57,7 +62,7 @@ class RuleOptimizer(Optimizer):
             w_t = Tensor(w, dtype=kind, device=p.device)
             g_t = Tensor(g.astype(w.dtype, copy=False), dtype=kind, device=p.device)
             with no_grad():
-                new_w, new_slots = self.update(group, w_t, -g_t if group.get("maximize") else g_t,
+                new_w, new_slots = self.update(group, w_t, self.descent_gradient(group, g_t),
                                                {name: state[name] for name in names},
                                                {"lr": lr, **self.step_hypers(group, step)})
             for name, value in new_slots.items():

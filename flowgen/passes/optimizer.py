@@ -383,8 +383,8 @@ def _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
             hypers[key] = hyper(f"{name}.{key}",
                                 lambda key=key, st=st: optimizer.step_hypers(group, _step_count(st))[key],
                                 optimizer.hyper_schedule(group, key, offset))
-        new_w, new_slots = optimizer.update(group, tracer.lazy(state[name].value), -g if group.get("maximize") else g,
-                                            held, hypers)
+        new_w, new_slots = optimizer.update(group, tracer.lazy(state[name].value),
+                                            optimizer.descent_gradient(group, g), held, hypers)
         for key, value in new_slots.items():
             tracer.graph.updates.append((f"{name}.{key}", value._value))
         tracer.graph.updates.append((name, new_w._value))
