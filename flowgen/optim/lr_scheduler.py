@@ -80,7 +80,9 @@ class LRScheduler:
             values = self.get_lr()
         else:
             self.last_epoch = epoch
-            values = self._get_closed_form_lr() if self.has_closed_form() else self.get_lr()
+            # a PyTorch-style subclass may define _get_closed_form_lr itself
+            own_closed_form = type(self)._get_closed_form_lr is not LRScheduler._get_closed_form_lr
+            values = self._get_closed_form_lr() if own_closed_form or self.has_closed_form() else self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
