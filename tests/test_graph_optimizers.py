@@ -331,6 +331,8 @@ def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_t
     assert opt_e.param_groups[0]["lr"] == 0.05 / 8
     _assert_same_parameters(model, eager)
     graph_adam = graph._optimizers[0][0]
+    sch.LambdaLR(graph_adam, lambda e: 1.0)   # made after compiling: its bookkeeping key (initial_lr) is no option
+    graph(*_batches(1)[0])
     graph_adam.param_groups[0]["betas"] = (0.5, 0.999)   # e.g. a cycling scheduler stepped in Python
     with pytest.raises(RuntimeError, match=r"Adam: parameter group 0 option 'betas' changed from \(0.9, 0.999\) to "
                                            r"\(0.5, 0.999\) after nn.Graph compiled its update"):

@@ -49,9 +49,9 @@ def write_back(dest: np.ndarray, values: np.ndarray) -> None:
         dest[...] = values.astype(dest.dtype, copy=False)
 
 
-GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr",
-              # written by LR schedulers (OneCycleLR, CyclicLR), as PyTorch's do
-              "max_lr", "min_lr", "max_momentum", "base_momentum")
+# Keys LR schedulers write into the groups (as PyTorch's do): their bookkeeping, not update options.
+SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")
+GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names") + SCHEDULER_KEYS
 # Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
 # while off (False/None); switched on they are refused like any unknown option.
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")

@@ -28,7 +28,7 @@ from flowgen.nn.utils import clip_by_total_norm
 from flowgen.ops.registry import apply
 from flowgen.optim import SGD, Adam, AdamW, Optimizer, RuleOptimizer
 from flowgen.optim.adam import bias_corrections
-from flowgen.optim.optimizer import group_clip, group_lr
+from flowgen.optim.optimizer import SCHEDULER_KEYS, group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
 from flowgen.tensor import Tensor
 
@@ -193,7 +193,7 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                                      f"(its update() follows the schedule), or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
-            checks.append(options_unchanged(optimizer, FOLLOWED_EVERY_CALL, "compiled its update"))
+            checks.append(options_unchanged(optimizer, NOT_COMPILED, "compiled its update"))
             for g_index, group in enumerate(optimizer.param_groups):
                 prefix = f"optim{opt_index}.group{g_index}"
                 params = [p for p in group["params"] if param_name.get(id(p)) in grads]
@@ -419,23 +419,25 @@ class _TracedSlots(dict):
         return self[key]
 
 
-FOLLOWED_EVERY_CALL = ("lr", "lr_scale")   # group keys a lowered optimizer's hyper state reads before each call
+# Group keys a compiled update does not hold as constants: lr and lr_scale (the hyper state reads
+# them before each call), a label, and the schedulers' bookkeeping.
+NOT_COMPILED = ("lr", "lr_scale", "param_names") + SCHEDULER_KEYS
 
 
-def _group_numbers(optimizer, followed: tuple) -> list:
-    return [{k: v for k, v in group.items() if k != "params" and k not in followed}
+def _group_numbers(optimizer, ignored: tuple) -> list:
+    return [{k: v for k, v in group.items() if k != "params" and k not in ignored}
             for group in optimizer.param_groups]
 
 
-def options_unchanged(optimizer, followed: tuple, compiled_what: str):
-    """The check run before every call: the groups' options other than `followed` are constants
+def options_unchanged(optimizer, ignored: tuple, compiled_what: str):
+    """The check run before every call: the groups' options other than `ignored` are constants
     of the compiled step, so changing one later (code, or a scheduler's momentum cycling stepped
     in Python) is refused rather than ignored."""
     cls = type(optimizer).__name__
-    numbers = _group_numbers(optimizer, followed)
+    numbers = _group_numbers(optimizer, ignored)
 
     def unchanged():
-        now = _group_numbers(optimizer, followed)
+        now = _group_numbers(optimizer, ignored)
         for g_index, (old, new) in enumerate(zip(numbers, now)):
             for key in sorted(set(old) | set(new)):
                 if old.get(key) != new.get(key):
