@@ -1,7 +1,8 @@
 """Optimizers inside nn.Graph: every option lowers exactly (graph == eager over several steps; eager
 == PyTorch is tests/test_optim.py), OneFlow's group keys work, a user-written optimizer is traced,
-the user's LR scheduler is left alone and gradient clipping inside build() clips. (The standalone
-program's LR schedules for every optimizer: tests/test_deploy.py.)"""
+the user's LR scheduler is left alone and gradient clipping inside build() clips; the new optimizers
+(Adagrad, Adadelta, RMSprop, LAMB, LARS, FTRL) and schedulers in graphs and in a built program.
+(The standalone program's LR schedules for SGD/Adam/AdamW: tests/test_deploy.py.)"""
 import copy
 import math
 
