@@ -1,7 +1,8 @@
 """Optimizers inside nn.Graph: every option lowers exactly (graph == eager over several steps; eager
 == PyTorch is tests/test_optim.py), OneFlow's group keys work, a user-written optimizer is traced,
-the user's LR scheduler is left alone and gradient clipping inside build() clips. (The standalone
-program's LR schedules for every optimizer: tests/test_deploy.py.)"""
+the user's LR scheduler is left alone and gradient clipping inside build() clips; the new optimizers
+(Adagrad, Adadelta, RMSprop, LAMB, LARS, FTRL) and schedulers in graphs and in a built program.
+(The standalone program's LR schedules for SGD/Adam/AdamW: tests/test_deploy.py.)"""
 import copy
 import math
 
@@ -133,17 +134,37 @@ class MomentumSGD(flow.optim.Optimizer):
                 p.sub_(buf * group["lr"])
 
 
-def test_user_written_optimizer_is_traced_into_the_graph():
-    """The graph traces MomentumSGD.step(); eager runs flowgen's SGD with momentum (== PyTorch's).
-    Its options are constants of the traced step: changing one is refused, not ignored."""
+class SignMomentum(flow.optim.RuleOptimizer):
+    """A user's optimizer written as a rule: the update of one parameter, with flowgen tensor ops."""
+
+    def __init__(self, params, lr, beta):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    def slot_names(self, group):
+        return ("avg",)
+
+    def update(self, group, w, g, slots, hypers):
+        avg = slots["avg"] * group["beta"] + g * (1 - group["beta"])
+        return w - hypers["lr"] * avg.sign(), {"avg": avg}
+
+
+def test_user_written_optimizers_in_a_graph():
+    """The graph traces MomentumSGD.step() (eager runs flowgen's SGD with momentum, == PyTorch's)
+    and SignMomentum's update rule (eager runs the same rule). A traced step's options are
+    constants: changing one is refused, not ignored; with lr_sch the rule follows the schedule."""
     made = []
 
     def make_opts(m):
-        made.append(MomentumSGD(m.parameters(), lr=0.02, momentum=0.9))
-        return made[-1:]
+        made.append(MomentumSGD(m[0].parameters(), lr=0.02, momentum=0.9))
+        sign = SignMomentum(m[2].parameters(), lr=0.01, beta=0.8)
+        return made[-1:] + [(sign, flow.optim.lr_scheduler.StepLR(sign, step_size=2, gamma=0.5))]
 
-    graph = _graph_and_eager(make_opts, make_eager_opts=lambda m: [flow.optim.SGD(m.parameters(), lr=0.02,
-                                                                                  momentum=0.9)])
+    def make_eager_opts(m):
+        sign = SignMomentum(m[2].parameters(), lr=0.01, beta=0.8)
+        return [flow.optim.SGD(m[0].parameters(), lr=0.02, momentum=0.9),
+                (sign, flow.optim.lr_scheduler.StepLR(sign, step_size=2, gamma=0.5))]
+
+    graph = _graph_and_eager(make_opts, make_eager_opts=make_eager_opts)
     made[0].param_groups[0]["lr"] = 0.01
     with pytest.raises(RuntimeError, match="MomentumSGD: parameter group 0 option 'lr' changed from 0.02 to 0.01"):
         graph(*_batches(1)[0])
@@ -241,3 +262,116 @@ def test_clip_grad_norm_inside_build_refuses_what_it_cannot_do():
     with pytest.raises(TraceError, match="gradient clipping\\) with a GradScaler or gradient accumulation is not "
                                          "supported yet"):
         accumulating(*_batches(1)[0])
+
+
+def _new_optimizers_and_schedulers(m):
+    """Every new optimizer, options away from their defaults, each under one of the new LR
+    schedulers (plus an SGD for the seventh), one optimizer per parameter or group."""
+    sch, optim = flow.optim.lr_scheduler, flow.optim
+    adagrad = optim.Adagrad([m[0].weight], lr=0.05, lr_decay=0.1, weight_decay=0.05, initial_accumulator_value=0.2,
+                            eps=1e-6)
+    adadelta = optim.Adadelta([m[0].bias], lr=0.5, rho=0.8, weight_decay=0.1, maximize=True)
+    rmsprop = optim.RMSprop([m[2].weight], lr=0.01, alpha=0.9, centered=True, momentum=0.5)
+    sgd = optim.SGD([m[2].bias], lr=0.05, momentum=0.9)
+    lamb = optim.LAMB([{"params": m[4].weight, "lr_scale": 0.5},
+                       {"params": m[4].bias, "adam_w_mode": False, "weight_decay": 0.1}], lr=0.02, betas=(0.8, 0.9))
+    lars = optim.LARS([m[6].weight], lr=0.5, momentum=0.8, weight_decay=0.01, trust_coefficient=0.02)
+    ftrl = optim.FTRL([m[6].bias], lr=0.1, weight_decay=0.01, lambda1=0.01, lambda2=0.01, beta=0.1)
+    return [(adagrad, sch.PolynomialLR(adagrad, total_iters=4, power=2.0)),
+            (adadelta, sch.CosineAnnealingWarmRestarts(adadelta, T_0=2, T_mult=2, eta_min=0.001)),
+            (rmsprop, sch.OneCycleLR(rmsprop, max_lr=0.05, total_steps=8, cycle_momentum=False)),
+            (sgd, sch.MultiplicativeLR(sgd, lambda e: 0.7)),
+            (lamb, sch.CyclicLR(lamb, base_lr=0.01, max_lr=0.1, step_size_up=2, mode="triangular2",
+                                cycle_momentum=False)),
+            (lars, sch.WarmupLR(sch.CosineDecayLR(lars, decay_steps=5, alpha=0.1), warmup_iters=2)),
+            (ftrl, sch.ChainedScheduler([sch.ConstantLR(ftrl, factor=0.5, total_iters=2),
+                                         sch.ExponentialLR(ftrl, gamma=0.8)]))]
+
+
+def test_new_optimizers_lower_exactly_and_follow_the_new_schedulers():
+    """graph == eager over six steps (eager optimizers and schedulers match PyTorch or OneFlow's
+    formulas: tests/test_optim.py, tests/test_schedulers.py)."""
+    _graph_and_eager(_new_optimizers_and_schedulers, steps=6, model=_deep_model)
+
+
+def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_through_lr():
+    """ReduceLROnPlateau needs metrics: refused as lr_sch, and stepped in Python it acts through
+    the group's lr, which the graph reads every call. Momentum cycling is refused, not ignored, and
+    so is any other option changed after compiling."""
+    sch = flow.optim.lr_scheduler
+    model = _model()
+    sgd = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="ReduceLROnPlateau cannot be add_optimizer's lr_sch"):
+        TrainGraph(model, nn.MSELoss(), (sgd, sch.ReduceLROnPlateau(sgd)))
+    with pytest.raises(ValueError, match="OneCycleLR: cycle_momentum=True changes the optimizer's momentum every "
+                                         "step, which a compiled graph keeps constant"):
+        TrainGraph(model, nn.MSELoss(), (sgd, sch.OneCycleLR(sgd, max_lr=0.1, total_steps=5)))
+    adam = flow.optim.Adam(model.parameters())
+    with pytest.raises(ValueError, match="CyclicLR: cycle_momentum=True changes the optimizer's beta1"):
+        TrainGraph(model, nn.MSELoss(), (adam, sch.ChainedScheduler([sch.CyclicLR(adam, 0.01, 0.1)])))
+
+    plateaus = []
+
+    def make_opts(m):
+        opt = flow.optim.Adam(m.parameters(), lr=0.05)
+        plateaus.append(sch.ReduceLROnPlateau(opt, patience=0, factor=0.5))
+        return [opt]
+
+    flow.manual_seed(0)
+    model = _model()
+    eager = copy.deepcopy(model)
+    graph = TrainGraph(model, nn.MSELoss(), *make_opts(model))
+    opt_e = make_opts(eager)[0]
+    for x, y in _batches(4):
+        graph(x, y)
+        opt_e.zero_grad()
+        nn.MSELoss()(eager(x), y).backward()
+        opt_e.step()
+        for plateau in plateaus:
+            plateau.step(10.0)        # never better than its best (10): halves the LR every step
+    assert opt_e.param_groups[0]["lr"] == 0.05 / 8
+    _assert_same_parameters(model, eager)
+    graph_adam = graph._optimizers[0][0]
+    sch.LambdaLR(graph_adam, lambda e: 1.0)   # made after compiling: its bookkeeping key (initial_lr) is no option
+    graph(*_batches(1)[0])
+    graph_adam.param_groups[0]["betas"] = (0.5, 0.999)   # e.g. a cycling scheduler stepped in Python
+    with pytest.raises(RuntimeError, match=r"Adam: parameter group 0 option 'betas' changed from \(0.9, 0.999\) to "
+                                           r"\(0.5, 0.999\) after nn.Graph compiled its update"):
+        graph(*_batches(1)[0])
+
+
+def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
+    """A built program: Adagrad (lr_decay), LAMB and RMSprop under OneCycleLR, WarmupLR around
+    CosineDecayLR, CosineAnnealingWarmRestarts, a ChainedScheduler, CyclicLR and OneFlow's cycling
+    PolynomialLR: its weights after several steps == the graph's."""
+    from test_deploy import build_and_train, poly_data
+
+    sch = flow.optim.lr_scheduler
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0, 1))
+    adagrad = flow.optim.Adagrad([model[0].weight], lr=0.1, lr_decay=0.2)
+    lamb = flow.optim.LAMB([model[0].bias], lr=0.05, weight_decay=0.1)
+    chained = flow.optim.SGD([model[2].weight], lr=0.05)
+    rmsprop = flow.optim.RMSprop([model[2].bias], lr=0.01, momentum=0.5)
+    sgd = flow.optim.SGD([model[4].weight], lr=0.05, momentum=0.9)
+    adam = flow.optim.Adam([model[4].bias], lr=0.05)
+    graph = TrainGraph(model, nn.MSELoss(),
+                       (adagrad, sch.OneCycleLR(adagrad, max_lr=0.2, total_steps=12, cycle_momentum=False)),
+                       (lamb, sch.WarmupLR(sch.CosineDecayLR(lamb, decay_steps=6, alpha=0.1), warmup_factor=0.2,
+                                           warmup_iters=3)),
+                       (rmsprop, sch.CosineAnnealingWarmRestarts(rmsprop, T_0=2, T_mult=2)),
+                       (chained, sch.ChainedScheduler([sch.LinearLR(chained, start_factor=0.5, total_iters=4),
+                                                       sch.MultiStepLR(chained, milestones=[2, 5], gamma=0.5)])),
+                       (sgd, sch.CyclicLR(sgd, base_lr=0.01, max_lr=0.05, step_size_up=2, mode="exp_range",
+                                          gamma=0.9, cycle_momentum=False)),
+                       (adam, sch.PolynomialLR(adam, decay_batch=3, end_learning_rate=0.001, power=2.0,
+                                               cycle=True)))
+    xx, y = poly_data()
+    xs, ys = xx[:40] / 10, y[:40]
+    graph(flow.tensor(xs[:8]), flow.tensor(ys[:8]))
+    weights, _ = build_and_train(graph, xs, ys, 7, tmp_path)
+    for s in range(7):
+        graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
+    for name, value in graph.state_dict().items():
+        if name.startswith("model."):
+            np.testing.assert_allclose(weights[name], value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)

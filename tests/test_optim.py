@@ -386,3 +386,110 @@ def test_loading_a_state_dict_refuses_options_this_optimizer_lacks(torch):
     saved["param_groups"][0]["nesterov_typo"] = True
     with pytest.raises(ValueError, match="'nesterov_typo' = True, which SGD does not have"):
         optim.SGD([p], lr=0.1).load_state_dict(saved)
+
+
+@pytest.mark.parametrize("cls,kwargs", [
+    ("Adagrad", dict(lr=0.1)),
+    ("Adagrad", dict(lr=0.1, lr_decay=0.05, weight_decay=0.1, initial_accumulator_value=0.3, eps=1e-6,
+                     maximize=True)),
+    ("Adadelta", dict()), ("Adadelta", dict(lr=0.5, rho=0.8, eps=1e-4, weight_decay=0.1, maximize=True)),
+    ("RMSprop", dict(lr=0.01)), ("RMSprop", dict(lr=0.01, alpha=0.9, eps=1e-4, momentum=0.8, weight_decay=0.1)),
+    ("RMSprop", dict(lr=0.01, centered=True, momentum=0.5, maximize=True)),
+    ("RMSprop", dict(lr=0.02, centered=True)),
+])
+def test_adagrad_adadelta_rmsprop_match_torch(torch, cls, kwargs):
+    opt, topt, ours, theirs = _run_pair(torch, lambda p: getattr(optim, cls)(p, **kwargs),
+                                        lambda p: getattr(torch.optim, cls)(p, **kwargs))
+    for p, tp in zip(ours, theirs):
+        assert opt.state[p]["step"] == int(topt.state[tp]["step"]) == 6
+        for name, value in topt.state[tp].items():
+            if name != "step":
+                np.testing.assert_allclose(opt.state[p][name].numpy(), value.numpy(), rtol=1e-5, atol=1e-7,
+                                           err_msg=name)
+
+
+@pytest.mark.parametrize("cls,kwargs", [("Adagrad", dict(lr=0.1, lr_decay=0.1)), ("Adadelta", dict(lr=0.5)),
+                                        ("RMSprop", dict(lr=0.01, momentum=0.5, centered=True))])
+def test_loads_a_torch_state_dict_of_the_new_optimizers(torch, cls, kwargs):
+    """Same state names and step counts as PyTorch: a PyTorch state dict resumes exactly."""
+    init = _arrays(0, *SHAPES)
+    tp = [torch.nn.Parameter(torch.tensor(a)) for a in init]
+    topt = getattr(torch.optim, cls)(tp, **kwargs)
+    for step in range(2):
+        for p, g in zip(tp, _arrays(step, *SHAPES)):
+            p.grad = torch.tensor(g)
+        topt.step()
+    tsd = topt.state_dict()
+    converted = {"param_groups": tsd["param_groups"],
+                 "state": {i: {k: v.numpy() for k, v in s.items()} for i, s in tsd["state"].items()}}
+    ours = [nn.Parameter(flow.tensor(p.detach().numpy().copy())) for p in tp]
+    opt = getattr(optim, cls)(ours, lr=1.0)
+    opt.load_state_dict(converted)
+    for p, t, g in zip(ours, tp, _arrays(9, *SHAPES)):
+        p.grad, t.grad = flow.tensor(g), torch.tensor(g)
+    opt.step()
+    topt.step()
+    for p, t in zip(ours, tp):
+        np.testing.assert_allclose(p.numpy(), t.detach().numpy(), rtol=1e-6, atol=1e-7)
+
+
+def _one_step(opt_cls, w, g, steps=1, **kwargs):
+    p = nn.Parameter(flow.tensor(w))
+    opt = opt_cls([p], **kwargs)
+    for _ in range(steps):
+        p.grad = flow.tensor(g)
+        opt.step()
+    return p.numpy(), opt.state[p]
+
+
+def test_lamb_by_hand():
+    """OneFlow's LAMB: the Adam direction u scaled by ||w|| / ||u||, decoupled or L2 weight decay."""
+    w, g = np.array([0.5, -1.0, 2.0], np.float32), np.array([0.3, 0.1, -0.2], np.float32)
+    for adam_w_mode in (True, False):
+        got, state = _one_step(optim.LAMB, w, g, steps=2, lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.2,
+                               adam_w_mode=adam_w_mode)
+        x, m, v = w.astype(np.float64), 0.0, 0.0
+        for t in (1, 2):
+            d = g + 0.2 * x if not adam_w_mode else g
+            m, v = 0.8 * m + 0.2 * d, 0.9 * v + 0.1 * d * d
+            u = (m / (1 - 0.8 ** t)) / (np.sqrt(v) / np.sqrt(1 - 0.9 ** t) + 1e-3)
+            ratio = np.linalg.norm(x) / np.linalg.norm(u)
+            x = x - 0.1 * ratio * (u + 0.2 * x if adam_w_mode else u)
+        np.testing.assert_allclose(got, x, rtol=1e-5)
+        np.testing.assert_allclose(state["exp_avg"].numpy(), m, rtol=1e-5)
+    zero, _ = _one_step(optim.LAMB, np.zeros(2, np.float32), np.ones(2, np.float32), lr=0.1)
+    np.testing.assert_allclose(zero, -0.1 * np.ones(2), rtol=1e-5)   # ||w|| = 0: ratio 1
+    with pytest.raises(ValueError, match="LAMB: amsgrad=True is not supported"):
+        optim.LAMB([nn.Parameter(flow.ones(1))], amsgrad=True)
+
+
+def test_lars_by_hand():
+    w, g = np.array([3.0, 4.0], np.float32), np.array([0.6, 0.8], np.float32)
+    got, state = _one_step(optim.LARS, w, g, steps=2, lr=0.5, momentum=0.9, weight_decay=0.1, epsilon=1e-3,
+                           trust_coefficient=0.02)
+    x, buf = w.astype(np.float64), 0.0
+    for _ in range(2):
+        local = 0.5 * 0.02 * np.linalg.norm(x) / (1e-3 + np.linalg.norm(g) + 0.1 * np.linalg.norm(x))
+        buf = 0.9 * buf - local * g
+        x = x + buf - local * 0.1 * x
+    np.testing.assert_allclose(got, x, rtol=1e-5)
+    np.testing.assert_allclose(state["momentum_buffer"].numpy(), buf, rtol=1e-5)
+
+
+def test_ftrl_by_hand():
+    """OneFlow's FTRL (ftrl_update kernel): acc^lr_power, L1 zeroes coordinates with |z| < lambda1."""
+    w, g = np.array([0.5, -0.2, 0.05], np.float32), np.array([0.4, -0.3, 0.01], np.float32)
+    got, state = _one_step(optim.Ftrl, w, g, steps=2, lr=0.1, weight_decay=0.05, lr_power=-0.5,
+                           initial_accumulator_value=0.2, lambda1=0.05, lambda2=0.01, beta=0.3)
+    x, acc, z = w.astype(np.float64), np.full(3, 0.2), np.zeros(3)
+    for _ in range(2):
+        d = g + 0.05 * x
+        new_acc = acc + d * d
+        z = z + d - (new_acc ** -0.5 - acc ** -0.5) / 0.1 * x
+        acc = new_acc
+        x = np.where(np.abs(z) >= 0.05, (np.sign(z) * 0.05 - z) / ((0.3 + acc ** -0.5) / 0.1 + 0.01), 0.0)
+    assert x[2] == 0 and x[0] != 0           # the L1 threshold is active on one coordinate only
+    np.testing.assert_allclose(got, x, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(state["z"].numpy(), z, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="FTRL: lr must be > 0"):
+        optim.FTRL([nn.Parameter(flow.ones(1))], lr=0.0)

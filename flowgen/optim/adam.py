@@ -34,6 +34,7 @@ class Adam(Optimizer):
 
     _decoupled_weight_decay = False
     _kind = "adam"
+    counts_steps = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True):

@@ -27,10 +27,13 @@ _REPLAY_ATTRS = ("_replay", "_replay_table", "_replay_start")
 
 
 class _ReplayOptimizer:
-    """Stands in for the optimizer in lr_at's private copy: only the LR fields of each group."""
+    """Stands in for the optimizer in lr_at's private copy: each group's options (the LR fields, and
+    the momentum a cycling scheduler writes), never its parameters."""
 
     def __init__(self, optimizer):
-        self.param_groups = [{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in optimizer.param_groups]
+        self.defaults = dict(optimizer.defaults)
+        self.param_groups = [copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                             for g in optimizer.param_groups]
 
 
 class LRScheduler:
@@ -77,14 +80,34 @@ class LRScheduler:
             values = self.get_lr()
         else:
             self.last_epoch = epoch
-            closed_form = getattr(self, "_get_closed_form_lr", None)
-            values = closed_form() if closed_form is not None else self.get_lr()
+            # a PyTorch-style subclass may define _get_closed_form_lr itself
+            own_closed_form = type(self)._get_closed_form_lr is not LRScheduler._get_closed_form_lr
+            values = self._get_closed_form_lr() if own_closed_form or self.has_closed_form() else self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, values):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
 
     def _group_lrs(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------ closed form
+    def closed_form(self, group: int, epoch: int) -> float:
+        """The LR of parameter group `group` at `epoch`, for schedulers that have a closed form (a
+        standalone program computes the same: codegen/aot.py); others raise."""
+        raise NotImplementedError(f"{type(self).__name__} has no closed form")
+
+    def has_closed_form(self) -> bool:
+        return type(self).closed_form is not LRScheduler.closed_form
+
+    def _get_closed_form_lr(self) -> list[float]:
+        return [self.closed_form(group, self.last_epoch) for group in range(len(self.base_lrs))]
+
+    def check_graph_replay(self) -> None:
+        """Raise if a graph cannot replay this scheduler (nn.Graph.add_optimizer calls it)."""
+
+    # The LR is the base LR times a factor of the epoch alone, and eager steps multiply the current
+    # LR by the factor's change: chained with others of the kind, the factors multiply.
+    multiplicative = False
 
     # ----------------------------------------------------------- state dict
     def state_dict(self) -> dict:
@@ -131,6 +154,8 @@ class LRScheduler:
 class StepLR(LRScheduler):
     """Multiply the LR by `gamma` every `step_size` steps."""
 
+    multiplicative = True
+
     def __init__(self, optimizer, step_size: int, gamma: float = 0.1, last_epoch: int = -1):
         self.step_size = step_size
         self.gamma = gamma
@@ -141,12 +166,14 @@ class StepLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        return [base * self.gamma ** (self.last_epoch // self.step_size) for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        return self.base_lrs[group] * self.gamma ** (epoch // self.step_size)
 
 
 class MultiStepLR(LRScheduler):
     """Multiply the LR by `gamma` at each milestone (a repeated milestone multiplies twice)."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, milestones, gamma: float = 0.1, last_epoch: int = -1):
         self.milestones = Counter(milestones)
@@ -158,9 +185,8 @@ class MultiStepLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma ** self.milestones[self.last_epoch] for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        passed = bisect_right(sorted(self.milestones.elements()), self.last_epoch)
-        return [base * self.gamma ** passed for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        return self.base_lrs[group] * self.gamma ** bisect_right(sorted(self.milestones.elements()), epoch)
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -169,6 +195,8 @@ class MultiStepLR(LRScheduler):
 
 class ExponentialLR(LRScheduler):
     """Multiply the LR by `gamma` every step."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, gamma: float, last_epoch: int = -1):
         self.gamma = gamma
@@ -179,12 +207,14 @@ class ExponentialLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        return [base * self.gamma ** self.last_epoch for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        return self.base_lrs[group] * self.gamma ** epoch
 
 
 class ConstantLR(LRScheduler):
     """Scale the LR by `factor` until step `total_iters`, then restore it."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, factor: float = 1.0 / 3, total_iters: int = 5, last_epoch: int = -1):
         if not 0 <= factor <= 1:
@@ -200,13 +230,14 @@ class ConstantLR(LRScheduler):
             return self._group_lrs()
         return [lr * (1.0 / self.factor) for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        return [base * (self.factor + (self.last_epoch >= self.total_iters) * (1 - self.factor))
-                for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        return self.base_lrs[group] * (self.factor + (epoch >= self.total_iters) * (1 - self.factor))
 
 
 class LinearLR(LRScheduler):
     """Scale the LR linearly from `start_factor` to `end_factor` over `total_iters` steps."""
+
+    multiplicative = True
 
     def __init__(self, optimizer, start_factor: float = 1.0 / 3, end_factor: float = 1.0, total_iters: int = 5,
                  last_epoch: int = -1):
@@ -228,10 +259,9 @@ class LinearLR(LRScheduler):
         ratio = 1.0 + delta / (self.total_iters * self.start_factor + (self.last_epoch - 1) * delta)
         return [lr * ratio for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        progress = min(self.total_iters, self.last_epoch) / self.total_iters
-        return [base * (self.start_factor + (self.end_factor - self.start_factor) * progress)
-                for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        progress = min(self.total_iters, epoch) / self.total_iters
+        return self.base_lrs[group] * (self.start_factor + (self.end_factor - self.start_factor) * progress)
 
 
 class CosineAnnealingLR(LRScheduler):
@@ -254,28 +284,25 @@ class CosineAnnealingLR(LRScheduler):
         return [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - eta_min) + eta_min
                 for lr in self._group_lrs()]
 
-    def _get_closed_form_lr(self):
-        return [self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * self.last_epoch / self.T_max)) / 2
-                for base in self.base_lrs]
+    def closed_form(self, group, epoch):
+        base = self.base_lrs[group]
+        return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2
 
 
-class LambdaLR(LRScheduler):
-    """LR = initial LR * lr_lambda(step); one function, or one per parameter group."""
+class _Lambdas:
+    """Schedulers built on `lr_lambdas` (one function, or one per parameter group). In state
+    dicts functions are code, not state: like PyTorch, only callable objects' attributes are kept."""
 
-    def __init__(self, optimizer, lr_lambda, last_epoch: int = -1):
+    def _set_lambdas(self, optimizer, lr_lambda) -> None:
         if isinstance(lr_lambda, (list, tuple)):
             if len(lr_lambda) != len(optimizer.param_groups):
-                raise ValueError(f"Expected {len(optimizer.param_groups)} lr_lambdas, but got {len(lr_lambda)}")
+                raise ValueError(f"{type(self).__name__}: expected {len(optimizer.param_groups)} lr_lambdas, but "
+                                 f"got {len(lr_lambda)}")
             self.lr_lambdas = list(lr_lambda)
         else:
             self.lr_lambdas = [lr_lambda] * len(optimizer.param_groups)
-        super().__init__(optimizer, last_epoch)
-
-    def get_lr(self):
-        return [base * fn(self.last_epoch) for fn, base in zip(self.lr_lambdas, self.base_lrs)]
 
     def state_dict(self):
-        # Functions are code, not state: like PyTorch, keep only callable objects' attributes.
         state = super().state_dict()
         state["lr_lambdas"] = [None if isinstance(fn, types.FunctionType) else dict(fn.__dict__)
                                for fn in self.lr_lambdas]
@@ -290,7 +317,42 @@ class LambdaLR(LRScheduler):
                 fn.__dict__.update(attrs)
 
 
-class SequentialLR(LRScheduler):
+class LambdaLR(_Lambdas, LRScheduler):
+    """LR = initial LR * lr_lambda(step); one function, or one per parameter group."""
+
+    def __init__(self, optimizer, lr_lambda, last_epoch: int = -1):
+        self._set_lambdas(optimizer, lr_lambda)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        return [self.closed_form(group, self.last_epoch) for group in range(len(self.base_lrs))]
+
+    def closed_form(self, group, epoch):
+        return self.base_lrs[group] * self.lr_lambdas[group](epoch)
+
+
+class _Composite:
+    """Schedulers that drive others (`_schedulers`): a graph replays them if it can replay each;
+    state dicts hold each child's own."""
+
+    def check_graph_replay(self):
+        for scheduler in self._schedulers:
+            scheduler.check_graph_replay()
+
+    def state_dict(self):
+        state = {k: v for k, v in super().state_dict().items() if k != "_schedulers"}
+        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
+        return state
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        children = state.pop("_schedulers")
+        super().load_state_dict(state)
+        for scheduler, child in zip(self._schedulers, children):
+            scheduler.load_state_dict(child)
+
+
+class SequentialLR(_Composite, LRScheduler):
     """Run `schedulers[i]` between `milestones[i-1]` and `milestones[i]` (PyTorch semantics)."""
 
     def __init__(self, optimizer, schedulers, milestones, last_epoch: int = -1):
@@ -329,17 +391,489 @@ class SequentialLR(LRScheduler):
             scheduler.step()
         self._last_lr = scheduler.get_last_lr()
 
+
+class MultiplicativeLR(_Lambdas, LRScheduler):
+    """Multiply the LR by lr_lambda(epoch) every step (one function, or one per parameter group)."""
+
+    def __init__(self, optimizer, lr_lambda, last_epoch: int = -1):
+        self._set_lambdas(optimizer, lr_lambda)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        if self._is_initial:
+            return self._group_lrs()
+        return [lr * fn(self.last_epoch) for fn, lr in zip(self.lr_lambdas, self._group_lrs())]
+
+
+class PolynomialLR(LRScheduler):
+    """Polynomial decay to `end_learning_rate` over `total_iters` steps.
+
+    PyTorch's signature ``PolynomialLR(optimizer, total_iters=5, power=1.0)`` decays to 0 and
+    updates recursively as PyTorch does. OneFlow's ``PolynomialLR(optimizer, decay_batch,
+    end_learning_rate=0.0001, power=1.0, cycle=False)`` (chosen by any of its keywords) is the
+    closed form ``(base - end) * (1 - min(e, decay_batch) / decay_batch)^power + end``; with
+    `cycle` the decay period grows to the next multiple of decay_batch instead of stopping.
+    """
+
+    def __init__(self, optimizer, total_iters: int = 5, power: float = 1.0, last_epoch: int = -1, *,
+                 decay_batch: int | None = None, end_learning_rate: float | None = None, cycle: bool | None = None):
+        self.oneflow = decay_batch is not None or end_learning_rate is not None or cycle is not None
+        self.total_iters = int(decay_batch if decay_batch is not None else total_iters)
+        if self.total_iters <= 0:
+            raise ValueError(f"PolynomialLR: the number of decay steps must be > 0, got {self.total_iters}")
+        self.power = power
+        self.end_learning_rate = (1e-4 if end_learning_rate is None else end_learning_rate) if self.oneflow else 0.0
+        self.cycle = bool(cycle)
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        if self.oneflow:
+            return self._get_closed_form_lr()
+        if self._is_initial or self.last_epoch > self.total_iters:
+            return self._group_lrs()
+        decay = ((1.0 - self.last_epoch / self.total_iters) / (1.0 - (self.last_epoch - 1) / self.total_iters)) \
+            ** self.power
+        return [lr * decay for lr in self._group_lrs()]
+
+    def closed_form(self, group, epoch):
+        period = self.total_iters
+        if self.cycle:
+            period = period * math.ceil(max(epoch, 1) / period)
+        else:
+            epoch = min(epoch, period)
+        end = self.end_learning_rate
+        return (self.base_lrs[group] - end) * (1 - epoch / period) ** self.power + end
+
+
+class CosineDecayLR(LRScheduler):
+    """OneFlow's CosineDecayLR: base * ((1 - alpha) * (1 + cos(pi * e / decay_steps)) / 2 + alpha)
+    until decay_steps, then base * alpha."""
+
+    def __init__(self, optimizer, decay_steps: int, alpha: float = 0.0, last_epoch: int = -1):
+        if decay_steps <= 0:
+            raise ValueError(f"CosineDecayLR: decay_steps must be > 0, got {decay_steps}")
+        self.decay_steps = decay_steps
+        self.alpha = alpha
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        return self._get_closed_form_lr()
+
+    def closed_form(self, group, epoch):
+        if epoch >= self.decay_steps:
+            return self.base_lrs[group] * self.alpha
+        cos_decay = 0.5 * (1 + math.cos(math.pi * epoch / self.decay_steps))
+        return self.base_lrs[group] * ((1 - self.alpha) * cos_decay + self.alpha)
+
+
+class WarmupLR(LRScheduler):
+    """OneFlow's WarmupLR (WarmUpLR): `warmup_iters` steps of warmup, then the wrapped scheduler.
+
+    Warmup multiplies the base LR by `warmup_factor` ("constant") or by a factor rising linearly
+    from `warmup_factor` ("linear") to where the wrapped scheduler is at `warmup_iters` (1 without
+    one). Afterwards the LR is the wrapped scheduler's closed form at the same epoch, or at
+    epoch - warmup_iters with `warmup_prefix`. The wrapped scheduler needs a closed form (all of
+    OneFlow's schedulers have one); it is not stepped itself.
+    """
+
+    def __init__(self, scheduler_or_optimizer, warmup_factor: float = 1.0 / 3, warmup_iters: int = 5,
+                 warmup_method: str = "linear", warmup_prefix: bool = False, last_epoch: int = -1):
+        if isinstance(scheduler_or_optimizer, LRScheduler):
+            self.scheduler, optimizer = scheduler_or_optimizer, scheduler_or_optimizer.optimizer
+            if getattr(self.scheduler, "cycle_momentum", False):
+                raise ValueError(f"WarmupLR: the wrapped {type(self.scheduler).__name__} cycles the momentum, which "
+                                 f"WarmupLR (using only its LR's closed form) would ignore; pass "
+                                 f"cycle_momentum=False to it")
+            if not self.scheduler.has_closed_form():
+                raise ValueError(f"WarmupLR: the wrapped {type(self.scheduler).__name__} has no closed form; wrap "
+                                 f"a scheduler whose LR is a function of the epoch (StepLR, CosineDecayLR, ...)")
+        elif isinstance(scheduler_or_optimizer, Optimizer):
+            self.scheduler, optimizer = None, scheduler_or_optimizer
+        else:
+            raise ValueError(f"WarmupLR: scheduler_or_optimizer must be an LRScheduler or an Optimizer, got "
+                             f"{type(scheduler_or_optimizer).__name__}")
+        if warmup_method not in ("linear", "constant"):
+            raise ValueError(f"WarmupLR: warmup_method must be 'linear' or 'constant', got {warmup_method!r}")
+        if self.scheduler is None and warmup_iters <= 0:
+            raise ValueError(f"WarmupLR: warmup_iters = {warmup_iters} without a scheduler to wrap warms up nothing")
+        self.warmup_factor = warmup_factor
+        self.warmup_iters = warmup_iters
+        self.warmup_method = warmup_method
+        self.warmup_prefix = warmup_prefix
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self):
+        return self._get_closed_form_lr()
+
+    def after_warmup(self, group: int, epoch: int) -> float:
+        """The LR from warmup_iters on: the wrapped scheduler's (at epoch - warmup_iters with
+        warmup_prefix), or the base LR."""
+        if self.scheduler is None:
+            return self.base_lrs[group]
+        return self.scheduler.closed_form(group, epoch - self.warmup_iters if self.warmup_prefix else epoch)
+
+    def closed_form(self, group, epoch):
+        if epoch >= self.warmup_iters:
+            return self.after_warmup(group, epoch)
+        base = self.base_lrs[group]
+        if self.warmup_method == "constant":
+            return base * self.warmup_factor
+        end_factor = self.after_warmup(group, self.warmup_iters) / base if not self.warmup_prefix else 1.0
+        return base * (self.warmup_factor + (end_factor - self.warmup_factor) * epoch / self.warmup_iters)
+
+
     def state_dict(self):
-        state = {k: v for k, v in super().state_dict().items() if k != "_schedulers"}
-        state["_schedulers"] = [s.state_dict() for s in self._schedulers]
+        state = super().state_dict()
+        state["scheduler"] = None if self.scheduler is None else self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state_dict):
         state = dict(state_dict)
-        children = state.pop("_schedulers")
+        inner = state.pop("scheduler", None)
         super().load_state_dict(state)
-        for scheduler, child in zip(self._schedulers, children):
-            scheduler.load_state_dict(child)
+        if inner is not None:
+            self.scheduler.load_state_dict(inner)
+
+
+WarmUpLR = WarmupLR   # OneFlow's other spelling
+
+
+class CosineAnnealingWarmRestarts(LRScheduler):
+    """Cosine annealing from the base LR to eta_min over T_i steps, then a restart; the period
+    starts at T_0 and is multiplied by T_mult at each restart (PyTorch semantics, fractional
+    epochs given to step(epoch) included)."""
+
+    def __init__(self, optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1):  # noqa: N803
+        if T_0 <= 0 or not isinstance(T_0, int):
+            raise ValueError(f"CosineAnnealingWarmRestarts: expected a positive integer T_0, but got {T_0}")
+        if T_mult < 1 or not isinstance(T_mult, int):
+            raise ValueError(f"CosineAnnealingWarmRestarts: expected an integer T_mult >= 1, but got {T_mult}")
+        self.T_0 = T_0
+        self.T_mult = T_mult
+        self.eta_min = eta_min
+        self.epoch = float(last_epoch)   # the (possibly fractional) epoch; last_epoch is its floor
+        super().__init__(optimizer, last_epoch)
+
+    def step(self, epoch: float | None = None) -> None:
+        if epoch is not None and epoch < 0:
+            raise ValueError(f"CosineAnnealingWarmRestarts: expected a non-negative epoch, but got {epoch}")
+        self._step_count += 1
+        self.epoch = self.epoch + 1 if epoch is None else float(epoch)
+        self.last_epoch = math.floor(self.epoch)
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = self._group_lrs()
+
+    def get_lr(self):
+        return [self.closed_form(group, self.epoch) for group in range(len(self.base_lrs))]
+
+    def position(self, epoch: float) -> tuple[float, float]:
+        """(T_cur, T_i): the position within the current period and that period's length."""
+        t_cur, t_i = epoch, self.T_0
+        while t_cur >= t_i:
+            t_cur -= t_i
+            t_i *= self.T_mult
+        return t_cur, t_i
+
+    def closed_form(self, group, epoch):
+        t_cur, t_i = self.position(epoch)
+        return self.eta_min + (self.base_lrs[group] - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
+
+
+def _per_group(name: str, scheduler: str, optimizer, value) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(optimizer.param_groups):
+            raise ValueError(f"{scheduler}: expected {len(optimizer.param_groups)} values for {name}, got "
+                             f"{len(value)}")
+        return list(value)
+    return [value] * len(optimizer.param_groups)
+
+
+class _MomentumCycling:
+    """OneCycleLR's and CyclicLR's `cycle_momentum`: the momentum (SGD, RMSprop, LARS) or beta1
+    (Adam, AdamW, LAMB) moves opposite to the LR. Eager steps write it into the groups."""
+
+    def _start_momentum_cycling(self, optimizer, base_momentum, max_momentum, last_epoch):
+        name = type(self).__name__
+        if "momentum" not in optimizer.defaults and "betas" not in optimizer.defaults:
+            raise ValueError(f"{name}: cycle_momentum=True needs an optimizer with momentum or betas, and "
+                             f"{type(optimizer).__name__} has neither; pass cycle_momentum=False")
+        self.use_beta1 = "betas" in optimizer.defaults
+        self.base_momentums = _per_group("base_momentum", name, optimizer, base_momentum)
+        self.max_momentums = _per_group("max_momentum", name, optimizer, max_momentum)
+        if last_epoch == -1:
+            for group, high, low in zip(optimizer.param_groups, self.max_momentums, self.base_momentums):
+                self._set_momentum(group, high)
+                group["max_momentum"], group["base_momentum"] = high, low
+
+    def _get_closed_form_lr(self):
+        return self.get_lr()   # step(epoch), as PyTorch: the LR and the cycled momentum at that epoch
+
+    def _set_momentum(self, group, value):
+        if self.use_beta1:
+            group["betas"] = (value, *group["betas"][1:])
+        else:
+            group["momentum"] = value
+
+    def check_graph_replay(self):
+        if self.cycle_momentum:
+            raise ValueError(f"{type(self).__name__}: cycle_momentum=True changes the optimizer's "
+                             f"{'beta1' if self.use_beta1 else 'momentum'} every step, which a compiled graph "
+                             f"keeps constant; pass cycle_momentum=False to use it with nn.Graph")
+
+
+class OneCycleLR(_MomentumCycling, LRScheduler):
+    """The 1cycle policy (PyTorch semantics): from max_lr / div_factor up to max_lr over pct_start of
+    total_steps, then down to initial_lr / final_div_factor (three_phase: back to the initial LR
+    first), annealed by cosine or linearly."""
+
+    def __init__(self, optimizer, max_lr, total_steps: int | None = None, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                 cycle_momentum: bool = True, base_momentum=0.85, max_momentum=0.95, div_factor: float = 25.0,
+                 final_div_factor: float = 1e4, three_phase: bool = False, last_epoch: int = -1):
+        if total_steps is not None:
+            if not isinstance(total_steps, int) or total_steps <= 0:
+                raise ValueError(f"OneCycleLR: expected a positive integer total_steps, but got {total_steps}")
+            self.total_steps = total_steps
+        elif epochs is not None and steps_per_epoch is not None:
+            if not isinstance(epochs, int) or epochs <= 0 or not isinstance(steps_per_epoch, int) or \
+                    steps_per_epoch <= 0:
+                raise ValueError(f"OneCycleLR: expected positive integers epochs and steps_per_epoch, but got "
+                                 f"{epochs} and {steps_per_epoch}")
+            self.total_steps = epochs * steps_per_epoch
+        else:
+            raise ValueError("OneCycleLR: define either total_steps or (epochs and steps_per_epoch)")
+        if not isinstance(pct_start, float) or not 0 <= pct_start <= 1:
+            raise ValueError(f"OneCycleLR: expected a float pct_start between 0 and 1, but got {pct_start}")
+        if anneal_strategy not in ("cos", "linear"):
+            raise ValueError(f"OneCycleLR: anneal_strategy must be 'cos' or 'linear', got {anneal_strategy!r}")
+        self.anneal_strategy = anneal_strategy
+        up = float(pct_start * self.total_steps) - 1
+        last = self.total_steps - 1
+        # (end step, start LR key, end LR key, start momentum key, end momentum key)
+        self.phases = ([(up, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                        (float(2 * pct_start * self.total_steps) - 2, "max_lr", "initial_lr", "base_momentum",
+                         "max_momentum"),
+                        (last, "initial_lr", "min_lr", "max_momentum", "max_momentum")] if three_phase else
+                       [(up, "initial_lr", "max_lr", "max_momentum", "base_momentum"),
+                        (last, "max_lr", "min_lr", "base_momentum", "max_momentum")])
+        max_lrs = _per_group("max_lr", "OneCycleLR", optimizer, max_lr)
+        if last_epoch == -1:
+            for group, high in zip(optimizer.param_groups, max_lrs):
+                group["initial_lr"] = high / div_factor
+                group["max_lr"] = high
+                group["min_lr"] = group["initial_lr"] / final_div_factor
+        self.cycle_momentum = cycle_momentum
+        if cycle_momentum:
+            self._start_momentum_cycling(optimizer, base_momentum, max_momentum, last_epoch)
+        super().__init__(optimizer, last_epoch)
+
+    def anneal(self, start: float, end: float, pct: float) -> float:
+        if self.anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    def _phase(self, epoch: int):
+        """(phase, fraction of it done) at `epoch`."""
+        start = 0.0
+        for i, phase in enumerate(self.phases):
+            if epoch <= phase[0] or i == len(self.phases) - 1:
+                return phase, (epoch - start) / (phase[0] - start)
+            start = phase[0]
+
+    def get_lr(self):
+        if self.last_epoch > self.total_steps:
+            raise ValueError(f"OneCycleLR: tried to step {self.last_epoch} times; the specified number of total "
+                             f"steps is {self.total_steps}")
+        (_end, lr_from, lr_to, m_from, m_to), pct = self._phase(self.last_epoch)
+        lrs = []
+        for group in self.optimizer.param_groups:
+            lrs.append(self.anneal(group[lr_from], group[lr_to], pct))
+            if self.cycle_momentum:
+                self._set_momentum(group, self.anneal(group[m_from], group[m_to], pct))
+        return lrs
+
+    def closed_form(self, group, epoch):
+        (_end, lr_from, lr_to, _m_from, _m_to), pct = self._phase(epoch)
+        values = self.optimizer.param_groups[group]
+        return self.anneal(values[lr_from], values[lr_to], pct)
+
+
+class CyclicLR(_MomentumCycling, LRScheduler):
+    """Cyclical LR between base_lr and max_lr (PyTorch semantics): triangular, triangular2,
+    exp_range or a custom scale_fn; the momentum cycles opposite with cycle_momentum."""
+
+    def __init__(self, optimizer, base_lr, max_lr, step_size_up: int = 2000, step_size_down: int | None = None,
+                 mode: str = "triangular", gamma: float = 1.0, scale_fn=None, scale_mode: str = "cycle",
+                 cycle_momentum: bool = True, base_momentum=0.8, max_momentum=0.9, last_epoch: int = -1):
+        self.cyclic_base_lrs = _per_group("base_lr", "CyclicLR", optimizer, base_lr)
+        if last_epoch == -1:
+            for group, lr in zip(optimizer.param_groups, self.cyclic_base_lrs):
+                group["lr"] = lr
+        self.max_lrs = _per_group("max_lr", "CyclicLR", optimizer, max_lr)
+        up = float(step_size_up)
+        down = float(step_size_down) if step_size_down is not None else up
+        self.total_size = up + down
+        self.step_ratio = up / self.total_size
+        if mode not in ("triangular", "triangular2", "exp_range") and scale_fn is None:
+            raise ValueError(f"CyclicLR: mode {mode!r} is invalid and scale_fn is None")
+        self.mode = mode
+        self.gamma = gamma
+        self.custom_scale_fn = scale_fn
+        self.scale_mode = scale_mode if scale_fn is not None else ("iterations" if mode == "exp_range" else "cycle")
+        self.cycle_momentum = cycle_momentum
+        if cycle_momentum:
+            self._start_momentum_cycling(optimizer, base_momentum, max_momentum, last_epoch)
+        super().__init__(optimizer, last_epoch)
+        self.base_lrs = list(self.cyclic_base_lrs)
+
+    def scale_fn(self, x: float) -> float:
+        if self.custom_scale_fn is not None:
+            return self.custom_scale_fn(x)
+        if self.mode == "triangular":
+            return 1.0
+        if self.mode == "triangular2":
+            return 1 / (2.0 ** (x - 1))
+        return self.gamma ** x
+
+    def _heights(self, epoch: int) -> tuple[float, float]:
+        """(scale factor within the cycle, scale_fn's value) at `epoch`."""
+        cycle = math.floor(1 + epoch / self.total_size)
+        x = 1.0 + epoch / self.total_size - cycle
+        factor = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        return factor, self.scale_fn(cycle if self.scale_mode == "cycle" else epoch)
+
+    def get_lr(self):
+        factor, scale = self._heights(self.last_epoch)
+        if self.cycle_momentum:
+            for group, low, high in zip(self.optimizer.param_groups, self.base_momentums, self.max_momentums):
+                self._set_momentum(group, high - (high - low) * factor * scale)
+        return [self.closed_form(group, self.last_epoch) for group in range(len(self.cyclic_base_lrs))]
+
+    def closed_form(self, group, epoch):
+        factor, scale = self._heights(epoch)
+        base = self.cyclic_base_lrs[group]
+        return base + (self.max_lrs[group] - base) * factor * scale
+
+    def state_dict(self):
+        state = super().state_dict()
+        fn = state.pop("custom_scale_fn")
+        state["custom_scale_fn"] = None if fn is None or isinstance(fn, types.FunctionType) else dict(fn.__dict__)
+        return state
+
+    def load_state_dict(self, state_dict):
+        state = dict(state_dict)
+        attrs = state.pop("custom_scale_fn", None)
+        super().load_state_dict(state)
+        if attrs is not None:
+            self.custom_scale_fn.__dict__.update(attrs)
+
+
+class ChainedScheduler(_Composite, LRScheduler):
+    """Step several chainable schedulers of one optimizer together (PyTorch semantics): each
+    multiplies the LR the previous one left."""
+
+    def __init__(self, schedulers, optimizer=None):
+        if len(schedulers) < 1:
+            raise ValueError("ChainedScheduler expects at least one scheduler to be chained, but got none")
+        optimizer = optimizer or schedulers[0].optimizer
+        for i, scheduler in enumerate(schedulers):
+            if isinstance(scheduler, ReduceLROnPlateau):
+                raise ValueError(f"ChainedScheduler does not support ReduceLROnPlateau (index {i}): its step() "
+                                 f"needs a metric")
+            if getattr(scheduler, "optimizer", None) is not optimizer:
+                raise ValueError(f"ChainedScheduler expects all schedulers to belong to the same optimizer, but "
+                                 f"scheduler {i} ({type(scheduler).__name__}) has a different one")
+        self._schedulers = list(schedulers)
+        self.optimizer = optimizer
+        self.last_epoch = 0
+        self.base_lrs = [group["initial_lr"] for group in optimizer.param_groups]
+        self._last_lr = self._group_lrs()
+        self._start_replay()
+
+    def step(self) -> None:  # noqa: D102 - no epoch argument, as PyTorch
+        self.last_epoch += 1
+        for scheduler in self._schedulers:
+            scheduler.step()
+        self._last_lr = self._group_lrs()
+
+    def has_closed_form(self) -> bool:
+        return all(scheduler.multiplicative for scheduler in self._schedulers)
+
+    def closed_form(self, group, epoch):
+        """Chained multiplicative schedulers: the base LR times each one's factor at `epoch`."""
+        if not self.has_closed_form():
+            raise NotImplementedError("ChainedScheduler has a closed form only when every chained scheduler is "
+                                      "multiplicative (StepLR, MultiStepLR, ExponentialLR, ConstantLR, LinearLR)")
+        base = self.base_lrs[group]
+        factor = 1.0
+        for scheduler in self._schedulers:
+            factor *= scheduler.closed_form(group, epoch) / base
+        return base * factor
+
+
+class ReduceLROnPlateau(LRScheduler):
+    """Divide the LR by 1/`factor` when a metric stopped improving for `patience` epochs (PyTorch
+    semantics): `step(metric)` after each validation. A graph cannot know future metrics, so it
+    is refused as `lr_sch`; step it in Python and leave lr_sch out: the graph uses each group's
+    current `lr` on every call."""
+
+    def __init__(self, optimizer, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                 threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0, min_lr=0,
+                 eps: float = 1e-8):
+        if factor >= 1.0:
+            raise ValueError(f"ReduceLROnPlateau: factor should be < 1.0, got {factor}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"ReduceLROnPlateau: mode {mode!r} is unknown (min or max)")
+        if threshold_mode not in ("rel", "abs"):
+            raise ValueError(f"ReduceLROnPlateau: threshold mode {threshold_mode!r} is unknown (rel or abs)")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        self.optimizer = optimizer
+        self.factor, self.patience, self.cooldown, self.eps = factor, patience, cooldown, eps
+        self.mode, self.threshold, self.threshold_mode = mode, threshold, threshold_mode
+        self.min_lrs = _per_group("min_lr", "ReduceLROnPlateau", optimizer, min_lr)
+        self.last_epoch = 0
+        self._last_lr = self._group_lrs()
+        self.best = math.inf if mode == "min" else -math.inf
+        self.cooldown_counter = 0
+        self.num_bad_epochs = 0
+
+    def is_better(self, value: float) -> bool:
+        if self.threshold_mode == "rel":
+            scale = 1.0 - self.threshold if self.mode == "min" else 1.0 + self.threshold
+            return value < self.best * scale if self.mode == "min" else value > self.best * scale
+        return value < self.best - self.threshold if self.mode == "min" else value > self.best + self.threshold
+
+    def step(self, metrics, epoch=None) -> None:  # noqa: D102 - PyTorch's signature
+        current = float(metrics)
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
+        if self.is_better(current):
+            self.best = current
+            self.num_bad_epochs = 0
+        else:
+            self.num_bad_epochs += 1
+        if self.cooldown_counter > 0:
+            self.cooldown_counter -= 1
+            self.num_bad_epochs = 0
+        if self.num_bad_epochs > self.patience:
+            for group, min_lr in zip(self.optimizer.param_groups, self.min_lrs):
+                old = float(group["lr"])
+                new = max(old * self.factor, min_lr)
+                if old - new > self.eps:
+                    group["lr"] = new
+            self.cooldown_counter = self.cooldown
+            self.num_bad_epochs = 0
+        self._last_lr = self._group_lrs()
+
+    def lrs_at(self, step):
+        raise ValueError("ReduceLROnPlateau: its LR depends on metrics not known ahead of time, so it cannot be "
+                         "replayed; call step(metric) in Python (a graph uses each group's current lr)")
+
+    def check_graph_replay(self):
+        raise ValueError("ReduceLROnPlateau cannot be add_optimizer's lr_sch: a graph replays its schedule ahead "
+                         "of time, and this one depends on metrics; leave lr_sch out and call "
+                         "scheduler.step(metric) in Python: the graph uses each group's current lr on every call")
 
 
 # PyTorch's old name.

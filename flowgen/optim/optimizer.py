@@ -49,7 +49,9 @@ def write_back(dest: np.ndarray, values: np.ndarray) -> None:
         dest[...] = values.astype(dest.dtype, copy=False)
 
 
-GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names", "initial_lr")
+# Keys LR schedulers write into the groups (as PyTorch's do): their bookkeeping, not update options.
+SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")
+GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names") + SCHEDULER_KEYS
 # Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
 # while off (False/None); switched on they are refused like any unknown option.
 TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")
@@ -68,6 +70,10 @@ def group_clip(group: dict):
 
 
 class Optimizer:
+    # Whether state["step"] counts the parameter's updates (Adam's and the RuleOptimizers'); a graph
+    # advances it after each applied step, as eager step() does.
+    counts_steps = False
+
     def __init__(self, params, defaults: dict):
         self.defaults = dict(defaults)
         self.state: defaultdict = defaultdict(dict)  # parameter -> {name: value}; tensors hash by identity

@@ -3,12 +3,16 @@
 SGD, Adam and AdamW have their math written here with flowgen ops on lazy
 tensors (every constructor option and OneFlow's group keys: `lr_scale`,
 per-group `clip_grad_max_norm`/`clip_grad_norm_type`, `do_bias_correction`), so
-it is traced into IR like the model. Any other `Optimizer` subclass has its own
+it is traced into IR like the model. A `RuleOptimizer` (Adagrad, Adadelta,
+RMSprop, LAMB, LARS, FTRL) has its `update()` traced per parameter: the very
+function its eager `step()` runs. Any other `Optimizer` subclass has its own
 `step()` traced on lazy parameters and gradients. Optimizer slots (momentum,
-exp_avg, exp_avg_sq, max_exp_avg_sq) become persistent state; per-step scalars
-that depend on the step count or the LR schedule (lr, bias corrections,
-first-step momentum switch) become ``hyper`` state that the host writes before
-each call (`HostScalar`), so the schedule is exactly the eager one.
+exp_avg, exp_avg_sq, ...) become persistent state; per-step scalars that
+depend on the step count or the LR schedule (lr, bias corrections, Adagrad's
+lr_decay, first-step momentum switch) become ``hyper`` state that the host
+writes before each call (`HostScalar`), so the schedule is exactly the eager
+one, and each carries a plain-data `schedule` (`lr_schedule` turns a
+scheduler's closed form into one) by which a standalone program advances it.
 """
 from __future__ import annotations
 
@@ -22,13 +26,24 @@ from flowgen.ir.graph import NameGen
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn.utils import clip_by_total_norm
 from flowgen.ops.registry import apply
-from flowgen.optim import SGD, Adam, AdamW
+from flowgen.optim import SGD, Adam, AdamW, Optimizer, RuleOptimizer
 from flowgen.optim.adam import bias_corrections
-from flowgen.optim.optimizer import group_clip, group_lr
+from flowgen.optim.optimizer import SCHEDULER_KEYS, group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
 from flowgen.tensor import Tensor
 
-LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering; others have step() traced
+LOWERED = (SGD, Adam, AdamW)   # optimizers with their own lowering here
+
+
+def lowering_kind(optimizer) -> str | None:
+    """"SGD", "Adam" or "AdamW" (lowered here), "rule" (a RuleOptimizer whose eager step is its
+    `update`: traced per parameter), or None (any other Optimizer, a RuleOptimizer subclass that
+    rewrites step() included: its whole `step()` traced)."""
+    if type(optimizer) in LOWERED:
+        return type(optimizer).__name__
+    cls = type(optimizer)
+    steps_by_rule = cls.step is Optimizer.step and cls._update_group is RuleOptimizer._update_group
+    return "rule" if isinstance(optimizer, RuleOptimizer) and steps_by_rule else None
 
 
 @dataclass
@@ -54,9 +69,6 @@ class SlotBinding:
     tensor: object   # the eager Tensor that holds the slot (shared with optimizer.state)
 
 
-LR_SCHEDULERS = ("StepLR", "MultiStepLR", "ExponentialLR", "CosineAnnealingLR", "LinearLR", "ConstantLR")
-
-
 def scheduler_epoch(scheduler, counter: dict) -> int:
     """The scheduler epoch of the graph's next call: OneFlow's contract is that the graph advances
     the scheduler given to `add_optimizer` itself and never steps the Python object, so call t
@@ -74,29 +86,63 @@ def group_lr_now(group: dict, g_index: int, scheduler, counter: dict) -> float:
 
 
 def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
-    """The LR schedule as plain data for a standalone program: closed forms of the common
-    schedulers at epoch e = t + offset of graph call t, times `scale` (the group's lr_scale).
-    Without a scheduler, or with one that runs Python code (LambdaLR, SequentialLR), the
-    program keeps the saved LR ("constant")."""
-    kind = type(scheduler).__name__ if scheduler is not None else None
-    if kind not in LR_SCHEDULERS:
+    """The LR schedule as plain data for a standalone program: the scheduler's closed form
+    (`closed_form_schedule`) at epoch e = t + offset of graph call t, times `scale` (the group's
+    lr_scale). Without a scheduler, or with one that runs Python code (LambdaLR,
+    MultiplicativeLR, SequentialLR, CyclicLR with a scale_fn, ChainedScheduler of others than
+    multiplicative schedulers), the program keeps the saved LR ("constant")."""
+    form = closed_form_schedule(scheduler, g_index) if scheduler is not None else None
+    if form is None:
         return {"kind": "constant"}
-    sched = {"kind": "lr_" + kind, "base": float(scheduler.base_lrs[g_index]), "offset": int(scheduler.last_epoch),
-             "scale": float(group.get("lr_scale", 1.0))}
+    return {**form, "offset": int(scheduler.last_epoch), "scale": float(group.get("lr_scale", 1.0))}
+
+
+def closed_form_schedule(scheduler, g_index: int) -> dict | None:
+    """`scheduler.closed_form(g_index, e)` as plain data ({"kind": "lr_<class name>", "base": the
+    group's base LR, parameters...}) that codegen/aot.py turns into C++, or None when it has none."""
+    kind = type(scheduler).__name__
+    base = float(scheduler.base_lrs[g_index])
+    form = {"kind": "lr_" + kind, "base": base}
     if kind == "StepLR":
-        sched.update(step_size=int(scheduler.step_size), gamma=float(scheduler.gamma))
-    elif kind == "MultiStepLR":
-        sched.update(milestones=sorted(int(m) for m in scheduler.milestones.elements()), gamma=float(scheduler.gamma))
-    elif kind == "ExponentialLR":
-        sched.update(gamma=float(scheduler.gamma))
-    elif kind == "CosineAnnealingLR":
-        sched.update(T_max=int(scheduler.T_max), eta_min=float(scheduler.eta_min))
-    elif kind == "LinearLR":
-        sched.update(start=float(scheduler.start_factor), end=float(scheduler.end_factor),
-                     total=int(scheduler.total_iters))
-    else:
-        sched.update(factor=float(scheduler.factor), total=int(scheduler.total_iters))
-    return sched
+        return {**form, "step_size": int(scheduler.step_size), "gamma": float(scheduler.gamma)}
+    if kind == "MultiStepLR":
+        return {**form, "milestones": sorted(int(m) for m in scheduler.milestones.elements()),
+                "gamma": float(scheduler.gamma)}
+    if kind == "ExponentialLR":
+        return {**form, "gamma": float(scheduler.gamma)}
+    if kind == "CosineAnnealingLR":
+        return {**form, "T_max": int(scheduler.T_max), "eta_min": float(scheduler.eta_min)}
+    if kind == "LinearLR":
+        return {**form, "start": float(scheduler.start_factor), "end": float(scheduler.end_factor),
+                "total": int(scheduler.total_iters)}
+    if kind == "ConstantLR":
+        return {**form, "factor": float(scheduler.factor), "total": int(scheduler.total_iters)}
+    if kind == "PolynomialLR":
+        return {**form, "total": int(scheduler.total_iters), "power": float(scheduler.power),
+                "end": float(scheduler.end_learning_rate), "cycle": bool(scheduler.cycle)}
+    if kind == "CosineDecayLR":
+        return {**form, "decay_steps": int(scheduler.decay_steps), "alpha": float(scheduler.alpha)}
+    if kind == "CosineAnnealingWarmRestarts":
+        return {**form, "T_0": int(scheduler.T_0), "T_mult": int(scheduler.T_mult),
+                "eta_min": float(scheduler.eta_min)}
+    if kind == "OneCycleLR":
+        values = scheduler.optimizer.param_groups[g_index]
+        return {**form, "anneal": scheduler.anneal_strategy,
+                "phases": [[float(end), float(values[start_lr]), float(values[end_lr])]
+                           for end, start_lr, end_lr, _m_from, _m_to in scheduler.phases]}
+    if kind == "CyclicLR" and scheduler.custom_scale_fn is None:
+        return {**form, "base": float(scheduler.cyclic_base_lrs[g_index]),
+                "max_lr": float(scheduler.max_lrs[g_index]), "total_size": float(scheduler.total_size),
+                "step_ratio": float(scheduler.step_ratio), "mode": scheduler.mode, "gamma": float(scheduler.gamma)}
+    if kind == "ChainedScheduler" and scheduler.has_closed_form():
+        return {**form, "chained": [closed_form_schedule(child, g_index) for child in scheduler._schedulers]}
+    if kind == "WarmupLR":
+        after = None if scheduler.scheduler is None else closed_form_schedule(scheduler.scheduler, g_index)
+        if scheduler.scheduler is not None and after is None:
+            return None
+        return {**form, "factor": float(scheduler.warmup_factor), "iters": int(scheduler.warmup_iters),
+                "method": scheduler.warmup_method, "prefix": bool(scheduler.warmup_prefix), "after": after}
+    return None
 
 
 def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,
@@ -137,21 +183,23 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
 
     with tracer:
         for opt_index, (optimizer, scheduler) in enumerate(optimizers):
-            kind = type(optimizer).__name__ if type(optimizer) in LOWERED else None
+            kind = lowering_kind(optimizer)
             grads = _clip_groups(tracer, optimizer, opt_index, grads, param_name)
             if kind is None:
                 if scheduler is not None:
                     raise TraceError(f"{type(optimizer).__name__}: a graph traces a user-written optimizer's step() "
                                      f"with its options as constants, so it cannot follow lr_sch="
-                                     f"{type(scheduler).__name__}; use SGD, Adam or AdamW, or build a graph per LR")
+                                     f"{type(scheduler).__name__}; write it as a flow.optim.RuleOptimizer "
+                                     f"(its update() follows the schedule), or build a graph per LR")
                 checks.append(_trace_user_step(tracer, optimizer, opt_index, grads, param_name, state, slots))
                 continue
+            checks.append(options_unchanged(optimizer, NOT_COMPILED, "compiled its update"))
             for g_index, group in enumerate(optimizer.param_groups):
                 prefix = f"optim{opt_index}.group{g_index}"
                 params = [p for p in group["params"] if param_name.get(id(p)) in grads]
                 if not params:
                     continue
-                tracer.scopes.append(f"{prefix}.{kind.lower()}")
+                tracer.scopes.append(f"{prefix}.{type(optimizer).__name__.lower()}")
 
                 # float64 parameters get float64 hyper scalars (a float32 LR would round the update)
                 hyper_dtype = "float64" if all(p.dtype.name == "float64" for p in params) else "float32"
@@ -167,6 +215,9 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                 if kind == "SGD":
                     _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                          counter)
+                elif kind == "rule":
+                    _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
+                          counter)
                 else:
                     _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                           counter, decoupled=(kind == "AdamW"))
@@ -227,10 +278,10 @@ def scaler_state_name(what: str) -> str:
     return f"grad_scaler.{what}"
 
 
-def _slot(optimizer, p, key, new_state, slots, name):
+def _slot(optimizer, p, key, new_state, slots, name, init: float = 0.0):
     st = optimizer.state.setdefault(p, {})
     if key not in st or st[key] is None:
-        st[key] = creation.zeros_like(p.detach())
+        st[key] = creation.full_like(p.detach(), init)
     slots.append(SlotBinding(name, st[key]))
     return new_state(name, st[key], "optim")
 
@@ -282,8 +333,7 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
         v = _slot(optimizer, p, "exp_avg_sq", new_state, slots, f"{name}.exp_avg_sq")
 
         def step(st=st):
-            s = st.get("step", 0)
-            return int(s.item() if hasattr(s, "item") else s) + 1
+            return _step_count(st)
 
         # Adam's step count k at graph call t is k = t + offset (t counts the graph's calls).
         offset = step() - counter["calls"]
@@ -308,6 +358,36 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
         denom = (v_new.sqrt() * inv_sqrt_bc2) + eps
         updated = param - (lr * inv_bc1) * m_new / denom
         tracer.graph.updates.append((name, updated._value))
+
+
+def _step_count(st: dict) -> int:
+    """The number of the parameter's next update (1-based) from its optimizer state."""
+    s = st.get("step", 0)
+    return int(s.item() if hasattr(s, "item") else s) + 1
+
+
+def _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter):
+    """A RuleOptimizer's `update` traced on lazy tensors: the eager arithmetic, with its state
+    tensors as graph slots and its step scalars (`step_hypers`) as hyper state."""
+    names = optimizer.slot_names(group)
+    for p in params:
+        name = param_name[id(p)]
+        st = optimizer.state.setdefault(p, {})
+        g = tracer.lazy(grads[name])
+        held = {key: _slot(optimizer, p, key, new_state, slots, f"{name}.{key}", optimizer.slot_init(group, key))
+                for key in names}
+        # the update count k at graph call t is k = t + offset (t counts the graph's calls)
+        offset = _step_count(st) - counter["calls"]
+        hypers = {"lr": lr}
+        for key in optimizer.step_hypers(group, 1):
+            hypers[key] = hyper(f"{name}.{key}",
+                                lambda key=key, st=st: optimizer.step_hypers(group, _step_count(st))[key],
+                                optimizer.hyper_schedule(group, key, offset))
+        new_w, new_slots = optimizer.update(group, tracer.lazy(state[name].value),
+                                            optimizer.descent_gradient(group, g), held, hypers)
+        for key, value in new_slots.items():
+            tracer.graph.updates.append((f"{name}.{key}", value._value))
+        tracer.graph.updates.append((name, new_w._value))
 
 
 class _TracedSlots(dict):
@@ -339,8 +419,33 @@ class _TracedSlots(dict):
         return self[key]
 
 
-def _group_numbers(optimizer) -> list:
-    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+# Group keys a compiled update does not hold as constants: lr and lr_scale (the hyper state reads
+# them before each call), a label, and the schedulers' bookkeeping.
+NOT_COMPILED = ("lr", "lr_scale", "param_names") + SCHEDULER_KEYS
+
+
+def _group_numbers(optimizer, ignored: tuple) -> list:
+    return [{k: v for k, v in group.items() if k != "params" and k not in ignored}
+            for group in optimizer.param_groups]
+
+
+def options_unchanged(optimizer, ignored: tuple, compiled_what: str):
+    """The check run before every call: the groups' options other than `ignored` are constants
+    of the compiled step, so changing one later (code, or a scheduler's momentum cycling stepped
+    in Python) is refused rather than ignored."""
+    cls = type(optimizer).__name__
+    numbers = _group_numbers(optimizer, ignored)
+
+    def unchanged():
+        now = _group_numbers(optimizer, ignored)
+        for g_index, (old, new) in enumerate(zip(numbers, now)):
+            for key in sorted(set(old) | set(new)):
+                if old.get(key) != new.get(key):
+                    raise RuntimeError(f"{cls}: parameter group {g_index} option {key!r} changed from "
+                                       f"{old.get(key)!r} to {new.get(key)!r} after nn.Graph {compiled_what}, "
+                                       f"which made it a constant of the compiled step; build a new graph to "
+                                       f"change it (flow.optim's optimizers follow their lr every call)")
+    return unchanged
 
 
 def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name: dict, state: dict, slots: list):
@@ -374,7 +479,7 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
         traced_state[p] = _TracedSlots(eager_state.get(p, {}), lambda key, t, p=p: bind_slot(p, key, t))
     plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in list(traced_state.items())}
     optimizer.state = traced_state
-    numbers = _group_numbers(optimizer)
+    unchanged = options_unchanged(optimizer, (), f"traced {cls}.step()")
     tracer.scopes.append(f"optim{opt_index}.{cls.lower()}")
     try:
         optimizer.step()
@@ -398,13 +503,4 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
                              f"once, so they would stay fixed: keep counters as tensors (flow.zeros(()) and "
                              f"in-place .add_(1))")
 
-    def unchanged():
-        now = _group_numbers(optimizer)
-        for g_index, (old, new) in enumerate(zip(numbers, now)):
-            for key in sorted(set(old) | set(new)):
-                if old.get(key) != new.get(key):
-                    raise RuntimeError(f"{cls}: parameter group {g_index} option {key!r} changed from "
-                                       f"{old.get(key)!r} to {new.get(key)!r} after nn.Graph traced {cls}.step(), "
-                                       f"which made it a constant of the compiled step; build a new graph to "
-                                       f"change it (SGD, Adam and AdamW follow their options every call)")
     return unchanged

@@ -80,6 +80,7 @@ class Graph:
             if lr_sch.optimizer is not optimizer:
                 raise ValueError(f"{type(self).__name__}.add_optimizer: lr_sch {type(lr_sch).__name__} schedules "
                                  f"another optimizer than the {type(optimizer).__name__} it is added with")
+            lr_sch.check_graph_replay()
         self._optimizers.append((optimizer, lr_sch))
         self.config.training = True
 
@@ -205,15 +206,15 @@ class Graph:
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):
-        """Host bookkeeping after a step: counters and Adam step counts. A step a
-        GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
+        """Host bookkeeping after a step: counters and the optimizers' step counts (`counts_steps`). A
+        step a GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
         self._counter["calls"] += 1
         if skipped:
             self._counter["skipped"] = self._counter.get("skipped", 0) + 1
         if not self.config.training:
             return
         for opt, _sch in self._optimizers:   # the graph advances its schedule itself (add_optimizer)
-            if type(opt).__name__ in ("Adam", "AdamW") and not skipped:
+            if opt.counts_steps and not skipped:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         st = opt.state.setdefault(p, {})
