@@ -18,7 +18,8 @@ import pytest
 
 import flowgen as flow
 from flowgen.distributed import launch
-from flowgen.distributed.data_parallel import loss_reduction
+from flowgen.distributed.data_parallel import batch_reduction
+from flowgen.ir.trace import Tracer
 from flowgen.passes.gradient_allreduce import gradient_buckets
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
@@ -148,17 +149,27 @@ def test_gradient_buckets_follow_reverse_parameter_order():
     assert gradient_buckets(["w0", "b0", "w1", "b1", "w2"], 2) == [["w2", "b1"], ["w1", "b0"], ["w0"]]
 
 
-def test_loss_reduction_comes_from_the_loss_modules():
-    class Two(flow.nn.Graph):
-        def __init__(self, *losses):
-            super().__init__()
-            for k, loss in enumerate(losses):
-                setattr(self, f"loss{k}", loss)
+def test_batch_reduction_reads_how_the_loss_combines_from_the_ir():
+    """sum -> sum the ranks; a constant mean -> average; sum / sum (cross_entropy's mean) -> ratio;
+    anything else -> unknown (refused for a loss, checked for an output)."""
+    def kind(fn, *shapes_and_dtypes):
+        tracer = Tracer("loss", flow.device("cpu"))
+        inputs = [tracer.add_input(flow.ones(*shape, dtype=dtype), k) for k, (shape, dtype) in
+                  enumerate(shapes_and_dtypes)]
+        with tracer:
+            out = fn(*inputs)
+        found = batch_reduction(tracer.graph, out._value)
+        return None if found is None else found.kind
 
-    assert loss_reduction(Two(flow.nn.MSELoss(reduction="sum"))) == "sum"
-    assert loss_reduction(Two(flow.nn.L1Loss())) == "mean"
-    with pytest.raises(ValueError, match="reduction 'mean' and 'sum'"):
-        loss_reduction(Two(flow.nn.MSELoss(), flow.nn.L1Loss(reduction="sum")))
+    x = ((4, 3), flow.float32)
+    labels = ((4,), flow.int64)
+    assert kind(lambda a: flow.nn.MSELoss(reduction="sum")(a, a * 2), x) == "sum"
+    assert kind(lambda a: flow.nn.MSELoss()(a, a * 2), x) == "mean"
+    assert kind(lambda a: (a * a).sum(1).mean(), x) == "mean"
+    assert kind(lambda a: a.sum() * 0.5, x) == "sum"
+    assert kind(lambda a, t: flow.nn.CrossEntropyLoss()(a, t), x, labels) == "ratio"
+    assert kind(lambda a: a.amax(), x) is None
+    assert kind(lambda a: a.sum() / a.amax(), x) is None
 
 
 def test_graph_inputs_must_be_split_on_dim_0_or_broadcast():
@@ -190,20 +201,20 @@ def _run_ranks(nproc: int, out_dir, *scenarios, via_launcher: bool = False):
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    _run_ranks(2, out, "global_tensors", "unsupported", "graph_global_split", "graph_zero1", "graph_ddp_sum",
-               "eager_ddp", via_launcher=True)
+    _run_ranks(2, out, "global_tensors", "unsupported", "graph_global_split", "graph_zero1", "graph_global_sum",
+               "graph_global_ce", "graph_ddp_sum", "graph_ddp_adam", "eager_ddp", via_launcher=True)
     return out
 
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("four_ranks")
-    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2")
+    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2", "graph_global_ce")
     return out
 
 
-def _assert_equals_one_process(result_file, scenario):
-    losses, params = worker.reference(scenario)
+def _assert_equals_one_process(result_file, scenario, world):
+    losses, params = worker.reference(scenario, world)
     result = np.load(result_file)
     np.testing.assert_allclose(result["losses"], losses, rtol=1e-6)
     for k, p in enumerate(params):
@@ -211,14 +222,16 @@ def _assert_equals_one_process(result_file, scenario):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["graph_global_split", "graph_ddp_sum", "eager_ddp"])
+@pytest.mark.parametrize("scenario", ["graph_global_split", "graph_global_sum", "graph_global_ce", "graph_ddp_sum",
+                                      "graph_ddp_adam", "eager_ddp"])
 def test_two_ranks_train_like_one_process_on_the_global_batch(two_ranks, scenario):
-    _assert_equals_one_process(two_ranks / f"{scenario}.npz", scenario)
+    _assert_equals_one_process(two_ranks / f"{scenario}.npz", scenario, 2)
 
 
 @needs_mpi
-def test_four_ranks_train_like_one_process_on_the_global_batch(four_ranks):
-    _assert_equals_one_process(four_ranks / "graph_global_split.npz", "graph_global_split")
+@pytest.mark.parametrize("scenario", ["graph_global_split", "graph_global_ce"])
+def test_four_ranks_train_like_one_process_on_the_global_batch(four_ranks, scenario):
+    _assert_equals_one_process(four_ranks / f"{scenario}.npz", scenario, 4)
 
 
 @needs_mpi

@@ -12,10 +12,14 @@ A graph is data parallel when an input is a global tensor split along dim 0 (One
   like the gradients, so every rank holds the global-batch value (`broadcast`), any other output
   as `split(0)` of the per-rank results.
 
-How gradients combine follows the loss modules of the graph (`reduction`): "mean" (the default of
-every loss, and what a loss of reduction "none" reduced by the user is assumed to do) averages,
-which equals the global-batch gradient when the ranks' parts are equal (checked for global inputs);
-"sum" sums. Graphs mixing both raise.
+How gradients and 0-d outputs combine is read from the IR (`batch_reduction`), never guessed:
+with global inputs the step must equal the global-batch step, so a loss that is a sum over the
+batch sums the gradients, a sum divided by a constant tied to the batch (a mean) averages them, and
+a sum divided by a sum over the batch (cross_entropy's mean over non-ignored targets, class
+weights) weights each rank by its denominator: grad = sum_r D_r g_r / sum_r D_r. A loss of any
+other form is refused. A 0-d output combines the same way; one of unknown form must be equal on
+every rank (checked), else the call raises. A DDP-wrapped module keeps PyTorch's contract instead:
+each rank's gradients are averaged, whatever the loss (as eager DistributedDataParallel does).
 
 With `graph.config.enable_zero(True, stage=1)` on several ranks, passes/zero.py shards the optimizer
 slots: the device holds this rank's piece of each slot (`ShardedSlot.piece`, the tensor bound to
@@ -24,7 +28,10 @@ every rank must read them together, as `graph.state_dict()` does) when eager cod
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import numpy as np
 
 from flowgen.distributed import env, sbp
 from flowgen.distributed.collectives import world
@@ -37,22 +44,96 @@ DEFAULT_BUCKET_SIZE = 10    # gradients per all_reduce, as DistributedDataParall
 @dataclass(frozen=True)
 class DataParallel:
     world_size: int
-    reduce: str             # how gradients and 0-d outputs combine: "mean" | "sum"
+    contract: str           # "global" (split(0) inputs: the global-batch step) | "ddp" (PyTorch's: average)
     bucket_size: int        # gradients per all_reduce call
+
+
+@dataclass(frozen=True)
+class BatchReduction:
+    """How a 0-d value computed on this rank's part of the batch becomes the global-batch value:
+    "sum" (add the ranks' values), "mean" (average them: equal parts), or "ratio" (value =
+    `factor` * `numerator` / `denominator`, both sums over the batch: the global value is the
+    ratio of the ranks' sums)."""
+    kind: str
+    numerator: object = None
+    denominator: object = None
+    factor: float = 1.0
+
+
+def _constant_scalar(producers, value):
+    node = producers.get(value)
+    if node is None or node.op != "constant" or value.numel != 1:
+        return None
+    return float(np.asarray(node.attrs["value"]).reshape(-1)[0])
+
+
+def _full_sum(producers, value):
+    """The node summing a whole tensor into `value`, or None."""
+    node = producers.get(value)
+    if node is None or node.op != "sum":
+        return None
+    return node if set(node.attrs["dims"]) == set(range(len(node.inputs[0].shape))) else None
+
+
+def batch_reduction(ir, value):
+    """The BatchReduction of IR value `value` (0-d), or None when its form is none of them.
+
+    Walks back through reshapes, casts and multiplications/divisions by constants to a sum over
+    a whole tensor: a constant factor of 1/numel or 1/batch (that tensor's first dim) makes it a
+    mean, any other constant a (scaled) sum; a division of two such sums is a ratio."""
+    producers = ir.producers()
+    factor, v = 1.0, value
+    while True:
+        node = producers.get(v)
+        if node is None:
+            return None
+        if node.op in ("reshape", "cast"):
+            v = node.inputs[0]
+            continue
+        if node.op in ("mul", "div"):
+            left, right = (_constant_scalar(producers, x) for x in node.inputs)
+            if right is not None:
+                factor = factor * right if node.op == "mul" else factor / right
+                v = node.inputs[0]
+                continue
+            if left is not None and node.op == "mul":
+                factor, v = factor * left, node.inputs[1]
+                continue
+            if node.op == "div" and _full_sum(producers, node.inputs[0]) and _full_sum(producers, node.inputs[1]):
+                return BatchReduction("ratio", node.inputs[0], node.inputs[1], factor)
+            return None
+        summed = _full_sum(producers, v)
+        if summed is None:
+            return None
+        x = summed.inputs[0]
+        sizes = (x.numel, x.shape[0] if x.shape else 1)
+        if factor != 1.0 and any(math.isclose(factor * n, 1.0, rel_tol=1e-6) for n in sizes):
+            return BatchReduction("mean")
+        return BatchReduction("sum")
+
+
+def gradient_reduction(graph_name, ir, loss_values, data_parallel):
+    """The BatchReduction the gradients follow (see the module doc); raises for a loss of unknown form."""
+    if data_parallel.contract == "ddp":
+        return BatchReduction("mean")
+    found = [batch_reduction(ir, v) for v in loss_values]
+    if not found or any(r is None for r in found):
+        raise ValueError(f"{graph_name}: a data-parallel graph with global inputs computes the global-batch step, "
+                         f"so it needs to know how the loss combines over the batch; the loss must be a sum over "
+                         f"the batch, a sum divided by a constant (a mean), or a sum divided by a sum "
+                         f"(cross_entropy's mean), as flowgen's losses with reduction 'sum' or 'mean' are")
+    if len(found) > 1 and any(r.kind == "ratio" for r in found):
+        raise NotImplementedError(f"{graph_name}: gradient accumulation with a loss divided by a data-dependent "
+                                  f"count (cross_entropy's mean) is not supported in data-parallel graphs yet")
+    if len({r.kind for r in found}) > 1:
+        raise ValueError(f"{graph_name}: the micro-batches' losses combine differently over the batch "
+                         f"({', '.join(r.kind for r in found)})")
+    return found[0]
 
 
 def _wrapped_modules(graph) -> list:
     return [m._data_parallel for module in graph._modules.values() for m in module.modules()
             if getattr(m, "_data_parallel", None) is not None]
-
-
-def loss_reduction(graph) -> str:
-    found = {m.reduction for module in graph._modules.values() for m in module.modules()
-             if isinstance(getattr(m, "reduction", None), str) and m.reduction in ("mean", "sum")}
-    if len(found) > 1:
-        raise ValueError(f"{graph.name}: data parallel training needs to know whether the loss is a mean or a sum "
-                         f"over the batch, but the graph holds loss modules with reduction 'mean' and 'sum'")
-    return found.pop() if found else "mean"
 
 
 def split_inputs(graph, args) -> tuple:
@@ -82,7 +163,7 @@ def data_parallel_of(graph, split: bool):
     if not split and not wrapped:
         return None
     bucket_size = wrapped[0].bucket_size if wrapped else DEFAULT_BUCKET_SIZE
-    return DataParallel(env.get_world_size(), loss_reduction(graph), bucket_size)
+    return DataParallel(env.get_world_size(), "global" if split else "ddp", bucket_size)
 
 
 def broadcast_state(graph):
@@ -94,17 +175,54 @@ def broadcast_state(graph):
             t._version += 1
 
 
-def global_outputs(tensors: list, placement, data_parallel) -> list:
-    """A graph's outputs, computed on this rank's part, as global tensors (see the module doc)."""
-    if data_parallel is None:
+def global_outputs(tensors: list, placement, combine) -> list:
+    """A graph's outputs, computed on this rank's part, as global tensors. `combine` is None when
+    the graph is not data parallel (every rank computed the whole value: broadcast), else
+    `combine[i]` says how 0-d output i becomes the global-batch value: "sum"/"mean" over the
+    ranks, "global" (the graph already combined it), "replicated" (must be equal on every rank:
+    checked) or None for an output that is not 0-d (it is `split(0)` of the ranks' results)."""
+    if combine is None:
         return [as_global(t, placement, sbp.broadcast) for t in tensors]
-    scalars = [i for i, t in enumerate(tensors) if t.ndim == 0]
-    combined = world().all_reduce([tensors[i].numpy() for i in scalars], data_parallel.reduce)
+    comm = world()
     out = list(tensors)
-    for i, value in zip(scalars, combined):
-        out[i] = as_global(type(tensors[i])(value, dtype=tensors[i].dtype, device=tensors[i].device),
-                           placement, sbp.broadcast)
-    return [t if t.is_global else as_global(t, placement, sbp.split(0)) for t in out]
+    for op in ("sum", "mean"):
+        picked = [i for i, how in enumerate(combine) if how == op]
+        for i, value in zip(picked, comm.all_reduce([tensors[i].numpy() for i in picked], op)):
+            out[i] = type(tensors[i])(value, dtype=tensors[i].dtype, device=tensors[i].device)
+    for i, how in enumerate(combine):
+        if how == "replicated":
+            values = comm.all_gather(tensors[i].numpy())
+            if any(not np.array_equal(v, values[0], equal_nan=True) for v in values):
+                raise RuntimeError(f"output {i} of the data-parallel graph is 0-d but not a sum or mean over the "
+                                   f"batch, and its ranks disagree ({', '.join(str(v) for v in values)}); return "
+                                   f"it per sample (not reduced), or as a sum or mean over the batch")
+    return [as_global(t, placement, sbp.split(0) if how is None else sbp.broadcast) for t, how in zip(out, combine)]
+
+
+def combine_outputs(ir, emit, world_size: int) -> tuple:
+    """(ir with its ratio outputs combined in the graph, each output's `global_outputs` mode).
+    A ratio output factor * S / D becomes factor * all_reduce(S) / all_reduce(D), nodes made by
+    `emit(op, inputs, attrs)` (a Tracer's, writing into `ir`)."""
+    outputs, combine = list(ir.outputs), []
+    for i, v in enumerate(ir.outputs):
+        if v.shape:
+            combine.append(None)
+            continue
+        how = batch_reduction(ir, v)
+        if how is None:
+            combine.append("replicated")
+        elif how.kind == "ratio":
+            summed = emit("all_reduce", [how.numerator, how.denominator], {"op": "sum", "world_size": world_size})
+            ratio = emit("div", list(summed.outputs), {}).output
+            if how.factor != 1.0:
+                scale = emit("constant", [], {"value": np.asarray(how.factor, v.dtype.np_dtype)}).output
+                ratio = emit("mul", [ratio, scale], {}).output
+            outputs[i] = ratio
+            combine.append("global")
+        else:
+            combine.append(how.kind)
+    ir.outputs = outputs
+    return ir, combine
 
 
 @dataclass

@@ -66,7 +66,8 @@ class Tracer:
         self.state_of: dict = {}      # id(tensor) -> StateVar
         self.state_tensors: list = []  # the eager tensors bound to state, in order
         self.constants: dict = {}     # id(tensor) -> (tensor, Value): one node per captured tensor
-        self.backward_roots: list = []
+        self.backward_roots: list = []   # losses whose backward() is pending
+        self.losses: list = []           # every loss backward() was called on, in order (micro-batches)
         self.differentiate = None     # set by nn.Graph: (in_build) -> backward of the marked loss, {state name: grad}
         self.grads = None             # the step's gradients once build() asked for them (nn.utils clipping)
         self.log = log                # callable(level, text) for graph.debug()
@@ -204,6 +205,7 @@ class Tracer:
         if loss.numel() != 1:
             raise TraceError(f"loss.backward() in build() needs a scalar loss, got shape {tuple(loss.shape)}")
         self.backward_roots.append(loss._value)
+        self.losses.append(loss._value)
 
     def step_gradients(self, caller: str) -> dict:
         """{state name: gradient Value} of the step being traced; differentiates a pending

@@ -6,8 +6,10 @@ order — roughly the order the backward pass finishes them — so the nodes' ou
 gradients the update reads. An `all_reduce` has no kernel: the executor runs it on the host
 (MPI) between the kernels around it (flowgen/distributed/collectives.py), one call per bucket.
 
-`op` follows the loss: "mean" when each rank's loss is a mean over its part of the batch
-(the global-batch mean is the average of equal parts), "sum" for a sum over the batch.
+`reduction` (distributed/data_parallel.BatchReduction) follows the loss: "sum" sums the
+gradients, "mean" averages them (equal parts of the batch), "ratio" (a loss S / D, D a sum over
+the batch such as cross_entropy's count of non-ignored targets) weights each rank by its D:
+grad = sum_r D_r g_r / sum_r D_r, which is the global-batch gradient of (sum_r S_r) / (sum_r D_r).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ def gradient_buckets(names: list, bucket_size: int) -> list:
     return [ordered[i:i + bucket_size] for i in range(0, len(ordered), bucket_size)]
 
 
-def all_reduce_gradients(graph, grads: dict, device, world_size: int, op: str, bucket_size: int):
+def all_reduce_gradients(graph, grads: dict, device, world_size: int, reduction, bucket_size: int):
     """Returns (graph with one all_reduce node per bucket appended, {name: reduced gradient})."""
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
@@ -33,7 +35,14 @@ def all_reduce_gradients(graph, grads: dict, device, world_size: int, op: str, b
     tracer.new_name = NameGen(start=next_value_index(graph))
     tracer.scopes.append(SCOPE)
     reduced = dict(grads)
+    weight = total = None
+    if reduction.kind == "ratio":
+        weight = reduction.denominator
+        total = tracer.emit("all_reduce", [weight], {"op": "sum", "world_size": world_size}).output
+    op = "mean" if reduction.kind == "mean" else "sum"
     for bucket in gradient_buckets(list(grads), bucket_size):
-        node = tracer.emit("all_reduce", [grads[n] for n in bucket], {"op": op, "world_size": world_size})
-        reduced.update(zip(bucket, node.outputs))
+        values = [grads[n] if weight is None else tracer.emit("mul", [grads[n], weight], {}).output for n in bucket]
+        node = tracer.emit("all_reduce", values, {"op": op, "world_size": world_size})
+        outputs = node.outputs if total is None else [tracer.emit("div", [v, total], {}).output for v in node.outputs]
+        reduced.update(zip(bucket, outputs))
     return out, reduced

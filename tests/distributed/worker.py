@@ -1,11 +1,13 @@
 """One rank of the multi-process tests in tests/test_distributed.py (run by mpiexec).
 
 `python worker.py OUTDIR SCENARIO...`: for each training SCENARIO, trains on this rank's part of a
-fixed global batch and, on rank 0, saves the global-batch losses (the ranks' losses combined as the
-loss reduction says) and the final parameters to OUTDIR/SCENARIO.npz. Every rank checks that its
+fixed global batch and, on rank 0, saves the global-batch losses and the final parameters to
+OUTDIR/SCENARIO.npz. Every rank checks that its
 parameters equal rank 0's (replicas must never drift apart) and exits non-zero if not. The
 scenario "global_tensors" saves what OneFlow's to_global/to_local conversions gave.
-`reference(SCENARIO)` trains the same model in one process on the whole global batch.
+`reference(SCENARIO, WORLD)` trains the same model in one process on the whole global batch: with
+global inputs the graph's step is the global-batch step; a DDP-wrapped module follows PyTorch's
+contract (gradients averaged over the ranks), so a sum loss acts as the global sum / WORLD.
 """
 from __future__ import annotations
 
@@ -32,13 +34,34 @@ def global_batch():
 
 
 SCENARIOS = {
-    # name: (how the batch reaches the graph, loss reduction, optimizer)
+    # name: (how the batch reaches the graph, loss, optimizer)
     "graph_global_split": ("global", "mean", "sgd"),
     "graph_zero1": ("global", "mean", "sgd"),      # the same with enable_zero(True, stage=1)
     "graph_zero2": ("global", "mean", "sgd"),      # ... and with stage=2
-    "graph_ddp_sum": ("ddp_graph", "sum", "adam"),
+    "graph_global_sum": ("global", "sum", "sgd"),
+    # cross_entropy's mean over the targets that are not ignored: the ignored ones all sit in rank 0's
+    # part, so the ranks' denominators differ and only the weighted combination gives the batch's step
+    "graph_global_ce": ("global", "ce_ignore", "sgd"),
+    "graph_ddp_sum": ("ddp_graph", "sum", "sgd"),
+    "graph_ddp_adam": ("ddp_graph", "mean", "adam"),
     "eager_ddp": ("ddp_eager", "mean", "sgd"),
 }
+IGNORED = 3    # targets 0..2 of every global batch are ignored by the "ce_ignore" loss
+
+
+def make_loss(kind):
+    if kind == "ce_ignore":
+        return flow.nn.CrossEntropyLoss(ignore_index=-1)
+    return flow.nn.MSELoss(reduction=kind)
+
+
+def targets(kind, ys):
+    """The global batch's targets for loss `kind`: class labels (some ignored) for cross-entropy."""
+    if kind != "ce_ignore":
+        return ys
+    labels = ys.argmax(-1).astype(np.int64)
+    labels[:, :IGNORED] = -1
+    return labels
 
 
 def make_optimizer(kind, params):
@@ -64,9 +87,9 @@ def make_graph(model, loss_fn, optimizer):
 
 def train(scenario: str, rank: int, world: int):
     """Losses per step and final parameters, training on this rank's part of the batch."""
-    mode, reduction, opt_kind = SCENARIOS[scenario]
+    mode, loss_kind, opt_kind = SCENARIOS[scenario]
     model = make_model()
-    loss_fn = flow.nn.MSELoss(reduction=reduction)
+    loss_fn = make_loss(loss_kind)
     if mode.startswith("ddp"):
         model = flow.nn.parallel.DistributedDataParallel(model, bucket_size=2)
     optimizer = make_optimizer(opt_kind, model.parameters())
@@ -74,6 +97,7 @@ def train(scenario: str, rank: int, world: int):
     if scenario.startswith("graph_zero"):
         graph.config.enable_zero(True, stage=int(scenario[-1]), shard_min_size=1)
     xs, ys = global_batch()
+    ys = targets(loss_kind, ys)
     part = GLOBAL_BATCH // world
     losses = []
     for step in range(STEPS):
@@ -93,8 +117,8 @@ def train(scenario: str, rank: int, world: int):
             loss.backward()
             optimizer.step()
             losses.append(float(loss))
-    if mode.startswith("ddp"):   # each rank's loss is over its part: combine them like the gradients
-        losses = flow.distributed.collectives.world().all_reduce([np.array(losses)], reduction)[0]
+    if mode.startswith("ddp"):   # each rank's loss is over its part: DDP averages, as the gradients
+        losses = flow.distributed.collectives.world().all_reduce([np.array(losses)], "mean")[0]
     # Reading a slot gathers its pieces from every rank under ZeRO (all ranks read them together).
     slots = [v.numpy().copy() for p in model.parameters() for v in optimizer.state[p].values()
              if isinstance(v, flow.Tensor)]
@@ -152,16 +176,18 @@ def global_tensors(rank: int, world: int) -> dict:
     }
 
 
-def reference(scenario: str):
+def reference(scenario: str, world: int):
     """One process, the whole global batch, eager mode: what every data-parallel run must equal."""
-    _, reduction, opt_kind = SCENARIOS[scenario]
+    mode, loss_kind, opt_kind = SCENARIOS[scenario]
     model = make_model()
-    loss_fn = flow.nn.MSELoss(reduction=reduction)
+    loss_fn = make_loss(loss_kind)
     optimizer = make_optimizer(opt_kind, model.parameters())
     xs, ys = global_batch()
+    ys = targets(loss_kind, ys)
+    averaged = 1.0 / world if mode.startswith("ddp") and loss_kind == "sum" else 1.0
     losses = []
     for s in range(STEPS):
-        loss = loss_fn(model(flow.tensor(xs[s])), flow.tensor(ys[s]))
+        loss = loss_fn(model(flow.tensor(xs[s])), flow.tensor(ys[s])) * averaged
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -23,7 +23,8 @@ from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
 from flowgen.distributed import env
-from flowgen.distributed.data_parallel import broadcast_state, global_outputs, shard_slot_tensors
+from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
+                                               gradient_reduction, shard_slot_tensors)
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
@@ -50,6 +51,7 @@ class CompiledGraph:
         self.scaler = None                  # GraphScaler when a GradScaler scales the loss
         self.checks: list = []              # run before every call (a traced optimizer's fixed options)
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
+        self.output_combine = None          # per output, how a data-parallel step makes it global
         self.output_placement = None        # the global inputs' placement: outputs become global
         self.sharded_slots = []             # ShardedSlot: optimizer slots ZeRO split over the ranks
 
@@ -135,7 +137,7 @@ class CompiledGraph:
         self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
         if self.output_placement is not None:
-            tensors = global_outputs(tensors, self.output_placement, self.data_parallel)
+            tensors = global_outputs(tensors, self.output_placement, self.output_combine)
         return self.output_structure(tensors)
 
 
@@ -360,9 +362,19 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
-        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size,
-                                           data_parallel.reduce, data_parallel.bucket_size)
+        reduction = gradient_reduction(graph.name, ir, tracer.losses, data_parallel)
+        if reduction.kind == "ratio" and zero is not None:
+            raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
+                                      f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
+        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
+                                           data_parallel.bucket_size)
         grads = {**grads, **reduced}
+    output_combine = None
+    if data_parallel is not None and data_parallel.contract == "global":
+        emitter = Tracer(graph.name, device)
+        emitter.graph, emitter.new_name = ir, NameGen(start=next_value_index(ir))
+        emitter.scopes.append("data_parallel.outputs")
+        ir, output_combine = combine_outputs(ir, emitter.emit, data_parallel.world_size)
     checks = []
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
@@ -371,7 +383,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
                                                    scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
-                                               device, data_parallel.bucket_size, zero.stage, data_parallel.reduce)
+                                               device, data_parallel.bucket_size, zero.stage, reduction.kind)
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
@@ -403,6 +415,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     compiled.scaler = scaler if grads is not None else None
     compiled.checks = checks
     compiled.data_parallel = data_parallel
+    compiled.output_combine = output_combine
     compiled.sharded_slots = sharded_slots
     return compiled
 
