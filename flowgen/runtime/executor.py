@@ -26,9 +26,10 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, source: str, tag: str):
-        from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+        from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 
-        self.module = CpuModule(build_cpu_library(source, tag))
+        library, self.build = build_kernel_library(source)
+        self.module = CpuModule(library, {name: symbol for name, (_, symbol) in self.build.symbols.items()})
         self._keep = []
 
     def alloc(self, nbytes: int):
@@ -76,7 +77,8 @@ class CudaBackend:
             raise RuntimeError(f"flowgen needs a GPU of compute capability 7.0 or newer; this one is {self.ctx.arch}")
         if "__nv_bfloat16" in source and major < 8:
             raise RuntimeError(f"this graph uses bfloat16, which needs sm_80 or newer; the GPU is {self.ctx.arch}")
-        self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, self.ctx.arch, tag))
+        self.build = nvrtc.compile_kernels(source, self.ctx.arch)
+        self.modules = [cuda_driver.CudaModule(path.read_bytes()) for path in self.build.artifacts]
         self.stream = self.ctx.create_stream()
         self.allocations = []
         self._keep = []
@@ -100,9 +102,11 @@ class CudaBackend:
         self.driver.check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
     def prepare(self, kernel, args):
-        function = self.module.function(kernel.name)
+        index, symbol = self.build.symbols[kernel.name]
+        module = self.modules[index]
+        function = module.function(symbol)
         self._keep.append(args)   # the ctypes values must outlive every launch
-        return lambda: self.module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
+        return lambda: module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
                                           self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
     def synchronize(self):

@@ -22,6 +22,7 @@ from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
+from flowgen.runtime.progress import reporting
 
 
 class CompiledGraph:
@@ -231,11 +232,18 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
 
 
 def compile_step(graph, args):
+    """Trace, optimise, generate and build one variant; one progress line covers all stages."""
+    with reporting(graph.name) as progress:
+        return _compile_step(graph, args, progress)
+
+
+def _compile_step(graph, args, progress):
     cls = type(graph).__name__
     device = _device_of(graph, args)
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
+    progress.stage("trace")
     tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
                     autocast=graph.config.amp)
     param_name, paths = {}, {}
@@ -286,11 +294,12 @@ def compile_step(graph, args):
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
-    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph, {timings['trace']:.2f} s.")
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    progress.stage("passes")
     if grads is not None:
         # Gradients are averaged over micro-batches and the loss scale divided out.
         ir, host, slots = lower_optimizers(ir, grads, graph._optimizers, param_name, device, graph._counter,
@@ -306,6 +315,7 @@ def compile_step(graph, args):
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
+    progress.stage("codegen")
     ir = _with_measured_conv_tiles(graph, ir, device)
     program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type)
     program.kernels_before_fusion = count_unfused_kernels(ir)
@@ -317,7 +327,8 @@ def compile_step(graph, args):
 
     executor = Executor(program, executor_backend)
     timings["compile"] = time.perf_counter() - start
-    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime, "
+                  f"{sum(timings.values()):.2f} s (" + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ").")
     compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
     compiled.scaler = scaler if grads is not None else None
     return compiled
