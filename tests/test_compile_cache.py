@@ -2,12 +2,14 @@
 shapes, compiled variants kept by load_state_dict, and the progress line."""
 import ctypes
 import io
+import os
 
 import numpy as np
 import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from flowgen.codegen import aot
 from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, progress
 from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 from graphs import InferGraph, TrainGraph
@@ -154,3 +156,23 @@ def test_cached_objects_are_reused_without_running_gxx(cache, monkeypatch):
     monkeypatch.setattr(cpu_compiler.subprocess, "run", no_compiler)
     library, build = build_kernel_library(SOURCE.replace("// a:", "// renamed module:"))
     assert library.is_file() and build.stats.compiled == 0
+
+
+def test_flowgen_build_reuses_the_cached_device_and_host_builds(cache, tmp_path, monkeypatch):
+    graph = InferGraph(nn.Linear(5, 2).eval())
+    graph(flow.randn(3, 5))
+    flow.save(graph, tmp_path / "saved")
+    lines = []
+    aot.build(tmp_path / "saved", tmp_path / "first", target="cuda", arch="sm_80", log=lines.append)
+    assert "  compile host code      ..." in lines and not any("(cached)" in line for line in lines)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a compiler ran again for a cached build")
+
+    monkeypatch.setattr(aot.subprocess, "run", no_compiler)
+    monkeypatch.setattr(nvrtc.nvrtc, "nvrtcCompileProgram", no_compiler)
+    lines.clear()
+    result = aot.build(tmp_path / "saved", tmp_path / "second", target="cuda", arch="sm_80", log=lines.append)
+    assert any(line.startswith("  compile host code") and line.endswith("(cached)") for line in lines)
+    assert result.binary.read_bytes() == (tmp_path / "first" / result.binary.name).read_bytes()
+    assert os.access(result.binary, os.X_OK)

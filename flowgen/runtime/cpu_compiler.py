@@ -32,14 +32,14 @@ _FLAGS = ("-std=c++17", "-O2", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULAT
 
 
 @functools.lru_cache(maxsize=None)
-def _compiler_version() -> str:
+def compiler_version() -> str:
     return subprocess.run([_CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
     # The headers are part of what gets compiled, so editing them must invalidate the cache.
     digest = hashlib.sha256()
-    for part in (source, _compiler_version(), *flags):
+    for part in (source, compiler_version(), *flags):
         digest.update(part.encode() + b"\0")
     for header in sorted(runtime.glob("*.h")):
         digest.update(header.read_bytes() + b"\0")
@@ -69,7 +69,7 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
                           artifact="kernels.o", compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS,
                           compile_chunk=lambda text, build_dir: _run_gxx(flags, text, build_dir, "kernels.o"))
     link_flags = ["-shared", "-fopenmp", "-Wl,-z,muldefs"]
-    key = hashlib.sha256("\0".join([_compiler_version(), *link_flags, *map(str, build.artifacts)]).encode())
+    key = hashlib.sha256("\0".join([compiler_version(), *link_flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
     if not library.is_file():
         with reporting("compile") as progress:
