@@ -83,7 +83,7 @@ def _build_key(text: str, options: list[str]) -> str:
 
 # A chunk of kernels should hold at least this much source: each NVRTC program pays about
 # 50 ms of CPU for the prelude and CUDA headers.
-_MIN_CHUNK_CHARS = 30_000
+_MIN_CHUNK_CHARS = 15_000
 
 
 def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
