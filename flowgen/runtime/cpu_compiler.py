@@ -51,9 +51,9 @@ def _object_flags(runtime: Path) -> list:
     return [*flags, "-c", f"-I{runtime}", "-include", str(runtime / "flowgen_emu.h")]
 
 
-# A chunk of kernels should hold at least this much source: each g++ call spends about 0.4 s
-# of CPU on flowgen_emu.h and the standard headers it includes.
-_MIN_CHUNK_CHARS = 120_000
+# A chunk of kernels should hold at least this much source (about 2 s of g++ CPU): each g++
+# call spends about 0.8 s on flowgen_emu.h and the standard headers it includes.
+_MIN_CHUNK_CHARS = 50_000
 
 
 def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
