@@ -13,6 +13,7 @@ import hashlib
 import os
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -22,6 +23,7 @@ from flowgen.runtime.toolchain import (
     CompileError,
     atomic_write_bytes,
     cache_dir,
+    copy_file_atomically,
     kernel_params,
     runtime_cpp_dir,
     safe_tag,
@@ -46,10 +48,39 @@ def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
     return digest.hexdigest()
 
 
-def _object_flags(runtime: Path) -> list:
+def _object_flags(runtime: Path, header: Path) -> list:
     flags = [flag for flag in _FLAGS if flag != "-shared"]
-    return [*flags, "-c", f"-I{runtime}", "-include", str(runtime / "flowgen_emu.h")]
+    return [*flags, "-c", f"-I{runtime}", "-include", str(header)]
 
+
+def _precompiled_header(runtime: Path, salt: str) -> Path:
+    """flowgen_emu.h with a precompiled `.gch` beside it, built once per compiler, flags and
+    headers (`<cache>/cpu-pch/<salt>/`): each g++ call then loads it in ~0.4 s of CPU instead of
+    parsing it and the standard headers in ~0.8 s. The copy keeps the original's size and
+    modification time, so the prelude's `#include "flowgen_emu.h"` is recognised as the same
+    `#pragma once` file. If the .gch cannot be used, g++ reads the copied header instead."""
+    pch_dir = cache_dir() / "cpu-pch" / salt[:32]
+    header = pch_dir / "flowgen_emu.h"
+    with _pch_lock:   # chunks compile in parallel threads; one builds the header
+        if not (pch_dir / "flowgen_emu.h.gch").is_file():
+            _build_precompiled_header(runtime, header)
+    return header
+
+
+def _build_precompiled_header(runtime: Path, header: Path) -> None:
+    pch_dir = header.parent
+    copy_file_atomically(runtime / "flowgen_emu.h", header)
+    flags = [flag for flag in _FLAGS if flag != "-shared"]
+    fd, partial = tempfile.mkstemp(dir=pch_dir, prefix=".flowgen_emu.h.", suffix=".gch")
+    os.close(fd)
+    command = [_CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
+    if subprocess.run(command, capture_output=True).returncode == 0:
+        os.replace(partial, pch_dir / "flowgen_emu.h.gch")
+    else:
+        Path(partial).unlink(missing_ok=True)
+
+
+_pch_lock = threading.Lock()
 
 # A chunk of kernels should hold at least this much source (about 2 s of g++ CPU): each g++
 # call spends about 0.8 s on flowgen_emu.h and the standard headers it includes.
@@ -64,10 +95,13 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     `<cache>/cpu-libs/<hash of its objects>/kernels.so`.
     """
     runtime = runtime_cpp_dir()
-    flags = _object_flags(runtime)
-    build = build_kernels(source, root=cache_dir() / "cpu-kernels", salt=_build_key("", flags, runtime),
-                          artifact="kernels.o", compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS,
-                          compile_chunk=lambda text, build_dir: _run_gxx(flags, text, build_dir, "kernels.o"))
+    salt = _build_key("", _object_flags(runtime, runtime / "flowgen_emu.h"), runtime)
+
+    def compile_chunk(text: str, build_dir: Path) -> None:
+        _run_gxx(_object_flags(runtime, _precompiled_header(runtime, salt)), text, build_dir, "kernels.o")
+
+    build = build_kernels(source, root=cache_dir() / "cpu-kernels", salt=salt, artifact="kernels.o",
+                          compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS, compile_chunk=compile_chunk)
     link_flags = ["-shared", "-fopenmp", "-Wl,-z,muldefs"]
     key = hashlib.sha256("\0".join([compiler_version(), *link_flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
