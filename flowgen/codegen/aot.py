@@ -342,7 +342,14 @@ def _cubin_inc(cubin: bytes, arch: str) -> str:
 
 
 def _host_command(target: str, binary: str, sanitize: bool) -> list:
-    optimise = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"] if sanitize else ["-O2"]
+    if sanitize:
+        optimise = ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
+    elif target == "cpu":
+        optimise = ["-O2"]   # the kernels compile with the host code
+    else:
+        # Launch lists, file readers and the step loop, nothing hot: -O1 builds MobileNetV2's
+        # training program in 11 s of CPU where -O2 took 28 s.
+        optimise = ["-O1"]
     if target == "cpu":
         return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
                 "-x", "c++", "program.cu", "-o", binary]
