@@ -11,10 +11,10 @@ are grouped into chunks, one compiler call per chunk, run `jobs()` at a time.
 
 Cache layout, under one compiler's `root` (e.g. `<cache>/nvrtc-kernels`):
 
-    kernels/<body key>              "<chunk id> <symbol>": where that body was compiled
-    chunks/<chunk id>/source.cu     what the compiler saw (kernels renamed <name>_<key prefix>)
-    chunks/<chunk id>/compile.log
-    chunks/<chunk id>/<artifact>    cubin or object file
+    kernels/<body key>      "<chunk id> <symbol>": where that body was compiled
+    chunks/<chunk id>/      what the compiler saw (source.cu for g++, kernels.cu for NVRTC;
+                            kernels renamed <first name>_<key prefix>), compile.log, and the
+                            artifact (cubin or object file)
 
 Every file is written to a temporary name and renamed into place, and an index entry is
 written only after its chunk's artifact exists, so concurrent processes at worst compile the
