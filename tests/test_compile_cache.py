@@ -1,8 +1,10 @@
 """The kernel build cache: identical bodies compiled once, hits across graph instances and
 shapes, compiled variants kept by load_state_dict, and the progress line."""
+import concurrent.futures
 import ctypes
 import io
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -176,3 +178,20 @@ def test_flowgen_build_reuses_the_cached_device_and_host_builds(cache, tmp_path,
     assert any(line.startswith("  compile host code") and line.endswith("(cached)") for line in lines)
     assert result.binary.read_bytes() == (tmp_path / "first" / result.binary.name).read_bytes()
     assert os.access(result.binary, os.X_OK)
+
+
+def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
+    start = threading.Barrier(2)
+
+    def build(_):
+        start.wait()
+        return build_kernel_library(SOURCE)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(build, range(2)))
+    x = np.ones(4, np.float32)
+    for library, built in results:
+        module = CpuModule(library, {name: symbol for name, (_, symbol) in built.symbols.items()})
+        module.launch("k2_c_scale", (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
+    np.testing.assert_array_equal(x, np.full(4, 9.0, np.float32))
+    assert not list(cache.rglob(".*.tmp")) and build_kernel_library(SOURCE)[1].stats.compiled == 0
