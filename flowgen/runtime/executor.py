@@ -25,7 +25,7 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, source: str, tag: str):
+    def __init__(self, source: str):
         from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 
         library, self.build = build_kernel_library(source)
@@ -67,7 +67,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, source: str, tag: str):
+    def __init__(self, source: str):
         from flowgen.runtime import cuda_driver, nvrtc
 
         self.driver = cuda_driver
@@ -107,7 +107,7 @@ class CudaBackend:
         function = module.function(symbol)
         self._keep.append(args)   # the ctypes values must outlive every launch
         return lambda: module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
-                                          self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
+                                     self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
     def synchronize(self):
         self.ctx.synchronize(self.stream)

@@ -117,16 +117,16 @@ def _device_of(graph, args):
     return devices.pop() if devices else as_device("cpu")
 
 
-def _make_backend(device, source: str, tag: str):
+def _make_backend(device, source: str):
     from flowgen.runtime.executor import CpuBackend, CudaBackend
 
     if device.type == "cpu":
-        return CpuBackend(source, tag)
+        return CpuBackend(source)
     from flowgen.runtime import cuda_driver
 
     if not cuda_driver.available():
         raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
-    return CudaBackend(source, tag)
+    return CudaBackend(source)
 
 
 def _module_hook(graph, tracer, paths: dict, io: dict):
@@ -322,7 +322,7 @@ def _compile_step(graph, args, progress):
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
-    executor_backend = _make_backend(device, program.source, graph.name)
+    executor_backend = _make_backend(device, program.source)
     from flowgen.runtime.executor import Executor
 
     executor = Executor(program, executor_backend)
