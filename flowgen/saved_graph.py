@@ -466,7 +466,7 @@ class SavedGraph:
         inputs = self._check_inputs(arrays)
         if self._executor is None:
             program = self.program("cpu")
-            self._executor = Executor(program, CpuBackend(program.source, self.name))
+            self._executor = Executor(program, CpuBackend(program.source))
         ex = self._executor
         for s in self.ir.state:
             ex.write_state(s.value, self.weights[s.name])

@@ -715,18 +715,18 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
 }
 
 // `args` holds one pointer per kernel parameter, like cuLaunchKernel's kernelParams; the
-// kernel's own signature says what each pointer points to.
+// kernel's own signature says what each pointer points to. No std::tuple of the values: g++
+// needs about a minute to instantiate one for a multi-tensor update's ~150 parameters.
 template <class... Params, std::size_t... I>
-std::tuple<std::decay_t<Params>...> unpack_args(void** args, std::index_sequence<I...>) {
+void call_with_args(void (*kernel)(Params...), void** args, std::index_sequence<I...>) {
   (void)args;  // unused for kernels without parameters
-  return std::tuple<std::decay_t<Params>...>(*static_cast<std::decay_t<Params>*>(args[I])...);
+  kernel(*static_cast<std::decay_t<Params>*>(args[I])...);
 }
 
 template <class... Params>
 void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* block,
             size_t dynamic_shared_bytes, void** args, bool fibers) {
-  auto values = unpack_args<Params...>(args, std::index_sequence_for<Params...>{});
-  auto call = [&] { std::apply(kernel, values); };
+  auto call = [&] { call_with_args(kernel, args, std::index_sequence_for<Params...>{}); };
   run_grid(grid, block, dynamic_shared_bytes, fibers,
            [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call);
 }

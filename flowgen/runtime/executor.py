@@ -34,10 +34,11 @@ class CpuBackend:
 
     name = "cpu"
 
-    def __init__(self, source: str, tag: str):
-        from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+    def __init__(self, source: str):
+        from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 
-        self.module = CpuModule(build_cpu_library(source, tag))
+        library, self.build = build_kernel_library(source)
+        self.module = CpuModule(library, {name: symbol for name, (_, symbol) in self.build.symbols.items()})
         self._keep = []
 
     def alloc(self, nbytes: int):
@@ -78,7 +79,7 @@ class CudaBackend:
 
     name = "cuda"
 
-    def __init__(self, source: str, tag: str):
+    def __init__(self, source: str):
         from flowgen.runtime import cuda_driver, nvrtc
 
         self.driver = cuda_driver
@@ -91,7 +92,8 @@ class CudaBackend:
         if "mma_m16n8k" in source and major < 8:
             raise RuntimeError(f"this graph runs GEMMs on tensor cores (mma.sync, cp.async), which needs sm_80 or "
                                f"newer; the GPU is {self.ctx.arch}")
-        self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, self.ctx.arch, tag))
+        self.build = nvrtc.compile_kernels(source, self.ctx.arch)
+        self.modules = [cuda_driver.CudaModule(path.read_bytes()) for path in self.build.artifacts]
         self.stream = self.ctx.create_stream()
         self.allocations = []
         self._keep = []
@@ -115,10 +117,12 @@ class CudaBackend:
         self.driver.check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
     def prepare(self, kernel, args):
-        function = self.module.function(kernel.name)
+        index, symbol = self.build.symbols[kernel.name]
+        module = self.modules[index]
+        function = module.function(symbol)
         self._keep.append(args)   # the ctypes values must outlive every launch
-        return lambda: self.module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
-                                          self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
+        return lambda: module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
+                                     self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
     def global_address(self, name: str) -> int:
         return self.module.global_address(name)

@@ -1,4 +1,8 @@
-"""Compile generated CUDA C++ with NVRTC into a cubin (or PTX), with a disk cache."""
+"""Compile generated CUDA C++ with NVRTC into a cubin (or PTX), with a disk cache.
+
+`compile_cuda` compiles one source as one program (one cubin); `compile_kernels` compiles a
+generated kernels.cu kernel by kernel through `kernel_cache` (each distinct body once, chunks
+in parallel threads: NVRTC releases the GIL), giving several cubins and a name map."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
+from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
 from flowgen.runtime.toolchain import (
     CompileError,
     atomic_write_bytes,
@@ -61,12 +66,35 @@ def _options(target: str) -> list[str]:
     ]
 
 
-def _build_key(text: str, options: list[str]) -> str:
+def _salt(options: list[str]) -> str:
+    """Everything besides the source that changes NVRTC's output: its version, the options
+    and flowgen's headers."""
     digest = hashlib.sha256()
-    for part in (text, *options, repr(nvrtc_version())):
+    for part in (*options, repr(nvrtc_version())):
         digest.update(part.encode() + b"\0")
-    digest.update((runtime_cpp_dir() / PRELUDE).read_bytes())
+    for header in sorted(runtime_cpp_dir().glob("*.h")):
+        digest.update(header.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def _build_key(text: str, options: list[str]) -> str:
+    return hashlib.sha256(text.encode() + b"\0" + _salt(options).encode()).hexdigest()
+
+
+# A chunk of kernels should hold at least this much source: each NVRTC program pays about
+# 50 ms of CPU for the prelude and CUDA headers.
+_MIN_CHUNK_CHARS = 15_000
+
+
+def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
+    """Cubins for a generated kernels.cu: `artifacts` are cubin paths (load each as a module),
+    `symbols` maps each kernel name to (cubin index, function name)."""
+    options = _options(f"sm_{_arch_number(arch)}")
+    source = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
+    return build_kernels(source, root=cache_dir() / "nvrtc-kernels", salt=_salt(options), artifact="kernels.cubin",
+                         compiler="nvrtc", min_chunk_chars=_MIN_CHUNK_CHARS,
+                         compile_chunk=lambda text, build_dir: _compile_into(text, options, build_dir,
+                                                                             "kernels.cubin"))
 
 
 def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
@@ -76,7 +104,11 @@ def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
     artifact = build_dir / artifact_name
     if artifact.is_file():
         return artifact.read_bytes()
+    return _compile_into(text, options, build_dir, artifact_name)
 
+
+def _compile_into(text: str, options: list[str], build_dir: Path, artifact_name: str) -> bytes:
+    """Compile `text`, leaving kernels.cu, compile.log and the artifact in `build_dir`."""
     source_path = build_dir / _SOURCE_NAME
     atomic_write_bytes(source_path, text.encode())
     program = _check(
@@ -93,7 +125,7 @@ def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
         image = _program_image(program, artifact_name.endswith(".ptx"))
     finally:
         nvrtc.nvrtcDestroyProgram(program)
-    atomic_write_bytes(artifact, image)
+    atomic_write_bytes(build_dir / artifact_name, image)
     return image
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import site
 import sys
 import tempfile
@@ -31,6 +32,20 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def copy_file_atomically(source: Path, dest: Path) -> None:
+    """Copy `source` (mode bits included) to `dest` through a temporary file and a rename."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        shutil.copy2(source, tmp)
+        os.replace(tmp, dest)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -31,6 +31,7 @@ from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, 
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
 from flowgen.passes.zero import shard_optimizer_state, shards_parameter
+from flowgen.runtime.progress import reporting
 
 
 class CompiledGraph:
@@ -151,27 +152,27 @@ def _device_of(graph, args):
     return devices.pop() if devices else as_device("cpu")
 
 
-def _make_backend(device, source: str, tag: str):
+def _make_backend(device, source: str):
     from flowgen.runtime.executor import CpuBackend, CudaBackend
 
     if device.type == "cpu":
-        return CpuBackend(source, tag)
+        return CpuBackend(source)
     from flowgen.runtime import cuda_driver
 
     if not cuda_driver.available():
         raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
-    return CudaBackend(source, tag)
+    return CudaBackend(source)
 
 
-def _make_backend_once(device, source: str, tag: str, data_parallel):
+def _make_backend_once(device, source: str, data_parallel):
     """Ranks of a data-parallel graph compile the same source: rank 0 builds it into the
     cache while the others wait, then they load it from there."""
     if data_parallel is None or data_parallel.world_size == 1:
-        return _make_backend(device, source, tag)
+        return _make_backend(device, source)
     comm = world()
-    backend = _make_backend(device, source, tag) if comm.rank == 0 else None
+    backend = _make_backend(device, source) if comm.rank == 0 else None
     comm.barrier()
-    return backend if backend is not None else _make_backend(device, source, tag)
+    return backend if backend is not None else _make_backend(device, source)
 
 
 def _module_hook(graph, tracer, paths: dict, io: dict):
@@ -259,7 +260,12 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it. The tensors are this rank's
     local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
-    gradients over the ranks."""
+    gradients over the ranks. One progress line covers all stages."""
+    with reporting(graph.name) as progress:
+        return _compile_step(graph, args, kwargs, data_parallel, progress)
+
+
+def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
@@ -269,6 +275,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     timings = {}
     start = time.perf_counter()
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start building graph.")
+    progress.stage("trace")
     tracer = Tracer(graph.name, device, log=graph._log if graph._debug_level >= 2 else None,
                     autocast=graph.config.amp_dtype if graph.config.amp else None, capture_free_tensors=True)
     param_name, paths = {}, {}
@@ -351,12 +358,12 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
-    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
 
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) start compiling plan and init graph runtime.")
     start = time.perf_counter()
+    progress.stage("passes")
     if grads is not None and data_parallel is not None:
         # ZeRO-2 reduce-scatters the gradients of the parameters it shards (passes/zero.py).
         reduced_here = grads if zero is None or zero.stage == 1 else {
@@ -396,6 +403,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
+    progress.stage("codegen")
     ir = _with_measured_conv_tiles(graph, ir, device)
     program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type,
                             compress_memory=graph.config.compress_memory, allow_tf32=graph.config.tf32)
@@ -403,7 +411,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     timings["codegen"] = time.perf_counter() - start
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
-    executor_backend = _make_backend_once(device, program.source, graph.name, data_parallel)
+    executor_backend = _make_backend_once(device, program.source, data_parallel)
     from flowgen.runtime.executor import Executor
 
     executor = Executor(program, executor_backend)

@@ -191,9 +191,24 @@ class Graph:
         self._counter["calls"] = int(state_dict.get("_step", self._counter["calls"]))
         if "_rng_state" in state_dict:
             random.set_rng_state(state_dict["_rng_state"])
-        # Compiled variants hold slot bindings made from the old optimizer state: rebuild them.
-        self._variants.clear()
-        object.__setattr__(self, "_last", None)
+        # Parameters, buffers and optimizer slots were loaded in place (each gets a new version,
+        # uploaded before the next call), so compiled variants stay. A variant bound to a slot
+        # the optimizer replaced (the checkpoint had none, or another shape) is dropped.
+        live = {id(t) for t in self._state_tensors()}
+        for key, variant in list(self._variants.items()):
+            if any(id(tensor) not in live for _, tensor in variant.bindings):
+                del self._variants[key]
+        if self._last is not None and not any(v is self._last for v in self._variants.values()):
+            object.__setattr__(self, "_last", None)
+
+    def _state_tensors(self):
+        """Every tensor a compiled variant may be bound to: parameters, buffers, optimizer slots."""
+        for module in self._modules.values():
+            yield from module.parameters()
+            yield from (b for b in module.buffers() if b is not None)
+        for opt, _ in self._optimizers:
+            for slots in opt.state.values():
+                yield from (v for v in slots.values() if hasattr(v, "_version"))
 
     def _flowgen_save(self, path):
         """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py)."""

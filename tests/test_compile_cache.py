@@ -1,0 +1,197 @@
+"""The kernel build cache: identical bodies compiled once, hits across graph instances and
+shapes, compiled variants kept by load_state_dict, and the progress line."""
+import concurrent.futures
+import ctypes
+import io
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen.codegen import aot
+from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, progress
+from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
+from graphs import InferGraph, TrainGraph
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FLOWGEN_PROGRESS", "0")
+    return tmp_path / "cache"
+
+
+def _scale_kernel(name: str, path: str, factor: str) -> str:
+    return (f"// {path}: scale\n"
+            f'extern "C" __global__ void {name}(float* x) {{ x[threadIdx.x] *= {factor}; }}\n'
+            f"FLOWGEN_EMU_KERNEL({name}, false)\n")
+
+
+# Four kernels of different module paths: three share a body, one differs.
+SOURCE = '#include "flowgen_cuda_prelude.h"\n\n' + "\n".join(
+    [_scale_kernel("k0_a_scale", "a", "2.0f"), _scale_kernel("k1_b_scale", "b", "2.0f"),
+     _scale_kernel("k2_c_scale", "c", "3.0f"), _scale_kernel("k3_d_scale", "d", "2.0f")])
+
+
+def test_identical_bodies_compile_once_for_nvrtc(cache):
+    build = nvrtc.compile_kernels(SOURCE, "sm_80")
+    assert (build.stats.kernels, build.stats.distinct, build.stats.compiled) == (4, 2, 2)
+    assert build.symbols["k0_a_scale"] == build.symbols["k1_b_scale"] == build.symbols["k3_d_scale"]
+    assert build.symbols["k2_c_scale"] != build.symbols["k0_a_scale"]
+    index, symbol = build.symbols["k2_c_scale"]
+    assert symbol.startswith("k2_c_scale_") and symbol.encode() in build.artifacts[index].read_bytes()
+    again = nvrtc.compile_kernels(SOURCE.replace("// b:", "// elsewhere:"), "sm_80")
+    assert (again.stats.cached, again.stats.compiled, again.stats.chunks) == (2, 0, 0)
+
+
+def test_identical_bodies_compile_once_for_the_emulator(cache):
+    library, build = build_kernel_library(SOURCE)
+    assert (build.stats.distinct, build.stats.compiled) == (2, 2)
+    module = CpuModule(library, {name: symbol for name, (_, symbol) in build.symbols.items()})
+    x = np.ones(4, np.float32)
+    for name in ("k0_a_scale", "k1_b_scale", "k2_c_scale"):
+        module.launch(name, (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
+    np.testing.assert_array_equal(x, np.full(4, 12.0, np.float32))
+
+
+def test_split_kernels_keeps_every_kernel_and_drops_header_comments():
+    preamble, units = kernel_cache.split_kernels("// kernels.cu for MyGraph\n" + SOURCE)
+    assert preamble == '#include "flowgen_cuda_prelude.h"\n'
+    assert [u.name for u in units] == ["k0_a_scale", "k1_b_scale", "k2_c_scale", "k3_d_scale"]
+    assert units[0].body() == units[1].body() != units[2].body()
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def _train_graph(model):
+    return TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+
+def _build_stats(graph):
+    return graph.compiled.executor.backend.build.stats
+
+
+def test_a_second_graph_instance_compiles_nothing(cache):
+    x, y = flow.randn(4, 6), flow.randint(0, 3, (4,))
+    flow.manual_seed(1)
+    first = _train_graph(_mlp())
+    flow.manual_seed(1)
+    second = _train_graph(_mlp())
+    assert first.name != second.name
+    loss_first = float(first(x, y))
+    assert _build_stats(first).compiled == _build_stats(first).distinct > 0
+    loss_second = float(second(x, y))
+    stats = _build_stats(second)
+    assert stats.compiled == 0 and stats.cached == stats.distinct
+    assert loss_second == loss_first
+
+
+def test_a_shape_change_compiles_only_the_kernels_that_changed(cache):
+    model = _mlp()
+    graph = _train_graph(model)
+    graph(flow.randn(4, 6), flow.randint(0, 3, (4,)))
+    x, y = flow.randn(5, 6), flow.randint(0, 3, (5,))
+    expected = float(nn.CrossEntropyLoss()(model(x), y))
+    loss = float(graph(x, y))
+    stats = _build_stats(graph)     # the optimizer update does not depend on the batch size
+    assert 0 < stats.compiled < stats.distinct and stats.cached == stats.distinct - stats.compiled
+    assert loss == pytest.approx(expected, rel=1e-5)
+
+
+def test_load_state_dict_keeps_the_compiled_variant(cache, tmp_path, capsys):
+    x, y = flow.randn(4, 6), flow.randint(0, 3, (4,))
+    graph = _train_graph(_mlp())
+    graph.debug(0)
+    graph(x, y)
+    assert "end building graph, " in capsys.readouterr().out
+    variant = graph.compiled
+    flow.save(graph.state_dict(), tmp_path / "checkpoint")
+    losses = [float(graph(x, y)) for _ in range(3)]
+
+    graph.load_state_dict(flow.load(tmp_path / "checkpoint"))
+    assert graph.compiled is variant
+    assert [float(graph(x, y)) for _ in range(3)] == losses
+    assert graph.compiled is variant
+    assert "start building graph" not in capsys.readouterr().out
+    flow.save(graph, tmp_path / "exported")      # seed 003's order: checkpoint, restore, export
+    assert (tmp_path / "exported" / "graph.json").is_file()
+
+
+def test_progress_lines_when_forced_and_none_when_quiet(cache, monkeypatch, capsys):
+    monkeypatch.setenv("FLOWGEN_PROGRESS", "1")
+    nvrtc.compile_kernels(SOURCE, "sm_80")
+    lines = capsys.readouterr().err.splitlines()
+    assert "flowgen: compile | nvrtc kernels 0/2 | " in lines[0] and "| done |" in lines[-1]
+
+    monkeypatch.setenv("FLOWGEN_PROGRESS", "0")
+    nvrtc.compile_kernels(SOURCE.replace("3.0f", "4.0f"), "sm_80")
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_rewrites_one_line_on_a_terminal(monkeypatch):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("FLOWGEN_PROGRESS", "always")
+    stream = Terminal()
+    line = progress.Progress("MyGraph_0", stream=stream)
+    line.stage("g++ kernels", total=3)
+    line.advance(2)
+    line.close()
+    text = stream.getvalue()
+    assert "\n" not in text.rstrip("\n") and text.count("\r\033[K") >= 3
+    assert "flowgen: MyGraph_0 | g++ kernels 2/3 | " in text and text.endswith("s\n")
+
+
+def test_cached_objects_are_reused_without_running_gxx(cache, monkeypatch):
+    build_kernel_library(SOURCE)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("g++ ran again for cached kernels")
+
+    monkeypatch.setattr(cpu_compiler.subprocess, "run", no_compiler)
+    library, build = build_kernel_library(SOURCE.replace("// a:", "// renamed module:"))
+    assert library.is_file() and build.stats.compiled == 0
+
+
+def test_flowgen_build_reuses_the_cached_device_and_host_builds(cache, tmp_path, monkeypatch):
+    graph = InferGraph(nn.Linear(5, 2).eval())
+    graph(flow.randn(3, 5))
+    flow.save(graph, tmp_path / "saved")
+    lines = []
+    aot.build(tmp_path / "saved", tmp_path / "first", target="cuda", arch="sm_80", log=lines.append)
+    assert "  compile host code      ..." in lines and not any("(cached)" in line for line in lines)
+
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("a compiler ran again for a cached build")
+
+    monkeypatch.setattr(aot.subprocess, "run", no_compiler)
+    monkeypatch.setattr(nvrtc.nvrtc, "nvrtcCompileProgram", no_compiler)
+    lines.clear()
+    result = aot.build(tmp_path / "saved", tmp_path / "second", target="cuda", arch="sm_80", log=lines.append)
+    assert any(line.startswith("  compile host code") and line.endswith("(cached)") for line in lines)
+    assert result.binary.read_bytes() == (tmp_path / "first" / result.binary.name).read_bytes()
+    assert os.access(result.binary, os.X_OK)
+
+
+def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
+    start = threading.Barrier(2)
+
+    def build(_):
+        start.wait()
+        return build_kernel_library(SOURCE)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(build, range(2)))
+    x = np.ones(4, np.float32)
+    for library, built in results:
+        module = CpuModule(library, {name: symbol for name, (_, symbol) in built.symbols.items()})
+        module.launch("k2_c_scale", (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
+    np.testing.assert_array_equal(x, np.full(4, 9.0, np.float32))
+    assert not list(cache.rglob(".*.tmp")) and build_kernel_library(SOURCE)[1].stats.compiled == 0
