@@ -10,35 +10,12 @@ from flowgen.ir.trace import TraceError
 from flowgen.ir.interpret import interpret
 from flowgen.ir.verify import verify
 from flowgen.passes.pipeline import default_passes, run_passes
-from graphs import InferGraph, TrainGraph
+from graphs import InferGraph, TrainGraph, train_like_eager
 
 
 def _mlp():
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
-
-def _train_like_eager(model, make_opt, batches, loss_fn=None, make_sch=None, loss_rtol=1e-5, loss_atol=0.0):
-    """Graph training steps on `batches` ((x, y) pairs) beside the same steps in eager (a deep copy
-    of `model`, with its own optimizer and, from `make_sch`, LR scheduler): equal losses each step
-    and equal parameters and buffers after; returns (graph, graph optimizer, eager optimizer)."""
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
-    eager = copy.deepcopy(model)
-    opt_g, opt_e = make_opt(model.parameters()), make_opt(eager.parameters())
-    sch_e = make_sch(opt_e) if make_sch else None
-    graph = TrainGraph(model, loss_fn, (opt_g, make_sch(opt_g)) if make_sch else opt_g)
-    for x, y in batches:
-        got = graph(x, y)
-        loss = loss_fn(eager(x), y)
-        opt_e.zero_grad()
-        loss.backward()
-        opt_e.step()
-        if sch_e:
-            sch_e.step()
-        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=loss_rtol, atol=loss_atol)
-    for name, value in eager.state_dict().items():
-        np.testing.assert_allclose(model.state_dict()[name].numpy(), value.numpy(), rtol=1e-4, atol=1e-6,
-                                   err_msg=name)
-    return graph, opt_g, opt_e
 
 def test_inference_graph_equals_eager_and_exposes_compiled():
     model = _mlp()
@@ -60,7 +37,7 @@ def _train_pair(make_opt, steps=6, make_sch=None, seed=0):
     flow.manual_seed(seed)
     model = _mlp()
     batches = [(flow.randn(8, 5), flow.randn(8, 3)) for _ in range(steps)]
-    return _train_like_eager(model, make_opt, batches, loss_fn=nn.MSELoss(), make_sch=make_sch, loss_rtol=2e-5,
+    return train_like_eager(model, make_opt, batches, loss_fn=nn.MSELoss(), make_sch=make_sch, loss_rtol=2e-5,
                              loss_atol=1e-6)
 
 
@@ -238,7 +215,7 @@ def test_polyfit_graph_example_matches_eager_losses():
     y = flow.tensor(np.sin(x), dtype=flow.float32)
     xx = flow.cat([x.unsqueeze(-1).pow(1), x.unsqueeze(-1).pow(2), x.unsqueeze(-1).pow(3)], dim=1)
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
-    _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=1e-5), [(xx, y)] * 50,
+    train_like_eager(model, lambda params: flow.optim.SGD(params, lr=1e-5), [(xx, y)] * 50,
                       loss_fn=nn.MSELoss(reduction="sum"))
 
 
@@ -525,7 +502,7 @@ def test_batchnorm_training_kernels_recompute_x_minus_mean():
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU6(),
                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
-    graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+    graph, _, _ = train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
                                     [(flow.randn(4, 3, 16, 16), flow.randint(0, 4, (4,)))] * 2)
     bn_kernels = [k.name for k in graph.compiled.program.kernels if "_model_1_" in k.name]
     forward = [k for k in bn_kernels if "backward" not in k and "ge_le" not in k and "num_batches" not in k]
@@ -595,7 +572,7 @@ def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_
         flow.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8),
                               nn.ReLU(), nn.Conv2d(8, 4, 1), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
-        graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
+        graph, _, _ = train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.1, momentum=0.9),
                                         [(flow.randn(2, 3, 6, 6), flow.randint(0, 3, (2,)))] * 3)
         return graph, [k for k in graph.compiled.program.kernels if k.horizontal]
 
@@ -623,7 +600,7 @@ def test_reductions_with_few_outputs_split_over_blocks(tmp_path, monkeypatch):
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 32 * 32, 2))
-    graph, _, _ = _train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.01, momentum=0.9),
+    graph, _, _ = train_like_eager(model, lambda params: flow.optim.SGD(params, lr=0.01, momentum=0.9),
                                     [(flow.randn(16, 3, 32, 32), flow.randint(0, 2, (16,)))] * 2)
     partial = [k for k in graph.compiled.program.kernels if k.name.endswith("_partial")]
     assert partial and all(k.grid[1] > 1 for k in partial)

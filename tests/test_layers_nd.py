@@ -6,6 +6,7 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from graphs import train_like_eager
 from torch_oracle import get_torch
 
 RNG = np.random.default_rng(5)
@@ -73,34 +74,10 @@ def test_conv1d_and_transposed_conv_train_in_a_graph_like_eager():
             h = self.pool(flow.relu(self.conv(x)))          # (N, 4, 4)
             return self.up(h.unsqueeze(2)).flatten(1)      # (N, 2, 2, 8) -> (N, 32)
 
-    def make():
-        flow.manual_seed(9)
-        return Net()
-
-    eager_m, graph_m = make(), make()
-    opt_e, opt_g = flow.optim.SGD(eager_m.parameters(), lr=0.1), flow.optim.SGD(graph_m.parameters(), lr=0.1)
-
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.m = graph_m
-            self.add_optimizer(opt_g)
-
-        def build(self, x):
-            loss = (self.m(x) ** 2).mean()
-            loss.backward()
-            return loss
-
-    step = Step()
+    flow.manual_seed(9)
     x = flow.tensor(RNG.standard_normal((3, 2, 8)).astype(np.float32))
-    for _ in range(3):
-        opt_e.zero_grad()
-        le = (eager_m(x) ** 2).mean()
-        le.backward()
-        opt_e.step()
-        np.testing.assert_allclose(step(x).numpy(), le.numpy(), rtol=1e-5)
-    for (name, pe), pg in zip(eager_m.named_parameters(), graph_m.parameters()):
-        np.testing.assert_allclose(pg.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    y = flow.tensor(RNG.standard_normal((3, 32)).astype(np.float32))
+    train_like_eager(Net(), lambda ps: flow.optim.SGD(ps, lr=0.1), [(x, y)] * 3, loss_fn=nn.MSELoss())
 
 
 @pytest.mark.parametrize("kwargs", [dict(kernel_size=2), dict(kernel_size=(2, 3), dilation=(1, 2), padding=1, stride=2)])

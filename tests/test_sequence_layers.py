@@ -5,6 +5,7 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from graphs import train_like_eager
 from torch_oracle import get_torch
 
 RNG = np.random.default_rng(11)
@@ -153,37 +154,10 @@ def test_lstm_language_model_trains_in_a_graph_like_eager():
             out, _ = self.rnn(self.encoder(tokens))
             return self.decoder(out).reshape(-1, 11)
 
-    def make():
-        flow.manual_seed(5)
-        return LM()
-
-    eager_m, graph_m = make(), make()
-    opt_e = flow.optim.SGD(eager_m.parameters(), lr=0.5)
-    opt_g = flow.optim.SGD(graph_m.parameters(), lr=0.5)
-    loss_fn = nn.CrossEntropyLoss()
-
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.m = graph_m
-            self.add_optimizer(opt_g)
-
-        def build(self, tokens, targets):
-            loss = loss_fn(self.m(tokens), targets)
-            loss.backward()
-            return loss
-
-    step = Step()
+    flow.manual_seed(5)
     tokens = flow.tensor(RNG.integers(0, 11, (4, 2)))
     targets = flow.tensor(RNG.integers(0, 11, (8,)))
-    for _ in range(3):
-        opt_e.zero_grad()
-        le = loss_fn(eager_m(tokens), targets)
-        le.backward()
-        opt_e.step()
-        np.testing.assert_allclose(step(tokens, targets).numpy(), le.numpy(), rtol=1e-5)
-    for (name, pe), pg in zip(eager_m.named_parameters(), graph_m.parameters()):
-        np.testing.assert_allclose(pg.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+    train_like_eager(LM(), lambda ps: flow.optim.SGD(ps, lr=0.5), [(tokens, targets)] * 3)
 
 
 def test_transformer_encoder_runs_in_a_graph_like_eager():
