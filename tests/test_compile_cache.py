@@ -108,7 +108,7 @@ def test_load_state_dict_keeps_the_compiled_variant(cache, tmp_path, capsys):
     graph = _train_graph(_mlp())
     graph.debug(0)
     graph(x, y)
-    assert "end building graph, " in capsys.readouterr().out
+    assert "building graph Done! Cost time: " in capsys.readouterr().out
     variant = graph.compiled
     flow.save(graph.state_dict(), tmp_path / "checkpoint")
     losses = [float(graph(x, y)) for _ in range(3)]

@@ -8,6 +8,7 @@ module stays fast.
 from __future__ import annotations
 
 import ctypes
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -322,7 +323,7 @@ def test_kernel_contract(rendered):
             assert k.ops == [node.op]
             assert k.comment.startswith(node.scope + ": " + node.op)
             assert k.source.startswith(f"// {k.comment}") or f"\n// {k.comment}\n" in k.source
-            assert f'extern "C" __global__ void {k.name}(' in k.source
+            assert re.search(rf'extern "C" __global__ void (__launch_bounds__\([0-9, ]+\) )?{k.name}\(', k.source)
             uses_sync = "__syncthreads" in k.source or "_sync(" in k.source
             assert f"FLOWGEN_EMU_KERNEL({k.name}, {'true' if uses_sync else 'false'})" in k.source
             assert k.needs_fibers == uses_sync

@@ -358,6 +358,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
 
