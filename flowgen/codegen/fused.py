@@ -90,10 +90,12 @@ class _Emitter:
         self.args: list = []
         self.var: dict = {}
         self.counter = 0
+        self.param_name: dict = {}   # input Value -> the name of the parameter it arrives in
         for k, v in enumerate(node.inputs):
             if scalar_constant(v, producers) is not None:
                 continue
-            self.params.append(f"const {v.dtype.ctype}* __restrict__ {names.get(v, f'in{k}')}")
+            self.param_name[v] = names.get(v, f"in{k}")
+            self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
         for k, v in enumerate(node.outputs):
             self.params.append(f"{v.dtype.ctype}* __restrict__ out{k}")
@@ -106,7 +108,7 @@ class _Emitter:
     def load_inputs(self, values, offset_of) -> list:
         """Load each external input once (inline scalar constants)."""
         lines = []
-        for k, v in enumerate(self.node.inputs):
+        for v in self.node.inputs:
             if v not in values or v in self.var:
                 continue
             const = scalar_constant(v, self.producers)
@@ -114,7 +116,8 @@ class _Emitter:
                 self.var[v] = const
                 continue
             name = self.fresh()
-            lines.append(f"const {COMPUTE_TYPE[v.dtype]} {name} = {_load(v.dtype, f'in{k}[{offset_of(v)}]')};")
+            lines.append(f"const {COMPUTE_TYPE[v.dtype]} {name} = "
+                         f"{_load(v.dtype, f'{self.param_name[v]}[{offset_of(v)}]')};")
             self.var[v] = name
         return lines
 
