@@ -114,6 +114,7 @@ UNARY = ["F.relu({})", "lib.sigmoid({})", "lib.tanh({})", "F.gelu({})", "F.silu(
          "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)"]
 BINARY = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "{a} / (lib.abs({b}) + 1.0)", "lib.maximum({a}, {b})",
           "lib.minimum({a}, {b})"]
+SCALAR_BINARY = ["{a} + {c}", "{a} - {c}", "{c} - {a}", "{a} * {c}", "{a} / {c}", "lib.clamp({a}, min={c})"]
 
 
 def _broadcast_shape(rng, shape) -> tuple:
@@ -154,7 +155,8 @@ def _statement(g: _Gen, pool: list) -> tuple:
             other, _ = g.emit(f"lib.{rng.choice(['sum', 'mean', 'amax'])}({var}, dim={dim}, keepdim=True)",
                               shape[:dim] + (1,) + shape[dim + 1:])
         else:
-            other = repr(round(rng.uniform(-2, 2), 3))
+            constant = rng.choice([-1.5, -0.5, 0.25, 2.0])
+            return g.emit(rng.choice(SCALAR_BINARY).format(a=var, c=constant), shape)
         a, b = (var, other) if rng.random() < 0.7 else (other, var)
         return g.emit(rng.choice(BINARY).format(a=a, b=b), shape)
     if kind in ("reduce", "reduce_back"):
@@ -308,7 +310,7 @@ def make_data(program: Program) -> tuple:
 
 def _tensor(a, dtype):
     a = np.asarray(a)
-    return flow.tensor(a.astype(np.float64 if dtype == flow.float64 else np.float32) if a.dtype.kind == "f" else a)
+    return flow.tensor(a, dtype=dtype) if a.dtype.kind == "f" else flow.tensor(a)
 
 
 def _optimizer(program: Program, params):
@@ -484,7 +486,14 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
     """Run `programs` in eager and (with `graphs`) in one pair of graphs; [(program, problems)]
     for each program that disagrees. A batch whose graphs fail is retried program by program."""
     states = [s for _, s in _initial_state(programs)]
-    eager = [(run_eager(p, s, flow.float32)[0], run_eager(p, s, flow.float64)) for p, s in zip(programs, states)]
+    eager, found = [], []
+    for p, s in zip(programs, states):
+        try:
+            eager.append((run_eager(p, s, flow.float32)[0], run_eager(p, s, flow.float64)))
+        except Exception:
+            found.append((p, [f"eager failed: {traceback.format_exc(limit=-3)}"]))
+    if found:
+        return found
     graph_results = [None] * len(programs)
     if graphs:
         try:
@@ -493,14 +502,17 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
             if len(programs) > 1:
                 return [found for p in programs for found in check_programs([p], graphs, use_torch)]
             return [(programs[0], [f"graph failed: {traceback.format_exc(limit=-3)}"])]
-    found = []
     for p, s, g, (e32, (e64, grads64)) in zip(programs, states, graph_results, eager):
         if not all(np.all(np.isfinite(v)) for v in e64.values()):
             continue   # overflowed in float64 already: nothing to compare against
         problems = []
         if g is not None:
             problems += [m for k in e64 if (m := mismatch(k, g.get(k, np.full(1, np.nan)), e32[k], e64[k]))]
-        oracle = run_torch(p, s) if use_torch else None
+        try:
+            oracle = run_torch(p, s) if use_torch else None
+        except Exception:
+            oracle = None
+            problems.append(f"torch failed (flowgen eager ran): {traceback.format_exc(limit=-2)}")
         if oracle is not None:
             t_values, t_grads = oracle
             problems += [m for k, v in t_values.items() if (m := torch_mismatch(k, e64[k], v))]

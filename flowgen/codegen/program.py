@@ -163,7 +163,7 @@ def _memory_of(value, plan, aliases, state_writes) -> tuple:
 
 
 def _shares_memory(a, b) -> bool:
-    return a[0] is b[0] and a[1] < b[2] and b[1] < a[2]
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
 
 
 def _drop_restrict(kernel: Kernel, pairs: list) -> Kernel:
