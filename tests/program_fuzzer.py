@@ -11,9 +11,11 @@ Each program runs
 
 compared with the same model in eager float32 and eager float64. The tolerance is stated in
 float32 rounding units against the float64 eager result: the graph's error may be at most
-`ERROR_FACTOR` times eager float32's own error (which measures how ill-conditioned the program
-is, e.g. Adam on near-zero gradients) plus `ROUNDING_UNITS` units of 2**-24 of the tensor's
-largest magnitude (different but equally valid summation orders). With torch installed, eager
+`ERROR_FACTOR` times the largest error of three eager float32 runs (on the exact inputs and
+state, and on copies moved by up to one ulp: how far float32 rounding alone moves this result,
+which is large where the program is chaotic, e.g. Adam on a gradient that cancels to zero)
+plus `ROUNDING_UNITS` units of 2**-24 of the tensor's largest magnitude (different but equally
+valid summation orders). With torch installed, eager
 float64 is also checked against torch float64 (forward, loss and first-step gradients), which
 must agree to 1e-6 relative (formulas may round differently; semantics may not): that checks
 the op semantics the fuzzer's reference relies on.
@@ -44,6 +46,7 @@ ERROR_FACTOR = 8.0
 ROUNDING_UNITS = 256
 EPS32 = 2.0 ** -24
 TORCH_RTOL = 1e-6
+PERTURBED_RUNS = (None, 1, 2)   # eager float32 runs: exact inputs, and two ulp-perturbed ones
 STEPS = 3
 
 
@@ -408,9 +411,21 @@ def run_graphs(programs, states) -> list:
     return results
 
 
-def run_eager(program, state, dtype) -> tuple:
-    """The same as `run_graphs` for one program in eager mode; also the first step's gradients."""
+def _perturbed(array, rng):
+    """`array` with each float element moved by up to one float32 unit in the last place."""
+    if array.dtype.kind != "f":
+        return array
+    return (array * (1 + 2.0 ** -23 * rng.uniform(-1, 1, array.shape))).astype(array.dtype)
+
+
+def run_eager(program, state, dtype, perturb: int | None = None) -> tuple:
+    """The same as `run_graphs` for one program in eager mode; also the first step's gradients.
+    With `perturb` (a seed), the input and initial state are first moved by up to an ulp each."""
     x, target = make_data(program)
+    if perturb is not None:
+        rng = np.random.default_rng(perturb)
+        x = _perturbed(x, rng)
+        state = {k: _perturbed(v, rng) for k, v in state.items()}
     model = _fresh(program, state, dtype)
     model.eval()
     result = {"inference": model(_tensor(x, dtype)).numpy().astype(np.float64)}
@@ -454,16 +469,21 @@ def run_torch(program, state) -> tuple:
 # ----------------------------------------------------------------------------------------------
 # Comparing
 
-def mismatch(name, graph32, eager32, eager64) -> str | None:
-    """Why `graph32` is not as close to `eager64` as float32 allows (see the module docstring), or None."""
-    g, e, r = (np.asarray(a, np.float64) for a in (graph32, eager32, eager64))
+def mismatch(name, graph32, eager32_runs, eager64) -> str | None:
+    """Why `graph32` is not as close to `eager64` as float32 allows, or None: its error may be
+    `ERROR_FACTOR` times the largest error of the eager float32 runs (exact and ulp-perturbed
+    inputs: how much float32 rounding can move this result) plus `ROUNDING_UNITS` float32
+    units of the result's largest magnitude."""
+    g, r = np.asarray(graph32, np.float64), np.asarray(eager64, np.float64)
     if g.shape != r.shape:
         return f"{name}: shape {g.shape} in the graph, {r.shape} in eager"
     if not np.all(np.isfinite(g)):
         return f"{name}: the graph gives non-finite values {g.ravel()[:6]}"
-    scale = float(np.max(np.abs(r))) if r.size else 0.0
-    err_eager = float(np.max(np.abs(e - r))) if r.size else 0.0
-    err_graph = float(np.max(np.abs(g - r))) if r.size else 0.0
+    if not r.size:
+        return None
+    scale = float(np.max(np.abs(r)))
+    err_eager = max(float(np.max(np.abs(np.asarray(e, np.float64) - r))) for e in eager32_runs)
+    err_graph = float(np.max(np.abs(g - r)))
     allowed = ERROR_FACTOR * err_eager + ROUNDING_UNITS * EPS32 * scale
     if err_graph > allowed:
         return (f"{name}: graph float32 is {err_graph:.3g} from eager float64 (allowed {allowed:.3g}: eager float32 "
@@ -489,7 +509,8 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
     eager, found = [], []
     for p, s in zip(programs, states):
         try:
-            eager.append((run_eager(p, s, flow.float32)[0], run_eager(p, s, flow.float64)))
+            runs32 = [run_eager(p, s, flow.float32, perturb)[0] for perturb in PERTURBED_RUNS]
+            eager.append((runs32, run_eager(p, s, flow.float64)))
         except Exception:
             found.append((p, [f"eager failed: {traceback.format_exc(limit=-3)}"]))
     if found:
@@ -507,7 +528,7 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
             continue   # overflowed in float64 already: nothing to compare against
         problems = []
         if g is not None:
-            problems += [m for k in e64 if (m := mismatch(k, g.get(k, np.full(1, np.nan)), e32[k], e64[k]))]
+            problems += [m for k in e64 if (m := mismatch(k, g.get(k, np.full(1, np.nan)), [r[k] for r in e32], e64[k]))]
         try:
             oracle = run_torch(p, s) if use_torch else None
         except Exception:
