@@ -114,7 +114,7 @@ UNARY = ["F.relu({})", "lib.sigmoid({})", "lib.tanh({})", "F.gelu({})", "F.silu(
          "F.elu({})", "F.softplus({})", "F.hardtanh({})", "F.relu6({} * 3.0)", "-{}", "lib.abs({})", "{} * {}",
          "lib.exp(-lib.abs({}))", "lib.log(lib.abs({}) + 1.0)", "lib.sqrt(lib.abs({}) + 0.1)", "lib.sin({})",
          "lib.cos({})", "lib.square({})", "lib.pow({}, 3)", "lib.clamp({}, min=-0.5, max=0.8)", "F.mish({})",
-         "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)"]
+         "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)", "F.gelu({}, approximate='tanh')"]
 BINARY = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "{a} / (lib.abs({b}) + 1.0)", "lib.maximum({a}, {b})",
           "lib.minimum({a}, {b})"]
 SCALAR_BINARY = ["{a} + {c}", "{a} - {c}", "{c} - {a}", "{a} * {c}", "{a} / {c}", "lib.clamp({a}, min={c})"]
@@ -134,15 +134,19 @@ def _statement(g: _Gen, pool: list) -> tuple:
     var, shape = pool[-1] if rng.random() < 0.6 else rng.choice(pool)
     rank = len(shape)
     same = [v for v, s in pool if s == shape and v != var]
-    choices = ["unary", "unary", "binary", "binary", "reduce_back", "reduce", "where", "masked_fill", "reshape"]
+    choices = ["unary", "unary", "binary", "binary", "reduce_back", "reduce", "where", "masked_fill", "reshape",
+               "cat", "chunk"]
     if rank >= 2:
         choices += ["softmax", "transpose"]
+    if rank >= 3:
+        choices += ["permute"]
     if rank == 2:
-        choices += ["linear", "linear", "matmul", "layernorm", "batchnorm1d"]
+        choices += ["linear", "linear", "matmul", "layernorm"] + (["batchnorm1d"] if shape[0] > 1 else [])
     if rank == 3:
         choices += ["linear", "layernorm", "attention", "flatten"]
     if rank == 4:
-        choices += ["conv", "conv", "conv_residual", "conv_where", "batchnorm2d", "pool", "flatten"]
+        choices += ["conv", "conv", "conv_residual", "conv_where", "groupnorm", "pool", "flatten",
+                    "reduce_spatial"] + (["batchnorm2d"] if shape[0] * shape[2] * shape[3] > 1 else [])
     kind = rng.choice(choices)
     if kind == "unary":
         return g.emit(rng.choice(UNARY).format(var, var), shape)
@@ -169,6 +173,29 @@ def _statement(g: _Gen, pool: list) -> tuple:
         extra = ", unbiased=False" if op == "var" else ""
         out_shape = shape[:dim] + ((1,) if keep else ()) + shape[dim + 1:]
         return g.emit(f"lib.{op}({var}, dim={dim}, keepdim={keep}{extra})", out_shape)
+    if kind == "reduce_spatial":
+        keep = rng.random() < 0.5
+        out_shape = shape[:2] + ((1, 1) if keep else ())
+        return g.emit(f"lib.{rng.choice(['sum', 'mean'])}({var}, dim=(2, 3), keepdim={keep})", out_shape)
+    if kind == "cat":
+        dim = rng.randrange(rank)
+        other = rng.choice(same) if same else f"lib.tanh({var})"
+        return g.emit(f"lib.cat([{var}, {other}], dim={dim})", shape[:dim] + (2 * shape[dim],) + shape[dim + 1:])
+    if kind == "chunk":
+        dim = rng.randrange(rank)
+        if shape[dim] < 2:
+            return g.emit(f"lib.sigmoid({var})", shape)
+        part = rng.choice([0, 1])
+        size = -(-shape[dim] // 2) if part == 0 else shape[dim] // 2
+        return g.emit(f"lib.chunk({var}, 2, dim={dim})[{part}]", shape[:dim] + (size,) + shape[dim + 1:])
+    if kind == "permute":
+        order = list(range(rank))
+        rng.shuffle(order)
+        return g.emit(f"lib.permute({var}, {tuple(order)})", tuple(shape[d] for d in order))
+    if kind == "groupnorm":
+        groups = rng.choice([d for d in (1, 2, shape[1]) if shape[1] % d == 0])
+        m = g.module(f"nn.GroupNorm({groups}, {shape[1]})")
+        return g.emit(f"{m}({var})", shape)
     if kind == "where":
         other = rng.choice(same) if same else g.param(_broadcast_shape(rng, shape))
         cond = rng.choice([f"{var} > 0", f"{var} < {other}", f"lib.abs({var}) > 0.5"])
@@ -262,7 +289,8 @@ def generate(seed: int) -> Program:
         var, shape = g.emit(f"{var} * {g.param(_broadcast_shape(rng, shape))}", shape)
     g.body.append(f"out = {var}")
     if len(shape) == 2 and shape[1] >= 2 and rng.random() < 0.3:
-        loss, target, target_shape = "F.cross_entropy(out, target)", f"labels:{shape[1]}", (shape[0],)
+        loss = rng.choice(["F.cross_entropy(out, target)", "F.nll_loss(lib.log_softmax(out, dim=1), target)"])
+        target, target_shape = f"labels:{shape[1]}", (shape[0],)
     else:
         loss = rng.choice(LOSSES)
         target = "unit" if "binary" in loss else "float"
