@@ -87,3 +87,13 @@ def test_regressions():
     """All in one batch (one inference and one training graph); a failure names the seed."""
     found = fuzzer.check_programs(list(REGRESSIONS.values()))
     assert not found, _failure_text(found)
+
+
+def test_minimiser_step_drops_a_statement_and_its_module():
+    program = REGRESSIONS["layernorm_of_scaled_minus_scaled"]
+    smaller = fuzzer._without_statement(program, 1)       # h2 = self.m2(h1): later uses read h1
+    assert smaller.body == ["h1 = x * self.p1", "h3 = lib.pow(h1 - h1, 2)", "out = h3"]
+    assert smaller.init == ["self.p1 = nn.Parameter(lib.randn(8) * 0.5)"]
+    without_scale = fuzzer._without_statement(program, 0)   # h1 = x * self.p1: later uses read x
+    assert without_scale.body == ["h2 = self.m2(x)", "h3 = lib.pow(h2 - x, 2)", "out = h3"]
+    assert without_scale.init == ["self.m2 = nn.LayerNorm(8)"]
