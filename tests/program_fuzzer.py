@@ -592,23 +592,30 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
 # ----------------------------------------------------------------------------------------------
 # Minimising and reporting
 
-def _is_torch_problem(problem: str) -> bool:
-    return "torch" in problem
+def _kind(problem: str) -> str:
+    """What failed: "eager" (flowgen eager raised), "graph failed" (compiling or running the
+    graphs raised), "torch" (eager vs torch), or "graph" (graph vs eager numbers)."""
+    if problem.startswith("eager failed"):
+        return "eager"
+    if problem.startswith("graph failed"):
+        return "graph failed"
+    return "torch" if "torch" in problem else "graph"
 
 
 def minimise(program: Program, problems: list) -> Program:
     """Drop forward statements one at a time (later uses of a dropped `hK = expr` read one of
-    its operands instead) while the program still fails the same kind of check (graph vs
-    eager, or eager vs torch)."""
-    graphs = not all(_is_torch_problem(p) for p in problems)
-    use_torch = any(_is_torch_problem(p) for p in problems)
+    its operands instead) while the program still fails in the same way (same kind of
+    problem: see `_kind`)."""
+    kinds = {_kind(p) for p in problems}
+    graphs = bool(kinds - {"torch", "eager"})
+    use_torch = "torch" in kinds
 
     def fails(candidate) -> bool:
         try:
-            return any(not graphs or not _is_torch_problem(q) for _, found in
-                       check_programs([candidate], graphs, use_torch) for q in found)
+            return any(_kind(q) in kinds for _, found in check_programs([candidate], graphs, use_torch)
+                       for q in found)
         except Exception:
-            return False   # broken differently (e.g. eager raises): not the same failure
+            return False   # broken differently: not the same failure
 
     current, changed = program, True
     while changed:

@@ -80,6 +80,13 @@ REGRESSIONS = {
     "where_conv_positive_else_input": _regression(
         3, (2, 3, 5, 5), ["self.m1 = nn.Conv2d(3, 3, 3, padding=1, groups=3)"],
         ["h1 = self.m1(x)", "h2 = lib.where(h1 > 0, h1, x)"], loss="F.mse_loss(out, target)", optimizer="adam"),
+    # fuzz seed 3323: a reduction's loop read an input of its [2, 3, 4] elements that is read
+    # before a reshape (the [2, 12] output's gradient) at the [2, 3, 4] coordinates, as if
+    # broadcast: the parameter's update was wrong (loss right at step 0, off after).
+    "reduction_reads_the_input_of_a_reshape": _regression(
+        3323, (2, 3, 4), ["self.p1 = nn.Parameter(lib.randn(2, 1, 1) * 0.5)"],
+        ["h2 = lib.where(x > -0.137, x, self.p1)", "h3 = F.hardtanh(h2)", "h4 = lib.reshape(h3, (2, 12))"],
+        loss="lib.sum(out * out)", target_shape=(2, 12)),
 }
 
 
