@@ -34,7 +34,7 @@ import random
 import re
 import sys
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -357,9 +357,8 @@ def _optimizer(program: Program, params):
 class _Batch(flow_nn.Module):
     """Several programs' models side by side (disjoint parameters)."""
 
-    def __init__(self, programs, models):
+    def __init__(self, models):
         super().__init__()
-        self.programs = programs
         for k, m in enumerate(models):
             setattr(self, f"prog{k}", m)
 
@@ -395,21 +394,13 @@ class _Train(flow_nn.Graph):
         return tuple(losses)
 
 
-@dataclass
-class Results:
-    """Per program: name -> array, for one way of running (graph32, eager32, eager64)."""
-
-    values: list = field(default_factory=list)   # one dict per program
-
-
-def _initial_state(programs) -> list:
-    """Each program's model (float32, seeded) and its initial state dict as NumPy arrays."""
-    out = []
+def initial_states(programs) -> list:
+    """Each program's initial state dict (float32, seeded by the program) as NumPy arrays."""
+    states = []
     for p in programs:
         flow.manual_seed(p.seed)
-        model = model_class(p)()
-        out.append((model, {k: v.numpy().copy() for k, v in model.state_dict().items()}))
-    return out
+        states.append({k: v.numpy().copy() for k, v in model_class(p)().state_dict().items()})
+    return states
 
 
 def _fresh(program, state, dtype):
@@ -427,7 +418,7 @@ def run_graphs(programs, states) -> list:
     """Inference (eval) and 3 training steps of all programs in one pair of graphs (float32)."""
     data = [make_data(p) for p in programs]
     models = [_fresh(p, s, flow.float32) for p, s in zip(programs, states)]
-    batch = _Batch(programs, models)
+    batch = _Batch(models)
     batch.eval()
     outs = _Infer(batch)(*[_tensor(x, flow.float32) for x, _ in data])
     results = [{"inference": o.numpy().astype(np.float64)} for o in outs]
@@ -547,7 +538,7 @@ def torch_mismatch(name, flow64, torch64, flow64_perturbed=None) -> str | None:
 def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> list:
     """Run `programs` in eager and (with `graphs`) in one pair of graphs; [(program, problems)]
     for each program that disagrees. A batch whose graphs fail is retried program by program."""
-    states = [s for _, s in _initial_state(programs)]
+    states = initial_states(programs)
     eager, found = [], []
     for p, s in zip(programs, states):
         try:
@@ -570,7 +561,8 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
             continue   # overflowed in float64 already: nothing to compare against
         problems = []
         if g is not None:
-            problems += [m for k in e64 if (m := mismatch(k, g.get(k, np.full(1, np.nan)), [r[k] for r in e32], e64[k]))]
+            problems += [m for k in e64
+                         if (m := mismatch(k, g.get(k, np.full(1, np.nan)), [r[k] for r in e32], e64[k]))]
         try:
             oracle = run_torch(p, s) if use_torch else None
         except Exception:

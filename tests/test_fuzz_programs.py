@@ -19,7 +19,8 @@ BATCH = 10
 
 
 def _failure_text(found) -> str:
-    return "\n\n".join(fuzzer.report(p, problems) + f"\nminimise: python tests/program_fuzzer.py --long 1 --seed {p.seed}"
+    return "\n\n".join(fuzzer.report(p, problems)
+                       + f"\nminimise: python tests/program_fuzzer.py --long 1 --seed {p.seed}"
                        for p, problems in found)
 
 
