@@ -90,10 +90,12 @@ class _Emitter:
         self.args: list = []
         self.var: dict = {}
         self.counter = 0
+        self.param_name: dict = {}   # input Value -> the name of the parameter it arrives in
         for k, v in enumerate(node.inputs):
             if scalar_constant(v, producers) is not None:
                 continue
-            self.params.append(f"const {v.dtype.ctype}* __restrict__ {names.get(v, f'in{k}')}")
+            self.param_name[v] = names.get(v, f"in{k}")
+            self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
         for k, v in enumerate(node.outputs):
             self.params.append(f"{v.dtype.ctype}* __restrict__ out{k}")
@@ -106,7 +108,7 @@ class _Emitter:
     def load_inputs(self, values, offset_of) -> list:
         """Load each external input once (inline scalar constants)."""
         lines = []
-        for k, v in enumerate(self.node.inputs):
+        for v in self.node.inputs:
             if v not in values or v in self.var:
                 continue
             const = scalar_constant(v, self.producers)
@@ -114,7 +116,8 @@ class _Emitter:
                 self.var[v] = const
                 continue
             name = self.fresh()
-            lines.append(f"const {COMPUTE_TYPE[v.dtype]} {name} = {_load(v.dtype, f'in{k}[{offset_of(v)}]')};")
+            lines.append(f"const {COMPUTE_TYPE[v.dtype]} {name} = "
+                         f"{_load(v.dtype, f'{self.param_name[v]}[{offset_of(v)}]')};")
             self.var[v] = name
         return lines
 
@@ -313,6 +316,27 @@ class _Part:
         self.inputs, self.outputs = list(inputs), list(outputs)
 
 
+def _prologue_offset(prologue, in_shape, full_coords, producers):
+    """Where a reduction's loop reads each input: at the loop's coordinates of the reduced
+    tensor (broadcast where smaller), except a full-size input of another shape, read before a
+    reshape (a [2, 12] gradient reshaped to the reduced [2, 3, 4]): at the element's flat index
+    `flat`. Fusion lets only full-size or one-element inputs join behind a reshape."""
+    numel = int(np.prod(in_shape, dtype=np.int64))
+    for b in prologue:
+        if tuple(b.output.shape) != tuple(in_shape):
+            for v in b.inputs:
+                if v.numel not in (1, numel) and scalar_constant(v, producers) is None:
+                    raise AssertionError(f"{b.op} in a reduction prologue reads %{v.name} {list(v.shape)} "
+                                         f"broadcast behind a reshape of the reduced {list(in_shape)}")
+
+    def offset(v):
+        if v.numel == numel and tuple(v.shape) != tuple(in_shape):
+            return "flat"
+        return broadcast_offset(v.shape, in_shape, full_coords)
+
+    return offset
+
+
 def render_reduction(node, index: int, producers, stream_values=None) -> list:
     """One or more reductions over the same elements (BatchNorm's sum(g) and sum(g * xhat)) in one
     pass: the loop computes their inputs (prologue), each keeps an accumulator, the epilogue
@@ -357,7 +381,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
         coord[d] = f"r{pos}"
     full_coords = [coord[d] for d in range(len(in_shape))]
 
-    prologue_lines = em_loop.load_inputs(prologue_values, lambda v: broadcast_offset(v.shape, in_shape, full_coords))
+    prologue_lines = em_loop.load_inputs(prologue_values, _prologue_offset(prologue, in_shape, full_coords, producers))
     for b in prologue:
         prologue_lines.append(em_loop.compute(b, index_var="flat"))
     sources = [em_loop.var[r.inputs[0]] for r in reds]

@@ -6,7 +6,7 @@ and the AOT program renderer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowgen.codegen import fused
 from flowgen.codegen.kernel import BufferArg, Kernel
@@ -170,6 +170,76 @@ def split_prepare(graph, kernels, aliases, constants):
     return prepare, main
 
 
+def _memory_of(value, plan, aliases, state_writes) -> tuple:
+    """(owner, first byte, end byte) of the memory `value` lives in: the arena (at its planned
+    offset) or the allocation of the value owning it (a view's base, the state an update is
+    written into, an input or constant)."""
+    while value in aliases or value in state_writes:
+        value = aliases[value] if value in aliases else state_writes[value]
+    if value in plan.offsets:
+        return "arena", plan.offsets[value], plan.offsets[value] + value.nbytes
+    return value, 0, value.nbytes
+
+
+def _shares_memory(a, b) -> bool:
+    return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+
+def _drop_restrict(kernel: Kernel, pairs: list) -> Kernel:
+    """`kernel` with both parameters of each (output, input) position pair in `pairs` declared
+    without `__restrict__`, and a comment above the signature naming the pairs."""
+    head = f" {kernel.name}("    # after `void` (and `__launch_bounds__(...)` in tensor-core kernels)
+    start = kernel.source.index(head, kernel.source.index("__global__")) + len(head)
+    end = kernel.source.index(")", start)
+    params = kernel.source[start:end].split(", ")
+    if len(params) != len(kernel.args):
+        raise AssertionError(f"{kernel.name}: {len(params)} parameters for {len(kernel.args)} arguments")
+    shared = {pos for pair in pairs for pos in pair}
+    params = [p.replace(" __restrict__", "") if k in shared else p for k, p in enumerate(params)]
+
+    def named(pos) -> str:
+        return f"{params[pos].split()[-1]} (%{kernel.args[pos].value.name})"
+
+    note = "; ".join(f"{named(w)} overwrites {named(r)}" for w, r in pairs)
+    signature_line = kernel.source.rindex("\n", 0, start) + 1
+    source = (kernel.source[:signature_line] + f"// in place, so these parameters are not __restrict__: {note}\n"
+              + kernel.source[signature_line:start] + ", ".join(params) + kernel.source[end:])
+    return replace(kernel, source=source)
+
+
+def declare_shared_memory(kernels, plan, aliases, state_writes) -> list:
+    """The in-place contract between the memory planner and the kernels, checked per launch.
+
+    Two buffers of one launch may share memory only when the kernel writes an output over an
+    input it reads solely at the element that output's thread writes, before writing it
+    (`Kernel.pointwise_reads`, same element count): an elementwise kernel's output in place of
+    a dying input (`Step.inplace_ok`), an update written straight into its parameter
+    (`direct_state_writes`). Such a pair must not be declared `__restrict__`: that would
+    promise the compiler (g++ for the emulator, NVRTC) that the store cannot change what the
+    load reads, and it may then move the load after the store. Any other sharing (an input read
+    at other elements, through a broadcast, or after the store; two outputs) is a planner bug
+    and raises. Returns `kernels` with each shared pair's parameters rewritten."""
+    checked = []
+    for k in kernels:
+        if k.collective is not None:   # no source: the executor runs it on the host
+            checked.append(k)
+            continue
+        buffers = [(pos, a.value, a.ctype.startswith("const"), _memory_of(a.value, plan, aliases, state_writes))
+                   for pos, a in enumerate(k.args) if getattr(a, "value", None) is not None and a.value.nbytes]
+        pairs = []
+        for pos_w, w, w_const, w_mem in buffers:
+            for pos_r, r, r_const, r_mem in buffers:
+                if w_const or pos_r == pos_w or not _shares_memory(w_mem, r_mem):
+                    continue
+                if not r_const or r not in k.pointwise_reads or r.numel != w.numel:
+                    raise AssertionError(
+                        f"{k.name}: %{w.name} would overwrite the memory of %{r.name}, which the kernel "
+                        f"{'writes too' if not r_const else 'reads at other elements or after the store'}")
+                pairs.append((pos_w, pos_r))
+        checked.append(_drop_restrict(k, pairs) if pairs else k)
+    return checked
+
+
 def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
                   allow_tf32: bool = False) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
@@ -186,13 +256,15 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
                 | {v for k in prepare for v in _buffer_values(k, written=True)})
     steps = [Step(reads=[a.value for a in k.args if getattr(a, "value", None) is not None and a.ctype.startswith("const")],
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
-                  # Elementwise kernels read element i before writing element i; with equal
-                  # element sizes an output may therefore reuse a dying input's memory.
+                  # Elementwise kernels read each full-size input at element i only, before
+                  # writing element i; with equal element sizes an output may therefore reuse a
+                  # dying input's memory (declare_shared_memory then drops __restrict__).
                   inplace_ok=not k.horizontal and all(isinstance(get_op(o).lowering, Elementwise) for o in k.ops)
                   and len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1)
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)
+    kernels = declare_shared_memory(kernels, plan, aliases, state_writes)
     source = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0]) + "\n".join(
         k.source for k in prepare + kernels if k.collective is None)
     return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)

@@ -14,7 +14,7 @@ the last step that reads or writes it, or to the end (time ``len(steps)``) when 
 of its views, is live-out. Two values may share bytes only when their lifetimes are
 disjoint, with two exceptions that hold by construction: a view and its base, and an
 in-place pair (an elementwise step's output reusing an input of the same byte size and
-element count whose last use is that step).
+element count whose last use is that step; see `Step` for what the kernel must guarantee).
 
 Placement is "greedy by size" (Pisarchyk & Lee 2020, as in TFLite's arena planner):
 lifetime records, largest first (ties: first use, then name, then discovery order), each
@@ -34,8 +34,14 @@ DEFAULT_ALIGNMENT = 256
 class Step:
     """One kernel launch: the values it reads and writes (``flowgen.ir.graph.Value``s).
 
-    ``inplace_ok``: the kernel is elementwise (output element ``i`` depends only on input
-    elements ``i``), so an output may take over the memory of an input it fully overlaps.
+    ``inplace_ok`` is the kernel's promise that makes in-place reuse safe: every input with an
+    output's element count is read only at the element the same thread then writes, and
+    before writing it (an elementwise kernel). Only then may an output take over the memory
+    of such an input whose last use is this step (same byte size and element count). An input
+    read at other elements (a broadcast, a window, a reduction) or after an output is stored
+    never shares memory with that output. Codegen holds the other half of the contract: the
+    two parameters of an in-place pair are not declared ``__restrict__``
+    (`flowgen.codegen.program.declare_shared_memory`).
     """
 
     reads: list

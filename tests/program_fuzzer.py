@@ -1,0 +1,698 @@
+"""Differential program fuzzer: random small models, graph on the CPU emulator vs eager vs PyTorch.
+
+A seeded generator writes a random model as Python source over the public API (`lib` is
+`flowgen` or `torch`, `F` their functional modules, `nn` their module namespaces): elementwise
+unary/binary ops with broadcasting, reductions, Linear/matmul, conv2d, BatchNorm/LayerNorm,
+softmax/log_softmax, reshape/transpose/flatten, where/masked_fill, residual adds and a loss.
+Each program runs
+
+* as an inference graph (eval mode) and
+* as 3 training steps (SGD with momentum, or Adam) in an `nn.Graph`,
+
+compared with the same model in eager float32 and eager float64. The tolerance is stated in
+float32 rounding units against the float64 eager result: the graph's error may be at most
+`ERROR_FACTOR` times the largest error of three eager float32 runs (on the exact inputs and
+state, and on copies moved by up to one ulp: how far float32 rounding alone moves this result,
+which is large where the program is chaotic, e.g. Adam on a gradient that cancels to zero)
+plus `ROUNDING_UNITS` units of 2**-24 of the tensor's largest magnitude (different but equally
+valid summation orders). With torch installed, eager
+float64 is also checked against torch float64 (forward, loss and first-step gradients), which
+must agree to 1e-6 relative (formulas may round differently; semantics may not): that checks
+the op semantics the fuzzer's reference relies on.
+
+Several programs share one pair of graphs (their inputs, outputs and losses side by side; the
+training loss is their sum, and their parameters are disjoint, so each trains as if alone) to
+pay the g++ start-up once. A mismatch is re-run program by program, minimised statement by
+statement, and reported as the program's source and seed:
+
+    python tests/program_fuzzer.py --long 500 [--seed 0] [--batch 10]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import sys
+import traceback
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+import flowgen as flow
+import flowgen.nn as flow_nn
+import flowgen.nn.functional as flow_F
+
+ERROR_FACTOR = 8.0
+ROUNDING_UNITS = 256
+EPS32 = 2.0 ** -24
+TORCH_RTOL = 1e-6
+PERTURBED_RUNS = (None, 1, 2)   # eager float32 runs: exact inputs, and two ulp-perturbed ones
+STEPS = 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Programs
+
+@dataclass
+class Program:
+    """A random model as source text: `init` lines run in `__init__` (modules, parameters),
+    `body` lines in `forward(self, x)` (the last one assigns `out`), `loss` is an expression of
+    `out` and `target`."""
+
+    seed: int
+    input_shape: tuple
+    init: list
+    body: list
+    loss: str
+    target: str            # "float", "unit" (in [0, 1]) or "labels:<classes>"
+    target_shape: tuple
+    optimizer: str         # "sgd" or "adam"
+
+    def source(self) -> str:
+        lines = [f"# fuzz program, seed {self.seed}: x {list(self.input_shape)}, target {self.target} "
+                 f"{list(self.target_shape)}, optimizer {self.optimizer}",
+                 "def __init__(self):", "    super().__init__()"]
+        lines += [f"    {line}" for line in self.init]
+        lines += ["def forward(self, x):"] + [f"    {line}" for line in self.body] + ["    return out"]
+        lines += [f"loss = {self.loss}"]
+        return "\n".join(lines)
+
+
+class _Gen:
+    """Builds a `Program`: a pool of (variable, shape) values the next statement may read."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.init, self.body = [], []
+        self.count = 0
+        self.trainable = set()   # variables that depend on a parameter
+
+    def name(self, prefix: str) -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def module(self, ctor: str) -> str:
+        name = self.name("m")
+        self.init.append(f"self.{name} = {ctor}")
+        return f"self.{name}"
+
+    def param(self, shape) -> str:
+        name = self.name("p")
+        self.init.append(f"self.{name} = nn.Parameter(lib.randn({', '.join(map(str, shape))}) * 0.5)")
+        return f"self.{name}"
+
+    def emit(self, expr: str, shape) -> tuple:
+        var = self.name("h")
+        self.body.append(f"{var} = {expr}")
+        if "self." in expr or any(_reads(expr, v) for v in self.trainable):
+            self.trainable.add(var)
+        return var, tuple(shape)
+
+
+UNARY = ["F.relu({})", "lib.sigmoid({})", "lib.tanh({})", "F.gelu({})", "F.silu({})", "F.leaky_relu({}, 0.1)",
+         "F.elu({})", "F.softplus({})", "F.hardtanh({})", "F.relu6({} * 3.0)", "-{}", "lib.abs({})", "{} * {}",
+         "lib.exp(-lib.abs({}))", "lib.log(lib.abs({}) + 1.0)", "lib.sqrt(lib.abs({}) + 0.1)", "lib.sin({})",
+         "lib.cos({})", "lib.square({})", "lib.pow({}, 3)", "lib.clamp({}, min=-0.5, max=0.8)", "F.mish({})",
+         "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)", "F.gelu({}, approximate='tanh')"]
+BINARY = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "{a} / (lib.abs({b}) + 1.0)", "lib.maximum({a}, {b})",
+          "lib.minimum({a}, {b})"]
+SCALAR_BINARY = ["{a} + {c}", "{a} - {c}", "{c} - {a}", "{a} * {c}", "{a} / {c}", "lib.clamp({a}, min={c})"]
+
+
+def _broadcast_shape(rng, shape) -> tuple:
+    """A shape that broadcasts to `shape`: some dims set to 1, maybe leading dims dropped."""
+    out = [d if rng.random() < 0.5 else 1 for d in shape]
+    while len(out) > 1 and out[0] == 1 and rng.random() < 0.5:
+        out = out[1:]
+    return tuple(out)
+
+
+def _statement(g: _Gen, pool: list) -> tuple:
+    """One random statement reading values of `pool`; returns the new (variable, shape)."""
+    rng = g.rng
+    var, shape = pool[-1] if rng.random() < 0.6 else rng.choice(pool)
+    rank = len(shape)
+    same = [v for v, s in pool if s == shape and v != var]
+    choices = ["unary", "unary", "binary", "binary", "reduce_back", "reduce", "where", "masked_fill", "reshape",
+               "cat", "chunk"]
+    if rank >= 2:
+        choices += ["softmax", "transpose"]
+    if rank >= 3:
+        choices += ["permute"]
+    if rank == 2:
+        choices += ["linear", "linear", "matmul", "layernorm"] + (["batchnorm1d"] if shape[0] > 1 else [])
+    if rank == 3:
+        choices += ["linear", "layernorm", "attention", "flatten"]
+    if rank == 4:
+        choices += ["conv", "conv", "conv_residual", "conv_where", "groupnorm", "pool", "flatten",
+                    "reduce_spatial"] + (["batchnorm2d"] if shape[0] * shape[2] * shape[3] > 1 else [])
+    kind = rng.choice(choices)
+    if kind == "unary":
+        return g.emit(rng.choice(UNARY).format(var, var), shape)
+    if kind == "binary":
+        pick = rng.random()
+        if same and pick < 0.4:
+            other = rng.choice(same)
+        elif pick < 0.7:
+            other = g.param(_broadcast_shape(rng, shape))
+        elif pick < 0.85:
+            # a reduction of the operand itself, broadcast back (x - mean(x), as in a norm)
+            dim = rng.randrange(rank)
+            other, _ = g.emit(f"lib.{rng.choice(['sum', 'mean', 'amax'])}({var}, dim={dim}, keepdim=True)",
+                              shape[:dim] + (1,) + shape[dim + 1:])
+        else:
+            constant = rng.choice([-1.5, -0.5, 0.25, 2.0])
+            return g.emit(rng.choice(SCALAR_BINARY).format(a=var, c=constant), shape)
+        a, b = (var, other) if rng.random() < 0.7 else (other, var)
+        return g.emit(rng.choice(BINARY).format(a=a, b=b), shape)
+    if kind in ("reduce", "reduce_back"):
+        dim = rng.randrange(rank) if kind == "reduce" else rank - 1
+        keep = rank <= 2 or rng.random() < 0.5
+        op = rng.choice(["sum", "mean", "amax", "amin", "var"])
+        extra = ", unbiased=False" if op == "var" else ""
+        out_shape = shape[:dim] + ((1,) if keep else ()) + shape[dim + 1:]
+        return g.emit(f"lib.{op}({var}, dim={dim}, keepdim={keep}{extra})", out_shape)
+    if kind == "reduce_spatial":
+        keep = rng.random() < 0.5
+        out_shape = shape[:2] + ((1, 1) if keep else ())
+        return g.emit(f"lib.{rng.choice(['sum', 'mean'])}({var}, dim=(2, 3), keepdim={keep})", out_shape)
+    if kind == "cat":
+        dim = rng.randrange(rank)
+        other = rng.choice(same) if same else f"lib.tanh({var})"
+        return g.emit(f"lib.cat([{var}, {other}], dim={dim})", shape[:dim] + (2 * shape[dim],) + shape[dim + 1:])
+    if kind == "chunk":
+        dim = rng.randrange(rank)
+        if shape[dim] < 2:
+            return g.emit(f"lib.sigmoid({var})", shape)
+        part = rng.choice([0, 1])
+        size = -(-shape[dim] // 2) if part == 0 else shape[dim] // 2
+        return g.emit(f"lib.chunk({var}, 2, dim={dim})[{part}]", shape[:dim] + (size,) + shape[dim + 1:])
+    if kind == "permute":
+        order = list(range(rank))
+        rng.shuffle(order)
+        return g.emit(f"lib.permute({var}, {tuple(order)})", tuple(shape[d] for d in order))
+    if kind == "groupnorm":
+        groups = rng.choice([d for d in (1, 2, shape[1]) if shape[1] % d == 0])
+        m = g.module(f"nn.GroupNorm({groups}, {shape[1]})")
+        return g.emit(f"{m}({var})", shape)
+    if kind == "where":
+        other = rng.choice(same) if same else g.param(_broadcast_shape(rng, shape))
+        # Thresholds off zero: a value that is zero in exact arithmetic (BatchNorm's output on
+        # a padded border) comes out as 0 or +-1e-17 depending on summation order, and either
+        # branch is then right.
+        threshold = rng.choice([-0.137, 0.0731, 0.291])
+        cond = rng.choice([f"{var} > {threshold}", f"{var} < {other}", f"lib.abs({var}) > 0.5"])
+        return g.emit(f"lib.where({cond}, {var}, {other})", shape)
+    if kind == "masked_fill":
+        return g.emit(f"lib.masked_fill({var}, {var} < {rng.choice([-0.61, -0.137, 0.0731, 0.43])}, "
+                      f"{round(rng.uniform(-1, 1), 2)})", shape)
+    if kind == "reshape":
+        total = int(np.prod(shape))
+        if rank >= 2 and rng.random() < 0.5:
+            return g.emit(f"lib.reshape({var}, ({shape[0]}, {total // shape[0]}))", (shape[0], total // shape[0]))
+        new = (shape[0], shape[1], 1) + tuple(shape[2:]) if rank >= 2 else (shape[0], 1)
+        return g.emit(f"lib.unsqueeze({var}, {1 if rank < 2 else 2})", new)
+    if kind == "softmax":
+        dim = rng.randrange(rank)
+        return g.emit(f"lib.{rng.choice(['softmax', 'log_softmax'])}({var}, dim={dim})", shape)
+    if kind == "transpose":
+        d0, d1 = rng.sample(range(rank), 2)
+        new = list(shape)
+        new[d0], new[d1] = new[d1], new[d0]
+        return g.emit(f"lib.transpose({var}, {d0}, {d1})", new)
+    if kind == "flatten":
+        return g.emit(f"lib.flatten({var}, 1)", (shape[0], int(np.prod(shape[1:]))))
+    if kind == "linear":
+        width = rng.choice([3, 4, 6])
+        m = g.module(f"nn.Linear({shape[-1]}, {width}, bias={rng.random() < 0.7})")
+        return g.emit(f"{m}({var})", shape[:-1] + (width,))
+    if kind == "matmul":
+        width = rng.choice([3, 5])
+        p = g.param((shape[-1], width))
+        return g.emit(f"lib.matmul({var}, {p})", shape[:-1] + (width,))
+    if kind == "layernorm":
+        m = g.module(f"nn.LayerNorm({shape[-1]})")
+        return g.emit(f"{m}({var})", shape)
+    if kind == "batchnorm1d":
+        m = g.module(f"nn.BatchNorm1d({shape[1]})")
+        return g.emit(f"{m}({var})", shape)
+    if kind == "attention":
+        scores, s_shape = g.emit(f"lib.matmul({var}, lib.transpose({var}, 1, 2)) * {1 / shape[2]:.4f}",
+                                 (shape[0], shape[1], shape[1]))
+        probs, _ = g.emit(f"lib.softmax({scores}, dim=-1)", s_shape)
+        return g.emit(f"lib.matmul({probs}, {var})", shape)
+    if kind in ("conv", "conv_residual", "conv_where"):
+        n, c, h, w = shape
+        if kind == "conv":
+            out_c = rng.choice([2, 3, 4])
+            k, stride, pad = rng.choice([1, 3]), rng.choice([1, 1, 2]), rng.choice([0, 1])
+            groups = rng.choice([g_ for g_ in (1, 2) if c % g_ == 0 and out_c % g_ == 0])
+        else:
+            out_c, k, stride, pad, groups = c, 3, 1, 1, rng.choice([1, c])
+        oh, ow = (h + 2 * pad - k) // stride + 1, (w + 2 * pad - k) // stride + 1
+        if oh < 1 or ow < 1:
+            return g.emit(f"F.relu({var})", shape)
+        m = g.module(f"nn.Conv2d({c}, {out_c}, {k}, stride={stride}, padding={pad}, groups={groups}, "
+                     f"bias={rng.random() < 0.7})")
+        if kind == "conv_residual":
+            return g.emit(f"{var} + {m}({var})", shape)
+        if kind == "conv_where":
+            conv, _ = g.emit(f"{m}({var})", shape)
+            return g.emit(f"lib.where({conv} > 0.0731, {conv}, {var})", shape)
+        return g.emit(f"{m}({var})", (n, out_c, oh, ow))
+    if kind == "batchnorm2d":
+        m = g.module(f"nn.BatchNorm2d({shape[1]})")
+        return g.emit(f"{m}({var})", shape)
+    if kind == "pool":
+        n, c, h, w = shape
+        if rng.random() < 0.3:
+            return g.emit(f"F.adaptive_avg_pool2d({var}, 1)", (n, c, 1, 1))
+        if h < 2 or w < 2:
+            return g.emit(f"lib.tanh({var})", shape)
+        op = rng.choice(["avg_pool2d", "max_pool2d"])
+        return g.emit(f"F.{op}({var}, 2)", (n, c, h // 2, w // 2))
+    raise AssertionError(kind)
+
+
+INPUT_SHAPES = [(2, 3, 5, 5), (2, 2, 4, 6), (4, 6), (3, 5), (5, 8), (2, 3, 4), (2, 4, 5)]
+LOSSES = ["F.mse_loss(out, target)", "F.l1_loss(out, target)", "F.smooth_l1_loss(out, target)",
+          "F.binary_cross_entropy_with_logits(out, target)", "lib.mean(out * out)", "lib.sum(out * target)"]
+
+
+def generate(seed: int) -> Program:
+    """A random program of 3 to 9 statements (seeded: the same seed gives the same program)."""
+    g = _Gen(seed)
+    rng = g.rng
+    input_shape = rng.choice(INPUT_SHAPES)
+    pool = [("x", input_shape)]
+    for _ in range(rng.randint(3, 9)):
+        pool.append(_statement(g, pool))
+    var, shape = pool[-1]
+    if var not in g.trainable:   # something to train
+        var, shape = g.emit(f"{var} * {g.param(_broadcast_shape(rng, shape))}", shape)
+    g.body.append(f"out = {var}")
+    if len(shape) == 2 and shape[1] >= 2 and rng.random() < 0.3:
+        loss = rng.choice(["F.cross_entropy(out, target)", "F.nll_loss(lib.log_softmax(out, dim=1), target)"])
+        target, target_shape = f"labels:{shape[1]}", (shape[0],)
+    else:
+        loss = rng.choice(LOSSES)
+        target = "unit" if "binary" in loss else "float"
+        target_shape = shape
+    return Program(seed, input_shape, g.init, g.body, loss, target, target_shape, rng.choice(["sgd", "adam"]))
+
+
+# ----------------------------------------------------------------------------------------------
+# Running a program: flowgen eager (float32, float64), graphs, torch
+
+def _namespaces(library: str) -> dict:
+    if library == "torch":
+        import torch   # the optional oracle: imported only when a torch comparison is asked for
+
+        return {"lib": torch, "nn": torch.nn, "F": torch.nn.functional}
+    return {"lib": flow, "nn": flow_nn, "F": flow_F}
+
+
+def model_class(program: Program, library: str = "flowgen"):
+    """An `nn.Module` subclass (of flowgen or torch) running `program`."""
+    names = _namespaces(library)
+    code = "\n".join(["def __init__(self):", "    super(type(self), self).__init__()"]
+                     + [f"    {line}" for line in program.init] + ["def forward(self, x):"]
+                     + [f"    {line}" for line in program.body] + ["    return out"])
+    scope = dict(names)
+    exec(compile(code, f"<fuzz program {program.seed}>", "exec"), scope)
+    return type(f"Fuzz{program.seed}", (names["nn"].Module,),
+                {"__init__": scope["__init__"], "forward": scope["forward"]})
+
+
+def loss_fn(program: Program, library: str = "flowgen"):
+    scope = dict(_namespaces(library))
+    return eval(compile(f"lambda out, target: {program.loss}", f"<fuzz loss {program.seed}>", "eval"), scope)
+
+
+def make_data(program: Program) -> tuple:
+    """(x, target) as NumPy arrays, seeded by the program."""
+    rng = np.random.default_rng(program.seed)
+    x = rng.standard_normal(program.input_shape).astype(np.float32)
+    if program.target.startswith("labels:"):
+        target = rng.integers(0, int(program.target.split(":")[1]), program.target_shape).astype(np.int64)
+    elif program.target == "unit":
+        target = rng.uniform(0, 1, program.target_shape).astype(np.float32)
+    else:
+        target = rng.standard_normal(program.target_shape).astype(np.float32)
+    return x, target
+
+
+def _tensor(a, dtype):
+    a = np.asarray(a)
+    return flow.tensor(a, dtype=dtype) if a.dtype.kind == "f" else flow.tensor(a)
+
+
+def _optimizer(program: Program, params):
+    if program.optimizer == "adam":
+        return flow.optim.Adam(params, lr=0.01)
+    return flow.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+class _Batch(flow_nn.Module):
+    """Several programs' models side by side (disjoint parameters)."""
+
+    def __init__(self, models):
+        super().__init__()
+        for k, m in enumerate(models):
+            setattr(self, f"prog{k}", m)
+
+    def forward(self, *xs):
+        return tuple(getattr(self, f"prog{k}")(x) for k, x in enumerate(xs))
+
+
+class _Infer(flow_nn.Graph):
+    def __init__(self, batch):
+        super().__init__()
+        self.batch = batch
+
+    def build(self, *xs):
+        return self.batch(*xs)
+
+
+class _Train(flow_nn.Graph):
+    def __init__(self, batch, losses, optimizers):
+        super().__init__()
+        self.batch = batch
+        self.losses = losses
+        for opt in optimizers:
+            self.add_optimizer(opt)
+
+    def build(self, *args):
+        half = len(args) // 2
+        outs = self.batch(*args[:half])
+        losses = [fn(out, t) for fn, out, t in zip(self.losses, outs, args[half:])]
+        total = losses[0]
+        for extra in losses[1:]:
+            total = total + extra
+        total.backward()
+        return tuple(losses)
+
+
+def initial_states(programs) -> list:
+    """Each program's initial state dict (float32, seeded by the program) as NumPy arrays."""
+    states = []
+    for p in programs:
+        flow.manual_seed(p.seed)
+        states.append({k: v.numpy().copy() for k, v in model_class(p)().state_dict().items()})
+    return states
+
+
+def _fresh(program, state, dtype):
+    model = model_class(program)()
+    model.load_state_dict({k: flow.tensor(v) for k, v in state.items()})
+    return model.to(dtype) if dtype == flow.float64 else model
+
+
+def _state_arrays(model) -> dict:
+    return {k: v.numpy().astype(np.float64) for k, v in model.state_dict().items()
+            if v.dtype in (flow.float32, flow.float64)}
+
+
+def run_graphs(programs, states) -> list:
+    """Inference (eval) and 3 training steps of all programs in one pair of graphs (float32)."""
+    data = [make_data(p) for p in programs]
+    models = [_fresh(p, s, flow.float32) for p, s in zip(programs, states)]
+    batch = _Batch(models)
+    batch.eval()
+    outs = _Infer(batch)(*[_tensor(x, flow.float32) for x, _ in data])
+    results = [{"inference": o.numpy().astype(np.float64)} for o in outs]
+    batch.train()
+    optimizers = [_optimizer(p, m.parameters()) for p, m in zip(programs, models)]
+    graph = _Train(batch, [loss_fn(p) for p in programs], optimizers)
+    args = [_tensor(x, flow.float32) for x, _ in data] + [_tensor(t, flow.float32) for _, t in data]
+    for step in range(STEPS):
+        for r, loss in zip(results, graph(*args)):
+            r[f"loss step {step}"] = np.asarray(loss.numpy(), np.float64)
+    for r, m in zip(results, models):
+        r.update({f"after {STEPS} steps: {k}": v for k, v in _state_arrays(m).items()})
+    return results
+
+
+def _perturbed(array, rng, relative: float):
+    """`array` with each float element moved by up to `relative` of itself (in float64)."""
+    if array.dtype.kind != "f":
+        return array
+    return array.astype(np.float64) * (1 + relative * rng.uniform(-1, 1, array.shape))
+
+
+def run_eager(program, state, dtype, perturb: int | None = None) -> tuple:
+    """The same as `run_graphs` for one program in eager mode; also the first step's gradients.
+    With `perturb` (a seed), the input and initial state are first moved by up to one float32
+    ulp each (float64: 2**-40, a few thousand ulps, enough to flip a comparison that rounding
+    decides)."""
+    x, target = make_data(program)
+    if perturb is not None:
+        rng = np.random.default_rng(perturb)
+        relative = 2.0 ** -23 if dtype == flow.float32 else 2.0 ** -40
+        x = _perturbed(x, rng, relative)
+        state = {k: _perturbed(v, rng, relative) for k, v in state.items()}
+    model = _fresh(program, state, dtype)
+    model.eval()
+    result = {"inference": model(_tensor(x, dtype)).numpy().astype(np.float64)}
+    model.train()
+    opt = _optimizer(program, model.parameters())
+    fn = loss_fn(program)
+    grads = {}
+    for step in range(STEPS):
+        loss = fn(model(_tensor(x, dtype)), _tensor(target, dtype))
+        opt.zero_grad()
+        loss.backward()
+        if step == 0:
+            grads = {k: p.grad.numpy().astype(np.float64) for k, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        result[f"loss step {step}"] = np.asarray(loss.numpy(), np.float64)
+    result.update({f"after {STEPS} steps: {k}": v for k, v in _state_arrays(model).items()})
+    return result, grads
+
+
+def run_torch(program, state) -> tuple:
+    """Torch float64: eval output, first training loss and gradients (None without torch)."""
+    try:
+        import torch   # the optional oracle
+    except ImportError:
+        return None
+    x, target = make_data(program)
+    model = model_class(program, "torch")()
+    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
+    model = model.double()
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(x.astype(np.float64))).numpy()
+    model.train()
+    t = torch.from_numpy(target.astype(np.float64) if target.dtype.kind == "f" else target)
+    loss = loss_fn(program, "torch")(model(torch.from_numpy(x.astype(np.float64))), t)
+    loss.backward()
+    grads = {k: p.grad.numpy() for k, p in model.named_parameters() if p.grad is not None}
+    return {"inference": out, "loss step 0": loss.detach().numpy()}, grads
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing
+
+def mismatch(name, graph32, eager32_runs, eager64) -> str | None:
+    """Why `graph32` is not as close to `eager64` as float32 allows, or None: its error may be
+    `ERROR_FACTOR` times the largest error of the eager float32 runs (exact and ulp-perturbed
+    inputs: how much float32 rounding can move this result) plus `ROUNDING_UNITS` float32
+    units of the result's largest magnitude."""
+    g, r = np.asarray(graph32, np.float64), np.asarray(eager64, np.float64)
+    if g.shape != r.shape:
+        return f"{name}: shape {g.shape} in the graph, {r.shape} in eager"
+    if not np.all(np.isfinite(g)):
+        return f"{name}: the graph gives non-finite values {g.ravel()[:6]}"
+    if not r.size:
+        return None
+    scale = float(np.max(np.abs(r)))
+    err_eager = max(float(np.max(np.abs(np.asarray(e, np.float64) - r))) for e in eager32_runs)
+    err_graph = float(np.max(np.abs(g - r)))
+    allowed = ERROR_FACTOR * err_eager + ROUNDING_UNITS * EPS32 * scale
+    if err_graph > allowed:
+        return (f"{name}: graph float32 is {err_graph:.3g} from eager float64 (allowed {allowed:.3g}: eager float32 "
+                f"is {err_eager:.3g} off, largest magnitude {scale:.3g}); graph {g.ravel()[:4]}, eager {r.ravel()[:4]}")
+    return None
+
+
+def torch_mismatch(name, flow64, torch64, flow64_perturbed=None) -> str | None:
+    """Why flowgen's float64 result differs from torch's by more than `TORCH_RTOL` (plus
+    `ERROR_FACTOR` times how far an ulp-perturbed flowgen float64 run moves: a comparison that
+    rounding decides, like `where(x > 0, ...)` on an x that cancels to zero), or None."""
+    a, b = np.asarray(flow64, np.float64), np.asarray(torch64, np.float64)
+    if a.shape != b.shape:
+        return f"{name}: shape {a.shape} in flowgen, {b.shape} in torch"
+    if not b.size:
+        return None
+    scale = float(np.max(np.abs(b)))
+    err = float(np.max(np.abs(a - b)))
+    spread = 0.0 if flow64_perturbed is None else float(np.max(np.abs(np.asarray(flow64_perturbed) - a)))
+    if err > TORCH_RTOL * max(scale, 1.0) + ERROR_FACTOR * spread:
+        return (f"{name}: flowgen float64 is {err:.3g} from torch float64 (largest magnitude {scale:.3g}, "
+                f"perturbed flowgen runs move {spread:.3g})")
+    return None
+
+
+def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> list:
+    """Run `programs` in eager and (with `graphs`) in one pair of graphs; [(program, problems)]
+    for each program that disagrees. A batch whose graphs fail is retried program by program."""
+    states = initial_states(programs)
+    eager, found = [], []
+    for p, s in zip(programs, states):
+        try:
+            runs32 = [run_eager(p, s, flow.float32, perturb)[0] for perturb in PERTURBED_RUNS]
+            eager.append((runs32, run_eager(p, s, flow.float64)))
+        except Exception:
+            found.append((p, [f"eager failed: {traceback.format_exc(limit=-3)}"]))
+    if found:
+        return found
+    graph_results = [None] * len(programs)
+    if graphs:
+        try:
+            graph_results = run_graphs(programs, states)
+        except Exception:
+            if len(programs) > 1:
+                return [found for p in programs for found in check_programs([p], graphs, use_torch)]
+            return [(programs[0], [f"graph failed: {traceback.format_exc(limit=-3)}"])]
+    for p, s, g, (e32, (e64, grads64)) in zip(programs, states, graph_results, eager):
+        if not all(np.all(np.isfinite(v)) for v in e64.values()):
+            continue   # overflowed in float64 already: nothing to compare against
+        problems = []
+        if g is not None:
+            problems += [m for k in e64
+                         if (m := mismatch(k, g.get(k, np.full(1, np.nan)), [r[k] for r in e32], e64[k]))]
+        try:
+            oracle = run_torch(p, s) if use_torch else None
+        except Exception:
+            oracle = None
+            problems.append(f"torch failed (flowgen eager ran): {traceback.format_exc(limit=-2)}")
+        if oracle is not None:
+            t_values, t_grads = oracle
+            moved, moved_grads = run_eager(p, s, flow.float64, perturb=3)
+            problems += [m for k, v in t_values.items() if (m := torch_mismatch(k, e64[k], v, moved[k]))]
+            missing = np.full(1, np.nan)
+            problems += [m for k in sorted(set(t_grads) | set(grads64))
+                         if (m := torch_mismatch(f"step 0 grad {k}", grads64.get(k, missing), t_grads.get(k, missing),
+                                                 moved_grads.get(k, missing)))]
+        if problems:
+            found.append((p, problems))
+    return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Minimising and reporting
+
+def _kind(problem: str) -> str:
+    """What failed: "eager" (flowgen eager raised), "graph failed" (compiling or running the
+    graphs raised), "torch" (eager vs torch), or "graph" (graph vs eager numbers)."""
+    if problem.startswith("eager failed"):
+        return "eager"
+    if problem.startswith("graph failed"):
+        return "graph failed"
+    return "torch" if "torch" in problem else "graph"
+
+
+def minimise(program: Program, problems: list) -> Program:
+    """Drop forward statements one at a time (later uses of a dropped `hK = expr` read one of
+    its operands instead) while the program still fails in the same way (same kind of
+    problem: see `_kind`)."""
+    kinds = {_kind(p) for p in problems}
+    graphs = bool(kinds - {"torch", "eager"})
+    use_torch = "torch" in kinds
+
+    def fails(candidate) -> bool:
+        try:
+            return any(_kind(q) in kinds for _, found in check_programs([candidate], graphs, use_torch)
+                       for q in found)
+        except Exception:
+            return False   # broken differently: not the same failure
+
+    current, changed = program, True
+    while changed:
+        changed = False
+        for k in range(len(current.body) - 1):   # the last line assigns `out`
+            candidate = _without_statement(current, k)
+            if candidate is not None and fails(candidate):
+                current, changed = candidate, True
+                break
+    return current
+
+
+def _out_shape(program: Program):
+    """The shape of `out` in eager float32, or None when the program does not run."""
+    try:
+        flow.manual_seed(program.seed)
+        x, _ = make_data(program)
+        return tuple(model_class(program)()(flow.tensor(x)).shape)
+    except Exception:
+        return None
+
+
+def _without_statement(program: Program, k: int) -> Program | None:
+    """`program` with body line k removed and its variable replaced by one of its operands, or
+    None when no operand leaves a program with the same output shape."""
+    target, expr = program.body[k].split(" = ", 1)
+    operands = [v for v in ["x"] + [line.split(" = ")[0] for line in program.body[:k]] if _reads(expr, v)]
+    want = _out_shape(program)
+    for operand in operands:
+        body = program.body[:k] + [_rename(line, target, operand) for line in program.body[k + 1:]]
+        init = [line for line in program.init if any(_reads(b, line.split(" = ")[0]) for b in body)]
+        candidate = replace(program, init=init, body=body)
+        if init and _out_shape(candidate) == want:
+            return candidate
+    return None
+
+
+def _reads(expr: str, var: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(var)}(?!\w)", expr) is not None
+
+
+def _rename(line: str, old: str, new: str) -> str:
+    return re.sub(rf"(?<![\w.]){re.escape(old)}(?!\w)", new, line)
+
+
+def report(program: Program, problems: list) -> str:
+    return "\n".join([f"MISMATCH in fuzz program seed {program.seed}:", program.source(), "problems:"]
+                     + [f"  {p}" for p in problems[:8]])
+
+
+def fuzz(count: int, first_seed: int = 0, batch: int = 10, use_torch: bool = True, out=sys.stdout) -> list:
+    """Check `count` programs (seeds first_seed...), `batch` per pair of graphs; minimise and
+    print each mismatch. Returns the list of (minimised program, its problems)."""
+    failures = []
+    for start in range(first_seed, first_seed + count, batch):
+        programs = [generate(s) for s in range(start, min(start + batch, first_seed + count))]
+        found = check_programs(programs, True, use_torch)
+        if found and len(programs) > 1:   # only in a batch? check alone (the repro must stand alone)
+            found = [f for p, _ in found for f in check_programs([p], True, use_torch)] or found
+        for program, problems in found:
+            small = minimise(program, problems)
+            small_found = check_programs([small], True, use_torch) if small is not program else []
+            small_problems = small_found[0][1] if small_found else problems
+            print(report(small, small_problems), file=out, flush=True)
+            failures.append((small, small_problems))
+        print(f"checked seeds {start}..{min(start + batch, first_seed + count) - 1}: "
+              f"{len(failures)} mismatches so far", file=out, flush=True)
+    return failures
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--long", type=int, default=30, metavar="N", help="number of programs")
+    parser.add_argument("--seed", type=int, default=0, help="first seed")
+    parser.add_argument("--batch", type=int, default=10, help="programs per pair of graphs")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch comparison")
+    parser.add_argument("--show", type=int, default=None, metavar="SEED", help="print one program and exit")
+    args = parser.parse_args(argv)
+    if args.show is not None:
+        print(generate(args.show).source())
+        return 0
+    failures = fuzz(args.long, args.seed, args.batch, not args.no_torch)
+    print(f"{args.long} programs, {len(failures)} mismatches")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Random small models agree in a graph (CPU emulator), in eager float32/float64 and in torch.
+
+`program_fuzzer.py` generates the programs and documents the tolerance. CI checks 30 programs
+(three batches of ten, each batch one inference graph and one training graph); more with
+`FLOWGEN_FUZZ_PROGRAMS=2000 python -m pytest tests/test_fuzz_programs.py` or, minimising and
+printing each mismatch, `python tests/program_fuzzer.py --long 2000`. The regressions below are
+minimised repros of mismatches the fuzzers found, in the generator's own format.
+"""
+import os
+
+import numpy as np
+import pytest
+
+import program_fuzzer as fuzzer
+from program_fuzzer import Program
+
+PROGRAMS = int(os.environ.get("FLOWGEN_FUZZ_PROGRAMS", "30"))
+BATCH = 10
+
+
+def _failure_text(found) -> str:
+    return "\n\n".join(fuzzer.report(p, problems)
+                       + f"\nminimise: python tests/program_fuzzer.py --long 1 --seed {p.seed}"
+                       for p, problems in found)
+
+
+@pytest.mark.parametrize("first_seed", range(0, PROGRAMS, BATCH))
+def test_random_programs_graph_equals_eager_and_torch(first_seed):
+    programs = [fuzzer.generate(s) for s in range(first_seed, min(first_seed + BATCH, PROGRAMS))]
+    found = fuzzer.check_programs(programs)
+    assert not found, _failure_text(found)
+
+
+def test_generator_is_seeded_and_varied():
+    assert fuzzer.generate(7).source() == fuzzer.generate(7).source()
+    sources = {fuzzer.generate(s).source() for s in range(40)}
+    assert len(sources) == 40
+    text = "\n".join(sources)
+    for construct in ("nn.Conv2d", "nn.Linear", "nn.LayerNorm", "nn.BatchNorm", "lib.softmax", "lib.where",
+                      "lib.transpose", "lib.sum(", "F.cross_entropy", "lib.matmul"):
+        assert construct in text, construct
+
+
+def test_comparison_catches_wrong_numbers():
+    """The tolerance is float32 rounding against the float64 result, scaled by how far eager
+    float32 itself is off: a graph 1e-4 off where eager float32 is exact fails."""
+    reference = np.array([1.0, -2.0, 3.0])
+    eager32 = reference.astype(np.float32).astype(np.float64)
+    assert fuzzer.mismatch("loss", eager32, [eager32], reference) is None
+    rounded = reference + 2.0 ** -24 * 3.0 * np.array([1, -8, 16])
+    assert fuzzer.mismatch("loss", rounded, [eager32], reference) is None
+    assert "graph float32 is 0.0003 from eager float64" in fuzzer.mismatch("loss", reference * (1 + 1e-4), [eager32],
+                                                                             reference)
+    assert "non-finite" in fuzzer.mismatch("out", np.array([np.nan, 0, 0]), [eager32], reference)
+    perturbed = reference + np.array([0.0, 1e-3, 0.0])   # chaotic: an ulp-perturbed eager run is 1e-3 off
+    assert fuzzer.mismatch("w", reference + np.array([2e-3, 0, 0]), [eager32, perturbed], reference) is None
+    assert fuzzer.mismatch("w", reference + np.array([2e-2, 0, 0]), [eager32, perturbed], reference) is not None
+    assert fuzzer.torch_mismatch("out", reference, reference) is None
+    assert fuzzer.torch_mismatch("out", reference, reference + 1e-3) is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Regressions: minimised repros
+
+def _regression(seed, input_shape, init, body, loss="lib.sum(out)", optimizer="sgd", target_shape=None):
+    shape_of_out = target_shape or input_shape
+    return Program(seed, input_shape, init, body + ["out = " + body[-1].split(" = ")[0]], loss, "float",
+                   shape_of_out, optimizer)
+
+
+REGRESSIONS = {
+    # issue 9: an elementwise kernel wrote LayerNorm's output over x * p, which it read again
+    # through a __restrict__ parameter; the graph trained with loss 0.0 (eager 10.66).
+    "layernorm_of_scaled_minus_scaled": _regression(
+        1, (4, 8), ["self.p1 = nn.Parameter(lib.randn(8) * 0.5)", "self.m2 = nn.LayerNorm(8)"],
+        ["h1 = x * self.p1", "h2 = self.m2(h1)", "h3 = lib.pow(h2 - h1, 2)"]),
+    # issue 9: the conv epilogue loaded the conv's own input as `in0` (its parameter is `x`).
+    "conv_residual_of_its_input": _regression(
+        2, (2, 3, 5, 5), ["self.m1 = nn.Conv2d(3, 3, 3, padding=1)"], ["h1 = x + self.m1(x)"],
+        loss="F.mse_loss(out, target)"),
+    "where_conv_positive_else_input": _regression(
+        3, (2, 3, 5, 5), ["self.m1 = nn.Conv2d(3, 3, 3, padding=1, groups=3)"],
+        ["h1 = self.m1(x)", "h2 = lib.where(h1 > 0, h1, x)"], loss="F.mse_loss(out, target)", optimizer="adam"),
+    # fuzz seed 3323: a reduction's loop read an input of its [2, 3, 4] elements that is read
+    # before a reshape (the [2, 12] output's gradient) at the [2, 3, 4] coordinates, as if
+    # broadcast: the parameter's update was wrong (loss right at step 0, off after).
+    "reduction_reads_the_input_of_a_reshape": _regression(
+        3323, (2, 3, 4), ["self.p1 = nn.Parameter(lib.randn(2, 1, 1) * 0.5)"],
+        ["h2 = lib.where(x > -0.137, x, self.p1)", "h3 = F.hardtanh(h2)", "h4 = lib.reshape(h3, (2, 12))"],
+        loss="lib.sum(out * out)", target_shape=(2, 12)),
+}
+
+
+def test_regressions():
+    """All in one batch (one inference and one training graph); a failure names the seed."""
+    found = fuzzer.check_programs(list(REGRESSIONS.values()))
+    assert not found, _failure_text(found)
+
+
+def test_minimiser_step_drops_a_statement_and_its_module():
+    program = REGRESSIONS["layernorm_of_scaled_minus_scaled"]
+    smaller = fuzzer._without_statement(program, 1)       # h2 = self.m2(h1): later uses read h1
+    assert smaller.body == ["h1 = x * self.p1", "h3 = lib.pow(h1 - h1, 2)", "out = h3"]
+    assert smaller.init == ["self.p1 = nn.Parameter(lib.randn(8) * 0.5)"]
+    without_scale = fuzzer._without_statement(program, 0)   # h1 = x * self.p1: later uses read x
+    assert without_scale.body == ["h2 = self.m2(x)", "h3 = lib.pow(h2 - x, 2)", "out = h3"]
+    assert without_scale.init == ["self.m2 = nn.LayerNorm(8)"]
