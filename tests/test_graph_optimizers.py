@@ -375,3 +375,30 @@ def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
     for name, value in graph.state_dict().items():
         if name.startswith("model."):
             np.testing.assert_allclose(weights[name], value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_a_dynamic_grad_scaler_with_two_optimizers_is_refused():
+    """PyTorch's GradScaler skips per optimizer; a graph would skip both together, so it refuses."""
+    model = flow.nn.Sequential(flow.nn.Linear(3, 4), flow.nn.Linear(4, 1))
+    first = flow.optim.SGD(model[0].parameters(), lr=0.1)
+    second = flow.optim.Adam(model[1].parameters(), lr=0.1)
+
+    class Step(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(first)
+            self.add_optimizer(second)
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    step = Step()
+    step.set_grad_scaler(flow.amp.GradScaler())
+    with pytest.raises(NotImplementedError, match="GradScaler with 2 optimizers"):
+        step(flow.randn(2, 3))
+    static = Step()
+    static.set_grad_scaler(flow.amp.StaticGradScaler(8.0))     # no skipping: fine
+    assert np.isfinite(static(flow.randn(2, 3)).numpy())

@@ -473,6 +473,12 @@ def _add_grad_scaler(graph, tracer, host_scalars: list):
     scaler = graph._grad_scaler
     if scaler is None or not scaler.is_enabled() or isinstance(scaler, StaticGradScaler):
         return None
+    if len(graph._optimizers) > 1:
+        # PyTorch's GradScaler skips each optimizer whose own gradients overflow; the graph's step
+        # skips as one, so the two would diverge: refuse instead of training differently.
+        raise NotImplementedError(f"{graph.name}: a dynamic GradScaler with {len(graph._optimizers)} optimizers; "
+                                  f"PyTorch skips only the optimizers whose gradients hold inf/NaN, which a graph "
+                                  f"cannot do yet; use one optimizer (with parameter groups) or a StaticGradScaler")
     values = {}
     for what, read in (("scale", lambda: scaler.get_scale()), ("growth_tracker", lambda: scaler._growth_tracker)):
         name = scaler_state_name(what)
