@@ -46,15 +46,17 @@ def _size(args, name="size") -> tuple:
     return size
 
 
-def _keyword_size(size, keyword, name):
-    """`size` given positionally or as ``size=`` (``flow.zeros(size=(2, 3))``)."""
-    if set(keyword) - {"size"}:
-        raise TypeError(f"{name}() got an unexpected keyword argument {sorted(set(keyword) - {'size'})[0]!r}")
+def keyword_sizes(positional, keyword, names, fn):
+    """Sizes given positionally or by one of the keyword `names` (``flow.zeros(size=(2, 3))``,
+    ``x.reshape(shape=(2, 3))``), as the positional tuple they stand for."""
+    unknown = set(keyword) - set(names)
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
     if keyword:
-        if size:
-            raise TypeError(f"{name}() got the size twice: positionally and as size=")
-        return (keyword["size"],)
-    return size
+        if positional or len(keyword) > 1:
+            raise TypeError(f"{fn}() got the sizes twice: positionally and as {'/'.join(keyword)}=")
+        return (next(iter(keyword.values())),)
+    return positional
 
 
 def _make(arr, dtype, device, requires_grad) -> Tensor:
@@ -135,16 +137,16 @@ def _fill(size_args, value, dtype, device, requires_grad, default=dt.float32, na
 
 
 def zeros(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
-    return _fill(_keyword_size(size, keyword, "zeros"), 0, dtype, device, requires_grad, name="zeros")
+    return _fill(keyword_sizes(size, keyword, ("size",), "zeros"), 0, dtype, device, requires_grad, name="zeros")
 
 
 def ones(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
-    return _fill(_keyword_size(size, keyword, "ones"), 1, dtype, device, requires_grad, name="ones")
+    return _fill(keyword_sizes(size, keyword, ("size",), "ones"), 1, dtype, device, requires_grad, name="ones")
 
 
 def empty(*size, dtype=None, device=None, requires_grad=False, **keyword) -> Tensor:
     """Uninitialised in PyTorch; zeros here (NumPy gives no cheaper safe choice)."""
-    return _fill(_keyword_size(size, keyword, "empty"), 0, dtype, device, requires_grad, name="empty")
+    return _fill(keyword_sizes(size, keyword, ("size",), "empty"), 0, dtype, device, requires_grad, name="empty")
 
 
 def _scalar_dtype(value):

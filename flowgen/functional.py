@@ -23,8 +23,8 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.ops.registry import apply, normalize_dim, normalize_dims
 from flowgen.tensor import Tensor, as_tensor_like
-from flowgen.creation import (empty_like, full_like, ones_like, rand, rand_like, randn_like,  # noqa: F401
-                              zeros_like)
+from flowgen.creation import (empty_like, full_like, keyword_sizes, ones_like, rand, rand_like,  # noqa: F401
+                              randn_like, zeros_like)
 
 _bmax, _bmin, _bsum, _babs, _ball, _bany = builtins.max, builtins.min, builtins.sum, builtins.abs, builtins.all, \
     builtins.any
@@ -65,18 +65,6 @@ def _shape_args(args, name) -> tuple:
         return tuple(int(s) for s in args)
     except (TypeError, ValueError):
         raise TypeError(f"{name}: expected ints or one sequence of ints, got {args!r}") from None
-
-
-def _keyword_sizes(positional, keyword, names, fn):
-    """Sizes given positionally or by one of the keyword `names` (``x.reshape(shape=(2, 3))``)."""
-    unknown = set(keyword) - set(names)
-    if unknown:
-        raise TypeError(f"{fn}() got an unexpected keyword argument {sorted(unknown)[0]!r}")
-    if keyword:
-        if positional or len(keyword) > 1:
-            raise TypeError(f"{fn}() got the sizes twice: positionally and as {'/'.join(keyword)}=")
-        return (next(iter(keyword.values())),)
-    return positional
 
 
 # =================================================================== arithmetic
@@ -445,7 +433,7 @@ def all(x, dim=None, keepdim=False):  # noqa: A001
 def reshape(x, *shape, **keyword):
     """Reshape; one size may be -1 (inferred). A reshape to the same shape returns `x`.
     The shape may also be given as ``shape=`` (OneFlow/PyTorch keyword) or ``size=`` (view)."""
-    shape = _shape_args(_keyword_sizes(shape, keyword, ("shape", "size"), "reshape"), "reshape")
+    shape = _shape_args(keyword_sizes(shape, keyword, ("shape", "size"), "reshape"), "reshape")
     in_shape = tuple(x.shape)
     if shape == in_shape:
         return x
@@ -503,7 +491,7 @@ def squeeze(x, dim=None):
 
 
 def permute(x, *dims, **keyword):
-    dims = _shape_args(_keyword_sizes(dims, keyword, ("dims",), "permute"), "permute")
+    dims = _shape_args(keyword_sizes(dims, keyword, ("dims",), "permute"), "permute")
     if len(dims) != x.ndim:
         raise ValueError(f"permute: got {len(dims)} dims {dims} for a tensor of shape {tuple(x.shape)}")
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
@@ -532,7 +520,7 @@ def t(x):
 
 def expand(x, *sizes, **keyword):
     """Broadcast `x` to `sizes`; -1 keeps a dim's size. New dims are added on the left."""
-    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("size",), "expand"), "expand")
+    sizes = _shape_args(keyword_sizes(sizes, keyword, ("size",), "expand"), "expand")
     shape = tuple(x.shape)
     if len(sizes) < len(shape):
         raise ValueError(f"expand: the number of sizes {sizes} must be >= the number of dims of shape {shape}")
@@ -560,7 +548,7 @@ def broadcast_to(x, shape):
 
 def repeat(x, *sizes, **keyword):
     """Tile `x` (torch.Tensor.repeat): built from reshape + expand + reshape."""
-    sizes = _shape_args(_keyword_sizes(sizes, keyword, ("sizes", "repeats"), "repeat"), "repeat")
+    sizes = _shape_args(keyword_sizes(sizes, keyword, ("sizes", "repeats"), "repeat"), "repeat")
     if len(sizes) < x.ndim:
         raise ValueError(f"repeat: number of repeat dims {sizes} can not be smaller than the number of dims "
                          f"of shape {tuple(x.shape)}")
@@ -1232,4 +1220,4 @@ __all__ = [name for name, value in list(globals().items())
            if not name.startswith("_") and callable(value)
            and getattr(value, "__module__", None) in (__name__, "flowgen.creation")
            and name not in {"Tensor", "as_tensor_like", "apply", "normalize_dim", "normalize_dims", "namedtuple",
-                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous"}]
+                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous", "keyword_sizes"}]

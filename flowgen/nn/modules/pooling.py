@@ -43,16 +43,24 @@ class AvgPool2d(Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-class AdaptiveAvgPool2d(Module):
+class _AdaptiveAvgPool(Module):
+    """Average pooling to a given output size; `pool` is the functional of the layer's dimension."""
+
+    pool = None
+
     def __init__(self, output_size):
         super().__init__()
         self.output_size = output_size
 
     def forward(self, x):
-        return NF.adaptive_avg_pool2d(x, self.output_size)
+        return type(self).pool(x, self.output_size)
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
+
+
+class AdaptiveAvgPool2d(_AdaptiveAvgPool):
+    pool = staticmethod(NF.adaptive_avg_pool2d)
 
 
 class MaxPool1d(Module):
@@ -87,16 +95,8 @@ class AvgPool1d(Module):
         return f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}"
 
 
-class AdaptiveAvgPool1d(Module):
-    def __init__(self, output_size):
-        super().__init__()
-        self.output_size = output_size
-
-    def forward(self, x):
-        return NF.adaptive_avg_pool1d(x, self.output_size)
-
-    def extra_repr(self) -> str:
-        return f"output_size={self.output_size}"
+class AdaptiveAvgPool1d(_AdaptiveAvgPool):
+    pool = staticmethod(NF.adaptive_avg_pool1d)
 
 
 __all__ = ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "MaxPool1d", "AvgPool1d", "AdaptiveAvgPool1d"]
