@@ -16,6 +16,7 @@ from flowgen.creation import *  # noqa: F401,F403
 
 float = float32  # noqa: A001
 half = float16
+double = float64
 long = int64
 int = int32  # noqa: A001
 

@@ -1,0 +1,145 @@
+"""OneFlow's own nn.Graph tests, run against flowgen as a user would run them: import line changed.
+
+    python benchmarks/oneflow_graph_tests.py ONEFLOW_CHECKOUT [--files PATTERN ...] [--timeout S]
+                                             [--out FILE]
+
+ONEFLOW_CHECKOUT is a clone of github.com/Oneflow-Inc/oneflow (this script downloads nothing). The
+test files of python/oneflow/test/graph are copied into a temporary folder where `oneflow` and every
+`oneflow.X` module import resolve to `flowgen` and `flowgen.X` (the same as editing the import
+lines). Each file runs in its own pytest process on one node with one device, so the tests marked
+`skip_unless_1n1d` are the ones that run; multi-device tests are skipped and reported apart.
+
+Prints one row per file (passed / failed / skipped) and the single-device pass rate, and writes the
+per-test outcomes with the first line of each failure as JSON (default
+benchmarks/results/oneflow_graph_tests.json).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ElementTree
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+TEST_DIR = os.path.join("python", "oneflow", "test", "graph")
+
+# Installed as conftest.py beside the copied tests: `import oneflow.nn.graph` loads flowgen.nn.graph.
+_ALIAS = '''
+import importlib, importlib.abc, importlib.util, sys
+sys.path.insert(0, {root!r})
+
+class _OneflowAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "oneflow" or name.startswith("oneflow."):
+            real = "flowgen" + name[len("oneflow"):]
+            if importlib.util.find_spec(real) is None:
+                return None
+            return importlib.util.spec_from_loader(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return importlib.import_module("flowgen" + spec.name[len("oneflow"):])
+
+    def exec_module(self, module):
+        pass
+
+sys.meta_path.insert(0, _OneflowAlias())
+'''
+
+
+def _outcomes(xml_path: str) -> list:
+    """(test id, outcome, message) for each test case in a junit XML report."""
+    rows = []
+    for case in ElementTree.parse(xml_path).getroot().iter("testcase"):
+        test_id = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            node = case.find(tag)
+            if node is not None:
+                outcome = "skipped" if tag == "skipped" else "failed"
+                message = (node.get("message") or node.text or "").strip().splitlines()[:1]
+                message = message[0][:300] if message else ""
+                break
+        rows.append({"test": test_id, "outcome": outcome, "message": message})
+    return rows
+
+
+def run_file(work: str, name: str, timeout: float) -> list:
+    """Run one copied test file in its own pytest process; its per-test outcomes."""
+    report = os.path.join(work, name + ".xml")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN",
+               f"--junitxml={report}", name]
+    env = dict(os.environ, ONEFLOW_TEST_NODE_NUM="1", ONEFLOW_TEST_DEVICE_NUM="1", PYTHONHASHSEED="0")
+    try:
+        proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [{"test": f"{name}::*", "outcome": "failed", "message": f"timed out after {timeout:.0f} s"}]
+    if not os.path.exists(report):
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no report"]
+        return [{"test": f"{name}::*", "outcome": "failed", "message": tail[0][:300]}]
+    rows = _outcomes(report)
+    if not rows:  # collection error: pytest writes an empty suite with the error
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        message = next((line for line in tail if "Error" in line), tail[-1] if tail else "")
+        return [{"test": f"{name}::*", "outcome": "failed", "message": message[:300]}]
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("oneflow", help="path to a clone of Oneflow-Inc/oneflow")
+    parser.add_argument("--files", nargs="*", default=["test_*.py"], help="file name patterns to run")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per file")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "oneflow_graph_tests.json"))
+    args = parser.parse_args()
+
+    source = os.path.join(args.oneflow, TEST_DIR)
+    if not os.path.isdir(source):
+        raise SystemExit(f"{source} does not exist: pass the root of a oneflow clone")
+    work = tempfile.mkdtemp(prefix="flowgen-oneflow-tests-")
+    for entry in os.listdir(source):
+        if entry.endswith(".py"):
+            shutil.copy(os.path.join(source, entry), work)
+    with open(os.path.join(work, "conftest.py"), "w") as f:
+        f.write(_ALIAS.format(root=ROOT))
+
+    names = sorted(n for n in os.listdir(work)
+                   if n.startswith("test_") and n.endswith(".py")
+                   and any(fnmatch.fnmatch(n, pattern) for pattern in args.files))
+    results, totals = {}, {"passed": 0, "failed": 0, "skipped": 0}
+    print(f"{'file':48} {'passed':>6} {'failed':>6} {'skipped':>7}")
+    for name in names:
+        rows = run_file(work, name, args.timeout)
+        results[name] = rows
+        counts = {k: sum(r["outcome"] == k for r in rows) for k in totals}
+        for k in totals:
+            totals[k] += counts[k]
+        print(f"{name:48} {counts['passed']:6} {counts['failed']:6} {counts['skipped']:7}", flush=True)
+    ran = totals["passed"] + totals["failed"]
+    rate = totals["passed"] / ran if ran else 0.0
+    print(f"{'total':48} {totals['passed']:6} {totals['failed']:6} {totals['skipped']:7}")
+    print(f"single-device pass rate: {totals['passed']}/{ran} = {rate:.1%}")
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    oneflow_commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.oneflow,
+                                    capture_output=True, text=True).stdout.strip()
+    payload = {"date": datetime.date.today().isoformat(), "flowgen_commit": commit,
+               "oneflow_commit": oneflow_commit or None, "totals": totals, "pass_rate": rate,
+               "files": results}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    tmp = args.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, sort_keys=True)
+    os.replace(tmp, args.out)
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
