@@ -7,7 +7,10 @@ ONEFLOW_CHECKOUT is a clone of github.com/Oneflow-Inc/oneflow (this script downl
 test files of python/oneflow/test/graph are copied into a temporary folder where `oneflow` and every
 `oneflow.X` module import resolve to `flowgen` and `flowgen.X` (the same as editing the import
 lines). Each file runs in its own pytest process on one node with one device, so the tests marked
-`skip_unless_1n1d` are the ones that run; multi-device tests are skipped and reported apart.
+`skip_unless_1n1d` are the ones that run; multi-device tests are skipped. Without a GPU, tests on
+'cuda' run their CUDA programs on the CPU emulator (FLOWGEN_EMULATE_CUDA=1) unless --no-emulate-cuda.
+Files that test OneFlow's implementation (its C++ bindings, framework modules, protobuf job configs)
+are marked and counted apart from the API tests.
 
 Prints one row per file (passed / failed / skipped) and the single-device pass rate, and writes the
 per-test outcomes with the first line of each failure as JSON (default
@@ -20,6 +23,7 @@ import datetime
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -29,13 +33,41 @@ import xml.etree.ElementTree as ElementTree
 ROOT = os.path.abspath(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 TEST_DIR = os.path.join("python", "oneflow", "test", "graph")
 
+# OneFlow's test-suite helpers (oneflow.test_utils.test_util): argument grids, not library API.
+_TEST_UTIL = '''
+import itertools
+from collections import OrderedDict
+
+
+def GenCartesianProduct(sets):
+    return itertools.product(*[s if isinstance(s, (list, tuple)) else [s] for s in sets])
+
+
+def GenArgList(arg_dict):
+    return [list(args) for args in GenCartesianProduct(arg_dict.values())]
+
+
+def GenArgDict(arg_dict):
+    return [OrderedDict(zip(arg_dict.keys(), args)) for args in GenCartesianProduct(arg_dict.values())]
+'''
+
+# Files that test OneFlow's implementation rather than its API: they import its C++ bindings, its
+# framework internals, protobuf job configs or the automated PyTorch-comparison harness.
+INTERNAL = re.compile(r"^\s*(import|from)\s+(oneflow\._oneflow_internal|oneflow\.framework|oneflow\._C"
+                      r"|google\.protobuf|oneflow\.test_utils\.automated_test_util|oneflow\.core)", re.M)
+
 # Installed as conftest.py beside the copied tests: `import oneflow.nn.graph` loads flowgen.nn.graph.
 _ALIAS = '''
 import importlib, importlib.abc, importlib.util, sys
 sys.path.insert(0, {root!r})
 
+_COMPAT = {{"oneflow.test_utils": {init!r}, "oneflow.test_utils.test_util": {util!r}}}
+
+
 class _OneflowAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
+        if name in ("oneflow.test_utils", "oneflow.test_utils.test_util"):
+            return importlib.util.spec_from_file_location(name, _COMPAT[name], submodule_search_locations=[])
         if name == "oneflow" or name.startswith("oneflow."):
             real = "flowgen" + name[len("oneflow"):]
             if importlib.util.find_spec(real) is None:
@@ -63,19 +95,24 @@ def _outcomes(xml_path: str) -> list:
             node = case.find(tag)
             if node is not None:
                 outcome = "skipped" if tag == "skipped" else "failed"
-                message = (node.get("message") or node.text or "").strip().splitlines()[:1]
-                message = message[0][:300] if message else ""
+                message = (node.get("message") or "").strip()
+                errors = [line[1:].strip() for line in (node.text or "").splitlines() if line.startswith("E ")]
+                if errors and (not message or message == "collection failure"):
+                    message = errors[-1]
+                message = message.splitlines()[0][:300] if message else ""
                 break
         rows.append({"test": test_id, "outcome": outcome, "message": message})
     return rows
 
 
-def run_file(work: str, name: str, timeout: float) -> list:
+def run_file(work: str, name: str, timeout: float, emulate_cuda: bool) -> list:
     """Run one copied test file in its own pytest process; its per-test outcomes."""
     report = os.path.join(work, name + ".xml")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rN",
                f"--junitxml={report}", name]
     env = dict(os.environ, ONEFLOW_TEST_NODE_NUM="1", ONEFLOW_TEST_DEVICE_NUM="1", PYTHONHASHSEED="0")
+    if emulate_cuda:
+        env["FLOWGEN_EMULATE_CUDA"] = "1"
     try:
         proc = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -95,6 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("oneflow", help="path to a clone of Oneflow-Inc/oneflow")
     parser.add_argument("--files", nargs="*", default=["test_*.py"], help="file name patterns to run")
+    parser.add_argument("--no-emulate-cuda", dest="emulate_cuda", action="store_false",
+                        help="without a GPU, fail 'cuda' tests instead of running their CUDA programs on "
+                             "the emulator (FLOWGEN_EMULATE_CUDA=1)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per file")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "oneflow_graph_tests.json"))
     args = parser.parse_args()
@@ -106,33 +146,50 @@ def main() -> None:
     for entry in os.listdir(source):
         if entry.endswith(".py"):
             shutil.copy(os.path.join(source, entry), work)
+    compat = os.path.join(work, "_oneflow_test_utils")
+    os.makedirs(compat)
+    open(os.path.join(compat, "__init__.py"), "w").close()
+    with open(os.path.join(compat, "test_util.py"), "w") as f:
+        f.write(_TEST_UTIL)
     with open(os.path.join(work, "conftest.py"), "w") as f:
-        f.write(_ALIAS.format(root=ROOT))
+        f.write(_ALIAS.format(root=ROOT, init=os.path.join(compat, "__init__.py"),
+                              util=os.path.join(compat, "test_util.py")))
 
     names = sorted(n for n in os.listdir(work)
                    if n.startswith("test_") and n.endswith(".py")
                    and any(fnmatch.fnmatch(n, pattern) for pattern in args.files))
-    results, totals = {}, {"passed": 0, "failed": 0, "skipped": 0}
+    results, internal = {}, set()
+    kinds = ("passed", "failed", "skipped")
+    totals = {group: dict.fromkeys(kinds, 0) for group in ("api", "internal")}
     print(f"{'file':48} {'passed':>6} {'failed':>6} {'skipped':>7}")
     for name in names:
-        rows = run_file(work, name, args.timeout)
+        with open(os.path.join(work, name)) as f:
+            group = "internal" if INTERNAL.search(f.read()) else "api"
+        if group == "internal":
+            internal.add(name)
+        rows = run_file(work, name, args.timeout, args.emulate_cuda)
         results[name] = rows
-        counts = {k: sum(r["outcome"] == k for r in rows) for k in totals}
-        for k in totals:
-            totals[k] += counts[k]
-        print(f"{name:48} {counts['passed']:6} {counts['failed']:6} {counts['skipped']:7}", flush=True)
-    ran = totals["passed"] + totals["failed"]
-    rate = totals["passed"] / ran if ran else 0.0
-    print(f"{'total':48} {totals['passed']:6} {totals['failed']:6} {totals['skipped']:7}")
-    print(f"single-device pass rate: {totals['passed']}/{ran} = {rate:.1%}")
+        counts = {k: sum(r["outcome"] == k for r in rows) for k in kinds}
+        for k in kinds:
+            totals[group][k] += counts[k]
+        mark = "  (OneFlow internals)" if group == "internal" else ""
+        print(f"{name:48} {counts['passed']:6} {counts['failed']:6} {counts['skipped']:7}{mark}", flush=True)
+    rates = {}
+    for label, groups in (("API tests", ["api"]), ("all tests", ["api", "internal"])):
+        passed = sum(totals[g]["passed"] for g in groups)
+        ran = passed + sum(totals[g]["failed"] for g in groups)
+        rates[label] = passed / ran if ran else 0.0
+        print(f"single-device pass rate, {label}: {passed}/{ran} = {rates[label]:.1%}")
+    print(f"(the {len(internal)} files marked 'OneFlow internals' import its C++ bindings, framework "
+          f"modules, protobuf configs or its PyTorch-comparison harness)")
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     oneflow_commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=args.oneflow,
                                     capture_output=True, text=True).stdout.strip()
     payload = {"date": datetime.date.today().isoformat(), "flowgen_commit": commit,
-               "oneflow_commit": oneflow_commit or None, "totals": totals, "pass_rate": rate,
-               "files": results}
+               "oneflow_commit": oneflow_commit or None, "totals": totals, "pass_rates": rates,
+               "emulate_cuda": args.emulate_cuda, "internal_files": sorted(internal), "files": results}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     tmp = args.out + ".tmp"
     with open(tmp, "w") as f:

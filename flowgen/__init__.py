@@ -5,7 +5,7 @@ CPU, the numerical reference) and `flow.nn.Graph`, which compiles a step to
 CUDA C++ and runs it on a GPU or on the CPU emulator.
 """
 from flowgen import dtype as _dt
-from flowgen.dtype import DType, bfloat16, float16, float32, float64, int32, int64
+from flowgen.dtype import DType, bfloat16, float16, float32, float64, int8, int16, int32, int64, uint8
 from flowgen.dtype import bool_ as bool  # noqa: A001 - flow.bool, as in OneFlow
 from flowgen.device import device
 from flowgen.tensor import Tensor, Size
@@ -18,6 +18,8 @@ float = float32  # noqa: A001
 half = float16
 double = float64
 long = int64
+short = int16
+char = int8
 int = int32  # noqa: A001
 
 __version__ = "0.1.0"

@@ -33,14 +33,18 @@ bfloat16 = DType("bfloat16", np.dtype(ml_dtypes.bfloat16), "__nv_bfloat16", "bf1
 float64 = DType("float64", np.dtype(np.float64), "double", "f64", True)
 int64 = DType("int64", np.dtype(np.int64), "long long", "i64", False)
 int32 = DType("int32", np.dtype(np.int32), "int", "i32", False)
+int16 = DType("int16", np.dtype(np.int16), "short", "i16", False)
+int8 = DType("int8", np.dtype(np.int8), "signed char", "i8", False)
+uint8 = DType("uint8", np.dtype(np.uint8), "unsigned char", "u8", False)
 bool_ = DType("bool", np.dtype(np.bool_), "bool", "bool", False)
 
-ALL = (float32, float16, bfloat16, float64, int64, int32, bool_)
+ALL = (float32, float16, bfloat16, float64, int64, int32, int16, int8, uint8, bool_)
 _BY_NP = {d.np_dtype: d for d in ALL}
-_BY_NAME = {d.name: d for d in ALL} | {"float": float32, "half": float16, "long": int64, "int": int32}
+_BY_NAME = {d.name: d for d in ALL} | {"float": float32, "half": float16, "double": float64, "long": int64,
+                                       "int": int32, "short": int16, "char": int8}
 
 # Rank used for type promotion between tensors (bool < ints < floats).
-_RANK = {bool_: 0, int32: 1, int64: 2, float16: 3, bfloat16: 3, float32: 4, float64: 5}
+_RANK = {bool_: 0, uint8: 1, int8: 1, int16: 2, int32: 3, int64: 4, float16: 5, bfloat16: 5, float32: 6, float64: 7}
 
 
 def from_numpy(np_dtype) -> DType:
@@ -78,6 +82,8 @@ def promote(a: DType, b: DType) -> DType:
         return a
     if {a, b} == {float16, bfloat16}:
         return float32
+    if {a, b} == {int8, uint8}:  # as PyTorch: the smallest type holding both ranges
+        return int16
     return a if _RANK[a] >= _RANK[b] else b
 
 

@@ -331,7 +331,7 @@ class Tensor:
         if dtype is None:
             names = {dt.float32: "FloatTensor", dt.float16: "HalfTensor", dt.bfloat16: "BFloat16Tensor",
                      dt.float64: "DoubleTensor", dt.int64: "LongTensor", dt.int32: "IntTensor",
-                     dt.bool_: "BoolTensor"}
+                     dt.int16: "ShortTensor", dt.int8: "CharTensor", dt.uint8: "ByteTensor", dt.bool_: "BoolTensor"}
             return f"flowgen.{names[self._dtype]}"
         return self.to(dt.get(dtype))
 

@@ -116,6 +116,9 @@ def _scalar_literal(ctype: str, value) -> str:
 def _tensor_spec(name: str, value, kind: str) -> str:
     if len(value.shape) > MAX_DIMS:
         raise BuildError(f"{name} has {len(value.shape)} dimensions; the program supports up to {MAX_DIMS}")
+    if value.dtype not in _DTYPE_ENUM:
+        raise BuildError(f"{name} is {value.dtype.name}; a standalone program reads and writes "
+                         f"{', '.join(d.name for d in _DTYPE_ENUM)} tensors (cast it in build())")
     shape = ", ".join(str(int(d)) for d in value.shape)
     return f'{{"{_c_string(name)}", DType::{_DTYPE_ENUM[value.dtype]}, {len(value.shape)}, {{{shape}}}, ' \
            f'{value.nbytes}, "{kind}"}}'

@@ -16,7 +16,8 @@ from flowgen.ops.lowering import Reduction, View, cpp_literal
 from flowgen.ops.registry import get_op
 
 COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", dt.float64: "double",
-                dt.int64: "long long", dt.int32: "int", dt.bool_: "bool"}
+                dt.int64: "long long", dt.int32: "int", dt.int16: "int", dt.int8: "int", dt.uint8: "int",
+                dt.bool_: "bool"}
 
 IDENTITY = {"sum": "0", "max": "-INFINITY", "min": "INFINITY"}
 

@@ -38,7 +38,8 @@ class NoCudaDevice(RuntimeError):
     def __init__(self, reason: str):
         super().__init__(
             f"No CUDA driver/GPU was found ({reason}). "
-            'Use device="cpu" to run on the CPU emulator instead.'
+            'Use device="cpu" to run on the CPU emulator instead, or set FLOWGEN_EMULATE_CUDA=1 to run '
+            "'cuda' graphs' CUDA programs on the emulator (for CI without a GPU)."
         )
 
 

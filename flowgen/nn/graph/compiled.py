@@ -7,6 +7,7 @@ and read back lazily when eager code looks at it.
 """
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -160,6 +161,8 @@ def _make_backend(device, source: str):
     from flowgen.runtime import cuda_driver
 
     if not cuda_driver.available():
+        if os.environ.get("FLOWGEN_EMULATE_CUDA") == "1":  # the CUDA program, run by the CPU emulator
+            return CpuBackend(source)
         raise cuda_driver.NoCudaDevice("the graph's tensors are on 'cuda'")
     return CudaBackend(source)
 
