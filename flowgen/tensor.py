@@ -280,6 +280,8 @@ class Tensor:
     def to(self, *args, **kwargs) -> "Tensor":
         target_device, target_dtype = self.device, self._dtype
         for a in list(args) + list(kwargs.values()):
+            if a is Tensor:  # OneFlow's `graph.block.weight.to(flow.Tensor)`: the tensor itself
+                continue
             if isinstance(a, dt.DType):
                 target_dtype = a
             elif isinstance(a, Tensor):

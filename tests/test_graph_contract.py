@@ -1,6 +1,7 @@
 """nn.Graph keeps OneFlow's contract (issue 13): every config option acts, graph I/O takes what
 OneFlow's takes, the Proxy / GraphModule API, `nn.functional.depend`, and `debug()` prints the
 seeds' lines."""
+import os
 import random
 import re
 
@@ -335,3 +336,75 @@ def test_print_wraps_tensor_lines_as_the_seeds_show():
     assert ("      (PARAMETER:model.0.weight:tensor(..., device='cuda:0', size=(1, 3), dtype=flowgen.float32,\n"
             "             requires_grad=True)): ()") in text
     assert "(MODULE:model.0:Linear(in_features=3, out_features=1, bias=True)): (" in text
+
+
+# ----------------------------------------------------------------- debug mode, devices, dtypes
+def test_debug_mode_logs_the_lr_each_step_used(tmp_path, monkeypatch):
+    """ONEFLOW_DEBUG_MODE / FLOWGEN_DEBUG_MODE: the graph writes `train_step, lr` per step to
+    log/flowgen/<pid>-train_step2lr.csv (OneFlow's file), the LRs eager's scheduler gives."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FLOWGEN_DEBUG_MODE", "1")
+    model = nn.Linear(3, 2)
+    sgd = flow.optim.SGD(model.parameters(), lr=0.1)
+    schedule = flow.optim.lr_scheduler.StepLR(sgd, step_size=2, gamma=0.5)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(sgd, lr_sch=schedule)
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    step = Step()
+    for _ in range(5):
+        step(flow.randn(4, 3))
+    log = tmp_path / "log" / "flowgen" / f"{os.getpid()}-train_step2lr.csv"
+    lines = log.read_text().splitlines()
+    assert lines[0] == "train_step, lr"
+    logged = [(int(a), float(b)) for a, b in (line.split(",") for line in lines[1:])]
+    assert logged == [(0, 0.1), (1, 0.1), (2, 0.05), (3, 0.05), (4, 0.025)]
+    Step()(flow.randn(4, 3))   # a new graph starts the file afresh
+    assert len(log.read_text().splitlines()) == 2
+
+
+def test_cuda_graphs_run_on_the_emulator_when_asked(monkeypatch):
+    """FLOWGEN_EMULATE_CUDA=1 without a GPU: a graph on 'cuda' runs its CUDA program on the
+    emulator (equal to eager); without the switch it says how to get there."""
+    from flowgen.runtime import cuda_driver
+
+    if cuda_driver.available():
+        pytest.skip("a GPU is present: 'cuda' graphs run on it")
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).to("cuda")
+    x = flow.randn(2, 4).to("cuda")
+    with pytest.raises(cuda_driver.NoCudaDevice, match="FLOWGEN_EMULATE_CUDA=1"):
+        InferGraph(model)(x)
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    out = InferGraph(model)(x)
+    assert out.device.type == "cuda"
+    np.testing.assert_allclose(out.numpy(), model(x).numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_small_integer_dtypes_in_eager_and_graphs():
+    """flow.int8 / uint8 / int16: PyTorch's promotion (int8 + uint8 -> int16), graph == eager."""
+    a = flow.tensor(np.array([1, -2, 3], np.int8))
+    b = flow.tensor(np.array([200, 2, 3], np.uint8))
+    assert (a + b).dtype == flow.int16 and (a * 2).dtype == flow.int8 and (b + 1.5).dtype == flow.float32
+    assert b.type() == "flowgen.ByteTensor" and flow.ones(2, dtype=flow.int8).dtype == flow.int8
+
+    class Mix(nn.Graph):
+        def build(self, x, y):
+            return x + y, (x * 3).to(flow.float32), x > 0
+
+    for got, want in zip(Mix()(a, b), (a + b, (a * 3).to(flow.float32), a > 0)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+
+
+def test_to_the_tensor_class_returns_the_tensor():
+    """OneFlow's `graph.block.weight.to(flow.Tensor)`."""
+    w = flow.randn(2, 2)
+    assert w.to(flow.Tensor) is w

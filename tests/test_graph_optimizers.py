@@ -342,7 +342,7 @@ def test_graphs_refuse_what_they_cannot_replay_and_follow_reduce_lr_on_plateau_t
 
 def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
     """A built program: Adagrad (lr_decay), LAMB and RMSprop under OneCycleLR, WarmupLR around
-    CosineDecayLR, CosineAnnealingWarmRestarts, a ChainedScheduler, CyclicLR and OneFlow's cycling
+    CosineDecayLR, CosineAnnealingWarmRestarts (with OneFlow's decay_rate and restart_limit), a ChainedScheduler, CyclicLR and OneFlow's cycling
     PolynomialLR: its weights after several steps == the graph's."""
     from test_deploy import build_and_train, poly_data
 
@@ -359,7 +359,7 @@ def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
                        (adagrad, sch.OneCycleLR(adagrad, max_lr=0.2, total_steps=12, cycle_momentum=False)),
                        (lamb, sch.WarmupLR(sch.CosineDecayLR(lamb, decay_steps=6, alpha=0.1), warmup_factor=0.2,
                                            warmup_iters=3)),
-                       (rmsprop, sch.CosineAnnealingWarmRestarts(rmsprop, T_0=2, T_mult=2)),
+                       (rmsprop, sch.CosineAnnealingWarmRestarts(rmsprop, T_0=2, T_mult=2, decay_rate=0.5, restart_limit=2)),
                        (chained, sch.ChainedScheduler([sch.LinearLR(chained, start_factor=0.5, total_iters=4),
                                                        sch.MultiStepLR(chained, milestones=[2, 5], gamma=0.5)])),
                        (sgd, sch.CyclicLR(sgd, base_lr=0.01, max_lr=0.05, step_size_up=2, mode="exp_range",

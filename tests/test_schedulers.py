@@ -167,6 +167,24 @@ def test_oneflow_cosine_decay_and_polynomial_lr():
     assert sched.PolynomialLR(_sgd(), decay_batch=3).end_learning_rate == 1e-4   # OneFlow's default
 
 
+def test_oneflow_warm_restarts_decay_rate_and_restart_limit():
+    """OneFlow's CosineAnnealingWarmRestarts options (oneflow/nn/optimizer/
+    cosine_annealing_warm_restarts.py): the peak decays by decay_rate per restart and the LR stays
+    at eta_min after restart_limit restarts."""
+    s = sched.CosineAnnealingWarmRestarts(_sgd(groups=2), T_0=2, T_mult=2, eta_min=0.01, decay_rate=0.5,
+                                          restart_limit=2)
+    def oneflow(base, step):   # its get_lr, T_mult > 1 branch
+        epoch = math.floor(math.log(1 - step / 2 * (1 - 2), 2))
+        steps, in_epoch = 2 ** epoch * 2, step - (1 - 2 ** epoch) / (1 - 2) * 2
+        if epoch >= 2:
+            return 0.01
+        return 0.01 + (base * 0.5 ** epoch - 0.01) * 0.5 * (1 + math.cos(math.pi * in_epoch / steps))
+    expected = [[oneflow(b, e) for b in (0.1, 0.2)] for e in range(10)]
+    np.testing.assert_allclose(_eager_lrs(s, 10), expected, rtol=1e-12)
+    np.testing.assert_allclose([s.lrs_at(e) for e in range(10)], expected, rtol=1e-12)
+    assert expected[2][0] == pytest.approx(0.05) and expected[6][0] == 0.01
+
+
 def test_oneflow_warmup_lr():
     """OneFlow's WarmupLR: linear warmup to where the wrapped scheduler is at warmup_iters, or a
     constant factor; warmup_prefix starts the wrapped schedule after warmup; no scheduler: base LR."""

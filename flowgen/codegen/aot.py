@@ -332,11 +332,13 @@ def _closed_form_expression(form, e: str) -> str:
         alpha, steps = f"{form['alpha']!r}", float(form["decay_steps"])
         return (f"({e} < {steps!r} ? {base} * ((1.0 - {alpha}) * 0.5 * (1.0 + std::cos({PI} * {e} / {steps!r})) "
                 f"+ {alpha}) : {base} * {alpha})")
-    if kind == "lr_CosineAnnealingWarmRestarts":   # walk the periods: T_cur within T_i
-        eta = f"{form['eta_min']!r}"
-        return (f"[&] {{ double cur = {e}, period = {float(form['T_0'])!r}; while (cur >= period) {{ cur -= period; "
-                f"period *= {float(form['T_mult'])!r}; }} return {eta} + ({base} - {eta}) * "
-                f"(1.0 + std::cos({PI} * cur / period)) / 2.0; }}()")
+    if kind == "lr_CosineAnnealingWarmRestarts":   # walk the periods: T_cur within T_i, r restarts before
+        eta, limit = f"{form['eta_min']!r}", int(form["restart_limit"])
+        stop = f"if ({limit} > 0 && r >= {limit}) return {eta}; " if limit else ""
+        return (f"[&] {{ double cur = {e}, period = {float(form['T_0'])!r}; int r = 0; while (cur >= period) "
+                f"{{ cur -= period; period *= {float(form['T_mult'])!r}; ++r; }} {stop}return {eta} + "
+                f"({base} * std::pow({form['decay_rate']!r}, r) - {eta}) * (1.0 + std::cos({PI} * cur / period)) "
+                f"/ 2.0; }}()")
     if kind == "lr_OneCycleLR":
         lines, start = [f"[&] {{ const double x = {e};"], 0.0
         for i, (end_step, from_lr, to_lr) in enumerate(form["phases"]):

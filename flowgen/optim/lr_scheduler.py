@@ -541,16 +541,24 @@ WarmUpLR = WarmupLR   # OneFlow's other spelling
 class CosineAnnealingWarmRestarts(LRScheduler):
     """Cosine annealing from the base LR to eta_min over T_i steps, then a restart; the period
     starts at T_0 and is multiplied by T_mult at each restart (PyTorch semantics, fractional
-    epochs given to step(epoch) included)."""
+    epochs given to step(epoch) included). OneFlow's options: the peak after restart r is
+    `base_lr * decay_rate ** r`, and after `restart_limit` restarts (0: no limit) the LR stays at
+    eta_min."""
 
-    def __init__(self, optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0, last_epoch: int = -1):  # noqa: N803
+    def __init__(self, optimizer, T_0: int, T_mult: int = 1, eta_min: float = 0.0,  # noqa: N803
+                 decay_rate: float = 1.0, restart_limit: int = 0, last_epoch: int = -1):
         if T_0 <= 0 or not isinstance(T_0, int):
             raise ValueError(f"CosineAnnealingWarmRestarts: expected a positive integer T_0, but got {T_0}")
         if T_mult < 1 or not isinstance(T_mult, int):
             raise ValueError(f"CosineAnnealingWarmRestarts: expected an integer T_mult >= 1, but got {T_mult}")
+        if restart_limit < 0 or not isinstance(restart_limit, int):
+            raise ValueError(f"CosineAnnealingWarmRestarts: expected an integer restart_limit >= 0, but got "
+                             f"{restart_limit}")
         self.T_0 = T_0
         self.T_mult = T_mult
         self.eta_min = eta_min
+        self.decay_rate = float(decay_rate)
+        self.restart_limit = restart_limit
         self.epoch = float(last_epoch)   # the (possibly fractional) epoch; last_epoch is its floor
         super().__init__(optimizer, last_epoch)
 
@@ -567,17 +575,22 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     def get_lr(self):
         return [self.closed_form(group, self.epoch) for group in range(len(self.base_lrs))]
 
-    def position(self, epoch: float) -> tuple[float, float]:
-        """(T_cur, T_i): the position within the current period and that period's length."""
-        t_cur, t_i = epoch, self.T_0
+    def position(self, epoch: float) -> tuple[float, float, int]:
+        """(T_cur, T_i, restarts): the position within the current period, that period's length
+        and how many restarts came before it."""
+        t_cur, t_i, restarts = epoch, self.T_0, 0
         while t_cur >= t_i:
             t_cur -= t_i
             t_i *= self.T_mult
-        return t_cur, t_i
+            restarts += 1
+        return t_cur, t_i, restarts
 
     def closed_form(self, group, epoch):
-        t_cur, t_i = self.position(epoch)
-        return self.eta_min + (self.base_lrs[group] - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
+        t_cur, t_i, restarts = self.position(epoch)
+        if self.restart_limit and restarts >= self.restart_limit:
+            return self.eta_min
+        peak = self.base_lrs[group] * self.decay_rate ** restarts
+        return self.eta_min + (peak - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
 
 
 def _per_group(name: str, scheduler: str, optimizer, value) -> list:

@@ -124,7 +124,8 @@ def closed_form_schedule(scheduler, g_index: int) -> dict | None:
         return {**form, "decay_steps": int(scheduler.decay_steps), "alpha": float(scheduler.alpha)}
     if kind == "CosineAnnealingWarmRestarts":
         return {**form, "T_0": int(scheduler.T_0), "T_mult": int(scheduler.T_mult),
-                "eta_min": float(scheduler.eta_min)}
+                "eta_min": float(scheduler.eta_min), "decay_rate": scheduler.decay_rate,
+                "restart_limit": int(scheduler.restart_limit)}
     if kind == "OneCycleLR":
         values = scheduler.optimizer.param_groups[g_index]
         return {**form, "anneal": scheduler.anneal_strategy,

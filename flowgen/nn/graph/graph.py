@@ -14,6 +14,7 @@ import itertools
 import warnings
 
 from flowgen import random
+from flowgen.nn.graph import lr_log
 from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.io import flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
@@ -22,6 +23,7 @@ from flowgen.nn.graph.compiled import CompiledGraph, compile_step
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
 from flowgen.optim.optimizer import Optimizer
+from flowgen.passes.optimizer import group_lr_now
 
 def _as_int(step) -> int:
     return int(step.item() if hasattr(step, "item") else step)
@@ -223,6 +225,10 @@ class Graph:
     def _after_step(self, skipped: bool = False):
         """Host bookkeeping after a step: counters and the optimizers' step counts (`counts_steps`). A
         step a GradScaler skipped (inf/NaN gradients) does not count for Adam's bias corrections."""
+        if self._optimizers and self.config.training and lr_log.enabled():
+            optimizer, scheduler = self._optimizers[0]
+            lr = group_lr_now(optimizer.param_groups[0], 0, scheduler, self._counter)
+            lr_log.record(self._counter["calls"], float(lr), first=self._counter["calls"] == 0)
         self._counter["calls"] += 1
         if skipped:
             self._counter["skipped"] = self._counter.get("skipped", 0) + 1
