@@ -406,7 +406,8 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
         em_epi.var[r.output] = reduced_var
         identity = IDENTITY[combine] if acc_type in ("float", "double") else \
             {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
-        red_ctx.append({"combine": combine, "acc_type": acc_type, "value_type": value_type, "identity": identity, "source_var": source_var,
+        red_ctx.append({"combine": combine, "acc_type": acc_type, "value_type": value_type, "identity": identity,
+                        "source_var": source_var,
                         "reduced_var": reduced_var, "fn": _combine_fn(combine, acc_type), "scratch": f"partials{k}",
                         "block_item": (f"acc{k}", f"partial{k}", _combine_fn(combine, acc_type))})
     epi_numel = int(np.prod(out_shape, dtype=np.int64))
