@@ -88,7 +88,39 @@ REGRESSIONS = {
         3323, (2, 3, 4), ["self.p1 = nn.Parameter(lib.randn(2, 1, 1) * 0.5)"],
         ["h2 = lib.where(x > -0.137, x, self.p1)", "h3 = F.hardtanh(h2)", "h4 = lib.reshape(h3, (2, 12))"],
         loss="lib.sum(out * out)", target_shape=(2, 12)),
+    # fuzz seeds 11358, 11802: LayerNorm over a masked_fill'ed (constant) row; the graph summed
+    # the row's mean in float32 in another order than eager, an ulp off, and the norm made that 5e-6.
+    "layernorm_of_a_constant_row": _regression(
+        11358, (4, 5), ["self.m1 = nn.LayerNorm(5)"],
+        ["h1 = lib.masked_fill(x, x < 10.0, -0.14)", "h2 = self.m1(h1)"], loss="lib.sum(out * target)"),
 }
+
+
+def test_norm_of_nearly_constant_values_in_a_graph_is_as_exact_as_eager():
+    """A norm over equal values divides the rounding error of their mean by sqrt(eps): the graph's
+    sums round like eager's (float32 summed in float64), so graph equals eager bit for bit."""
+    import flowgen as flow
+
+    rng = np.random.default_rng(0)
+    rows = np.repeat(rng.standard_normal((64, 1)), 5, axis=1).astype(np.float32)
+    rows[::4, 2] = np.nextafter(rows[::4, 2], np.float32(np.inf))    # nearly constant
+    layer_norm, batch_norm = flow.nn.LayerNorm(5), flow.nn.BatchNorm1d(64)   # per row, per column of x.T
+
+    def norms(x):
+        return layer_norm(x), batch_norm(flow.transpose(x, 0, 1)), flow.mean(x, dim=1), flow.sum(x * 3.1)
+
+    class Norms(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.layer_norm, self.batch_norm = layer_norm, batch_norm
+
+        def build(self, x):
+            return norms(x)
+
+    graph = [t.numpy() for t in Norms()(flow.tensor(rows))]
+    eager = [t.numpy() for t in norms(flow.tensor(rows))]
+    for e, g in zip(eager, graph):
+        assert np.array_equal(g, e), np.abs(g - e).max()
 
 
 def test_regressions():

@@ -22,6 +22,14 @@ COMPUTE_TYPE = {dt.float32: "float", dt.float16: "float", dt.bfloat16: "float", 
 IDENTITY = {"sum": "0", "max": "-INFINITY", "min": "INFINITY"}
 
 
+def sum_accumulator(dtype) -> str:
+    """The C++ type a sum of `dtype` accumulates in: float32 sums in double, as the eager `sum`
+    (ops/reduction.py) does, so that any summation order rounds to the same float32 (almost
+    always: bit for bit) and a mean over nearly-constant values is as exact as eager's. LayerNorm
+    of a constant row amplifies a one-ulp error of its mean by 1/sqrt(eps)."""
+    return "double" if dtype == dt.float32 else COMPUTE_TYPE[dtype]
+
+
 def _store(value_dtype, expr: str) -> str:
     if value_dtype == dt.float16:
         return f"__float2half({expr})"
@@ -393,12 +401,14 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     red_ctx = []
     for k, (r, source_var) in enumerate(zip(reds, sources)):
         combine = get_op(r.op).lowering.combine
-        acc_type = COMPUTE_TYPE[r.output.dtype]
+        value_type = COMPUTE_TYPE[r.output.dtype]
+        acc_type = sum_accumulator(r.output.dtype) if combine == "sum" else value_type
         reduced_var = em_epi.fresh()
         em_epi.var[r.output] = reduced_var
         identity = IDENTITY[combine] if acc_type in ("float", "double") else \
             {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
-        red_ctx.append({"combine": combine, "acc_type": acc_type, "identity": identity, "source_var": source_var,
+        red_ctx.append({"combine": combine, "acc_type": acc_type, "value_type": value_type, "identity": identity,
+                        "source_var": source_var,
                         "reduced_var": reduced_var, "fn": _combine_fn(combine, acc_type), "scratch": f"partials{k}",
                         "block_item": (f"acc{k}", f"partial{k}", _combine_fn(combine, acc_type))})
     epi_numel = int(np.prod(out_shape, dtype=np.int64))
