@@ -1,1 +1,2 @@
-"""The `flowgen` command line (installed as the package `flowgen.cli`); see `main.py`."""
+"""The `flowgen` command line (installed as the top-level package `flowgen_cli`, which the `flowgen`
+script runs, and as `flowgen.cli`); see `main.py`."""
