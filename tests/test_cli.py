@@ -15,7 +15,7 @@ import flowgen as flow
 import flowgen.nn as nn
 
 try:
-    from flowgen.cli.main import cli
+    from flowgen_cli.main import cli
 except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
     from cli.main import cli
 
