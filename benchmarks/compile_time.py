@@ -97,7 +97,7 @@ def main():
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     saved = os.path.join(work, "saved")
     flowgen_cli = [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
-                   "from flowgen.cli.main import main; main()"]
+                   "from cli.main import main; main()"]
     stages = [
         ("emulator first call", [sys.executable, "-c", _EMULATOR, str(args.batch), str(args.width), saved]),
         ("nvrtc (cuda target)", [sys.executable, "-c", _NVRTC, saved, args.arch]),

@@ -1,1 +1,3 @@
-"""The `flowgen` command line (installed as the package `flowgen.cli`); see `main.py`."""
+"""The `flowgen` command line, installed as the top-level package `flowgen_cli` (not under
+`flowgen.`, whose __init__ loads NumPy and every op: `flowgen --help` loads only click); see
+`main.py`."""

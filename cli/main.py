@@ -4,19 +4,39 @@
                   [--sanitize address|undefined|address,undefined]
     flowgen run OUT INPUT.npy... -o RESDIR [--steps N]
     flowgen inspect DIR|OUT [--source] [--ir] [--memory]
+    flowgen bench OUT INPUT.npy... [--steps N] [--json FILE]
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import click
 
-from flowgen.codegen.aot import SANITIZERS
-from flowgen.serialization import write_file_atomic
+# `--sanitize`'s choices, spelled here so that `--help` does not import the compiler; the same
+# tuple as flowgen.codegen.aot.SANITIZERS (tests/test_cli.py checks), which `build` validates again.
+SANITIZERS = ("address", "undefined", "address,undefined")
+
+
+def _flowgen():
+    """The flowgen package with the compiler modules the commands use, imported on first use.
+
+    The one place this module imports flowgen, and only for start-up time: `import flowgen` loads
+    NumPy, Jinja2 and every op (about half a second), which `flowgen --help` and `--version` do not
+    need. It is not a way around an import cycle; a command calls this when it starts its work.
+    """
+    import flowgen.codegen.aot
+    import flowgen.runtime.toolchain
+    import flowgen.saved_graph
+    import flowgen.serialization
+
+    return flowgen
 
 
 def _fail(message: str):
@@ -24,8 +44,9 @@ def _fail(message: str):
 
 
 def _load(path: str):
-    from flowgen.saved_graph import is_saved_graph, load_saved_graph
-    from flowgen.serialization import CheckpointError
+    flowgen = _flowgen()
+    is_saved_graph, load_saved_graph = flowgen.saved_graph.is_saved_graph, flowgen.saved_graph.load_saved_graph
+    CheckpointError = flowgen.serialization.CheckpointError
 
     if not is_saved_graph(path):
         _fail(f"{path} is not a saved graph: it has no graph.json (write one with flow.save(graph, dir) after "
@@ -47,13 +68,25 @@ def _read_manifest(out: str) -> dict:
 
 
 def _version() -> str:
-    import flowgen
+    """The installed distribution's version (pyproject.toml's, the same as `flowgen.__version__`),
+    read from its metadata so that `--version` does not import flowgen; a source checkout that
+    was never installed falls back to importing it."""
+    try:
+        return importlib.metadata.version("flowgen")
+    except importlib.metadata.PackageNotFoundError:
+        return _flowgen().__version__
 
-    return flowgen.__version__
+
+def _print_version(ctx, param, value):
+    """`--version`, as click.version_option prints it, but with the version looked up only when asked."""
+    if value and not ctx.resilient_parsing:
+        click.echo(f"flowgen, version {_version()}", color=ctx.color)
+        ctx.exit()
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(version=_version(), prog_name="flowgen")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and exit.")
 def cli():
     """flowgen: an ahead-of-time compiler for neural networks that emits readable CUDA C++.
 
@@ -80,8 +113,9 @@ def build(saved_dir, out_dir, target, arch, compiler, sanitize):
     Renders OUT/program.cu (kernels + host code), compiles it to OUT/<graph name>, and writes
     OUT/weights.safetensors and OUT/manifest.json.
     """
-    from flowgen.codegen.aot import BuildError, build as build_program
-    from flowgen.runtime.toolchain import CompileError
+    flowgen = _flowgen()
+    BuildError, build_program = flowgen.codegen.aot.BuildError, flowgen.codegen.aot.build
+    CompileError = flowgen.runtime.toolchain.CompileError
 
     start = time.perf_counter()
     saved = _load(saved_dir)
@@ -149,10 +183,6 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
 def bench(out_dir, inputs, steps, json_path):
     """Time the program built in OUT: one process runs --steps steps on the given inputs and
     reports its own clock (file I/O and start-up excluded), so the number is the step time."""
-    import json
-    import re
-    import tempfile
-
     manifest = _read_manifest(out_dir)
     binary = Path(out_dir) / manifest["binary"]
     if not binary.is_file():
@@ -177,7 +207,7 @@ def bench(out_dir, inputs, steps, json_path):
                f"{result['ms_per_step']:>10.3f}")
     if json_path:
         data = json.dumps(result, indent=2).encode()
-        write_file_atomic(json_path, lambda f: f.write(data))
+        _flowgen().serialization.write_file_atomic(json_path, lambda f: f.write(data))
         click.echo(f"wrote {json_path}")
 
 
@@ -253,7 +283,8 @@ def inspect(path, source, ir, memory):
 
 
 def main(argv=None):
-    """Console entry point (`flowgen = flowgen.cli.main:main`)."""
+    """Console entry point (`flowgen = flowgen_cli.main:main`: a top-level package, because importing
+    anything under `flowgen.` first runs flowgen/__init__.py, which loads all of flowgen)."""
     cli.main(args=argv, prog_name="flowgen")
 
 

@@ -27,8 +27,8 @@ import flowgen.nn as nn
 def flowgen_cli(*args):
     """Run the `flowgen` command line as a shell user would (`flowgen build ...`)."""
     env = dict(os.environ)
-    module = "flowgen.cli.main"
-    if importlib.util.find_spec("flowgen.cli") is None:
+    module = "flowgen_cli.main"
+    if importlib.util.find_spec("flowgen_cli") is None:
         # A source checkout that was not `pip install -e .`-ed: the cli/ folder is the package.
         module = "cli.main"
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parent.parent), env.get("PYTHONPATH", "")])

@@ -1,6 +1,10 @@
 """The `flowgen` command line: build / run / inspect, and examples/deploy.py end to end."""
 import json
+import os
 import runpy
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,7 @@ import flowgen as flow
 import flowgen.nn as nn
 
 try:
-    from flowgen.cli.main import cli
+    from flowgen_cli.main import cli
 except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
     from cli.main import cli
 
@@ -48,6 +52,41 @@ def test_help(args):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "Usage: " in result.output
+
+
+_STARTUP_PROBE = """
+import sys
+import cli.main
+for args in (["--help"], ["--version"], ["build", "--help"], ["run", "--help"], ["inspect", "--help"],
+             ["bench", "--help"]):
+    try:
+        cli.main.main(args)
+    except SystemExit as e:
+        assert e.code in (0, None), (args, e.code)
+print("LOADED", *sorted(m for m in sys.modules if m.split(".")[0] in ("flowgen", "numpy", "jinja2", "ml_dtypes")))
+"""
+
+
+def test_help_and_version_do_not_import_flowgen():
+    """`flowgen --help`/`--version` start in a fraction of a second: the CLI module and its argument
+    parsing load click, not flowgen (NumPy, Jinja2, every op). cli/ is imported as the top-level
+    package the `flowgen` script runs (flowgen_cli when installed), since anything under flowgen.
+    runs flowgen/__init__.py first."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", _STARTUP_PROBE], capture_output=True, text=True, env=env,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert f"flowgen, version {flow.__version__}" in proc.stdout
+    loaded = proc.stdout.rsplit("LOADED", 1)[1].split()
+    assert loaded == [], f"importing the CLI and printing its help loaded {loaded}"
+    script = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]["flowgen"]
+    assert not script.startswith("flowgen."), script
+
+
+def test_cli_sanitizer_choices_are_the_compilers():
+    from flowgen.codegen.aot import SANITIZERS
+
+    assert sys.modules[cli.callback.__module__].SANITIZERS == SANITIZERS
 
 
 def test_build_reports_each_stage_with_times(built):

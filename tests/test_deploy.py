@@ -513,7 +513,7 @@ def test_flowgen_run_trains_and_prints_the_loss(poly, tmp_path):
     from click.testing import CliRunner
 
     try:
-        from flowgen.cli.main import cli
+        from flowgen_cli.main import cli
     except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
         from cli.main import cli
     result = CliRunner().invoke(cli, ["run", str(poly["out"]), str(poly["tmp"] / "x.npy"), str(poly["tmp"] / "y.npy"),
