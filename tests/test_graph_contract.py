@@ -408,3 +408,21 @@ def test_to_the_tensor_class_returns_the_tensor():
     """OneFlow's `graph.block.weight.to(flow.Tensor)`."""
     w = flow.randn(2, 2)
     assert w.to(flow.Tensor) is w
+
+
+def test_graph_matmul_adds_each_product_with_one_fused_multiply_add():
+    """The SIMT GEMM accumulates c = fma(a, b, c) along k, as the GPU's FFMA does (and BLAS for short
+    k: OneFlow's tests compare Linear graph == eager with np.array_equal); the emulator rounds
+    the same way."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((9, 5)).astype(np.float32)
+    w = rng.standard_normal((7, 5)).astype(np.float32)
+    fused = np.zeros((9, 7), np.float32)
+    for k in range(5):   # float64 holds a*b exactly; one rounding of a*b + c to float32 is fmaf
+        fused = (a[:, k:k + 1].astype(np.float64) * w[:, k].astype(np.float64) + fused).astype(np.float32)
+
+    class Product(nn.Graph):
+        def build(self, x, y):
+            return flow.matmul(x, y.t())
+
+    np.testing.assert_array_equal(Product()(flow.tensor(a), flow.tensor(w)).numpy(), fused)

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import subprocess
 import tempfile
 import threading
@@ -30,7 +31,21 @@ from flowgen.runtime.toolchain import (
 )
 
 _CXX = "g++"
-_FLAGS = ("-std=c++17", "-O2", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULATOR")
+
+
+def _host_has_fma() -> bool:
+    """Whether this x86 CPU has FMA instructions: kernels call fmaf (one rounding, as the GPU's
+    FFMA); with -mfma g++ inlines it instead of calling libm, and -ffp-contract=off keeps g++
+    from fusing any other a * b + c (eager rounds those twice)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return platform.machine() in ("x86_64", "AMD64") and " fma " in f" {f.read()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+_FLAGS = ("-std=c++17", "-O2", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULATOR") + \
+    (("-mfma", "-ffp-contract=off") if _host_has_fma() else ())
 
 
 @functools.lru_cache(maxsize=None)
