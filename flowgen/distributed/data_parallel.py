@@ -171,6 +171,8 @@ def broadcast_state(graph):
     comm = world()
     for module in graph._modules.values():
         for t in [*module.parameters(), *(b for b in module.buffers() if b is not None)]:
+            if t.is_global:   # to_global(..., broadcast) already gave every rank rank 0's data
+                continue
             t._data[...] = comm.broadcast(t.numpy(), root=0)
             t._version += 1
 

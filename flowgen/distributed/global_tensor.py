@@ -73,11 +73,14 @@ def local_to_global(tensor, placement, sbp):
     placement = _check_placement(placement)
     sbps = _normalized_sbp(sbp, tensor.ndim)
     comm = world()
+    device = as_device(placement.type)     # the component lives on the placement's device type
     local = tensor.detach()
+    if local.device != device:
+        local = local.to(device)
     shape = tuple(tensor.shape)
     layout = sbps[0]
     if layout.kind == "broadcast":
-        local = type(tensor)(comm.broadcast(tensor.numpy(), root=0), dtype=tensor.dtype, device=tensor.device)
+        local = type(local)(comm.broadcast(tensor.numpy(), root=0), dtype=tensor.dtype, device=device)
     shapes = [tuple(s) for s in comm.all_gather(np.array(shape, np.int64))]
     if layout.kind == "split":
         d = layout.dim
@@ -86,7 +89,7 @@ def local_to_global(tensor, placement, sbp):
         shape = shape[:d] + (sum(s[d] for s in shapes),) + shape[d + 1:]
     elif any(s != shape for s in shapes):
         raise ValueError(f"to_global with {layout!r}: the ranks' local shapes differ: {shapes}")
-    return _make_global(type(tensor), local, placement, sbps, shape)
+    return _make_global(type(local), local, placement, sbps, shape)
 
 
 def logical_value(tensor) -> np.ndarray:
@@ -120,8 +123,8 @@ def global_to_global(tensor, placement, sbp):
         return tensor
     comm = world()
     part = local_part(logical_value(tensor), sbps[0], comm.rank, comm.size)
-    local = type(tensor)(part, dtype=tensor.dtype, device=info.local.device)
-    return _make_global(type(tensor), local, placement, sbps, info.shape)
+    local = type(info.local)(part, dtype=tensor.dtype, device=info.local.device)
+    return _make_global(type(local), local, placement, sbps, info.shape)
 
 
 def to_global(tensor, placement=None, sbp=None):
@@ -139,3 +142,18 @@ def as_global(tensor, placement, layout: Sbp):
     if layout.kind == "broadcast":
         return _make_global(type(tensor), tensor, _check_placement(placement), (layout,), tuple(tensor.shape))
     return local_to_global(tensor, placement, layout)
+
+
+def graph_storage(tensor, what: str):
+    """The local tensor a compiled graph holds for the state tensor `tensor` (a parameter or
+    buffer, named `what` in errors): `tensor` itself when it is local; the component of a
+    global tensor laid out as `broadcast` (every rank holds the whole value, the replicas of a
+    data-parallel graph), which the graph reads and updates in place."""
+    info = tensor._global
+    if info is None:
+        return tensor
+    if info.sbp[0].kind != "broadcast":
+        raise NotImplementedError(f"nn.Graph: {what} is a global tensor with sbp {info.sbp[0]!r}; flowgen graphs "
+                                  f"hold global parameters and buffers as flow.sbp.broadcast only (data parallel), "
+                                  f"not split or partial_sum (model parallel)")
+    return info.local

@@ -22,6 +22,11 @@ class sbp:  # noqa: N801 - OneFlow spells the type flow.sbp.sbp
     def __hash__(self):
         return hash((self.kind, self.dim))
 
+    def __call__(self) -> "sbp":
+        """OneFlow lets `flow.sbp.broadcast()` and `flow.sbp.partial_sum()` stand for the values
+        themselves: calling an sbp returns it."""
+        return self
+
     def __repr__(self):
         return f"flowgen.sbp.split(dim={self.dim})" if self.kind == "split" else f"flowgen.sbp.{self.kind}"
 

@@ -401,6 +401,38 @@ class Module:
             _move_in_place(t, target_device, target_dtype)
         return self
 
+    def to_global(self, placement=None, sbp=None) -> "Module":
+        """OneFlow's `Module.to_global`: every parameter and buffer becomes `t.to_global(placement, sbp)`.
+        The module holds new tensors afterwards (parameters are new `Parameter`s keeping
+        `requires_grad`, gradients converted too), so build optimizers after the call, as in OneFlow.
+        A tensor shared by several modules stays shared."""
+        return self._replace_tensors(lambda t: t.to_global(placement=placement, sbp=sbp), {})
+
+    def to_local(self) -> "Module":
+        """OneFlow's `Module.to_local`: every global parameter and buffer becomes its local component."""
+        return self._replace_tensors(lambda t: t.to_local(), {})
+
+    def _replace_tensors(self, convert, converted: dict) -> "Module":
+        """Replace each parameter and buffer `t` (of this module and its children) by `convert(t)`;
+        `converted` maps id(old) -> (old, new) across the walk (old kept alive so its id stays
+        its own), so shared tensors stay shared."""
+        for child in self.children():
+            child._replace_tensors(convert, converted)
+        for key, p in self._parameters.items():
+            if p is not None and id(p) not in converted:
+                new = Parameter(convert(p), requires_grad=p.requires_grad)
+                if p.grad is not None:
+                    new.grad = convert(p.grad)
+                converted[id(p)] = (p, new)
+            if p is not None:
+                self._parameters[key] = converted[id(p)][1]
+        for key, b in self._buffers.items():
+            if b is not None and id(b) not in converted:
+                converted[id(b)] = (b, convert(b))
+            if b is not None:
+                self._buffers[key] = converted[id(b)][1]
+        return self
+
     def cuda(self, device=None) -> "Module":
         return self.to(device if device is not None else "cuda")
 

@@ -24,6 +24,7 @@ from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
 from flowgen.distributed import env
+from flowgen.distributed.global_tensor import graph_storage
 from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
                                                gradient_reduction, shard_slot_tensors)
 from flowgen.passes.autodiff import autodiff, next_value_index
@@ -360,7 +361,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     graph._log(1, f"(GRAPH:{graph.name}:{cls}) end building forward graph.")
     object.__setattr__(graph, "_io", io)
     ir = tracer.graph
-    bindings = [(tracer.state_of[id(t)].value, t) for t in tracer.state_tensors]
+    bindings = [(tracer.state_of[id(t)].value, graph_storage(t, tracer.state_of[id(t)].name))
+                for t in tracer.state_tensors]
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
