@@ -450,3 +450,22 @@ def test_enable_fused_model_update_cast_says_it_cannot_act():
     config = nn.Graph().config
     with pytest.warns(UserWarning, match="enable_fused_model_update_cast has no effect"):
         config.enable_fused_model_update_cast(True)
+
+
+# ----------------------------------------------------------------- _compile / _is_compiled (OneFlow's)
+def test_compile_without_running_then_call_runs_the_compiled_step():
+    """`graph._compile(x)` (OneFlow's) compiles without a step: weights stay; the next call reuses it."""
+    flow.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = model.weight.numpy().copy()
+    graph = MLPGraph(model, compress_memory=False)
+    x = flow.randn(3, 4)
+    assert not graph._is_compiled
+    assert graph._compile(x) is None and graph._is_compiled
+    np.testing.assert_array_equal(model.weight.numpy(), before)
+    compiled = graph.compiled
+    assert "(INPUT:_MLPGraph_" in repr(graph)     # the compiled graph's repr, as after a call
+    eager_loss = model(x).sum().numpy()
+    np.testing.assert_allclose(graph(x).numpy(), eager_loss, rtol=1e-6)
+    assert graph.compiled is compiled and len(graph._variants) == 1
+    assert not np.array_equal(model.weight.numpy(), before)
