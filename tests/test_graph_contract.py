@@ -469,3 +469,10 @@ def test_compile_without_running_then_call_runs_the_compiled_step():
     np.testing.assert_allclose(graph(x).numpy(), eager_loss, rtol=1e-6)
     assert graph.compiled is compiled and len(graph._variants) == 1
     assert not np.array_equal(model.weight.numpy(), before)
+
+
+def test_sysconfig_says_there_is_no_grpc_backend():
+    """OneFlow's tests skip gRPC-only multi-process paths with `flow.sysconfig.has_rpc_backend_grpc()`."""
+    import flowgen.sysconfig
+
+    assert flow.sysconfig is flowgen.sysconfig and flow.sysconfig.has_rpc_backend_grpc() is False
