@@ -26,4 +26,5 @@ __version__ = "0.1.0"
 from flowgen import nn, optim, utils, amp, models  # noqa: E402
 from flowgen.serialization import save, load  # noqa: E402
 from flowgen.distributed import env, sbp  # noqa: E402
+from flowgen import sysconfig  # noqa: E402
 from flowgen.distributed.placement import placement  # noqa: E402

@@ -35,6 +35,13 @@ save killed midway leaves its ``.tmp-``/``.old-`` folder behind; the next
 successful save or load of that path deletes every such leftover whose process
 is no longer running.
 
+A ``path`` that already is an empty regular file or a single-file save (OneFlow's `flow.save`
+writes one file, so its code saves to files such as a `tempfile.NamedTemporaryFile`'s name) is
+replaced atomically (`os.replace`) by a single-file save instead (any other file is refused): one safetensors file whose metadata holds
+``format``, ``version`` and ``structure`` (the structure document above, as JSON, with a
+``tensors_sha256`` computed over the tensors' names, dtypes, shapes and bytes). `flow.load`
+reads either form.
+
 `flow.save(obj, path)` on an object with a ``_flowgen_save(path)`` method
 (an `nn.Graph`) hands the whole job to that method.
 """
@@ -297,6 +304,13 @@ def save(obj, path) -> None:
     encoder = _Encoder()
     root = encoder.encode(obj, [])
 
+    if os.path.isfile(path) and not os.path.islink(path):
+        if os.path.getsize(path) and not _is_save_file(path):
+            raise FileExistsError(f"flow.save: {path} is a file that flow.save did not write (not empty, no "
+                                  f"{FORMAT!r} metadata); refusing to replace it")
+        _save_single_file(encoder, root, os.fspath(path))
+        return
+
     def write(tmp: str) -> None:
         tensors_path = os.path.join(tmp, TENSORS_FILE)
         _write_tensors(encoder.arrays, tensors_path)
@@ -304,6 +318,32 @@ def save(obj, path) -> None:
         write_json(with_self_hash(doc, "structure_sha256"), os.path.join(tmp, STRUCTURE_FILE), allow_nan=True)
 
     write_directory_atomically(path, write)
+
+
+def _save_single_file(encoder, root, path: str) -> None:
+    """The single-file form (see the module docstring), written beside `path` and renamed over it."""
+    doc = {"format": FORMAT, "version": VERSION, "tensors_sha256": arrays_sha256(encoder.arrays), "root": root}
+    structure = json.dumps(with_self_hash(doc, "structure_sha256"), allow_nan=True)
+    metadata = {"format": FORMAT, "version": str(VERSION), "structure": structure}
+    write_file_atomic(path, lambda f: write_safetensors(encoder.arrays, f, metadata))
+
+
+def _is_save_file(path) -> bool:
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # noqa: BLE001 - any file safetensors cannot open is not a single-file save
+        return False
+
+
+def arrays_sha256(arrays: dict) -> str:
+    """SHA-256 over every array's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode("utf-8"))
+        digest.update(array.reshape(-1).view(np.uint8).tobytes())
+    return digest.hexdigest()
 
 
 def document_sha256(doc: dict) -> str:
@@ -501,8 +541,7 @@ def load(path, map_location=None):
                 f"{os.path.basename(path)} to use it)") if leftovers else ""
         raise FileNotFoundError(f"flow.load: {path} does not exist{hint}")
     if not os.path.isdir(path):
-        raise CheckpointError(f"flow.load: {path} is a file; flow.save writes a directory containing "
-                              f"{STRUCTURE_FILE} and {TENSORS_FILE}")
+        return _load_single_file(path, map_location)
     if os.path.lexists(os.path.join(path, "graph.json")):   # flow.save(graph, dir): a deployable graph
         from flowgen.saved_graph import load_saved_graph
 
@@ -559,6 +598,27 @@ def _load_state(path: str, map_location):
                               f"recorded in {STRUCTURE_FILE} (truncated or modified after saving)")
     arrays = read_safetensors_file(tensors_path)[0]
     return _Decoder(arrays, structure_path, map_location).decode(structure["root"], [])
+
+
+def _load_single_file(path: str, map_location):
+    arrays, metadata = read_safetensors_file(path)
+    if metadata.get("format") != FORMAT or "structure" not in metadata:
+        raise CheckpointError(f"flow.load: {path} is a file but not a flow.save file (its safetensors metadata "
+                              f"has no format {FORMAT!r} and structure)")
+    if metadata.get("version") != str(VERSION):
+        raise CheckpointError(f"flow.load: {path} has format version {str(metadata.get('version'))[:20]}; "
+                              f"this flowgen reads version {VERSION}")
+    try:
+        structure = json.loads(metadata["structure"])
+    except (ValueError, RecursionError) as e:
+        raise CheckpointError(f"flow.load: {path} is corrupt (its structure metadata is not valid JSON: {e})") from None
+    if not isinstance(structure, dict) or "root" not in structure:
+        raise CheckpointError(f"flow.load: {path}: the structure metadata has no root")
+    check_self_hash(structure, "structure_sha256", path)
+    if structure.get("tensors_sha256") != arrays_sha256(arrays):
+        raise CheckpointError(f"flow.load: {path} is corrupt: its tensors do not match the tensors_sha256 recorded "
+                              f"in its structure (modified after saving)")
+    return _Decoder(arrays, path, map_location).decode(structure["root"], [])
 
 
 def read_safetensors_file(filename: str) -> tuple:

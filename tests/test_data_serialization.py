@@ -212,8 +212,9 @@ def test_leftovers_of_interrupted_saves_are_removed_by_the_next_save_and_load(tm
 
 def test_save_refuses_to_clobber_other_things(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(FileExistsError, match="not a directory"):
+    with pytest.raises(FileExistsError, match="a file that flow.save did not write"):
         flow.save({"a": 1}, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "x"
     other = tmp_path / "project"
     other.mkdir()
     (other / "main.py").write_text("print()")
@@ -281,7 +282,7 @@ def test_load_reports_missing_and_corrupt_files(tmp_path):
     with pytest.raises(CheckpointError, match="cannot read .*structure.json"):
         flow.load(path)
     (tmp_path / "f").write_text("x")
-    with pytest.raises(CheckpointError, match="is a file"):
+    with pytest.raises(CheckpointError, match="f is corrupt"):
         flow.load(tmp_path / "f")
 
 
@@ -324,3 +325,35 @@ def test_polyfit_example_reaches_loss_about_9(capsys):
     assert "Result: y = " in out and "*x^3" in out
     w = model[0].weight.numpy()[0]
     assert 0.8 < w[0] < 0.9 and -0.1 < w[2] < -0.08  # ~ sin(x) ≈ x - x^3/6 over [-pi, pi]
+
+
+def test_save_to_an_existing_file_writes_one_file_atomically(tmp_path, monkeypatch):
+    """OneFlow's flow.save writes a file, so its users save to a tempfile's name: an empty file (or
+    an earlier single-file save) is replaced atomically by one safetensors file; load reads it back.
+    A save that fails midway leaves the old file whole."""
+    import tempfile
+
+    from flowgen import serialization
+
+    state = {"w": flow.randn(3, 2), "opt": {"step": 4, "lr": 0.5, "m": [flow.ones(2)]}}
+    with tempfile.NamedTemporaryFile(dir=tmp_path) as f:
+        flow.save(state, f.name)
+        got = flow.load(f.name)
+        np.testing.assert_array_equal(got["w"].numpy(), state["w"].numpy())
+        assert got["opt"]["step"] == 4 and got["opt"]["lr"] == 0.5
+        np.testing.assert_array_equal(got["opt"]["m"][0].numpy(), np.ones(2, np.float32))
+        before = open(f.name, "rb").read()
+
+        def broken(arrays, file, metadata):
+            file.write(b"partial")
+            raise OSError("disk full")
+        monkeypatch.setattr(serialization, "write_safetensors", broken)
+        with pytest.raises(OSError, match="disk full"):
+            flow.save({"w": flow.zeros(1)}, f.name)
+        monkeypatch.undo()
+        assert open(f.name, "rb").read() == before and sorted(os.listdir(tmp_path)) == [os.path.basename(f.name)]
+        data = bytearray(before)
+        data[-1] ^= 0xFF                              # a flipped bit in the last tensor's bytes
+        open(f.name, "wb").write(bytes(data))
+        with pytest.raises(CheckpointError, match="is corrupt: its tensors do not match"):
+            flow.load(f.name)

@@ -426,3 +426,71 @@ def test_graph_matmul_adds_each_product_with_one_fused_multiply_add():
             return flow.matmul(x, y.t())
 
     np.testing.assert_array_equal(Product()(flow.tensor(a), flow.tensor(w)).numpy(), fused)
+
+
+# ----------------------------------------------------------------- multi-tensor update (OneFlow's pass)
+class ConvTrainGraph(nn.Graph):
+    def __init__(self, model, multi_tensor_update):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        self.config.enable_multi_tensor_update(multi_tensor_update)
+
+    def build(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+
+
+def test_enable_multi_tensor_update_switches_the_multi_tensor_kernel():
+    """Conv weights' updates cannot join their gradient's template kernel: on (flowgen's default) they
+    share one multi-tensor kernel, off each runs alone; the numbers are the same."""
+    flow.manual_seed(0)
+    state = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).state_dict()
+    x = flow.randn(2, 3, 5, 5)
+    runs = {}
+    for mode in (True, False):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
+        model.load_state_dict(state)
+        graph = ConvTrainGraph(model, mode)
+        losses = [graph(x).numpy() for _ in range(2)]
+        multi = [k for k in graph.compiled.program.kernels if k.horizontal]
+        runs[mode] = (graph.compiled.num_launches, multi, losses, model[0].weight.numpy())
+    (launches_on, multi_on, losses_on, w_on), (launches_off, multi_off, losses_off, w_off) = runs[True], runs[False]
+    assert len(multi_on) == 1 and "2 independent segments" in multi_on[0].source
+    assert multi_off == [] and launches_off > launches_on
+    np.testing.assert_array_equal(losses_off, losses_on)
+    np.testing.assert_array_equal(w_off, w_on)
+
+
+def test_enable_fused_model_update_cast_says_it_cannot_act():
+    """OneFlow's update writes a float16 weight copy under AMP; flowgen keeps none and says so."""
+    config = nn.Graph().config
+    with pytest.warns(UserWarning, match="enable_fused_model_update_cast has no effect"):
+        config.enable_fused_model_update_cast(True)
+
+
+# ----------------------------------------------------------------- _compile / _is_compiled (OneFlow's)
+def test_compile_without_running_then_call_runs_the_compiled_step():
+    """`graph._compile(x)` (OneFlow's) compiles without a step: weights stay; the next call reuses it."""
+    flow.manual_seed(0)
+    model = nn.Linear(4, 2)
+    before = model.weight.numpy().copy()
+    graph = MLPGraph(model, compress_memory=False)
+    x = flow.randn(3, 4)
+    assert not graph._is_compiled
+    assert graph._compile(x) is None and graph._is_compiled
+    np.testing.assert_array_equal(model.weight.numpy(), before)
+    compiled = graph.compiled
+    assert "(INPUT:_MLPGraph_" in repr(graph)     # the compiled graph's repr, as after a call
+    eager_loss = model(x).sum().numpy()
+    np.testing.assert_allclose(graph(x).numpy(), eager_loss, rtol=1e-6)
+    assert graph.compiled is compiled and len(graph._variants) == 1
+    assert not np.array_equal(model.weight.numpy(), before)
+
+
+def test_sysconfig_says_there_is_no_grpc_backend():
+    """OneFlow's tests skip gRPC-only multi-process paths with `flow.sysconfig.has_rpc_backend_grpc()`."""
+    import flowgen.sysconfig
+
+    assert flow.sysconfig is flowgen.sysconfig and flow.sysconfig.has_rpc_backend_grpc() is False

@@ -20,11 +20,14 @@
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
 
-Three families can be switched off (``graph.config.allow_fuse_*``, all on by default):
+Four families can be switched off (``graph.config.allow_fuse_*`` and
+``enable_multi_tensor_update``, all on by default):
 
 * ``model_update=False``: optimizer update nodes (scope ``optim...``/``grad_scaler``) form
-  kernels of their own: they join no gradient kernel (reduction, GEMM epilogue) and no
-  multi-tensor kernel; the update of one parameter stays one kernel.
+  kernels of their own: they join no gradient kernel (reduction, GEMM epilogue); the update
+  of one parameter stays one kernel.
+* ``multi_tensor_update=False``: updates that joined no gradient kernel are not merged into
+  ``multi`` kernels: each keeps a kernel of its own.
 * ``add_to_output=False``: an ``add`` of two full-size tensors (a residual) does not join
   a conv or GEMM epilogue (a bias add, which broadcasts, still does).
 * ``cast_scale=False``: a ``cast`` and a multiply/divide by a one-element tensor (a scale)
@@ -118,7 +121,7 @@ def _is_cast_or_scale(node) -> bool:
 
 
 def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: bool = True,
-         cast_scale: bool = True):
+         cast_scale: bool = True, multi_tensor_update: bool = True):
     nodes = graph.nodes
     users = graph.users()
     group_of: dict = {}       # node index -> _Group
@@ -300,7 +303,7 @@ def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: 
             add(g, i)
         # template families, views and constants stay as they are
 
-    if enabled and model_update:
+    if enabled and multi_tensor_update:
         _merge_update_groups(groups, nodes, users, live_out, group_of)
     # Rebuild the node list: each group at the position of its last member.
     last_of = {max(g.members): g for g in groups}

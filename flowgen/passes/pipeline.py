@@ -23,7 +23,8 @@ def default_passes(config, checkpointed_scopes=()):
         ("rematerialize", lambda g: rematerialize(g) if config.fusion else g),
         ("hoist_views_and_updates", lambda g: hoist(g, _hoistable)),
         ("fusion", lambda g: fuse(g, enabled=config.fusion, model_update=config.fuse_model_update_ops,
-                                  add_to_output=config.fuse_add_to_output, cast_scale=config.fuse_cast_scale)),
+                                  add_to_output=config.fuse_add_to_output, cast_scale=config.fuse_cast_scale,
+                                  multi_tensor_update=config.multi_tensor_update)),
         ("schedule", lambda g: schedule(g, straighten=config.straighten)),
     ]
 

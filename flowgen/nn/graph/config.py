@@ -5,6 +5,11 @@ Every option acts or says why it cannot:
 * `allow_fuse_model_update_ops`, `allow_fuse_add_to_output`, `allow_fuse_cast_scale` switch a
   fusion family (passes/fusion.py). flowgen turns all three on by default (OneFlow: off);
   `False` turns that family off and the program gets more, smaller kernels.
+* `enable_multi_tensor_update` switches the multi-tensor kernel: parameter updates that joined no
+  gradient kernel run as segments of one kernel (passes/fusion.py). On by default in flowgen
+  (OneFlow: off); `False` gives each of them a kernel of its own.
+* `enable_fused_model_update_cast` warns that it has no effect: flowgen keeps no half-precision copy
+  of the weights for the update to write (under AMP the forward casts each weight every step).
 * `enable_compress_memory` plans the arena with a search over placement orders
   (memory/search.py) instead of one greedy pass.
 * `enable_zero` and `GraphModule.set_stage` shard or pipeline across ranks; in a process started
@@ -40,6 +45,7 @@ class GraphConfig:
         self.fuse_model_update_ops = True
         self.fuse_add_to_output = True
         self.fuse_cast_scale = True
+        self.multi_tensor_update = True
         self.gradient_accumulation_steps = 1
         self.cudnn_conv_heuristic_search_algo = False
         self.straighten = False
@@ -72,6 +78,20 @@ class GraphConfig:
         """Optimizer updates run in the kernel making their gradient (GEMM/reduction epilogue) and the
         leftover ones in one multi-tensor kernel. Default on in flowgen."""
         self.fuse_model_update_ops = bool(mode)
+
+    def enable_multi_tensor_update(self, mode: bool = True):
+        """Parameter updates that joined no gradient kernel (a conv weight's, whose gradient comes
+        from a template kernel) run as segments of one multi-tensor kernel. Default on in flowgen."""
+        self.multi_tensor_update = bool(mode)
+
+    def enable_fused_model_update_cast(self, mode: bool = True):
+        """OneFlow (under AMP): the optimizer update also writes a float16 copy of each weight, which
+        the next forward reads instead of casting. flowgen keeps no such copy, so this cannot act."""
+        if mode:
+            warnings.warn("enable_fused_model_update_cast has no effect in flowgen: it keeps no float16 copy "
+                          "of the weights for the optimizer update to write; under enable_amp the forward "
+                          "casts each float32 weight every step (one elementwise kernel per weight)",
+                          UserWarning, stacklevel=2)
 
     def allow_fuse_add_to_output(self, mode: bool = True):
         """A residual add runs in the epilogue of the conv/GEMM producing one operand. Default on in flowgen."""

@@ -137,6 +137,22 @@ class Graph:
         None, bool, int, float and str values pass through (a new value compiles a new variant).
         Global tensors split along dim 0 make the call data parallel (distributed/data_parallel.py):
         the graph runs on this rank's parts."""
+        variant, inputs = self._variant_for(args, kwargs)
+        return variant.run(inputs)
+
+    def _compile(self, *args, **kwargs):
+        """OneFlow's `graph._compile(*args)`: trace and compile the variant for these inputs without
+        running a step (parameters and optimizer state stay as they are); a later call with inputs of
+        the same signature runs it. Compiling a signature already compiled does nothing."""
+        self._variant_for(args, kwargs)
+
+    @property
+    def _is_compiled(self) -> bool:
+        """OneFlow's flag: whether a call or `_compile` has compiled a variant yet."""
+        return bool(self._variants)
+
+    def _variant_for(self, args, kwargs):
+        """The compiled variant for these inputs' signature (compiled now if new) and the flat inputs."""
         inputs, rebuild_call = flatten_call(args, kwargs, self._name)
         inputs, placement, split = split_inputs(self, inputs)
         args, kwargs = rebuild_call(inputs)
@@ -155,7 +171,7 @@ class Graph:
         else:
             self._variants.move_to_end(key)
         object.__setattr__(self, "_last", variant)
-        return variant.run(inputs)
+        return variant, inputs
 
     @property
     def compiled(self) -> CompiledGraph:
