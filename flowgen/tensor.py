@@ -455,6 +455,15 @@ class Tensor:
     def bernoulli_(self, p=0.5):
         return self._assign(creation.bernoulli(self, p))
 
+    def exponential_(self, lambd=1.0):
+        """Fill with Exponential(lambd) samples: -log(1 - u) / lambd for u uniform in [0, 1)."""
+        if not self._dtype.is_floating:
+            raise TypeError(f"Tensor.exponential_: needs a floating point tensor, got {self._dtype!r}")
+        if not lambd > 0:
+            raise ValueError(f"Tensor.exponential_: lambd must be positive, got {lambd}")
+        u = creation.uniform(tuple(self.shape), 0.0, 1.0, dtype=self._dtype)
+        return self._assign(F.log1p(-u) * (-1.0 / float(lambd)))
+
     def bernoulli(self, p=None):
         return creation.bernoulli(self, p)
 
