@@ -497,7 +497,10 @@ def permute(x, *dims, **keyword):
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
     if dims == tuple(range(x.ndim)):
         return x
-    return apply("permute", x, dims=dims)
+    out = apply("permute", x, dims=dims)
+    source_strides = x.stride()
+    out._view_strides = tuple(source_strides[d] for d in dims)   # what OneFlow's view would report
+    return out
 
 
 def transpose(x, dim0, dim1):
@@ -567,7 +570,9 @@ def repeat(x, *sizes, **keyword):
 
 
 def contiguous(x):
-    return x
+    """`x` itself when row-major, else a row-major copy (flowgen's data already is; the copy
+    drops the permuted-view layout, as OneFlow's contiguous() does)."""
+    return x if x.is_contiguous() else clone(x)
 
 
 def _slice(x, starts, stops, steps):

@@ -317,3 +317,18 @@ def test_rand_and_randn_take_size_by_keyword():
     assert tuple(flow.rand(size=(2, 3)).shape) == (2, 3) and tuple(flow.randn(size=[4]).shape) == (4,)
     with pytest.raises(TypeError, match="sizes twice"):
         flow.rand(2, size=(2,))
+
+
+def test_permuted_tensors_report_the_layout_of_a_view_until_contiguous():
+    x = flow.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    y = x.transpose(0, 1)
+    assert not y.is_contiguous() and y.stride() == (1, 3)
+    z = y.contiguous()
+    assert z.is_contiguous() and z.stride() == (2, 1)
+    np.testing.assert_array_equal(z.numpy(), x.numpy().T)
+    back = z.transpose(0, 1)                       # OneFlow's test_graph_non_contiguous_tensors pattern
+    assert not back.is_contiguous() and back.permute(1, 0).is_contiguous()
+    assert not nn.Parameter(back).is_contiguous()
+    w = flow.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    (w.t().contiguous() * flow.tensor([[1.0, 10.0], [100.0, 1000.0]])).sum().backward()
+    np.testing.assert_array_equal(w.grad.numpy(), [[1.0, 100.0], [10.0, 1000.0]])

@@ -21,6 +21,7 @@ class Parameter(Tensor):
                                    "create parameters in the module's __init__")
             super().__init__(None, device=data.device, requires_grad=requires_grad)
             self._data, self._dtype = data.numpy_view(), data.dtype
+            self._view_strides = data._view_strides
         elif data is None:
             super().__init__(np.zeros((0,), np.float32), requires_grad=requires_grad)
         else:
