@@ -210,15 +210,16 @@ def _random_dtype(dtype, default=dt.float32):
     return dt.get(dtype) if dtype is not None else default
 
 
-def randn(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    """Standard normal samples (ops/random_ops.py: Box-Muller over the Philox stream)."""
-    return normal(0.0, 1.0, _size(size, "randn"), dtype=dtype, device=device, requires_grad=requires_grad,
+def randn(*size, dtype=None, device=None, requires_grad=False, generator=None, **keyword) -> Tensor:
+    """Standard normal samples (ops/random_ops.py: Box-Muller over the Philox stream); the sizes
+    positionally or as ``size=``."""
+    return normal(0.0, 1.0, _size(keyword_sizes(size, keyword, ("size",), "randn"), "randn"), dtype=dtype, device=device, requires_grad=requires_grad,
                   generator=generator)
 
 
-def rand(*size, dtype=None, device=None, requires_grad=False, generator=None) -> Tensor:
-    """Uniform samples in [0, 1)."""
-    shape = _size(size, "rand")
+def rand(*size, dtype=None, device=None, requires_grad=False, generator=None, **keyword) -> Tensor:
+    """Uniform samples in [0, 1); the sizes positionally or as ``size=``."""
+    shape = _size(keyword_sizes(size, keyword, ("size",), "rand"), "rand")
     _refuse_generator_in_build("rand", generator)
     if generator is not None:
         return _make(generator.random(shape, dtype=np.float32), _random_dtype(dtype), device, requires_grad)

@@ -497,7 +497,10 @@ def permute(x, *dims, **keyword):
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
     if dims == tuple(range(x.ndim)):
         return x
-    return apply("permute", x, dims=dims)
+    out = apply("permute", x, dims=dims)
+    source_strides = x.stride()
+    out._view_strides = tuple(source_strides[d] for d in dims)   # what OneFlow's view would report
+    return out
 
 
 def transpose(x, dim0, dim1):
@@ -567,7 +570,9 @@ def repeat(x, *sizes, **keyword):
 
 
 def contiguous(x):
-    return x
+    """`x` itself when row-major, else a row-major copy (flowgen's data already is; the copy
+    drops the permuted-view layout, as OneFlow's contiguous() does)."""
+    return x if x.is_contiguous() else clone(x)
 
 
 def _slice(x, starts, stops, steps):
@@ -1159,40 +1164,59 @@ def multinomial(input, num_samples, replacement=False, generator=None):
     """Category indices drawn by the weights in each row of `input` (1-D or 2-D, non-negative).
 
     The uniforms come from the Philox stream (`flow.manual_seed` makes draws reproducible; the
-    numbers differ from PyTorch's generator). With replacement: the inverse of each row's CDF.
-    Without: the `num_samples` largest keys log(u) / p (weighted sampling without replacement,
-    Efraimidis-Spirakis), so zero-weight categories are never drawn. Eager only.
+    numbers differ from PyTorch's generator). With replacement: the inverse of each row's CDF,
+    built from flowgen ops, so it also runs inside nn.Graph.build(). Without: the `num_samples`
+    largest keys log(u) / p (weighted sampling without replacement, Efraimidis-Spirakis), so
+    zero-weight categories are never drawn; that needs a sort, so it is eager only.
     """
-    if input.is_lazy:
-        raise NotImplementedError("multinomial runs in eager mode only: nn.Graph has no kernel for it yet")
     if generator is not None:
         raise NotImplementedError("multinomial: generator= is not supported; seed with flow.manual_seed")
     if input.ndim not in (1, 2):
         raise RuntimeError(f"multinomial: prob_dist must be 1 or 2 dim, got shape {tuple(input.shape)}")
-    weights = np.atleast_2d(input.numpy_view()).astype(np.float64)
-    rows, categories = weights.shape
     n = int(num_samples)
     if n <= 0:
         raise RuntimeError(f"multinomial: cannot sample n_sample <= 0 samples (got {n})")
+    if input.is_lazy and not replacement:
+        raise NotImplementedError("multinomial(replacement=False) runs in eager mode only: nn.Graph has no sort "
+                                  "kernel; use replacement=True inside build() or draw outside it")
+    if not input.is_lazy:
+        _check_multinomial_weights(input.numpy_view(), n, replacement)
+    weights = _to_float(input) if input.ndim == 2 else unsqueeze(_to_float(input), 0)
+    rows, categories = tuple(weights.shape)
+    if replacement:
+        draws = _inverse_cdf_draws(weights, rand(rows, n, dtype=weights.dtype, device=input.device))
+    else:
+        u = rand(rows, categories, dtype=dt.float64).numpy_view()
+        with np.errstate(divide="ignore"):
+            keys = np.log(np.maximum(u, np.finfo(np.float64).tiny)) / weights.numpy_view()   # -inf for zero weights
+        draws = Tensor(np.argsort(-keys, axis=1, kind="stable")[:, :n].astype(np.int64), dtype=dt.int64,
+                       device=input.device)
+    return draws if input.ndim == 2 else squeeze(draws, 0)
+
+
+def _check_multinomial_weights(weights, n, replacement):
+    weights = np.atleast_2d(weights)
     if not np.isfinite(weights).all() or (weights < 0).any():
         raise RuntimeError("multinomial: probability tensor contains either inf, nan or element < 0")
     nonzero = (weights > 0).sum(1)
     if (nonzero == 0).any():
         raise RuntimeError("multinomial: invalid multinomial distribution (sum of probabilities <= 0)")
-    if not replacement and (n > categories or (nonzero < n).any()):
+    if not replacement and (n > weights.shape[1] or (nonzero < n).any()):
         raise RuntimeError(f"multinomial: cannot sample {n} samples without replacement from rows with fewer "
                            f"non-zero categories (smallest row has {int(nonzero.min())})")
-    u = rand(rows, n if replacement else categories, dtype=dt.float64).numpy_view()
-    if replacement:
-        cdf = np.cumsum(weights, 1)
-        draws = np.stack([np.searchsorted(cdf[r], u[r] * cdf[r, -1], side="right") for r in range(rows)])
-        draws = np.minimum(draws, categories - 1)
-    else:
-        with np.errstate(divide="ignore"):
-            keys = np.log(np.maximum(u, np.finfo(np.float64).tiny)) / weights   # -inf for zero weights
-        draws = np.argsort(-keys, axis=1, kind="stable")[:, :n]
-    out = draws.astype(np.int64)
-    return Tensor(out if input.ndim == 2 else out[0], dtype=dt.int64, device=input.device)
+
+
+def _inverse_cdf_draws(weights, u):
+    """For each row r and uniform u[r, s]: the number of categories j with cdf[r, j] <= u * total,
+    i.e. the first category whose cumulative weight passes the target (searchsorted right)."""
+    categories = weights.shape[1]
+    upto = np.arange(categories)[:, None] <= np.arange(categories)[None, :]         # [i, j]: i <= j
+    upto = Tensor(upto.astype(weights.dtype.np_dtype), device=weights.device)
+    cdf = sum(mul(unsqueeze(weights, 2), upto), 1)                                       # [rows, C]
+    target = mul(u, narrow(cdf, 1, categories - 1, 1))                                   # [rows, n]
+    passed = le(unsqueeze(cdf, 1), unsqueeze(target, 2))                                 # [rows, n, C]
+    count = sum(passed.to(dt.int64), 2)
+    return clamp_max(count, categories - 1)
 
 
 def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:

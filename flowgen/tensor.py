@@ -38,6 +38,10 @@ class Tensor:
     __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
     _global = None                     # GlobalInfo of a global tensor (flowgen/distributed/global_tensor.py)
     _post_accumulate_grad_hooks = ()   # called after backward() accumulates into .grad (DDP's all-reduce)
+    # The strides a OneFlow/PyTorch view would have, set by permute/transpose; None for row-major.
+    # flowgen stores every tensor dense and row-major (a permute is a copy), so this is layout
+    # metadata for is_contiguous()/stride()/contiguous(), not a description of the NumPy buffer.
+    _view_strides = None
 
     def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
         """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
@@ -338,18 +342,23 @@ class Tensor:
         return self.to(dt.get(dtype))
 
     def contiguous(self):
-        return self
+        return F.contiguous(self)
 
     # ---------------------------------------------------- layout and new tensors
     def is_contiguous(self, memory_format=None) -> bool:
-        return True   # flowgen tensors are always dense and row-major
+        """False for the result of a permute/transpose that reorders dims (a view in OneFlow),
+        until .contiguous(); see `_view_strides`."""
+        return self._view_strides is None or self._view_strides == self._row_major_strides()
 
-    def stride(self, dim=None):
+    def _row_major_strides(self) -> tuple:
         strides, step = [], 1
         for size in reversed(self.shape):
             strides.append(step)
             step *= max(size, 1)
-        strides = tuple(reversed(strides))
+        return tuple(reversed(strides))
+
+    def stride(self, dim=None):
+        strides = self._view_strides if self._view_strides is not None else self._row_major_strides()
         return strides if dim is None else strides[dim]
 
     def storage_offset(self) -> int:
@@ -454,6 +463,15 @@ class Tensor:
 
     def bernoulli_(self, p=0.5):
         return self._assign(creation.bernoulli(self, p))
+
+    def exponential_(self, lambd=1.0):
+        """Fill with Exponential(lambd) samples: -log(1 - u) / lambd for u uniform in [0, 1)."""
+        if not self._dtype.is_floating:
+            raise TypeError(f"Tensor.exponential_: needs a floating point tensor, got {self._dtype!r}")
+        if not lambd > 0:
+            raise ValueError(f"Tensor.exponential_: lambd must be positive, got {lambd}")
+        u = creation.uniform(tuple(self.shape), 0.0, 1.0, dtype=self._dtype)
+        return self._assign(F.log1p(-u) * (-1.0 / float(lambd)))
 
     def bernoulli(self, p=None):
         return creation.bernoulli(self, p)

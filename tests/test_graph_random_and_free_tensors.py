@@ -266,3 +266,54 @@ def test_nn_init_in_build_is_a_graph_op_or_refused():
     with pytest.raises(TraceError, match=r"nn\.init\.trunc_normal_ cannot run inside nn\.Graph\.build\(\)"):
         Frozen()()
     np.testing.assert_array_equal(free.numpy(), [0.0, 0.0, 0.0])
+
+
+def _oneflow_functional_draws(x):
+    """OneFlow's `flow._C` random functions and the keyword spellings of rand/randn."""
+    return (flow._C.rrelu(x, training=True),
+            flow._C.exponential_(flow.zeros(3, 4), 2.0),
+            flow._C.dropout(x, 0.5, addend=flow.ones(3, 4)),
+            flow.multinomial(flow.sigmoid(x), 6, replacement=True),
+            flow.rand(size=(2, 3)),
+            flow.randn(size=(2,)))
+
+
+class OneflowFunctionalDrawGraph(nn.Graph):
+    def build(self, x):
+        return _oneflow_functional_draws(x)
+
+
+def test_oneflow_functional_random_ops_in_build_draw_the_eager_numbers():
+    x = flow.tensor(np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4))
+    flow.manual_seed(3)
+    compiled = OneflowFunctionalDrawGraph()(x)
+    flow.manual_seed(3)
+    eager = _oneflow_functional_draws(x)
+    for k, (g, w) in enumerate(zip(compiled, eager)):
+        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), k
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6, err_msg=str(k))
+    rrelu, expo, dropped, draws = (t.numpy() for t in eager[:4])
+    xs = x.numpy()
+    slope = rrelu[xs < 0] / xs[xs < 0]
+    assert np.array_equal(rrelu[xs >= 0], xs[xs >= 0]) and (slope >= 1 / 8).all() and (slope <= 1 / 3).all()
+    assert (expo >= 0).all()
+    assert set(np.unique(dropped)) <= set(np.unique(np.concatenate([[1.0], 1 + 2 * xs.ravel()])))
+    assert draws.dtype == np.int64 and draws.shape == (3, 6) and ((draws >= 0) & (draws < 4)).all()
+
+
+def test_multinomial_with_replacement_follows_the_weights():
+    flow.manual_seed(0)
+    weights = flow.tensor([[0.0, 1.0, 3.0], [2.0, 0.0, 0.0]])
+    draws = flow.multinomial(weights, 4000, replacement=True).numpy()
+    np.testing.assert_allclose(np.bincount(draws[0], minlength=3) / 4000, [0.0, 0.25, 0.75], atol=0.03)
+    assert (draws[1] == 0).all()
+    assert tuple(flow.multinomial(flow.tensor([1.0, 1.0]), 5, True).shape) == (5,)
+
+
+def test_multinomial_without_replacement_in_build_is_refused():
+    class Sample(nn.Graph):
+        def build(self, w):
+            return flow.multinomial(w, 2)
+
+    with pytest.raises(NotImplementedError, match="replacement=False"):
+        Sample()(flow.ones(2, 3))

@@ -293,3 +293,42 @@ def test_multinomial_draws_follow_the_weights_reproducibly():
         flow.multinomial(weights, 4)
     with pytest.raises(RuntimeError, match="element < 0"):
         flow.multinomial(flow.tensor([0.5, -0.1]), 1)
+
+
+def test_oneflow_functional_namespace_computes_what_its_names_say():
+    x = flow.tensor([[-2.0, 1.0, 3.0], [0.5, -1.0, 2.0]])
+    w = flow.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, -1.0]])
+    np.testing.assert_allclose(flow._C.matmul(x, w, transpose_b=True, alpha=2.0).numpy(),
+                               2.0 * x.numpy() @ w.numpy().T, rtol=1e-6)
+    np.testing.assert_allclose(flow._C.matmul(x, w, transpose_a=True).numpy(), x.numpy().T @ w.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(flow._C.rrelu(x).numpy(), np.where(x.numpy() >= 0, x.numpy(),
+                                                                  x.numpy() * (1 / 8 + 1 / 3) / 2), rtol=1e-6)
+    assert tuple(flow._C.flatten(flow.zeros(2, 3, 4), 1).shape) == (2, 12)
+    np.testing.assert_allclose(flow._C.relu(x).numpy(), np.maximum(x.numpy(), 0))
+    logits, label = x.numpy(), np.array([2, 0])
+    expected = -(logits - np.log(np.exp(logits).sum(1, keepdims=True)))[np.arange(2), label]
+    np.testing.assert_allclose(flow._C.sparse_softmax_cross_entropy(x, flow.tensor(label)).numpy(), expected,
+                               rtol=1e-5)
+    with pytest.raises(AttributeError, match="flowgen._C"):
+        flow._C.fused_scale_tril_softmax_mask_scale
+
+
+def test_rand_and_randn_take_size_by_keyword():
+    assert tuple(flow.rand(size=(2, 3)).shape) == (2, 3) and tuple(flow.randn(size=[4]).shape) == (4,)
+    with pytest.raises(TypeError, match="sizes twice"):
+        flow.rand(2, size=(2,))
+
+
+def test_permuted_tensors_report_the_layout_of_a_view_until_contiguous():
+    x = flow.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    y = x.transpose(0, 1)
+    assert not y.is_contiguous() and y.stride() == (1, 3)
+    z = y.contiguous()
+    assert z.is_contiguous() and z.stride() == (2, 1)
+    np.testing.assert_array_equal(z.numpy(), x.numpy().T)
+    back = z.transpose(0, 1)                       # OneFlow's test_graph_non_contiguous_tensors pattern
+    assert not back.is_contiguous() and back.permute(1, 0).is_contiguous()
+    assert not nn.Parameter(back).is_contiguous()
+    w = flow.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    (w.t().contiguous() * flow.tensor([[1.0, 10.0], [100.0, 1000.0]])).sum().backward()
+    np.testing.assert_array_equal(w.grad.numpy(), [[1.0, 100.0], [10.0, 1000.0]])

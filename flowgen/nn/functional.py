@@ -13,13 +13,14 @@ import math
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen import creation as _creation
 from flowgen import functional as _F
 from flowgen.autograd import no_grad
 from flowgen.ops.registry import apply, normalize_dim
 from flowgen.tensor import Tensor
 
 __all__ = [
-    "linear", "conv2d", "relu", "relu6", "gelu", "silu", "sigmoid", "tanh", "leaky_relu",
+    "linear", "conv2d", "relu", "relu6", "rrelu", "gelu", "silu", "sigmoid", "tanh", "leaky_relu",
     "elu", "hardtanh", "hardsigmoid", "hardswish", "softplus", "mish", "softmax", "log_softmax", "dropout",
     "batch_norm", "layer_norm", "group_norm", "instance_norm", "max_pool2d", "avg_pool2d",
     "adaptive_avg_pool2d", "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "embedding",
@@ -172,6 +173,19 @@ def gelu(input, approximate="none"):
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
     return apply("gelu", input, approximate=approximate)
+
+
+def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False):
+    """Randomized leaky ReLU: negative inputs scaled by a slope drawn uniformly from [lower, upper)
+    per element while training (Philox stream, as dropout), by (lower + upper) / 2 otherwise."""
+    if not 0.0 <= lower <= upper:
+        raise ValueError(f"rrelu: need 0 <= lower <= upper, got lower={lower}, upper={upper}")
+    if training:
+        slope = _creation.uniform(tuple(input.shape), lower, upper, dtype=input.dtype)
+    else:
+        slope = (lower + upper) / 2.0
+    out = _F.where(input >= 0, input, input * slope)
+    return input._assign(out) if inplace else out
 
 
 def silu(input, inplace=False):

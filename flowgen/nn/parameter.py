@@ -25,6 +25,7 @@ class Parameter(Tensor):
                 self._data, self._dtype, self._global = None, data.dtype, data._global
             else:
                 self._data, self._dtype = data.numpy_view(), data.dtype
+                self._view_strides = data._view_strides
         elif data is None:
             super().__init__(np.zeros((0,), np.float32), requires_grad=requires_grad)
         else:
