@@ -266,6 +266,9 @@ class Tensor:
     def detach(self) -> "Tensor":
         if self.is_lazy:
             return F.detach(self)
+        if self._global is not None:
+            info = self._global
+            return global_tensor.wrap_local(info.local.detach(), info.placement, info.sbp[0], info.shape)
         out = Tensor.__new__(Tensor)
         Tensor.__init__(out, None, device=self.device)
         out._data, out._dtype = self.numpy_view(), self._dtype
