@@ -10,7 +10,8 @@ Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_
   to B first;
 * sum / sum_to: S(d) reduced over d -> P, over other dims -> S(d') (d' counts the kept dims);
   P -> P; max / min over a split dim gather the operand to B first;
-* matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)) -> P, (P, B) and (B, P) -> P;
+* matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
+  operand takes its piece of k), (P, B) and (B, P) -> P;
 * permute: S(d) -> S(perm.index(d)); P -> P.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
@@ -138,8 +139,15 @@ def _matmul(op, a, b, attrs, out_ndim):
         layout = split(out_ndim - 2)
     elif pair == ("broadcast", "split") and lb.dim == b.ndim - 1:
         layout = split(out_ndim - 1)
-    elif pair == ("split", "split") and la.dim == a.ndim - 1 and lb.dim == b.ndim - 2:
-        layout = partial_sum
+    elif (la.kind != "partial_sum" and lb.kind != "partial_sum" and "split" in pair
+          and la in (broadcast, split(a.ndim - 1)) and lb in (broadcast, split(b.ndim - 2))):
+        # split along k (a broadcast operand takes its own piece of k): each rank's product is a partial sum
+        local_a, local_b = a._global.local, b._global.local
+        if la.kind == "broadcast":
+            local_a = type(local_a)(_local_piece(local_a.numpy_view(), a.ndim - 1), dtype=a.dtype, device=local_a.device)
+        if lb.kind == "broadcast":
+            local_b = type(local_b)(_local_piece(local_b.numpy_view(), b.ndim - 2), dtype=b.dtype, device=local_b.device)
+        return [local_a, local_b], partial_sum, attrs
     else:
         raise _unsupported(op.name, (a, b))
     return [a._global.local, b._global.local], layout, attrs

@@ -87,7 +87,7 @@ def local_to_global(tensor, placement, sbp):
     layout = sbps[0]
     if layout.kind == "broadcast":
         local = type(local)(comm.broadcast(tensor.numpy(), root=0), dtype=tensor.dtype, device=device)
-    shapes = [tuple(s) for s in comm.all_gather(np.array(shape, np.int64))]
+    shapes = [tuple(int(n) for n in s) for s in comm.all_gather(np.array(shape, np.int64))]
     if layout.kind == "split":
         d = layout.dim
         if any(len(s) != len(shape) or s[:d] + s[d + 1:] != shape[:d] + shape[d + 1:] for s in shapes):

@@ -157,7 +157,7 @@ def apply(name: str, *inputs, **attrs):
                 is_global = True
         else:
             all_tensors = False
-    if is_global:
+    if is_global and _tracer_hook is None:   # while tracing, global state is the graph's (data parallel)
         return _apply_global(op, inputs, attrs, Tensor)
     tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _as_tensor_like(x, like) for x in inputs]
     lazy = False
