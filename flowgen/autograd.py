@@ -15,6 +15,8 @@ _state = threading.local()
 from flowgen.ops.registry import GradContext  # noqa: E402
 from flowgen.device import CPU  # noqa: E402
 from flowgen.tensor import Tensor, c_array  # noqa: E402
+from flowgen.distributed import global_tensor  # noqa: E402
+from flowgen.distributed.sbp import broadcast  # noqa: E402
 
 
 def is_grad_enabled() -> bool:
@@ -96,6 +98,12 @@ def wrap_outputs(op, inputs, attrs, result, metas=None):
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         outs.append(Tensor._wrap(arr, meta.dtype, device))
+    record(op, inputs, attrs, outs)
+    return tuple(outs) if multi else outs[0]
+
+
+def record(op, inputs, attrs, outs) -> None:
+    """Put `op` applied to `inputs` giving `outs` on the tape, when a gradient is wanted."""
     if op.grad is not None and getattr(_state, "enabled", True):
         for t in inputs:
             if t.requires_grad:
@@ -105,7 +113,6 @@ def wrap_outputs(op, inputs, attrs, result, metas=None):
                         o.requires_grad = True
                         o.grad_fn = node
                 break
-    return tuple(outs) if multi else outs[0]
 
 
 def _topological_order(root):
@@ -127,6 +134,19 @@ def _topological_order(root):
     return list(reversed(order))
 
 
+def _accumulate_global_grad(t, g) -> None:
+    """Add the global gradient `g` into `t.grad`, laid out as `t` is (OneFlow boxes the gradient to
+    the leaf's sbp: a partial_sum gradient of a broadcast parameter is all-reduced)."""
+    g = g.to_global(t.placement, t.sbp)
+    if t.grad is not None:
+        g = t.grad + g
+    t.grad = global_tensor.wrap_local(Tensor(c_array(g.to_local().numpy_view(), t.dtype.np_dtype).copy(),
+                                             dtype=t.dtype, device=t.to_local().device),
+                                      t.placement, t.sbp[0], tuple(t.shape))
+    for hook in t._post_accumulate_grad_hooks:
+        hook(t)
+
+
 def backward(root, gradient=None):
     if not root.requires_grad:
         raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn")
@@ -135,6 +155,8 @@ def backward(root, gradient=None):
             raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs; "
                                f"this tensor has shape {tuple(root.shape)}, pass gradient=")
         gradient = Tensor(np.ones(root.shape, root.dtype.np_dtype), device=root.device)
+        if root.is_global:   # a logical 1 on every rank (a partial_sum root too: d(sum)/d(part) = 1)
+            gradient = gradient.to_global(root.placement, broadcast)
     elif not isinstance(gradient, Tensor):
         gradient = Tensor(gradient, dtype=root.dtype)
     if tuple(gradient.shape) != tuple(root.shape):
@@ -147,7 +169,9 @@ def backward(root, gradient=None):
             g = grads.pop(id(t), None)
             if g is None:
                 continue
-            if t.grad_fn is None or t._retains_grad:
+            if t.is_global and (t.grad_fn is None or t._retains_grad):
+                _accumulate_global_grad(t, g)
+            elif t.grad_fn is None or t._retains_grad:
                 # A fresh buffer: g may be shared with another tensor's gradient (add passes g through).
                 total = g.numpy_view() if t.grad is None else t.grad.numpy_view() + g.numpy_view()
                 t.grad = Tensor(c_array(total, t.dtype.np_dtype).copy() if t.grad is None else total,

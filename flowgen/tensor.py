@@ -172,9 +172,9 @@ class Tensor:
                 "tensor.numpy() was called on a lazy tensor inside nn.Graph.build(): the graph has no values "
                 "while it is being traced. Return the tensor from build() and read it after the call.")
         if self._global is not None:
-            raise RuntimeError(f"flowgen runs eager ops on local tensors only, and this tensor is global "
-                               f"({self._global.sbp[0]!r} on {self._global.placement!r}): use .to_local() for this "
-                               f"rank's part, .numpy() for the whole value, or pass it to an nn.Graph")
+            raise RuntimeError(f"this tensor is global ({self._global.sbp[0]!r} on {self._global.placement!r}) and "
+                               f"has no storage of its whole value here: use .to_local() for this rank's part or "
+                               f".numpy() for the whole value")
         if self._sync_from_device is not None:
             sync, self._sync_from_device = self._sync_from_device, None
             sync(self)
@@ -266,6 +266,9 @@ class Tensor:
     def detach(self) -> "Tensor":
         if self.is_lazy:
             return F.detach(self)
+        if self._global is not None:
+            info = self._global
+            return global_tensor.wrap_local(info.local.detach(), info.placement, info.sbp[0], info.shape)
         out = Tensor.__new__(Tensor)
         Tensor.__init__(out, None, device=self.device)
         out._data, out._dtype = self.numpy_view(), self._dtype

@@ -76,8 +76,11 @@ def test_to_global_and_back_on_one_rank():
 def test_global_tensor_errors_name_the_fix():
     x = flow.ones(2, 2)
     g = x.to_global(flow.placement("cpu", [0]), flow.sbp.broadcast)
-    with pytest.raises(RuntimeError, match="eager ops on local tensors only.*to_local"):
-        g + 1
+    assert np.array_equal((g + 1).numpy(), np.full((2, 2), 2.0))   # eager ops on global tensors run
+    with pytest.raises(RuntimeError, match="global and local tensors are mixed"):
+        g + x
+    with pytest.raises(RuntimeError, match="global.*to_local"):
+        np.asarray(g)
     with pytest.raises(RuntimeError, match="already local"):
         x.to_local()
     with pytest.raises(RuntimeError, match="no placement"):

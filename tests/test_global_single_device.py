@@ -118,3 +118,76 @@ def test_graph_refuses_split_global_parameters():
     model.to_global(flow.placement("cpu", [0]), flow.sbp.split(0))
     with pytest.raises(NotImplementedError, match="broadcast only"):
         TrainStep(model)(flow.tensor([1.0]))
+
+
+# ---------------------------------------------------------------- eager ops on global tensors
+
+PLACEMENT = flow.placement("cpu", [0])
+
+
+def _global(arr, sbp, requires_grad=False):
+    t = flow.tensor(arr).to_global(PLACEMENT, sbp)
+    return t.requires_grad_() if requires_grad else t
+
+
+def test_eager_ops_on_broadcast_tensors_give_broadcast_results():
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal((4, 2)).astype(np.float32)
+    ga, gb = _global(a, flow.sbp.broadcast), _global(b, flow.sbp.broadcast)
+    out = flow.nn.functional.gelu(flow.matmul(ga, gb) * 2.0 + 1.0).mean()
+    local = flow.nn.functional.gelu(flow.matmul(flow.tensor(a), flow.tensor(b)) * 2.0 + 1.0).mean()
+    assert out.is_global and out.sbp == (flow.sbp.broadcast,)
+    np.testing.assert_allclose(out.numpy(), local.numpy(), rtol=1e-6)
+    copy = ga.clone()
+    assert copy.sbp == (flow.sbp.broadcast,) and np.array_equal(copy.to_local().numpy(), a)
+
+
+def test_eager_sbp_deduction_of_split_and_partial_sum_results():
+    rng = np.random.default_rng(1)
+    x, w, bias = (rng.standard_normal(s).astype(np.float32) for s in ((4, 3), (3, 5), (3,)))
+    xs, wb = _global(x, flow.sbp.split(0)), _global(w, flow.sbp.broadcast)
+    assert (xs + _global(bias, flow.sbp.broadcast)).sbp == (flow.sbp.split(0),)
+    assert flow.matmul(xs, wb).sbp == (flow.sbp.split(0),)
+    assert xs.sum(dim=1).sbp == (flow.sbp.split(0),)
+    total = xs.sum()
+    assert total.sbp == (flow.sbp.partial_sum,)
+    np.testing.assert_allclose(total.numpy(), x.sum(), rtol=1e-6)
+    assert (total * 3.0).sbp == (flow.sbp.partial_sum,)           # linear in the partial_sum operand
+    assert flow.exp(total).sbp == (flow.sbp.broadcast,)           # not linear: summed first
+    np.testing.assert_allclose(flow.exp(total).numpy(), np.exp(x.sum()), rtol=1e-5)
+    xk, wk = _global(x, flow.sbp.split(1)), _global(w, flow.sbp.split(0))
+    product = flow.matmul(xk, wk)                                 # split along k: partial sums
+    assert product.sbp == (flow.sbp.partial_sum,)
+    np.testing.assert_allclose(product.numpy(), x @ w, rtol=1e-5)
+
+
+def test_eager_ops_refuse_what_they_cannot_lay_out():
+    xs = _global(np.ones((4, 3), np.float32), flow.sbp.split(0))
+    with pytest.raises(NotImplementedError, match=r"reshape.*split\(dim=0\)"):
+        xs.reshape(12)
+    with pytest.raises(RuntimeError, match="global and local tensors are mixed"):
+        xs + flow.ones(4, 3)
+
+
+def test_eager_autograd_delivers_global_grads_in_the_parameters_sbp():
+    """OneFlow's eager data parallelism on one rank: a split batch, a broadcast parameter; the
+    parameter's gradient (a partial_sum over the batch) arrives all-reduced as broadcast."""
+    rng = np.random.default_rng(2)
+    x, w = rng.standard_normal((4, 3)).astype(np.float32), rng.standard_normal((5, 3)).astype(np.float32)
+    local_w = flow.nn.Parameter(flow.tensor(w))
+    local_x = flow.tensor(x).requires_grad_()
+    (flow.matmul(local_x, local_w.transpose(0, 1)) + local_w.sum()).sum().backward()
+
+    global_w = flow.nn.Parameter(_global(w, flow.sbp.broadcast))
+    global_x = _global(x, flow.sbp.split(0), requires_grad=True)
+    (flow.matmul(global_x, global_w.transpose(0, 1)) + global_w.sum()).sum().backward()
+    assert global_w.grad.is_global and global_w.grad.sbp == (flow.sbp.broadcast,)
+    assert global_x.grad.sbp == (flow.sbp.split(0),)
+    np.testing.assert_allclose(global_w.grad.numpy(), local_w.grad.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(global_x.grad.numpy(), local_x.grad.numpy(), rtol=1e-5)
+
+    opt = flow.optim.SGD([global_w], lr=0.1)
+    opt.step()
+    flow.optim.SGD([local_w], lr=0.1).step()
+    assert global_w.sbp == (flow.sbp.broadcast,)
+    np.testing.assert_allclose(global_w.numpy(), local_w.numpy(), rtol=1e-6)

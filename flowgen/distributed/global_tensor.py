@@ -67,6 +67,12 @@ def _make_global(tensor_type, local, placement, sbps, shape):
     return t
 
 
+def wrap_local(local, placement, layout: Sbp, shape):
+    """A global tensor with `local` as this rank's component as it is (no communication): the
+    caller knows the components agree with `layout` and that `shape` is the logical shape."""
+    return _make_global(type(local), local, placement, (layout,), tuple(shape))
+
+
 def local_to_global(tensor, placement, sbp):
     if placement is None or sbp is None:
         raise ValueError("to_global on a local tensor needs both placement and sbp")
@@ -81,7 +87,7 @@ def local_to_global(tensor, placement, sbp):
     layout = sbps[0]
     if layout.kind == "broadcast":
         local = type(local)(comm.broadcast(tensor.numpy(), root=0), dtype=tensor.dtype, device=device)
-    shapes = [tuple(s) for s in comm.all_gather(np.array(shape, np.int64))]
+    shapes = [tuple(int(n) for n in s) for s in comm.all_gather(np.array(shape, np.int64))]
     if layout.kind == "split":
         d = layout.dim
         if any(len(s) != len(shape) or s[:d] + s[d + 1:] != shape[:d] + shape[d + 1:] for s in shapes):

@@ -148,12 +148,17 @@ def apply(name: str, *inputs, **attrs):
         op = get_op(name)
     like = None
     all_tensors = True
+    is_global = False
     for x in inputs:
         if isinstance(x, Tensor):
             if like is None:
                 like = x
+            if x._global is not None:
+                is_global = True
         else:
             all_tensors = False
+    if is_global and _tracer_hook is None:   # while tracing, global state is the graph's (data parallel)
+        return _apply_global(op, inputs, attrs, Tensor)
     tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _as_tensor_like(x, like) for x in inputs]
     lazy = False
     for t in tensors:
@@ -172,6 +177,16 @@ def apply(name: str, *inputs, **attrs):
     metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
     result = op.ref(*arrays, **attrs)
     return _wrap_outputs(op, tensors, attrs, result, metas)
+
+
+def _apply_global(op, inputs, attrs, Tensor):
+    """An op with a global operand (flowgen/distributed/global_ops.py); Python scalars beside it
+    become broadcast global tensors."""
+    from flowgen.distributed import global_ops
+
+    like = next(x for x in inputs if isinstance(x, Tensor) and x._global is not None)
+    tensors = [x if isinstance(x, Tensor) else global_ops.scalar_as_global(x, like) for x in inputs]
+    return global_ops.apply_global(op, tensors, attrs)
 
 
 _Tensor = _as_tensor_like = _wrap_outputs = None

@@ -69,6 +69,20 @@ def group_clip(group: dict):
     return float(group["clip_grad_max_norm"]), float(group["clip_grad_norm_type"])
 
 
+def _global_arrays(optimizer: str, p: Tensor):
+    """The arrays an eager step updates for a global parameter: the local components of the
+    parameter and of its gradient. Every rank then runs the same update on the same values, which
+    keeps a broadcast parameter broadcast; the optimizer's state is kept per rank at the parameter's
+    whole shape, so split and partial_sum parameters are refused."""
+    if p.sbp[0].kind != "broadcast":
+        raise NotImplementedError(f"{optimizer}.step: eager updates of global parameters with sbp {p.sbp[0]!r}: "
+                                  f"flowgen updates broadcast global parameters only (or train in an nn.Graph)")
+    grad = p.grad.to_global(sbp=p.sbp) if p.grad.is_global else p.grad
+    if not grad.is_global:
+        raise RuntimeError(f"{optimizer}.step: a global parameter has a local gradient")
+    return p.to_local().numpy_view(), grad.to_local().numpy_view()
+
+
 class Optimizer:
     # Whether state["step"] counts the parameter's updates (Adam's and the RuleOptimizers'); a graph
     # advances it after each applied step, as eager step() does.
@@ -170,6 +184,9 @@ class Optimizer:
         """(parameter, its array, its gradient array) for each parameter that has a gradient."""
         for p in group["params"]:
             if p.grad is None:
+                continue
+            if p.is_global:
+                yield (p, *_global_arrays(type(self).__name__, p))
                 continue
             grad = p.grad.numpy_view()
             if grad.shape != tuple(p.shape):

@@ -1,0 +1,213 @@
+"""Eager ops on global tensors, as OneFlow runs them: each rank runs the op on its local
+components and the result is a global tensor whose sbp is deduced from the operands' sbps.
+
+Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_sum):
+
+* any op, every operand B -> B (random ops excepted: the ranks would draw different values);
+* elementwise ops (`Elementwise` lowering): operands S(d) and B -> S(d) (a B operand that is not
+  size 1 along d takes its own piece, a local slice); P operands of the linear ops (neg, cast,
+  add/sub of P with P, mul of P by B, div of P by B) stay P; any other P operand is all-reduced
+  to B first;
+* sum / sum_to: S(d) reduced over d -> P, over other dims -> S(d') (d' counts the kept dims);
+  P -> P; max / min over a split dim gather the operand to B first;
+* matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
+  operand takes its piece of k), (P, B) and (B, P) -> P;
+* permute: S(d) -> S(perm.index(d)); P -> P.
+
+Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
+operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
+so gradients are computed by the same rules (flowgen/autograd.py delivers each leaf's gradient in
+the leaf's sbp, all-reducing a partial_sum gradient of a broadcast parameter).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen.distributed import global_tensor
+from flowgen.distributed.collectives import world
+from flowgen.distributed.sbp import broadcast, partial_sum, sbp as Sbp, split
+from flowgen.ops.lowering import Elementwise
+
+_RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int", "randperm"})
+# Elementwise ops linear in their partial_sum operand, given that the others are broadcast.
+_LINEAR_IN_FIRST = frozenset({"neg", "cast", "detach", "mul", "div", "expand"})
+_LINEAR_IN_SECOND = frozenset({"mul"})
+_ADDITIVE = frozenset({"add", "sub"})
+
+
+def _layout(t) -> Sbp:
+    return t._global.sbp[0]
+
+
+def _describe(op_name, tensors) -> str:
+    return f"{op_name} on operands with sbp ({', '.join(repr(_layout(t)) for t in tensors)})"
+
+
+def _unsupported(op_name, tensors, why=""):
+    return NotImplementedError(
+        f"flowgen has no eager {_describe(op_name, tensors)}{': ' + why if why else ''}; convert the operands "
+        f"first, e.g. x.to_global(sbp=flow.sbp.broadcast)")
+
+
+def _boxed(t, layout: Sbp):
+    return t if _layout(t) == layout else global_tensor.to_global(t, sbp=layout)
+
+
+def _local_piece(arr: np.ndarray, axis: int) -> np.ndarray:
+    comm = world()
+    return global_tensor.local_part(arr, split(axis), comm.rank, comm.size)
+
+
+def _split_elementwise(op_name, tensors, out_ndim):
+    """Local operands and output sbp of an elementwise op with some split operands."""
+    dims = {out_ndim - t.ndim + _layout(t).dim for t in tensors if _layout(t).kind == "split"}
+    if len(dims) != 1:
+        raise _unsupported(op_name, tensors, "the split operands are split along different dims")
+    d = dims.pop()
+    locals_ = []
+    for t in tensors:
+        local = t._global.local
+        axis = d - (out_ndim - t.ndim)
+        if _layout(t).kind == "broadcast" and axis >= 0 and t.shape[axis] != 1:
+            local = type(local)(_local_piece(local.numpy_view(), axis), dtype=t.dtype, device=local.device)
+        locals_.append(local)
+    return locals_, split(d)
+
+
+def _elementwise(op, tensors, attrs, out_ndim):
+    kinds = [_layout(t).kind for t in tensors]
+    if "partial_sum" in kinds:
+        partial_ok = (
+            (op.name in _ADDITIVE and all(k == "partial_sum" for k in kinds))
+            or (kinds[0] == "partial_sum" and op.name in _LINEAR_IN_FIRST
+                and all(k == "broadcast" for k in kinds[1:]))
+            or (len(kinds) == 2 and kinds == ["broadcast", "partial_sum"] and op.name in _LINEAR_IN_SECOND))
+        if partial_ok:
+            return [t._global.local for t in tensors], partial_sum, attrs
+        tensors = [_boxed(t, broadcast) if _layout(t).kind == "partial_sum" else t for t in tensors]
+        kinds = [_layout(t).kind for t in tensors]
+    if "split" in kinds:
+        locals_, layout = _split_elementwise(op.name, tensors, out_ndim)
+        if op.name == "expand":
+            attrs = dict(attrs, shape=_local_shape(attrs["shape"], layout.dim, locals_[0], tensors[0]))
+        return locals_, layout, attrs
+    return [t._global.local for t in tensors], broadcast, attrs
+
+
+def _local_shape(shape, d, local, t):
+    """`shape` (a logical shape attribute) with dim `d` made this rank's size."""
+    shape = list(shape)
+    axis = d - (len(shape) - t.ndim)
+    shape[d] = local.shape[axis] if axis >= 0 and t.shape[axis] != 1 else shape[d]
+    return tuple(shape)
+
+
+def _reduction(op, x, attrs, out_ndim):
+    layout = _layout(x)
+    if layout.kind == "partial_sum":
+        if op.name in ("sum", "sum_to"):
+            return [x._global.local], partial_sum, attrs
+        x = _boxed(x, broadcast)
+        layout = broadcast
+    if layout.kind == "broadcast":
+        return [x._global.local], broadcast, attrs
+    d = layout.dim
+    local = x._global.local
+    if op.name == "sum_to":
+        shape = tuple(attrs["shape"])
+        lead = x.ndim - len(shape)
+        if d < lead or shape[d - lead] == 1 and x.shape[d] != 1:
+            return [local], partial_sum, attrs
+        return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (local.shape[d],) + shape[d - lead + 1:])
+    dims, keepdim = tuple(attrs["dims"]), attrs.get("keepdim", False)
+    if d in dims:
+        if op.name != "sum":
+            x = _boxed(x, broadcast)
+            return [x._global.local], broadcast, attrs
+        return [local], partial_sum, attrs
+    return [local], split(d if keepdim else d - sum(1 for r in dims if r < d)), attrs
+
+
+def _matmul(op, a, b, attrs, out_ndim):
+    la, lb = _layout(a), _layout(b)
+    pair = (la.kind, lb.kind)
+    if pair == ("broadcast", "broadcast"):
+        layout = broadcast
+    elif pair in (("partial_sum", "broadcast"), ("broadcast", "partial_sum")):
+        layout = partial_sum
+    elif pair == ("split", "broadcast") and la.dim == a.ndim - 2:
+        layout = split(out_ndim - 2)
+    elif pair == ("broadcast", "split") and lb.dim == b.ndim - 1:
+        layout = split(out_ndim - 1)
+    elif (la.kind != "partial_sum" and lb.kind != "partial_sum" and "split" in pair
+          and la in (broadcast, split(a.ndim - 1)) and lb in (broadcast, split(b.ndim - 2))):
+        # split along k (a broadcast operand takes its own piece of k): each rank's product is a partial sum
+        local_a, local_b = a._global.local, b._global.local
+        if la.kind == "broadcast":
+            local_a = type(local_a)(_local_piece(local_a.numpy_view(), a.ndim - 1), dtype=a.dtype, device=local_a.device)
+        if lb.kind == "broadcast":
+            local_b = type(local_b)(_local_piece(local_b.numpy_view(), b.ndim - 2), dtype=b.dtype, device=local_b.device)
+        return [local_a, local_b], partial_sum, attrs
+    else:
+        raise _unsupported(op.name, (a, b))
+    return [a._global.local, b._global.local], layout, attrs
+
+
+def _permute(op, x, attrs):
+    layout = _layout(x)
+    if layout.kind == "split":
+        layout = split(list(attrs["dims"]).index(layout.dim))
+    return [x._global.local], layout, attrs
+
+
+def _local_inputs(op, tensors, attrs, out_ndim):
+    """(local operands, output sbp, local attrs) for `op` on global `tensors`."""
+    if op.name in _RANDOM:
+        raise NotImplementedError(f"flowgen has no eager {op.name} on global tensors (each rank would draw "
+                                  f"different random values); run it on local tensors or inside an nn.Graph")
+    if isinstance(op.lowering, Elementwise):
+        return _elementwise(op, tensors, attrs, out_ndim)
+    if all(_layout(t).kind == "broadcast" for t in tensors):
+        return [t._global.local for t in tensors], broadcast, attrs
+    if op.name in ("sum", "sum_to", "max", "min"):
+        return _reduction(op, tensors[0], attrs, out_ndim)
+    if op.name == "matmul":
+        return _matmul(op, *tensors, attrs, out_ndim)
+    if op.name == "permute":
+        return _permute(op, tensors[0], attrs)
+    raise _unsupported(op.name, tensors)
+
+
+def apply_global(op, tensors, attrs):
+    """Run `op` on `tensors`, of which at least one is global (`registry.apply` sends it here)."""
+    from flowgen.autograd import no_grad, record
+    from flowgen.ops import registry
+
+    globals_ = [t for t in tensors if t._global is not None]
+    placement = globals_[0]._global.placement
+    if any(t._global.placement != placement for t in globals_):
+        raise RuntimeError(f"{op.name}: the operands are global tensors on different placements "
+                           f"({', '.join(repr(t._global.placement) for t in globals_)}); move them to one "
+                           f"placement with to_global(placement=...)")
+    if len(globals_) != len(tensors):
+        raise RuntimeError(f"{op.name}: global and local tensors are mixed; make the local operand global with "
+                           f"to_global(placement, sbp) (a Python scalar needs nothing)")
+    metas = op.infer(*(t.meta for t in tensors), **attrs)
+    multi = type(metas) is tuple
+    out_ndim = len((metas[0] if multi else metas).shape)
+    locals_, layout, local_attrs = _local_inputs(op, tensors, attrs, out_ndim)
+    with no_grad():
+        result = registry.apply(op.name, *locals_, **local_attrs)
+    results = result if multi else (result,)
+    outs = tuple(global_tensor.wrap_local(r, placement, layout, m.shape)
+                 for r, m in zip(results, metas if multi else (metas,)))
+    record(op, tensors, attrs, outs)
+    return outs if multi else outs[0]
+
+
+def scalar_as_global(value, like):
+    """A Python scalar operand beside the global tensor `like`: a broadcast global tensor."""
+    from flowgen.tensor import as_tensor_like
+
+    local = as_tensor_like(value, like._global.local)
+    return global_tensor.wrap_local(local, like._global.placement, broadcast, tuple(local.shape))
