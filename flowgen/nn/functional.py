@@ -157,16 +157,22 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 # --------------------------------------------------------------------------
 # activations
 
+def _result(input, out, inplace):
+    """`out`, or with inplace=True `out` written into `input` and `input` returned (PyTorch's
+    inplace= flags; autograd rebases input's history, Tensor._assign)."""
+    return input._assign(out) if inplace else out
+
+
 def relu(input, inplace=False):
-    return _F.relu(input)
+    return _result(input, _F.relu(input), inplace)
 
 
 def relu6(input, inplace=False):
-    return hardtanh(input, 0.0, 6.0)
+    return hardtanh(input, 0.0, 6.0, inplace)
 
 
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return _F.clamp(input, min_val, max_val)
+    return _result(input, _F.clamp(input, min_val, max_val), inplace)
 
 
 def gelu(input, approximate="none"):
@@ -184,12 +190,11 @@ def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False):
         slope = _creation.uniform(tuple(input.shape), lower, upper, dtype=input.dtype)
     else:
         slope = (lower + upper) / 2.0
-    out = _F.where(input >= 0, input, input * slope)
-    return input._assign(out) if inplace else out
+    return _result(input, _F.where(input >= 0, input, input * slope), inplace)
 
 
 def silu(input, inplace=False):
-    return apply("silu", input)
+    return _result(input, apply("silu", input), inplace)
 
 
 def sigmoid(input):
@@ -201,20 +206,20 @@ def tanh(input):
 
 
 def leaky_relu(input, negative_slope=0.01, inplace=False):
-    return _F.where(input > 0, input, input * negative_slope)
+    return _result(input, _F.where(input > 0, input, input * negative_slope), inplace)
 
 
 def elu(input, alpha=1.0, inplace=False):
     # exp of the clamped value keeps the unused branch finite (and its gradient zero).
-    return _F.where(input > 0, input, (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * alpha)
+    return _result(input, _F.where(input > 0, input, (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * alpha), inplace)
 
 
 def hardsigmoid(input, inplace=False):
-    return relu6(input + 3.0) * (1.0 / 6.0)
+    return _result(input, relu6(input + 3.0) * (1.0 / 6.0), inplace)
 
 
 def hardswish(input, inplace=False):
-    return input * hardsigmoid(input)
+    return _result(input, input * hardsigmoid(input), inplace)
 
 
 def softplus(input, beta=1.0, threshold=20.0):
@@ -225,7 +230,7 @@ def softplus(input, beta=1.0, threshold=20.0):
 
 
 def mish(input, inplace=False):
-    return input * _F.tanh(softplus(input))
+    return _result(input, input * _F.tanh(softplus(input)), inplace)
 
 
 def _legacy_softmax_dim(ndim):
@@ -255,11 +260,11 @@ def dropout(input, p=0.5, training=True, inplace=False):
     if not training or p == 0.0:
         return input
     if p == 1.0:
-        return input * 0.0
+        return _result(input, input * 0.0, inplace)
     from flowgen import random as _random
 
     seed, offset = _random.next_dropout_seed()
-    return apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset))
+    return _result(input, apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset)), inplace)
 
 
 # --------------------------------------------------------------------------
