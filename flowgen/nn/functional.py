@@ -97,10 +97,15 @@ def _channel_shape(x, channel_dim=1):
     return tuple(shape)
 
 
+def _each(fn, out):
+    """fn on a result, or on each of a tuple of results."""
+    return tuple(fn(o) for o in out) if isinstance(out, tuple) else fn(out)
+
+
 def _batched_2d(fn, x, *args, **kwargs):
     """Run a 4-D (N, C, H, W) function on an unbatched 3-D (C, H, W) input too."""
     if x.ndim == 3:
-        return _F.squeeze(fn(_F.unsqueeze(x, 0), *args, **kwargs), 0)
+        return _each(lambda o: _F.squeeze(o, 0), fn(_F.unsqueeze(x, 0), *args, **kwargs))
     if x.ndim != 4:
         raise ValueError(f"expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape {tuple(x.shape)}")
     return fn(x, *args, **kwargs)
@@ -390,12 +395,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 # pooling and resampling
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-    if return_indices:
-        raise NotImplementedError("max_pool2d(return_indices=True) is not supported by flowgen")
+    """Max pooling; with return_indices=True also the int64 flat index (h * W + w) of each maximum
+    in its (n, c) plane, as PyTorch."""
     kernel = _pair(kernel_size, "kernel_size")
     stride = kernel if stride is None or stride == [] or stride == () else _pair(stride, "stride")
     attrs = dict(kernel_size=kernel, stride=stride, padding=_pair(padding, "padding"),
                  dilation=_pair(dilation, "dilation"), ceil_mode=bool(ceil_mode))
+    if return_indices:
+        return _batched_2d(lambda x: (apply("max_pool2d", x, **attrs), apply("max_pool2d_indices", x, **attrs)),
+                           input)
     return _batched_2d(lambda x: apply("max_pool2d", x, **attrs), input)
 
 
@@ -896,7 +904,7 @@ def _triple(v, name):
 def _batched_1d(fn, x, name):
     """Run a (N, C, L) function on an unbatched (C, L) input too."""
     if x.ndim == 2:
-        return _F.squeeze(fn(_F.unsqueeze(x, 0)), 0)
+        return _each(lambda o: _F.squeeze(o, 0), fn(_F.unsqueeze(x, 0)))
     if x.ndim != 3:
         raise ValueError(f"{name}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
     return fn(x)
@@ -985,9 +993,9 @@ def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_paddi
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     k = _single(kernel_size, "kernel_size")
     s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
-    return _batched_1d(lambda x: _from_2d(max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
-                                                     (1, _single(dilation, "dilation")), ceil_mode,
-                                                     return_indices)), input, "max_pool1d")
+    return _batched_1d(lambda x: _each(_from_2d, max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                           (1, _single(dilation, "dilation")), ceil_mode,
+                                                           return_indices)), input, "max_pool1d")
 
 
 def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):
