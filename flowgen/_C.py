@@ -17,8 +17,7 @@ __all__ = [
 
 
 def relu(x, inplace=False):
-    out = _F.relu(x)
-    return x._assign(out) if inplace else out
+    return _NF.relu(x, inplace)
 
 
 def gelu(x):
@@ -50,9 +49,9 @@ def _refuse_generator(name, generator):
 def dropout(input, p=0.5, training=True, inplace=False, generator=None, *, addend=None):
     """Dropout, then ``+ addend`` when given (OneFlow's fused dropout-add)."""
     _refuse_generator("dropout", generator)
-    out = _NF.dropout(input, p, training)
-    if addend is not None:
-        out = out + addend
+    if addend is None:
+        return _NF.dropout(input, p, training, inplace)
+    out = _NF.dropout(input, p, training) + addend
     return input._assign(out) if inplace else out
 
 

@@ -51,13 +51,42 @@ class enable_grad(no_grad):  # noqa: N801
 class GradNode:
     """One recorded op: enough to call its gradient function later."""
 
-    __slots__ = ("op", "ctx", "inputs", "output_index", "name")
+    __slots__ = ("op", "ctx", "inputs", "versions", "output_index", "name")
 
     def __init__(self, op, ctx, inputs):
         self.op = op
         self.ctx = ctx
         self.inputs = inputs
+        self.versions = tuple(t._version for t in inputs)   # backward() refuses inputs written since
         self.name = f"{op.name}_backward"
+
+
+def rebase_history(target, new):
+    """Autograd side of an in-place write of `new` (computed from `target`) into `target`
+    (`F.relu(x, inplace=True)`, `x.copy_(y)`): `target` takes `new`'s history, and the nodes that
+    read target's old value (its producer, and the ops computing `new`) read a stand-in holding it.
+    Other ops that read the old value are refused at backward() (GradNode.versions)."""
+    if target.requires_grad and target.grad_fn is None:
+        raise RuntimeError("a leaf tensor that requires grad is being used in an in-place operation; "
+                           "write into it under flow.no_grad(), or use the out-of-place form")
+    old = Tensor._wrap(target.numpy_view().copy(), target.dtype, target.device)
+    old.requires_grad, old.grad_fn, old._version = target.requires_grad, target.grad_fn, target._version
+    if old.grad_fn is not None:
+        old.grad_fn.ctx.outputs = tuple(old if o is target else o for o in old.grad_fn.ctx.outputs)
+    # The ops computing `new` were recorded after `target` was made: walk only those.
+    stack, seen = [new], set()
+    while stack:
+        node = stack.pop().grad_fn
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if any(i is target for i in node.inputs):
+            node.inputs = tuple(old if i is target else i for i in node.inputs)
+            node.ctx.inputs = tuple(old if i is target else i for i in node.ctx.inputs)
+        stack.extend(i for i in node.inputs if i is not old and i._serial > target._serial)
+    node = new.grad_fn
+    node.ctx.outputs = tuple(target if o is new else o for o in node.ctx.outputs)
+    target.grad_fn, target.requires_grad = node, True
 
 
 def zero_grads(params, set_to_none: bool = True) -> None:
@@ -186,9 +215,13 @@ def backward(root, gradient=None):
             in_grads = node.op.grad(node.ctx, *gouts) if len(gouts) > 1 else node.op.grad(node.ctx, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-            for inp, ig in zip(node.inputs, in_grads):
+            for inp, ig, version in zip(node.inputs, in_grads, node.versions):
                 if ig is None or not inp.requires_grad:
                     continue
+                if inp._version != version and inp.grad_fn is not None:
+                    raise RuntimeError(f"backward(): an input of {node.op.name} was modified by an in-place "
+                                       f"operation after {node.op.name} used it; use the out-of-place form "
+                                       f"(inplace=False) or clone() before writing")
                 if tuple(ig.shape) != tuple(inp.shape):
                     raise RuntimeError(f"gradient of {node.op.name} has shape {tuple(ig.shape)} "
                                        f"for an input of shape {tuple(inp.shape)}")

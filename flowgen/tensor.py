@@ -428,6 +428,8 @@ class Tensor:
         tracer = registry._tracer_hook
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
             return tracer.assign(self, new) if tracer else None
+        if new.grad_fn is not None and new is not self:
+            autograd.rebase_history(self, new)
         value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
         self.numpy_view()[...] = value
         self._version += 1
@@ -639,4 +641,5 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
 
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
 from flowgen import creation  # noqa: E402
+from flowgen import autograd  # noqa: E402  (autograd imports Tensor)
 from flowgen.distributed import global_tensor  # noqa: E402

@@ -494,3 +494,35 @@ def test_sysconfig_says_there_is_no_grpc_backend():
     import flowgen.sysconfig
 
     assert flow.sysconfig is flowgen.sysconfig and flow.sysconfig.has_rpc_backend_grpc() is False
+
+
+def test_graph_without_inputs_or_parameters_runs_on_the_device_of_what_build_makes(monkeypatch):
+    """OneFlow (test_graph_arange): a graph with nothing to take a device from runs where the
+    tensors build() creates are; tensors on two devices are still refused."""
+    from flowgen.runtime import cuda_driver
+
+    if not cuda_driver.available():
+        monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+
+    class Arange(nn.Graph):
+        def build(self):
+            return flow.arange(start=0, end=100, step=3, device="cuda") * 2
+
+    out = Arange()()
+    assert out.device.type == "cuda"
+    np.testing.assert_array_equal(out.numpy(), np.arange(0, 100, 3) * 2)
+
+    class OnCpu(nn.Graph):
+        def build(self):
+            return flow.arange(10) + 1
+
+    out = OnCpu()()
+    assert out.device.type == "cpu"
+    np.testing.assert_array_equal(out.numpy(), np.arange(10) + 1)
+
+    class Mixed(nn.Graph):
+        def build(self):
+            return flow.arange(10, device="cuda"), flow.arange(10)
+
+    with pytest.raises(Exception, match="a tensor on cpu was used in a graph running on cuda"):
+        Mixed()()

@@ -83,6 +83,7 @@ def _pool_cases():
         # Values on a coarse grid make ties inside windows: the first maximum must win.
         ties = lambda r: [np.round(_rand(r, x_shape) * 2) / 2]
         cases.append(Case(f"max_pool2d_{name}", "max_pool2d", ties, **kw))
+        cases.append(Case(f"max_pool2d_indices_{name}", "max_pool2d_indices", ties, **kw))
         cases.append(Case(f"max_pool2d_grad_{name}", "max_pool2d_grad",
                           lambda r, o=out: [_rand(r, o), np.round(_rand(r, x_shape) * 2) / 2], **kw))
     avg_cfgs = [("3x3_s2_p1", dict(kernel_size=(3, 3), stride=(2, 2), padding=(1, 1))),
@@ -221,7 +222,7 @@ FAMILY_OPS = {
     "argreduce": {"argmax", "argmin"}, "gather": {"gather", "index_select", "embedding"},
     "scatter": {"scatter_add", "index_add", "embedding_backward"},
     "conv2d": {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"},
-    "pool2d": {"max_pool2d", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "adaptive_avg_pool2d",
+    "pool2d": {"max_pool2d", "max_pool2d_indices", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "adaptive_avg_pool2d",
                "adaptive_avg_pool2d_grad"},
     "upsample": {"upsample_nearest2d", "upsample_nearest2d_grad", "upsample_bilinear2d", "upsample_bilinear2d_grad"},
 }

@@ -870,7 +870,8 @@ def _pool2d(node, kernel_name):
     big, small = (out, node.inputs[0]) if grad else (node.inputs[0], out)
     N, C, H, W = big.shape
     OH, OW = small.shape[2:]
-    acc = _acc_type(*(v.dtype for v in node.inputs), out.dtype)
+    indices = op == "max_pool2d_indices"
+    acc = _acc_type(*(v.dtype for v in node.inputs), *(() if indices else (out.dtype,)))
     ctx = dict(name=kernel_name, N=N, C=C, H=H, W=W, OH=OH, OW=OW, numel=out.numel,
                idx_t=_idx_type(out.numel, node.inputs[0].numel), acc=acc, store=_storer(out.dtype, acc),
                y_t=out.dtype.ctype, out_t=out.dtype.ctype, neg_inf=_neg_inf(acc))
@@ -894,7 +895,7 @@ def _pool2d(node, kernel_name):
             ctx.update(x_t=x.dtype.ctype, load=_loader(x.dtype, acc))
     else:
         ctx.update(x_t=g.dtype.ctype, load=_loader(g.dtype, acc))
-    kind += "_bwd" if grad else "_fwd"
+    kind += "_indices" if indices else "_bwd" if grad else "_fwd"
     source = _render("pool2d.cu.j2", kind=kind, comment=_comment(node, what), **ctx)
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 

@@ -61,7 +61,7 @@ class Tracer:
     def __init__(self, name: str, device, log=None, autocast=None, capture_free_tensors: bool = False):
         self.graph = Graph(name)
         self.new_name = NameGen()
-        self.device = device
+        self.device = device          # None: the device of the first eager tensor the trace reads
         self.scopes: list = []
         self.state_of: dict = {}      # id(tensor) -> StateVar
         self.state_tensors: list = []  # the eager tensors bound to state, in order
@@ -113,6 +113,11 @@ class Tracer:
         return op.extra.get("random", False) or any(self.is_free(t) for t in tensors)
 
     def _check_device(self, tensor):
+        if self.device is None and tensor.numel() > 1:
+            # A graph with no inputs and no parameters runs where the tensors build() makes are (OneFlow).
+            self.device = tensor.device
+            if self.log is not None:
+                self.log(2, f"(DEVICE: {self.device}, of a tensor made in {self.scope or 'build()'})")
         if tensor.device != self.device and tensor.numel() > 1:
             raise TraceError(f"a tensor on {tensor.device} was used in a graph running on {self.device} "
                              f"(in {self.scope or 'build()'}); move it with .to('{self.device}')")

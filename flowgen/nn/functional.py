@@ -97,10 +97,15 @@ def _channel_shape(x, channel_dim=1):
     return tuple(shape)
 
 
+def _each(fn, out):
+    """fn on a result, or on each of a tuple of results."""
+    return tuple(fn(o) for o in out) if isinstance(out, tuple) else fn(out)
+
+
 def _batched_2d(fn, x, *args, **kwargs):
     """Run a 4-D (N, C, H, W) function on an unbatched 3-D (C, H, W) input too."""
     if x.ndim == 3:
-        return _F.squeeze(fn(_F.unsqueeze(x, 0), *args, **kwargs), 0)
+        return _each(lambda o: _F.squeeze(o, 0), fn(_F.unsqueeze(x, 0), *args, **kwargs))
     if x.ndim != 4:
         raise ValueError(f"expected a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape {tuple(x.shape)}")
     return fn(x, *args, **kwargs)
@@ -157,16 +162,22 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
 # --------------------------------------------------------------------------
 # activations
 
+def _result(input, out, inplace):
+    """`out`, or with inplace=True `out` written into `input` and `input` returned (PyTorch's
+    inplace= flags; autograd rebases input's history, Tensor._assign)."""
+    return input._assign(out) if inplace else out
+
+
 def relu(input, inplace=False):
-    return _F.relu(input)
+    return _result(input, _F.relu(input), inplace)
 
 
 def relu6(input, inplace=False):
-    return hardtanh(input, 0.0, 6.0)
+    return hardtanh(input, 0.0, 6.0, inplace)
 
 
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return _F.clamp(input, min_val, max_val)
+    return _result(input, _F.clamp(input, min_val, max_val), inplace)
 
 
 def gelu(input, approximate="none"):
@@ -184,12 +195,11 @@ def rrelu(input, lower=1.0 / 8, upper=1.0 / 3, training=False, inplace=False):
         slope = _creation.uniform(tuple(input.shape), lower, upper, dtype=input.dtype)
     else:
         slope = (lower + upper) / 2.0
-    out = _F.where(input >= 0, input, input * slope)
-    return input._assign(out) if inplace else out
+    return _result(input, _F.where(input >= 0, input, input * slope), inplace)
 
 
 def silu(input, inplace=False):
-    return apply("silu", input)
+    return _result(input, apply("silu", input), inplace)
 
 
 def sigmoid(input):
@@ -201,20 +211,20 @@ def tanh(input):
 
 
 def leaky_relu(input, negative_slope=0.01, inplace=False):
-    return _F.where(input > 0, input, input * negative_slope)
+    return _result(input, _F.where(input > 0, input, input * negative_slope), inplace)
 
 
 def elu(input, alpha=1.0, inplace=False):
     # exp of the clamped value keeps the unused branch finite (and its gradient zero).
-    return _F.where(input > 0, input, (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * alpha)
+    return _result(input, _F.where(input > 0, input, (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * alpha), inplace)
 
 
 def hardsigmoid(input, inplace=False):
-    return relu6(input + 3.0) * (1.0 / 6.0)
+    return _result(input, relu6(input + 3.0) * (1.0 / 6.0), inplace)
 
 
 def hardswish(input, inplace=False):
-    return input * hardsigmoid(input)
+    return _result(input, input * hardsigmoid(input), inplace)
 
 
 def softplus(input, beta=1.0, threshold=20.0):
@@ -225,7 +235,7 @@ def softplus(input, beta=1.0, threshold=20.0):
 
 
 def mish(input, inplace=False):
-    return input * _F.tanh(softplus(input))
+    return _result(input, input * _F.tanh(softplus(input)), inplace)
 
 
 def _legacy_softmax_dim(ndim):
@@ -255,11 +265,11 @@ def dropout(input, p=0.5, training=True, inplace=False):
     if not training or p == 0.0:
         return input
     if p == 1.0:
-        return input * 0.0
+        return _result(input, input * 0.0, inplace)
     from flowgen import random as _random
 
     seed, offset = _random.next_dropout_seed()
-    return apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset))
+    return _result(input, apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset)), inplace)
 
 
 # --------------------------------------------------------------------------
@@ -385,12 +395,15 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
 # pooling and resampling
 
 def max_pool2d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
-    if return_indices:
-        raise NotImplementedError("max_pool2d(return_indices=True) is not supported by flowgen")
+    """Max pooling; with return_indices=True also the int64 flat index (h * W + w) of each maximum
+    in its (n, c) plane, as PyTorch."""
     kernel = _pair(kernel_size, "kernel_size")
     stride = kernel if stride is None or stride == [] or stride == () else _pair(stride, "stride")
     attrs = dict(kernel_size=kernel, stride=stride, padding=_pair(padding, "padding"),
                  dilation=_pair(dilation, "dilation"), ceil_mode=bool(ceil_mode))
+    if return_indices:
+        return _batched_2d(lambda x: (apply("max_pool2d", x, **attrs), apply("max_pool2d_indices", x, **attrs)),
+                           input)
     return _batched_2d(lambda x: apply("max_pool2d", x, **attrs), input)
 
 
@@ -891,7 +904,7 @@ def _triple(v, name):
 def _batched_1d(fn, x, name):
     """Run a (N, C, L) function on an unbatched (C, L) input too."""
     if x.ndim == 2:
-        return _F.squeeze(fn(_F.unsqueeze(x, 0)), 0)
+        return _each(lambda o: _F.squeeze(o, 0), fn(_F.unsqueeze(x, 0)))
     if x.ndim != 3:
         raise ValueError(f"{name}: expected a 2-D (C, L) or 3-D (N, C, L) input, got shape {tuple(x.shape)}")
     return fn(x)
@@ -980,9 +993,9 @@ def conv_transpose1d(input, weight, bias=None, stride=1, padding=0, output_paddi
 def max_pool1d(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
     k = _single(kernel_size, "kernel_size")
     s = k if stride is None or stride == [] or stride == () else _single(stride, "stride")
-    return _batched_1d(lambda x: _from_2d(max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
-                                                     (1, _single(dilation, "dilation")), ceil_mode,
-                                                     return_indices)), input, "max_pool1d")
+    return _batched_1d(lambda x: _each(_from_2d, max_pool2d(_as_2d(x), (1, k), (1, s), (0, _single(padding, "padding")),
+                                                           (1, _single(dilation, "dilation")), ceil_mode,
+                                                           return_indices)), input, "max_pool1d")
 
 
 def avg_pool1d(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True):

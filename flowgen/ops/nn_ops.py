@@ -659,6 +659,21 @@ def _max_pool2d_grad_ref(g, x, kernel_size, stride, padding=(0, 0), dilation=(1,
     return dxp.reshape(N, C, Hp, Wp)[:, :, p[0]:p[0] + H, p[1]:p[1] + W]
 
 
+def _max_pool2d_indices_infer(x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    return TensorMeta(_max_pool2d_infer(x, kernel_size, stride, padding, dilation, ceil_mode).shape, dt.int64)
+
+
+def _max_pool2d_indices_ref(x, kernel_size, stride, padding=(0, 0), dilation=(1, 1), ceil_mode=False):
+    k, s, p, d, out = _pool_geometry(x.shape, kernel_size, stride, padding, dilation, ceil_mode, "max_pool2d")
+    N, C, H, W = x.shape
+    xp = _padded_for_pool(_f(x, _ctype(x)), k, s, p, d, out, -np.inf)
+    win = _window_view(xp, k, out, s, d).reshape(N, C, k[0] * k[1], out[0], out[1])
+    ki, kj = np.divmod(win.argmax(axis=2), k[1])  # first maximum (a NaN wins), as the gradient takes it
+    rows = np.arange(out[0]).reshape(1, 1, -1, 1) * s[0] - p[0] + ki * d[0]
+    cols = np.arange(out[1]).reshape(1, 1, 1, -1) * s[1] - p[1] + kj * d[1]
+    return (rows * W + cols).astype(np.int64)
+
+
 def _max_pool2d_grad(ctx, g):
     return (apply("max_pool2d_grad", g, ctx.inputs[0], **ctx.attrs),)
 
@@ -673,6 +688,10 @@ def _max_pool2d_grad_infer(g, x, kernel_size, stride, padding=(0, 0), dilation=(
 defop("max_pool2d", infer=_max_pool2d_infer, ref=_max_pool2d_ref, grad=_max_pool2d_grad,
       lowering=Template("pool2d"),
       doc="max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode); padding counts as -inf")
+defop("max_pool2d_indices", infer=_max_pool2d_indices_infer, ref=_max_pool2d_indices_ref, grad=None,
+      lowering=Template("pool2d"),
+      doc="max_pool2d_indices(x, <max_pool2d attrs>): int64 flat index (h * W + w) of each window's "
+          "first maximum in its (n, c) plane: PyTorch's return_indices")
 defop("max_pool2d_grad", infer=_max_pool2d_grad_infer, ref=_max_pool2d_grad_ref, grad=None,
       lowering=Template("pool2d"),
       doc="max_pool2d_grad(grad, x, <max_pool2d attrs>): grad routed to the first maximum of each window")

@@ -145,13 +145,15 @@ class CompiledGraph:
 
 
 def _device_of(graph, args):
+    """The device of the graph's inputs and parameters; None when it has neither (the tracer then
+    takes the device of the tensors build() makes)."""
     devices = {a.device for a in args}
     for module in graph._modules.values():
         devices.update(p.device for p in module.parameters())
     if len(devices) > 1:
         raise RuntimeError(f"{graph.name}: inputs and parameters are on different devices "
                            f"({', '.join(sorted(map(str, devices)))}); move them with .to(device)")
-    return devices.pop() if devices else as_device("cpu")
+    return devices.pop() if devices else None
 
 
 def _make_backend(device, source: str):
@@ -317,7 +319,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                              f"data-parallel graph is not supported yet: they are reduced over the ranks after "
                              f"build(); give the optimizer's parameter groups clip_grad_max_norm and "
                              f"clip_grad_norm_type instead (they clip the reduced gradients inside the step)")
-        return _differentiate(graph, tracer, wrt, device, scale)
+        return _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
 
     tracer.differentiate = differentiate
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
@@ -360,6 +362,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         graph._log(1, line)
     graph._log(1, f"(GRAPH:{graph.name}:{cls}) end building forward graph.")
     object.__setattr__(graph, "_io", io)
+    device = tracer.device or as_device("cpu")
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, graph_storage(t, tracer.state_of[id(t)].name))
                 for t in tracer.state_tensors]

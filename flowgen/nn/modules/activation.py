@@ -7,7 +7,7 @@ from flowgen.nn.module import Module
 
 
 class _InplaceActivation(Module):
-    # `inplace` is accepted for PyTorch compatibility; flowgen always returns a new tensor.
+    # inplace=True: the input tensor is overwritten and returned (PyTorch), nn.functional's flags.
     def __init__(self, inplace: bool = False):
         super().__init__()
         self.inplace = inplace
@@ -18,32 +18,32 @@ class _InplaceActivation(Module):
 
 class ReLU(_InplaceActivation):
     def forward(self, x):
-        return F.relu(x)
+        return NF.relu(x, self.inplace)
 
 
 class ReLU6(_InplaceActivation):
     def forward(self, x):
-        return NF.relu6(x)
+        return NF.relu6(x, self.inplace)
 
 
 class SiLU(_InplaceActivation):
     def forward(self, x):
-        return NF.silu(x)
+        return NF.silu(x, self.inplace)
 
 
 class Hardswish(_InplaceActivation):
     def forward(self, x):
-        return NF.hardswish(x)
+        return NF.hardswish(x, self.inplace)
 
 
 class Hardsigmoid(_InplaceActivation):
     def forward(self, x):
-        return NF.hardsigmoid(x)
+        return NF.hardsigmoid(x, self.inplace)
 
 
 class Mish(_InplaceActivation):
     def forward(self, x):
-        return NF.mish(x)
+        return NF.mish(x, self.inplace)
 
 
 class LeakyReLU(Module):
@@ -52,7 +52,7 @@ class LeakyReLU(Module):
         self.negative_slope, self.inplace = negative_slope, inplace
 
     def forward(self, x):
-        return NF.leaky_relu(x, self.negative_slope)
+        return NF.leaky_relu(x, self.negative_slope, self.inplace)
 
     def extra_repr(self) -> str:
         return f"negative_slope={self.negative_slope}" + (", inplace=True" if self.inplace else "")
@@ -64,7 +64,7 @@ class ELU(Module):
         self.alpha, self.inplace = alpha, inplace
 
     def forward(self, x):
-        return NF.elu(x, self.alpha)
+        return NF.elu(x, self.alpha, self.inplace)
 
     def extra_repr(self) -> str:
         return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
@@ -76,7 +76,7 @@ class Hardtanh(Module):
         self.min_val, self.max_val, self.inplace = min_val, max_val, inplace
 
     def forward(self, x):
-        return NF.hardtanh(x, self.min_val, self.max_val)
+        return NF.hardtanh(x, self.min_val, self.max_val, self.inplace)
 
     def extra_repr(self) -> str:
         return f"min_val={self.min_val}, max_val={self.max_val}" + (", inplace=True" if self.inplace else "")

@@ -14,7 +14,7 @@ class Dropout(Module):
         self.inplace = inplace
 
     def forward(self, x):
-        return NF.dropout(x, self.p, self.training)
+        return NF.dropout(x, self.p, self.training, self.inplace)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}"

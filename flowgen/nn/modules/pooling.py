@@ -15,9 +15,8 @@ class MaxPool2d(Module):
         self.return_indices, self.ceil_mode = return_indices, ceil_mode
 
     def forward(self, x):
-        kwargs = {"return_indices": True} if self.return_indices else {}
-        return NF.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation,
-                             ceil_mode=self.ceil_mode, **kwargs)
+        return NF.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                             self.return_indices)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
