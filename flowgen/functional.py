@@ -351,10 +351,7 @@ def sum(x, dim=None, keepdim=False, dtype=None):  # noqa: A001
 
 def mean(x, dim=None, keepdim=False, dtype=None):
     x = cast(x, dtype) if dtype is not None else _to_float(x)
-    dims = _dims(x, dim, "mean")
-    count = _prod(x.shape[d] for d in dims)
-    total = apply("sum", x, dims=dims, keepdim=bool(keepdim))
-    return apply("div", total, float(count))
+    return apply("mean", x, dims=_dims(x, dim, "mean"), keepdim=bool(keepdim))
 
 
 def var(x, dim=None, unbiased=True, keepdim=False, correction=None):

@@ -400,7 +400,8 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
 
     red_ctx = []
     for k, (r, source_var) in enumerate(zip(reds, sources)):
-        combine = get_op(r.op).lowering.combine
+        lowering = get_op(r.op).lowering
+        combine = lowering.combine
         value_type = COMPUTE_TYPE[r.output.dtype]
         acc_type = sum_accumulator(r.output.dtype) if combine == "sum" else value_type
         reduced_var = em_epi.fresh()
@@ -409,6 +410,8 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
             {"sum": "0", "max": "LLONG_MIN", "min": "LLONG_MAX"}[combine]
         red_ctx.append({"combine": combine, "acc_type": acc_type, "value_type": value_type, "identity": identity,
                         "source_var": source_var,
+                        # a mean divides the accumulated sum by the count before rounding it once
+                        "divisor": f"{float(reduce_size)!r}" if lowering.average else None,
                         "reduced_var": reduced_var, "fn": _combine_fn(combine, acc_type), "scratch": f"partials{k}",
                         "block_item": (f"acc{k}", f"partial{k}", _combine_fn(combine, acc_type))})
     epi_numel = int(np.prod(out_shape, dtype=np.int64))

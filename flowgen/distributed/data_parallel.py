@@ -68,9 +68,9 @@ def _constant_scalar(producers, value):
 
 
 def _full_sum(producers, value):
-    """The node summing a whole tensor into `value`, or None."""
+    """The node summing (or averaging) a whole tensor into `value`, or None."""
     node = producers.get(value)
-    if node is None or node.op != "sum":
+    if node is None or node.op not in ("sum", "mean"):
         return None
     return node if set(node.attrs["dims"]) == set(range(len(node.inputs[0].shape))) else None
 
@@ -99,13 +99,15 @@ def batch_reduction(ir, value):
             if left is not None and node.op == "mul":
                 factor, v = factor * left, node.inputs[1]
                 continue
-            if node.op == "div" and _full_sum(producers, node.inputs[0]) and _full_sum(producers, node.inputs[1]):
+            if node.op == "div" and all(getattr(_full_sum(producers, x), "op", None) == "sum" for x in node.inputs):
                 return BatchReduction("ratio", node.inputs[0], node.inputs[1], factor)
             return None
         summed = _full_sum(producers, v)
         if summed is None:
             return None
         x = summed.inputs[0]
+        if summed.op == "mean":
+            factor /= x.numel
         sizes = (x.numel, x.shape[0] if x.shape else 1)
         if factor != 1.0 and any(math.isclose(factor * n, 1.0, rel_tol=1e-6) for n in sizes):
             return BatchReduction("mean")

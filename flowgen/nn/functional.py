@@ -66,9 +66,7 @@ def _sum(x, dims, keepdim=False):
 
 
 def _mean(x, dims, keepdim=False):
-    dims = tuple(dims)
-    count = _numel(x.shape[d] for d in dims)
-    return _sum(x, dims, keepdim) * (1.0 / count)
+    return _F.mean(x, tuple(dims), keepdim)
 
 
 def _sum_all(x):

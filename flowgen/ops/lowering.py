@@ -87,6 +87,7 @@ def cpp_literal(value, double: bool = False) -> str:
 class Reduction:
     combine: str       # "sum" | "max" | "min"
     identity: str      # C++ literal of the identity element
+    average: bool = False   # divide the accumulated sum by the reduced count before rounding (mean)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,8 @@ Attributes are always explicit (the functional layer normalises them):
   a tensor with 2+ dims routes it to the first extremum along that dim (the index
   argmax picks, as ``torch.max(x, dim)``); reducing several or all dims splits it
   evenly among ties (as ``torch.max(x)``).
+* ``mean(x, dims, keepdim)`` — floating inputs; the float64 (float32 for f16/bf16) sum divided
+  by the count before the one rounding, so the mean of n equal values is that value exactly.
 * ``sum_to(x, shape)`` — sum the broadcast dims away so the result has ``shape``
   (leading dims of x beyond len(shape), and dims where shape has 1 and x does not).
 * ``argmax/argmin(x, dim=int, keepdim)`` — int64, first occurrence on ties.
@@ -28,14 +30,15 @@ from flowgen.ops.registry import TensorMeta, defop, normalize_dim, normalize_dim
 _LOW_PRECISION = {dt.float16.np_dtype, dt.bfloat16.np_dtype}
 
 
-def _float_sum(a, axes, keepdim):
+def _float_sum(a, axes, keepdim, count=1):
     """A float sum rounded once to `a`'s dtype: float16/bfloat16 accumulate in float32, float32
     in float64 (the graph's reduction kernels too, codegen/fused.sum_accumulator), so the result
     does not depend on the summation order and graph equals eager. Summed in float32, a mean
     over nearly-constant values is an ulp off in an order-dependent way, and a norm after it
     turns that ulp into ~1e-5 (fuzz seeds 11358, 11802)."""
     acc = np.float32 if a.dtype in _LOW_PRECISION else np.float64 if a.dtype == np.float32 else None
-    return a.sum(axis=axes, keepdims=keepdim, dtype=acc).astype(a.dtype, copy=False)
+    total = a.sum(axis=axes, keepdims=keepdim, dtype=acc)
+    return (total if count == 1 else total / count).astype(a.dtype, copy=False)
 
 
 def _reduced_shape(shape, dims, keepdim):
@@ -81,6 +84,32 @@ def _sum_grad(ctx, g):
 
 defop("sum", infer=_sum_infer, ref=_sum_ref, grad=_sum_grad, lowering=Reduction("sum", "0"),
       doc="sum(x, dims, keepdim)")
+
+
+# ---------------------------------------------------------------------- mean
+def _count(shape, dims) -> int:
+    return int(np.prod([shape[d] for d in dims], dtype=np.int64))
+
+
+def _mean_infer(a, dims, keepdim=False):
+    if not a.dtype.is_floating:
+        raise TypeError(f"mean: expected a floating tensor, got {a.dtype.name} (cast it first)")
+    dims = _check_dims("mean", a, dims)
+    return TensorMeta(_reduced_shape(a.shape, dims, keepdim), a.dtype)
+
+
+def _mean_ref(a, dims, keepdim=False):
+    dims = tuple(dims)
+    return _float_sum(a, dims, keepdim, count=_count(a.shape, dims))
+
+
+def _mean_grad(ctx, g):
+    (grad,) = _sum_grad(ctx, g)
+    return (grad / float(_count(ctx.inputs[0].shape, tuple(ctx.attrs["dims"]))),)
+
+
+defop("mean", infer=_mean_infer, ref=_mean_ref, grad=_mean_grad, lowering=Reduction("sum", "0", average=True),
+      doc="mean(x, dims, keepdim): the sum over dims divided by their count, rounded once")
 
 
 # ---------------------------------------------------------------------- max / min
