@@ -123,6 +123,33 @@ def test_norm_of_nearly_constant_values_in_a_graph_is_as_exact_as_eager():
         assert np.array_equal(g, e), np.abs(g - e).max()
 
 
+def test_mean_of_equal_values_is_that_value_and_their_norm_is_zero():
+    """mean divides the float64 sum by the count before rounding once (eager and kernels), so the
+    mean of n copies of c is c and LayerNorm/BatchNorm of a constant row is exactly 0; rounding the
+    sum to float32 and multiplying by 1/n missed c for a fifth to a half of the values."""
+    import flowgen as flow
+
+    values = np.random.default_rng(1).standard_normal(200).astype(np.float32)
+    rows = np.repeat(values[:, None], 7, axis=1)
+    layer_norm, batch_norm = flow.nn.LayerNorm(7), flow.nn.BatchNorm1d(200)
+
+    def stats(x):
+        return flow.mean(x, dim=1), layer_norm(x), batch_norm(flow.transpose(x, 0, 1)), x.var(1)
+
+    class Stats(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.layer_norm, self.batch_norm = layer_norm, batch_norm
+
+        def build(self, x):
+            return stats(x)
+
+    for got in ([t.numpy() for t in stats(flow.tensor(rows))], [t.numpy() for t in Stats()(flow.tensor(rows))]):
+        np.testing.assert_array_equal(got[0], values)
+        for zero in got[1:]:
+            np.testing.assert_array_equal(zero, np.zeros_like(zero))
+
+
 def test_regressions():
     """All in one batch (one inference and one training graph); a failure names the seed."""
     found = fuzzer.check_programs(list(REGRESSIONS.values()))
