@@ -90,6 +90,30 @@ def test_state_dict_keys_and_non_persistent_buffers():
     assert m.state_dict(keep_vars=True)["0.weight"] is m[0].weight
 
 
+def test_reassigning_a_child_or_parameter_keeps_its_place_in_the_state_dict(torch):
+    # pytorch/examples word_language_model: TransformerModel(nn.Transformer) replaces self.decoder with a
+    # Linear; torch keeps the key where nn.Transformer registered it, and state_dict/parameters() order follows.
+    def build(lib):
+        class Model(lib.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.w = lib.nn.Parameter(lib.zeros(2))
+                self.decoder = lib.nn.Linear(2, 2)
+                self.emb = lib.nn.Embedding(3, 2)
+                self.register_buffer("buf", lib.zeros(1))
+                self.decoder = lib.nn.Linear(2, 3)
+                self.w = lib.nn.Parameter(lib.ones(2))
+                self.buf = lib.ones(1)
+        return Model()
+
+    expected = list(build(torch).state_dict())
+    assert expected == ["w", "buf", "decoder.weight", "decoder.bias", "emb.weight"]
+    m = build(flow)
+    assert list(m.state_dict()) == expected
+    assert [n for n, _ in m.named_parameters()] == [n for n, _ in build(torch).named_parameters()]
+    assert m.decoder.out_features == 3 and m.w.numpy().tolist() == [1.0, 1.0]
+
+
 def test_load_state_dict_copies_in_place_and_keeps_identity():
     src, dst = TwoLayer(), TwoLayer()
     weight, array = dst.fc1.weight, dst.fc1.weight.numpy_view()

@@ -139,7 +139,7 @@ class Module:
             Module._init_registries(self)
         params, buffers, modules = self._parameters, self._buffers, self._modules
         if isinstance(value, Parameter):
-            self._forget(name)
+            self._forget(name, keep=params)
             self.register_parameter(name, value)
         elif name in params:
             if value is not None:
@@ -147,7 +147,7 @@ class Module:
                                 f"(nn.Parameter or None expected)")
             params[name] = None
         elif isinstance(value, Module):
-            self._forget(name)
+            self._forget(name, keep=modules)
             modules[name] = value
         elif name in modules:
             if value is not None:
@@ -162,10 +162,13 @@ class Module:
         else:
             object.__setattr__(self, name, value)
 
-    def _forget(self, name):
+    def _forget(self, name, keep):
+        # Reassigning a name in the same registry keeps its place there (as in torch): state_dict(),
+        # parameters() and so the optimizer's order stay those of the first assignment.
         self.__dict__.pop(name, None)
         for registry in (self._parameters, self._buffers, self._modules):
-            registry.pop(name, None)
+            if registry is not keep:
+                registry.pop(name, None)
         self._non_persistent_buffers.discard(name)
 
     def __getattr__(self, name):
