@@ -8,6 +8,7 @@ flowgen.distributed.launch --nproc 2` is one node with two.
 """
 from __future__ import annotations
 
+import functools
 import os
 import unittest
 
@@ -35,28 +36,12 @@ def skip_unless(nodes: int, devices: int):
     return unittest.skip(f"only runs when node_size is {nodes} and device_num is {devices}")
 
 
-def skip_unless_1n1d():
-    return skip_unless(1, 1)
-
-
-def skip_unless_1n2d():
-    return skip_unless(1, 2)
-
-
-def skip_unless_1n4d():
-    return skip_unless(1, 4)
-
-
-def skip_unless_2n1d():
-    return skip_unless(2, 1)
-
-
-def skip_unless_2n2d():
-    return skip_unless(2, 2)
-
-
-def skip_unless_2n4d():
-    return skip_unless(2, 4)
+skip_unless_1n1d = functools.partial(skip_unless, 1, 1)
+skip_unless_1n2d = functools.partial(skip_unless, 1, 2)
+skip_unless_1n4d = functools.partial(skip_unless, 1, 4)
+skip_unless_2n1d = functools.partial(skip_unless, 2, 1)
+skip_unless_2n2d = functools.partial(skip_unless, 2, 2)
+skip_unless_2n4d = functools.partial(skip_unless, 2, 4)
 
 
 def dataset_dir(sub_dir: str | None = None) -> str:

@@ -91,12 +91,14 @@ def test_fusion_switches_turn_their_family_off_and_keep_the_numbers():
 
 
 # ----------------------------------------------------------------- compress memory
-class MLPGraph(nn.Graph):
-    def __init__(self, model, compress_memory):
+class SumLossGraph(nn.Graph):
+    """SGD on model(x).sum(), with `config` (a GraphConfig method name) called with `value`."""
+
+    def __init__(self, model, config, value, momentum=0.0):
         super().__init__()
         self.model = model
-        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.01))
-        self.config.enable_compress_memory(compress_memory)
+        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.01 if momentum == 0 else 0.1, momentum=momentum))
+        getattr(self.config, config)(value)
 
     def build(self, x):
         loss = self.model(x).sum()
@@ -116,7 +118,7 @@ def test_compress_memory_finds_a_smaller_arena_with_the_same_numbers():
         model = nn.Sequential(*[type(m)(m.in_features, m.out_features) if isinstance(m, nn.Linear) else nn.ReLU()
                                 for m in layers])
         model.load_state_dict(state)
-        graph = MLPGraph(model, compress_memory)
+        graph = SumLossGraph(model, "enable_compress_memory", compress_memory)
         results.append((graph(x).numpy(), graph.compiled.memory, model[0].weight.numpy()))
     (loss, greedy, w), (loss_c, compressed, w_c) = results
     assert compressed.lower_bound_bytes <= compressed.arena_bytes < greedy.arena_bytes
@@ -429,19 +431,6 @@ def test_graph_matmul_adds_each_product_with_one_fused_multiply_add():
 
 
 # ----------------------------------------------------------------- multi-tensor update (OneFlow's pass)
-class ConvTrainGraph(nn.Graph):
-    def __init__(self, model, multi_tensor_update):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-        self.config.enable_multi_tensor_update(multi_tensor_update)
-
-    def build(self, x):
-        loss = self.model(x).sum()
-        loss.backward()
-        return loss
-
-
 def test_enable_multi_tensor_update_switches_the_multi_tensor_kernel():
     """Conv weights' updates cannot join their gradient's template kernel: on (flowgen's default) they
     share one multi-tensor kernel, off each runs alone; the numbers are the same."""
@@ -452,7 +441,7 @@ def test_enable_multi_tensor_update_switches_the_multi_tensor_kernel():
     for mode in (True, False):
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
         model.load_state_dict(state)
-        graph = ConvTrainGraph(model, mode)
+        graph = SumLossGraph(model, "enable_multi_tensor_update", mode, momentum=0.9)
         losses = [graph(x).numpy() for _ in range(2)]
         multi = [k for k in graph.compiled.program.kernels if k.horizontal]
         runs[mode] = (graph.compiled.num_launches, multi, losses, model[0].weight.numpy())
@@ -476,13 +465,13 @@ def test_compile_without_running_then_call_runs_the_compiled_step():
     flow.manual_seed(0)
     model = nn.Linear(4, 2)
     before = model.weight.numpy().copy()
-    graph = MLPGraph(model, compress_memory=False)
+    graph = SumLossGraph(model, "enable_compress_memory", False)
     x = flow.randn(3, 4)
     assert not graph._is_compiled
     assert graph._compile(x) is None and graph._is_compiled
     np.testing.assert_array_equal(model.weight.numpy(), before)
     compiled = graph.compiled
-    assert "(INPUT:_MLPGraph_" in repr(graph)     # the compiled graph's repr, as after a call
+    assert "(INPUT:_SumLossGraph_" in repr(graph)     # the compiled graph's repr, as after a call
     eager_loss = model(x).sum().numpy()
     np.testing.assert_allclose(graph(x).numpy(), eager_loss, rtol=1e-6)
     assert graph.compiled is compiled and len(graph._variants) == 1
