@@ -412,22 +412,26 @@ def test_to_the_tensor_class_returns_the_tensor():
     assert w.to(flow.Tensor) is w
 
 
-def test_graph_matmul_adds_each_product_with_one_fused_multiply_add():
-    """The SIMT GEMM accumulates c = fma(a, b, c) along k, as the GPU's FFMA does (and BLAS for short
-    k: OneFlow's tests compare Linear graph == eager with np.array_equal); the emulator rounds
-    the same way."""
+@pytest.mark.parametrize("a_shape,b_shape", [((9, 5), (5, 7)), ((1, 128), (128, 128)), ((3, 16, 40), (40, 24)),
+                                             ((128, 200), (200, 2))])
+def test_small_matmuls_are_fused_multiply_add_chains_in_graphs_and_eager(a_shape, b_shape):
+    """Flowgen's GEMM kernels accumulate c = fma(a, b, c) along k, as the GPU's FFMA does; eager
+    computes small float32 products the same way (large ones go to BLAS), so a graph's small
+    matmuls equal eager's bit for bit (OneFlow's graph tests compare Linear outputs with
+    np.array_equal) and both equal a sequential fused-multiply-add reference."""
     rng = np.random.default_rng(3)
-    a = rng.standard_normal((9, 5)).astype(np.float32)
-    w = rng.standard_normal((7, 5)).astype(np.float32)
-    fused = np.zeros((9, 7), np.float32)
-    for k in range(5):   # float64 holds a*b exactly; one rounding of a*b + c to float32 is fmaf
-        fused = (a[:, k:k + 1].astype(np.float64) * w[:, k].astype(np.float64) + fused).astype(np.float32)
+    a = rng.standard_normal(a_shape).astype(np.float32)
+    b = rng.standard_normal(b_shape).astype(np.float32)
+    fused = np.zeros(a_shape[:-1] + b_shape[-1:], np.float32)
+    for k in range(a_shape[-1]):   # float64 holds a*b exactly; one rounding of a*b + c to float32 is fmaf
+        fused = (a[..., k:k + 1].astype(np.float64) * b[k].astype(np.float64) + fused).astype(np.float32)
 
     class Product(nn.Graph):
         def build(self, x, y):
-            return flow.matmul(x, y.t())
+            return flow.matmul(x, y)
 
-    np.testing.assert_array_equal(Product()(flow.tensor(a), flow.tensor(w)).numpy(), fused)
+    np.testing.assert_array_equal(Product()(flow.tensor(a), flow.tensor(b)).numpy(), fused)
+    np.testing.assert_array_equal(flow.matmul(flow.tensor(a), flow.tensor(b)).numpy(), fused)
 
 
 # ----------------------------------------------------------------- multi-tensor update (OneFlow's pass)

@@ -46,7 +46,33 @@ def _matmul_ref(a, b):
     if a.dtype != b.dtype:
         target = dt.promote(dt.from_numpy(a.dtype), dt.from_numpy(b.dtype)).np_dtype
         a, b = a.astype(target, copy=False), b.astype(target, copy=False)
+    if a.dtype == np.float32 and a.ndim >= 2 and b.ndim >= 2 and _small(a, b):
+        return _fused_chain(a, b)
     return np.matmul(a, b)
+
+
+# Small float32 products are computed as flowgen's GEMM kernels compute them: each output a chain
+# of fused multiply-adds along k (the GPU's FFMA), so a graph's small matmuls equal eager's bit for
+# bit. Large ones go to BLAS, whose blocking orders the sums its own way (the same error bound).
+SMALL_MATMUL_MACS = 1 << 18
+SMALL_MATMUL_K = 256
+
+
+def _small(a, b) -> bool:
+    k = a.shape[-1]
+    outputs = int(np.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), dtype=np.int64)) * a.shape[-2] * b.shape[-1]
+    return k <= SMALL_MATMUL_K and outputs * k <= SMALL_MATMUL_MACS
+
+
+def _fused_chain(a, b):
+    """c = fma(a[..., k], b[k, ...], c) for k = 0, 1, ...: float64 holds each product exactly, and
+    rounding product + c once to float32 is fmaf (up to a double rounding of about 2^-29 odds)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    shape = np.broadcast_shapes(a.shape[:-2], b.shape[:-2]) + (a.shape[-2], b.shape[-1])
+    acc = np.zeros(shape, np.float32)
+    for k in range(a.shape[-1]):
+        acc = (a64[..., :, k:k + 1] * b64[..., k:k + 1, :] + acc).astype(np.float32)
+    return acc
 
 
 def _swap_last(t):
