@@ -8,6 +8,8 @@ accumulate in float32, as the kernels do.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from flowgen import dtype as dt
@@ -86,7 +88,15 @@ def _matmul_grad(ctx, g):
     if a.requires_grad or a.is_lazy:
         ga = F.sum_to(F.apply("matmul", g, _swap_last(b)), a.shape)
     if b.requires_grad or b.is_lazy:
-        gb = F.sum_to(F.apply("matmul", _swap_last(a), g), b.shape)
+        if len(b.shape) == 2 and len(a.shape) > 2:
+            # A weight shared by every batch (Linear over [B, T, C]): one GEMM over the flattened
+            # rows, k = B*T, instead of a product per batch summed afterwards (a [B, C, N] temporary).
+            k, n = a.shape[-1], g.shape[-1]
+            count = math.prod(a.shape[:-1])
+            rows = F.apply("reshape", a, shape=(count, k))
+            gb = F.apply("matmul", _swap_last(rows), F.apply("reshape", g, shape=(count, n)))
+        else:
+            gb = F.sum_to(F.apply("matmul", _swap_last(a), g), b.shape)
     return ga, gb
 
 
