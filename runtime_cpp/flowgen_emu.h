@@ -707,11 +707,8 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
   const int nthreads = int(block[0] * block[1] * block[2]);
   if (nblocks == 0 || nthreads == 0) return;
   // Small launches run on the calling thread: waking the OpenMP team costs more than the
-  // work, and on a busy machine a descheduled team member stalls the whole launch. A thread
-  // that synchronises costs far more than one of a plain loop (tens of ns per barrier or
-  // shuffle it passes, against a few ns for an elementwise thread), so it counts as 64.
-  const long long thread_cost = fibers ? 64 : 1;
-  const bool parallel = nblocks > 1 && nblocks * nthreads * thread_cost >= (1 << 16);
+  // work, and on a busy machine a descheduled team member stalls the whole launch.
+  const bool parallel = nblocks > 1 && nblocks * nthreads >= (1 << 16);
 #pragma omp parallel if (parallel)
   {
     gridDim = dim3(grid[0], grid[1], grid[2]);
