@@ -249,8 +249,10 @@ namespace flowgen_emu {
 
 // A fiber switch must be cheap: a barrier in a 256-thread block is 256 switches.
 // ucontext's swapcontext makes a sigprocmask system call per switch, so on x86-64 we
-// switch stacks ourselves: push the callee-saved registers (and the FP control words),
-// swap stack pointers, pop. Other targets use ucontext.
+// switch stacks ourselves: push the callee-saved registers, swap stack pointers, pop.
+// The FP control words (MXCSR, x87 CW) are not switched: no kernel changes them, so every
+// fiber of a block runs under the control words run_block_with_fibers sets once per block
+// (ldmxcsr/fldcw per switch cost about a fifth of a switch). Other targets use ucontext.
 #if defined(__x86_64__)
 extern "C" void flowgen_emu_switch(void** save_sp, void* load_sp);
 asm(R"(
@@ -265,14 +267,8 @@ flowgen_emu_switch:
   pushq %r13
   pushq %r14
   pushq %r15
-  subq $8, %rsp
-  stmxcsr (%rsp)
-  fnstcw 4(%rsp)
   movq %rsp, (%rdi)
   movq %rsi, %rsp
-  ldmxcsr (%rsp)
-  fldcw 4(%rsp)
-  addq $8, %rsp
   popq %r15
   popq %r14
   popq %r13
@@ -294,11 +290,24 @@ inline void start_context(Context& c, char* stack, size_t size, void (*entry)())
   void** ret_slot = reinterpret_cast<void**>(top - 16);  // 16-aligned: entry sees a call frame
   ret_slot[1] = nullptr;                                  // entry() never returns
   ret_slot[0] = reinterpret_cast<void*>(entry);
-  uint64_t* frame = reinterpret_cast<uint64_t*>(ret_slot) - 7;  // 6 registers + control words
-  std::memset(frame, 0, 6 * sizeof(uint64_t) + 8);
-  frame[0] = 0x1F80ull | (0x037Full << 32);  // default MXCSR, x87 control word
+  uint64_t* frame = reinterpret_cast<uint64_t*>(ret_slot) - 6;  // the 6 callee-saved registers
+  std::memset(frame, 0, 6 * sizeof(uint64_t));
   c.sp = frame;
 }
+
+// The default control words (round to nearest, no flush to zero, exceptions masked),
+// which the fibers of a block run under whatever the launching thread has set.
+struct DefaultFpControl {
+  uint32_t saved_mxcsr;
+  uint16_t saved_x87;
+  DefaultFpControl() {
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(saved_mxcsr), "=m"(saved_x87));
+    const uint32_t mxcsr = 0x1F80;
+    const uint16_t x87 = 0x037F;
+    asm volatile("ldmxcsr %0\n\tfldcw %1" : : "m"(mxcsr), "m"(x87));
+  }
+  ~DefaultFpControl() { asm volatile("ldmxcsr %0\n\tfldcw %1" : : "m"(saved_mxcsr), "m"(saved_x87)); }
+};
 #else
 struct Context {
   ucontext_t uc;
@@ -311,12 +320,18 @@ inline void start_context(Context& c, char* stack, size_t size, void (*entry)())
   c.uc.uc_link = nullptr;
   makecontext(&c.uc, entry, 0);
 }
+struct DefaultFpControl {};  // ucontext fibers start with the control words of getcontext
 #endif
 
 struct Fiber {
   Context context;
   std::unique_ptr<char[]> stack;
 };
+
+// Fiber t's stack starts this many bytes below the top of its allocation. The allocations
+// are page-aligned, so without the offset every fiber's hot frames would sit at the same
+// address modulo 4 KiB and evict one another from the L1 cache at every switch.
+inline size_t stack_stagger(int t) { return size_t(t % 61) * 64; }
 
 struct Block {
   bool fibers = false;  // false: threads run in a plain loop and must not synchronise
@@ -326,6 +341,7 @@ struct Block {
   void* body_arg = nullptr;
   Context scheduler;                          // resumed once every thread has finished
   std::vector<std::unique_ptr<Fiber>> pool;   // kept across blocks and launches
+  std::vector<uint3> thread_index;            // threadIdx of each linear id, set per launch
   std::vector<unsigned char> done;
   // Shuffles and votes: two slots per thread, used alternately (parity), so one warp barrier
   // per exchange suffices: a lane writes a slot again only two exchanges later, after every
@@ -346,27 +362,32 @@ struct Block {
   struct alignas(16) Chunk { unsigned char bytes[16]; };
   std::vector<Chunk> dynamic_shared;          // sized per launch
 };
-inline thread_local Block tl_block;
+// The block state of this OS thread, owned here and reached through `current_block`: a
+// thread_local with a constructor is read through a TLS wrapper call that checks whether
+// it is constructed yet, and the hot paths (every switch, shuffle and vote) read the
+// block several times, so they go through the plain pointer instead.
+inline thread_local Block tl_block_storage;
+inline thread_local Block* current_block = nullptr;  // set by run_grid before any block runs
 
-inline void become_thread(int t) {
-  tl_block.current = t;
-  unsigned bx = blockDim.x, by = blockDim.y;
-  threadIdx = {t % bx, (t / bx) % by, t / (bx * by)};
+inline void become_thread(Block& b, int t) {
+  b.current = t;
+  threadIdx = b.thread_index[t];
 }
 
 // Passes control from thread `me` to the next unfinished thread of [first, first + count),
 // cyclically. Round-robin order means every other participant runs up to its own next
 // synchronisation point before `me` resumes, which is barrier semantics as long as all
 // participants reach the same barriers (as CUDA requires). Exited threads are skipped.
-inline void yield_to_next(int me, int first, int count) {
-  Block& b = tl_block;
+inline void yield_to_next(Block& b, int me, int first, int count) {
+  const int end = first + count;
+  int t = me;
   for (int k = 1; k <= count; ++k) {
-    int t = first + (me - first + k) % count;
+    if (++t == end) t = first;
     if (b.done[t]) continue;
     if (t != me) {
       b.current = t;  // a fiber starting for the first time reads its id from here
       switch_context(b.pool[me]->context, b.pool[t]->context);
-      become_thread(me);
+      become_thread(b, me);
     }
     return;
   }
@@ -374,11 +395,12 @@ inline void yield_to_next(int me, int first, int count) {
 }
 
 inline void fiber_main() {
-  const int t = tl_block.current;
-  become_thread(t);
-  tl_block.body(tl_block.body_arg);
-  tl_block.done[t] = 1;
-  yield_to_next(t, 0, tl_block.nthreads);
+  Block& b = *current_block;
+  const int t = b.current;
+  become_thread(b, t);
+  b.body(b.body_arg);
+  b.done[t] = 1;
+  yield_to_next(b, t, 0, b.nthreads);
 }
 
 inline void run_block_with_fibers(Block& b) {
@@ -401,13 +423,15 @@ inline void run_block_with_fibers(Block& b) {
     b.async_used = false;
   }
   for (int t = 0; t < n; ++t)
-    start_context(b.pool[t]->context, b.pool[t]->stack.get(), FLOWGEN_EMU_FIBER_STACK, fiber_main);
+    start_context(b.pool[t]->context, b.pool[t]->stack.get(),
+                  FLOWGEN_EMU_FIBER_STACK - stack_stagger(t), fiber_main);
+  DefaultFpControl fp_control;  // the fibers' control words, as on the GPU
   b.current = 0;
   switch_context(b.scheduler, b.pool[0]->context);
 }
 
 inline Block& synchronising_block(const char* what) {
-  Block& b = tl_block;
+  Block& b = *current_block;
   if (!b.fibers) {
     std::fprintf(stderr, "flowgen emulator: %s called by a kernel registered with "
                          "FLOWGEN_EMU_KERNEL(name, false); register it with true\n", what);
@@ -418,7 +442,7 @@ inline Block& synchronising_block(const char* what) {
 
 inline int warp_first(const Block& b) { return b.current & ~(warpSize - 1); }
 inline int warp_count(const Block& b) { return std::min(warpSize, b.nthreads - warp_first(b)); }
-inline void warp_barrier(Block& b) { yield_to_next(b.current, warp_first(b), warp_count(b)); }
+inline void warp_barrier(Block& b) { yield_to_next(b, b.current, warp_first(b), warp_count(b)); }
 
 // This lane's slot of the exchange buffer for its next shuffle or vote (see Block::parity).
 inline uint64_t* exchange_slots(Block& b) {
@@ -457,17 +481,17 @@ inline unsigned warp_vote(int predicate) {
 }
 
 inline unsigned warp_lanes() {
-  int count = warp_count(tl_block);
+  int count = warp_count(*current_block);
   return count == warpSize ? ~0u : (1u << count) - 1;
 }
 
-inline int lane_id() { return tl_block.current & (warpSize - 1); }
+inline int lane_id() { return current_block->current & (warpSize - 1); }
 
 }  // namespace flowgen_emu
 
 inline void __syncthreads() {
   flowgen_emu::Block& b = flowgen_emu::synchronising_block("__syncthreads");
-  flowgen_emu::yield_to_next(b.current, 0, b.nthreads);
+  flowgen_emu::yield_to_next(b, b.current, 0, b.nthreads);
 }
 inline void __syncwarp(unsigned = 0xffffffffu) {
   flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"));
@@ -671,7 +695,7 @@ template <int N> inline void cp_async_wait_group() { flowgen_emu::cp_async_retir
 // ---------------------------------------------------------------------------------------
 // Dynamic shared memory: one 16-byte-aligned buffer per OS thread, sized at launch.
 #define FLOWGEN_DYN_SHARED(T, name) \
-  T* name = reinterpret_cast<T*>(::flowgen_emu::tl_block.dynamic_shared.data())
+  T* name = reinterpret_cast<T*>(::flowgen_emu::current_block->dynamic_shared.data())
 
 // ---------------------------------------------------------------------------------------
 // Launching.
@@ -689,12 +713,18 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
   {
     gridDim = dim3(grid[0], grid[1], grid[2]);
     blockDim = dim3(block[0], block[1], block[2]);
-    Block& b = tl_block;
+    Block& b = tl_block_storage;
+    current_block = &b;
     b.fibers = fibers;
     b.nthreads = nthreads;
     b.body = body;
     b.body_arg = body_arg;
     b.dynamic_shared.resize((dynamic_shared_bytes + sizeof(Block::Chunk) - 1) / sizeof(Block::Chunk));
+    if (fibers) {
+      b.thread_index.resize(nthreads);
+      for (int t = 0; t < nthreads; ++t)
+        b.thread_index[t] = {t % block[0], t / block[0] % block[1], t / (block[0] * block[1])};
+    }
 #pragma omp for schedule(dynamic)
     for (long long i = 0; i < nblocks; ++i) {
       blockIdx = {unsigned(i % grid[0]), unsigned(i / grid[0] % grid[1]),
