@@ -86,7 +86,7 @@ def main(target="cpu", workdir=None, steps=20, batch=32):
         if step % 5 == 4:
             print(f"step {step + 1}: loss {float(loss.numpy()):.5f}")
     state = flow.load(checkpoint)
-    print(f"checkpoint at step {state['_step']} holds {sorted(k for k in state if not k.startswith('_'))}")
+    print(f"checkpoint at step {state['System-Train-TrainStep'].numpy()[0]} holds {sorted(state['model'])}")
 
     # 2. Export for deployment (seed 003: model.eval(); graph = MyGraph(model); graph(fake); flow.save(graph, dir)).
     model.eval()

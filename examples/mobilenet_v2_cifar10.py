@@ -215,7 +215,8 @@ def train_graph(args, device, dataset):
         # Restore it, as when resuming after an interruption.
         state_dict = flow.load(args.checkpoint_dir)
         graph_mobile_net_v2.load_state_dict(state_dict)
-        print(f"restored checkpoint from {args.checkpoint_dir} (step {state_dict['_step']})")
+        step = state_dict["System-Train-TrainStep"].numpy()[0]
+        print(f"restored checkpoint from {args.checkpoint_dir} (step {step})")
     return {"losses": losses, "step_times": times, "model": model, "graph": graph_mobile_net_v2}
 
 

@@ -286,7 +286,8 @@ def test_example_script_trains_and_checkpoints(tmp_path, capsys):
         assert np.mean(losses[-2:]) < losses[0] - 0.5, losses      # starts near ln(1000) = 6.9 and falls
     assert (ckpt / "structure.json").is_file() and "restored checkpoint" in out
     state = flow.load(str(ckpt))
-    assert state["_step"] == 6 and "model.features.0.0.weight" in state and "_optimizer0" in state
+    assert state["System-Train-TrainStep"].numpy()[0] == 6 and "features.0.0.weight" in state["model"]
+    assert state["System-Optimizer0"]["param_groups"][0]["params"][0] == "model.features.0.0.weight"
 
 
 def test_example_reads_cifar10_python_batches(tmp_path, capsys):
@@ -332,4 +333,5 @@ def test_training_program_of_the_tiny_mobilenet_equals_the_graph(tmp_path):
     state = graph.state_dict()
     for name in ("model.features.0.0.weight", "model.features.2.conv.1.1.weight", "model.classifier.1.weight",
                  "model.features.3.conv.0.1.running_var"):
-        np.testing.assert_allclose(weights[name], state[name].numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(weights[name], state["model"][name[len("model."):]].numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)

@@ -372,9 +372,8 @@ def test_training_program_runs_new_optimizers_and_schedulers(tmp_path):
     weights, _ = build_and_train(graph, xs, ys, 7, tmp_path)
     for s in range(7):
         graph(flow.tensor(xs[8 * (s % 5):8 * (s % 5) + 8]), flow.tensor(ys[8 * (s % 5):8 * (s % 5) + 8]))
-    for name, value in graph.state_dict().items():
-        if name.startswith("model."):
-            np.testing.assert_allclose(weights[name], value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+    for name, value in graph.state_dict()["model"].items():
+        np.testing.assert_allclose(weights[f"model.{name}"], value.numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
 
 
 def test_a_dynamic_grad_scaler_with_two_optimizers_is_refused():

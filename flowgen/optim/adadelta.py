@@ -14,6 +14,7 @@ class Adadelta(RuleOptimizer):
         acc_delta = rho * acc_delta + (1 - rho) * delta * delta
         w = w - lr * delta
     """
+    checkpoint_slot_names = {"square_avg": "square_avgs", "acc_delta": "acc_deltas"}
 
     def __init__(self, params, lr: float = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0, *,
                  maximize: bool = False):

@@ -12,6 +12,7 @@ class Adagrad(RuleOptimizer):
         sum = sum + g * g                                 (sum starts at initial_accumulator_value)
         w = w - lr / (1 + (t - 1) * lr_decay) * g / (sqrt(sum) + eps)
     """
+    checkpoint_slot_names = {"sum": "sum"}
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
                  initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False):

@@ -31,6 +31,7 @@ class Adam(Optimizer):
     lr is the group's lr times its lr_scale; with OneFlow's `do_bias_correction=False` both
     bias corrections are 1.
     """
+    checkpoint_slot_names = {"exp_avg": "m", "exp_avg_sq": "v", "max_exp_avg_sq": "max_v"}
 
     _decoupled_weight_decay = False
     _kind = "adam"

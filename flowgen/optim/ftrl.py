@@ -13,6 +13,7 @@ class FTRL(RuleOptimizer):
         z = z + g - (acc'^p - acc^p) / lr * w
         w = (sign(z) * lambda1 - z) / ((beta + acc'^p) / lr + lambda2)   where |z| >= lambda1, else 0
     """
+    checkpoint_slot_names = {"accumulator_value": "accumulate", "z": "z"}
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, lr_power: float = -0.5,
                  initial_accumulator_value: float = 0.1, lambda1: float = 0.0, lambda2: float = 0.0,

@@ -25,6 +25,7 @@ class LAMB(RuleOptimizer):
         ratio = ||w|| / ||u|| (1 when either norm is 0)
         w = w - lr * ratio * (u + weight_decay * w)   (adam_w_mode=True: decoupled weight decay)
     """
+    checkpoint_slot_names = {"exp_avg": "m", "exp_avg_sq": "v"}
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  adam_w_mode: bool = True, do_bias_correction: bool = True, amsgrad: bool = False):

@@ -14,6 +14,7 @@ class LARS(RuleOptimizer):
         buf = momentum * buf - local_lr * g
         w = w + buf - local_lr * weight_decay * w
     """
+    checkpoint_slot_names = {"momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
                  epsilon: float = 1e-8, trust_coefficient: float = 1e-3):

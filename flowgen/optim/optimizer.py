@@ -87,6 +87,9 @@ class Optimizer:
     # Whether state["step"] counts the parameter's updates (Adam's and the RuleOptimizers'); a graph
     # advances it after each applied step, as eager step() does.
     counts_steps = False
+    # This optimizer's state tensors under OneFlow's names, which `graph.state_dict()` keys them by
+    # ("linear.weight-momentum" for SGD's "momentum_buffer"); a name not listed keeps its own.
+    checkpoint_slot_names: dict = {}
 
     def __init__(self, params, defaults: dict):
         self.defaults = dict(defaults)

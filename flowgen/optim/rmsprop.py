@@ -16,6 +16,7 @@ class RMSprop(RuleOptimizer):
         momentum:   buf = momentum * buf + g / avg;  w = w - lr * buf
         otherwise:  w = w - lr * g / avg
     """
+    checkpoint_slot_names = {"square_avg": "mean_square", "grad_avg": "mean_gradient", "momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
                  momentum: float = 0.0, centered: bool = False, *, maximize: bool = False):

@@ -15,6 +15,7 @@ class SGD(Optimizer):
             d = d + momentum * buf if nesterov else buf
         w = w - lr * d                                    (lr: the group's lr times its lr_scale)
     """
+    checkpoint_slot_names = {"momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):

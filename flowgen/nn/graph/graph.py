@@ -13,12 +13,12 @@ import inspect
 import itertools
 import warnings
 
-from flowgen import random
 from flowgen.nn.graph import lr_log
 from flowgen.nn.graph.config import GraphConfig
 from flowgen.nn.graph.io import flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
+from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
@@ -181,34 +181,17 @@ class Graph:
 
     # ----------------------------------------------------------- state dicts
     def state_dict(self) -> dict:
-        """Model parameters and buffers, optimizer and LR-scheduler state, the step counter, and
-        the random state (`flow.get_rng_state()`: the Philox position that dropout and random ops
-        in build() draw from), so a run resumed from it draws the numbers an uninterrupted one would."""
-        result = {}
-        for name, module in self._modules.items():
-            for k, v in module.state_dict().items():
-                result[f"{name}.{k}"] = v
-        for i, (opt, sch) in enumerate(self._optimizers):
-            result[f"_optimizer{i}"] = opt.state_dict()
-            if sch is not None:
-                result[f"_lr_scheduler{i}"] = sch.state_dict()
-        result["_step"] = self._counter["calls"]
-        result["_rng_state"] = random.get_rng_state()
-        return result
+        """The graph's whole state in OneFlow's layout (flowgen/nn/graph/state_dict.py): each module's
+        state_dict under its name, optimizer slots as "<parameter path>-<slot>" tensors
+        ("linear.weight-momentum"), "System-Train-TrainStep", and under "System-..." keys what a
+        bit-identical resume needs beyond that: optimizer groups and step counts, LR-scheduler state,
+        skipped steps, and the random state (`flow.get_rng_state()`)."""
+        return graph_state_dict(self)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
-        for name, module in self._modules.items():
-            prefix = f"{name}."
-            module.load_state_dict({k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)},
-                                   strict=strict)
-        for i, (opt, sch) in enumerate(self._optimizers):
-            if f"_optimizer{i}" in state_dict:
-                opt.load_state_dict(state_dict[f"_optimizer{i}"])
-            if sch is not None and f"_lr_scheduler{i}" in state_dict:
-                sch.load_state_dict(state_dict[f"_lr_scheduler{i}"])
-        self._counter["calls"] = int(state_dict.get("_step", self._counter["calls"]))
-        if "_rng_state" in state_dict:
-            random.set_rng_state(state_dict["_rng_state"])
+        """Load what `state_dict()` returned, or the flat layout of earlier flowgen versions. With
+        strict=True, a key this graph does not have, or one of its keys missing, is an error naming it."""
+        load_graph_state_dict(self, state_dict, strict)
         # Parameters, buffers and optimizer slots were loaded in place (each gets a new version,
         # uploaded before the next call), so compiled variants stay. A variant bound to a slot
         # the optimizer replaced (the checkpoint had none, or another shape) is dropped.
