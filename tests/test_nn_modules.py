@@ -513,3 +513,21 @@ def test_small_convnet_forward_backward_matches_torch(torch):
         close(p.grad, tparams[name].grad, rtol=1e-3, atol=1e-5)
     for name, b in ours.named_buffers():
         close(b, dict(theirs.named_buffers())[name], rtol=1e-5, atol=1e-6)
+
+
+def test_norms_refuse_a_single_value_per_channel_like_pytorch(torch):
+    """GroupNorm over one value per group in the whole batch (and training BatchNorm over one value
+    per channel) raise PyTorch's ValueError instead of returning the bias; other small shapes run
+    (found by the program fuzzer, seed 20271)."""
+    for shape in [(1, 2, 1, 1), (3, 2, 1, 1), (1, 4, 1, 1), (1, 2, 2)]:
+        outcomes = []
+        for lib in (torch, flow):
+            try:
+                lib.nn.functional.group_norm(lib.ones(*shape), 2)
+                outcomes.append("ran")
+            except ValueError as error:
+                assert "Expected more than 1 value per channel" in str(error)
+                outcomes.append("refused")
+        assert outcomes[0] == outcomes[1], shape
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        nn.BatchNorm1d(3)(flow.ones(1, 3))

@@ -352,6 +352,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     N, C = input.shape[:2]
     if C % num_groups:
         raise RuntimeError(f"group_norm: num_groups={num_groups} must divide the number of channels {C}")
+    if N * (C // num_groups) * _numel(input.shape[2:]) == 1:   # as PyTorch's check, training or not
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size "
+                         f"{[N * C // num_groups, num_groups] + list(input.shape[2:])}")
     grouped = _F.reshape(input, (N, num_groups, _numel(input.shape[1:]) // num_groups))
     out, _, _ = _normalize(grouped, (2,), eps)
     out = _F.reshape(out, tuple(input.shape))
