@@ -100,3 +100,27 @@ def test_a_checkpoint_with_oneflows_keys_only_loads_with_strict_false(trained):
     np.testing.assert_array_equal(adam.state[graph.model[3].weight]["exp_avg"].numpy(),
                                   trained["arrays"]["m"])
     assert graph.state_dict()["System-Train-TrainStep"].numpy()[0] == 3
+
+
+def test_resume_with_a_dynamic_grad_scaler_restores_its_scale():
+    """The GradScaler's scale and growth tracker travel in "System-GradScaler": a resumed run takes
+    the steps (and skips) an uninterrupted one takes."""
+    def setup():
+        flow.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 1), nn.Flatten(0, 1))
+        graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+        graph.set_grad_scaler(flow.amp.GradScaler(init_scale=2.0 ** 125, growth_interval=1))
+        return graph
+
+    batches = _batches(10)
+    graph = setup()
+    for b in batches[:4]:
+        graph(*b)
+    state = graph.state_dict()
+    assert state["System-GradScaler"]["scale"] != 2.0 ** 125        # it grew, overflowed and backed off
+    saved = {k: (v.numpy().copy() if isinstance(v, flow.Tensor) else v) for k, v in state.items()}
+    uninterrupted = [float(graph(*b).numpy()) for b in batches[4:]]
+
+    resumed = setup()
+    resumed.load_state_dict({k: (flow.tensor(v) if isinstance(v, np.ndarray) else v) for k, v in saved.items()})
+    assert [float(resumed(*b).numpy()) for b in batches[4:]] == uninterrupted

@@ -10,7 +10,9 @@ code (`flow.save(graph.state_dict(), path)`, `graph.load_state_dict(flow.load(pa
      "System-Random-State": int64[8],           flow.get_rng_state()
      "System-Optimizer0": {"param_groups": [{..., "params": [parameter path, ...]}],
                            "param_state": {parameter path: {"step": n}}},   non-tensor state
-     "System-LRScheduler0": {...}}              the scheduler's state_dict()
+     "System-LRScheduler0": {...},              the scheduler's state_dict()
+     "System-GradScaler": {...}}                set_grad_scaler's GradScaler.state_dict() (scale,
+                                                growth tracker), when the graph has one
 
 A parameter that no registered module holds is named "System-Optimizer<i>-Param<j>" (the j-th
 parameter of optimizer i). `load_graph_state_dict` also reads the flat layout of earlier flowgen
@@ -27,6 +29,7 @@ from flowgen.tensor import Tensor
 TRAIN_STEP = "System-Train-TrainStep"
 SKIPPED_STEPS = "System-Train-SkippedSteps"
 RANDOM_STATE = "System-Random-State"
+GRAD_SCALER = "System-GradScaler"
 
 
 def optimizer_key(i: int) -> str:
@@ -82,7 +85,14 @@ def graph_state_dict(graph) -> dict:
     result[TRAIN_STEP] = _count_tensor(graph._counter["calls"])
     result[SKIPPED_STEPS] = _count_tensor(graph._counter.get("skipped", 0))
     result[RANDOM_STATE] = random.get_rng_state()
+    if _scaler_state(graph):
+        result[GRAD_SCALER] = graph._grad_scaler.state_dict()
     return result
+
+
+def _scaler_state(graph) -> bool:
+    """Whether the graph's GradScaler has state to checkpoint (a dynamic, enabled one)."""
+    return graph._grad_scaler is not None and bool(graph._grad_scaler.state_dict())
 
 
 def _is_flat_layout(graph, state_dict: dict) -> bool:
@@ -98,7 +108,7 @@ def load_graph_state_dict(graph, state_dict: dict, strict: bool = True) -> None:
         return
     params = _parameter_paths(graph)
     slot_owner = {path: i for i, pairs in enumerate(params) for _p, path in pairs}
-    expected = [*graph._modules, TRAIN_STEP, SKIPPED_STEPS, RANDOM_STATE]
+    expected = [*graph._modules, TRAIN_STEP, SKIPPED_STEPS, RANDOM_STATE] + ([GRAD_SCALER] if _scaler_state(graph) else [])
     for i, (_opt, sch) in enumerate(graph._optimizers):
         expected += [optimizer_key(i)] + ([scheduler_key(i)] if sch is not None else [])
     slots: dict = {}   # optimizer index -> {parameter path: {flowgen slot name: value}}
@@ -138,6 +148,8 @@ def load_graph_state_dict(graph, state_dict: dict, strict: bool = True) -> None:
         graph._counter["skipped"] = _count(state_dict[SKIPPED_STEPS], SKIPPED_STEPS)
     if RANDOM_STATE in state_dict:
         random.set_rng_state(state_dict[RANDOM_STATE])
+    if GRAD_SCALER in state_dict and graph._grad_scaler is not None:
+        graph._grad_scaler.load_state_dict(state_dict[GRAD_SCALER])
 
 
 def _optimizer_state(graph, i, opt, pairs, saved, slots, train_step, strict) -> dict:
