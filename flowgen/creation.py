@@ -304,6 +304,13 @@ def seed() -> int:
 
 
 # ------------------------------------------------------------------ *_like
+def _refuse_global(name, t):
+    if isinstance(t, Tensor) and t.is_global:
+        raise NotImplementedError(f"flowgen has no {name} of a global tensor (each rank would draw different "
+                                  f"random values); draw a local tensor with the same seed on every rank and "
+                                  f"make it global with to_global(placement, flow.sbp.broadcast)")
+
+
 def _like(t, dtype, device):
     return (dt.get(dtype) if dtype is not None else t.dtype,
             device if device is not None else t.device)
@@ -331,16 +338,19 @@ def full_like(t, fill_value, dtype=None, device=None, requires_grad=False) -> Te
 
 
 def randn_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    _refuse_global("randn_like", t)
     d, dev = _like(t, dtype, device)
     return randn(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
 
 
 def rand_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    _refuse_global("rand_like", t)
     d, dev = _like(t, dtype, device)
     return rand(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
 
 
 def randint_like(t, low, high=None, dtype=None, device=None) -> Tensor:
+    _refuse_global("randint_like", t)
     d, dev = _like(t, dtype, device)
     if high is None:
         low, high = 0, low

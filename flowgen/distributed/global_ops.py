@@ -21,6 +21,8 @@ the leaf's sbp, all-reducing a partial_sum gradient of a broadcast parameter).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from flowgen.distributed import global_tensor
@@ -33,6 +35,15 @@ _RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int",
 _LINEAR_IN_FIRST = frozenset({"neg", "cast", "detach", "mul", "div", "expand"})
 _LINEAR_IN_SECOND = frozenset({"mul"})
 _ADDITIVE = frozenset({"add", "sub"})
+
+
+@dataclass(frozen=True)
+class _LocalRun:
+    """What a rank runs instead of the op itself, for ops whose local form differs (mean over a
+    split dim: the local sum, divided by the logical count)."""
+    op_name: str
+    attrs: dict
+    divisor: float = 1.0
 
 
 def _layout(t) -> Sbp:
@@ -74,12 +85,20 @@ def _split_elementwise(op_name, tensors, out_ndim):
     return locals_, split(d)
 
 
+def _linear_in_first(op, attrs) -> bool:
+    """Whether `op` is linear in its first operand; a cast is only to a floating dtype (a cast to
+    an integer truncates each rank's part: the parts' truncations do not sum to the truncated sum)."""
+    if op.name == "cast":
+        return attrs["dtype"].is_floating
+    return op.name in _LINEAR_IN_FIRST
+
+
 def _elementwise(op, tensors, attrs, out_ndim):
     kinds = [_layout(t).kind for t in tensors]
     if "partial_sum" in kinds:
         partial_ok = (
             (op.name in _ADDITIVE and all(k == "partial_sum" for k in kinds))
-            or (kinds[0] == "partial_sum" and op.name in _LINEAR_IN_FIRST
+            or (kinds[0] == "partial_sum" and _linear_in_first(op, attrs)
                 and all(k == "broadcast" for k in kinds[1:]))
             or (len(kinds) == 2 and kinds == ["broadcast", "partial_sum"] and op.name in _LINEAR_IN_SECOND))
         if partial_ok:
@@ -105,7 +124,7 @@ def _local_shape(shape, d, local, t):
 def _reduction(op, x, attrs, out_ndim):
     layout = _layout(x)
     if layout.kind == "partial_sum":
-        if op.name in ("sum", "sum_to"):
+        if op.name in ("sum", "sum_to", "mean"):
             return [x._global.local], partial_sum, attrs
         x = _boxed(x, broadcast)
         layout = broadcast
@@ -121,11 +140,33 @@ def _reduction(op, x, attrs, out_ndim):
         return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (local.shape[d],) + shape[d - lead + 1:])
     dims, keepdim = tuple(attrs["dims"]), attrs.get("keepdim", False)
     if d in dims:
+        if op.name == "mean":   # each rank's sum over its piece / the logical count: partial means
+            count = float(np.prod([x.shape[r] for r in dims]))
+            return [local], partial_sum, _LocalRun("sum", attrs, divisor=count)
         if op.name != "sum":
             x = _boxed(x, broadcast)
             return [x._global.local], broadcast, attrs
         return [local], partial_sum, attrs
     return [local], split(d if keepdim else d - sum(1 for r in dims if r < d)), attrs
+
+
+def _reshape(op, x, attrs):
+    """S(d) -> S(e) when the target shape keeps dim d whole with the same elements before it
+    (prod(shape[:e]) == prod(x.shape[:d]) and shape[e] == x.shape[d]): each rank's piece reshapes
+    to its piece of the result (inserting or dropping size-1 dims, reshaping the trailing dims).
+    P -> P; any other reshape of a split tensor would need other ranks' elements."""
+    layout = _layout(x)
+    if layout.kind == "partial_sum":
+        return [x._global.local], partial_sum, attrs
+    d, shape = layout.dim, tuple(attrs["shape"])
+    before = int(np.prod(x.shape[:d]))
+    for e in range(len(shape)):
+        if int(np.prod(shape[:e])) == before and shape[e] == x.shape[d] and x.shape[d] != 1:
+            local = x._global.local
+            local_shape = shape[:e] + (local.shape[d],) + shape[e + 1:]
+            return [local], split(e), dict(attrs, shape=local_shape)
+    raise _unsupported(op.name, (x,), f"the split dim {d} of shape {tuple(x.shape)} does not survive as one dim "
+                                      f"of shape {shape}")
 
 
 def _matmul(op, a, b, attrs, out_ndim):
@@ -169,8 +210,10 @@ def _local_inputs(op, tensors, attrs, out_ndim):
         return _elementwise(op, tensors, attrs, out_ndim)
     if all(_layout(t).kind == "broadcast" for t in tensors):
         return [t._global.local for t in tensors], broadcast, attrs
-    if op.name in ("sum", "sum_to", "max", "min"):
+    if op.name in ("sum", "sum_to", "mean", "max", "min"):
         return _reduction(op, tensors[0], attrs, out_ndim)
+    if op.name == "reshape":
+        return _reshape(op, tensors[0], attrs)
     if op.name == "matmul":
         return _matmul(op, *tensors, attrs, out_ndim)
     if op.name == "permute":
@@ -181,7 +224,6 @@ def _local_inputs(op, tensors, attrs, out_ndim):
 def apply_global(op, tensors, attrs):
     """Run `op` on `tensors`, of which at least one is global (`registry.apply` sends it here)."""
     from flowgen.autograd import no_grad, record
-    from flowgen.ops import registry
 
     globals_ = [t for t in tensors if t._global is not None]
     placement = globals_[0]._global.placement
@@ -195,14 +237,50 @@ def apply_global(op, tensors, attrs):
     metas = op.infer(*(t.meta for t in tensors), **attrs)
     multi = type(metas) is tuple
     out_ndim = len((metas[0] if multi else metas).shape)
-    locals_, layout, local_attrs = _local_inputs(op, tensors, attrs, out_ndim)
+    locals_, layout, local_run = _local_inputs(op, tensors, attrs, out_ndim)
+    if not isinstance(local_run, _LocalRun):
+        local_run = _LocalRun(op.name, local_run)
     with no_grad():
-        result = registry.apply(op.name, *locals_, **local_attrs)
+        result = _run_on_every_rank(op.name, lambda: _run_local(local_run, locals_))
     results = result if multi else (result,)
     outs = tuple(global_tensor.wrap_local(r, placement, layout, m.shape)
                  for r, m in zip(results, metas if multi else (metas,)))
     record(op, tensors, attrs, outs)
     return outs if multi else outs[0]
+
+
+def _run_local(local_run, locals_):
+    from flowgen.ops import registry
+
+    result = registry.apply(local_run.op_name, *locals_, **local_run.attrs)
+    return result if local_run.divisor == 1.0 else registry.apply("div", result, local_run.divisor)
+
+
+def _run_on_every_rank(op_name, run):
+    """`run()` on this rank's components, raising on every rank if it raised on any.
+
+    The local op can fail on one rank only (its data: an index out of range in its piece, a
+    failure on an empty piece). Were the error raised there alone, a caller catching it would go
+    on while the other ranks wait in their next collective with mismatched partners, a deadlock.
+    So the ranks agree first (one all-gather of a flag per op, two when one failed): the failing
+    rank raises its own exception, the others a RuntimeError naming the rank and its error."""
+    comm = world()
+    if comm.size == 1:
+        return run()
+    error, result = None, None
+    try:
+        result = run()
+    except Exception as exc:  # noqa: BLE001 - every error is re-raised after the ranks agree
+        error = exc
+    failed = [bool(f) for f in comm.all_gather(np.array(error is not None))]
+    if not any(failed):
+        return result
+    messages = comm.all_gather(np.array(f"{type(error).__name__}: {error}" if error is not None else ""))
+    if error is not None:
+        raise error
+    first = failed.index(True)
+    raise RuntimeError(f"{op_name} on global tensors failed on rank {first} (this rank's part ran): "
+                       f"{messages[first]}")
 
 
 def scalar_as_global(value, like):
