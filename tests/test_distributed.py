@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -285,3 +286,63 @@ def test_to_global_conversions_across_ranks(request, ranks):
     np.testing.assert_array_equal(r["broadcast_to_split_all"], parts[0])   # ... as the other ranks' pieces show
     np.testing.assert_array_equal(r["partial_to_broadcast"], sum(parts))
     np.testing.assert_array_equal(r["partial_to_split_all"], sum(parts))
+
+
+# ---------------------------------------------- eager ops on global tensors, several ranks
+import global_ops_worker  # noqa: E402
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
+def global_ops_ranks(request, tmp_path_factory):
+    """Every rank's results of tests/distributed/global_ops_worker.py (a hang fails the timeout)."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"global_ops_{world}")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    script = os.path.join(REPO, "tests", "distributed", "global_ops_worker.py")
+    result = subprocess.run([sys.executable, "-m", "flowgen.distributed.launch", "--nproc_per_node", str(world),
+                             script, str(out)], env=env, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [np.load(out / f"global_ops_rank{r}.npz") for r in range(world)]
+
+
+@needs_mpi
+@pytest.mark.parametrize("case", list(global_ops_worker.CASES))
+def test_global_eager_ops_equal_local_ops_on_the_logical_tensors(global_ops_ranks, case):
+    expected = global_ops_worker.reference_case(case)
+    sbp = global_ops_worker.CASES[case][1]
+    for rank, result in enumerate(global_ops_ranks):
+        assert str(result[f"sbp_{case}"]) == repr(sbp), f"rank {rank}"
+        np.testing.assert_allclose(result[f"value_{case}"], expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+
+
+@needs_mpi
+def test_global_sgd_on_a_split_batch_equals_one_process_on_the_whole_batch(global_ops_ranks):
+    losses, params, grads = global_ops_worker.reference_training()
+    for rank, result in enumerate(global_ops_ranks):
+        np.testing.assert_allclose(result["losses"], losses, rtol=1e-6, err_msg=f"rank {rank}")
+        for k, (p, g) in enumerate(zip(params, grads)):
+            assert str(result[f"param_sbp_{k}"]) == str(result[f"grad_sbp_{k}"]) == repr(flow.sbp.broadcast)
+            np.testing.assert_allclose(result[f"param_{k}"], p, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}")
+            np.testing.assert_allclose(result[f"grad_local_{k}"], g, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+            np.testing.assert_array_equal(result[f"grad_local_{k}"], global_ops_ranks[0][f"grad_local_{k}"])
+
+
+@needs_mpi
+def test_global_eager_refusals_raise_on_every_rank_and_leave_none_waiting(global_ops_ranks):
+    expected = {
+        "reshape_split": r"NotImplementedError: flowgen has no eager reshape .*split\(dim=0\)",
+        "dropout": "NotImplementedError: flowgen has no eager dropout on global tensors",
+        "rand_like": "NotImplementedError: flowgen has no rand_like of a global tensor",
+        "split_along_different_dims": "NotImplementedError: .*split along different dims",
+    }
+    total = str(global_ops_worker.inputs()["x"].sum())
+    for rank, result in enumerate(global_ops_ranks):
+        for name, pattern in expected.items():
+            assert re.match(pattern, str(result[f"refused_{name}"])), (rank, str(result[f"refused_{name}"]))
+        failed = str(result["refused_fails_on_rank_1_only"])
+        assert failed == ("ValueError: bad index in this piece" if rank == 1 else
+                          "RuntimeError: example on global tensors failed on rank 1 (this rank's part ran): "
+                          "ValueError: bad index in this piece")
+        for name in [*expected, "fails_on_rank_1_only"]:     # and the ranks went on together
+            np.testing.assert_allclose(float(result[f"refused_{name}_then"]), float(total), rtol=1e-5)

@@ -275,12 +275,12 @@ def _run_on_every_rank(op_name, run):
     failed = [bool(f) for f in comm.all_gather(np.array(error is not None))]
     if not any(failed):
         return result
-    messages = comm.all_gather(np.array(f"{type(error).__name__}: {error}" if error is not None else ""))
+    messages = comm.all_gather(np.array([f"{type(error).__name__}: {error}" if error is not None else ""]))
     if error is not None:
         raise error
     first = failed.index(True)
     raise RuntimeError(f"{op_name} on global tensors failed on rank {first} (this rank's part ran): "
-                       f"{messages[first]}")
+                       f"{messages[first][0]}")
 
 
 def scalar_as_global(value, like):

@@ -1,0 +1,167 @@
+"""One rank of the global eager-op tests in tests/test_distributed.py (run by mpiexec).
+
+`python global_ops_worker.py OUTDIR`: runs every case of `CASES` on global tensors laid out over
+all ranks and saves, per rank, OUTDIR/global_ops_rank{R}.npz: each case's logical value
+(`numpy()`) and sbp, a short SGD training of a broadcast model on a split(0) batch, and the
+messages of what must be refused. The test compares them with `reference_case` and
+`reference_training`: the same code on plain local tensors holding the whole (logical) values.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import flowgen as flow
+from flowgen.distributed import global_ops
+
+S0, S1, B = flow.sbp.split(0), flow.sbp.split(1), flow.sbp.broadcast
+
+
+def inputs():
+    rng = np.random.default_rng(0)
+    shapes = {"x": (6, 4), "y": (6, 4), "w": (4, 5), "v": (4,), "r3": (3, 4), "t": (2, 3, 4)}
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+
+
+def boxed(t, sbp):
+    """`t` converted to `sbp` (the reference's local tensors stay as they are)."""
+    return t.to_global(sbp=sbp) if t.is_global else t
+
+
+# name: (what it computes from T(name, sbp) -> a tensor, the sbp its result must have)
+CASES = {
+    "add_split_broadcast": (lambda T: T("x", S0) + T("v", B), S0),
+    "mul_split_split": (lambda T: T("x", S0) * T("y", S0), S0),
+    "exp_split1": (lambda T: flow.exp(T("x", S1)) - 1.0, S1),
+    "sum_all_of_split": (lambda T: T("x", S0).sum(), flow.sbp.partial_sum),
+    "sum_split_dim": (lambda T: T("x", S0).sum(0), flow.sbp.partial_sum),
+    "sum_other_dim": (lambda T: T("x", S0).sum(1), S0),
+    "sum_other_dim_of_split1": (lambda T: T("t", S1).sum(0), S0),
+    "sum_keepdim": (lambda T: T("x", S0).sum(1, keepdim=True), S0),
+    "partial_sum_times_scalar": (lambda T: T("x", S0).sum(0) * 3.0, flow.sbp.partial_sum),
+    "partial_sum_plus_scalar": (lambda T: T("x", S0).sum() + 1.0, B),   # all-reduced before the add
+    "partial_sum_to_int": (lambda T: (T("x", S0) * 10.0).sum(0).to(flow.int32), B),
+    "mean_all": (lambda T: T("x", S0).mean(), flow.sbp.partial_sum),
+    "mean_split_dim": (lambda T: T("x", S0).mean(0), flow.sbp.partial_sum),
+    "mean_other_dim": (lambda T: T("x", S0).mean(1), S0),
+    "amax_split_dim": (lambda T: T("x", S0).amax(0), B),
+    "amax_other_dim": (lambda T: T("x", S0).amax(1), S0),
+    "matmul_split_broadcast": (lambda T: flow.matmul(T("x", S0), T("w", B)), S0),
+    "matmul_broadcast_split1": (lambda T: flow.matmul(T("x", B), T("w", S1)), S1),
+    "matmul_inner_dim": (lambda T: flow.matmul(T("x", S1), T("w", S0)), flow.sbp.partial_sum),
+    "matmul_inner_dim_broadcast": (lambda T: flow.matmul(T("x", B), T("w", S0)), flow.sbp.partial_sum),
+    "matrix_times_split_vector": (lambda T: flow.matmul(T("x", B), T("v", S0)), flow.sbp.partial_sum),
+    "permute_split": (lambda T: T("t", S0).permute(2, 0, 1), flow.sbp.split(1)),
+    "transpose_split": (lambda T: T("x", S0).transpose(0, 1), S1),
+    "reshape_keeping_the_split_dim": (lambda T: T("t", S1).reshape(2, 3, 2, 2), S1),
+    "unsqueeze_split": (lambda T: T("x", S0).unsqueeze(0), S1),
+    "box_split_to_broadcast": (lambda T: boxed(T("x", S0) * 2.0, B), B),
+    "box_partial_to_split": (lambda T: boxed(flow.matmul(T("x", S1), T("w", S0)), S0), S0),
+    "mse_loss": (lambda T: flow.nn.functional.mse_loss(T("x", S0), T("y", S0)), flow.sbp.partial_sum),
+    # 3 rows over 4 ranks: the last rank's piece is empty
+    "uneven_pieces": (lambda T: flow.matmul(flow.exp(T("r3", S0)), T("w", B)).mean(0) + T("r3", S0).amax(1).sum(),
+                      flow.sbp.partial_sum),
+}
+
+
+def case_tensor(data, placement):
+    """T(name, sbp) of the cases: the logical value `data[name]` laid out by sbp (every rank
+    holds the whole value, so split pieces are cut from it: uneven ones included)."""
+    return lambda name, sbp: flow.tensor(data[name]).to_global(placement, B).to_global(sbp=sbp)
+
+
+def reference_case(name):
+    data = inputs()
+    return CASES[name][0](lambda key, sbp: flow.tensor(data[key])).numpy()
+
+
+GLOBAL_BATCH, STEPS = 10, 3      # 10 rows: uneven pieces on 4 ranks
+
+
+def training_data():
+    rng = np.random.default_rng(3)
+    return (rng.standard_normal((STEPS, GLOBAL_BATCH, 4)).astype(np.float32),
+            rng.standard_normal((STEPS, GLOBAL_BATCH, 3)).astype(np.float32))
+
+
+def make_model():
+    flow.manual_seed(0)
+    return flow.nn.Sequential(flow.nn.Linear(4, 8), flow.nn.Tanh(), flow.nn.Linear(8, 3))
+
+
+def train(placement=None):
+    """SGD with momentum, loss = mean over the global batch; global when `placement` is given:
+    broadcast parameters, the batch split(0)."""
+    model = make_model()
+    if placement is not None:
+        model.to_global(placement, B)
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = training_data()
+    losses, grads = [], []
+    for s in range(STEPS):
+        x, y = flow.tensor(xs[s]), flow.tensor(ys[s])
+        if placement is not None:
+            x, y = (t.to_global(placement, B).to_global(sbp=S0) for t in (x, y))
+        loss = flow.nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        grads = [p.grad for p in model.parameters()]
+        optimizer.step()
+        losses.append(float(loss.numpy()))
+    return model, np.array(losses), grads
+
+
+def reference_training():
+    model, losses, grads = train()
+    return losses, [p.numpy() for p in model.parameters()], [g.numpy() for g in grads]
+
+
+def refusals(placement, rank):
+    """What global eager ops refuse: the same error on every rank, and the ranks go on together."""
+    data = inputs()
+    T = case_tensor(data, placement)
+    attempts = {
+        "reshape_split": lambda: T("x", S0).reshape(24),
+        "dropout": lambda: flow.nn.functional.dropout(T("x", S0), p=0.5),
+        "rand_like": lambda: flow.rand_like(T("x", B)),
+        "split_along_different_dims": lambda: T("x", S0) + T("y", S1),
+        # a local op failing on one rank only (its data): every rank must raise, none wait
+        "fails_on_rank_1_only": lambda: global_ops._run_on_every_rank(
+            "example", lambda: (_ for _ in ()).throw(ValueError("bad index in this piece")) if rank == 1 else 0),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = "no error"
+        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
+            messages[name] = f"{type(exc).__name__}: {exc}"
+        # a collective after each refusal: a rank left behind in the op's collectives would hang here
+        messages[name + "_then"] = str(T("x", S0).sum().numpy())
+    return messages
+
+
+def main():
+    out_dir = sys.argv[1]
+    rank, world = flow.env.get_rank(), flow.env.get_world_size()
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    results = {}
+    T = case_tensor(inputs(), placement)
+    for name, (compute, _) in CASES.items():
+        out = compute(T)
+        results[f"value_{name}"] = out.numpy()
+        results[f"sbp_{name}"] = repr(out.sbp[0])
+    model, losses, grads = train(placement)
+    results["losses"] = losses
+    for k, (p, g) in enumerate(zip(model.parameters(), grads)):
+        results[f"param_{k}"] = p.numpy()
+        results[f"param_sbp_{k}"] = repr(p.sbp[0])
+        results[f"grad_sbp_{k}"] = repr(g.sbp[0])
+        results[f"grad_local_{k}"] = g.to_local().numpy()    # broadcast: the whole gradient on every rank
+    results.update({f"refused_{k}": v for k, v in refusals(placement, rank).items()})
+    np.savez(f"{out_dir}/global_ops_rank{rank}.npz", **results)
+
+
+if __name__ == "__main__":
+    main()
