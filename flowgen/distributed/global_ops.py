@@ -7,17 +7,25 @@ Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_
 * elementwise ops (`Elementwise` lowering): operands S(d) and B -> S(d) (a B operand that is not
   size 1 along d takes its own piece, a local slice); P operands of the linear ops (neg, cast,
   add/sub of P with P, mul of P by B, div of P by B) stay P; any other P operand is all-reduced
-  to B first;
-* sum / sum_to: S(d) reduced over d -> P, over other dims -> S(d') (d' counts the kept dims);
-  P -> P; max / min over a split dim gather the operand to B first;
+  to B first (a cast to an integer or bool dtype is not linear: it truncates each part);
+* sum / sum_to / mean: S(d) reduced over d -> P (mean: each rank's sum / the logical count), over
+  other dims -> S(d') (d' counts the kept dims); P -> P; max / min over a split dim gather the
+  operand to B first;
 * matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
   operand takes its piece of k), (P, B) and (B, P) -> P;
-* permute: S(d) -> S(perm.index(d)); P -> P.
+* permute: S(d) -> S(perm.index(d)); P -> P;
+* reshape: S(d) -> S(e) when the target keeps dim d whole with the same elements before it
+  (unsqueeze / squeeze, reshaping trailing dims: matmul with a vector goes through it); P -> P.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
 operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
 so gradients are computed by the same rules (flowgen/autograd.py delivers each leaf's gradient in
 the leaf's sbp, all-reducing a partial_sum gradient of a broadcast parameter).
+
+Every rank takes the same path through the deduction (it reads logical shapes and sbps only), so
+the boxing collectives match and the refusals above raise on every rank. Only the local op itself
+can fail on some ranks and not others (it reads the rank's data); `_run_on_every_rank` makes
+every rank raise then, at the cost of one small all-gather per op on several ranks.
 """
 from __future__ import annotations
 

@@ -11,8 +11,9 @@ A global `Tensor` keeps its local component (this rank's part, an ordinary local
   first rank and zeros elsewhere).
 * `to_local()`: the local component; `numpy()`: the logical value on every rank.
 
-Eager ops on global tensors are not supported (they raise); global tensors are the inputs and
-outputs of data-parallel `nn.Graph`s (flowgen/distributed/data_parallel.py).
+Eager ops on global tensors run on the local components with a deduced sbp
+(flowgen/distributed/global_ops.py); global tensors are also the inputs and outputs of
+data-parallel `nn.Graph`s (flowgen/distributed/data_parallel.py).
 """
 from __future__ import annotations
 
