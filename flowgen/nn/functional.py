@@ -494,8 +494,13 @@ def index_select(input, dim, index):
 
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
               sparse=False):
-    if max_norm is not None or scale_grad_by_freq:
-        raise NotImplementedError("embedding: max_norm and scale_grad_by_freq are not supported by flowgen")
+    """Rows `input` of `weight`. `padding_idx`: that row gets no gradient. `scale_grad_by_freq`: each
+    index's gradient divided by how often it occurs in `input`."""
+    if max_norm is not None:
+        raise NotImplementedError("embedding: max_norm is not supported by flowgen")
+    if sparse:
+        raise NotImplementedError("embedding: sparse=True (sparse gradients) is not supported by flowgen; "
+                                  "the weight gets a dense gradient with sparse=False")
     num = weight.shape[0]
     if padding_idx is None:
         pad_idx = -1
@@ -503,7 +508,7 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
         if not -num <= padding_idx < num:
             raise ValueError(f"embedding: padding_idx {padding_idx} must be within num_embeddings ({num})")
         pad_idx = padding_idx % num
-    return apply("embedding", weight, input, padding_idx=int(pad_idx))
+    return apply("embedding", weight, input, padding_idx=int(pad_idx), scale_grad_by_freq=bool(scale_grad_by_freq))
 
 
 def one_hot(tensor, num_classes=-1):
