@@ -13,8 +13,6 @@ class Embedding(Module):
                  max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
                  _weight=None, _freeze: bool = False, device=None, dtype=None):
         super().__init__()
-        if max_norm is not None:
-            raise NotImplementedError("Embedding: max_norm is not supported")
         if sparse:
             raise NotImplementedError("Embedding: sparse=True (sparse gradients) is not supported; the weight gets "
                                       "a dense gradient with sparse=False")
