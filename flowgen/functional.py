@@ -1085,7 +1085,12 @@ def trace(x):
 
 def einsum(equation, *operands):
     """Einstein summation built from permute/reshape/mul/sum (any equation with explicit or implicit
-    output; repeated labels within one operand are refused). Runs in graphs too."""
+    output; repeated labels within one operand are refused). Runs in graphs too.
+
+    An ellipsis ('...') stands for the dims no label names; those of all operands broadcast
+    together, aligned from the right (PyTorch's rule). An implicit output puts the ellipsis dims
+    first, then the labels used once, in alphabetical order; an explicit output without '...'
+    sums the ellipsis dims away."""
     if len(operands) == 1 and isinstance(operands[0], (list, tuple)):
         operands = tuple(operands[0])
     eq = equation.replace(" ", "")
@@ -1093,15 +1098,14 @@ def einsum(equation, *operands):
     terms = inputs.split(",")
     if len(terms) != len(operands):
         raise ValueError(f"einsum: equation {equation!r} names {len(terms)} operands, got {len(operands)}")
-    if "." in eq:
-        raise NotImplementedError(f"einsum: ellipsis ('...') is not supported yet in {equation!r}")
+    terms, output = _einsum_expand_ellipsis(equation, terms, output if arrow else None, operands)
     for term, op_ in zip(terms, operands):
         if len(term) != op_.ndim:
             raise ValueError(f"einsum: term {term!r} has {len(term)} labels but its operand has shape "
                              f"{tuple(op_.shape)}")
         if len(set(term)) != len(term):
             raise NotImplementedError(f"einsum: repeated label in one operand ({term!r}) is not supported yet")
-    if not arrow:
+    if output is None:
         counts = {}
         for c in "".join(terms):
             counts[c] = counts.get(c, 0) + 1
@@ -1118,14 +1122,55 @@ def einsum(equation, *operands):
     for term, op_ in zip(terms, operands):
         order = sorted(range(len(term)), key=lambda i: labels.index(term[i]))
         view = permute(op_, order) if order != list(range(len(term))) else op_
-        present = "".join(term[i] for i in order)
-        view = reshape(view, tuple(sizes[c] if c in present else 1 for c in labels)) if len(labels) else view
+        own = {term[i]: op_.shape[i] for i in order}   # size 1 where it broadcasts against another operand
+        view = reshape(view, tuple(own.get(c, 1) for c in labels)) if len(labels) else view
         product = view if product is None else mul(product, view)
     summed = [i for i, c in enumerate(labels) if c not in output]
     if summed:
         product = sum(product, summed)
     kept = [c for c in labels if c in output]
     return permute(product, [kept.index(c) for c in output]) if len(kept) > 1 else product
+
+
+# Labels for the ellipsis dims: characters no equation can contain (equations use letters only).
+_ELLIPSIS_LABELS = "".join(chr(0x2460 + i) for i in range(64))
+
+
+def _einsum_expand_ellipsis(equation, terms, output, operands):
+    """(terms, output) with each '...' replaced by one label per dim it covers; output None stays
+    None for an implicit output, which then starts with the ellipsis labels."""
+    def split(term, where):
+        if term.count("...") > 1 or term.replace("...", "").count("."):
+            raise ValueError(f"einsum: {where} {term!r} of {equation!r} has a '.' that is not part of a "
+                             f"single ellipsis ('...')")
+        return term.partition("...")
+
+    covered = []
+    for term, op_ in zip(terms, operands):
+        head, dots, tail = split(term, "term")
+        rank = op_.ndim - len(head) - len(tail) if dots else 0
+        if rank < 0:
+            raise ValueError(f"einsum: term {term!r} has {len(head) + len(tail)} labels but its operand has "
+                             f"shape {tuple(op_.shape)}")
+        covered.append(rank)
+    ellipsis_rank = builtins.max(covered, default=0)
+    if ellipsis_rank > len(_ELLIPSIS_LABELS):
+        raise ValueError(f"einsum: the ellipsis of {equation!r} covers {ellipsis_rank} dims; at most "
+                         f"{len(_ELLIPSIS_LABELS)} are supported")
+    fresh = _ELLIPSIS_LABELS[:ellipsis_rank]
+    expanded = []
+    for term, rank in zip(terms, covered):
+        head, dots, tail = split(term, "term")
+        expanded.append(head + (fresh[ellipsis_rank - rank:] if dots else "") + tail)
+    if output is None:
+        if builtins.any("..." in t for t in terms):
+            counts = {}
+            for c in "".join(expanded):
+                counts[c] = counts.get(c, 0) + 1
+            output = fresh + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in fresh))
+        return expanded, output
+    head, dots, tail = split(output, "output")
+    return expanded, head + (fresh if dots else "") + tail
 
 
 # =================================================================== order-dependent (eager only)

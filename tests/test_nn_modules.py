@@ -447,6 +447,60 @@ def test_embedding_matches_torch(torch):
     assert np.all(ours.weight.grad.numpy()[0] == 0)  # the padding row gets no gradient
 
 
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_scale_grad_by_freq_matches_torch(torch, padding_idx):
+    ids = np.array([[0, 2, 4, 4], [4, 3, 0, 2]], np.int64)   # 4 three times, 0 and 2 twice
+    kwargs = dict(padding_idx=padding_idx, scale_grad_by_freq=True)
+    ours, theirs = nn.Embedding(5, 3, **kwargs), torch.nn.Embedding(5, 3, **kwargs)
+    _check_layer(ours, theirs, torch, ids)
+    if padding_idx is not None:
+        assert np.all(ours.weight.grad.numpy()[padding_idx] == 0)
+    assert repr(ours).endswith("scale_grad_by_freq=True)")
+
+
+def test_embedding_options_train_in_a_graph_like_eager():
+    from graphs import train_like_eager
+
+    flow.manual_seed(4)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=1, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(12, 3))
+    ids = flow.tensor(np.array([[1, 2, 2], [5, 1, 2]], np.int64))
+    train_like_eager(model, lambda ps: flow.optim.SGD(ps, lr=0.5), [(ids, flow.tensor(np.array([0, 2])))] * 3)
+    assert np.all(model[0].weight.numpy()[1] == 0)   # the padding row never moves
+
+
+@pytest.mark.parametrize("norm_type, kwargs", [(2.0, {}), (1.0, dict(padding_idx=2, scale_grad_by_freq=True))])
+def test_embedding_max_norm_renormalises_touched_rows_like_torch(torch, norm_type, kwargs):
+    ids = np.array([[0, 2, 4, 4], [4, 3, 0, 2]], np.int64)   # rows 1 and 5 are not touched
+    ours = nn.Embedding(6, 3, max_norm=1.5, norm_type=norm_type, **kwargs)
+    theirs = torch.nn.Embedding(6, 3, max_norm=1.5, norm_type=norm_type, **kwargs)
+    with flow.no_grad():
+        ours.weight.copy_(ours.weight * 2)   # most rows over the limit
+    _check_layer(ours, theirs, torch, ids)
+    close(ours.weight, theirs.weight, 1e-5, 1e-6)   # renormalised in place, the untouched rows kept
+
+
+def test_embedding_max_norm_in_a_graph_like_eager():
+    from graphs import InferGraph, train_like_eager
+
+    flow.manual_seed(4)
+    ids = flow.tensor(np.array([[0, 2, 2], [5, 3, 2]], np.int64))
+    emb = nn.Embedding(7, 4, max_norm=1.0)
+    before = emb.weight.numpy().copy()
+    eager = nn.Embedding(7, 4, max_norm=1.0, _weight=emb.weight.detach().clone())
+    np.testing.assert_allclose(InferGraph(emb)(ids).numpy(), eager(ids).numpy(), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(emb.weight.numpy(), eager.weight.numpy(), rtol=1e-6, atol=1e-7)   # written back
+    assert not np.allclose(emb.weight.numpy(), before)
+    model = nn.Sequential(nn.Embedding(6, 4, max_norm=0.8, norm_type=3.0), nn.Flatten(), nn.Linear(12, 3))
+    train_like_eager(model, lambda ps: flow.optim.SGD(ps, lr=0.5, momentum=0.9),
+                     [(ids, flow.tensor(np.array([0, 2])))] * 3)
+    train_like_eager(model, lambda ps: flow.optim.Adam(ps, lr=0.1), [(ids, flow.tensor(np.array([1, 2])))] * 2)
+
+
+def test_embedding_sparse_gradients_are_refused():
+    with pytest.raises(NotImplementedError, match="sparse=True"):
+        nn.Embedding(4, 2, sparse=True)
+
+
 def test_dropout_train_and_eval():
     d = nn.Dropout(0.25)
     x = flow.ones(200, 100)

@@ -45,6 +45,13 @@ Y = RNG.standard_normal((3, 4, 5)).astype(np.float32)
     ("einsum_bmm", lambda x: flow.einsum("bij,bkj->bik", x, x), lambda x: get_torch().einsum("bij,bkj->bik", x, x)),
     ("einsum_implicit", lambda x: flow.einsum("ijk,jk", x, x[0]), lambda x: get_torch().einsum("ijk,jk", x, x[0])),
     ("einsum_trace_out", lambda x: flow.einsum("ijk->kj", x), lambda x: get_torch().einsum("ijk->kj", x)),
+    ("einsum_ellipsis_bmm", lambda x: flow.einsum("...ij,...jk->...ik", x, x[0].t()),
+     lambda x: get_torch().einsum("...ij,...jk->...ik", x, x[0].t())),
+    ("einsum_ellipsis_broadcast", lambda x: flow.einsum("bij,...j->bi", x, x[:1, :1]),
+     lambda x: get_torch().einsum("bij,...j->bi", x, x[:1, :1])),
+    ("einsum_ellipsis_implicit", lambda x: flow.einsum("b...j,jk", x, x[0].t()),
+     lambda x: get_torch().einsum("b...j,jk", x, x[0].t())),
+    ("einsum_ellipsis_summed", lambda x: flow.einsum("...ij->ji", x), lambda x: get_torch().einsum("...ij->ji", x)),
     ("outer_addmm", lambda x: flow.addmm(flow.outer(x[0, :, 0], x[1, :, 0]), x[0], x[1].t(), beta=0.5, alpha=2),
      lambda x: get_torch().addmm(x[0, :, 0].outer(x[1, :, 0]), x[0], x[1].t(), beta=0.5, alpha=2)),
     ("baddbmm", lambda x: flow.baddbmm(x[:, :, :4], x, x.transpose(1, 2), alpha=0.5),
@@ -149,6 +156,29 @@ class _Composites(nn.Module):
         h = h + nn.functional.normalize(h, dim=2) + flow.erf(h) + flow.atan2(h, h * h + 1)
         h = h + flow.remainder(h, 0.75) + flow.nan_to_num(flow.log(h))
         return h.norm(dim=2) + nn.functional.cosine_similarity(h, flow.flip(h, [2]), dim=2)
+
+
+@pytest.mark.parametrize("equation, shapes", [("...ij,...jk->...ik", [(2, 3, 4, 5), (3, 5, 2)]),
+                                               ("bij,...j->bi", [(2, 3, 4), (2, 1, 4)]),
+                                               ("k...,...->...k", [(2, 3, 1), (4,)]),
+                                               ("...ij,...jk", [(3, 4, 5), (1, 5, 2)])])
+def test_einsum_with_ellipsis_matches_torch_and_runs_in_a_graph(equation, shapes):
+    torch = get_torch()
+    arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
+    eager = flow.einsum(equation, *[flow.tensor(a) for a in arrays]).numpy()
+    np.testing.assert_allclose(eager, torch.einsum(equation, *[torch.tensor(a) for a in arrays]).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+    class Einsum(nn.Graph):
+        def build(self, *operands):
+            return flow.einsum(equation, *operands)
+
+    np.testing.assert_allclose(Einsum()(*[flow.tensor(a) for a in arrays]).numpy(), eager, rtol=1e-5, atol=1e-6)
+
+
+def test_einsum_refuses_a_stray_dot():
+    with pytest.raises(ValueError, match="not part of a single ellipsis"):
+        flow.einsum("i.j", flow.tensor(X[0]))
 
 
 def test_composites_run_in_a_graph_equal_to_eager():

@@ -494,8 +494,14 @@ def index_select(input, dim, index):
 
 def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
               sparse=False):
-    if max_norm is not None or scale_grad_by_freq:
-        raise NotImplementedError("embedding: max_norm and scale_grad_by_freq are not supported by flowgen")
+    """Rows `input` of `weight`. `padding_idx`: that row gets no gradient. `scale_grad_by_freq`: each
+    index's gradient divided by how often it occurs in `input`. `max_norm`: first renormalise, in
+    place in `weight`, the rows `input` touches whose `norm_type`-norm exceeds it (PyTorch)."""
+    if max_norm is not None:
+        _embedding_renorm_(weight, input, float(max_norm), float(norm_type))
+    if sparse:
+        raise NotImplementedError("embedding: sparse=True (sparse gradients) is not supported by flowgen; "
+                                  "the weight gets a dense gradient with sparse=False")
     num = weight.shape[0]
     if padding_idx is None:
         pad_idx = -1
@@ -503,7 +509,23 @@ def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sca
         if not -num <= padding_idx < num:
             raise ValueError(f"embedding: padding_idx {padding_idx} must be within num_embeddings ({num})")
         pad_idx = padding_idx % num
-    return apply("embedding", weight, input, padding_idx=int(pad_idx))
+    return apply("embedding", weight, input, padding_idx=int(pad_idx), scale_grad_by_freq=bool(scale_grad_by_freq))
+
+
+def _embedding_renorm_(weight, indices, max_norm, norm_type):
+    """PyTorch's embedding_renorm_: each row `indices` touches whose norm exceeds `max_norm` is scaled
+    in place by max_norm / (norm + 1e-7). The write is weight + (a detached change), so a graph's
+    autodiff, like eager autograd, differentiates the lookup as if the renormalised weight were the
+    parameter; in a graph it is an in-place update of the parameter, as BatchNorm's running stats."""
+    if max_norm <= 0:
+        raise ValueError(f"embedding: max_norm must be > 0, got {max_norm}")
+    num = weight.shape[0]
+    with no_grad():
+        ones = _creation.ones_like(_F.unsqueeze(indices, -1), dtype=weight.dtype)
+        touched = _F.gt(apply("embedding_backward", ones, indices, num_weights=int(num), padding_idx=-1), 0)
+        norms = _F.norm(weight, norm_type, dim=1, keepdim=True)
+        scale = _F.where(touched & _F.gt(norms, max_norm), max_norm / (norms + 1e-7), 1.0)
+        weight.copy_(weight + _F.detach(weight * (scale - 1.0)))
 
 
 def one_hot(tensor, num_classes=-1):

@@ -361,21 +361,28 @@ defop("index_add", infer=_index_add_infer, ref=_index_add_ref, grad=_index_add_g
           "dim (negative indices count from the end if wrap_negative)")
 
 
-def _embedding_infer(weight, indices, padding_idx=-1):
+def _embedding_infer(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
     _require_index(indices, "embedding", "indices")
     if len(weight.shape) != 2:
         raise RuntimeError(f"embedding: weight must be 2-D (num_embeddings, embedding_dim), got {tuple(weight.shape)}")
     return TensorMeta(tuple(indices.shape) + (weight.shape[1],), weight.dtype)
 
 
-def _embedding_ref(weight, indices, padding_idx=-1):
+def _embedding_ref(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
     _check_range(indices, weight.shape[0], "embedding")
     return weight[indices.astype(np.int64)]
 
 
 def _embedding_grad(ctx, g):
     weight, indices = ctx.inputs
-    return apply("embedding_backward", g, indices, num_weights=int(weight.shape[0]),
+    num = int(weight.shape[0])
+    if ctx.attrs.get("scale_grad_by_freq", False):
+        # PyTorch: each lookup's gradient divided by how often its index occurs in the mini-batch
+        # (padding lookups counted too); the counts are a scatter of ones, read back per lookup.
+        ones = F.ones_like(F.unsqueeze(indices, -1), dtype=g.dtype)
+        counts = apply("embedding_backward", ones, indices, num_weights=num, padding_idx=-1)
+        g = g / apply("embedding", counts, indices, padding_idx=-1)
+    return apply("embedding_backward", g, indices, num_weights=num,
                  padding_idx=ctx.attrs.get("padding_idx", -1)), None
 
 
@@ -408,7 +415,8 @@ def _embedding_backward_grad(ctx, gg):
 
 
 defop("embedding", infer=_embedding_infer, ref=_embedding_ref, grad=_embedding_grad, lowering=Template("gather"),
-      doc="embedding(weight, indices, padding_idx): weight[indices]; padding_idx (-1: none) only affects grad")
+      doc="embedding(weight, indices, padding_idx, scale_grad_by_freq): weight[indices]; padding_idx (-1: none) "
+          "and scale_grad_by_freq (each index's gradient divided by its count in indices) only affect grad")
 defop("embedding_backward", infer=_embedding_backward_infer, ref=_embedding_backward_ref,
       grad=_embedding_backward_grad, lowering=Template("scatter"),
       doc="embedding_backward(grad, indices, num_weights, padding_idx): rows of grad summed per index; "

@@ -288,12 +288,21 @@ def _slot(optimizer, p, key, new_state, slots, name, init: float = 0.0):
     return new_state(name, st[key], "optim")
 
 
+def _start_value(tracer, state, name):
+    """The value a parameter's update starts from: its last in-place write in build() (Embedding's
+    max_norm renormalises rows of its weight in the forward, as PyTorch), else its value at the call's start."""
+    for written, value in reversed(tracer.graph.updates):
+        if written == name:
+            return value
+    return state[name].value
+
+
 def _sgd(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots, counter):
     momentum, dampening = group["momentum"], group["dampening"]
     nesterov, wd, maximize = group["nesterov"], group["weight_decay"], group["maximize"]
     for p in params:
         name = param_name[id(p)]
-        param = tracer.lazy(state[name].value)
+        param = tracer.lazy(_start_value(tracer, state, name))
         g = tracer.lazy(grads[name])
         if maximize:
             g = -g
@@ -327,7 +336,7 @@ def _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
     for p in params:
         name = param_name[id(p)]
         st = optimizer.state.setdefault(p, {})
-        param = tracer.lazy(state[name].value)
+        param = tracer.lazy(_start_value(tracer, state, name))
         g = tracer.lazy(grads[name])
         if maximize:
             g = -g
@@ -385,7 +394,7 @@ def _rule(tracer, optimizer, group, params, grads, param_name, state, lr, hyper,
             hypers[key] = hyper(f"{name}.{key}",
                                 lambda key=key, st=st: optimizer.step_hypers(group, _step_count(st))[key],
                                 optimizer.hyper_schedule(group, key, offset))
-        new_w, new_slots = optimizer.update(group, tracer.lazy(state[name].value),
+        new_w, new_slots = optimizer.update(group, tracer.lazy(_start_value(tracer, state, name)),
                                             optimizer.descent_gradient(group, g), held, hypers)
         for key, value in new_slots.items():
             tracer.graph.updates.append((f"{name}.{key}", value._value))
@@ -476,7 +485,7 @@ def _trace_user_step(tracer, optimizer, opt_index: int, grads: dict, param_name:
         p.grad = tracer.lazy(grads[name]) if name in grads else None
         if name is None:
             continue
-        p._value = state[name].value
+        p._value = _start_value(tracer, state, name)
         tracer.state_of[id(p)] = state[name]
         traced_state[p] = _TracedSlots(eager_state.get(p, {}), lambda key, t, p=p: bind_slot(p, key, t))
     plain_before = {p: {k: v for k, v in s.items() if not isinstance(v, Tensor)} for p, s in list(traced_state.items())}

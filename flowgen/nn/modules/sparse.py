@@ -13,8 +13,9 @@ class Embedding(Module):
                  max_norm=None, norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
                  _weight=None, _freeze: bool = False, device=None, dtype=None):
         super().__init__()
-        if max_norm is not None or scale_grad_by_freq or sparse:
-            raise NotImplementedError("Embedding: max_norm, scale_grad_by_freq and sparse are not supported")
+        if sparse:
+            raise NotImplementedError("Embedding: sparse=True (sparse gradients) is not supported; the weight gets "
+                                      "a dense gradient with sparse=False")
         if padding_idx is not None:
             if not -num_embeddings <= padding_idx < num_embeddings:
                 raise ValueError(f"Embedding: padding_idx {padding_idx} must be within num_embeddings "
@@ -22,6 +23,8 @@ class Embedding(Module):
             padding_idx %= num_embeddings
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.padding_idx = padding_idx
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.scale_grad_by_freq, self.sparse = bool(scale_grad_by_freq), sparse
         if _weight is None:
             self.weight = new_parameter((num_embeddings, embedding_dim), dtype=dtype, device=device)
             self.reset_parameters()
@@ -38,7 +41,8 @@ class Embedding(Module):
             self.weight._version += 1
 
     def forward(self, x):
-        return NF.embedding(x, self.weight, padding_idx=self.padding_idx)
+        return NF.embedding(x, self.weight, padding_idx=self.padding_idx, max_norm=self.max_norm,
+                            norm_type=self.norm_type, scale_grad_by_freq=self.scale_grad_by_freq)
 
     @classmethod
     def from_pretrained(cls, embeddings, freeze: bool = True, padding_idx: int | None = None, **kwargs):
@@ -51,4 +55,10 @@ class Embedding(Module):
         s = f"{self.num_embeddings}, {self.embedding_dim}"
         if self.padding_idx is not None:
             s += f", padding_idx={self.padding_idx}"
+        if self.max_norm is not None:
+            s += f", max_norm={self.max_norm}"
+        if self.norm_type != 2:
+            s += f", norm_type={self.norm_type}"
+        if self.scale_grad_by_freq:
+            s += ", scale_grad_by_freq=True"
         return s
