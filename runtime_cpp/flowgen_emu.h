@@ -11,7 +11,10 @@
 //
 // Kernel authors write `extern "C" __global__ void k(...)` followed by
 // `FLOWGEN_EMU_KERNEL(k, needs_fibers)`, which here defines the C entry point
-// `flowgen_launch_k` and in flowgen_cuda_prelude.h expands to nothing.
+// `flowgen_launch_k` and in flowgen_cuda_prelude.h expands to nothing. Written for the
+// emulator only, `FLOWGEN_EMU_KERNEL(k, flowgen_emu::SerialBlocks{work})` says each block is one
+// thread doing a serial job of about `work` multiply-adds (a GEMM tile): its blocks run in
+// parallel when the whole grid's work is large, however few they are.
 #pragma once
 
 #ifndef FLOWGEN_EMULATOR
@@ -701,14 +704,22 @@ template <int N> inline void cp_async_wait_group() { flowgen_emu::cp_async_retir
 // Launching.
 namespace flowgen_emu {
 
+// The second argument of FLOWGEN_EMU_KERNEL for kernels whose blocks are one thread each, every
+// one a serial job of `work` multiply-adds: no fibers; the blocks spread over the cores when
+// there are at least 2^22 multiply-adds in all (about a millisecond on one core), so that waking
+// the OpenMP team, or waiting for a descheduled member on a busy machine, costs little beside it.
+struct SerialBlocks {
+  long long work;
+};
+
 inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes,
-                     bool fibers, void (*body)(void*), void* body_arg) {
+                     bool fibers, void (*body)(void*), void* body_arg, bool heavy_blocks = false) {
   const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
   const int nthreads = int(block[0] * block[1] * block[2]);
   if (nblocks == 0 || nthreads == 0) return;
   // Small launches run on the calling thread: waking the OpenMP team costs more than the
   // work, and on a busy machine a descheduled team member stalls the whole launch.
-  const bool parallel = nblocks > 1 && nblocks * nthreads >= (1 << 16);
+  const bool parallel = nblocks > 1 && (heavy_blocks || nblocks * nthreads >= (1 << 16));
 #pragma omp parallel if (parallel)
   {
     gridDim = dim3(grid[0], grid[1], grid[2]);
@@ -759,6 +770,15 @@ void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* blo
   auto call = [&] { call_with_args(kernel, args, std::index_sequence_for<Params...>{}); };
   run_grid(grid, block, dynamic_shared_bytes, fibers,
            [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call);
+}
+
+template <class... Params>
+void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* block,
+            size_t dynamic_shared_bytes, void** args, SerialBlocks serial) {
+  auto call = [&] { call_with_args(kernel, args, std::index_sequence_for<Params...>{}); };
+  const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
+  run_grid(grid, block, dynamic_shared_bytes, false,
+           [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call, nblocks * serial.work >= (1LL << 22));
 }
 
 }  // namespace flowgen_emu

@@ -413,3 +413,48 @@ def test_every_gemm_tile_configuration(monkeypatch):
         got = _run(r, {k.name: module for k in kernels})
         want = get_op(node.op).ref(*arrays, **node.attrs)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=kernels[-1].comment)
+
+
+@pytest.mark.parametrize("op", ["matmul", "conv2d", "conv2d_grad_weight"])
+def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
+    """Rendered for "cpu", a SIMT GEMM tile is one thread per block with no shared memory
+    (_gemm_tile_cpu.j2); for each tile shape it gives exactly the numbers of the GPU's
+    shared-memory tile (the same fmaf chain over k per output; the same split-k)."""
+    from flowgen.codegen import families
+
+    rng = np.random.default_rng(11)
+    if op == "matmul":
+        case, arrays = Case("mm", "matmul", None), [_rand(rng, (2, 130, 37)), _rand(rng, (37, 135))]
+    elif op == "conv2d":
+        case = Case("fwd", "conv2d", None, stride=(2, 1), padding=(1, 0), dilation=(1, 1), groups=2)
+        arrays = [_rand(rng, (2, 6, 11, 9)), _rand(rng, (10, 3, 3, 2))]
+    else:
+        case = Case("wgrad", "conv2d_grad_weight", None, weight_shape=(5, 3, 3, 3), stride=(1, 1),
+                    padding=(0, 0), dilation=(1, 1), groups=1)
+        arrays = [_rand(rng, (2, 5, 33, 33)), _rand(rng, (2, 3, 35, 35))]
+    rendered = []
+    for i, tile in enumerate(families._TILES):
+        monkeypatch.setattr(families, "_TILES", (tile,))
+        node = _node(case, arrays)
+        pair = []
+        for serial in (False, True):
+            with families.rendering_for("cpu", serial_gemm_blocks=serial):
+                pair.append(render_node(node, f"cpu_tile{i}_{op}_{'serial' if serial else 'fibers'}"))
+        rendered.append((node, pair))
+    monkeypatch.undo()
+    assert all("one thread per tile" in s[-1].comment and s[-1].block == (1, 1, 1) and not s[-1].needs_fibers
+               and "__shared__" not in s[-1].source and "__syncthreads" not in s[-1].source
+               for _, (_, s) in rendered)
+    source = "\n".join(k.source for _, pair in rendered for ks in pair for k in ks)
+    module = CpuModule(build_cpu_library(source, f"test_families_cpu_tiles_{op}"))
+    for node, (fibers, serial) in rendered:
+        r = type("R", (), {"node": node, "arrays": arrays})()
+        r.kernels = fibers
+        want = _run(r, {k.name: module for k in fibers}).copy()
+        r.kernels = serial
+        got = _run(r, {k.name: module for k in serial})
+        assert [k.grid for k in fibers] == [k.grid for k in serial], serial[-1].comment
+        if len(serial) > 1:   # split-k: partial sums meet in atomicAdds, in whatever order blocks finish
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=serial[-1].comment)
+        else:
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), serial[-1].comment

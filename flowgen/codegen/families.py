@@ -69,21 +69,33 @@ TARGET_BLOCKS = {"cuda": 264, "cpu": 2 * (os.cpu_count() or 1)}
 _target_blocks = contextvars.ContextVar("target_blocks", default=TARGET_BLOCKS["cuda"])
 # Whether float32 GEMMs may run on tensor cores in TF32 (`graph.config.allow_tf32`).
 _allow_tf32 = contextvars.ContextVar("allow_tf32", default=False)
+# Whether the SIMT GEMM tiles (gemm, implicit-GEMM conv) run one thread per block with no shared
+# memory or barriers (_gemm_tile_cpu.j2): on the emulator a block of 256 synchronising threads
+# runs as 256 fibers, its slowest path. The GPU's kernels still run on the emulator when a
+# program is rendered for "cuda" (tests, FLOWGEN_EMULATE_CUDA).
+_serial_gemm_blocks = contextvars.ContextVar("serial_gemm_blocks", default=False)
 
 
 def target_blocks() -> int:
     return _target_blocks.get()
 
 
+def serial_gemm_blocks() -> bool:
+    return _serial_gemm_blocks.get()
+
+
 @contextlib.contextmanager
-def rendering_for(target: str, allow_tf32: bool = False):
+def rendering_for(target: str, allow_tf32: bool = False, serial_gemm_blocks: bool = None):
     """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
-    `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs."""
+    `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_gemm_blocks`
+    (default: on for "cpu") renders SIMT GEMM tiles as one thread per block (_gemm_tile_cpu.j2)."""
     token = _target_blocks.set(TARGET_BLOCKS[target])
     tf32_token = _allow_tf32.set(bool(allow_tf32))
+    serial_token = _serial_gemm_blocks.set(target == "cpu" if serial_gemm_blocks is None else serial_gemm_blocks)
     try:
         yield
     finally:
+        _serial_gemm_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)
 
@@ -352,8 +364,10 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
                                 a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
     t = _choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, t.BM, t.BN)
+    serial = not direct and serial_gemm_blocks()
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
-            f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}){what_extra}")
+            f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}{', one thread per tile' if serial else ''})"
+            f"{what_extra}")
     source = _render(
         "gemm.cu.j2", name=kernel_name, comment=_comment(node, what), params=params,
         a_ptr=a_ptr, b_ptr=b_ptr,
@@ -362,13 +376,14 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
         b_index="(long long)n * GK + k" if b_trans else "(long long)k * GN + n",
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles, t=t,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
-        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), epilogue_lines=epilogue_lines, direct=direct)
+        load_a=_loader(a.dtype, acc), load_b=_loader(b.dtype, acc), epilogue_lines=epilogue_lines, direct=direct,
+        serial=serial)
     if direct:
         grid, block = _grid_1d(batch * M * N), (BLOCK, 1, 1)
     else:
-        grid, block = (n_tiles * batch, m_tiles, 1), (t.NT, 1, 1)
+        grid, block = (n_tiles * batch, m_tiles, 1), (1 if serial else t.NT, 1, 1)
     return Kernel(name=kernel_name, source=source, args=args, grid=grid, block=block, smem=0,
-                  needs_fibers=not direct, comment=_comment(node, what), ops=ops or [node.op])
+                  needs_fibers=not (direct or serial), comment=_comment(node, what), ops=ops or [node.op])
 
 
 def _batch_text(shape) -> str:
@@ -1094,14 +1109,16 @@ def _conv2d_kernels(node, kernel_name, fusion):
             splits = -(-GK // kchunk)
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
+    serial = kind is None and serial_gemm_blocks()
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
         (f" on tensor cores, {kind} mma.sync" if kind else "") + \
-        (f", split-k {splits}" if splits > 1 else "") + ")" + (fusion["what_extra"] if fusion else "")
+        (f", split-k {splits}" if splits > 1 else "") + (", one thread per tile" if serial else "") + ")" + \
+        (fusion["what_extra"] if fusion else "")
     source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
-                     splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, **ctx)
+                     splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial, **ctx)
     kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
-    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (t.NT, 1, 1), True, what,
-                           smem=t.smem if kind else 0))
+    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (1 if serial else t.NT, 1, 1),
+                           not serial, what, smem=t.smem if kind else 0))
     return kernels
 
 
