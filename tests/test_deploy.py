@@ -142,7 +142,7 @@ def test_load_rebuilds_the_same_program_and_runs_it(conv):
     saved = flow.load(conv["saved"])
     assert isinstance(saved, SavedGraph) and not saved.training
     assert str(saved.ir) == str(conv["graph"].compiled.ir)
-    assert saved.program().source == conv["graph"].compiled.program.source
+    assert saved.program("cpu").source == conv["graph"].compiled.program.source
     (out,) = saved.run(conv["x"])
     np.testing.assert_array_equal(out, conv["expected"])
     with pytest.raises(ValueError, match="shape"):
@@ -231,7 +231,7 @@ def test_program_is_readable_and_described_by_the_manifest(conv):
     assert manifest["inputs"] == [{"name": "input_0", "shape": [2, 3, 8, 8], "dtype": "float32"}]
     assert manifest["training"] is False and manifest["target"] == "cpu"
     assert [s["name"] for s in manifest["state"]][:2] == ["model.0.weight", "model.0.bias"]
-    program = flow.load(conv["saved"]).program()
+    program = flow.load(conv["saved"]).program("cpu")
     assert program.source.rstrip("\n") in text                       # the kernels, verbatim
     for k in program.kernels:                                        # straight-line launches, commented
         assert f"// [{program.kernels.index(k)}] {k.name}: {k.comment}" in text
