@@ -438,7 +438,7 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
         node = _node(case, arrays)
         pair = []
         for serial in (False, True):
-            with families.rendering_for("cpu", serial_gemm_blocks=serial):
+            with families.rendering_for("cpu", serial_blocks=serial):
                 pair.append(render_node(node, f"cpu_tile{i}_{op}_{'serial' if serial else 'fibers'}"))
         rendered.append((node, pair))
     monkeypatch.undo()

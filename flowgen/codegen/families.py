@@ -69,33 +69,34 @@ TARGET_BLOCKS = {"cuda": 264, "cpu": 2 * (os.cpu_count() or 1)}
 _target_blocks = contextvars.ContextVar("target_blocks", default=TARGET_BLOCKS["cuda"])
 # Whether float32 GEMMs may run on tensor cores in TF32 (`graph.config.allow_tf32`).
 _allow_tf32 = contextvars.ContextVar("allow_tf32", default=False)
-# Whether the SIMT GEMM tiles (gemm, implicit-GEMM conv) run one thread per block with no shared
-# memory or barriers (_gemm_tile_cpu.j2): on the emulator a block of 256 synchronising threads
-# runs as 256 fibers, its slowest path. The GPU's kernels still run on the emulator when a
+# Whether SIMT GEMM tiles (gemm, implicit-GEMM conv; _gemm_tile_cpu.j2) and reductions run one
+# thread per block with no shared memory or barriers: on the emulator a block of synchronising
+# threads runs as fibers, its slowest path. The GPU's kernels still run on the emulator when a
 # program is rendered for "cuda" (tests, FLOWGEN_EMULATE_CUDA).
-_serial_gemm_blocks = contextvars.ContextVar("serial_gemm_blocks", default=False)
+_serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
 
 
 def target_blocks() -> int:
     return _target_blocks.get()
 
 
-def serial_gemm_blocks() -> bool:
-    return _serial_gemm_blocks.get()
+def serial_blocks() -> bool:
+    return _serial_blocks.get()
 
 
 @contextlib.contextmanager
-def rendering_for(target: str, allow_tf32: bool = False, serial_gemm_blocks: bool = None):
+def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None):
     """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
-    `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_gemm_blocks`
-    (default: on for "cpu") renders SIMT GEMM tiles as one thread per block (_gemm_tile_cpu.j2)."""
+    `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_blocks`
+    (default: on for "cpu") renders SIMT GEMM tiles (_gemm_tile_cpu.j2) and reductions as one
+    thread per block."""
     token = _target_blocks.set(TARGET_BLOCKS[target])
     tf32_token = _allow_tf32.set(bool(allow_tf32))
-    serial_token = _serial_gemm_blocks.set(target == "cpu" if serial_gemm_blocks is None else serial_gemm_blocks)
+    serial_token = _serial_blocks.set(target == "cpu" if serial_blocks is None else serial_blocks)
     try:
         yield
     finally:
-        _serial_gemm_blocks.reset(serial_token)
+        _serial_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)
 
@@ -364,7 +365,7 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
                                 a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
     t = _choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, t.BM, t.BN)
-    serial = not direct and serial_gemm_blocks()
+    serial = not direct and serial_blocks()
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}{', one thread per tile' if serial else ''})"
             f"{what_extra}")
@@ -677,7 +678,9 @@ def _row_kernels(node, kernel_name, template, ctx, index_check=None) -> list:
     are many (coalesced), else a block per row with block reductions."""
     D, inner, rows = ctx["D"], ctx["inner"], ctx["rows"]
     where = f"over dim {ctx['dim']} of {ctx['shape']}"
-    if _use_columns(D, inner, rows):
+    # the cpu target (serial_blocks) runs softmax rows a thread each: no barriers, no fibers
+    serial_rows = serial_blocks() and template == "softmax.cu.j2" and ctx["mode"] in ("softmax", "log_softmax")
+    if _use_columns(D, inner, rows) or serial_rows:
         what = f"{where} (thread per row)"
         source = _render(template, kind="column", comment=_comment(node, what), **ctx)
         return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what,
@@ -1109,7 +1112,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
             splits = -(-GK // kchunk)
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
-    serial = kind is None and serial_gemm_blocks()
+    serial = kind is None and serial_blocks()
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
         (f" on tensor cores, {kind} mma.sync" if kind else "") + \
         (f", split-k {splits}" if splits > 1 else "") + (", one thread per tile" if serial else "") + ")" + \

@@ -352,6 +352,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     runs per output element on the reduced values. With few outputs and many elements each
     (a whole-tensor sum, BatchNorm over few channels) the pass is split over several blocks per
     output writing partial results, and a second kernel combines them and runs the epilogue."""
+    from flowgen.codegen.families import serial_blocks
     from flowgen.ir.graph import Value
 
     body = node.body
@@ -364,7 +365,9 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
     numel_out = max(int(np.prod(out_shape, dtype=np.int64)), 1)
-    block = reduce_block(reduce_size)
+    # On the cpu target (families.serial_blocks) one thread per block reduces its elements in order.
+    serial = serial_blocks()
+    block = 1 if serial else reduce_block(reduce_size)
     splits = reduce_splits(numel_out, reduce_size, block)
 
     prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
@@ -436,7 +439,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     if splits == 1:
         source = get_template("reduction").render(name=name, stage="full", params=em_loop.params, block=block,
                                                   **common)
-        return [Kernel(name, source, em_loop.args, (numel_out, 1, 1), (block, 1, 1), 0, True, what, ops,
+        return [Kernel(name, source, em_loop.args, (numel_out, 1, 1), (block, 1, 1), 0, block > 1, what, ops,
                        pointwise_reads=pointwise)]
     scratch = [Value(f"{r.output.name}_partials", (numel_out * splits,),
                      dt.float64 if c["acc_type"] == "double" else dt.int64 if c["acc_type"] == "long long"
@@ -448,12 +451,12 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
         em_epi.args.insert(0, BufferArg(v, f"const {v.dtype.ctype}*"))
     partial = get_template("reduction").render(name=f"{name}_partial", stage="partial", params=em_loop.params,
                                                block=block, **common)
-    final_block = reduce_block(splits)
+    final_block = 1 if serial else reduce_block(splits)
     final = get_template("reduction").render(name=name, stage="final", params=em_epi.params, block=final_block,
                                              **common)
-    return [Kernel(f"{name}_partial", partial, em_loop.args, (numel_out, splits, 1), (block, 1, 1), 0, True,
+    return [Kernel(f"{name}_partial", partial, em_loop.args, (numel_out, splits, 1), (block, 1, 1), 0, block > 1,
                    f"{what} (partial sums, {splits} blocks per output)", ops),
-            Kernel(name, final, em_epi.args, (numel_out, 1, 1), (final_block, 1, 1), 0, True,
+            Kernel(name, final, em_epi.args, (numel_out, 1, 1), (final_block, 1, 1), 0, final_block > 1,
                    f"{what} (combine {splits} partials)", ops, pointwise_reads=pointwise)]
 
 
