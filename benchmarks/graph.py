@@ -48,12 +48,51 @@ def mlp_case(device):
     return "mlp_train", model, nn.CrossEntropyLoss(), (lambda p: flow.optim.Adam(p, lr=1e-3)), (x, y)
 
 
-def time_calls(fn, steps):
+def gpt_case(device):
+    """examples/gpt_char.py's GPT (2 layers, 64 wide, block 32, batch 4) with its AdamW groups."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import gpt_char
+
+    flow.manual_seed(0)
+    config = gpt_char.GPTConfig()
+    gpt = gpt_char.define(flow)(config)
+
+    class Logits(nn.Module):   # the logits as (B*T, V) rows, for CrossEntropyLoss
+        def __init__(self):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, idx):
+            logits, _ = self.gpt(idx)
+            return logits.view(-1, logits.size(-1))
+
+    x = flow.randint(0, config.vocab_size, (4, config.block_size)).to(device)
+    y = flow.randint(0, config.vocab_size, (4 * config.block_size,)).to(device)
+    model = Logits().to(device)
+    return ("gpt_char_train", model, nn.CrossEntropyLoss(),
+            (lambda p: gpt.configure_optimizer(weight_decay=0.1, learning_rate=3e-3, betas=(0.9, 0.95))), (x, y))
+
+
+def mobilenet_case(device):
+    flow.manual_seed(0)
+    model = flow.models.mobilenet_v2(num_classes=10).to(device)
+    x = flow.randn(8, 3, 32, 32).to(device)
+    y = flow.randint(0, 10, (8,)).to(device)
+    return ("mobilenet_v2_b8_train", model, nn.CrossEntropyLoss(),
+            (lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9)), (x, y))
+
+
+def time_calls(fn, steps, repeats=3):
+    """(median, min, max) over `repeats` runs of the mean seconds per call of `steps` calls."""
     fn()  # warm
-    start = time.perf_counter()
-    for _ in range(steps):
-        fn()
-    return (time.perf_counter() - start) / steps
+    means = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        means.append((time.perf_counter() - start) / steps)
+    means.sort()
+    return means[len(means) // 2], means[0], means[-1]
 
 
 def bench_training(case, device, steps):
@@ -70,7 +109,7 @@ def bench_training(case, device, steps):
     warm_graph(x, y)
     warm_start = time.perf_counter() - start
 
-    graph_step = time_calls(lambda: graph(x, y).numpy(), steps)
+    graph_step, graph_min, graph_max = time_calls(lambda: graph(x, y).numpy(), steps)
     opt = make_opt(eager_model.parameters())
 
     def eager_step():
@@ -80,7 +119,7 @@ def bench_training(case, device, steps):
         opt.step()
         return loss.numpy()
 
-    eager_step_time = time_calls(eager_step, max(1, steps // 4))
+    eager_step_time, eager_min, eager_max = time_calls(eager_step, max(1, steps // 4))
     mem = compiled.memory
     row = {
         "graph": name, "device": str(device),
@@ -91,6 +130,8 @@ def bench_training(case, device, steps):
         "arena_bytes": mem.arena_bytes, "lower_bound_bytes": mem.lower_bound_bytes, "naive_bytes": mem.naive_bytes,
         "arena_over_lower_bound": mem.arena_bytes / max(mem.lower_bound_bytes, 1),
         "graph_step_ms": graph_step * 1e3, "eager_step_ms": eager_step_time * 1e3,
+        "graph_step_ms_range": [graph_min * 1e3, graph_max * 1e3],
+        "eager_step_ms_range": [eager_min * 1e3, eager_max * 1e3], "repeats": 3,
         "eager_over_graph": eager_step_time / graph_step,
     }
     row.update(torch_baselines(name, model, x, y, device, steps))
@@ -119,7 +160,7 @@ def convnet_launches(device):
 
 def torch_baselines(name, model, x, y, device, steps):
     """PyTorch eager and torch.compile on the same GPU and the same problem (cuda only)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or name not in ("polyfit_train", "mlp_train"):
         return {}
     try:
         import torch
@@ -139,10 +180,10 @@ def torch_baselines(name, model, x, y, device, steps):
         opt.step()
         return loss.item()
 
-    out = {"torch_eager_step_ms": time_calls(lambda: step(tmodel), steps) * 1e3}
+    out = {"torch_eager_step_ms": time_calls(lambda: step(tmodel), steps)[0] * 1e3}
     try:
         compiled = torch.compile(tmodel)
-        out["torch_compile_step_ms"] = time_calls(lambda: step(compiled), steps) * 1e3
+        out["torch_compile_step_ms"] = time_calls(lambda: step(compiled), steps)[0] * 1e3
     except Exception as exc:  # report, don't fail the benchmark
         out["torch_compile_error"] = str(exc)[:200]
     return out
@@ -179,7 +220,9 @@ def main():
     cache = tempfile.mkdtemp(prefix="flowgen-bench-cache-")
     os.environ["FLOWGEN_CACHE"] = cache
     try:
-        rows = [bench_training(make(device), device, args.steps) for make in (polyfit_case, mlp_case)]
+        rows = [bench_training(make(device), device, steps)
+                for make, steps in ((polyfit_case, args.steps), (mlp_case, args.steps), (gpt_case, args.steps // 2),
+                                    (mobilenet_case, max(2, args.steps // 10)))]
         # The issue's target: the whole 2000-step poly-fit through the graph.
         name, model, loss_fn, make_opt, (x, y) = polyfit_case(device)
         graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
