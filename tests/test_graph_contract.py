@@ -10,10 +10,11 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from graphs import InferGraph
+from graphs import InferGraph, TrainGraph
 from flowgen.memory import Step, check_plan, plan_memory
 from flowgen.memory.search import compress
 from flowgen.nn.graph import GraphModule, Proxy
+from flowgen.runtime import cuda_driver
 
 
 # ----------------------------------------------------------------- fusion switches
@@ -376,8 +377,6 @@ def test_debug_mode_logs_the_lr_each_step_used(tmp_path, monkeypatch):
 def test_cuda_graphs_run_on_the_emulator_when_asked(monkeypatch):
     """FLOWGEN_EMULATE_CUDA=1 without a GPU: a graph on 'cuda' runs its CUDA program on the
     emulator (equal to eager); without the switch it says how to get there."""
-    from flowgen.runtime import cuda_driver
-
     if cuda_driver.available():
         pytest.skip("a GPU is present: 'cuda' graphs run on it")
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU()).to("cuda")
@@ -492,8 +491,6 @@ def test_sysconfig_says_there_is_no_grpc_backend():
 def test_graph_without_inputs_or_parameters_runs_on_the_device_of_what_build_makes(monkeypatch):
     """OneFlow (test_graph_arange): a graph with nothing to take a device from runs where the
     tensors build() creates are; tensors on two devices are still refused."""
-    from flowgen.runtime import cuda_driver
-
     if not cuda_driver.available():
         monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
 
@@ -519,3 +516,31 @@ def test_graph_without_inputs_or_parameters_runs_on_the_device_of_what_build_mak
 
     with pytest.raises(Exception, match="a tensor on cpu was used in a graph running on cuda"):
         Mixed()()
+
+
+def test_cpu_target_runs_reductions_updates_and_depthwise_grads_one_thread_per_block(monkeypatch):
+    """On the cpu target reductions, softmax rows, depthwise grad_weight and multi-tensor updates run
+    without barriers (one thread per block, no fibers: the emulator's slow path), and a training
+    step equals the CUDA program's (run on the emulator) to rounding."""
+    if cuda_driver.available():
+        pytest.skip("a GPU is present: the cuda program runs there, not on the emulator")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+
+    def train(device):
+        flow.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5), nn.Softmax(dim=1)).to(device)
+        graph = TrainGraph(model, lambda p, y: -(p * y).sum(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        x, y = flow.randn(4, 3, 6, 6).to(device), flow.rand(4, 5).to(device)
+        for _ in range(2):
+            graph(x, y)
+        return graph.compiled.program.kernels, {k: v.numpy() for k, v in model.state_dict().items()}
+
+    kernels, on_cpu = train("cpu")
+    _, on_cuda = train("cuda")
+    for name, value in on_cpu.items():
+        np.testing.assert_allclose(value, on_cuda[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    serial = [k for k in kernels if any(op in k.name for op in ("sum", "mean", "softmax", "multi_tensor", "grad_weight"))]
+    assert serial and all(k.block == (1, 1, 1) or "softmax" in k.name for k in serial), \
+        [(k.name, k.block) for k in serial if k.block != (1, 1, 1)]
+    assert not any(k.needs_fibers for k in serial), [k.name for k in serial if k.needs_fibers]

@@ -458,3 +458,4 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=serial[-1].comment)
         else:
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), serial[-1].comment
+

@@ -1070,11 +1070,11 @@ def _conv2d_kernels(node, kernel_name, fusion):
     if CG == 1:                                             # depthwise (one input channel per group)
         kind = "dw_" + op
         if op == "wgrad":
-            block = reduce_block(N * OH * OW)
+            block = 1 if serial_blocks() else reduce_block(N * OH * OW)   # cpu: a thread sums in order
             what = f"{text} (depthwise, block per weight)"  # grad_weight: never fused
             source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), block=block, **ctx)
-            return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1), True,
-                            what)]
+            return [_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1),
+                            block > 1, what)]
         what = f"{text} (depthwise, direct)" + (fusion["what_extra"] if fusion else "")
         source = _render("conv2d.cu.j2", kind=kind, comment=_comment(node, what), numel=out.numel,
                          idx_t=_idx_type(out.numel), **ctx)

@@ -225,10 +225,12 @@ SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they 
 
 def block_segments(segments: list, block: int = 256) -> int:
     """Give each segment dict (with "numel") its own range of blocks, "first_block" up to
-    "end_block" (one thread per element, at most SEGMENT_MAX_BLOCKS blocks); the grid size."""
+    "end_block" (one thread per element, at most SEGMENT_MAX_BLOCKS blocks); the grid size. With
+    one-thread blocks (the cpu target) each segment is one block: its thread walks the segment's
+    elements in order, a plain loop."""
     first = 0
     for seg in segments:
-        blocks = max(1, min(-(-seg["numel"] // block), SEGMENT_MAX_BLOCKS))
+        blocks = 1 if block == 1 else max(1, min(-(-seg["numel"] // block), SEGMENT_MAX_BLOCKS))
         seg.update(first_block=first, end_block=first + blocks)
         first += blocks
     return first
@@ -237,6 +239,8 @@ def block_segments(segments: list, block: int = 256) -> int:
 def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
     """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
     of blocks and strides over its own elements."""
+    from flowgen.codegen.families import serial_blocks
+
     em = _Emitter(node, producers, stream_values)
     segments, ops, pointwise = [], [], set()
     for positions in node.attrs["segments"]:
@@ -251,11 +255,12 @@ def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
         segments.append({"numel": numel, "index_lines": index_lines, "body_lines": lines,
                          "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over [{', '.join(map(str, shape))}]"})
         ops += [b.op for b in body]
-    blocks = block_segments(segments)
+    block = 1 if serial_blocks() else 256
+    blocks = block_segments(segments, block)
     name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
     source = get_template("elementwise").render(name=name, comment=f"{node.scope or 'graph'}: multi-tensor",
                                                 ops=sorted(set(ops)), params=em.params, segments=segments)
-    return Kernel(name, source, em.args, (blocks, 1, 1), (256, 1, 1), 0, False,
+    return Kernel(name, source, em.args, (blocks, 1, 1), (block, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
                   pointwise_reads=frozenset(pointwise), horizontal=True)
 
