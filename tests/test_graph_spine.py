@@ -593,10 +593,11 @@ def test_reductions_with_few_outputs_split_over_blocks(tmp_path, monkeypatch):
     """A whole-tensor sum and BatchNorm over few channels: several blocks per output write partial
     results, a second kernel combines them and runs the epilogue (optimizer updates included).
     Training equals eager; a saved graph's program (scratch buffers in its arena) runs the same.
-    The emulator renders as for a GPU here (a CPU target has few blocks to fill and splits less)."""
-    from flowgen.codegen import families
+    The emulator fills as many blocks as a GPU here (a CPU target has few to fill and splits less);
+    its blocks are one thread each, so the sum of 2^19 elements splits 264 ways."""
+    from flowgen.codegen import target
 
-    monkeypatch.setitem(families.TARGET_BLOCKS, "cpu", families.TARGET_BLOCKS["cuda"])
+    monkeypatch.setitem(target.TARGET_BLOCKS, "cpu", target.TARGET_BLOCKS["cuda"])
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
                           nn.Linear(4 * 32 * 32, 2))
@@ -610,7 +611,7 @@ def test_reductions_with_few_outputs_split_over_blocks(tmp_path, monkeypatch):
     total = InferGraph(nn.Flatten(0, 1))
     total.build = lambda t: (t * 2).sum()
     np.testing.assert_allclose(total(x).numpy(), (x * 2).sum().numpy(), rtol=1e-5)
-    assert [k.grid for k in total.compiled.program.kernels if k.name.endswith("_partial")] == [(1, 64, 1)]
+    assert [k.grid for k in total.compiled.program.kernels if k.name.endswith("_partial")] == [(1, 264, 1)]
     flow.save(total, tmp_path / "saved")
     np.testing.assert_allclose(flow.load(tmp_path / "saved").run(x.numpy())[0], total(x).numpy(), rtol=1e-6)
 

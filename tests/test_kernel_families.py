@@ -18,6 +18,7 @@ import flowgen  # noqa: F401  (registers the ops)
 from flowgen import dtype as dt
 from flowgen.codegen.families import render_node
 from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops import linalg, nn_ops, reduction, shape  # noqa: F401  (registered even if ops/__init__ lags)
 from flowgen.ops.registry import TensorMeta, get_op
@@ -438,7 +439,7 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
         node = _node(case, arrays)
         pair = []
         for serial in (False, True):
-            with families.rendering_for("cpu", serial_blocks=serial):
+            with rendering_for("cpu", serial_blocks=serial):
                 pair.append(render_node(node, f"cpu_tile{i}_{op}_{'serial' if serial else 'fibers'}"))
         rendered.append((node, pair))
     monkeypatch.undo()

@@ -26,7 +26,8 @@ from cuda.bindings import nvrtc as nvrtc_api
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import gemm_kernel, render_node, rendering_for
+from flowgen.codegen.families import gemm_kernel, render_node
+from flowgen.codegen.target import rendering_for
 from flowgen.codegen.kernel import BufferArg
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op

@@ -11,6 +11,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.target import serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ops.lowering import Reduction, View, cpp_literal
 from flowgen.ops.registry import get_op
@@ -239,8 +240,6 @@ def block_segments(segments: list, block: int = 256) -> int:
 def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
     """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
     of blocks and strides over its own elements."""
-    from flowgen.codegen.families import serial_blocks
-
     em = _Emitter(node, producers, stream_values)
     segments, ops, pointwise = [], [], set()
     for positions in node.attrs["segments"]:
@@ -315,8 +314,6 @@ def reduce_splits(outputs: int, reduce_size: int, block: int) -> int:
     """Blocks per output: 1 when there are outputs enough to fill the GPU; else enough to reach
     the target's block count, each still reducing at least REDUCE_SPLIT_MIN_PER_THREAD elements per
     thread."""
-    from flowgen.codegen.families import target_blocks
-
     blocks = target_blocks()
     if 2 * outputs >= blocks:
         return 1
@@ -357,7 +354,6 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     runs per output element on the reduced values. With few outputs and many elements each
     (a whole-tensor sum, BatchNorm over few channels) the pass is split over several blocks per
     output writing partial results, and a second kernel combines them and runs the epilogue."""
-    from flowgen.codegen.families import serial_blocks
     from flowgen.ir.graph import Value
 
     body = node.body
@@ -370,7 +366,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     reduce_size = int(np.prod(reduce_shape, dtype=np.int64))
     out_shape = tuple(red.output.shape)
     numel_out = max(int(np.prod(out_shape, dtype=np.int64)), 1)
-    # On the cpu target (families.serial_blocks) one thread per block reduces its elements in order.
+    # On the cpu target (target.serial_blocks) one thread per block reduces its elements in order.
     serial = serial_blocks()
     block = 1 if serial else reduce_block(reduce_size)
     splits = reduce_splits(numel_out, reduce_size, block)

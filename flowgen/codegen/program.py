@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from flowgen.codegen import fused
 from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.target import rendering_for
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
 from flowgen.memory.search import compress
 from flowgen.ops.lowering import Collective, Elementwise, View
@@ -246,7 +247,6 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
     chosen for `target` ("cuda": a GPU; "cpu": the emulator); `compress_memory` searches
     placement orders for a smaller arena (memory/search.py); `allow_tf32` runs float32
     GEMMs on tensor cores with TF32 inputs."""
-    from flowgen.codegen.families import rendering_for
 
     with rendering_for(target, allow_tf32):
         kernels, aliases, constants = render_kernels(graph)
