@@ -16,6 +16,21 @@ class InferGraph(nn.Graph):
         return self.model(x)
 
 
+class SumLossGraph(nn.Graph):
+    """A training step on model(x).sum(), the smallest loss that trains every parameter."""
+
+    def __init__(self, model, *optimizers):
+        super().__init__()
+        self.model = model
+        for opt in optimizers:
+            self.add_optimizer(opt)
+
+    def build(self, x):
+        loss = self.model(x).sum()
+        loss.backward()
+        return loss
+
+
 class TrainGraph(nn.Graph):
     def __init__(self, model, loss_fn, *optimizers):
         super().__init__()

@@ -10,7 +10,7 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from graphs import InferGraph, TrainGraph
+from graphs import InferGraph, SumLossGraph, TrainGraph
 from flowgen.memory import Step, check_plan, plan_memory
 from flowgen.memory.search import compress
 from flowgen.nn.graph import GraphModule, Proxy
@@ -92,19 +92,11 @@ def test_fusion_switches_turn_their_family_off_and_keep_the_numbers():
 
 
 # ----------------------------------------------------------------- compress memory
-class SumLossGraph(nn.Graph):
-    """SGD on model(x).sum(), with `config` (a GraphConfig method name) called with `value`."""
-
-    def __init__(self, model, config, value, momentum=0.0):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.01 if momentum == 0 else 0.1, momentum=momentum))
-        getattr(self.config, config)(value)
-
-    def build(self, x):
-        loss = self.model(x).sum()
-        loss.backward()
-        return loss
+def configured(model, config, value, momentum=0.0):
+    """SumLossGraph with SGD, `config` (a GraphConfig method name) called with `value`."""
+    graph = SumLossGraph(model, flow.optim.SGD(model.parameters(), lr=0.01 if momentum == 0 else 0.1, momentum=momentum))
+    getattr(graph.config, config)(value)
+    return graph
 
 
 def test_compress_memory_finds_a_smaller_arena_with_the_same_numbers():
@@ -119,7 +111,7 @@ def test_compress_memory_finds_a_smaller_arena_with_the_same_numbers():
         model = nn.Sequential(*[type(m)(m.in_features, m.out_features) if isinstance(m, nn.Linear) else nn.ReLU()
                                 for m in layers])
         model.load_state_dict(state)
-        graph = SumLossGraph(model, "enable_compress_memory", compress_memory)
+        graph = configured(model, "enable_compress_memory", compress_memory)
         results.append((graph(x).numpy(), graph.compiled.memory, model[0].weight.numpy()))
     (loss, greedy, w), (loss_c, compressed, w_c) = results
     assert compressed.lower_bound_bytes <= compressed.arena_bytes < greedy.arena_bytes
@@ -444,7 +436,7 @@ def test_enable_multi_tensor_update_switches_the_multi_tensor_kernel():
     for mode in (True, False):
         model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1))
         model.load_state_dict(state)
-        graph = SumLossGraph(model, "enable_multi_tensor_update", mode, momentum=0.9)
+        graph = configured(model, "enable_multi_tensor_update", mode, momentum=0.9)
         losses = [graph(x).numpy() for _ in range(2)]
         multi = [k for k in graph.compiled.program.kernels if k.horizontal]
         runs[mode] = (graph.compiled.num_launches, multi, losses, model[0].weight.numpy())
@@ -468,7 +460,7 @@ def test_compile_without_running_then_call_runs_the_compiled_step():
     flow.manual_seed(0)
     model = nn.Linear(4, 2)
     before = model.weight.numpy().copy()
-    graph = SumLossGraph(model, "enable_compress_memory", False)
+    graph = configured(model, "enable_compress_memory", False)
     x = flow.randn(3, 4)
     assert not graph._is_compiled
     assert graph._compile(x) is None and graph._is_compiled

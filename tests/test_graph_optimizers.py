@@ -12,7 +12,7 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.ir.trace import TraceError
-from graphs import TrainGraph
+from graphs import SumLossGraph, TrainGraph
 
 
 def _model():
@@ -382,22 +382,10 @@ def test_a_dynamic_grad_scaler_with_two_optimizers_is_refused():
     first = flow.optim.SGD(model[0].parameters(), lr=0.1)
     second = flow.optim.Adam(model[1].parameters(), lr=0.1)
 
-    class Step(flow.nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(first)
-            self.add_optimizer(second)
-
-        def build(self, x):
-            loss = self.model(x).sum()
-            loss.backward()
-            return loss
-
-    step = Step()
+    step = SumLossGraph(model, first, second)
     step.set_grad_scaler(flow.amp.GradScaler())
     with pytest.raises(NotImplementedError, match="GradScaler with 2 optimizers"):
         step(flow.randn(2, 3))
-    static = Step()
+    static = SumLossGraph(model, first, second)
     static.set_grad_scaler(flow.amp.StaticGradScaler(8.0))     # no skipping: fine
     assert np.isfinite(static(flow.randn(2, 3)).numpy())

@@ -6,6 +6,7 @@ import pytest
 import flowgen as flow
 from flowgen import nn
 from flowgen.ir.trace import TraceError
+from graphs import SumLossGraph
 
 
 def _draws(x):
@@ -217,18 +218,7 @@ def test_writes_into_numpy_arrays_of_graph_tensors_reach_the_graph():
     lin = nn.Linear(3, 2)
     opt = flow.optim.SGD(lin.parameters(), lr=0.1)
 
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.lin = lin
-            self.add_optimizer(opt)
-
-        def build(self, x):
-            loss = self.lin(x).sum()
-            loss.backward()
-            return loss
-
-    graph = Step()
+    graph = SumLossGraph(lin, opt)
     x = flow.ones(4, 3)
     graph(x)
     weight = lin.weight.numpy()

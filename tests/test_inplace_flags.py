@@ -6,6 +6,7 @@ import pytest
 import flowgen as flow
 from flowgen import nn
 from flowgen.nn import functional as F
+from graphs import SumLossGraph
 
 X = np.array([[-2.0, -0.5, 0.0, 0.7], [1.5, -3.0, 2.5, 4.0]], np.float32)
 
@@ -110,18 +111,7 @@ def test_inplace_in_graph_equals_eager_with_training():
     eager_opt = flow.optim.SGD(eager_net.parameters(), lr=0.1)
     graph_opt = flow.optim.SGD(graph_net.parameters(), lr=0.1)
 
-    class Train(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.net = graph_net
-            self.add_optimizer(graph_opt)
-
-        def build(self, x):
-            loss = self.net(x).sum()
-            loss.backward()
-            return loss
-
-    train = Train()
+    train = SumLossGraph(graph_net, graph_opt)
     for _ in range(3):
         loss = eager_net(flow.tensor(X)).sum()
         loss.backward()
