@@ -87,3 +87,32 @@ def test_attention_trains_in_a_graph_like_eager():
     # SGD, not Adam: the key bias's gradient is 0 up to rounding (softmax ignores a per-row shift),
     # and Adam would blow that rounding noise up to full-size steps
     train_like_eager(model, lambda ps: flow.optim.SGD(ps, lr=0.1, momentum=0.9), batches, loss_rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch_first", [False, True])
+def test_multihead_attention_without_weights_or_masks_matches_torch(batch_first):
+    """need_weights=False, no masks, no dropout: MultiheadAttention runs the attention op."""
+    torch = get_torch()
+    fm = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    tm = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    fm.load_state_dict({k: flow.tensor(v.detach().numpy()) for k, v in tm.state_dict().items()})
+    q, kv = _arrays((2, 3, 8), (2, 5, 8)) if batch_first else _arrays((3, 2, 8), (5, 2, 8))
+    f_out, f_w = fm(flow.tensor(q), flow.tensor(kv), flow.tensor(kv), need_weights=False)
+    t_out, t_w = tm(torch.from_numpy(q), torch.from_numpy(kv), torch.from_numpy(kv), need_weights=False)
+    assert f_w is None and t_w is None
+    np.testing.assert_allclose(f_out.numpy(), t_out.detach().numpy(), rtol=1e-4, atol=1e-5)
+    f_out.sum().backward()
+    t_out.sum().backward()
+    t_grads = dict(tm.named_parameters())
+    for name, p in fm.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), t_grads[name].grad.numpy(), rtol=1e-3, atol=5e-5, err_msg=name)
+
+
+def test_unmasked_transformer_encoder_graph_uses_the_attention_op():
+    flow.manual_seed(6)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2).eval()
+    x = flow.tensor(RNG.standard_normal((2, 5, 8)).astype(np.float32))
+    graph = InferGraph(model)
+    np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-5)
+    assert sum("attention" in k.ops for k in graph.compiled.program.kernels) == 2
