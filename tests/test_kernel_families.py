@@ -213,6 +213,19 @@ CASES = [
          num_weights=11, padding_idx=2),
     Case("embedding_backward", "embedding_backward", lambda r: [_rand(r, (40, 6)), _index(r, 5, (40,))],
          num_weights=5, padding_idx=-1),
+    # attention (online softmax per query row)
+    Case("attention", "attention", lambda r: [_rand(r, (2, 3, 5, 8)), _rand(r, (2, 3, 7, 8)), _rand(r, (2, 3, 7, 6))],
+         scale=0.35, causal=False),
+    Case("attention_causal_L_gt_S", "attention",
+         lambda r: [_rand(r, (3, 9, 5)), _rand(r, (3, 4, 5)), _rand(r, (3, 4, 3))], scale=0.5, causal=True),
+    Case("attention_causal_2d", "attention", lambda r: [_rand(r, (6, 4)), _rand(r, (11, 4)), _rand(r, (11, 7))],
+         scale=1.0, causal=True),
+    Case("attention_f64", "attention", lambda r: [_rand(r, (2, 4, 3), np.float64), _rand(r, (2, 6, 3), np.float64),
+                                                  _rand(r, (2, 6, 2), np.float64)], rtol=1e-12, atol=1e-12,
+         scale=0.7, causal=False),
+    Case("attention_f16", "attention", lambda r: [_rand(r, (2, 5, 8), F16), _rand(r, (2, 5, 8), F16),
+                                                  _rand(r, (2, 5, 8), F16)], rtol=1e-2, atol=1e-3,
+         scale=0.25, causal=True),
     *_conv_cases(),
     *_pool_cases(),
     *_upsample_cases(),
@@ -226,6 +239,7 @@ FAMILY_OPS = {
     "pool2d": {"max_pool2d", "max_pool2d_indices", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "adaptive_avg_pool2d",
                "adaptive_avg_pool2d_grad"},
     "upsample": {"upsample_nearest2d", "upsample_nearest2d_grad", "upsample_bilinear2d", "upsample_bilinear2d_grad"},
+    "attention": {"attention"},
 }
 
 

@@ -41,6 +41,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
+* attention — attention(q, k, v): one thread per query row runs an online softmax over the
+             keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
+             skipped when causal; the [L, S] scores never reach memory.
 * randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
              seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
@@ -1090,6 +1093,32 @@ _INDEX_FAMILIES = {"softmax", "gather", "scatter"}
 
 
 # --------------------------------------------------------------------------
+# attention: softmax(q k^T * scale) v without the [L, S] scores
+
+def _attention(node, kernel_name):
+    q, k, v = node.inputs
+    y = node.output
+    L, E, S, Ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
+    slices = _numel(q.shape[:-2])
+    rows = slices * L
+    acc = _acc_type(q.dtype)
+    f = "" if acc == "double" else "f"
+    causal = bool(node.attrs["causal"])
+    scale = repr(float(node.attrs["scale"])) if acc == "double" else _f32_literal(node.attrs["scale"])
+    what = f"{_shape_text(q.shape)} x {_shape_text(k.shape)} -> {_shape_text(y.shape)}" + \
+        (" causal" if causal else "") + " (online softmax, thread per query row)"
+    if S == 0:
+        raise NotImplementedError(f"attention: no keys (S = 0) in {_shape_text(k.shape)}")
+    source = _render("attention.cu.j2", name=kernel_name, comment=_comment(node, what), slices=slices, L=L, S=S,
+                     E=E, Ev=Ev, causal=causal, causal_text=", causal (keys j <= i)" if causal else "",
+                     rows=rows, idx_t=_idx_type(rows), q_t=q.dtype.ctype, out_t=y.dtype.ctype, acc=acc,
+                     load=_loader(q.dtype, acc), store=_storer(y.dtype, acc), exp=f"exp{f}",
+                     one="1.0" if acc == "double" else "1.0f", neg_inf=_neg_inf(acc), scale=scale,
+                     params=_params(node, ("q", "k", "v"), ("y",)))
+    return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+
+
+# --------------------------------------------------------------------------
 # randperm
 
 def _randperm(node, kernel_name, rng):
@@ -1113,4 +1142,5 @@ _FAMILIES = {
     "upsample": _upsample,
     "conv2d": _conv2d,
     "randperm": _randperm,
+    "attention": _attention,
 }

@@ -873,8 +873,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     `attn_mask`: bool (True = may attend) or float (added to the scores), broadcast to (..., L, S);
     `is_causal`: query i attends keys j <= i (top-left aligned); `dropout_p` drops attention weights
     (always, as torch's functional form); `enable_gqa`: key/value heads are repeated to the query's.
-    Built from matmul/softmax ops, so it runs (and differentiates) inside nn.Graph; the [L, S] scores
-    are materialised.
+    Without a mask or dropout it is one `attention` op (flowgen/ops/nn_ops.py) whose kernel runs an
+    online softmax per query row, so the forward never materialises the [L, S] scores (the backward
+    recomputes them); otherwise it is built from matmul/where/softmax ops. Both run (and
+    differentiate) eagerly and inside nn.Graph.
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
@@ -887,6 +889,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         value = _F.repeat_interleave(value, groups, dim=value.ndim - 3)
     length, source = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    if attn_mask is None and dropout_p == 0.0 and _one_attention_op(query, key, value):
+        return apply("attention", query, key, value, scale=scale, causal=bool(is_causal))
     scores = _F.matmul(query, _F.transpose(key, -2, -1)) * scale
     if is_causal:
         attn_mask = Tensor(np.tri(length, source, dtype=bool), device=query.device)
@@ -899,6 +903,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if dropout_p > 0.0:
         weights = dropout(weights, dropout_p, training=True)
     return _F.matmul(weights, value)
+
+
+def _one_attention_op(query, key, value):
+    """Whether the `attention` op takes these operands: one floating dtype, the same batch dims (no
+    broadcasting), at least one key."""
+    lead = tuple(query.shape[:-2])
+    return (query.dtype == key.dtype == value.dtype and query.dtype.is_floating and key.shape[-2] > 0
+            and query.ndim == key.ndim == value.ndim and tuple(key.shape[:-2]) == lead
+            and tuple(value.shape[:-2]) == lead)
 
 
 __all__ += ["scaled_dot_product_attention"]

@@ -28,6 +28,7 @@ from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise, Template
 from flowgen.ops.registry import TensorMeta, apply, defop, normalize_dim, wants_grad
+from flowgen.tensor import Tensor
 
 
 # --------------------------------------------------------------------------
@@ -980,3 +981,67 @@ defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
       grad=lambda ctx, g: (apply("dropout", g, **ctx.attrs),),
       lowering=Elementwise(DROPOUT_EXPR), random=True,
       doc="dropout(x, p, seed, offset): u = philox_uniform(seed, offset)[idx]; u >= p ? x / (1 - p) : 0")
+
+
+# --------------------------------------------------------------------------
+# attention (Template "attention": one kernel, the [L, S] scores never reach memory)
+#
+# attention(q (..., L, E), k (..., S, E), v (..., S, Ev), scale, causal) is
+# softmax(q k^T * scale + mask) v, the mask keeping key j <= query i when `causal` (top-left
+# aligned: PyTorch's is_causal). The kernel runs an online softmax over the keys per query row.
+# The backward recomputes the probabilities (materialising [L, S]) and is written with
+# flowgen ops: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K * scale,
+# dK = dS^T Q * scale (rowsum(dP * P) = rowsum(dO * O), one [L, S] product fewer).
+
+def _attention_infer(q, k, v, scale, causal=False):
+    for meta, what in ((q, "query"), (k, "key"), (v, "value")):
+        _require_float(meta, "attention", what)
+        if len(meta.shape) < 2:
+            raise ValueError(f"attention: {what} needs at least 2 dims, got {tuple(meta.shape)}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"attention: query/key/value dtypes differ: {q.dtype!r}, {k.dtype!r}, {v.dtype!r}")
+    lead = tuple(q.shape[:-2])
+    if tuple(k.shape[:-2]) != lead or tuple(v.shape[:-2]) != lead or len(k.shape) != len(q.shape) \
+            or len(v.shape) != len(q.shape):
+        raise ValueError(f"attention: query/key/value batch dims differ: {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"attention: expected query (..., L, E), key (..., S, E), value (..., S, Ev), got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    return TensorMeta((*lead, q.shape[-2], v.shape[-1]), q.dtype)
+
+
+def _attention_probs_ref(q, k, scale, causal, ct):
+    s = np.matmul(_f(q, ct), np.swapaxes(_f(k, ct), -1, -2)) * ct(scale)
+    if causal:
+        s = np.where(np.tri(q.shape[-2], k.shape[-2], dtype=bool), s, ct(-np.inf))
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _attention_ref(q, k, v, scale, causal=False):
+    ct = _ctype(q, k, v)
+    p = _attention_probs_ref(q, k, scale, causal, ct)
+    return np.matmul(p, _f(v, ct)).astype(q.dtype, copy=False)
+
+
+def _attention_grad(ctx, g):
+    q, k, v = ctx.inputs
+    out = ctx.outputs[0]
+    scale, causal = ctx.attrs["scale"], ctx.attrs["causal"]
+    scores = F.matmul(q, F.transpose(k, -2, -1)) * scale
+    if causal:
+        keep = np.tri(q.shape[-2], k.shape[-2], dtype=bool)
+        scores = F.where(Tensor(keep, device=q.device), scores, float("-inf"))
+    p = F.softmax(scores, -1)
+    dv = F.matmul(F.transpose(p, -2, -1), g)
+    ds = p * (F.matmul(g, F.transpose(v, -2, -1)) - F.sum(g * out, -1, keepdim=True))
+    dq = F.matmul(ds, k) * scale
+    dk = F.matmul(F.transpose(ds, -2, -1), q) * scale
+    return dq, dk, dv
+
+
+defop("attention", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad,
+      lowering=Template("attention"),
+      doc="attention(q, k, v, scale, causal): softmax(q k^T * scale, keys j <= i if causal) v, "
+          "an online softmax per query row")

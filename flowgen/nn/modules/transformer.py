@@ -110,6 +110,11 @@ class MultiheadAttention(Module):
         q = split_heads(self._project(query, 0), length)
         k = split_heads(self._project(key, 1), source)
         v = split_heads(self._project(value, 2), source)
+        if not need_weights and attn_mask is None and key_padding_mask is None and \
+                (self.dropout == 0.0 or not self.training):
+            # no weights to return, nothing to mask or drop: the attention op (no [L, S] scores)
+            out = NF.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(hd))
+            return self._merge_heads(out, length, batch, unbatched), None
         scores = F.matmul(q, F.transpose(k, -2, -1)) * (1.0 / math.sqrt(hd))
         mask = _as_additive(attn_mask, scores, "attn_mask")
         if mask is not None:
@@ -122,17 +127,19 @@ class MultiheadAttention(Module):
         weights = F.softmax(scores, -1)
         if self.dropout > 0.0:
             weights = NF.dropout(weights, self.dropout, self.training)
-        out = F.reshape(F.permute(F.matmul(weights, v), (2, 0, 1, 3)), (length, batch, self.embed_dim))
-        out = self.out_proj(out)
-        if unbatched:
-            out = F.squeeze(out, 1)
-        elif self.batch_first:
-            out = F.transpose(out, 0, 1)
+        out = self._merge_heads(F.matmul(weights, v), length, batch, unbatched)
         if not need_weights:
             return out, None
         if average_attn_weights:
             weights = F.mean(weights, 1)
         return out, (F.squeeze(weights, 0) if unbatched else weights)
+
+    def _merge_heads(self, out, length, batch, unbatched):
+        """(batch, heads, length, head_dim) -> the output projection, in the caller's layout."""
+        out = self.out_proj(F.reshape(F.permute(out, (2, 0, 1, 3)), (length, batch, self.embed_dim)))
+        if unbatched:
+            return F.squeeze(out, 1)
+        return F.transpose(out, 0, 1) if self.batch_first else out
 
     def extra_repr(self) -> str:
         return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}"
