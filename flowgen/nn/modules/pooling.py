@@ -5,7 +5,11 @@ from flowgen.nn import functional as NF
 from flowgen.nn.module import Module
 
 
-class MaxPool2d(Module):
+class _MaxPool(Module):
+    """Max pooling; `pool` is the functional of the layer's dimension."""
+
+    pool = None
+
     def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
                  ceil_mode: bool = False):
         super().__init__()
@@ -15,12 +19,16 @@ class MaxPool2d(Module):
         self.return_indices, self.ceil_mode = return_indices, ceil_mode
 
     def forward(self, x):
-        return NF.max_pool2d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-                             self.return_indices)
+        return type(self).pool(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                               self.return_indices)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
                 f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+
+
+class MaxPool2d(_MaxPool):
+    pool = staticmethod(NF.max_pool2d)
 
 
 class AvgPool2d(Module):
@@ -62,22 +70,8 @@ class AdaptiveAvgPool2d(_AdaptiveAvgPool):
     pool = staticmethod(NF.adaptive_avg_pool2d)
 
 
-class MaxPool1d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0, dilation=1, return_indices: bool = False,
-                 ceil_mode: bool = False):
-        super().__init__()
-        self.kernel_size = kernel_size
-        self.stride = stride if stride is not None else kernel_size
-        self.padding, self.dilation = padding, dilation
-        self.return_indices, self.ceil_mode = return_indices, ceil_mode
-
-    def forward(self, x):
-        return NF.max_pool1d(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-                             self.return_indices)
-
-    def extra_repr(self) -> str:
-        return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
-                f"dilation={self.dilation}, ceil_mode={self.ceil_mode}")
+class MaxPool1d(_MaxPool):
+    pool = staticmethod(NF.max_pool1d)
 
 
 class AvgPool1d(Module):
