@@ -14,6 +14,7 @@
 """
 import importlib.util
 import os
+import re
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.models import mobilenet_v2
-from graphs import InferGraph, TrainGraph
+from graphs import InferGraph, SumLossGraph, TrainGraph
 
 SETTING = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 1, 2]]   # t, c, n, s: fewer blocks than the paper's table
 BATCH = 8
@@ -251,6 +252,48 @@ def test_conv_config_matches_torch(conv_results, name):
         _close(grads[f"probes.{name}.conv.weight"], wt.grad.numpy(), f"{name}: {mode} weight grad vs torch")
         if bias:
             _close(grads[f"probes.{name}.conv.bias"], b.grad.numpy(), f"{name}: {mode} bias grad vs torch")
+
+
+# ------------------------------------------------------------------ split-k weight gradient
+def _split_k_step(x):
+    """One SGD step (lr 1) of model(x).sum() on a conv whose weight gradient reduces over
+    batch x pixels = 8192 positions onto only 8 x 36 weights: the grad_weight kernel splits
+    that reduction (split-k). Returns (weight before, weight after, the split-k kernel)."""
+    flow.manual_seed(0)
+    model = nn.Conv2d(4, 8, 3, padding=1)
+    before = model.weight.numpy().copy()
+    graph = SumLossGraph(model, flow.optim.SGD(model.parameters(), lr=1.0))
+    graph(x)
+    kernel = next(k for k in graph.compiled.program.kernels if "conv2d_grad_weight" in k.comment)
+    return before, model.weight.numpy().copy(), kernel
+
+
+def test_split_k_conv_weight_gradient_is_bit_reproducible_and_sums_splits_in_order():
+    x = np.random.default_rng(0).standard_normal((8, 4, 32, 32)).astype(np.float32)
+    runs = [_split_k_step(flow.tensor(x)) for _ in range(5)]
+    before, after, kernel = runs[0]
+    assert "split-k" in kernel.comment, kernel.comment
+    for _, again, _ in runs[1:]:
+        assert np.array_equal(again, after)      # fresh graphs: the same bits, not just close
+
+    # The loss is a plain sum, so grad_output is all ones and dw[o, c, kh, kw] is the sum of x's
+    # window values over k = (b, oh, ow). Each split adds its chunk of k in order (one fmaf per
+    # step, exact as a float32 running sum); the splits' partials are then added in split order.
+    chunk = int(re.search(r"chunks of (\d+)", kernel.source).group(1))
+    xp = np.pad(x, ((0, 0), (0, 0), (1, 1), (1, 1)))
+    windows = np.stack([xp[:, :, kh:kh + 32, kw:kw + 32] for kh in range(3) for kw in range(3)], axis=2)
+    columns = windows.reshape(8, 4 * 9, 32 * 32).transpose(1, 0, 2).reshape(36, 8192)   # (c, kh, kw) x k
+    partials = [np.cumsum(columns[:, k:k + chunk], axis=1, dtype=np.float32)[:, -1] for k in range(0, 8192, chunk)]
+    assert len(partials) > 1
+    dw = partials[0]
+    for partial in partials[1:]:
+        dw = dw + partial
+    assert np.array_equal(after, before - dw.reshape(1, 4, 3, 3))
+
+    flow.manual_seed(0)
+    eager = nn.Conv2d(4, 8, 3, padding=1)
+    eager(flow.tensor(x)).sum().backward()
+    np.testing.assert_allclose(after, before - eager.weight.grad.numpy(), rtol=1e-5, atol=1e-3)
 
 
 # ------------------------------------------------------------------ the example script

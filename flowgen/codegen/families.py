@@ -35,7 +35,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
              one-input-channel-per-group convs (depthwise) use direct kernels.
              conv2d_grad_weight splits the reduction over batch x pixels across blocks
-             when the weight alone gives too few blocks (`<name>_zero` + atomicAdd).
+             when the weight alone gives too few blocks: each split writes its partial
+             sums to a scratch buffer and `<name>_combine` adds them in split order
+             (no atomics, so the same bits every run).
 * pool2d   — max/avg pool forward and gradients, adaptive avg pool and its gradient:
              one thread per output (forward) or per input element (gradients, no atomics).
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
@@ -1080,12 +1082,40 @@ def _conv2d_kernels(node, kernel_name, fusion):
         (f" on tensor cores, {kind} mma.sync" if kind else "") + \
         (f", split-k {splits}" if splits > 1 else "") + (", one thread per tile" if serial else "") + ")" + \
         (fusion["what_extra"] if fusion else "")
-    source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
-                     splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial, **ctx)
-    kernels = [_zero_kernel(node, kernel_name, out, "before split-k atomicAdd")] if splits > 1 else []
-    kernels.append(_kernel(node, kernel_name, source, (n_tiles, m_tiles, G * splits), (1 if serial else t.NT, 1, 1),
-                           not serial, what, smem=t.smem if kind else 0))
-    return kernels
+    if splits == 1:
+        source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
+                         splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial, **ctx)
+        return [_kernel(node, kernel_name, source, (n_tiles, m_tiles, G), (1 if serial else t.NT, 1, 1),
+                        not serial, what, smem=t.smem if kind else 0)]
+    return _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, dict(
+        GM=GM, GN=GN, GK=GK, t=t, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial),
+        grid=(n_tiles, m_tiles, G * splits), block=(1 if serial else t.NT, 1, 1), smem=t.smem if kind else 0)
+
+
+def _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, igemm, grid, block, smem) -> list:
+    """A split-k grad_weight as two kernels, deterministic (the same bits every run): the
+    implicit GEMM writes each split's partial dw to its own slice of a scratch buffer (placed in
+    the arena by the memory planner, like fused.py's split reductions), then `<name>_combine`
+    adds the slices in split order, one thread per weight (no barrier, no atomics)."""
+    from flowgen.ir.graph import Value
+
+    out, acc = node.output, ctx["acc"]
+    scratch = Value(f"{out.name}_partials", (splits * out.numel,), dt.float64 if acc == "double" else dt.float32)
+    params = _params(node, ["grad", "x"], [])[:2] + [f"{acc}* __restrict__ partials"]
+    args = _args(node)[:2] + [BufferArg(scratch, f"{acc}*")]
+    what = f"{what} -> partial sums per split"
+    source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), splits=splits,
+                     **dict(ctx, params=params), **igemm)
+    partial = Kernel(name=kernel_name, source=source, args=args, grid=tuple(grid), block=tuple(block), smem=smem,
+                     needs_fibers=not igemm["serial"], comment=_comment(node, what), ops=[node.op])
+    combine_what = f"(combine {splits} split-k partials in order)"
+    source = _render("conv2d.cu.j2", kind="splitk_combine", comment=_comment(node, combine_what), splits=splits,
+                     numel=out.numel, idx_t=_idx_type(out.numel), **dict(ctx, name=f"{kernel_name}_combine"))
+    combine = Kernel(name=f"{kernel_name}_combine", source=source,
+                     args=[BufferArg(scratch, f"const {acc}*"), BufferArg(out, f"{out.dtype.ctype}*")],
+                     grid=_grid_1d(out.numel), block=(BLOCK, 1, 1), needs_fibers=False,
+                     comment=_comment(node, combine_what), ops=[node.op])
+    return [partial, combine]
 
 
 # Families whose ops read a tensor as indices: their renderers take the node's check id.

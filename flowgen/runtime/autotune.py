@@ -78,6 +78,9 @@ def _time_candidates(node, candidates, ctx, arch, log) -> tuple:
         buffers[v] = ctx.alloc(v.nbytes)
         if v in node.inputs:
             ctx.memcpy_htod(buffers[v], rng.standard_normal(v.shape).astype(v.dtype.np_dtype))
+    for arg in (a for ks in variants for k in ks for a in k.args):   # a split-k grad_weight's partials
+        if arg.value not in buffers:
+            buffers[arg.value] = ctx.alloc(arg.value.nbytes)
     try:
         times = []
         for dims, kernels in zip(candidates, variants):
