@@ -1105,11 +1105,6 @@ def einsum(equation, *operands):
                              f"{tuple(op_.shape)}")
         if len(set(term)) != len(term):
             raise NotImplementedError(f"einsum: repeated label in one operand ({term!r}) is not supported yet")
-    if output is None:
-        counts = {}
-        for c in "".join(terms):
-            counts[c] = counts.get(c, 0) + 1
-        output = "".join(sorted(c for c, k in counts.items() if k == 1))
     labels = list(dict.fromkeys("".join(terms)))
     sizes = {}
     for term, op_ in zip(terms, operands):
@@ -1137,8 +1132,8 @@ _ELLIPSIS_LABELS = "".join(chr(0x2460 + i) for i in range(64))
 
 
 def _einsum_expand_ellipsis(equation, terms, output, operands):
-    """(terms, output) with each '...' replaced by one label per dim it covers; output None stays
-    None for an implicit output, which then starts with the ellipsis labels."""
+    """(terms, output) with each '...' replaced by one label per dim it covers. An implicit output
+    (None) becomes the ellipsis labels, then the labels used once, in alphabetical order."""
     def split(term, where):
         if term.count("...") > 1 or term.replace("...", "").count("."):
             raise ValueError(f"einsum: {where} {term!r} of {equation!r} has a '.' that is not part of a "
@@ -1163,12 +1158,10 @@ def _einsum_expand_ellipsis(equation, terms, output, operands):
         head, dots, tail = split(term, "term")
         expanded.append(head + (fresh[ellipsis_rank - rank:] if dots else "") + tail)
     if output is None:
-        if builtins.any("..." in t for t in terms):
-            counts = {}
-            for c in "".join(expanded):
-                counts[c] = counts.get(c, 0) + 1
-            output = fresh + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in fresh))
-        return expanded, output
+        counts = {}
+        for c in "".join(expanded):
+            counts[c] = counts.get(c, 0) + 1
+        return expanded, fresh + "".join(sorted(c for c, k in counts.items() if k == 1 and c not in fresh))
     head, dots, tail = split(output, "output")
     return expanded, head + (fresh if dots else "") + tail
 
