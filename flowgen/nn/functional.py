@@ -65,10 +65,6 @@ def _sum(x, dims, keepdim=False):
     return _F.sum(x, dims, keepdim=keepdim)
 
 
-def _mean(x, dims, keepdim=False):
-    return _F.mean(x, tuple(dims), keepdim)
-
-
 def _sum_all(x):
     return _F.sum(x)
 
@@ -275,9 +271,9 @@ def dropout(input, p=0.5, training=True, inplace=False):
 
 def _normalize(x, dims, eps):
     """(x - mean) / sqrt(biased var + eps) over `dims`; also returns mean and biased var (keepdim)."""
-    mean = _mean(x, dims, keepdim=True)
+    mean = _F.mean(x, dims, keepdim=True)
     diff = x - mean
-    var = _mean(diff * diff, dims, keepdim=True)
+    var = _F.mean(diff * diff, dims, keepdim=True)
     return diff * _F.rsqrt(var + eps), mean, var
 
 
@@ -302,13 +298,13 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         m = 0.0 if momentum is None else float(momentum)
         # Each running statistic is updated right after its batch statistic is computed, so a
         # compiled graph folds the update into the kernel that reduces the statistic.
-        mean = _mean(input, dims, keepdim=True)
+        mean = _F.mean(input, dims, keepdim=True)
         if update:
             with no_grad():
                 # (1 - m) * running + m * stat, written so that every op reads the statistic's chain
                 running_mean.copy_(running_mean + (_F.reshape(mean, (C,)) - running_mean) * m)
         diff = input - mean
-        var = _mean(diff * diff, dims, keepdim=True)
+        var = _F.mean(diff * diff, dims, keepdim=True)
         if update:
             with no_grad():
                 unbiased = _F.reshape(var, (C,)) * (n / max(n - 1, 1))
@@ -379,8 +375,8 @@ def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=
             n = _numel(input.shape[d] for d in dims)
             m = float(momentum)
             with no_grad():
-                batch_mean = _F.reshape(_mean(mean, (0,)), (C,))
-                batch_var = _F.reshape(_mean(var, (0,)), (C,)) * (n / max(n - 1, 1))
+                batch_mean = _F.reshape(_F.mean(mean, (0,)), (C,))
+                batch_var = _F.reshape(_F.mean(var, (0,)), (C,)) * (n / max(n - 1, 1))
                 running_mean.copy_(running_mean * (1.0 - m) + batch_mean * m)
                 running_var.copy_(running_var * (1.0 - m) + batch_var * m)
     else:
