@@ -24,7 +24,7 @@ from flowgen import dtype as dt
 from flowgen.ops.registry import apply, normalize_dim, normalize_dims
 from flowgen.tensor import Tensor, as_tensor_like
 from flowgen.creation import (empty_like, full_like, keyword_sizes, ones_like, rand, rand_like,  # noqa: F401
-                              randn_like, zeros_like)
+                              randn_like, zeros, zeros_like)
 
 _bmax, _bmin, _bsum, _babs, _ball, _bany = builtins.max, builtins.min, builtins.sum, builtins.abs, builtins.all, \
     builtins.any
@@ -1077,15 +1077,48 @@ def baddbmm(x, b1, b2, beta=1, alpha=1):
     return add(mul(x, beta) if beta != 1 else x, mul(product, alpha) if alpha != 1 else product)
 
 
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    """The elements (i, i + offset) of dims `dim1`, `dim2` as a new last dim (torch.diagonal):
+    both dims moved last and flattened, then an index_select of the diagonal's positions."""
+    d1, d2 = normalize_dim(dim1, x.ndim, op="diagonal"), normalize_dim(dim2, x.ndim, op="diagonal")
+    if d1 == d2:
+        raise ValueError(f"diagonal: dim1 and dim2 are the same dim ({dim1}, {dim2}) of shape {tuple(x.shape)}")
+    rows, cols = x.shape[d1], x.shape[d2]
+    first_row, first_col = (0, offset) if offset >= 0 else (-offset, 0)
+    length = _bmax(0, _bmin(rows - first_row, cols - first_col))
+    positions = (first_row + np.arange(length, dtype=np.int64)) * cols + first_col + np.arange(length, dtype=np.int64)
+    last_two = movedim(x, (d1, d2), (-2, -1))
+    flat = reshape(last_two, tuple(last_two.shape[:-2]) + (rows * cols,))
+    return apply("index_select", flat, Tensor(positions, device=x.device), dim=flat.ndim - 1)
+
+
+_diagonal = diagonal   # diag's argument `diagonal` (PyTorch's name) hides the function there
+
+
+def diag(x, diagonal=0):
+    """A 1-D tensor: the square matrix with it on diagonal `diagonal`; a 2-D tensor: that diagonal."""
+    if x.ndim == 2:
+        return _diagonal(x, diagonal)
+    if x.ndim != 1:
+        raise ValueError(f"diag: expects a 1-D or 2-D tensor, got shape {tuple(x.shape)}")
+    n, k = x.shape[0], _babs(int(diagonal))
+    size = n + k
+    on_diagonal = Tensor(np.eye(size, size, int(diagonal), dtype=bool), device=x.device)
+    padded = cat([x, zeros(k, dtype=x.dtype, device=x.device)]) if k else x
+    # Row i of the matrix holds x[i] above the main diagonal, column j holds x[j] below it.
+    spread = reshape(padded, (size, 1) if diagonal >= 0 else (1, size))
+    return where(on_diagonal, spread, 0)
+
+
 def trace(x):
     if x.ndim != 2:
         raise ValueError(f"trace: expects a 2-D tensor, got shape {tuple(x.shape)}")
-    return sum(where(Tensor(np.eye(*x.shape, dtype=bool), device=x.device), x, 0))
+    return sum(diagonal(x))
 
 
 def einsum(equation, *operands):
     """Einstein summation built from permute/reshape/mul/sum (any equation with explicit or implicit
-    output; repeated labels within one operand are refused). Runs in graphs too.
+    output; a label repeated within one operand takes that operand's diagonal). Runs in graphs too.
 
     An ellipsis ('...') stands for the dims no label names; those of all operands broadcast
     together, aligned from the right (PyTorch's rule). An implicit output puts the ellipsis dims
@@ -1103,8 +1136,7 @@ def einsum(equation, *operands):
         if len(term) != op_.ndim:
             raise ValueError(f"einsum: term {term!r} has {len(term)} labels but its operand has shape "
                              f"{tuple(op_.shape)}")
-        if len(set(term)) != len(term):
-            raise NotImplementedError(f"einsum: repeated label in one operand ({term!r}) is not supported yet")
+    terms, operands = zip(*[_einsum_take_diagonals(equation, t, o) for t, o in zip(terms, operands)])
     labels = list(dict.fromkeys("".join(terms)))
     sizes = {}
     for term, op_ in zip(terms, operands):
@@ -1125,6 +1157,20 @@ def einsum(equation, *operands):
         product = sum(product, summed)
     kept = [c for c in labels if c in output]
     return permute(product, [kept.index(c) for c in output]) if len(kept) > 1 else product
+
+
+def _einsum_take_diagonals(equation, term, operand):
+    """(term, operand) with each label repeated within the term reduced to one dim: the diagonal
+    of its dims ("ii->i" reads x[i, i]), moved last as torch.diagonal does."""
+    while len(set(term)) != len(term):
+        label = next(c for c in term if term.count(c) > 1)
+        first, second = term.index(label), term.index(label, term.index(label) + 1)
+        if operand.shape[first] != operand.shape[second]:
+            raise ValueError(f"einsum: label {label!r} is repeated in term {term!r} of {equation!r} over dims of "
+                             f"different sizes {operand.shape[first]} and {operand.shape[second]}")
+        operand = diagonal(operand, 0, first, second)
+        term = "".join(c for i, c in enumerate(term) if i not in (first, second)) + label
+    return term, operand
 
 
 # Labels for the ellipsis dims: characters no equation can contain (equations use letters only).

@@ -605,7 +605,7 @@ eq ne lt le gt ge logical_and logical_or logical_not logical_xor
 add sub mul div floor_divide maximum minimum
 erf log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
 lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
-trace sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
+trace diagonal diag sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
 """.split())
 
 

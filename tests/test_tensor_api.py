@@ -57,6 +57,12 @@ Y = RNG.standard_normal((3, 4, 5)).astype(np.float32)
     ("baddbmm", lambda x: flow.baddbmm(x[:, :, :4], x, x.transpose(1, 2), alpha=0.5),
      lambda x: get_torch().baddbmm(x[:, :, :4], x, x.transpose(1, 2), alpha=0.5)),
     ("trace", lambda x: flow.trace(x[0]), lambda x: x[0].trace()),
+    ("diagonal", lambda x: flow.diagonal(x, 1, 2, 1), lambda x: x.diagonal(1, 2, 1)),
+    ("diagonal_below", lambda x: x.diagonal(-2, -1, 0), lambda x: x.diagonal(-2, -1, 0)),
+    ("diagonal_empty", lambda x: flow.diagonal(x, 6, 1, 2), lambda x: x.diagonal(6, 1, 2)),
+    ("diag_of_matrix", lambda x: flow.diag(x[0], -1), lambda x: x[0].diag(-1)),
+    ("diag_of_vector", lambda x: flow.diag(x[0, 0], 2), lambda x: x[0, 0].diag(2)),
+    ("diag_of_vector_below", lambda x: x[0, 0].diag(-3), lambda x: x[0, 0].diag(-3)),
 ])
 def test_math_and_shape_ops_match_torch(name, flow_fn, torch_fn):
     compare_with_torch(flow_fn, torch_fn, X)
@@ -161,8 +167,10 @@ class _Composites(nn.Module):
 @pytest.mark.parametrize("equation, shapes", [("...ij,...jk->...ik", [(2, 3, 4, 5), (3, 5, 2)]),
                                                ("bij,...j->bi", [(2, 3, 4), (2, 1, 4)]),
                                                ("k...,...->...k", [(2, 3, 1), (4,)]),
-                                               ("...ij,...jk", [(3, 4, 5), (1, 5, 2)])])
-def test_einsum_with_ellipsis_matches_torch_and_runs_in_a_graph(equation, shapes):
+                                               ("...ij,...jk", [(3, 4, 5), (1, 5, 2)]),
+                                               ("ii->i", [(4, 4)]), ("iij,jk", [(3, 3, 2), (2, 4)]),
+                                               ("b...ii->b...i", [(2, 3, 4, 4)]), ("iji,jij->j", [(3, 2, 3), (2, 3, 2)])])
+def test_einsum_with_ellipsis_or_repeated_labels_matches_torch_and_runs_in_a_graph(equation, shapes):
     torch = get_torch()
     arrays = [RNG.standard_normal(s).astype(np.float32) for s in shapes]
     eager = flow.einsum(equation, *[flow.tensor(a) for a in arrays]).numpy()
@@ -176,7 +184,12 @@ def test_einsum_with_ellipsis_matches_torch_and_runs_in_a_graph(equation, shapes
     np.testing.assert_allclose(Einsum()(*[flow.tensor(a) for a in arrays]).numpy(), eager, rtol=1e-5, atol=1e-6)
 
 
-def test_einsum_refuses_a_stray_dot():
+def test_einsum_repeated_label_over_dims_of_different_sizes_is_refused():
+    with pytest.raises(ValueError, match="label 'i' is repeated in term 'ii'"):
+        flow.einsum("ii->i", flow.tensor(X[0]))
+
+
+def test_einsum_stray_dot_is_refused():
     with pytest.raises(ValueError, match="not part of a single ellipsis"):
         flow.einsum("i.j", flow.tensor(X[0]))
 
