@@ -164,6 +164,12 @@ CASES = [
     Case("log_softmax_long_row", "log_softmax", lambda r: [_rand(r, (2, 3000))], dim=1),
     Case("softmax_middle_columns", "softmax", lambda r: [_rand(r, (4, 9, 700))], dim=1),
     Case("log_softmax_middle_columns", "log_softmax", lambda r: [_rand(r, (4, 9, 700))], dim=1),
+    # a row whose log-sum-exp is below the max's rounding unit: (x - max) - log(sum) keeps it
+    Case("log_softmax_saturated_rows", "log_softmax", lambda r: [np.array([[8, -8.5], [20, 3.5]], np.float32)],
+         rtol=1e-6, atol=0.0, dim=1),
+    Case("log_softmax_saturated_columns", "log_softmax",
+         lambda r: [np.array([[[8, 20, 0]], [[-8.5, 3.5, 0]]], np.float32).transpose(1, 0, 2).copy()],
+         rtol=1e-6, atol=0.0, dim=1),
     Case("softmax_f16_dim0", "softmax", lambda r: [_rand(r, (4, 9), F16)], rtol=1e-2, atol=1e-3, dim=0),
     Case("softmax_scalar", "softmax", lambda r: [np.float32(3.0).reshape(())], dim=0),
     # one inf/NaN scan over several tensors (a GradScaler's skip test)
