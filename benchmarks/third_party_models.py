@@ -1,15 +1,22 @@
 """Third-party model files run with only their import line changed, against PyTorch.
 
-    python benchmarks/third_party_models.py --torchvision-wheel WHEEL --examples EXAMPLES [--graph]
-                                            [--steps N] [--models NAME ...]
+    python benchmarks/third_party_models.py --torchvision-wheel WHEEL --examples EXAMPLES
+                                            [--flowvision-sdist SDIST] [--graph] [--steps N]
+                                            [--models NAME ...]
 
 WHEEL is a torchvision wheel (`pip download torchvision --no-deps`); EXAMPLES is a checkout (or bare
-clone) of github.com/pytorch/examples. Nothing is downloaded. Into a temporary folder go two copies
+clone) of github.com/pytorch/examples; SDIST is flowvision's source archive (flowvision-0.2.2.tar.gz
+from PyPI; it has no wheel), for OneFlow's own ViT (model `vit`). Nothing is downloaded. Into a temporary folder go two copies
 of torchvision's models/resnet.py, models/mobilenetv2.py and ops/misc.py and of pytorch/examples'
 mnist/main.py and word_language_model/model.py: one as published, one with its `torch` import
 lines changed to `flowgen`. torchvision's weight registry, logging hook and presets (models/_api,
 _meta, _utils, transforms/_presets, utils._log_api_usage_once) and mnist/main.py's `torchvision`
 import are replaced by small local stand-ins, the same for both copies.
+
+flowvision's vision_transformer.py and the layers it imports (weight_init, PatchEmbed, Mlp, DropPath)
+are copied twice the same way: `oneflow` imports changed to `flowgen`, and to `torch` for the
+oracle copy, whose only other edit is `x.is_global` -> `False` (a OneFlow attribute torch lacks);
+its registry, download helper and `flowvision.layers` package are replaced by small stand-ins.
 
 Both copies get the same weights (torch's state_dict); dropout is set to 0 so numbers compare.
 Prints per model: eval forward max|diff|, the loss of each SGD-momentum training step, and the
@@ -25,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import tempfile
 import zipfile
 
@@ -47,6 +55,45 @@ SHIMS = {
 }
 TORCHVISION_FILES = ("models/resnet.py", "models/mobilenetv2.py", "ops/misc.py")
 EXAMPLES_FILES = {"mnist_main.py": "mnist/main.py", "wlm_model.py": "word_language_model/model.py"}
+
+
+FLOWVISION_FILES = ("models/vision_transformer.py", "models/helpers.py", "layers/weight_init.py",
+                    "layers/blocks/patch_embed.py", "layers/blocks/mlp.py", "layers/regularization/droppath.py")
+FLOWVISION_SHIMS = {
+    "layers/__init__.py": "from .weight_init import trunc_normal_, lecun_normal_\nfrom .blocks.patch_embed import "
+                          "PatchEmbed\nfrom .blocks.mlp import Mlp\nfrom .regularization.droppath import DropPath\n",
+    "models/utils.py": "def load_state_dict_from_url(*args, **kwargs):\n    raise RuntimeError('no downloads')\n",
+    "models/registry.py": "class ModelCreator:\n    @staticmethod\n    def register_model(fn):\n        return fn\n",
+}
+
+
+def oneflow_to(lib, package, text):
+    """A flowvision file with its `oneflow` imports read from `lib` and `flowvision.` from `package`."""
+    text = re.sub(r"^import oneflow as flow$", f"import {lib} as flow", text, flags=re.M)
+    text = re.sub(r"^import oneflow\.([\w.]+) as (\w+)$", rf"import {lib}.\1 as \2", text, flags=re.M)
+    text = re.sub(r"^from oneflow(\.[\w.]+)? import ", rf"from {lib}\1 import ", text, flags=re.M)
+    text = text.replace("from flowvision.", f"from {package}.")
+    return text.replace("x.is_global", "False") if lib == "torch" else text
+
+
+def prepare_flowvision(folder, sdist):
+    with tarfile.open(sdist) as tar:
+        sources = {}
+        for member in tar.getmembers():
+            rel = member.name.partition("/flowvision/")[2]
+            if rel in FLOWVISION_FILES:
+                sources[rel] = tar.extractfile(member).read().decode()
+    missing = set(FLOWVISION_FILES) - set(sources)
+    if missing:
+        raise SystemExit(f"{sdist}: not a flowvision source archive (missing {sorted(missing)})")
+    for flavour, lib in (("pt", "torch"), ("fg", "flowgen")):
+        package = f"fvlite_{flavour}"
+        for rel, text in list(sources.items()) + list(FLOWVISION_SHIMS.items()):
+            path = os.path.join(folder, package, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, "w").write(oneflow_to(lib, package, text) if rel in sources else text)
+        for sub in ("", "models", "layers/blocks", "layers/regularization"):
+            open(os.path.join(folder, package, sub, "__init__.py"), "a").close()
 
 
 def to_flowgen(text):
@@ -91,6 +138,12 @@ def build(name, torch, flow, pt, fg):
         pm = getattr(importlib.import_module(f"tvlite_pt.models.{mod}"), name)(**kwargs)
         fm = getattr(importlib.import_module(f"tvlite_fg.models.{mod}"), name)(**kwargs)
         x, y = rng.standard_normal((4, 3, 64, 64)).astype(np.float32), rng.integers(0, 10, (4,))
+        return pm, fm, x, y, lambda lib, m, x: lib.nn.functional.log_softmax(m(x), dim=1)
+    if name == "vit":
+        config = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=4, num_classes=10)
+        pm, fm = (importlib.import_module(f"fvlite_{flavour}.models.vision_transformer").VisionTransformer(**config)
+                  for flavour in ("pt", "fg"))
+        x, y = rng.standard_normal((4, 3, 32, 32)).astype(np.float32), rng.integers(0, 10, (4,))
         return pm, fm, x, y, lambda lib, m, x: lib.nn.functional.log_softmax(m(x), dim=1)
     if name == "mnist":
         pm, fm = pt["mnist_main"].Net(), fg["mnist_main"].Net()
@@ -172,18 +225,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--torchvision-wheel", required=True)
     parser.add_argument("--examples", required=True, help="pytorch/examples checkout or bare clone")
+    parser.add_argument("--flowvision-sdist", help="flowvision-0.2.2.tar.gz (for the model `vit`)")
     parser.add_argument("--graph", action="store_true", help="run flowgen as an nn.Graph")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--models", nargs="*", default=["resnet18", "mobilenet_v2", "mnist", "wlm:LSTM", "wlm:GRU",
-                                                         "wlm:RNN_TANH", "wlm:Transformer"])
+    parser.add_argument("--models", nargs="*", help="default: all (`vit` when --flowvision-sdist is given)")
     args = parser.parse_args()
+    models = args.models or ["resnet18", "mobilenet_v2", "mnist", "wlm:LSTM", "wlm:GRU", "wlm:RNN_TANH",
+                             "wlm:Transformer"] + (["vit"] if args.flowvision_sdist else [])
     import torch
     import flowgen as flow
     with tempfile.TemporaryDirectory(prefix="flowgen_third_party_") as folder:
         prepare(folder, args.torchvision_wheel, args.examples)
+        if args.flowvision_sdist:
+            prepare_flowvision(folder, args.flowvision_sdist)
+        elif "vit" in models:
+            parser.error("the model `vit` needs --flowvision-sdist")
         pt, fg = ({name[:-3]: importlib.import_module(f"{flavour}_{name[:-3]}") for name in EXAMPLES_FILES}
                   for flavour in ("pt", "fg"))
-        for name in args.models:
+        for name in models:
             run(name, args.graph, args.steps, torch, flow, pt, fg)
 
 

@@ -851,6 +851,10 @@ def erf(x):
     return apply("erf", _to_float(x))
 
 
+def erfinv(x):
+    return apply("erfinv", _to_float(x))
+
+
 def log1p(x):
     return apply("log1p", _to_float(x))
 

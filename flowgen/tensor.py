@@ -459,6 +459,9 @@ class Tensor:
     def clamp_(self, min=None, max=None):
         return self._assign(F.clamp(self, min, max))
 
+    def erfinv_(self):
+        return self._assign(F.erfinv(self))
+
     # Random fills draw from the Philox stream (flowgen/ops/random_ops.py): graph ops inside build().
     def uniform_(self, a=0.0, b=1.0):
         return self._assign(creation.uniform(tuple(self.shape), a, b, dtype=self._dtype))
@@ -603,7 +606,7 @@ relu sigmoid tanh gelu silu softmax log_softmax sin cos
 matmul mm bmm masked_fill gather index_select where
 eq ne lt le gt ge logical_and logical_or logical_not logical_xor
 add sub mul div floor_divide maximum minimum
-erf log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
+erf erfinv log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
 lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
 trace diagonal diag sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
 """.split())

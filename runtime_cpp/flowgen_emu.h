@@ -24,6 +24,7 @@
 #include <ucontext.h>  // fibers on targets other than x86-64
 
 #include <algorithm>
+#include <initializer_list>
 #include <climits>
 #include <cmath>
 #include <cstddef>
@@ -170,6 +171,27 @@ inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __saturatef(float x) { return fminf(fmaxf(x, 0.0f), 1.0f); }
+// erfinvf: Giles' single-precision approximation in double, then two Newton steps on
+// erf(y) = x (the eager reference, flowgen/ops/elementwise.py, takes the same steps).
+inline float erfinvf(float xf) {
+  const double x = xf;
+  if (!(fabs(x) < 1.0)) return fabs(x) == 1.0 ? copysignf(INFINITY, xf) : NAN;
+  double w = -log((1.0 - x) * (1.0 + x)), p;
+  if (w < 5.0) {
+    w -= 2.5;
+    p = 2.81022636e-08;
+    for (double c : {3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087, -0.00125372503,
+                     -0.00417768164, 0.246640727, 1.50140941}) p = c + p * w;
+  } else {
+    w = sqrt(w) - 3.0;
+    p = -0.000200214257;
+    for (double c : {0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773, -0.0076224613,
+                     0.00943887047, 1.00167406, 2.83297682}) p = c + p * w;
+  }
+  double y = p * x;
+  for (int i = 0; i < 2; ++i) y -= (erf(y) - x) / (1.1283791670955126 * exp(-y * y));
+  return (float)y;
+}
 template <class T> inline T __ldg(const T* p) { return *p; }
 
 // CUDA's max/min are same-type overloads (mixed int/float calls are ambiguous on the GPU too).

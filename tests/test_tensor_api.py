@@ -16,6 +16,7 @@ Y = RNG.standard_normal((3, 4, 5)).astype(np.float32)
 
 @pytest.mark.parametrize("name, flow_fn, torch_fn", [
     ("erf", lambda x: flow.erf(x), lambda x: x.erf()),
+    ("erfinv", lambda x: flow.erfinv(x.tanh() * 0.999), lambda x: (x.tanh() * 0.999).erfinv()),
     ("log1p", lambda x: flow.log1p(x.abs()), lambda x: x.abs().log1p()),
     ("expm1", lambda x: x.expm1(), lambda x: x.expm1()),
     ("round", lambda x: flow.round(x * 4) + x, lambda x: (x * 4).round() + x),
@@ -182,6 +183,22 @@ def test_einsum_with_ellipsis_or_repeated_labels_matches_torch_and_runs_in_a_gra
             return flow.einsum(equation, *operands)
 
     np.testing.assert_allclose(Einsum()(*[flow.tensor(a) for a in arrays]).numpy(), eager, rtol=1e-5, atol=1e-6)
+
+
+def test_erfinv_in_a_graph_equals_eager_and_trunc_normal_fills_in_place():
+    values = np.concatenate([np.linspace(-1, 1, 41), [1e-30, -0.999999, 0.9999999, 1.5, -2.0]]).astype(np.float32)
+
+    class Erfinv(nn.Graph):
+        def build(self, x):
+            return flow.erfinv(x)
+
+    eager = flow.erfinv(flow.tensor(values)).numpy()
+    np.testing.assert_array_equal(Erfinv()(flow.tensor(values)).numpy(), eager)
+    np.testing.assert_allclose(eager, get_torch().erfinv(get_torch().tensor(values)).numpy(), rtol=2e-7, atol=0)
+    w = flow.empty(2000)
+    flow.manual_seed(0)
+    w.uniform_(-0.9, 0.9).erfinv_()
+    assert w.numpy().min() > -1.17 and w.numpy().max() < 1.17 and abs(w.numpy().mean()) < 0.05
 
 
 def test_einsum_repeated_label_over_dims_of_different_sizes_is_refused():

@@ -268,6 +268,36 @@ def _erf_ref(a):
 
 _unary("erf", _float_ref(_erf_ref), "erff({0})",
        grad=lambda ctx, g: (g * F.exp(-ctx.inputs[0] * ctx.inputs[0]) * (2.0 / math.sqrt(math.pi)),))
+
+
+# ---- erfinv: Giles' single-precision approximation ("Approximating the erfinv function", 2010)
+# evaluated in float64, then Newton steps on erf(y) = x with the exact erf; the emulator's
+# erfinvf (runtime_cpp/flowgen_emu.h) takes the same steps, CUDA has erfinvf built in.
+_ERFINV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+                   -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+                -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+
+
+def _erfinv_ref(a):
+    x = a.astype(np.float64)
+    inside = np.abs(x) < 1
+    xs = np.where(inside, x, 0.0)
+    w = -np.log((1.0 - xs) * (1.0 + xs))
+    central, tail = w - 2.5, np.sqrt(w) - 3.0
+    p = np.where(w < 5, _ERFINV_CENTRAL[0], _ERFINV_TAIL[0])
+    for c, t in zip(_ERFINV_CENTRAL[1:], _ERFINV_TAIL[1:]):
+        p = np.where(w < 5, c + p * central, t + p * tail)
+    y = p * xs
+    for _ in range(2):
+        y = y - (np.asarray(_erf_exact(y), np.float64) - xs) / (2.0 / math.sqrt(math.pi) * np.exp(-y * y))
+    y = np.where(inside, y, np.where(np.abs(x) == 1, np.copysign(np.inf, x), np.nan))
+    return y.astype(a.dtype)
+
+
+_unary("erfinv", _float_ref(_erfinv_ref), "erfinvf({0})",
+       grad=lambda ctx, g: (g * F.exp(ctx.outputs[0] * ctx.outputs[0]) * (math.sqrt(math.pi) / 2.0),),
+       doc="erfinv(x): the y with erf(y) = x; +-inf at +-1, NaN outside [-1, 1]")
 _unary("log1p", _float_ref(np.log1p), "log1pf({0})",
        grad=lambda ctx, g: (g / (ctx.inputs[0] + 1),))
 _unary("expm1", _float_ref(np.expm1), "expm1f({0})",
