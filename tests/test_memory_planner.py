@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import flowgen as flow
 import flowgen.memory.planner as planner
 import flowgen.nn as nn
+import flowgen.nn.functional as F
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.program import declare_shared_memory
@@ -390,6 +391,56 @@ def test_in_place_kernels_train_like_eager():
         by_value = {id(a.value): names[i] for i, a in enumerate(kernel.args) if getattr(a, "value", None) is not None}
         for v in (out, inp):
             assert "__restrict__" not in params[by_value[id(v)]], kernel.source
+
+
+class _Classifier(nn.Module):
+    """Logits wider than anything else, then cross-entropy (a language model's head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(8, 300)
+
+    def forward(self, x, y):
+        logits = self.head(x)
+        return F.cross_entropy(logits, y) + F.log_softmax(logits * 0.5, 1).mean() * 0.1
+
+
+def test_logits_gradient_takes_over_the_logits_memory_and_trains_like_eager():
+    """Row kernels (Template.rows_in_place) may write over the input they read: the [N, V]
+    logits and their gradient are never live side by side."""
+    flow.manual_seed(0)
+    model, eager = _Classifier(), _Classifier()
+    eager.load_state_dict(model.state_dict())
+
+    class ClassifierStep(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x, y):
+            loss = self.model(x, y)
+            loss.backward()
+            return loss
+
+    graph, eager_opt = ClassifierStep(), flow.optim.SGD(eager.parameters(), lr=0.1)
+    rng = np.random.default_rng(0)
+    x = flow.tensor(rng.standard_normal((16, 8)).astype(np.float32))
+    y = flow.tensor(rng.integers(0, 300, 16))
+    for _ in range(3):
+        graph_loss = float(graph(x, y).numpy())
+        loss = eager(x, y)
+        eager_opt.zero_grad()
+        loss.backward()
+        eager_opt.step()
+        np.testing.assert_allclose(graph_loss, float(loss.numpy()), rtol=1e-5)
+    np.testing.assert_allclose(model.head.weight.numpy(), eager.head.weight.numpy(), rtol=1e-5, atol=1e-6)
+    program = graph.compiled.program
+    row_kernels = {k.name: k for k in program.kernels if set(k.ops) & {"cross_entropy_rows_grad", "log_softmax"}}
+    in_place = [k for k in row_kernels.values()
+                if any(getattr(a, "value", None) in program.plan.inplace for a in k.args
+                       if not a.ctype.startswith("const"))]
+    assert any("cross_entropy_rows_grad" in k.ops for k in in_place), sorted(row_kernels)
 
 
 # ----------------------------------------------------------------------------------------------

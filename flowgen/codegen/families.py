@@ -682,11 +682,15 @@ def _softmax(node, kernel_name, check_id):
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
                idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
                ignore_index=int(node.attrs.get("ignore_index", 0)))
-    if not node.op.startswith("cross_entropy"):
-        return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
-    ctx.update(load_g=_loader(node.inputs[0].dtype, acc), check_id=check_id)
-    check = _index_check(node, check_id, "label", D)
-    return _row_kernels(node, kernel_name, "softmax.cu.j2", ctx, index_check=check)
+    if node.op.startswith("cross_entropy"):
+        ctx.update(load_g=_loader(node.inputs[0].dtype, acc), check_id=check_id)
+        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx,
+                               index_check=_index_check(node, check_id, "label", D))
+    else:
+        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
+    for k in kernels:   # a row is read whole before any of it is written (Template.rows_in_place)
+        k.pointwise_reads = frozenset({x})
+    return kernels
 
 
 def _argreduce(node, kernel_name):

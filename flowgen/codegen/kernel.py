@@ -57,7 +57,8 @@ class Kernel:
     comment: str = ""    # module path and the ops fused in
     ops: list = field(default_factory=list)   # op names fused into this kernel
     # Inputs read only at the element the thread writes, before writing it (same shape as the
-    # output): an output may overwrite such an input's buffer in place (the contract is in
+    # output), or, in a row kernel, read whole before a barrier that precedes every write of
+    # the row: an output may overwrite such an input's buffer in place (the contract is in
     # codegen/program.py's declare_shared_memory).
     pointwise_reads: frozenset = frozenset()
     # Independent segments run side by side (a multi-tensor update): an output must not reuse

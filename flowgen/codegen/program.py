@@ -13,7 +13,7 @@ from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.target import rendering_for
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
 from flowgen.memory.search import compress
-from flowgen.ops.lowering import Collective, Elementwise, View
+from flowgen.ops.lowering import Collective, Elementwise, Template, View
 from flowgen.ops.registry import get_op
 
 KERNELS_HEADER = """\
@@ -213,8 +213,9 @@ def declare_shared_memory(kernels, plan, aliases, state_writes) -> list:
 
     Two buffers of one launch may share memory only when the kernel writes an output over an
     input it reads solely at the element that output's thread writes, before writing it
-    (`Kernel.pointwise_reads`, same element count): an elementwise kernel's output in place of
-    a dying input (`Step.inplace_ok`), an update written straight into its parameter
+    (`Kernel.pointwise_reads`, same element count; a row kernel reads the row whole before a
+    barrier): an elementwise or row kernel's output in place of a dying input
+    (`Step.inplace_ok`), an update written straight into its parameter
     (`direct_state_writes`). Such a pair must not be declared `__restrict__`: that would
     promise the compiler (g++ for the emulator, NVRTC) that the store cannot change what the
     load reads, and it may then move the load after the store. Any other sharing (an input read
@@ -241,6 +242,21 @@ def declare_shared_memory(kernels, plan, aliases, state_writes) -> list:
     return checked
 
 
+def _reads_before_writing(k: Kernel) -> bool:
+    """Whether `k` reads each full-size input element before the same thread writes that element
+    of an output, and no other thread reads it afterwards: then an output may reuse a dying
+    input's memory (the planner's `Step.inplace_ok`; declare_shared_memory drops __restrict__).
+    Elementwise kernels whose buffers share one element size do; so do row kernels
+    (`Template.rows_in_place`: a barrier separates reading the row from writing it)."""
+    if k.horizontal:
+        return False
+    lowerings = [get_op(o).lowering for o in k.ops]
+    if all(isinstance(lw, Template) and lw.rows_in_place for lw in lowerings):
+        return True
+    return all(isinstance(lw, Elementwise) for lw in lowerings) and \
+        len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1
+
+
 def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
                   allow_tf32: bool = False) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
@@ -256,11 +272,7 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
                 | {v for k in prepare for v in _buffer_values(k, written=True)})
     steps = [Step(reads=[a.value for a in k.args if getattr(a, "value", None) is not None and a.ctype.startswith("const")],
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
-                  # Elementwise kernels read each full-size input at element i only, before
-                  # writing element i; with equal element sizes an output may therefore reuse a
-                  # dying input's memory (declare_shared_memory then drops __restrict__).
-                  inplace_ok=not k.horizontal and all(isinstance(get_op(o).lowering, Elementwise) for o in k.ops)
-                  and len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1)
+                  inplace_ok=_reads_before_writing(k))
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)

@@ -98,6 +98,12 @@ class View:
 @dataclass(frozen=True)
 class Template:
     family: str
+    # The kernel reads all of a row (by any thread of its block, or by its one thread) before a
+    # barrier, then each element once more by the thread that writes that element of the same
+    # layout, and writes only its own row: an output may take over the memory of a same-sized
+    # input whose last use this is (memory/planner.py `Step.inplace_ok`), e.g. the logits'
+    # gradient over the logits.
+    rows_in_place: bool = False
 
 
 @dataclass(frozen=True)

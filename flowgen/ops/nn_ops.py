@@ -124,10 +124,10 @@ def _log_softmax_grad(ctx, g):
     return (g - F.exp(y) * F.sum(g, dim, keepdim=True),)
 
 
-defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad, lowering=Template("softmax"),
+defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad, lowering=Template("softmax", rows_in_place=True),
       doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
 defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softmax_grad,
-      lowering=Template("softmax"), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
+      lowering=Template("softmax", rows_in_place=True), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
 
 
 # --------------------------------------------------------------------------
@@ -199,10 +199,10 @@ def _ce_rows_grad_grad(ctx, gg):
 
 
 defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
-      lowering=Template("softmax"),
+      lowering=Template("softmax", rows_in_place=True),
       doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored")
 defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
-      lowering=Template("softmax"),
+      lowering=Template("softmax", rows_in_place=True),
       doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
 
 
