@@ -1,4 +1,5 @@
-"""ZeRO (`graph.config.enable_zero(True, stage=1|2)`): optimizer state sharded over the ranks.
+"""ZeRO (`graph.config.enable_zero(True, stage=1|2|3)`): optimizer state (and, stage 3, parameters)
+sharded over the ranks.
 
 Runs after optimizer lowering in a data-parallel graph. For each parameter of at least
 `shard_min_size` elements (and one per rank: `shards_parameter`), the flattened parameter is cut
@@ -7,18 +8,28 @@ into one piece per rank (as even as possible, `split_sizes`); this rank
 * keeps only its piece of every optimizer slot (momentum, exp_avg, exp_avg_sq): the slot state
   variables become 1-d shards;
 * gets its piece of the gradient: stage 1 cuts it from the all-reduced gradient
-  (passes/gradient_allreduce.py reduced every gradient); stage 2 reduce-scatters the rank's own
-  gradients instead (`reduce_scatter` nodes, `bucket_size` parameters each), so no rank holds a
+  (passes/gradient_allreduce.py reduced every gradient); stages 2 and 3 reduce-scatter the rank's
+  own gradients instead (`reduce_scatter` nodes, `bucket_size` parameters each), so no rank holds a
   reduced full gradient and half the all-reduce traffic is saved;
 * re-emits the element-wise update chain (scope "optim...") on its pieces of the parameter and
   gradient, with the same hyper-parameters;
-* all-gathers the updated pieces (`all_gather` nodes, `bucket_size` parameters per node) into the
-  full parameter every rank keeps.
+* stages 1 and 2: all-gathers the updated pieces (`all_gather` nodes, `bucket_size` parameters per
+  node) into the full parameter every rank keeps as state.
+
+Stage 3 keeps only the piece of the parameter as state too (the parameter's state variable
+becomes 1-d) and nothing is gathered after the update. Instead each module's sharded parameters
+are all-gathered (one `all_gather` node per module, `_gather_before_first_use`) right before the
+first node that reads one of them in the forward pass, and every reader (forward, backward,
+recomputed activations) reads that gathered copy: it is an ordinary temporary of the memory plan,
+alive from its gather to its last reader (the module's last backward node), then its arena bytes
+are reused. One gather per step and module (not a second one for the backward): the same bytes on
+the wire as stage 2's all-gather after the update.
 
 Collectives run on the host like the gradient all-reduce. Each element is updated by the same
-arithmetic as without sharding: stage 1 equals plain data parallel bit for bit, stage 2 up to the
-order MPI sums the ranks in. Optimizer-state bytes per rank: the whole over N plus at most one
-element per sharded parameter, plus the parameters left whole.
+arithmetic as without sharding: stage 1 equals plain data parallel bit for bit, stages 2 and 3 up
+to the order MPI sums the ranks in (stage 3 equals stage 2 bit for bit: same reduce-scatters, same
+values gathered). Optimizer-state bytes per rank (and parameter bytes at stage 3): the whole over N
+plus at most one element per sharded parameter, plus the parameters left whole.
 """
 from __future__ import annotations
 
@@ -27,7 +38,7 @@ from dataclasses import dataclass
 from flowgen import functional as F
 from flowgen.distributed import collectives  # noqa: F401  (registers the all_gather/reduce_scatter ops)
 from flowgen.distributed.global_tensor import split_sizes
-from flowgen.ir.graph import NameGen, StateVar, Value
+from flowgen.ir.graph import NameGen, Node, StateVar, Value
 from flowgen.ir.trace import Tracer
 from flowgen.ops.lowering import Elementwise
 from flowgen.ops.registry import get_op
@@ -77,8 +88,9 @@ class _Sharded:
 
 def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int, device, bucket_size: int = 10,
                           stage: int = 1, op: str = "mean"):
-    """Returns (graph, {slot state name: Shard}) — see the module docstring. Stage 2 expects the
-    gradients of sharded parameters not yet reduced; `op` says how to combine them."""
+    """Returns (graph, {state name: Shard}) for the sharded slots (and, stage 3, parameters) — see
+    the module docstring. Stages 2 and 3 expect the gradients of sharded parameters not yet
+    reduced; `op` says how to combine them."""
     state = graph.state_by_name()
     updates = dict(graph.updates)
     producers = graph.producers()
@@ -101,10 +113,14 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
             new_state[name] = StateVar(name, Value(name, (size,), state[name].value.dtype), "optim")
             piece_of[state[name].value] = new_state[name].value
             shards[name] = Shard(var.name, tuple(var.value.shape), start, size, sizes)
+        if stage == 3:      # the parameter itself is kept as this rank's piece
+            new_state[var.name] = StateVar(var.name, Value(var.name, (size,), var.value.dtype), "param")
+            piece_of[var.value] = new_state[var.name].value
+            shards[var.name] = Shard(var.name, tuple(var.value.shape), start, size, sizes)
         chain = _update_chain(graph, [updates[var.name]] + [updates[n] for n in slots], tuple(var.value.shape))
         sharded.append(_Sharded(var, sizes, start, slots, chain, piece_of))
     with tracer:
-        gradients = []     # stage 2: (item, full-shaped gradient value) to reduce-scatter
+        gradients = []     # stages 2 and 3: (item, full-shaped gradient value) to reduce-scatter
         for item in sharded:
             shape, numel, size = tuple(item.var.value.shape), item.var.value.numel, item.sizes[rank]
             made_here = {v for node in item.chain for v in node.outputs}
@@ -118,12 +134,13 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
                     if tuple(v.shape) != shape:
                         raise NotImplementedError(f"enable_zero(stage={stage}): the update of {item.var.name} reads "
                                                   f"a {v.type_str} value, neither a scalar nor parameter-shaped")
-                    if stage == 2 and v is not item.var.value:
+                    if stage >= 2 and v is not item.var.value:
                         readers = [n.op for n in graph.nodes if v in n.inputs and n not in item.chain]
                         if readers:
                             raise NotImplementedError(
-                                f"enable_zero(stage=2): the gradient of {item.var.name} is also read by {readers[0]} "
-                                f"(gradient clipping?), which needs the whole reduced gradient; use stage=1")
+                                f"enable_zero(stage={stage}): the gradient of {item.var.name} is also read by "
+                                f"{readers[0]} (gradient clipping?), which needs the whole reduced gradient; "
+                                f"use stage=1")
                         gradients.append((item, v))
                         item.piece_of[v] = None      # filled by the reduce-scatter below
                     else:
@@ -141,12 +158,57 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
                 item.piece_of.update(zip(node.outputs, node_on_piece.outputs))
             for name in item.slots:
                 updates[name] = item.piece_of[updates[name]]
-        for first in range(0, len(sharded), bucket_size):
-            bucket = sharded[first:first + bucket_size]
-            node = tracer.emit("all_gather", [item.piece_of[updates[item.var.name]] for item in bucket],
-                               {"sizes": tuple(item.sizes for item in bucket), "world_size": world_size})
-            for item, whole in zip(bucket, node.outputs):
-                updates[item.var.name] = F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
+        if stage == 3:      # the updated piece is the new state; the next step gathers it again
+            for item in sharded:
+                updates[item.var.name] = item.piece_of[updates[item.var.name]]
+            _gather_before_first_use(out, tracer, sharded, world_size)
+        else:
+            _gather_updated_parameters(tracer, sharded, updates, world_size, bucket_size)
     out.state = [new_state.get(s.name, s) for s in out.state]
     out.updates = [(name, updates[name]) for name, _ in graph.updates]
     return dce(out), shards
+
+
+def _gather_updated_parameters(tracer, sharded: list, updates: dict, world_size: int, bucket_size: int):
+    """Stages 1 and 2: the updated pieces all-gathered into the full parameters every rank keeps."""
+    for first in range(0, len(sharded), bucket_size):
+        bucket = sharded[first:first + bucket_size]
+        node = tracer.emit("all_gather", [item.piece_of[updates[item.var.name]] for item in bucket],
+                           {"sizes": tuple(item.sizes for item in bucket), "world_size": world_size})
+        for item, whole in zip(bucket, node.outputs):
+            updates[item.var.name] = F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
+
+
+def _gather_before_first_use(out, tracer, sharded: list, world_size: int):
+    """Stage 3: every reader of a sharded parameter's full value reads a gathered copy instead. The
+    parameters are grouped by the module (scope) of their first reader; each group's `all_gather`
+    (and the reshapes back to the parameters' shapes) goes right before the group's first reader,
+    so a module's parameters are gathered just before its forward pass needs them."""
+    first_reader = {}
+    for i, node in enumerate(out.nodes):
+        for v in node.inputs:
+            first_reader.setdefault(v, i)
+    groups: dict = {}       # scope of the first reader -> [(its index, _Sharded)]
+    for item in sharded:
+        i = first_reader.get(item.var.value)
+        if i is not None:
+            groups.setdefault(out.nodes[i].scope, []).append((i, item))
+    gathered, inserted = {}, {}     # full Value -> gathered copy; id(node) -> nodes that go before it
+    for group in groups.values():
+        before = out.nodes[min(i for i, _ in group)]
+        emitted_from = len(out.nodes)
+        node = tracer.emit("all_gather", [item.piece_of[item.var.value] for _, item in group],
+                           {"sizes": tuple(item.sizes for _, item in group), "world_size": world_size})
+        for (_, item), whole in zip(group, node.outputs):
+            gathered[item.var.value] = F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
+        inserted[id(before)] = out.nodes[emitted_from:]
+        del out.nodes[emitted_from:]
+    nodes = []
+    for node in out.nodes:
+        nodes.extend(inserted.get(id(node), []))
+        if any(v in gathered for v in node.inputs):
+            node = Node(node.op, [gathered.get(v, v) for v in node.inputs], node.outputs, node.attrs, node.scope,
+                        node.loc)
+        nodes.append(node)
+    out.nodes = nodes
+    out.outputs = [gathered.get(v, v) for v in out.outputs]

@@ -1,0 +1,89 @@
+"""One rank of the ZeRO stage-3 tests in tests/test_distributed.py (run by mpiexec).
+
+`python zero3_worker.py OUTDIR`: trains worker.py's MLP on this rank's part of its global batch
+for STEPS steps, as plain data parallel, ZeRO-2 and ZeRO-3, with SGD (momentum) and AdamW, and
+saves on rank 0 OUTDIR/<optimizer>_<mode>.npz: the losses, the parameters as eager code reads
+them after the steps (`model.parameters()`), the optimizer slots, every rank's parameter and
+optimizer-state bytes, the program's launches in order (collectives by op, kernels as "kernel")
+and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it reads
+equal rank 0's and exits non-zero if not. Stage 3 also saves whether a checkpoint round trip
+(`flow.save(graph.state_dict())`, one more step, `graph.load_state_dict`, the same step again)
+gives the same parameters.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import flowgen as flow
+import worker
+
+STEPS = 3
+MODES = {"plain": None, "zero2": 2, "zero3": 3}
+
+
+def make_optimizer(kind, params):
+    if kind == "sgd":
+        return flow.optim.SGD(params, lr=0.1, momentum=0.9)
+    return flow.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def batch(step: int, rank: int, world: int) -> tuple:
+    """The global batch of `step` as global tensors split over the ranks."""
+    xs, ys = worker.global_batch()
+    part = worker.GLOBAL_BATCH // world
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    return tuple(flow.tensor(a[step, rank * part:(rank + 1) * part]).to_global(placement, flow.sbp.split(0))
+                 for a in (xs, ys))
+
+
+def resumes_exactly(graph, model, step_batch, path) -> bool:
+    """A step after loading a checkpoint equals the same step without the round trip."""
+    flow.save(graph.state_dict(), path)
+    graph(*step_batch)
+    straight = [p.numpy().copy() for p in model.parameters()]
+    graph.load_state_dict(flow.load(path))
+    graph(*step_batch)
+    return all(np.array_equal(a, p.numpy()) for a, p in zip(straight, model.parameters()))
+
+
+def train(opt_kind: str, stage, rank: int, world: int, out_dir: str) -> dict:
+    model = worker.make_model()
+    optimizer = make_optimizer(opt_kind, model.parameters())
+    graph = worker.make_graph(model, flow.nn.MSELoss(), optimizer)
+    if stage is not None:
+        graph.config.enable_zero(True, stage=stage, shard_min_size=1)
+    losses = [float(graph(*batch(step, rank, world)).to_local()) for step in range(STEPS)]
+    compiled = graph.compiled
+    launches = [k.ops[0] if k.collective else "kernel" for k in compiled.program.kernels]
+    bytes_here = np.array([compiled.parameter_bytes, compiled.optimizer_state_bytes])
+    # Eager reads after the steps (all ranks together: under stage 3 each read gathers the pieces).
+    params = [p.numpy().copy() for p in model.parameters()]
+    slots = [v.numpy().copy() for p in model.parameters() for v in optimizer.state[p].values()
+             if isinstance(v, flow.Tensor)]
+    saved = [t.numpy().copy() for t in graph.state_dict()["model"].values()]
+    comm = flow.distributed.collectives.world()
+    for k, p in enumerate(params):
+        if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
+            sys.exit(f"rank {rank}: parameter {k} differs between ranks ({opt_kind}, stage {stage})")
+    resumed = stage == 3 and resumes_exactly(graph, model, batch(STEPS, rank, world),
+                                             f"{out_dir}/checkpoint_{opt_kind}_rank{rank}")
+    return {"losses": np.array(losses), "bytes": np.array(comm.all_gather(bytes_here)), "resumed": resumed,
+            "launches": np.array(launches, dtype=str),
+            **{f"param_{k}": p for k, p in enumerate(params)}, **{f"slot_{k}": v for k, v in enumerate(slots)},
+            **{f"saved_{k}": t for k, t in enumerate(saved)}}
+
+
+def main():
+    out_dir = sys.argv[1]
+    rank, world = flow.env.get_rank(), flow.env.get_world_size()
+    for opt_kind in ("sgd", "adamw"):
+        for mode, stage in MODES.items():
+            results = train(opt_kind, stage, rank, world, out_dir)
+            if rank == 0:
+                np.savez(f"{out_dir}/{opt_kind}_{mode}.npz", **results)
+
+
+if __name__ == "__main__":
+    main()
