@@ -345,18 +345,27 @@ def test_zero3_keeps_a_shard_of_parameters_and_state_per_rank(zero3_ranks, opt):
 
 
 @needs_mpi
-def test_zero3_gathers_each_layer_just_before_its_forward_and_nothing_after_the_update(zero3_ranks):
-    """One all_gather per Linear layer, the second after the first layer's kernels; the gradients
-    are reduce-scattered (the biases too small to shard at 4 ranks all-reduced) and no all_gather
-    follows: the next step gathers the updated pieces again."""
+def test_zero3_gathers_each_layer_just_in_time_and_nothing_after_the_update(zero3_ranks):
+    """Each Linear layer's pieces are all-gathered right before its forward (the second layer's
+    after the first layer's kernels), the second layer's weight again before its backward (the
+    first layer's is not read there: the input needs no gradient). Each copy is a temporary of
+    the memory plan that dies before the next gather of the same parameter: the forward copies
+    within the forward. Gradients are reduce-scattered (the biases too small to shard at 4 ranks
+    all-reduced) and no all_gather follows: the next step gathers the updated pieces again."""
     world, runs = zero3_ranks
     for opt in ("sgd", "adamw"):
-        launches = list(runs[f"{opt}_zero3"]["launches"])
+        result = runs[f"{opt}_zero3"]
+        launches = list(result["launches"])
         gathers = [i for i, op in enumerate(launches) if op == "all_gather"]
-        assert len(gathers) == 2 and gathers[0] == 0 and launches[1] == "kernel" and gathers[1] > 1
-        assert gathers[1] < launches.index("reduce_scatter")
+        assert len(gathers) == 3 and gathers[0] == 0 and launches[1] == "kernel"
+        assert gathers[0] < gathers[1] - 1 < gathers[2] - 2 and gathers[2] < launches.index("reduce_scatter")
         assert "all_gather" not in launches[launches.index("reduce_scatter"):]
         assert set(launches) - {"kernel"} == {"all_gather", "reduce_scatter"} | ({"all_reduce"} if world == 4 else set())
+        copies = result["copies"].tolist()      # [nth, first launch, last launch] per gathered parameter
+        forward, backward = [c for c in copies if c[0] == 0], [c for c in copies if c[0] == 1]
+        assert len(forward) == (4 if world == 2 else 3) and len(backward) == 1   # the unsharded bias: no copy
+        assert max(last for _, _, last in forward) < backward[0][1]
+        assert backward[0][2] < launches.index("reduce_scatter")
 
 
 # ---------------------------------------------- eager ops on global tensors, several ranks

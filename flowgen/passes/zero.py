@@ -17,13 +17,14 @@ into one piece per rank (as even as possible, `split_sizes`); this rank
   node) into the full parameter every rank keeps as state.
 
 Stage 3 keeps only the piece of the parameter as state too (the parameter's state variable
-becomes 1-d) and nothing is gathered after the update. Instead each module's sharded parameters
-are all-gathered (one `all_gather` node per module, `_gather_before_first_use`) right before the
-first node that reads one of them in the forward pass, and every reader (forward, backward,
-recomputed activations) reads that gathered copy: it is an ordinary temporary of the memory plan,
-alive from its gather to its last reader (the module's last backward node), then its arena bytes
-are reused. One gather per step and module (not a second one for the backward): the same bytes on
-the wire as stage 2's all-gather after the update.
+becomes 1-d) and nothing is gathered after the update (the next step gathers the new pieces).
+Instead each module's sharded parameters are all-gathered just in time (`_gather_just_in_time`):
+one `all_gather` node right before the module's first forward node that reads them, and a second
+one right before its first backward node that reads them (only the parameters the backward reads:
+a weight for the input gradient, not a bias), each copy read by its own phase only. A copy is an
+ordinary temporary of the memory plan, alive from its gather to the last reader of its phase, then
+its arena bytes are reused; no full parameter is state. Traffic: a forward and a backward
+all-gather per step, against stage 2's one all-gather after the update.
 
 Collectives run on the host like the gradient all-reduce. Each element is updated by the same
 arithmetic as without sharding: stage 1 equals plain data parallel bit for bit, stages 2 and 3 up
@@ -76,7 +77,7 @@ def shards_parameter(numel: int, world_size: int, shard_min_size: int) -> bool:
     return numel >= max(shard_min_size, world_size)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sharded:
     var: object          # the parameter's StateVar
     sizes: tuple
@@ -84,6 +85,7 @@ class _Sharded:
     slots: list          # slot state names
     chain: list          # the update nodes
     piece_of: dict       # full-shaped Value -> this rank's piece
+    readers: set = frozenset()  # stage 3: indices of the nodes reading the full parameter
 
 
 def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int, device, bucket_size: int = 10,
@@ -161,7 +163,7 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
         if stage == 3:      # the updated piece is the new state; the next step gathers it again
             for item in sharded:
                 updates[item.var.name] = item.piece_of[updates[item.var.name]]
-            _gather_before_first_use(out, tracer, sharded, world_size)
+            _gather_just_in_time(out, tracer, sharded, world_size)
         else:
             _gather_updated_parameters(tracer, sharded, updates, world_size, bucket_size)
     out.state = [new_state.get(s.name, s) for s in out.state]
@@ -179,36 +181,101 @@ def _gather_updated_parameters(tracer, sharded: list, updates: dict, world_size:
             updates[item.var.name] = F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
 
 
-def _gather_before_first_use(out, tracer, sharded: list, world_size: int):
-    """Stage 3: every reader of a sharded parameter's full value reads a gathered copy instead. The
-    parameters are grouped by the module (scope) of their first reader; each group's `all_gather`
-    (and the reshapes back to the parameters' shapes) goes right before the group's first reader,
-    so a module's parameters are gathered just before its forward pass needs them."""
-    first_reader = {}
+def _phase(node) -> str:
+    """"backward" for the nodes autodiff made (passes/autodiff.py scopes them "<module>.backward"),
+    else "forward"."""
+    return "backward" if node.scope == "backward" or node.scope.endswith(".backward") else "forward"
+
+
+def _derived_in_forward(nodes: list, full: dict, dead: set) -> dict:
+    """Forward values computed from one sharded parameter alone (its transpose, its cast under AMP):
+    {Value: (the parameter's full Value, indices of the nodes computing it from the parameter)}.
+    The parameters themselves are in it with no nodes."""
+    derived = {v: (v, ()) for v in full}
+    for i, node in enumerate(nodes):
+        if (id(node) in dead or _phase(node) != "forward" or not node.inputs or get_op(node.op).extra.get("random")
+                or any(v not in derived for v in node.inputs)):
+            continue
+        sources = {derived[v][0] for v in node.inputs}
+        if len(sources) == 1:       # made from one parameter (and nothing else): cheap to make again
+            (param,) = sources
+            steps = tuple(sorted({k for v in node.inputs for k in derived[v][1]} | {i}))
+            derived.update((v, (param, steps)) for v in node.outputs)
+    return derived
+
+
+def _reading_runs(nodes: list, group: list) -> list:
+    """The readers of the group's parameters, in node order, cut where the phase changes:
+    [[(node index, _Sharded)]]. Index len(nodes) stands for the graph's outputs (a run of its own)."""
+    reads = sorted({(i, k) for k, item in enumerate(group) for i in item.readers})
+    runs, phase = [], None
+    for i, k in reads:
+        now = _phase(nodes[i]) if i < len(nodes) else "output"
+        if now != phase:
+            runs.append([])
+            phase = now
+        runs[-1].append((i, group[k]))
+    return runs
+
+
+def _gather_just_in_time(out, tracer, sharded: list, world_size: int):
+    """Stage 3: every reader of a sharded parameter's full value reads a gathered copy instead.
+
+    The parameters are grouped by the module (scope) of their first reader. A group is gathered
+    again for each run of its readers in one phase (`_reading_runs`: its forward, its backward;
+    each micro-batch's under gradient accumulation): one `all_gather` (+ reshapes) right before
+    the run's first reader, read by that run only, so the copy lives from the first to the last
+    reader of the run. A backward node reading a forward value made from the parameter alone (the
+    transpose a Linear multiplies by) reads it re-made from the backward copy, so the forward
+    copy is not kept alive through it. The `nth` attribute numbers a group's gathers, so CSE keeps
+    them apart."""
+    dead = {id(node) for item in sharded for node in item.chain}    # re-emitted on the pieces
+    full = {item.var.value: item for item in sharded}
+    derived = _derived_in_forward(out.nodes, full, dead)
+    needs: dict = {}        # (reader index, _Sharded) -> the values of that parameter the reader reads
     for i, node in enumerate(out.nodes):
         for v in node.inputs:
-            first_reader.setdefault(v, i)
-    groups: dict = {}       # scope of the first reader -> [(its index, _Sharded)]
+            if v in derived and id(node) not in dead and (v in full or _phase(node) == "backward"):
+                needs.setdefault((i, full[derived[v][0]]), []).append(v)
+    for v in out.outputs:
+        if v in full:
+            needs.setdefault((len(out.nodes), full[v]), []).append(v)
+    groups: dict = {}       # scope of the first reader -> [_Sharded]
     for item in sharded:
-        i = first_reader.get(item.var.value)
-        if i is not None:
-            groups.setdefault(out.nodes[i].scope, []).append((i, item))
-    gathered, inserted = {}, {}     # full Value -> gathered copy; id(node) -> nodes that go before it
+        item.readers = sorted(i for i, reader_of in needs if reader_of is item)
+        if item.readers:
+            first = item.readers[0]
+            groups.setdefault(out.nodes[first].scope if first < len(out.nodes) else "", []).append(item)
+    copy_for: dict = {}     # (Value, reader index) -> the value made from a gathered copy that reader reads
+    inserted: dict = {}     # reader index -> the nodes that go right before it
     for group in groups.values():
-        before = out.nodes[min(i for i, _ in group)]
-        emitted_from = len(out.nodes)
-        node = tracer.emit("all_gather", [item.piece_of[item.var.value] for _, item in group],
-                           {"sizes": tuple(item.sizes for _, item in group), "world_size": world_size})
-        for (_, item), whole in zip(group, node.outputs):
-            gathered[item.var.value] = F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
-        inserted[id(before)] = out.nodes[emitted_from:]
-        del out.nodes[emitted_from:]
+        for nth, run in enumerate(_reading_runs(out.nodes, group)):
+            items = list(dict.fromkeys(item for _, item in run))
+            emitted_from = len(out.nodes)
+            node = tracer.emit("all_gather", [item.piece_of[item.var.value] for item in items],
+                               {"sizes": tuple(item.sizes for item in items), "world_size": world_size, "nth": nth})
+            made = {item.var.value: F.reshape(tracer.lazy(whole), tuple(item.var.value.shape))._value
+                    for item, whole in zip(items, node.outputs)}
+            for i, item in run:
+                for v in needs[(i, item)]:
+                    copy_for[(v, i)] = _remade(out.nodes, derived[v][1], v, made, tracer)
+            inserted.setdefault(run[0][0], []).extend(out.nodes[emitted_from:])
+            del out.nodes[emitted_from:]
     nodes = []
-    for node in out.nodes:
-        nodes.extend(inserted.get(id(node), []))
-        if any(v in gathered for v in node.inputs):
-            node = Node(node.op, [gathered.get(v, v) for v in node.inputs], node.outputs, node.attrs, node.scope,
-                        node.loc)
+    for i, node in enumerate(out.nodes):
+        nodes.extend(inserted.get(i, []))
+        if any((v, i) in copy_for for v in node.inputs):
+            node = Node(node.op, [copy_for.get((v, i), v) for v in node.inputs], node.outputs, node.attrs,
+                        node.scope, node.loc)
         nodes.append(node)
-    out.nodes = nodes
-    out.outputs = [gathered.get(v, v) for v in out.outputs]
+    out.nodes = nodes + inserted.get(len(nodes), [])
+    out.outputs = [copy_for.get((v, len(nodes)), v) for v in out.outputs]
+
+
+def _remade(nodes: list, steps: tuple, value, made: dict, tracer):
+    """`value` computed again by nodes[steps] from the gathered copies in `made` (which it extends)."""
+    for k in steps:
+        if nodes[k].outputs[0] not in made:
+            again = tracer.emit(nodes[k].op, [made.get(v, v) for v in nodes[k].inputs], nodes[k].attrs)
+            made.update(zip(nodes[k].outputs, again.outputs))
+    return made[value]

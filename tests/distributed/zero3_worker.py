@@ -4,8 +4,9 @@
 for STEPS steps, as plain data parallel, ZeRO-2 and ZeRO-3, with SGD (momentum) and AdamW, and
 saves on rank 0 OUTDIR/<optimizer>_<mode>.npz: the losses, the parameters as eager code reads
 them after the steps (`model.parameters()`), the optimizer slots, every rank's parameter and
-optimizer-state bytes, the program's launches in order (collectives by op, kernels as "kernel")
-and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it reads
+optimizer-state bytes, the program's launches in order (collectives by op, kernels as "kernel"),
+per gathered parameter copy its gather's `nth` and its lifetime in the memory plan (first and
+last launch), and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it reads
 equal rank 0's and exits non-zero if not. Stage 3 also saves whether a checkpoint round trip
 (`flow.save(graph.state_dict())`, one more step, `graph.load_state_dict`, the same step again)
 gives the same parameters.
@@ -58,6 +59,8 @@ def train(opt_kind: str, stage, rank: int, world: int, out_dir: str) -> dict:
     compiled = graph.compiled
     launches = [k.ops[0] if k.collective else "kernel" for k in compiled.program.kernels]
     bytes_here = np.array([compiled.parameter_bytes, compiled.optimizer_state_bytes])
+    copies = [(node.attrs.get("nth", 0), *compiled.program.plan.lifetimes[v])
+              for node in compiled.ir.nodes if node.op == "all_gather" and stage == 3 for v in node.outputs]
     # Eager reads after the steps (all ranks together: under stage 3 each read gathers the pieces).
     params = [p.numpy().copy() for p in model.parameters()]
     slots = [v.numpy().copy() for p in model.parameters() for v in optimizer.state[p].values()
@@ -70,7 +73,7 @@ def train(opt_kind: str, stage, rank: int, world: int, out_dir: str) -> dict:
     resumed = stage == 3 and resumes_exactly(graph, model, batch(STEPS, rank, world),
                                              f"{out_dir}/checkpoint_{opt_kind}_rank{rank}")
     return {"losses": np.array(losses), "bytes": np.array(comm.all_gather(bytes_here)), "resumed": resumed,
-            "launches": np.array(launches, dtype=str),
+            "launches": np.array(launches, dtype=str), "copies": np.array(copies, dtype=np.int64).reshape(-1, 3),
             **{f"param_{k}": p for k, p in enumerate(params)}, **{f"slot_{k}": v for k, v in enumerate(slots)},
             **{f"saved_{k}": t for k, t in enumerate(saved)}}
 
