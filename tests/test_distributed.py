@@ -145,6 +145,7 @@ def test_enable_zero_on_one_rank_changes_nothing():
     half = worker.GLOBAL_BATCH // 2
     graph(flow.tensor(xs[0, :half]), flow.tensor(ys[0, :half]))
     assert graph.compiled.optimizer_state_bytes == sum(p.size_bytes() for p in model.parameters())
+    assert graph.compiled.parameter_bytes == sum(p.size_bytes() for p in model.parameters())
     with pytest.raises(ValueError, match="stage must be 1, 2 or 3"):
         graph.config.enable_zero(True, stage=4)
 
@@ -328,20 +329,26 @@ def test_zero3_equals_zero2_and_plain_data_parallel(zero3_ranks, opt):
 
 @needs_mpi
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
-def test_zero3_keeps_a_shard_of_parameters_and_state_per_rank(zero3_ranks, opt):
+@pytest.mark.parametrize(("mode", "shard_min_size"), [("zero3", 1), ("zero3_min20", 20)])
+def test_zero3_keeps_a_shard_of_parameters_and_state_per_rank(zero3_ranks, opt, mode, shard_min_size):
+    """graph.compiled.parameter_bytes + optimizer_state_bytes: this rank's pieces, <= the whole / N
+    + one element per sharded tensor, + the parameters kept whole (below shard_min_size, or fewer
+    elements than ranks) and their slots."""
     world, runs = zero3_ranks
-    plain, zero3 = runs[f"{opt}_plain"], runs[f"{opt}_zero3"]
+    plain, zero3 = runs[f"{opt}_plain"], runs[f"{opt}_{mode}"]
     slots = 1 if opt == "sgd" else 2                       # momentum / exp_avg, exp_avg_sq
     numels = [plain[f"param_{k}"].size for k in range(4)]  # 96, 16, 48, 3
     assert plain["bytes"].tolist() == [[4 * sum(numels), 4 * slots * sum(numels)]] * world
-    # shard_min_size=1: parameters with fewer elements than ranks (a bias of 3 at 4 ranks) stay whole
-    whole = [n for n in numels if n < world]
+    whole = [n for n in numels if n < max(world, shard_min_size)]
     per_rank = zero3["bytes"].sum(axis=1)                  # parameter + optimizer-state bytes of each rank
     for rank in range(world):
-        sizes = [n // world + (rank < n % world) if n >= world else n for n in numels]
+        sizes = [n if n in whole else n // world + (rank < n % world) for n in numels]
         assert zero3["bytes"][rank].tolist() == [4 * sum(sizes), 4 * slots * sum(sizes)]
     bound = (1 + slots) * 4 * (sum(numels) / world + (len(numels) - len(whole)) + sum(whole))
     assert per_rank.max() <= bound and per_rank.sum() >= (1 + slots) * 4 * sum(numels)
+    for key in [k for k in plain.files if k.startswith(("param_", "slot_")) or k == "losses"]:
+        np.testing.assert_allclose(zero3[key], plain[key], rtol=1e-6, atol=1e-6 * np.abs(plain[key]).max(),
+                                   err_msg=key)
 
 
 @needs_mpi
@@ -360,7 +367,8 @@ def test_zero3_gathers_each_layer_just_in_time_and_nothing_after_the_update(zero
         assert len(gathers) == 3 and gathers[0] == 0 and launches[1] == "kernel"
         assert gathers[0] < gathers[1] - 1 < gathers[2] - 2 and gathers[2] < launches.index("reduce_scatter")
         assert "all_gather" not in launches[launches.index("reduce_scatter"):]
-        assert set(launches) - {"kernel"} == {"all_gather", "reduce_scatter"} | ({"all_reduce"} if world == 4 else set())
+        small_biases = {"all_reduce"} if world == 4 else set()
+        assert set(launches) - {"kernel"} == {"all_gather", "reduce_scatter"} | small_biases
         copies = result["copies"].tolist()      # [nth, first launch, last launch] per gathered parameter
         forward, backward = [c for c in copies if c[0] == 0], [c for c in copies if c[0] == 1]
         assert len(forward) == (4 if world == 2 else 3) and len(backward) == 1   # the unsharded bias: no copy

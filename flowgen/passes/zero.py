@@ -85,7 +85,7 @@ class _Sharded:
     slots: list          # slot state names
     chain: list          # the update nodes
     piece_of: dict       # full-shaped Value -> this rank's piece
-    readers: set = frozenset()  # stage 3: indices of the nodes reading the full parameter
+    readers: tuple = ()  # stage 3: indices of the nodes reading the full parameter (or, backward, made values)
 
 
 def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int, device, bucket_size: int = 10,
@@ -242,7 +242,7 @@ def _gather_just_in_time(out, tracer, sharded: list, world_size: int):
             needs.setdefault((len(out.nodes), full[v]), []).append(v)
     groups: dict = {}       # scope of the first reader -> [_Sharded]
     for item in sharded:
-        item.readers = sorted(i for i, reader_of in needs if reader_of is item)
+        item.readers = tuple(sorted(i for i, reader_of in needs if reader_of is item))
         if item.readers:
             first = item.readers[0]
             groups.setdefault(out.nodes[first].scope if first < len(out.nodes) else "", []).append(item)

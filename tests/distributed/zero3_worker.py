@@ -1,13 +1,13 @@
 """One rank of the ZeRO stage-3 tests in tests/test_distributed.py (run by mpiexec).
 
 `python zero3_worker.py OUTDIR`: trains worker.py's MLP on this rank's part of its global batch
-for STEPS steps, as plain data parallel, ZeRO-2 and ZeRO-3, with SGD (momentum) and AdamW, and
-saves on rank 0 OUTDIR/<optimizer>_<mode>.npz: the losses, the parameters as eager code reads
-them after the steps (`model.parameters()`), the optimizer slots, every rank's parameter and
+for STEPS steps in each of MODES (plain data parallel, ZeRO-2, ZeRO-3), with SGD (momentum) and
+AdamW, and saves on rank 0 OUTDIR/<optimizer>_<mode>.npz: the losses, the parameters as eager code
+reads them after the steps (`model.parameters()`), the optimizer slots, every rank's parameter and
 optimizer-state bytes, the program's launches in order (collectives by op, kernels as "kernel"),
-per gathered parameter copy its gather's `nth` and its lifetime in the memory plan (first and
-last launch), and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it reads
-equal rank 0's and exits non-zero if not. Stage 3 also saves whether a checkpoint round trip
+per gathered parameter copy its gather's `nth` and its lifetime in the memory plan (first and last
+launch), and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it
+reads equal rank 0's and exits non-zero if not. "zero3" also saves whether a checkpoint round trip
 (`flow.save(graph.state_dict())`, one more step, `graph.load_state_dict`, the same step again)
 gives the same parameters.
 """
@@ -21,7 +21,8 @@ import flowgen as flow
 import worker
 
 STEPS = 3
-MODES = {"plain": None, "zero2": 2, "zero3": 3}
+# mode: (ZeRO stage or None, shard_min_size); "zero3_min20" keeps the biases (16 and 3 elements) whole
+MODES = {"plain": (None, 1), "zero2": (2, 1), "zero3": (3, 1), "zero3_min20": (3, 20)}
 
 
 def make_optimizer(kind, params):
@@ -49,12 +50,13 @@ def resumes_exactly(graph, model, step_batch, path) -> bool:
     return all(np.array_equal(a, p.numpy()) for a, p in zip(straight, model.parameters()))
 
 
-def train(opt_kind: str, stage, rank: int, world: int, out_dir: str) -> dict:
+def train(opt_kind: str, mode: str, rank: int, world: int, out_dir: str) -> dict:
+    stage, shard_min_size = MODES[mode]
     model = worker.make_model()
     optimizer = make_optimizer(opt_kind, model.parameters())
     graph = worker.make_graph(model, flow.nn.MSELoss(), optimizer)
     if stage is not None:
-        graph.config.enable_zero(True, stage=stage, shard_min_size=1)
+        graph.config.enable_zero(True, stage=stage, shard_min_size=shard_min_size)
     losses = [float(graph(*batch(step, rank, world)).to_local()) for step in range(STEPS)]
     compiled = graph.compiled
     launches = [k.ops[0] if k.collective else "kernel" for k in compiled.program.kernels]
@@ -69,8 +71,8 @@ def train(opt_kind: str, stage, rank: int, world: int, out_dir: str) -> dict:
     comm = flow.distributed.collectives.world()
     for k, p in enumerate(params):
         if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
-            sys.exit(f"rank {rank}: parameter {k} differs between ranks ({opt_kind}, stage {stage})")
-    resumed = stage == 3 and resumes_exactly(graph, model, batch(STEPS, rank, world),
+            sys.exit(f"rank {rank}: parameter {k} differs between ranks ({opt_kind}, {mode})")
+    resumed = mode == "zero3" and resumes_exactly(graph, model, batch(STEPS, rank, world),
                                              f"{out_dir}/checkpoint_{opt_kind}_rank{rank}")
     return {"losses": np.array(losses), "bytes": np.array(comm.all_gather(bytes_here)), "resumed": resumed,
             "launches": np.array(launches, dtype=str), "copies": np.array(copies, dtype=np.int64).reshape(-1, 3),
@@ -82,8 +84,8 @@ def main():
     out_dir = sys.argv[1]
     rank, world = flow.env.get_rank(), flow.env.get_world_size()
     for opt_kind in ("sgd", "adamw"):
-        for mode, stage in MODES.items():
-            results = train(opt_kind, stage, rank, world, out_dir)
+        for mode in MODES:
+            results = train(opt_kind, mode, rank, world, out_dir)
             if rank == 0:
                 np.savez(f"{out_dir}/{opt_kind}_{mode}.npz", **results)
 

@@ -310,8 +310,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     static_scale = _static_scale(graph)
     scale = scaler.scale if scaler is not None else static_scale
     if scaler is not None and zero is not None:
-        raise NotImplementedError(f"{graph.name}: enable_zero(stage={zero.stage}) with a GradScaler: the sharded update "
-                                  f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage={zero.stage}) with a GradScaler: the sharded "
+                                  f"update cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
     grads, sharded_slots = None, []
 
