@@ -246,6 +246,18 @@ class ShardedSlot:
         whole = world().all_gather_flat([self.piece.numpy_view()], [list(self.sizes)])[0]
         full._data[...] = whole.reshape(full._data.shape)
 
+    def cut_again_if_written(self):
+        """Before a call: when eager code wrote `full` since the piece was cut (a state_dict loaded
+        into the module, an in-place update), this rank's piece is cut from it again (and uploaded:
+        its version moves)."""
+        if self.full._version == self.full_version:
+            return
+        rank = world().rank
+        start = sum(self.sizes[:rank])
+        self.piece.numpy_view()[...] = self.full.numpy_view().reshape(-1)[start:start + self.sizes[rank]]
+        self.piece._version += 1
+        self.full_version = self.full._version
+
 
 def _piece(store: dict, name: str, full, shard) -> ShardedSlot:
     """The ShardedSlot of state `name`: the one in `store` (the graph's, shared by its variants, so

@@ -6,7 +6,7 @@ AdamW, and saves on rank 0 OUTDIR/<optimizer>_<mode>.npz: the losses, the parame
 reads them after the steps (`model.parameters()`), the optimizer slots, every rank's parameter and
 optimizer-state bytes, the program's launches in order (collectives by op, kernels as "kernel"),
 per gathered parameter copy its gather's `nth` and its lifetime in the memory plan (first and last
-launch), and the parameters `graph.state_dict()` returned. Every rank checks that the parameters it
+launch), the parameters `graph.state_dict()` returned, and what `after_eager_write` gives. Every rank checks that the parameters it
 reads equal rank 0's and exits non-zero if not. "zero3" also saves whether a checkpoint round trip
 (`flow.save(graph.state_dict())`, one more step, `graph.load_state_dict`, the same step again)
 gives the same parameters.
@@ -50,6 +50,31 @@ def resumes_exactly(graph, model, step_batch, path) -> bool:
     return all(np.array_equal(a, p.numpy()) for a, p in zip(straight, model.parameters()))
 
 
+def make_eval_graph(model):
+    class EvalGraph(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def build(self, x):
+            return self.model(x)
+
+    return EvalGraph()
+
+
+def after_eager_write(graph, model, rank: int, world: int) -> tuple:
+    """An eval graph compiled over the trained parameters; then eager code writes the parameters
+    (the initial weights loaded into the module) and the training graph takes a step from them:
+    (the parameters after that step, the eval graph's output on them). Both graphs must see the
+    eager write and each other's updates."""
+    evaluate = make_eval_graph(model)
+    x = batch(STEPS, rank, world)[0]
+    evaluate(x)
+    model.load_state_dict(worker.make_model().state_dict())
+    graph(*batch(0, rank, world))
+    return [p.numpy().copy() for p in model.parameters()], evaluate(x).numpy()
+
+
 def train(opt_kind: str, mode: str, rank: int, world: int, out_dir: str) -> dict:
     stage, shard_min_size = MODES[mode]
     model = worker.make_model()
@@ -72,12 +97,14 @@ def train(opt_kind: str, mode: str, rank: int, world: int, out_dir: str) -> dict
     for k, p in enumerate(params):
         if any(not np.array_equal(p, other) for other in comm.all_gather(p)):
             sys.exit(f"rank {rank}: parameter {k} differs between ranks ({opt_kind}, {mode})")
+    rewritten, evaluated = after_eager_write(graph, model, rank, world)
     resumed = mode == "zero3" and resumes_exactly(graph, model, batch(STEPS, rank, world),
                                              f"{out_dir}/checkpoint_{opt_kind}_rank{rank}")
     return {"losses": np.array(losses), "bytes": np.array(comm.all_gather(bytes_here)), "resumed": resumed,
             "launches": np.array(launches, dtype=str), "copies": np.array(copies, dtype=np.int64).reshape(-1, 3),
             **{f"param_{k}": p for k, p in enumerate(params)}, **{f"slot_{k}": v for k, v in enumerate(slots)},
-            **{f"saved_{k}": t for k, t in enumerate(saved)}}
+            **{f"saved_{k}": t for k, t in enumerate(saved)}, "evaluated": evaluated,
+            **{f"rewritten_{k}": p for k, p in enumerate(rewritten)}}
 
 
 def main():

@@ -123,7 +123,8 @@ class CompiledGraph:
                 tensor._sync_from_device = None
             else:
                 tensor._sync_from_device = lambda t, v=value: self._download(t, v)
-        for slot in self.sharded_slots:
+        for slot in self.sharded_slots:     # other graphs reading `full` upload it (gathered) first
+            slot.full._graph_owner = self
             slot.full._sync_from_device = slot.gather
 
     def _download(self, tensor, value):
@@ -139,6 +140,8 @@ class CompiledGraph:
                                    f"move inputs and modules to the same device")
         for check in self.checks:
             check()
+        for slot in self.sharded_slots:
+            slot.cut_again_if_written()
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
