@@ -2,8 +2,9 @@
 
 In-process tests run at world size 1 (no MPI needed). The multi-process tests start 2 and 4 ranks
 with mpiexec (tests/distributed/worker.py) and check that data-parallel training equals training
-in one process on the global batch; they skip when mpi4py or mpiexec is missing
-(`pip install -e '.[dist]'`).
+in one process on the global batch, and that ZeRO stage 3 equals stage 2 and plain data parallel
+with a shard of the parameters per rank (tests/distributed/zero3_worker.py); they skip when mpi4py
+or mpiexec is missing (`pip install -e '.[dist]'`).
 """
 from __future__ import annotations
 
