@@ -7,9 +7,9 @@ so that it costs one MPI call (`all_reduce`).
 
 The `all_reduce`, `reduce_scatter` and `all_gather` ops are the IR's view of the same thing:
 `all_reduce` nodes (one per gradient bucket) come from `passes/gradient_allreduce.py`,
-`reduce_scatter` (ZeRO-2's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated)
-from `passes/zero.py`. They have no kernel (lowering `Collective`): the
-executor runs them on the host between the kernels around them.
+`reduce_scatter` (ZeRO-2/3's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated;
+at stage 3 gathered before their readers) from `passes/zero.py`. They have no kernel (lowering
+`Collective`): the executor runs them on the host between the kernels around them.
 """
 from __future__ import annotations
 
@@ -165,13 +165,13 @@ defop("all_reduce", infer=_all_reduce_infer, ref=_all_reduce_ref, lowering=Colle
       doc="all_reduce(*xs, op, world_size): each x summed (op='sum') or averaged (op='mean') over the ranks")
 
 
-def _all_gather_infer(*metas, sizes, world_size: int):
+def _all_gather_infer(*metas, sizes, world_size: int, nth: int = 0):
     if len(sizes) != len(metas) or any(len(c) != world_size for c in sizes):
         raise ValueError(f"all_gather: sizes must give {world_size} piece sizes per input, got {sizes!r}")
     return tuple(TensorMeta((sum(c),), m.dtype) for m, c in zip(metas, sizes))
 
 
-def _all_gather_ref(*arrays, sizes, world_size: int):
+def _all_gather_ref(*arrays, sizes, world_size: int, nth: int = 0):
     comm = world()
     if comm.size != world_size:
         raise RuntimeError(f"all_gather: the graph was compiled for {world_size} ranks but this world has {comm.size}")
@@ -180,7 +180,8 @@ def _all_gather_ref(*arrays, sizes, world_size: int):
 
 
 defop("all_gather", infer=_all_gather_infer, ref=_all_gather_ref, lowering=Collective("all_gather"),
-      doc="all_gather(*pieces, sizes, world_size): each input's pieces from all ranks, flat, in rank order")
+      doc="all_gather(*pieces, sizes, world_size, nth=0): each input's pieces from all ranks, flat, in rank "
+          "order; nth numbers repeated gathers of the same pieces in a step (ZeRO-3), which must stay apart")
 
 
 def _reduce_scatter_infer(*metas, sizes, op: str, rank: int, world_size: int):

@@ -21,10 +21,12 @@ other form is refused. A 0-d output combines the same way; one of unknown form m
 every rank (checked), else the call raises. A DDP-wrapped module keeps PyTorch's contract instead:
 each rank's gradients are averaged, whatever the loss (as eager DistributedDataParallel does).
 
-With `graph.config.enable_zero(True, stage=1)` on several ranks, passes/zero.py shards the optimizer
-slots: the device holds this rank's piece of each slot (`ShardedSlot.piece`, the tensor bound to
-the graph); the optimizer's full slot tensors are assembled from the pieces (an all-gather, so
-every rank must read them together, as `graph.state_dict()` does) when eager code reads them.
+With `graph.config.enable_zero(True, stage=1|2)` on several ranks, passes/zero.py shards the
+optimizer slots: the device holds this rank's piece of each slot (`ShardedSlot.piece`, the tensor
+bound to the graph); the optimizer's full slot tensors are assembled from the pieces (an all-gather,
+so every rank must read them together, as `graph.state_dict()` does) when eager code reads them.
+Stage 3 shards the parameters the same way: the module's parameter tensors (`model.weight`) show
+the trained full value, gathered from the pieces when eager code reads them after a step.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from flowgen.distributed import env, sbp
 from flowgen.distributed.collectives import world
 from flowgen.distributed.global_tensor import as_global
 from flowgen.passes.optimizer import SlotBinding
+from flowgen.tensor import Tensor
 
 DEFAULT_BUCKET_SIZE = 10    # gradients per all_reduce, as DistributedDataParallel's bucket_size
 
@@ -231,32 +234,67 @@ def combine_outputs(ir, emit, world_size: int) -> tuple:
 
 @dataclass
 class ShardedSlot:
-    """This rank's piece of an optimizer slot under ZeRO stage 1, and the full eager slot."""
+    """This rank's piece of a tensor ZeRO shards (an optimizer slot; a parameter at stage 3), and
+    the full eager tensor."""
     piece: object           # Tensor bound to the graph's shard state
-    full: object            # the optimizer's slot tensor (optimizer.state[p][key])
+    full: object            # the optimizer's slot tensor (optimizer.state[p][key]) or the parameter
     full_version: int       # full._version when the piece was cut (a newer one: a checkpoint was loaded)
     sizes: tuple            # every rank's piece size
 
     def gather(self, full):
         """`full`'s `_sync_from_device`: the whole slot from every rank's piece."""
-        whole = world().all_gather_flat([self.piece.numpy()], [list(self.sizes)])[0]
+        whole = world().all_gather_flat([self.piece.numpy_view()], [list(self.sizes)])[0]
         full._data[...] = whole.reshape(full._data.shape)
+
+    def cut_again_if_written(self):
+        """Before a call: when eager code wrote `full` since the piece was cut (a state_dict loaded
+        into the module, an in-place update), this rank's piece is cut from it again (and uploaded:
+        its version moves)."""
+        if self.full._version == self.full_version:
+            return
+        rank = world().rank
+        start = sum(self.sizes[:rank])
+        self.piece.numpy_view()[...] = self.full.numpy_view().reshape(-1)[start:start + self.sizes[rank]]
+        self.piece._version += 1
+        self.full_version = self.full._version
+
+
+def _piece(store: dict, name: str, full, shard) -> ShardedSlot:
+    """The ShardedSlot of state `name`: the one in `store` (the graph's, shared by its variants, so
+    pieces live between compilations) unless eager code replaced or wrote `full` since it was cut."""
+    kept = store.get(name)
+    if kept is None or kept.full is not full or kept.full_version != full._version:
+        flat = full.numpy_view().reshape(-1)[shard.start:shard.start + shard.size].copy()
+        piece = Tensor(flat, dtype=full.dtype, device=full.device)
+        kept = store[name] = ShardedSlot(piece, full, full._version, shard.sizes)
+    return kept
 
 
 def shard_slot_tensors(store: dict, slots: list, shards: dict) -> tuple:
-    """(slot bindings with sharded slots bound to this rank's pieces, the ShardedSlots used).
-    `store` (the graph's, shared by its variants) keeps the pieces between compilations."""
+    """(slot bindings with sharded slots bound to this rank's pieces, the ShardedSlots used)."""
     bindings, used = [], []
     for slot in slots:
         shard = shards.get(slot.state_name)
         if shard is None:
             bindings.append(slot)
             continue
-        kept = store.get(slot.state_name)
-        if kept is None or kept.full is not slot.tensor or kept.full_version != slot.tensor._version:
-            flat = slot.tensor.numpy().reshape(-1)[shard.start:shard.start + shard.size].copy()
-            piece = type(slot.tensor)(flat, dtype=slot.tensor.dtype, device=slot.tensor.device)
-            kept = store[slot.state_name] = ShardedSlot(piece, slot.tensor, slot.tensor._version, shard.sizes)
+        kept = _piece(store, slot.state_name, slot.tensor, shard)
         bindings.append(SlotBinding(slot.state_name, kept.piece))
         used.append(kept)
     return bindings, used
+
+
+def shard_parameter_bindings(store: dict, bindings: list, state: dict, shards: dict) -> tuple:
+    """ZeRO stage 3: (the graph's (state Value, tensor) bindings with each sharded parameter bound
+    to this rank's piece, the piece's state Value from `state` (the sharded IR's, by name); the
+    ShardedSlots of those parameters)."""
+    out, used = [], []
+    for value, tensor in bindings:
+        shard = shards.get(value.name)
+        if shard is None or shard.param != value.name:
+            out.append((value, tensor))
+            continue
+        kept = _piece(store, value.name, tensor, shard)
+        out.append((state[value.name].value, kept.piece))
+        used.append(kept)
+    return out, used

@@ -26,7 +26,8 @@ from flowgen.distributed.collectives import world
 from flowgen.distributed import env
 from flowgen.distributed.global_tensor import graph_storage
 from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
-                                               gradient_reduction, shard_slot_tensors)
+                                               gradient_reduction, shard_parameter_bindings,
+                                               shard_slot_tensors)
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
@@ -56,7 +57,7 @@ class CompiledGraph:
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
         self.output_combine = None          # per output, how a data-parallel step makes it global
         self.output_placement = None        # the global inputs' placement: outputs become global
-        self.sharded_slots = []             # ShardedSlot: optimizer slots ZeRO split over the ranks
+        self.sharded_slots = []             # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
 
     @property
     def sources(self) -> dict:
@@ -78,6 +79,12 @@ class CompiledGraph:
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer slots this rank keeps on the device (a shard of each under ZeRO)."""
         return sum(s.value.nbytes for s in self.ir.state if s.kind == "optim")
+
+    @property
+    def parameter_bytes(self) -> int:
+        """Bytes of parameters this rank keeps on the device as state (a shard of each under ZeRO
+        stage 3; the full copies it gathers during a step are temporaries of the memory plan)."""
+        return sum(s.value.nbytes for s in self.ir.state if s.kind == "param")
 
     # --------------------------------------------------------------- running
     def _upload_state(self) -> bool:
@@ -116,7 +123,8 @@ class CompiledGraph:
                 tensor._sync_from_device = None
             else:
                 tensor._sync_from_device = lambda t, v=value: self._download(t, v)
-        for slot in self.sharded_slots:
+        for slot in self.sharded_slots:     # other graphs reading `full` upload it (gathered) first
+            slot.full._graph_owner = self
             slot.full._sync_from_device = slot.gather
 
     def _download(self, tensor, value):
@@ -132,6 +140,8 @@ class CompiledGraph:
                                    f"move inputs and modules to the same device")
         for check in self.checks:
             check()
+        for slot in self.sharded_slots:
+            slot.cut_again_if_written()
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
@@ -303,8 +313,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     static_scale = _static_scale(graph)
     scale = scaler.scale if scaler is not None else static_scale
     if scaler is not None and zero is not None:
-        raise NotImplementedError(f"{graph.name}: enable_zero(stage=1) with a GradScaler: the sharded update "
-                                  f"cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
+        raise NotImplementedError(f"{graph.name}: enable_zero(stage={zero.stage}) with a GradScaler: the sharded "
+                                  f"update cannot skip an overflowing step yet; use a StaticGradScaler or no scaler")
     steps = graph.config.gradient_accumulation_steps
     grads, sharded_slots = None, []
 
@@ -374,7 +384,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     start = time.perf_counter()
     progress.stage("passes")
     if grads is not None and data_parallel is not None:
-        # ZeRO-2 reduce-scatters the gradients of the parameters it shards (passes/zero.py).
+        # ZeRO-2 and 3 reduce-scatter the gradients of the parameters they shard (passes/zero.py).
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
@@ -401,6 +411,9 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
                                                device, data_parallel.bucket_size, zero.stage, reduction.kind)
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
+            bindings, sharded_params = shard_parameter_bindings(graph._zero_slots, bindings, ir.state_by_name(),
+                                                                shards)
+            sharded_slots += sharded_params
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
@@ -457,10 +470,6 @@ def _zero_settings(graph, data_parallel):
     if data_parallel is None:
         raise NotImplementedError(f"{graph.name}: enable_zero on {world_size} ranks needs a data-parallel graph "
                                   f"(inputs split by flow.sbp.split(0), or a DistributedDataParallel module)")
-    if config.zero_stage == 3:
-        raise NotImplementedError(f"{graph.name}: enable_zero(stage=3) on {world_size} ranks: flowgen shards "
-                                  f"optimizer state (stage=1) and gradients (stage=2); parameter sharding with "
-                                  f"just-in-time gathers (3) is not implemented")
     return ZeroSettings(config.zero_stage, config.zero_shard_min_size)
 
 

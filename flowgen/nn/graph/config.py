@@ -14,7 +14,9 @@ Every option acts or says why it cannot:
   (memory/search.py) instead of one greedy pass.
 * `enable_zero` and `GraphModule.set_stage` shard or pipeline across ranks; in a process started
   alone (world size 1) they warn that they have no effect. On several ranks a data-parallel graph
-  shards with ZeRO stage 1 or 2 (passes/zero.py); stage 3 and set_stage raise when compiling.
+  shards with ZeRO (passes/zero.py): stage 1 the optimizer state, 2 the gradients too, 3 the
+  parameters too (each module's gathered just before its forward and again before its backward);
+  set_stage raises when compiling.
 * `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
   outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
 """
@@ -65,8 +67,8 @@ class GraphConfig:
         self.tf32 = bool(mode)
 
     def enable_zero(self, mode: bool = True, *, stage: int = 2, shard_min_size: int = 1024, shard_restore_level: int = 1):
-        # A data-parallel graph on several ranks shards optimizer state (stage 1) and gradients (2)
-        # in passes/zero.py; stage 3 raises there. One rank has nothing to shard across.
+        # A data-parallel graph on several ranks shards optimizer state (stage 1), gradients (2) and
+        # parameters (3) in passes/zero.py. One rank has nothing to shard across.
         if stage not in (1, 2, 3):
             raise ValueError(f"enable_zero: stage must be 1, 2 or 3, got {stage!r}")
         if mode and env.get_world_size() == 1:
