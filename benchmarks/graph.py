@@ -1,7 +1,7 @@
 """Graph benchmarks: compile-time breakdown, launches before/after fusion, memory, step time;
 kernel launches per call of MobileNetV2's training and inference graphs before/after fusion.
 
-    python benchmarks/graph.py [--device cpu|cuda] [--steps N] [--out FILE]
+    python benchmarks/graph.py [--device cpu|cuda] [--steps N] [--cases NAME ...] [--out FILE]
 
 Prints one table and writes JSON (default benchmarks/results/graph_<device>.json).
 Step times are compared side by side in one run (graph vs the eager loop on the
@@ -80,6 +80,19 @@ def mobilenet_case(device):
     y = flow.randint(0, 10, (8,)).to(device)
     return ("mobilenet_v2_b8_train", model, nn.CrossEntropyLoss(),
             (lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9)), (x, y))
+
+
+def resnet18_case(device):
+    flow.manual_seed(0)
+    model = flow.models.resnet18(num_classes=10).to(device)
+    x = flow.randn(8, 3, 32, 32).to(device)
+    y = flow.randint(0, 10, (8,)).to(device)
+    return ("resnet18_b8_train", model, nn.CrossEntropyLoss(),
+            (lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9)), (x, y))
+
+
+CASES = {"polyfit": (polyfit_case, 1), "mlp": (mlp_case, 1), "gpt": (gpt_case, 2),
+         "mobilenet_v2": (mobilenet_case, 10), "resnet18": (resnet18_case, 10)}   # steps divided by
 
 
 def time_calls(fn, steps, repeats=3):
@@ -215,22 +228,22 @@ def main():
     parser.add_argument("--device", default="cuda" if flow.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     args = parser.parse_args()
     device = flow.device(args.device)
     cache = tempfile.mkdtemp(prefix="flowgen-bench-cache-")
     os.environ["FLOWGEN_CACHE"] = cache
     try:
-        rows = [bench_training(make(device), device, steps)
-                for make, steps in ((polyfit_case, args.steps), (mlp_case, args.steps), (gpt_case, args.steps // 2),
-                                    (mobilenet_case, max(2, args.steps // 10)))]
-        # The issue's target: the whole 2000-step poly-fit through the graph.
-        name, model, loss_fn, make_opt, (x, y) = polyfit_case(device)
-        graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
-        start = time.perf_counter()
-        for _ in range(2000):
-            loss = graph(x, y)
-        rows[0]["polyfit_2000_steps_s"] = time.perf_counter() - start
-        rows[0]["polyfit_final_loss"] = float(loss.numpy())
+        rows = [bench_training(CASES[name][0](device), device, max(2, args.steps // CASES[name][1]))
+                for name in args.cases]
+        if "polyfit" in args.cases:   # the issue's target: the whole 2000-step poly-fit through the graph
+            name, model, loss_fn, make_opt, (x, y) = polyfit_case(device)
+            graph = TrainGraph(model, loss_fn, make_opt(model.parameters()))
+            start = time.perf_counter()
+            for _ in range(2000):
+                loss = graph(x, y)
+            rows[args.cases.index("polyfit")]["polyfit_2000_steps_s"] = time.perf_counter() - start
+            rows[args.cases.index("polyfit")]["polyfit_final_loss"] = float(loss.numpy())
         launches = convnet_launches(device)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
