@@ -20,6 +20,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import random as _random
 from flowgen.device import as_device
+from flowgen.distributed import global_tensor
 from flowgen.ir.trace import TraceError
 from flowgen.ops import registry
 from flowgen.ops.registry import apply
@@ -316,14 +317,24 @@ def _like(t, dtype, device):
             device if device is not None else t.device)
 
 
-def zeros_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+def _filled_like(t, value, dtype, device, requires_grad) -> Tensor:
+    """full_like's work: a global `t` gives a global constant with its placement (and sbp,
+    global_tensor.filled_like), as OneFlow does."""
     d, dev = _like(t, dtype, device)
-    return zeros(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+    if isinstance(t, Tensor) and t.is_global:
+        if device is not None:
+            raise ValueError(f"a *_like of a global tensor takes its placement; got device={device!r}")
+        return global_tensor.filled_like(t, lambda shape: full(shape, value, dtype=d, device=t._global.local.device,
+                                                               requires_grad=requires_grad))
+    return full(tuple(t.shape), value, dtype=d, device=dev, requires_grad=requires_grad)
+
+
+def zeros_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
+    return _filled_like(t, 0, dtype, device, requires_grad)
 
 
 def ones_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
-    d, dev = _like(t, dtype, device)
-    return ones(tuple(t.shape), dtype=d, device=dev, requires_grad=requires_grad)
+    return _filled_like(t, 1, dtype, device, requires_grad)
 
 
 def empty_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
@@ -331,10 +342,9 @@ def empty_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:
 
 
 def full_like(t, fill_value, dtype=None, device=None, requires_grad=False) -> Tensor:
-    d, dev = _like(t, dtype, device)
     if isinstance(fill_value, Tensor):
         fill_value = fill_value.item()
-    return full(tuple(t.shape), fill_value, dtype=d, device=dev, requires_grad=requires_grad)
+    return _filled_like(t, fill_value, dtype, device, requires_grad)
 
 
 def randn_like(t, dtype=None, device=None, requires_grad=False) -> Tensor:

@@ -15,7 +15,11 @@ Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_
   operand takes its piece of k), (P, B) and (B, P) -> P;
 * permute: S(d) -> S(perm.index(d)); P -> P;
 * reshape: S(d) -> S(e) when the target keeps dim d whole with the same elements before it
-  (unsqueeze / squeeze, reshaping trailing dims: matmul with a vector goes through it); P -> P.
+  (unsqueeze / squeeze, reshaping trailing dims: matmul with a vector goes through it); P -> P;
+* row ops (softmax / log_softmax along `dim`; the cross-entropy rows of (N, C) logits and their
+  gradient, rows along dim 0): split along another dim than the row's -> the same split (a B
+  operand takes its piece); split along the row's dim, or P, -> the operands are gathered to B
+  first and the result is B.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
 operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
@@ -209,6 +213,26 @@ def _permute(op, x, attrs):
     return [x._global.local], layout, attrs
 
 
+# Row ops: the dim each row runs along; the cross-entropy ops' operands share their dim 0 (rows).
+_ROW_DIM = {"softmax": lambda attrs: attrs["dim"], "log_softmax": lambda attrs: attrs["dim"],
+            "cross_entropy_rows": lambda attrs: 1, "cross_entropy_rows_grad": lambda attrs: 1}
+
+
+def _rows(op, tensors, attrs):
+    """Each rank runs its own rows when the operands are split along one dim the rows do not
+    run along; otherwise the operands are gathered to broadcast first (module docstring)."""
+    row_dim = _ROW_DIM[op.name](attrs)
+    dims = {_layout(t).dim if _layout(t).kind == "split" else None for t in tensors} - {None}
+    kinds = {_layout(t).kind for t in tensors}
+    if "partial_sum" in kinds or len(dims) != 1 or row_dim in dims:
+        return [_boxed(t, broadcast)._global.local for t in tensors], broadcast, attrs
+    d = dims.pop()
+    locals_ = [type(t._global.local)(_local_piece(t._global.local.numpy_view(), d), dtype=t.dtype,
+                                     device=t._global.local.device) if _layout(t).kind == "broadcast"
+               else t._global.local for t in tensors]
+    return locals_, split(d), attrs
+
+
 def _local_inputs(op, tensors, attrs, out_ndim):
     """(local operands, output sbp, local attrs) for `op` on global `tensors`."""
     if op.name in _RANDOM:
@@ -226,6 +250,8 @@ def _local_inputs(op, tensors, attrs, out_ndim):
         return _matmul(op, *tensors, attrs, out_ndim)
     if op.name == "permute":
         return _permute(op, tensors[0], attrs)
+    if op.name in _ROW_DIM:
+        return _rows(op, tensors, attrs)
     raise _unsupported(op.name, tensors)
 
 

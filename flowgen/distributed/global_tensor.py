@@ -25,7 +25,7 @@ from flowgen.device import as_device
 from flowgen.distributed import env
 from flowgen.distributed.collectives import world
 from flowgen.distributed.placement import placement as Placement
-from flowgen.distributed.sbp import sbp as Sbp
+from flowgen.distributed.sbp import broadcast, sbp as Sbp
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,16 @@ def as_global(tensor, placement, layout: Sbp):
     if layout.kind == "broadcast":
         return _make_global(type(tensor), tensor, _check_placement(placement), (layout,), tuple(tensor.shape))
     return local_to_global(tensor, placement, layout)
+
+
+def filled_like(tensor, make_local):
+    """A global tensor of `tensor`'s logical shape and placement holding a constant: each rank's
+    component is `make_local(shape of the component)`. Laid out as `tensor` is, except that a
+    partial_sum tensor's constant is laid out broadcast (every rank holds the logical value)."""
+    info = tensor._global
+    layout = broadcast if info.sbp[0].kind == "partial_sum" else info.sbp[0]
+    shape = info.shape if layout.kind == "broadcast" else tuple(info.local.shape)
+    return wrap_local(make_local(shape), info.placement, layout, info.shape)
 
 
 def graph_storage(tensor, what: str):

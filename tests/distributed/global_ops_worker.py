@@ -21,7 +21,9 @@ S0, S1, B = flow.sbp.split(0), flow.sbp.split(1), flow.sbp.broadcast
 def inputs():
     rng = np.random.default_rng(0)
     shapes = {"x": (6, 4), "y": (6, 4), "w": (4, 5), "v": (4,), "r3": (3, 4), "t": (2, 3, 4)}
-    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    data = {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
+    data["labels"] = np.array([0, 3, 1, 1, 2, 0], np.int64)
+    return data
 
 
 def boxed(t, sbp):
@@ -59,10 +61,26 @@ CASES = {
     "box_split_to_broadcast": (lambda T: boxed(T("x", S0) * 2.0, B), B),
     "box_partial_to_split": (lambda T: boxed(flow.matmul(T("x", S1), T("w", S0)), S0), S0),
     "mse_loss": (lambda T: flow.nn.functional.mse_loss(T("x", S0), T("y", S0)), flow.sbp.partial_sum),
+    "zeros_like_split": (lambda T: flow.zeros_like(T("x", S0)), S0),
+    "full_like_split1": (lambda T: flow.full_like(T("x", S1), 2.5), S1),
+    "ones_like_partial_sum": (lambda T: flow.ones_like(T("x", S0).sum(0)), B),
+    "softmax_rows_of_split": (lambda T: flow.softmax(T("x", S0), 1), S0),
+    "log_softmax_along_the_split": (lambda T: flow.log_softmax(T("x", S0), 0), B),
+    # the mean divides a partial sum of losses by a partial count: all-reduced before the division
+    "cross_entropy_split_rows": (lambda T: flow.nn.functional.cross_entropy(T("x", S0), T("labels", S0)), B),
+    "cross_entropy_input_grad": (lambda T: _input_grad(lambda x: flow.nn.functional.cross_entropy(x, T("labels", S0)),
+                                                       T("x", S0)), S0),
     # 3 rows over 4 ranks: the last rank's piece is empty
     "uneven_pieces": (lambda T: flow.matmul(flow.exp(T("r3", S0)), T("w", B)).mean(0) + T("r3", S0).amax(1).sum(),
                       flow.sbp.partial_sum),
 }
+
+
+def _input_grad(loss_of, x):
+    """The gradient of loss_of(x) with respect to x."""
+    x.requires_grad = True
+    loss_of(x).backward()
+    return x.grad
 
 
 def case_tensor(data, placement):
