@@ -1,0 +1,297 @@
+"""Pipeline parallelism: `set_stage(stage_id, placement)` on the modules of an nn.Graph.
+
+Every rank traces the whole step (all micro-batches of `set_gradient_accumulation_steps(n)`,
+their backward passes and the optimizer update) and keeps the part of its own stage:
+
+* **Stages of nodes.** A node traced inside a staged module (the longest staged module path
+  that prefixes its scope) runs on that stage; a backward node on the stage of the module it
+  differentiates (scope `<module path>.backward`). Other nodes follow their operands: a forward
+  node the latest stage among them, a backward node the earliest, an optimizer-update node the
+  one stage of its gradient. A node that reads no staged value (a constant, a slice of an input,
+  a learning rate) belongs to no stage and is kept on every rank (dead-code elimination drops it
+  where nothing reads it).
+* **Transfers.** A value made on stage a and read on stage b gets a `send` on a's rank right
+  after it is made and a `recv` on b's rank right before its first reader (ops in
+  distributed/collectives.py: the activation goes forward, its gradient backward). Each
+  transfer has its own MPI tag, the same on every rank because every rank traced the same step.
+* **Schedule: 1F1B.** The micro-batches' forward (F) and backward (B) node groups are ordered
+  per stage as one-forward-one-backward: stage s of S runs min(S - 1 - s, n) forwards first,
+  then alternates F and B, then the remaining backwards; then the optimizer update of its own
+  parameters (after the last micro-batch). Sends never block, so the ranks never wait in a cycle.
+* **Outputs** (the per-micro-batch losses, stacked) are computed on the stage that makes them
+  and sent to every other rank: every rank returns the same values (OneFlow returns them on the
+  last stage's placement).
+* **Parameters and optimizer slots** live on the rank of their stage; there the graph updates
+  them. The other ranks' copies are refreshed from the owner by an MPI broadcast when eager code
+  reads them, so every rank must read them together (as `graph.state_dict()` or a loop over
+  `model.parameters()` on every rank does), like ZeRO's sharded slots.
+
+Refused, naming the module and stage: stages without a placement or on several ranks (data
+parallelism inside a stage), two stages on one rank, a world with more ranks than stages,
+pipelines with data-parallel inputs, a value flowing from a later stage back to an earlier one in
+the forward pass, a parameter read on two stages, an update mixing stages (gradient clipping by a
+global norm, a dynamic GradScaler), random ops (their Philox offsets would differ per rank).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.distributed import env
+from flowgen.distributed.collectives import world
+from flowgen.ir.graph import NameGen, Node, Value
+from flowgen.passes.autodiff import next_value_index
+from flowgen.passes.simplify import impure
+
+MAX_TAG = 32767   # the largest tag MPI guarantees
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    stage_of_path: dict     # staged module path -> stage id
+    ranks: tuple            # stage id -> its rank
+    stage: int              # this rank's stage
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.ranks)
+
+    def stage_of_scope(self, scope: str):
+        """The stage of the innermost staged module on `scope`, or None."""
+        best = None
+        for path, stage in self.stage_of_path.items():
+            if (scope == path or scope.startswith(path + ".")) and (best is None or len(path) > len(best[0])):
+                best = (path, stage)
+        return None if best is None else best[1]
+
+
+def pipeline_of(graph, data_parallel):
+    """The graph's Pipeline on this rank, or None (no set_stage, or a process started alone)."""
+    staged = {path: m for path, m in graph._module_configs.items() if m.stage_id is not None}
+    world_size = env.get_world_size()
+    if not staged or world_size == 1:
+        return None
+    first = next(iter(staged))
+    if data_parallel is not None:
+        raise NotImplementedError(f"{graph.name}: set_stage on {first} (stage {staged[first].stage_id}) in a "
+                                  f"data-parallel graph (inputs split by flow.sbp.split(0) or a "
+                                  f"DistributedDataParallel module): flowgen pipelines do not combine with data "
+                                  f"parallelism yet; pass local tensors, every stage on one rank")
+    rank_of = {}
+    for path, m in staged.items():
+        ranks = None if m.stage_placement is None else list(m.stage_placement.ranks)
+        if ranks is None or len(ranks) != 1:
+            raise NotImplementedError(f"{graph.name}: set_stage on {path} (stage {m.stage_id}) with placement "
+                                      f"{m.stage_placement!r}: flowgen runs each pipeline stage on exactly one rank "
+                                      f"(no data parallelism inside a stage); give flow.placement(type, ranks=[r])")
+        if rank_of.setdefault(m.stage_id, ranks[0]) != ranks[0]:
+            raise ValueError(f"{graph.name}: set_stage on {path}: stage {m.stage_id} is on rank {rank_of[m.stage_id]} "
+                             f"for another module but on rank {ranks[0]} here")
+    stages = sorted(rank_of)
+    if stages != list(range(len(stages))):
+        raise ValueError(f"{graph.name}: set_stage ids must be 0, 1, ..., got {stages}")
+    ranks = tuple(rank_of[s] for s in stages)
+    if len(set(ranks)) != len(ranks) or len(ranks) != world_size:
+        raise NotImplementedError(f"{graph.name}: set_stage gives stages {stages} the ranks {list(ranks)} in a world "
+                                  f"of {world_size}: flowgen runs one stage per rank, every rank one stage")
+    return Pipeline({path: m.stage_id for path, m in staged.items()}, ranks, ranks.index(env.get_rank()))
+
+
+# ----------------------------------------------------------------- stages
+def _is_backward(node) -> bool:
+    return node.scope == "backward" or node.scope.endswith(".backward")
+
+
+def _phases(ir, micro_ends: list) -> list:
+    """Per node: ("F" | "B", micro-batch) or ("U", None) for what follows the last micro-batch."""
+    out, start = [], 0
+    for j, end in enumerate(micro_ends):
+        first_backward = next((i for i in range(start, end) if _is_backward(ir.nodes[i])), end)
+        out += [("F", j) if i < first_backward else ("B", j) for i in range(start, end)]
+        start = end
+    return out + [("U", None)] * (len(ir.nodes) - start)
+
+
+def _state_stages(graph_name, ir, pipeline) -> dict:
+    """Parameter and buffer Value -> its stage (that of the staged module owning it)."""
+    out = {}
+    for s in ir.state:
+        if s.kind in ("param", "buffer"):
+            stage = pipeline.stage_of_scope(s.name)
+            if stage is None:
+                raise NotImplementedError(f"{graph_name}: {s.kind} {s.name} belongs to no module with set_stage; "
+                                          f"every parameter and buffer of a pipelined graph needs a stage "
+                                          f"(call set_stage on its module or a parent)")
+            out[s.value] = stage
+    return out
+
+
+def _node_stages(graph_name, ir, pipeline, phases) -> dict:
+    """Value -> stage (None: made on every rank) for every value of the IR."""
+    home = _state_stages(graph_name, ir, pipeline)
+    state_names = {s.value: s.name for s in ir.state}
+    for node, (phase, _j) in zip(ir.nodes, phases):
+        if impure(node.op):
+            raise NotImplementedError(f"{graph_name}: {node.op} in {node.scope or 'build()'} in a pipelined graph: "
+                                      f"random ops would draw other numbers than on one device; remove dropout "
+                                      f"and random ops or set_stage")
+        operands = {home[v] for v in node.inputs if home.get(v) is not None}
+        own = pipeline.stage_of_scope(node.scope[:-len(".backward")] if node.scope.endswith(".backward")
+                                      else node.scope)
+        if phase == "F" and own is not None and operands and max(operands) > own:
+            raise NotImplementedError(f"{graph_name}: {node.scope} (stage {own}) reads a value computed on stage "
+                                      f"{max(operands)} in the forward pass; stages must follow the data flow")
+        if phase == "U" and own is None and len(operands) > 1:
+            raise NotImplementedError(f"{graph_name}: {node.op} in {node.scope} combines values of stages "
+                                      f"{sorted(operands)} after the micro-batches (gradient clipping by a global "
+                                      f"norm, a dynamic GradScaler): not supported in a pipelined graph")
+        stage = own if own is not None else (
+            None if not operands else min(operands) if phase == "B" else max(operands))
+        for v in node.inputs:
+            if v in state_names and home.get(v) is not None and home[v] != stage:
+                raise NotImplementedError(f"{graph_name}: {state_names[v]} (stage {home[v]}) is read on stage {stage} "
+                                          f"by {node.op} in {node.scope or 'build()'}; a parameter is used by one "
+                                          f"stage only")
+        for v in node.outputs:
+            home[v] = stage
+    return home
+
+
+def _order(stage: int, num_stages: int, steps: int) -> list:
+    """The 1F1B order of (phase, micro-batch) groups on `stage`, then the update."""
+    warmup = min(num_stages - 1 - stage, steps)
+    order = [("F", j) for j in range(warmup)]
+    for j in range(steps - warmup):
+        order += [("F", warmup + j), ("B", j)]
+    return order + [("B", j) for j in range(steps - warmup, steps)] + [("U", None)]
+
+
+# ---------------------------------------------------------------- the split
+@dataclass
+class StageProgram:
+    """What one rank runs of a pipelined step: the IR of its stage (with send/recv nodes) and the
+    state other stages update (refreshed from their rank when eager code reads it)."""
+    ir: object
+    num_user_outputs: int       # the IR's outputs after these are send tokens (kept alive)
+    foreign: dict               # state name -> rank that updates it
+    owned: list                 # names of state this rank updates
+    shared: dict = None         # name -> (state Value here or None, eager Tensor) of foreign + owned state
+
+    def user_structure(self, structure):
+        """The build() output structure over the user outputs (the send tokens are left out)."""
+        return lambda tensors: structure(tensors[:self.num_user_outputs])
+
+    def keep_bindings(self, full_ir, bindings: list, host_scalars: list) -> tuple:
+        """(bindings, host scalars) of the state this rank's IR keeps; remembers the tensors of
+        the state the stages update, which `after_step` shares between the ranks."""
+        kept = {s.value for s in self.ir.state}
+        name = {s.value: s.name for s in full_ir.state}
+        self.shared = {name[v]: (v if v in kept else None, t) for v, t in bindings
+                       if name[v] in self.foreign or name[v] in self.owned}
+        return [(v, t) for v, t in bindings if v in kept], [(v, h) for v, h in host_scalars if v in kept]
+
+    def after_step(self, compiled):
+        """Sends are complete; state a stage updates is read from its rank: a tensor whose array eager
+        code holds (`.numpy()`) on any rank is broadcast now, the others when eager code reads them
+        (on every rank together)."""
+        comm = world()
+        comm.wait_sends()
+        names = sorted(self.shared)
+        holds = np.array([self.shared[n][1]._storage_shared for n in names], np.int32)
+        holds = comm.all_reduce([holds], "sum")[0] if names else holds
+        for name, now in zip(names, holds):
+            value, tensor = self.shared[name]
+            root = self.foreign.get(name, comm.rank)
+
+            def refresh(t, value=value, root=root):
+                local = compiled.executor.read_value(value) if root == comm.rank else t._data
+                t._data[...] = comm.broadcast(np.asarray(local).reshape(t._data.shape), root=root)
+
+            if now:
+                tensor._sync_from_device = None
+                refresh(tensor)
+            else:
+                tensor._sync_from_device = refresh
+
+
+def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
+    """This rank's part of the traced step `ir` (nodes of micro-batch j end before
+    `micro_ends[j]`; the optimizer update follows), with send/recv at the stage boundaries."""
+    phases = _phases(ir, micro_ends)
+    home = _node_stages(graph_name, ir, pipeline, phases)
+    producer_index = {v: i for i, n in enumerate(ir.nodes) for v in n.outputs}
+    readers: dict = {}
+    for node in ir.nodes:
+        for v in node.inputs:
+            if home.get(node.outputs[0]) is not None:
+                readers.setdefault(v, set()).add(home[node.outputs[0]])
+    for v in ir.outputs:
+        readers.setdefault(v, set()).update(range(pipeline.num_stages))
+    # Every (value, reading stage) pair across stages, numbered in trace order: the MPI tags.
+    transfers = sorted(((v, b) for v, stages in readers.items() if home.get(v) is not None
+                        for b in stages if b != home[v]), key=lambda t: (producer_index.get(t[0], -1), t[1]))
+    if len(transfers) > MAX_TAG:
+        raise NotImplementedError(f"{graph_name}: {len(transfers)} transfers between pipeline stages exceed MPI's "
+                                  f"{MAX_TAG} tags")
+    tag = {t: k for k, t in enumerate(transfers)}
+    me, ranks = pipeline.stage, pipeline.ranks
+    names = NameGen(start=next_value_index(ir))
+    groups: dict = {}
+    for node, phase in zip(ir.nodes, phases):
+        groups.setdefault(phase, []).append(node)
+    nodes, tokens, received = [], [], set()
+
+    def receive(v):
+        if v not in received and home.get(v) not in (None, me) and v in producer_index:
+            nodes.append(Node("recv", [], [v], {"shape": tuple(v.shape), "dtype": v.dtype,
+                                                 "source": ranks[home[v]], "tag": tag[(v, me)]},
+                              f"pipeline.recv.stage{home[v]}", ""))
+            received.add(v)
+
+    def send(v, scope):
+        for (value, b), k in tag.items():
+            if value is v:
+                token = Value(names(), (), dt.float32)
+                nodes.append(Node("send", [v], [token], {"dest": ranks[b], "tag": k}, f"{scope or 'outputs'}.send.stage{b}", ""))
+                tokens.append(token)
+
+    for phase in _order(me, pipeline.num_stages, len(micro_ends)):
+        for node in groups.get(phase, []):
+            stage = home.get(node.outputs[0])
+            if stage not in (None, me):
+                continue
+            for v in node.inputs:
+                receive(v)
+            nodes.append(node)
+            if stage == me:
+                for v in node.outputs:
+                    send(v, node.scope)
+    for v in ir.outputs:
+        receive(v)
+    foreign, owned, updates = {}, [], []
+    for name, v in ir.updates:
+        if home.get(v) in (None, me):
+            updates.append((name, v))
+        if home.get(v) == me:
+            owned.append(name)
+        elif home.get(v) is not None:
+            foreign[name] = ranks[home[v]]
+    _check_order(graph_name, ir, nodes)
+    used = {v for n in nodes for v in n.inputs} | {v for _, v in updates}
+    state = [s for s in ir.state if s.value in used or s.name in dict(updates)]
+    out = ir.copy_with(nodes=nodes, state=state, updates=updates, outputs=list(ir.outputs) + tokens)
+    return StageProgram(out, len(ir.outputs), foreign, owned)
+
+
+def _check_order(graph_name, ir, nodes):
+    """Every value is made before it is read (the 1F1B order moved whole micro-batch groups)."""
+    made = set(ir.inputs) | {s.value for s in ir.state}
+    for node in nodes:
+        missing = [v for v in node.inputs if v not in made]
+        if missing:
+            raise NotImplementedError(f"{graph_name}: {node.op} in {node.scope or 'build()'} reads {missing[0]!r}, "
+                                      f"which the pipeline schedule computes later (a value shared between "
+                                      f"micro-batches?); not supported in a pipelined graph")
+        made.update(node.outputs)
