@@ -22,9 +22,9 @@ their backward passes and the optimizer update) and keeps the part of its own st
   and sent to every other rank: every rank returns the same values (OneFlow returns them on the
   last stage's placement).
 * **Parameters and optimizer slots** live on the rank of their stage; there the graph updates
-  them. The other ranks' copies are refreshed from the owner by an MPI broadcast when eager code
-  reads them, so every rank must read them together (as `graph.state_dict()` or a loop over
-  `model.parameters()` on every rank does), like ZeRO's sharded slots.
+  them. After each step every rank takes every stage's new values from the stage's rank (one
+  broadcast per stage), so eager code (`graph.state_dict()`, `p.numpy()`) and other graphs read
+  the trained values on any rank, at the cost of sending the parameters and slots once per step.
 
 Refused, naming the module and stage: stages without a placement or on several ranks (data
 parallelism inside a stage), two stages on one rank, a world with more ranks than stages,
@@ -115,15 +115,17 @@ def _phases(ir, micro_ends: list) -> list:
 
 
 def _state_stages(graph_name, ir, pipeline) -> dict:
-    """Parameter and buffer Value -> its stage (that of the staged module owning it)."""
+    """State Value -> its stage: that of the staged module owning the parameter or buffer, or
+    the parameter of an optimizer slot (named after it). Other state (hyper-parameters, a free
+    eager tensor build() reads) is on every rank."""
     out = {}
     for s in ir.state:
-        if s.kind in ("param", "buffer"):
-            stage = pipeline.stage_of_scope(s.name)
-            if stage is None:
-                raise NotImplementedError(f"{graph_name}: {s.kind} {s.name} belongs to no module with set_stage; "
-                                          f"every parameter and buffer of a pipelined graph needs a stage "
-                                          f"(call set_stage on its module or a parent)")
+        stage = pipeline.stage_of_scope(s.name) if s.kind in ("param", "buffer", "optim") else None
+        if stage is None and s.kind == "param":
+            raise NotImplementedError(f"{graph_name}: parameter {s.name} belongs to no module with set_stage; "
+                                      f"every parameter of a pipelined graph needs a stage (call set_stage on its "
+                                      f"module or a parent)")
+        if stage is not None:
             out[s.value] = stage
     return out
 
@@ -172,7 +174,7 @@ def _order(stage: int, num_stages: int, steps: int) -> list:
 @dataclass
 class StageProgram:
     """What one rank runs of a pipelined step: the IR of its stage (with send/recv nodes) and the
-    state other stages update (refreshed from their rank when eager code reads it)."""
+    state the stages update (every rank takes it from its stage's rank after a step)."""
     ir: object
     num_user_outputs: int       # the IR's outputs after these are send tokens (kept alive)
     foreign: dict               # state name -> rank that updates it
@@ -193,27 +195,36 @@ class StageProgram:
         return [(v, t) for v, t in bindings if v in kept], [(v, h) for v, h in host_scalars if v in kept]
 
     def after_step(self, compiled):
-        """Sends are complete; state a stage updates is read from its rank: a tensor whose array eager
-        code holds (`.numpy()`) on any rank is broadcast now, the others when eager code reads them
-        (on every rank together)."""
+        """Sends are complete; every rank takes each stage's new parameters, buffers and optimizer
+        slots from that stage's rank (one broadcast per stage), so eager code and other graphs read
+        them on any rank."""
         comm = world()
         comm.wait_sends()
-        names = sorted(self.shared)
-        holds = np.array([self.shared[n][1]._storage_shared for n in names], np.int32)
-        holds = comm.all_reduce([holds], "sum")[0] if names else holds
-        for name, now in zip(names, holds):
-            value, tensor = self.shared[name]
-            root = self.foreign.get(name, comm.rank)
-
-            def refresh(t, value=value, root=root):
-                local = compiled.executor.read_value(value) if root == comm.rank else t._data
-                t._data[...] = comm.broadcast(np.asarray(local).reshape(t._data.shape), root=root)
-
-            if now:
-                tensor._sync_from_device = None
-                refresh(tensor)
+        owners = sorted(set(self.foreign.values()) | ({comm.rank} if self.owned else set()))
+        for root in owners:
+            names = sorted(n for n in self.shared if self.foreign.get(n, comm.rank) == root)
+            if root == comm.rank:
+                arrays = [compiled.executor.read_value(self.shared[n][0]) for n in names]
             else:
-                tensor._sync_from_device = refresh
+                arrays = [self.shared[n][1]._data for n in names]
+            for name, array in zip(names, _broadcast_arrays(comm, arrays, root)):
+                tensor = self.shared[name][1]
+                tensor._sync_from_device = None
+                tensor._data[...] = array.reshape(tensor._data.shape)
+                if root != comm.rank:
+                    tensor._version += 1    # another graph holding it on this rank uploads it again
+
+
+def _broadcast_arrays(comm, arrays: list, root: int) -> list:
+    """`arrays` of rank `root` on every rank, in one MPI call (packed as bytes)."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    packed = comm.broadcast(np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays] or
+                                           [np.zeros(0, np.uint8)]), root=root)
+    out, offset = [], 0
+    for a in arrays:
+        out.append(packed[offset:offset + a.nbytes].view(a.dtype).reshape(a.shape))
+        offset += a.nbytes
+    return out
 
 
 def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
@@ -221,21 +232,46 @@ def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
     `micro_ends[j]`; the optimizer update follows), with send/recv at the stage boundaries."""
     phases = _phases(ir, micro_ends)
     home = _node_stages(graph_name, ir, pipeline, phases)
-    producer_index = {v: i for i, n in enumerate(ir.nodes) for v in n.outputs}
+    readers = _readers(ir, home, pipeline.num_stages)
+    sends = _transfers(graph_name, ir, home, readers)
+    nodes, tokens = _stage_nodes(ir, home, phases, sends, pipeline, len(micro_ends))
+    _check_order(graph_name, ir, nodes)
+    updates, foreign, owned = _stage_updates(graph_name, ir, home, readers, pipeline)
+    used = {v for n in nodes for v in n.inputs} | {v for _, v in updates}
+    kept = [s for s in ir.state if s.value in used or s.name in dict(updates)]
+    out = ir.copy_with(nodes=nodes, state=kept, updates=updates, outputs=list(ir.outputs) + tokens)
+    return StageProgram(out, len(ir.outputs), foreign, owned)
+
+
+def _readers(ir, home: dict, num_stages: int) -> dict:
+    """Value -> the stages of the nodes reading it (None: a node on every rank); every stage
+    reads the outputs."""
     readers: dict = {}
     for node in ir.nodes:
         for v in node.inputs:
-            if home.get(node.outputs[0]) is not None:
-                readers.setdefault(v, set()).add(home[node.outputs[0]])
+            readers.setdefault(v, set()).add(home.get(node.outputs[0]))
     for v in ir.outputs:
-        readers.setdefault(v, set()).update(range(pipeline.num_stages))
-    # Every (value, reading stage) pair across stages, numbered in trace order: the MPI tags.
-    transfers = sorted(((v, b) for v, stages in readers.items() if home.get(v) is not None
-                        for b in stages if b != home[v]), key=lambda t: (producer_index.get(t[0], -1), t[1]))
-    if len(transfers) > MAX_TAG:
-        raise NotImplementedError(f"{graph_name}: {len(transfers)} transfers between pipeline stages exceed MPI's "
+        readers.setdefault(v, set()).update(range(num_stages))
+    return readers
+
+
+def _transfers(graph_name, ir, home: dict, readers: dict) -> dict:
+    """Value -> [(reading stage, MPI tag)] for each value read on another stage than its own.
+    The tags number the transfers in trace order: the same on every rank."""
+    order = {v: i for i, n in enumerate(ir.nodes) for v in n.outputs}
+    pairs = sorted(((v, b) for v, stages in readers.items() if home.get(v) is not None and v in order
+                    for b in stages if b not in (None, home[v])), key=lambda t: (order[t[0]], t[1]))
+    if len(pairs) > MAX_TAG:
+        raise NotImplementedError(f"{graph_name}: {len(pairs)} transfers between pipeline stages exceed MPI's "
                                   f"{MAX_TAG} tags")
-    tag = {t: k for k, t in enumerate(transfers)}
+    sends: dict = {}
+    for tag, (v, b) in enumerate(pairs):
+        sends.setdefault(v, []).append((b, tag))
+    return sends
+
+
+def _stage_nodes(ir, home: dict, phases: list, sends: dict, pipeline, steps: int) -> tuple:
+    """(this stage's nodes in 1F1B order with send/recv nodes, the sends' tokens)."""
     me, ranks = pipeline.stage, pipeline.ranks
     names = NameGen(start=next_value_index(ir))
     groups: dict = {}
@@ -244,20 +280,19 @@ def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
     nodes, tokens, received = [], [], set()
 
     def receive(v):
-        if v not in received and home.get(v) not in (None, me) and v in producer_index:
-            nodes.append(Node("recv", [], [v], {"shape": tuple(v.shape), "dtype": v.dtype,
-                                                 "source": ranks[home[v]], "tag": tag[(v, me)]},
-                              f"pipeline.recv.stage{home[v]}", ""))
+        if v not in received and home.get(v) not in (None, me) and v in sends:
+            tag = dict(sends[v])[me]
+            attrs = {"shape": tuple(v.shape), "dtype": v.dtype, "source": ranks[home[v]], "tag": tag}
+            nodes.append(Node("recv", [], [v], attrs, f"pipeline.recv_from_stage{home[v]}", ""))
             received.add(v)
 
     def send(v, scope):
-        for (value, b), k in tag.items():
-            if value is v:
-                token = Value(names(), (), dt.float32)
-                nodes.append(Node("send", [v], [token], {"dest": ranks[b], "tag": k}, f"{scope or 'outputs'}.send.stage{b}", ""))
-                tokens.append(token)
+        for b, tag in sends.get(v, ()):
+            tokens.append(Value(names(), (), dt.float32))
+            nodes.append(Node("send", [v], [tokens[-1]], {"dest": ranks[b], "tag": tag},
+                              f"{scope or 'outputs'}.send_to_stage{b}", ""))
 
-    for phase in _order(me, pipeline.num_stages, len(micro_ends)):
+    for phase in _order(me, pipeline.num_stages, steps):
         for node in groups.get(phase, []):
             stage = home.get(node.outputs[0])
             if stage not in (None, me):
@@ -270,19 +305,27 @@ def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
                     send(v, node.scope)
     for v in ir.outputs:
         receive(v)
-    foreign, owned, updates = {}, [], []
+    return nodes, tokens
+
+
+def _stage_updates(graph_name, ir, home: dict, readers: dict, pipeline) -> tuple:
+    """(the state updates this rank makes, {state name: rank updating it} of the other stages',
+    names of the state this stage updates)."""
+    me, ranks = pipeline.stage, pipeline.ranks
+    state = {s.name: s.value for s in ir.state}
+    updates, foreign, owned = [], {}, []
     for name, v in ir.updates:
-        if home.get(v) in (None, me):
+        stage = home.get(v)
+        if home.get(state[name]) is None and stage is not None and readers.get(state[name], set()) - {stage}:
+            raise NotImplementedError(f"{graph_name}: {name} belongs to no stage but stage {stage} updates it "
+                                      f"while other stages read it too; give its module a stage")
+        if stage in (None, me):
             updates.append((name, v))
-        if home.get(v) == me:
+        if stage == me:
             owned.append(name)
-        elif home.get(v) is not None:
-            foreign[name] = ranks[home[v]]
-    _check_order(graph_name, ir, nodes)
-    used = {v for n in nodes for v in n.inputs} | {v for _, v in updates}
-    state = [s for s in ir.state if s.value in used or s.name in dict(updates)]
-    out = ir.copy_with(nodes=nodes, state=state, updates=updates, outputs=list(ir.outputs) + tokens)
-    return StageProgram(out, len(ir.outputs), foreign, owned)
+        elif stage is not None:
+            foreign[name] = ranks[stage]
+    return updates, foreign, owned
 
 
 def _check_order(graph_name, ir, nodes):

@@ -1,10 +1,11 @@
 """One rank of the pipeline tests in tests/test_distributed.py (run by mpiexec).
 
-`python pipeline_worker.py OUTDIR SCENARIO...`: trains a small MLP whose two halves are pipeline
-stages (`set_stage(0, rank 0)`, `set_stage(1, rank 1)`) with gradient accumulation, and saves on
+`python pipeline_worker.py OUTDIR SCENARIO...`: trains a small MLP cut into 2 or 3 pipeline stages
+(`set_stage(s, placement on rank s)`) with gradient accumulation, and saves on
 every rank OUTDIR/SCENARIO_rank{R}.npz: the per-call losses (every rank gets them), the final
-parameters (read on every rank together: each comes from its stage's rank), the send/recv ops of
-this rank's program and, for "unsupported", what must be refused. `train(SCENARIO, staged=False)`
+parameters and optimizer slots (every rank holds all stages' after a step), the prediction of a
+pipelined inference graph, the send/recv ops of this rank's training program and, for
+"unsupported", what must be refused. `train(SCENARIO, staged=False)`
 in one process is the reference: the same graph on one device.
 """
 from __future__ import annotations
@@ -17,34 +18,45 @@ import flowgen as flow
 from flowgen.nn.graph import GraphModule
 
 STEPS = 3
-BATCH = 8
+BATCH = 12
 
-SCENARIOS = {   # name: (optimizer, gradient accumulation steps)
-    "sgd_acc2": ("sgd", 2),
-    "adam_acc4": ("adam", 4),
+SCENARIOS = {   # name: (stages = ranks, optimizer, gradient accumulation steps)
+    "sgd_acc2": (2, "sgd", 2),
+    "adam_acc4": (2, "adam", 4),
+    "three_stages_adam_acc3": (3, "adam", 3),
 }
 
 
 class MLP(flow.nn.Module):
-    def __init__(self):
+    """Two stages: Linear-ReLU | Linear-Tanh-Linear. Three: Linear-ReLU | Linear-Tanh | Linear, whose
+    input adds stage 0's output to stage 1's (an op outside the staged modules: it runs on the
+    stage of its latest operand, 1, and stage 0's output reaches both stage 1 and, backward, the
+    gradient accumulation of two paths)."""
+
+    def __init__(self, num_stages: int = 2):
         super().__init__()
         self.stage0 = flow.nn.Sequential(flow.nn.Linear(6, 16), flow.nn.ReLU())
-        self.stage1 = flow.nn.Sequential(flow.nn.Linear(16, 16), flow.nn.Tanh(), flow.nn.Linear(16, 3))
+        tail = [flow.nn.Linear(16, 16), flow.nn.Tanh(), flow.nn.Linear(16, 3)]
+        if num_stages == 2:
+            self.stage1 = flow.nn.Sequential(*tail)
+        else:
+            self.stage1, self.stage2 = flow.nn.Sequential(*tail[:2]), tail[2]
 
     def forward(self, x):
-        return self.stage1(self.stage0(x))
+        h = self.stage0(x)
+        return self.stage1(h) if not hasattr(self, "stage2") else self.stage2(self.stage1(h) + h)
 
 
-def make_graph(model, optimizer, accumulation: int, staged: bool):
+def make_graph(model, optimizer, accumulation: int, staged: bool, num_stages: int = 2):
     class PipelineGraph(flow.nn.Graph):
         def __init__(self):
             super().__init__()
             self.model, self.loss_fn = model, flow.nn.MSELoss()
             self.add_optimizer(optimizer)
             self.config.set_gradient_accumulation_steps(accumulation)
-            if staged:
-                self.model.stage0.to(GraphModule).set_stage(stage_id=0, placement=flow.placement("cpu", ranks=[0]))
-                self.model.stage1.to(GraphModule).set_stage(stage_id=1, placement=flow.placement("cpu", ranks=[1]))
+            for s in range(num_stages if staged else 0):
+                getattr(self.model, f"stage{s}").to(GraphModule).set_stage(
+                    stage_id=s, placement=flow.placement("cpu", ranks=[s]))
 
         def build(self, x, y):
             loss = self.loss_fn(self.model(x), y)
@@ -54,6 +66,20 @@ def make_graph(model, optimizer, accumulation: int, staged: bool):
     return PipelineGraph()
 
 
+def make_eval_graph(model, staged: bool, num_stages: int):
+    class EvalGraph(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            for s in range(num_stages if staged else 0):
+                getattr(self.model, f"stage{s}").to(GraphModule).set_stage(s, flow.placement("cpu", ranks=[s]))
+
+        def build(self, x):
+            return self.model(x)
+
+    return EvalGraph()
+
+
 def batches():
     rng = np.random.default_rng(2)
     return (rng.standard_normal((STEPS, BATCH, 6)).astype(np.float32),
@@ -61,18 +87,21 @@ def batches():
 
 
 def train(scenario: str, staged: bool) -> dict:
-    opt_kind, accumulation = SCENARIOS[scenario]
+    num_stages, opt_kind, accumulation = SCENARIOS[scenario]
     flow.manual_seed(0)
-    model = MLP()
+    model = MLP(num_stages)
     optimizer = (flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
                  else flow.optim.Adam(model.parameters(), lr=0.01))
-    graph = make_graph(model, optimizer, accumulation, staged)
+    graph = make_graph(model, optimizer, accumulation, staged, num_stages)
     xs, ys = batches()
     losses = [graph(flow.tensor(xs[s]), flow.tensor(ys[s])).numpy().copy() for s in range(STEPS)]
+    # A pipelined inference graph on the trained parameters: no backward, a [batch, 3] output.
+    prediction = make_eval_graph(model, staged, num_stages)(flow.tensor(xs[0])).numpy().copy()
     params = {name: p.numpy().copy() for name, p in model.named_parameters()}
+    slots = {k: v.numpy().copy() for k, v in graph.state_dict().items() if isinstance(v, flow.Tensor)}
     transfers = [k.ops[0] for k in graph.compiled.program.kernels if k.collective]
-    return {"losses": np.array(losses), "transfers": np.array(transfers, dtype=str),
-            **{f"param.{name}": p for name, p in params.items()}}
+    return {"losses": np.array(losses), "prediction": prediction, "transfers": np.array(transfers, dtype=str),
+            **{f"param.{name}": p for name, p in params.items()}, **{f"slot.{k}": v for k, v in slots.items()}}
 
 
 def unsupported() -> dict:

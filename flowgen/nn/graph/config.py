@@ -14,7 +14,9 @@ Every option acts or says why it cannot:
   (memory/search.py) instead of one greedy pass.
 * `enable_zero` and `GraphModule.set_stage` shard or pipeline across ranks; in a process started
   alone (world size 1) they warn that they have no effect. On several ranks a data-parallel graph
-  shards with ZeRO stage 1 or 2 (passes/zero.py); stage 3 and set_stage raise when compiling.
+  shards with ZeRO stage 1 or 2 (passes/zero.py; stage 3 raises when compiling), and set_stage
+  runs each stage on its rank, the micro-batches of `set_gradient_accumulation_steps` in 1F1B
+  order (distributed/pipeline.py).
 * `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
   outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
 """
