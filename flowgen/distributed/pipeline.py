@@ -185,6 +185,16 @@ class StageProgram:
         """The build() output structure over the user outputs (the send tokens are left out)."""
         return lambda tensors: structure(tensors[:self.num_user_outputs])
 
+    def check_transfer_order(self, ir):
+        """The passes kept this rank's sends and recvs in the planned order (the other ranks rely
+        on it: a recv moved before a send could wait forever); raises otherwise."""
+        def transfers(graph):
+            return [(n.op, n.attrs["tag"]) for n in graph.nodes if n.op in ("send", "recv")]
+
+        if transfers(ir) != transfers(self.ir):
+            raise RuntimeError(f"{ir.name}: the passes reordered the pipeline's sends and recvs on this rank; "
+                               f"ranks would wait on each other (a bug: please report it)")
+
     def keep_bindings(self, full_ir, bindings: list, host_scalars: list) -> tuple:
         """(bindings, host scalars) of the state this rank's IR keeps; remembers the tensors of
         the state the stages update, which `after_step` shares between the ranks."""

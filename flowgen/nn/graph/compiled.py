@@ -421,6 +421,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     checkpointed = [path for path, options in graph._module_configs.items() if options.activation_checkpointing]
     passes = default_passes(graph.config, checkpointed)
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
+    if stage_program is not None:
+        stage_program.check_transfer_order(ir)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
     progress.stage("codegen")
