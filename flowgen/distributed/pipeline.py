@@ -243,7 +243,7 @@ def split_stage(graph_name, ir, pipeline, micro_ends: list) -> StageProgram:
     phases = _phases(ir, micro_ends)
     home = _node_stages(graph_name, ir, pipeline, phases)
     readers = _readers(ir, home, pipeline.num_stages)
-    sends = _transfers(graph_name, ir, home, readers)
+    sends = _transfers(graph_name, ir, home, readers, phases)
     nodes, tokens = _stage_nodes(ir, home, phases, sends, pipeline, len(micro_ends))
     _check_order(graph_name, ir, nodes)
     updates, foreign, owned = _stage_updates(graph_name, ir, home, readers, pipeline)
@@ -265,12 +265,20 @@ def _readers(ir, home: dict, num_stages: int) -> dict:
     return readers
 
 
-def _transfers(graph_name, ir, home: dict, readers: dict) -> dict:
+def _transfers(graph_name, ir, home: dict, readers: dict, phases: list) -> dict:
     """Value -> [(reading stage, MPI tag)] for each value read on another stage than its own.
-    The tags number the transfers in trace order: the same on every rank."""
+    The tags number the transfers in trace order: the same on every rank. Gradients flow to
+    earlier stages only (the 1F1B order relies on it)."""
     order = {v: i for i, n in enumerate(ir.nodes) for v in n.outputs}
     pairs = sorted(((v, b) for v, stages in readers.items() if home.get(v) is not None and v in order
                     for b in stages if b not in (None, home[v])), key=lambda t: (order[t[0]], t[1]))
+    for v, b in pairs:
+        node = ir.nodes[order[v]]
+        if phases[order[v]][0] == "B" and b > home[v] and v not in ir.outputs:
+            raise NotImplementedError(f"{graph_name}: {node.op} in {node.scope} (backward, stage {home[v]}) makes a "
+                                      f"value that stage {b} reads: in a pipelined graph gradients flow to earlier "
+                                      f"stages only; move the op that {node.scope or 'build()'} differentiates into "
+                                      f"a staged module")
     if len(pairs) > MAX_TAG:
         raise NotImplementedError(f"{graph_name}: {len(pairs)} transfers between pipeline stages exceed MPI's "
                                   f"{MAX_TAG} tags")
