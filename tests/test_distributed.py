@@ -417,3 +417,7 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
         assert "stages [0, 1, 2] the ranks [0, 1, 1]" in str(messages["three_stages_on_two_ranks"])
         assert "parameter model.stage1.2.weight belongs to no module with set_stage" in str(
             messages["parameter_without_stage"])
+        assert "model.stage1.0 (stage 0) reads a value computed on stage 1 in the forward pass" in str(
+            messages["forward_to_an_earlier_stage"])
+        assert "combines values of stages [0, 1] after the micro-batches (gradient clipping by a global norm" in str(
+            messages["clipping_by_the_global_norm"])
