@@ -3,14 +3,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowgen.ops.registry import get_op
+from flowgen.ops.registry import REGISTRY, get_op
 
 
 def impure(op_name: str) -> bool:
     """Ops whose result must not be shared or precomputed: they draw random numbers per call, or
     act beyond their result (a pipeline's send and recv)."""
-    extra = get_op(op_name).extra
-    return bool(extra.get("random") or extra.get("side_effect"))
+    op = REGISTRY.get(op_name)   # None for "fused"
+    return op is not None and bool(op.extra.get("random") or op.extra.get("side_effect"))
 
 
 def dce(graph):
