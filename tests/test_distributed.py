@@ -421,3 +421,4 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
             messages["forward_to_an_earlier_stage"])
         assert "combines values of stages [0, 1] after the micro-batches (gradient clipping by a global norm" in str(
             messages["clipping_by_the_global_norm"])
+        assert "the graph is a pipeline (set_stage)" in str(messages["save"])

@@ -17,7 +17,9 @@ their backward passes and the optimizer update) and keeps the part of its own st
 * **Schedule: 1F1B.** The micro-batches' forward (F) and backward (B) node groups are ordered
   per stage as one-forward-one-backward: stage s of S runs min(S - 1 - s, n) forwards first,
   then alternates F and B, then the remaining backwards; then the optimizer update of its own
-  parameters (after the last micro-batch). Sends never block, so the ranks never wait in a cycle.
+  parameters (after the last micro-batch). Sends never block, gradients flow to earlier stages
+  only, and the passes keep every rank's sends and recvs in this order (checked), so the ranks
+  never wait on each other in a cycle.
 * **Outputs** (the per-micro-batch losses, stacked) are computed on the stage that makes them
   and sent to every other rank: every rank returns the same values (OneFlow returns them on the
   last stage's placement).
@@ -27,10 +29,11 @@ their backward passes and the optimizer update) and keeps the part of its own st
   the trained values on any rank, at the cost of sending the parameters and slots once per step.
 
 Refused, naming the module and stage: stages without a placement or on several ranks (data
-parallelism inside a stage), two stages on one rank, a world with more ranks than stages,
-pipelines with data-parallel inputs, a value flowing from a later stage back to an earlier one in
-the forward pass, a parameter read on two stages, an update mixing stages (gradient clipping by a
-global norm, a dynamic GradScaler), random ops (their Philox offsets would differ per rank).
+parallelism inside a stage), two stages on one rank, ranks without a stage, pipelines with
+data-parallel inputs, a value flowing from a later stage back to an earlier one in the forward
+pass or a backward value to a later stage, a parameter without a stage or read on two stages, an
+update mixing stages (gradient clipping by a global norm, a dynamic GradScaler), random ops
+(their Philox offsets would differ per rank).
 """
 from __future__ import annotations
 

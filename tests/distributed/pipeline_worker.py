@@ -11,6 +11,7 @@ in one process is the reference: the same graph on one device.
 from __future__ import annotations
 
 import sys
+import tempfile
 
 import numpy as np
 
@@ -136,6 +137,13 @@ def unsupported() -> dict:
             messages[what] = "no error"
         except (NotImplementedError, ValueError) as exc:
             messages[what] = str(exc)
+    graph = make_graph(model, flow.optim.SGD(model.parameters(), lr=0.1), 2, staged=True)
+    graph(flow.tensor(xs[0]), flow.tensor(ys[0]))
+    try:
+        flow.save(graph, tempfile.mkdtemp())
+        messages["save"] = "no error"
+    except NotImplementedError as exc:
+        messages["save"] = str(exc)
     return messages
 
 
