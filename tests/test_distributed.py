@@ -268,7 +268,7 @@ def test_zero_equals_plain_data_parallel_with_a_shard_of_the_state_per_rank(requ
 @needs_mpi
 def test_what_flowgen_cannot_split_raises_on_several_ranks(two_ranks):
     messages = np.load(two_ranks / "unsupported.npz")
-    assert "set_stage on model.0 with 2 ranks" in str(messages["set_stage"])
+    assert "set_stage on model.0 (stage 0) in a data-parallel graph" in str(messages["set_stage"])
     assert "needs a data-parallel graph" in str(messages["zero_without_data_parallel"])
     assert "enable_zero(stage=2): the gradient of model.0.weight is also read by" in str(
         messages["zero_stage2_with_clipping"])
@@ -437,3 +437,79 @@ def test_global_eager_refusals_raise_on_every_rank_and_leave_none_waiting(global
                           "ValueError: bad index in this piece")
         for name in [*expected, "fails_on_rank_1_only"]:     # and the ranks went on together
             np.testing.assert_allclose(float(result[f"refused_{name}_then"]), float(total), rtol=1e-5)
+
+
+# ------------------------------------------------- pipeline stages (set_stage), several ranks
+import pipeline_worker  # noqa: E402
+
+
+def _run_pipeline(nproc: int, out, *scenarios):
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    script = os.path.join(REPO, "tests", "distributed", "pipeline_worker.py")
+    result = subprocess.run([MPIEXEC, "-n", str(nproc), sys.executable, script, str(out), *scenarios],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def pipeline_two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_two_ranks")
+    _run_pipeline(2, out, "sgd_acc2", "adam_acc4", "unsupported")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_three_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_three_ranks")
+    _run_pipeline(3, out, "three_stages_adam_acc3")
+    return out
+
+
+def _assert_pipeline_equals_one_device(out, scenario: str, world: int):
+    expected = pipeline_worker.train(scenario, staged=False)
+    for rank in range(world):
+        result = np.load(out / f"{scenario}_rank{rank}.npz")
+        assert set(result.files) == set(expected)
+        for key in expected:
+            if key != "transfers":   # losses, every parameter and optimizer slot, on every rank
+                np.testing.assert_allclose(result[key], expected[key], rtol=1e-6, atol=1e-7,
+                                           err_msg=f"rank {rank}: {key}")
+
+
+@needs_mpi
+@pytest.mark.parametrize("scenario", ["sgd_acc2", "adam_acc4"])
+def test_two_stage_pipeline_trains_like_one_device(pipeline_two_ranks, scenario):
+    _assert_pipeline_equals_one_device(pipeline_two_ranks, scenario, 2)
+
+
+@needs_mpi
+def test_pipeline_stages_run_one_forward_one_backward(pipeline_two_ranks):
+    """Four micro-batches on two stages: stage 0 sends micro-batch j + 1's activation before it
+    waits for j's gradient (1F1B; GPipe would send all four first); the last recv is the loss."""
+    first = [str(t) for t in np.load(pipeline_two_ranks / "adam_acc4_rank0.npz")["transfers"]]
+    last = [str(t) for t in np.load(pipeline_two_ranks / "adam_acc4_rank1.npz")["transfers"]]
+    assert first == ["send", "send", "recv", "send", "recv", "send", "recv", "recv", "recv"]
+    assert last == ["recv", "send"] * 4 + ["send"]
+
+
+@needs_mpi
+@pytest.mark.slow
+def test_three_stage_pipeline_trains_like_one_device(pipeline_three_ranks):
+    _assert_pipeline_equals_one_device(pipeline_three_ranks, "three_stages_adam_acc3", 3)
+
+
+@needs_mpi
+def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
+    for rank in range(2):
+        messages = np.load(pipeline_two_ranks / f"unsupported_rank{rank}.npz")
+        assert "set_stage on model.stage0 (stage 0) with placement" in str(messages["two_ranks_in_a_stage"])
+        assert "exactly one rank" in str(messages["two_ranks_in_a_stage"])
+        assert "stages [0, 1, 2] the ranks [0, 1, 1]" in str(messages["three_stages_on_two_ranks"])
+        assert "parameter model.stage1.2.weight belongs to no module with set_stage" in str(
+            messages["parameter_without_stage"])
+        assert "model.stage1.0 (stage 0) reads a value computed on stage 1 in the forward pass" in str(
+            messages["forward_to_an_earlier_stage"])
+        assert "combines values of stages [0, 1] after the micro-batches (gradient clipping by a global norm" in str(
+            messages["clipping_by_the_global_norm"])
+        assert "the graph is a pipeline (set_stage)" in str(messages["save"])

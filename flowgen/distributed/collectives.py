@@ -10,11 +10,17 @@ The `all_reduce`, `reduce_scatter` and `all_gather` ops are the IR's view of the
 `reduce_scatter` (ZeRO-2/3's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated;
 at stage 3 gathered before their readers) from `passes/zero.py`. They have no kernel (lowering
 `Collective`): the executor runs them on the host between the kernels around them.
+
+`send` and `recv` are point-to-point: a pipeline stage (flowgen/distributed/pipeline.py) sends
+an activation or its gradient to the rank of the stage that reads it. A send never blocks (MPI
+Isend of a host copy; `wait_sends()` after the step), a recv waits for its message, matched by
+the sender's rank and the tag, so the ranks never wait on each other in a cycle.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from flowgen import dtype as dt
 from flowgen.distributed import env
 from flowgen.ops.lowering import Collective
 from flowgen.ops.registry import TensorMeta, defop
@@ -44,6 +50,15 @@ class SingleProcess:
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
         return np.array(array)
 
+    def send(self, array: np.ndarray, dest: int, tag: int):
+        raise RuntimeError(f"send to rank {dest}: this process was started alone, there is no other rank")
+
+    def recv(self, shape: tuple, dtype, source: int, tag: int) -> np.ndarray:
+        raise RuntimeError(f"recv from rank {source}: this process was started alone, there is no other rank")
+
+    def wait_sends(self):
+        pass
+
     def barrier(self):
         pass
 
@@ -62,6 +77,7 @@ class MpiWorld:
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.pending_sends = []   # (request, host copy): the copy must live until the send completes
         if (self.rank, self.size) != (env.get_rank(), env.get_world_size()):
             raise RuntimeError(f"MPI says rank {self.rank} of {self.size}, the environment says "
                                f"{env.get_rank()} of {env.get_world_size()}: launch with the mpiexec of the "
@@ -126,6 +142,22 @@ class MpiWorld:
         data = np.ascontiguousarray(array).copy()
         self.comm.Bcast(data, root=root)
         return data
+
+    def send(self, array: np.ndarray, dest: int, tag: int):
+        """Start sending a copy of `array` to rank `dest` and return at once (completed by `wait_sends`)."""
+        data = np.ascontiguousarray(array).copy()
+        self.pending_sends.append((self.comm.Isend(data, dest=dest, tag=tag), data))
+
+    def recv(self, shape: tuple, dtype, source: int, tag: int) -> np.ndarray:
+        """Wait for the array that rank `source` sent with `tag`."""
+        data = np.empty(shape, dtype)
+        self.comm.Recv(data, source=source, tag=tag)
+        return data
+
+    def wait_sends(self):
+        """Wait until every send started so far has completed."""
+        self.MPI.Request.Waitall([request for request, _ in self.pending_sends])
+        self.pending_sends.clear()
 
     def barrier(self):
         self.comm.Barrier()
@@ -202,3 +234,28 @@ def _reduce_scatter_ref(*arrays, sizes, op: str, rank: int, world_size: int):
 
 defop("reduce_scatter", infer=_reduce_scatter_infer, ref=_reduce_scatter_ref, lowering=Collective("reduce_scatter"),
       doc="reduce_scatter(*xs, sizes, op, rank, world_size): this rank's piece of each x summed/averaged over ranks")
+
+
+def _send_infer(meta, dest: int, tag: int):
+    return TensorMeta((), dt.float32)
+
+
+def _send_ref(array, dest: int, tag: int):
+    world().send(array, dest, tag)
+    return np.zeros((), np.float32)
+
+
+defop("send", infer=_send_infer, ref=_send_ref, lowering=Collective("send"), side_effect=True,
+      doc="send(x, dest, tag): x to rank dest without waiting; the 0-d result only keeps the send in the graph")
+
+
+def _recv_infer(shape, dtype, source: int, tag: int):
+    return TensorMeta(tuple(shape), dtype)
+
+
+def _recv_ref(shape, dtype, source: int, tag: int):
+    return world().recv(tuple(shape), dtype.np_dtype, source, tag)
+
+
+defop("recv", infer=_recv_infer, ref=_recv_ref, lowering=Collective("recv"), side_effect=True,
+      doc="recv(shape, dtype, source, tag): the tensor rank source sent with this tag (waits for it)")

@@ -110,4 +110,4 @@ class Template:
 class Collective:
     """No kernel: the executor exchanges the node's inputs with the other ranks on the host
     (MPI) between the kernel launches before and after it (flowgen/distributed/collectives.py)."""
-    kind: str          # "all_reduce" | "reduce_scatter" | "all_gather"
+    kind: str          # "all_reduce" | "reduce_scatter" | "all_gather" | "send" | "recv"

@@ -17,14 +17,14 @@ from flowgen.ir.graph import NameGen, Node, Value
 from flowgen.ops.lowering import Elementwise, Reduction
 from flowgen.ops.registry import get_op
 from flowgen.passes.autodiff import next_value_index
-from flowgen.passes.simplify import _IMPURE, dce
+from flowgen.passes.simplify import dce, impure
 
 MAX_CHAIN = 8          # nodes recomputed per consumer, at most
 MIN_NUMEL = 1 << 12    # smaller values cost nothing to keep; a copy could cost a launch
 
 
 def _is_elementwise(node) -> bool:
-    return (node.op != "fused" and node.op not in _IMPURE and len(node.outputs) == 1
+    return (node.op != "fused" and not impure(node.op) and len(node.outputs) == 1
             and isinstance(get_op(node.op).lowering, Elementwise))
 
 

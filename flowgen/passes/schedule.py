@@ -6,14 +6,21 @@ The default keeps the traced order (already valid; the scheduler checks it). Wit
 """
 from __future__ import annotations
 
+from flowgen.ops.lowering import Collective
+from flowgen.ops.registry import get_op
 from flowgen.schedule.order import order_kernels
 
 
 def schedule(graph, straighten: bool = False):
+    """Collectives (all-reduce, send, recv) keep their relative order: every rank must reach them
+    in the order the others expect (a recv moved before a send could wait forever)."""
     producer = graph.producers()
+    collectives = [n for n in graph.nodes if n.op != "fused" and isinstance(get_op(n.op).lowering, Collective)]
+    previous = {id(b): a for a, b in zip(collectives, collectives[1:])}
 
     def deps(node):
-        return [producer[v] for v in node.inputs if v in producer]
+        before = [previous[id(node)]] if id(node) in previous else []
+        return [producer[v] for v in node.inputs if v in producer] + before
 
     def size_of(node):
         return sum(v.nbytes for v in node.outputs)

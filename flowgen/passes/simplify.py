@@ -5,8 +5,12 @@ import numpy as np
 
 from flowgen.ops.registry import REGISTRY, get_op
 
-# Ops whose result must not be shared or precomputed (they draw random numbers per call).
-_IMPURE = frozenset(name for name, op in REGISTRY.items() if op.extra.get("random"))
+
+def impure(op_name: str) -> bool:
+    """Ops whose result must not be shared or precomputed: they draw random numbers per call, or
+    act beyond their result (a pipeline's send and recv)."""
+    op = REGISTRY.get(op_name)   # None for "fused"
+    return op is not None and bool(op.extra.get("random") or op.extra.get("side_effect"))
 
 
 def dce(graph):
@@ -40,7 +44,7 @@ def cse(graph):
         if inputs != node.inputs:
             node = type(node)(node.op, inputs, node.outputs, node.attrs, node.scope, node.loc)
         key = None
-        if node.op not in _IMPURE:
+        if not impure(node.op):
             key = (node.op, tuple(id(v) for v in inputs), _attr_key(node.attrs))
         if key is not None and key in seen:
             for old, new in zip(node.outputs, seen[key].outputs):
@@ -64,7 +68,7 @@ def fold_constants(graph):
     producers = graph.producers()
     nodes = []
     for node in graph.nodes:
-        if (node.op != "constant" and node.op not in _IMPURE and node.inputs
+        if (node.op != "constant" and not impure(node.op) and node.inputs
                 and all(producers.get(v) is not None and producers[v].op == "constant" for v in node.inputs)
                 and len(node.outputs) == 1
                 and node.output.numel <= max([1] + [v.numel for v in node.inputs])):

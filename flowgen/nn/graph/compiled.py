@@ -28,6 +28,7 @@ from flowgen.distributed.global_tensor import graph_storage
 from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
                                                gradient_reduction, shard_parameter_bindings,
                                                shard_slot_tensors)
+from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import all_reduce_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
@@ -58,6 +59,7 @@ class CompiledGraph:
         self.output_combine = None          # per output, how a data-parallel step makes it global
         self.output_placement = None        # the global inputs' placement: outputs become global
         self.sharded_slots = []             # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
+        self.pipeline = None                # StageProgram: this rank's stage of a set_stage pipeline
 
     @property
     def sources(self) -> dict:
@@ -145,6 +147,8 @@ class CompiledGraph:
         changed = self._upload_state()
         outputs = self.executor.run([a.numpy_view() for a in args], state_changed=changed)
         self._mark_device_newer()
+        if self.pipeline is not None:
+            self.pipeline.after_step(self)
         self._graph._after_step(skipped=self._read_back_scaler())
         # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
         self.executor.raise_index_error()
@@ -286,6 +290,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
     zero = _zero_settings(graph, data_parallel)
+    pipeline = pipeline_of(graph, data_parallel)
     if data_parallel is not None:
         broadcast_state(graph)
     timings = {}
@@ -340,7 +345,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
             graph_inputs = io_lines("INPUT", graph.name, args, kwargs)
             for line in graph_inputs:
                 graph._log(1, line)
-            micro_outputs = []
+            micro_outputs, micro_ends = [], []   # micro-batch j's nodes end before micro_ends[j]
             for j in range(steps):
                 lazy_args, lazy_kwargs = rebuild_call(
                     lazy_inputs if steps == 1 else _micro_batch(graph, lazy_inputs, j, steps))
@@ -360,6 +365,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                 if micro_grads is not None:
                     grads = micro_grads if grads is None else {
                         n: (tracer.lazy(grads[n]) + tracer.lazy(g))._value for n, g in micro_grads.items()}
+                micro_ends.append(len(tracer.graph.nodes))
             if steps > 1:   # per-micro-batch outputs stacked along a new leading dim
                 from flowgen import functional as F
 
@@ -417,12 +423,19 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         state = ir.state_by_name()
         bindings += [(state[s.state_name].value, s.tensor) for s in slots]
         host_scalars += [(state[h.name].value, h) for h in host]
+    stage_program = None
+    if pipeline is not None:
+        stage_program = split_stage(graph.name, ir, pipeline, micro_ends)
+        bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars)
+        ir, structure = stage_program.ir, stage_program.user_structure(structure)
     ir, rng = bind_random_streams(ir)
     if rng is not None:
         host_scalars.append((ir.state_by_name()[rng.name].value, rng))
     checkpointed = [path for path, options in graph._module_configs.items() if options.activation_checkpointing]
     passes = default_passes(graph.config, checkpointed)
     ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
+    if stage_program is not None:
+        stage_program.check_transfer_order(ir)
     timings["passes"] = time.perf_counter() - start
     start = time.perf_counter()
     progress.stage("codegen")
@@ -447,6 +460,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     compiled.data_parallel = data_parallel
     compiled.output_combine = output_combine
     compiled.sharded_slots = sharded_slots
+    compiled.pipeline = stage_program
     return compiled
 
 
@@ -457,14 +471,9 @@ class ZeroSettings:
 
 
 def _zero_settings(graph, data_parallel):
-    """How the graph shards its optimizer (ZeroSettings), or None. On one rank enable_zero and
-    set_stage have nothing to split; on several, what flowgen cannot do raises."""
+    """How the graph shards its optimizer (ZeroSettings), or None. On one rank enable_zero has
+    nothing to split; on several, what flowgen cannot do raises."""
     world_size, config = env.get_world_size(), graph.config
-    staged = [path for path, options in graph._module_configs.items() if options.stage_id is not None]
-    if staged and world_size > 1:
-        raise NotImplementedError(f"{graph.name}: set_stage on {staged[0]} with {world_size} ranks: flowgen has no "
-                                  f"pipeline parallelism yet; remove set_stage (a graph with inputs split by "
-                                  f"flow.sbp.split(0) runs data parallel)")
     if not config.zero or world_size == 1:
         return None
     if data_parallel is None:

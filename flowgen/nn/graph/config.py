@@ -16,7 +16,8 @@ Every option acts or says why it cannot:
   alone (world size 1) they warn that they have no effect. On several ranks a data-parallel graph
   shards with ZeRO (passes/zero.py): stage 1 the optimizer state, 2 the gradients too, 3 the
   parameters too (each module's gathered just before its forward and again before its backward);
-  set_stage raises when compiling.
+  set_stage runs each stage on its rank, the micro-batches of `set_gradient_accumulation_steps`
+  in 1F1B order (distributed/pipeline.py).
 * `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
   outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
 """

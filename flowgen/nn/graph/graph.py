@@ -219,6 +219,10 @@ class Graph:
             raise NotImplementedError(f"flow.save({self._name}, ...): the graph is data parallel (it all-reduces "
                                       f"gradients over ranks); standalone programs run on one process only, so "
                                       f"save the graph of a one-process run, or save graph.state_dict() instead")
+        if self._last is not None and self._last.pipeline is not None:
+            raise NotImplementedError(f"flow.save({self._name}, ...): the graph is a pipeline (set_stage): each rank "
+                                      f"runs one stage; standalone programs run on one process only, so save the "
+                                      f"graph of a one-process run, or save graph.state_dict() instead")
         save_graph(self, path)
 
     def _after_step(self, skipped: bool = False):

@@ -44,8 +44,8 @@ class GraphModule:
         return self._stage_placement
 
     def set_stage(self, stage_id: int = None, placement=None):
-        """Pipeline stage of this module. A process started alone has no pipeline: it warns and only
-        records it; a graph on several ranks refuses it when compiling (nn/graph/compiled.py)."""
+        """Pipeline stage of this module, run on `placement`'s one rank (distributed/pipeline.py).
+        A process started alone has no pipeline: it warns and only records it."""
         if env.get_world_size() == 1:
             warn_single_device("set_stage")
         self._stage_id = stage_id
