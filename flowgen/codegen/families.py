@@ -43,6 +43,11 @@ Kernels by family (the main kernel carries `kernel_name`):
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
+* scan     — cumsum / cumprod (forward or reversed) along any dim: one thread per row, sequential
+             in the dtype, so the numbers are NumPy's (the eager reference) bit for bit.
+* sort     — sort / topk along any dim: one thread per element counts its rank in its row (the
+             elements with a smaller key, or an equal one at a lower index: stable, NaN largest)
+             and writes itself there; any row length, O(D^2) comparisons per row.
 * attention — attention(q, k, v): one thread per query row runs an online softmax over the
              keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
              skipped when causal; the [L, S] scores never reach memory.
@@ -705,6 +710,57 @@ def _argreduce(node, kernel_name):
 
 
 # --------------------------------------------------------------------------
+# scan: cumsum / cumprod; sort: sort / topk (templates/scan.cu.j2, sort.cu.j2)
+
+def _scan_step(op: str, dtype):
+    """C++ of one scan step in `dtype`: the running value combined with the next element, then
+    rounded to `dtype` (NumPy's accumulate in the dtype); integers wrap (two's complement, as NumPy)."""
+    sign = "+" if op == "cumsum" else "*"
+    if not dtype.is_floating:
+        return lambda run, x: f"({dtype.ctype})((unsigned long long)({run}) {sign} (unsigned long long)({x}))"
+    acc = _acc_type(dtype)
+    return lambda run, x: _store(f"{_convert(run, dtype, acc)} {sign} {_convert(x, dtype, acc)}", dtype)
+
+
+def _scan(node, kernel_name):
+    """cumsum / cumprod along any dim: one thread per row, sequential (see scan.cu.j2)."""
+    x = node.inputs[0]
+    if x.dtype == dt.bool_:
+        raise NotImplementedError(f"{node.op}: boolean input has no kernel (cast it to an integer type)")
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    rows = outer * inner
+    reverse = bool(node.attrs["reverse"])
+    what = f"along dim {dim} of {_shape_text(x.shape)}" + (" reversed" if reverse else "") + " (thread per row)"
+    source = _render("scan.cu.j2", name=kernel_name, comment=_comment(node, what), op=node.op, dim=dim,
+                     shape=_shape_text(x.shape), rows=rows, D=D, inner=inner, reverse=reverse,
+                     direction="from the last element to the first" if reverse else "from the first element",
+                     stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, dtype=x.dtype.name,
+                     first=D - 1 if reverse else 0, elem=_elem(inner), step=_scan_step(node.op, x.dtype),
+                     idx_t=_idx_type(rows))
+    return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+
+
+def _sort(node, kernel_name):
+    """sort / topk along any dim: each element's rank counted in its row (see sort.cu.j2)."""
+    x = node.inputs[0]
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    descending = bool(node.attrs["descending"] if node.op == "sort" else node.attrs["largest"])
+    K = node.attrs["k"] if node.op == "topk" else D
+    acc = "int" if x.dtype == dt.bool_ else _acc_type(x.dtype)
+    order = "descending" if descending else "ascending"
+    what = f"along dim {dim} of {_shape_text(x.shape)}, {order}" + (f", k={K}" if node.op == "topk" else "")
+    source = _render("sort.cu.j2", name=kernel_name, comment=_comment(node, what), op=node.op, dim=dim,
+                     shape=_shape_text(x.shape), rows=outer * inner, D=D, K=K, inner=inner, order=order,
+                     stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, acc=acc,
+                     load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if descending else "<",
+                     has_nan=x.dtype.is_floating, nan_first=descending, numel=x.numel,
+                     idx_t=_idx_type(x.numel))
+    return [_kernel(node, kernel_name, source, _grid_1d(x.numel), (BLOCK, 1, 1), False, what + " (thread per element)")]
+
+
+# --------------------------------------------------------------------------
 # gather: gather, index_select, embedding; scatter: scatter_add, index_add, embedding_backward
 
 # The op a user wrote, for error messages, where the IR op is a helper of it.
@@ -1165,6 +1221,8 @@ _FAMILIES = {
     "copy": _copy,
     "softmax": _softmax,
     "argreduce": _argreduce,
+    "scan": _scan,
+    "sort": _sort,
     "gather": _gather,
     "scatter": _scatter,
     "nonfinite": _nonfinite,
