@@ -63,7 +63,9 @@ def _assert_graph_equals_eager(model, x):
     return [g.numpy() for g in got]
 
 
-ORDER_CASES = [  # (id, input, dim, k): rows along a strided dim, the last dim, rows longer than one block
+# (id, input, dim, k): rows along a strided dim, the last dim, the first; rows longer than one block
+# and than the sort family's run (SORT_RUN = 256: ranked in runs, then merged once, twice, four times)
+ORDER_CASES = [
     ("f32_ties_dim1_strided", _ties((3, 300, 2)), 1, 4),
     ("f32_ties_last", _ties((5, 7)), -1, 3),
     ("f32_dim0_neg", _ties((6, 4, 3)), -3, 2),
@@ -73,6 +75,7 @@ ORDER_CASES = [  # (id, input, dim, k): rows along a strided dim, the last dim, 
     ("f32_nan_inf", np.array([[1.0, np.nan, -np.inf, 2.0, np.nan, np.inf, 2.0, -0.0, 0.0, np.nan]] * 2,
                              np.float32), 1, 4),
     ("f32_one_row_1d", _ties((1000,)), 0, 10),
+    ("i64_ties_four_merges", _ties((2, 2100), np.int64), 1, 2100),
 ]
 
 

@@ -47,7 +47,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              in the dtype, so the numbers are NumPy's (the eager reference) bit for bit.
 * sort     — sort / topk along any dim: one thread per element counts its rank in its row (the
              elements with a smaller key, or an equal one at a lower index: stable, NaN largest)
-             and writes itself there; any row length, O(D^2) comparisons per row.
+             and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
+             a scratch row, then `<name>_merge<s>` kernels merge neighbouring runs (each element's
+             position found by binary search in the other run), the last one into the outputs.
 * attention — attention(q, k, v): one thread per query row runs an online softmax over the
              keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
              skipped when causal; the [L, S] scores never reach memory.
@@ -63,6 +65,7 @@ from flowgen.codegen.fused import block_segments, reduce_block
 from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
+from flowgen.ir.graph import Value
 from flowgen.ops.registry import get_op
 
 # Threads per block for the one-thread-per-element kernels.
@@ -741,9 +744,15 @@ def _scan(node, kernel_name):
     return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
 
 
+# Longest row the sort family ranks whole (D comparisons per element); longer rows are ranked in
+# runs of this length, then the runs are merged pairwise (a scratch row of values and indices).
+SORT_RUN = 256
+
+
 def _sort(node, kernel_name):
-    """sort / topk along any dim: each element's rank counted in its row (see sort.cu.j2)."""
-    x = node.inputs[0]
+    """sort / topk along any dim (see sort.cu.j2): each element's rank counted in its row; rows
+    longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes."""
+    x, values, indices = node.inputs[0], *node.outputs
     dim = node.attrs["dim"] % max(len(x.shape), 1)
     outer, D, inner = _rows(x.shape, dim)
     descending = bool(node.attrs["descending"] if node.op == "sort" else node.attrs["largest"])
@@ -751,13 +760,47 @@ def _sort(node, kernel_name):
     acc = "int" if x.dtype == dt.bool_ else _acc_type(x.dtype)
     order = "descending" if descending else "ascending"
     what = f"along dim {dim} of {_shape_text(x.shape)}, {order}" + (f", k={K}" if node.op == "topk" else "")
-    source = _render("sort.cu.j2", name=kernel_name, comment=_comment(node, what), op=node.op, dim=dim,
-                     shape=_shape_text(x.shape), rows=outer * inner, D=D, K=K, inner=inner, order=order,
-                     stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, acc=acc,
-                     load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if descending else "<",
-                     has_nan=x.dtype.is_floating, nan_first=descending, numel=x.numel,
-                     idx_t=_idx_type(x.numel))
-    return [_kernel(node, kernel_name, source, _grid_1d(x.numel), (BLOCK, 1, 1), False, what + " (thread per element)")]
+    passes = max(0, (D - 1) // SORT_RUN).bit_length()
+    ctx = dict(op=node.op, dim=dim, shape=_shape_text(x.shape), rows=outer * inner, D=D, K=K, inner=inner,
+               order=order, stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, acc=acc,
+               load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if descending else "<",
+               has_nan=x.dtype.is_floating, nan_first=descending, numel=x.numel, idx_t=_idx_type(x.numel),
+               passes=passes)
+    outputs = [BufferArg(values, f"{values.dtype.ctype}*"), BufferArg(indices, "long long*")]
+    output_params = f"{x.dtype.ctype}* __restrict__ values, long long* __restrict__ indices"
+    if passes == 0:
+        source = _render("sort.cu.j2", kind="rank", name=kernel_name, comment=_comment(node, what), run=D,
+                         out_params=output_params, **ctx)
+        return [_kernel(node, kernel_name, source, _grid_1d(x.numel), (BLOCK, 1, 1), False,
+                        what + " (thread per element)")]
+    scratch = [[Value(f"{values.name}_runs{k}", (x.numel,), x.dtype), Value(f"{indices.name}_runs{k}", (x.numel,),
+                                                                                  dt.int64)]
+               for k in range(min(passes, 2))]
+    scratch_params = f"{x.dtype.ctype}* __restrict__ dst_values, long long* __restrict__ dst_indices"
+
+    def writable(pair):
+        return [BufferArg(pair[0], f"{x.dtype.ctype}*"), BufferArg(pair[1], "long long*")]
+
+    def kernel(name, source, args, step_what):
+        return Kernel(name=name, source=source, args=args, grid=_grid_1d(x.numel), block=(BLOCK, 1, 1),
+                      needs_fibers=False, comment=_comment(node, f"{what} ({step_what})"), ops=[node.op])
+
+    step_what = f"runs of {SORT_RUN}, thread per element"
+    source = _render("sort.cu.j2", kind="rank", name=kernel_name, comment=_comment(node, f"{what} ({step_what})"),
+                     run=SORT_RUN, out_params=scratch_params, **ctx)
+    kernels = [kernel(kernel_name, source, [BufferArg(x, f"const {x.dtype.ctype}*")] + writable(scratch[0]),
+                      step_what)]
+    for step in range(1, passes + 1):
+        width, last = SORT_RUN << (step - 1), step == passes
+        src, dst = scratch[(step - 1) % 2], scratch[step % 2] if not last else None
+        name, step_what = f"{kernel_name}_merge{step}", f"merge runs of {SORT_RUN << (step - 1)}"
+        source = _render("sort.cu.j2", kind="merge", name=name, comment=_comment(node, f"{what} ({step_what})"),
+                         step=step + 1, width=width, last=last,
+                         out_params=output_params if last else scratch_params, **ctx)
+        args = ([BufferArg(src[0], f"const {x.dtype.ctype}*"), BufferArg(src[1], "const long long*")]
+                + (outputs if last else writable(dst)))
+        kernels.append(kernel(name, source, args, step_what))
+    return kernels
 
 
 # --------------------------------------------------------------------------
