@@ -1,8 +1,9 @@
 """Order-dependent ops: sort, topk and the cumulative scans.
 
 Graph kernels: ``sort``/``topk`` are the `sort` family (templates/sort.cu.j2: each element's rank
-in its row, counted), ``cumsum``/``cumprod`` the `scan` family (templates/scan.cu.j2: one thread
-per row, sequential in the dtype), so graph results equal these NumPy references bit for bit.
+counted in its row, or in runs of a long row that are then merged), ``cumsum``/``cumprod`` the
+`scan` family (templates/scan.cu.j2: one thread per row, sequential in the dtype), so graph
+results equal these NumPy references bit for bit.
 
 ``sort``/``topk`` return (values, int64 indices), stable: equal keys keep their input order,
 NaN sorts as the largest key (last ascending, first descending). The values' gradient scatters
