@@ -108,6 +108,7 @@ SCAN_CASES = [
     ("i64_last", RNG.integers(-4, 5, (3, 20)), -1),
     ("i64_wraps", np.full((1, 70), 3, np.int64), 1),          # 3^70 wraps around int64, as NumPy's
     ("f16_last", RNG.uniform(0.9, 1.1, (2, 600)).astype(np.float16), -1),
+    ("f32_long_rows", RNG.uniform(0.99, 1.01, (2, 5000)).astype(np.float32), 1),   # chunks of the block scan
     ("f64_dim0_1d", RNG.standard_normal(50), 0),
 ]
 
@@ -221,20 +222,21 @@ def test_graph_gradients_equal_torch(name):
     np.testing.assert_allclose(model.w.numpy(), 1 - w.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.gpu
-def test_on_cuda_graphs_equal_eager():
-    """The same kernels on a GPU: forward bit for bit (long strided rows, ties, NaN), and training."""
+def test_cuda_programs_equal_eager(monkeypatch):
+    """The CUDA programs (on a GPU, else on the emulator): forward bit for bit (long strided rows,
+    ties, NaN; the block-per-row scan of few long rows), and training."""
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")   # used only where no GPU is present
     nan_inf = dict((c[0], c[1]) for c in ORDER_CASES)["f32_nan_inf"]
     for x, dim, k in ((_ties((3, 700, 2)), 1, 5), (nan_inf, -1, 3), (_ties((2, 2100), np.int64), 1, 7)):
         got = InferGraph(Orders(dim, k))(flow.tensor(x).to("cuda"))
         for i, (g, w) in enumerate(zip(got, Orders(dim, k)(flow.tensor(x)))):
             np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"output {i}")
-    for case in ("f32_dim1_strided_long", "f16_last", "i64_wraps"):
+    for case in ("f32_dim1_strided_long", "f16_last", "f32_long_rows", "i64_wraps", "f64_dim0_1d"):
         _, x, dim = next(c for c in SCAN_CASES if c[0] == case)
         for g, w in zip(InferGraph(Scans(dim))(flow.tensor(x).to("cuda")), Scans(dim)(flow.tensor(x))):
             np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=case)
     flow.manual_seed(5)
-    model = Ranked()
+    model = Ranked(width=2500)   # long rows: the sort's merges, the block scan's chunks both ways
     eager = copy.deepcopy(model)
     x = flow.tensor(RNG.standard_normal((6, 4)).astype(np.float32))
     y = flow.tensor(RNG.standard_normal(tuple(eager(x).shape)).astype(np.float32))
@@ -250,6 +252,8 @@ def test_on_cuda_graphs_equal_eager():
         np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
     for p, pe in zip(model.parameters(), eager.parameters()):
         np.testing.assert_allclose(p.numpy(), pe.numpy(), rtol=1e-4, atol=1e-6)
+    scans = [k.comment for k in graph.compiled.program.kernels if k.ops == ["cumsum"]]
+    assert any("reversed (block per row)" in c for c in scans) and any("] (block per row)" in c for c in scans)
 
 
 def test_scan_refuses_bool():

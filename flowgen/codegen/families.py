@@ -44,7 +44,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
 * scan     — cumsum / cumprod (forward or reversed) along any dim: one thread per row, sequential
-             in the dtype, so the numbers are NumPy's (the eager reference) bit for bit.
+             in the dtype, so the numbers are NumPy's (the eager reference) bit for bit; few long
+             contiguous rows on a GPU: a block per row stages chunks in shared memory, coalesced,
+             and its thread 0 scans them in the same order.
 * sort     — sort / topk along any dim: one thread per element counts its rank in its row (the
              elements with a smaller key, or an equal one at a lower index: stable, NaN largest)
              and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
@@ -725,8 +727,19 @@ def _scan_step(op: str, dtype):
     return lambda run, x: _store(f"{_convert(run, dtype, acc)} {sign} {_convert(x, dtype, acc)}", dtype)
 
 
+# Elements a block-per-row scan stages in shared memory at a time.
+SCAN_CHUNK = 2048
+
+
+def _use_block_scan(rows: int, D: int, inner: int) -> bool:
+    """A block per row for few long contiguous rows on a GPU (thread-per-row would leave it idle
+    and read each row with one thread's dependent loads); the cpu target keeps a thread per row."""
+    return not serial_blocks() and inner == 1 and D > 2 * BLOCK and rows <= 4 * target_blocks()
+
+
 def _scan(node, kernel_name):
-    """cumsum / cumprod along any dim: one thread per row, sequential (see scan.cu.j2)."""
+    """cumsum / cumprod along any dim, sequential per row (see scan.cu.j2): a thread per row, or
+    a block per row staging chunks in shared memory when rows are few and long."""
     x = node.inputs[0]
     if x.dtype == dt.bool_:
         raise NotImplementedError(f"{node.op}: boolean input has no kernel (cast it to an integer type)")
@@ -734,13 +747,19 @@ def _scan(node, kernel_name):
     outer, D, inner = _rows(x.shape, dim)
     rows = outer * inner
     reverse = bool(node.attrs["reverse"])
-    what = f"along dim {dim} of {_shape_text(x.shape)}" + (" reversed" if reverse else "") + " (thread per row)"
-    source = _render("scan.cu.j2", name=kernel_name, comment=_comment(node, what), op=node.op, dim=dim,
-                     shape=_shape_text(x.shape), rows=rows, D=D, inner=inner, reverse=reverse,
-                     direction="from the last element to the first" if reverse else "from the first element",
-                     stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, dtype=x.dtype.name,
-                     first=D - 1 if reverse else 0, elem=_elem(inner), step=_scan_step(node.op, x.dtype),
-                     idx_t=_idx_type(rows))
+    ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
+               reverse=reverse, direction="from the last element to the first" if reverse else "from the first element",
+               stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, dtype=x.dtype.name,
+               first=D - 1 if reverse else 0, elem=_elem(inner), step=_scan_step(node.op, x.dtype),
+               idx_t=_idx_type(rows))
+    where = f"along dim {dim} of {_shape_text(x.shape)}" + (" reversed" if reverse else "")
+    if _use_block_scan(rows, D, inner):
+        what = f"{where} (block per row)"
+        source = _render("scan.cu.j2", kind="block", comment=_comment(node, what), block=BLOCK, chunk=SCAN_CHUNK,
+                         at=(lambda j: f"{D - 1} - ({j})") if reverse else (lambda j: j), **ctx)
+        return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (BLOCK, 1, 1), True, what)]
+    what = f"{where} (thread per row)"
+    source = _render("scan.cu.j2", kind="thread", comment=_comment(node, what), **ctx)
     return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
 
 
