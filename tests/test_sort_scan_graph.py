@@ -256,6 +256,26 @@ def test_cuda_programs_equal_eager(monkeypatch):
     assert any("reversed (block per row)" in c for c in scans) and any("] (block per row)" in c for c in scans)
 
 
+EDGE_CASES = [  # (id, function, input): 0-d tensors, k = 0 (empty outputs), dims of 1 and 0, bool, int32
+    ("zero_dim", lambda x: (*flow.sort(x, 0), flow.cumsum(x, 0), flow.cumprod(x, 0), *x.topk(1, 0)),
+     np.array(3.5, np.float32)),
+    ("k0", lambda x: (*x.topk(0, 1), flow.cumsum(x, 1)), np.ones((3, 4), np.float32)),
+    ("dim_of_1", lambda x: (*flow.sort(x, 1), flow.cumprod(x, 1)), np.ones((3, 1), np.float32)),
+    ("no_rows", lambda x: (*flow.sort(x, 1), flow.cumsum(x, 0)), np.ones((0, 5), np.float32)),
+    ("bool_desc", lambda x: tuple(flow.sort(x, 0, descending=True)), np.array([True, False, True, False])),
+    ("i32", lambda x: (*flow.sort(x, -1, descending=True), flow.cumsum(x, -1)), np.array([[3, 1, 3, -2]], np.int32)),
+]
+
+
+@pytest.mark.parametrize("fn, x", [c[1:] for c in EDGE_CASES], ids=[c[0] for c in EDGE_CASES])
+def test_edge_shapes_and_dtypes_graph_equal_eager(fn, x):
+    class Edge(nn.Module):
+        def forward(self, x):
+            return fn(x)
+
+    _assert_graph_equals_eager(Edge(), x)
+
+
 def test_scan_refuses_bool():
     x = Value("x", (3, 4), dt.bool_)
     node = Node("cumsum", [x], [Value("y", (3, 4), dt.bool_)], {"dim": 1, "reverse": False})

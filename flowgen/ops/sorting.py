@@ -38,8 +38,9 @@ def _sort_order(a, dim, descending):
 
 def _sort_ref(x, dim, descending):
     order = _sort_order(x, dim, descending)
-    values = x if x.ndim == 0 else np.take_along_axis(x, order, axis=dim)
-    return np.ascontiguousarray(values), order
+    if x.ndim == 0:
+        return x.copy(), order    # (np.ascontiguousarray would make it 1-d)
+    return np.ascontiguousarray(np.take_along_axis(x, order, axis=dim)), order
 
 
 def _values_grad(ctx, g, _g_indices=None):
