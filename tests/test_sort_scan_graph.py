@@ -284,7 +284,7 @@ def test_scan_refuses_bool():
 
 
 def _nodes():
-    """One node per kernel variant: ops x dtypes x directions x strided/innermost dims."""
+    """One node per kernel variant: ops x dtypes x directions x strided/innermost dims x row lengths."""
     variants = [("sort", (4, 9, 3), dt.float32, dict(dim=1, descending=True)),
                 ("sort", (300,), dt.int64, dict(dim=0, descending=False)),
                 ("sort", (5, 6), dt.bool_, dict(dim=1, descending=False)),
@@ -296,7 +296,10 @@ def _nodes():
                 ("cumsum", (6, 10), dt.bfloat16, dict(dim=0, reverse=False)),
                 ("cumprod", (6, 10), dt.int64, dict(dim=1, reverse=False)),
                 ("cumprod", (3, 5), dt.float16, dict(dim=1, reverse=True)),
-                ("cumprod", (7,), dt.float64, dict(dim=0, reverse=False))]
+                ("cumprod", (7,), dt.float64, dict(dim=0, reverse=False)),
+                ("topk", (2, 1100), dt.bfloat16, dict(k=3, dim=1, largest=True)),      # ranked in runs, merged
+                ("cumsum", (2, 3000), dt.float16, dict(dim=1, reverse=True)),          # block per row
+                ("cumprod", (3, 1000), dt.int64, dict(dim=1, reverse=False))]
     nodes = []
     for op, shape, dtype, attrs in variants:
         x = Value("x", shape, dtype)
