@@ -770,7 +770,8 @@ SORT_RUN = 256
 
 def _sort(node, kernel_name):
     """sort / topk along any dim (see sort.cu.j2): each element's rank counted in its row; rows
-    longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes."""
+    longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes, through
+    two scratch pairs (values, indices) used in turn."""
     x, values, indices = node.inputs[0], *node.outputs
     dim = node.attrs["dim"] % max(len(x.shape), 1)
     outer, D, inner = _rows(x.shape, dim)
@@ -778,48 +779,47 @@ def _sort(node, kernel_name):
     K = node.attrs["k"] if node.op == "topk" else D
     acc = "int" if x.dtype == dt.bool_ else _acc_type(x.dtype)
     order = "descending" if descending else "ascending"
-    what = f"along dim {dim} of {_shape_text(x.shape)}, {order}" + (f", k={K}" if node.op == "topk" else "")
-    passes = max(0, (D - 1) // SORT_RUN).bit_length()
+    passes = ((D - 1) // SORT_RUN).bit_length()
     ctx = dict(op=node.op, dim=dim, shape=_shape_text(x.shape), rows=outer * inner, D=D, K=K, inner=inner,
                order=order, stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, acc=acc,
                load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if descending else "<",
                has_nan=x.dtype.is_floating, nan_first=descending, numel=x.numel, idx_t=_idx_type(x.numel),
-               passes=passes)
-    outputs = [BufferArg(values, f"{values.dtype.ctype}*"), BufferArg(indices, "long long*")]
-    output_params = f"{x.dtype.ctype}* __restrict__ values, long long* __restrict__ indices"
+               passes=passes, what=f"along dim {dim} of {_shape_text(x.shape)}, {order}"
+               + (f", k={K}" if node.op == "topk" else ""))
+    source_arg = [BufferArg(x, f"const {x.dtype.ctype}*")]
+    outputs = _sort_pair_args(values, indices, writable=True)
     if passes == 0:
-        source = _render("sort.cu.j2", kind="rank", name=kernel_name, comment=_comment(node, what), run=D,
-                         out_params=output_params, **ctx)
-        return [_kernel(node, kernel_name, source, _grid_1d(x.numel), (BLOCK, 1, 1), False,
-                        what + " (thread per element)")]
-    scratch = [[Value(f"{values.name}_runs{k}", (x.numel,), x.dtype), Value(f"{indices.name}_runs{k}", (x.numel,),
-                                                                                  dt.int64)]
-               for k in range(min(passes, 2))]
-    scratch_params = f"{x.dtype.ctype}* __restrict__ dst_values, long long* __restrict__ dst_indices"
-
-    def writable(pair):
-        return [BufferArg(pair[0], f"{x.dtype.ctype}*"), BufferArg(pair[1], "long long*")]
-
-    def kernel(name, source, args, step_what):
-        return Kernel(name=name, source=source, args=args, grid=_grid_1d(x.numel), block=(BLOCK, 1, 1),
-                      needs_fibers=False, comment=_comment(node, f"{what} ({step_what})"), ops=[node.op])
-
-    step_what = f"runs of {SORT_RUN}, thread per element"
-    source = _render("sort.cu.j2", kind="rank", name=kernel_name, comment=_comment(node, f"{what} ({step_what})"),
-                     run=SORT_RUN, out_params=scratch_params, **ctx)
-    kernels = [kernel(kernel_name, source, [BufferArg(x, f"const {x.dtype.ctype}*")] + writable(scratch[0]),
-                      step_what)]
+        return [_sort_kernel(node, kernel_name, ctx, "thread per element", source_arg + outputs, kind="rank", run=D,
+                             to_outputs=True)]
+    scratch = [(Value(f"{values.name}_runs{k}", (x.numel,), x.dtype), Value(f"{indices.name}_runs{k}", (x.numel,),
+                                                                              dt.int64)) for k in range(min(passes, 2))]
+    kernels = [_sort_kernel(node, kernel_name, ctx, f"runs of {SORT_RUN}, thread per element",
+                            source_arg + _sort_pair_args(*scratch[0], writable=True), kind="rank", run=SORT_RUN,
+                            to_outputs=False)]
     for step in range(1, passes + 1):
-        width, last = SORT_RUN << (step - 1), step == passes
-        src, dst = scratch[(step - 1) % 2], scratch[step % 2] if not last else None
-        name, step_what = f"{kernel_name}_merge{step}", f"merge runs of {SORT_RUN << (step - 1)}"
-        source = _render("sort.cu.j2", kind="merge", name=name, comment=_comment(node, f"{what} ({step_what})"),
-                         step=step + 1, width=width, last=last,
-                         out_params=output_params if last else scratch_params, **ctx)
-        args = ([BufferArg(src[0], f"const {x.dtype.ctype}*"), BufferArg(src[1], "const long long*")]
-                + (outputs if last else writable(dst)))
-        kernels.append(kernel(name, source, args, step_what))
+        last = step == passes
+        dst = outputs if last else _sort_pair_args(*scratch[step % 2], writable=True)
+        width = SORT_RUN << (step - 1)
+        kernels.append(_sort_kernel(node, f"{kernel_name}_merge{step}", ctx, f"merge runs of {width}",
+                                    _sort_pair_args(*scratch[(step - 1) % 2], writable=False) + dst, kind="merge",
+                                    step=step + 1, width=width, to_outputs=last))
     return kernels
+
+
+def _sort_pair_args(values, indices, writable: bool) -> list:
+    const = "" if writable else "const "
+    return [BufferArg(values, f"{const}{values.dtype.ctype}*"), BufferArg(indices, f"{const}long long*")]
+
+
+def _sort_kernel(node, name, ctx, step_what, args, **step) -> Kernel:
+    """One sort-family kernel (sort.cu.j2 `kind` "rank" or "merge"), writing the op's outputs or
+    the next scratch pair."""
+    comment = _comment(node, f"{ctx['what']} ({step_what})")
+    dst = "" if step["to_outputs"] else "dst_"
+    out_params = f"{ctx['t']}* __restrict__ {dst}values, long long* __restrict__ {dst}indices"
+    source = _render("sort.cu.j2", name=name, comment=comment, out_params=out_params, **ctx, **step)
+    return Kernel(name=name, source=source, args=args, grid=_grid_1d(ctx["numel"]), block=(BLOCK, 1, 1),
+                  needs_fibers=False, comment=comment, ops=[node.op])
 
 
 # --------------------------------------------------------------------------
