@@ -55,13 +55,18 @@ class Scans(nn.Module):
         return flow.cumsum(x, self.dim), flow.cumprod(x, self.dim)
 
 
-def _assert_graph_equals_eager(model, x):
-    got = InferGraph(model)(flow.tensor(x))
+def _assert_same_bits(got, want, what):
+    assert got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape), what
+    np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=what)
+    assert got.numpy().tobytes() == want.numpy().tobytes(), f"{what}: not the same bits (signed zeros, NaN)"
+
+
+def _assert_graph_equals_eager(model, x, device="cpu"):
+    got = InferGraph(model)(flow.tensor(x).to(device))
     want = model(flow.tensor(x))
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and tuple(g.shape) == tuple(w.shape), i
-        np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"output {i}")   # NaN equals NaN
+        _assert_same_bits(g, w, f"output {i}")
     return [g.numpy() for g in got]
 
 
@@ -228,13 +233,10 @@ def test_cuda_programs_equal_eager(monkeypatch):
     monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")   # used only where no GPU is present
     nan_inf = dict((c[0], c[1]) for c in ORDER_CASES)["f32_nan_inf"]
     for x, dim, k in ((_ties((3, 700, 2)), 1, 5), (nan_inf, -1, 3), (_ties((2, 2100), np.int64), 1, 7)):
-        got = InferGraph(Orders(dim, k))(flow.tensor(x).to("cuda"))
-        for i, (g, w) in enumerate(zip(got, Orders(dim, k)(flow.tensor(x)))):
-            np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"output {i}")
+        _assert_graph_equals_eager(Orders(dim, k), x, "cuda")
     for case in ("f32_dim1_strided_long", "f16_last", "f32_long_rows", "i64_wraps", "f64_dim0_1d"):
         _, x, dim = next(c for c in SCAN_CASES if c[0] == case)
-        for g, w in zip(InferGraph(Scans(dim))(flow.tensor(x).to("cuda")), Scans(dim)(flow.tensor(x))):
-            np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=case)
+        _assert_graph_equals_eager(Scans(dim), x, "cuda")
     flow.manual_seed(5)
     model = Ranked(width=2500)   # long rows: the sort's merges, the block scan's chunks both ways
     eager = copy.deepcopy(model)
