@@ -1216,9 +1216,9 @@ def _einsum_expand_ellipsis(equation, terms, output, operands):
     return expanded, head + (fresh if dots else "") + tail
 
 
-# =================================================================== order-dependent (eager only)
+# =================================================================== order-dependent: sort, topk, scans
 def sort(x, dim=-1, descending=False, stable=True):
-    """(values, indices) sorted along `dim`; stable. Eager only (no graph kernel yet)."""
+    """(values, indices) sorted along `dim`; stable (equal elements keep their order)."""
     d = normalize_dim(dim, x.ndim, op="sort") if x.ndim else 0
     values, indices = apply("sort", x, dim=d, descending=bool(descending))
     return _ValuesIndices(values, indices)
@@ -1229,7 +1229,7 @@ def argsort(x, dim=-1, descending=False, stable=True):
 
 
 def topk(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
-    """(values, indices) of the `k` largest (or smallest) elements along `dim`, in order. Eager only."""
+    """(values, indices) of the `k` largest (or smallest) elements along `dim`, in order; stable."""
     d = normalize_dim(dim, x.ndim, op="topk") if x.ndim else 0
     values, indices = apply("topk", x, k=int(k), dim=d, largest=bool(largest))
     return _ValuesIndices(values, indices)
@@ -1237,12 +1237,12 @@ def topk(x, k, dim=-1, largest=True, sorted=True):  # noqa: A002
 
 def cumsum(x, dim, dtype=None):
     x = cast(x, dtype) if dtype is not None else (cast(x, dt.int64) if x.dtype == dt.bool_ else x)
-    return apply("cumsum", x, dim=normalize_dim(dim, x.ndim, op="cumsum") if x.ndim else 0)
+    return apply("cumsum", x, dim=normalize_dim(dim, x.ndim, op="cumsum") if x.ndim else 0, reverse=False)
 
 
 def cumprod(x, dim, dtype=None):
     x = cast(x, dtype) if dtype is not None else (cast(x, dt.int64) if x.dtype == dt.bool_ else x)
-    return apply("cumprod", x, dim=normalize_dim(dim, x.ndim, op="cumprod") if x.ndim else 0)
+    return apply("cumprod", x, dim=normalize_dim(dim, x.ndim, op="cumprod") if x.ndim else 0, reverse=False)
 
 
 def multinomial(input, num_samples, replacement=False, generator=None):

@@ -43,6 +43,15 @@ Kernels by family (the main kernel carries `kernel_name`):
 * upsample — nearest / bilinear forward and gradients: one thread per output (forward)
              or per input element (gradients gather their contributions, no atomics).
 * argreduce — argmax / argmin: one block per row, first index wins ties, NaN wins.
+* scan     — cumsum / cumprod (forward or reversed) along any dim: one thread per row, sequential
+             in the dtype, so the numbers are NumPy's (the eager reference) bit for bit; few long
+             contiguous rows on a GPU: a block per row stages chunks in shared memory, coalesced,
+             and its thread 0 scans them in the same order.
+* sort     — sort / topk along any dim: one thread per element counts its rank in its row (the
+             elements with a smaller key, or an equal one at a lower index: stable, NaN largest)
+             and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
+             a scratch row, then `<name>_merge<s>` kernels merge neighbouring runs (each element's
+             position found by binary search in the other run), the last one into the outputs.
 * attention — attention(q, k, v): one thread per query row runs an online softmax over the
              keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
              skipped when causal; the [L, S] scores never reach memory.
@@ -58,6 +67,7 @@ from flowgen.codegen.fused import block_segments, reduce_block
 from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
+from flowgen.ir.graph import Value
 from flowgen.ops.registry import get_op
 
 # Threads per block for the one-thread-per-element kernels.
@@ -709,6 +719,114 @@ def _argreduce(node, kernel_name):
 
 
 # --------------------------------------------------------------------------
+# scan: cumsum / cumprod; sort: sort / topk (templates/scan.cu.j2, sort.cu.j2)
+
+def _scan_step(op: str, dtype):
+    """C++ of one scan step in `dtype`: the running value combined with the next element, then
+    rounded to `dtype` (NumPy's accumulate in the dtype); integers wrap (two's complement, as NumPy)."""
+    sign = "+" if op == "cumsum" else "*"
+    if not dtype.is_floating:
+        return lambda run, x: f"({dtype.ctype})((unsigned long long)({run}) {sign} (unsigned long long)({x}))"
+    acc = _acc_type(dtype)
+    return lambda run, x: _store(f"{_convert(run, dtype, acc)} {sign} {_convert(x, dtype, acc)}", dtype)
+
+
+# Elements a block-per-row scan stages in shared memory at a time.
+SCAN_CHUNK = 2048
+
+
+def _use_block_scan(rows: int, D: int, inner: int) -> bool:
+    """A block per row for few long contiguous rows on a GPU (thread-per-row would leave it idle
+    and read each row with one thread's dependent loads); the cpu target keeps a thread per row."""
+    return not serial_blocks() and inner == 1 and D > 2 * BLOCK and rows <= 4 * target_blocks()
+
+
+def _scan(node, kernel_name):
+    """cumsum / cumprod along any dim, sequential per row (see scan.cu.j2): a thread per row, or
+    a block per row staging chunks in shared memory when rows are few and long."""
+    x = node.inputs[0]
+    if x.dtype == dt.bool_:
+        raise NotImplementedError(f"{node.op}: boolean input has no kernel (cast it to an integer type)")
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    rows = outer * inner
+    reverse = bool(node.attrs["reverse"])
+    ctx = dict(name=kernel_name, op=node.op, dim=dim, shape=_shape_text(x.shape), rows=rows, D=D, inner=inner,
+               reverse=reverse, direction="from the last element to the first" if reverse else "from the first element",
+               stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, dtype=x.dtype.name,
+               first=D - 1 if reverse else 0, elem=_elem(inner), step=_scan_step(node.op, x.dtype),
+               idx_t=_idx_type(rows))
+    where = f"along dim {dim} of {_shape_text(x.shape)}" + (" reversed" if reverse else "")
+    if _use_block_scan(rows, D, inner):
+        what = f"{where} (block per row)"
+        source = _render("scan.cu.j2", kind="block", comment=_comment(node, what), block=BLOCK, chunk=SCAN_CHUNK,
+                         at=(lambda j: f"{D - 1} - ({j})") if reverse else (lambda j: j), **ctx)
+        return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (BLOCK, 1, 1), True, what)]
+    what = f"{where} (thread per row)"
+    source = _render("scan.cu.j2", kind="thread", comment=_comment(node, what), **ctx)
+    return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+
+
+# Longest row the sort family ranks whole (D comparisons per element); longer rows are ranked in
+# runs of this length, then the runs are merged pairwise (a scratch row of values and indices).
+SORT_RUN = 256
+
+
+def _sort(node, kernel_name):
+    """sort / topk along any dim (see sort.cu.j2): each element's rank counted in its row; rows
+    longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes, through
+    two scratch pairs (values, indices) used in turn."""
+    x, values, indices = node.inputs[0], *node.outputs
+    dim = node.attrs["dim"] % max(len(x.shape), 1)
+    outer, D, inner = _rows(x.shape, dim)
+    descending = bool(node.attrs["descending"] if node.op == "sort" else node.attrs["largest"])
+    K = node.attrs["k"] if node.op == "topk" else D
+    acc = "int" if x.dtype == dt.bool_ else _acc_type(x.dtype)
+    order = "descending" if descending else "ascending"
+    passes = ((D - 1) // SORT_RUN).bit_length()
+    ctx = dict(op=node.op, dim=dim, shape=_shape_text(x.shape), rows=outer * inner, D=D, K=K, inner=inner,
+               order=order, stride_text=f" (stride {inner})" if inner > 1 else "", t=x.dtype.ctype, acc=acc,
+               load=_loader(x.dtype, acc), elem=_elem(inner), cmp=">" if descending else "<",
+               has_nan=x.dtype.is_floating, nan_first=descending, numel=x.numel, idx_t=_idx_type(x.numel),
+               passes=passes, what=f"along dim {dim} of {_shape_text(x.shape)}, {order}"
+               + (f", k={K}" if node.op == "topk" else ""))
+    source_arg = [BufferArg(x, f"const {x.dtype.ctype}*")]
+    outputs = _sort_pair_args(values, indices, writable=True)
+    if passes == 0:
+        return [_sort_kernel(node, kernel_name, ctx, "thread per element", source_arg + outputs, kind="rank", run=D,
+                             to_outputs=True)]
+    scratch = [(Value(f"{values.name}_runs{k}", (x.numel,), x.dtype), Value(f"{indices.name}_runs{k}", (x.numel,),
+                                                                              dt.int64)) for k in range(min(passes, 2))]
+    kernels = [_sort_kernel(node, kernel_name, ctx, f"runs of {SORT_RUN}, thread per element",
+                            source_arg + _sort_pair_args(*scratch[0], writable=True), kind="rank", run=SORT_RUN,
+                            to_outputs=False)]
+    for step in range(1, passes + 1):
+        last = step == passes
+        dst = outputs if last else _sort_pair_args(*scratch[step % 2], writable=True)
+        width = SORT_RUN << (step - 1)
+        kernels.append(_sort_kernel(node, f"{kernel_name}_merge{step}", ctx, f"merge runs of {width}",
+                                    _sort_pair_args(*scratch[(step - 1) % 2], writable=False) + dst, kind="merge",
+                                    step=step + 1, width=width, to_outputs=last))
+    return kernels
+
+
+def _sort_pair_args(values, indices, writable: bool) -> list:
+    const = "" if writable else "const "
+    return [BufferArg(values, f"{const}{values.dtype.ctype}*"), BufferArg(indices, f"{const}long long*")]
+
+
+def _sort_kernel(node, name, ctx, step_what, args, **step) -> Kernel:
+    """One sort-family kernel (sort.cu.j2 `kind` "rank" or "merge"), writing the op's outputs or
+    the next scratch pair."""
+    comment = _comment(node, f"{ctx['what']} ({step_what})")
+    dst = "" if step["to_outputs"] else "dst_"
+    out_params = f"{ctx['t']}* __restrict__ {dst}values, long long* __restrict__ {dst}indices"
+    source = _render("sort.cu.j2", name=name, comment=comment, out_params=out_params, **ctx, **step)
+    return Kernel(name=name, source=source, args=args, grid=_grid_1d(ctx["numel"]), block=(BLOCK, 1, 1),
+                  needs_fibers=False, comment=comment, ops=[node.op])
+
+
+# --------------------------------------------------------------------------
 # gather: gather, index_select, embedding; scatter: scatter_add, index_add, embedding_backward
 
 # The op a user wrote, for error messages, where the IR op is a helper of it.
@@ -1169,6 +1287,8 @@ _FAMILIES = {
     "copy": _copy,
     "softmax": _softmax,
     "argreduce": _argreduce,
+    "scan": _scan,
+    "sort": _sort,
     "gather": _gather,
     "scatter": _scatter,
     "nonfinite": _nonfinite,
