@@ -151,6 +151,40 @@ def test_graph_gradients_match_torch(lookups):
         np.testing.assert_allclose(got[name], t.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+class ConstantTokens(nn.Graph):
+    """Embedding lookups of a constant index: the segment kernels read only it."""
+
+    TOKENS = np.array([[0, 1, 5, 0], [5, 5, 2, 0]])
+
+    def __init__(self, emb):
+        super().__init__()
+        self.emb = emb
+        self.add_optimizer(flow.optim.SGD(emb.parameters(), lr=1.0))
+
+    def build(self, g):
+        loss = (self.emb(flow.tensor(self.TOKENS)) * g).sum()
+        loss.backward()
+        return loss
+
+
+def test_a_constant_index_builds_its_segments_once():
+    """The rows / fill / sort kernels of a constant index move to the prepare kernels (run once,
+    their scratch kept); the sum still runs every step and equals eager."""
+    emb = nn.Embedding(6, 3, padding_idx=1)
+    graph = ConstantTokens(emb)
+    rng = np.random.default_rng(8)
+    for _ in range(2):
+        g = rng.standard_normal((2, 4, 3)).astype(np.float32)
+        nn.init.zeros_(emb.weight)
+        graph(flow.tensor(g))
+        w = flow.zeros(6, 3, requires_grad=True)
+        (nn.functional.embedding(flow.tensor(ConstantTokens.TOKENS), w, padding_idx=1) * flow.tensor(g)).sum().backward()
+        assert np.array_equal(-emb.weight.numpy(), w.grad.numpy())
+    program = graph.compiled.program
+    assert [k.name.rsplit("_", 1)[1] for k in program.prepare] == ["rows", "fill", "sort"]
+    assert any(k.name == program.prepare[0].name[:-len("_rows")] for k in program.kernels)
+
+
 # --------------------------------------------------------------------------
 # the kernels on their own, with the fill order scrambled
 

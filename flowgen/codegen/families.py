@@ -14,7 +14,7 @@ and gradient) is 0, a scattered one is dropped. An ignore_index label is not che
 Argument order (every kernel): the node's inputs in `node.inputs` order as
 ``const T*`` buffers, then its outputs as ``T*`` buffers; no scalar arguments.
 Helper kernels that only zero-fill an output before an accumulating kernel
-(``<name>_zero``) take that output alone. Kernels with scratch buffers (split-k conv
+(``<name>_zero``; a scatter of no entries is that kernel alone) take that output alone. Kernels with scratch buffers (split-k conv
 grad_weight, scatter) take them as extra buffer arguments: Values of their own that the
 memory planner places in the arena like any other.
 
@@ -803,7 +803,7 @@ def _scatter(node, kernel_name, check_id):
         raise NotImplementedError(f"{_USER_OPS.get(node.op, node.op)}: {seg['entries']} entries into "
                                   f"{seg['keys']} destinations exceed the scatter kernels' int positions")
     if seg["entries"] == 0:
-        return [_zero_kernel(node, kernel_name, out, "nothing is scattered")]
+        return [_zero_kernel(node, kernel_name, out, "the whole result: nothing is scattered into it")]
     counts = Value(f"{out.name}_counts", (seg["keys"],), dt.int32)
     offsets = Value(f"{out.name}_offsets", (seg["keys"] + 1,), dt.int32)
     positions = Value(f"{out.name}_positions", (seg["entries"],), dt.int32)
