@@ -37,6 +37,8 @@ Kernels by family (the main kernel carries `kernel_name`):
              segment in ascending entry order), then `<name>`, one thread per output element,
              adds its segment's sources in that order (double for floats, like the eager
              np.bincount) and stores once: the eager bits, every run. padding_idx is skipped.
+             One thread sorts a segment (heapsort): a destination with very many sources
+             (a token in most rows) costs O(L log L) on that thread.
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
              core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
              one-input-channel-per-group convs (depthwise) use direct kernels.
