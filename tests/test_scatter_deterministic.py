@@ -9,13 +9,17 @@ missing sort. `test_sort_restores_entry_order_whatever_the_fill_order` therefore
 segments between the fill and the sort, with values whose float sum depends on the order.
 """
 import ctypes
+import json
+import subprocess
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
+from flowgen.codegen import aot
 from flowgen.codegen.families import render_node
 from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
@@ -183,6 +187,28 @@ def test_a_constant_index_builds_its_segments_once():
     program = graph.compiled.program
     assert [k.name.rsplit("_", 1)[1] for k in program.prepare] == ["rows", "fill", "sort"]
     assert any(k.name == program.prepare[0].name[:-len("_rows")] for k in program.kernels)
+
+
+@pytest.mark.slow
+def test_standalone_program_keeps_the_prepared_segments(tmp_path):
+    """flow.save + the standalone program: the prepare kernels' scratch (written by three
+    kernels) is one persistent buffer each, and a step gives the eager gradient."""
+    emb = nn.Embedding(6, 3, padding_idx=1)
+    graph = ConstantTokens(emb)
+    g = np.random.default_rng(9).standard_normal((2, 4, 3)).astype(np.float32)
+    graph(flow.tensor(g))
+    nn.init.zeros_(emb.weight)
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    binary = tmp_path / "out" / json.loads((tmp_path / "out" / "manifest.json").read_text())["binary"]
+    np.save(tmp_path / "g.npy", g)
+    proc = subprocess.run([binary, "--input", tmp_path / "g.npy", "--out", tmp_path / "result"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    w = flow.zeros(6, 3, requires_grad=True)
+    (nn.functional.embedding(flow.tensor(ConstantTokens.TOKENS), w, padding_idx=1) * flow.tensor(g)).sum().backward()
+    got = load_file(tmp_path / "result" / "weights.safetensors")["emb.weight"]
+    assert np.array_equal(got, -w.grad.numpy())
 
 
 # --------------------------------------------------------------------------
