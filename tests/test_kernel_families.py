@@ -378,10 +378,9 @@ def _check_scatter_kernels(node, kernels):
         assert kernels[0].name.endswith("_zero") and [a.value for a in kernels[0].args] == [node.output]
         assert (node.inputs[1] if node.op == "embedding_backward" else node.inputs[0]).numel == 0
         return
-    *helpers, main = kernels
-    assert [k.name for k in helpers] == [main.name + s for s in ("_rows", "_fill", "_sort")]
+    rows, fill, sort, main = kernels           # segments longer than 256 would add a `_sort_long`
+    assert [k.name for k in (rows, fill, sort)] == [main.name + s for s in ("_rows", "_fill", "_sort")]
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
-    rows, fill, sort = helpers
     counts, offsets = rows.args[1].value, rows.args[2].value
     positions = fill.args[3].value
     assert [a.value for a in rows.args] == [index, counts, offsets]

@@ -37,8 +37,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              segment in ascending entry order), then `<name>`, one thread per output element,
              adds its segment's sources in that order (double for floats, like the eager
              np.bincount) and stores once: the eager bits, every run. padding_idx is skipped.
-             One thread sorts a segment (heapsort): a destination with very many sources
-             (a token in most rows) costs O(L log L) on that thread.
+             One thread sorts a segment (heapsort); on the GPU a segment of more than 256
+             entries (a token in many rows) is sorted by a block instead (`<name>_sort_long`:
+             insertion-sorted runs, then merge passes through a second scratch buffer).
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
              core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
              one-input-channel-per-group convs (depthwise) use direct kernels.
@@ -783,6 +784,9 @@ def _gather(node, kernel_name, check_id):
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what, index_check=check)]
 
 
+# Scatter segments longer than this are sorted by a block (merge passes) on the GPU, not a thread.
+_LONG_SEGMENT = 256
+
 # The dtypes a scatter kernel sums: floats in double (the eager np.bincount's accumulator),
 # integers in long long (wrapping like np.add.at on the stored type).
 _SCATTER_ACC = {dt.float32: "double", dt.float64: "double", dt.int32: "long long", dt.int64: "long long"}
@@ -801,28 +805,38 @@ def _scatter(node, kernel_name, check_id):
     acc = _SCATTER_ACC[out.dtype]
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
     seg = _scatter_segments(node, index, src)
-    if seg["entries"] >= 2 ** 31 - 1 or seg["keys"] >= 2 ** 31 - 1:
+    if seg["entries"] > 2 ** 30 or seg["keys"] >= 2 ** 31 - 1:
         raise NotImplementedError(f"{_USER_OPS.get(node.op, node.op)}: {seg['entries']} entries into "
-                                  f"{seg['keys']} destinations exceed the scatter kernels' int positions")
+                                  f"{seg['keys']} destinations exceed the scatter kernels' int positions "
+                                  f"(at most 2^30 entries)")
     if seg["entries"] == 0:
         return [_zero_kernel(node, kernel_name, out, "the whole result: nothing is scattered into it")]
     counts = Value(f"{out.name}_counts", (seg["keys"],), dt.int32)
     offsets = Value(f"{out.name}_offsets", (seg["keys"] + 1,), dt.int32)
     positions = Value(f"{out.name}_positions", (seg["entries"],), dt.int32)
-    ctx = dict(seg, index_t=index.dtype.ctype, check_id=check_id, serial=serial_blocks(),
+    serial = serial_blocks()
+    # on the GPU a block sorts each segment longer than _LONG_SEGMENT: a thread would take O(L log L) steps
+    long_segment = None if serial or seg["entries"] <= _LONG_SEGMENT else _LONG_SEGMENT
+    ctx = dict(seg, index_t=index.dtype.ctype, check_id=check_id, serial=serial, long_segment=long_segment,
                threads=min(1024, -(-max(seg["entries"], seg["keys"]) // 32) * 32),   # the rows kernel's block
                idx_t=_idx_type(seg["entries"], seg["keys"], src.numel, out.numel))
     index_arg = BufferArg(index, f"const {index.dtype.ctype}*")
     rows = _scatter_helper(node, kernel_name, "rows", f"segments of {seg['entries']} entries over {seg['keys']} "
                            f"destinations", [index_arg, BufferArg(counts, "int*"), BufferArg(offsets, "int*")],
-                           (1, 1, 1), (1 if ctx["serial"] else ctx["threads"], 1, 1), ctx,
+                           (1, 1, 1), (1 if serial else ctx["threads"], 1, 1), ctx,
                            index_check=_index_check(node, check_id, "index", seg["size"], seg["dim"]))
     fill = _scatter_helper(node, kernel_name, "fill", "entries into their segments",
                            [index_arg, BufferArg(offsets, "const int*"), BufferArg(counts, "int*"),
                             BufferArg(positions, "int*")], _grid_1d(seg["entries"]), (BLOCK, 1, 1), ctx)
-    sort = _scatter_helper(node, kernel_name, "sort", "each segment in entry order",
-                           [BufferArg(offsets, "const int*"), BufferArg(positions, "int*")], _grid_1d(seg["keys"]),
-                           (BLOCK, 1, 1), ctx)
+    sorts = [_scatter_helper(node, kernel_name, "sort", "each segment in entry order",
+                             [BufferArg(offsets, "const int*"), BufferArg(positions, "int*")],
+                             _grid_1d(seg["keys"]), (BLOCK, 1, 1), ctx)]
+    if long_segment:
+        merged = Value(f"{out.name}_merged", (seg["entries"],), dt.int32)
+        sorts.append(_scatter_helper(
+            node, kernel_name, "sort_long", f"segments of more than {long_segment} entries in entry order",
+            [BufferArg(offsets, "const int*"), BufferArg(positions, "int*"), BufferArg(merged, "int*")],
+            (min(seg["keys"], target_blocks()), 1, 1), (BLOCK, 1, 1), ctx))
     source = _render("scatter.cu.j2", kind="sum", name=kernel_name, comment=_comment(node, seg["what"]),
                      src_t=src.dtype.ctype, out_t=out.dtype.ctype, numel=out.numel, acc=acc,
                      load=_loader(src.dtype, acc), store=_storer(out.dtype, acc), **ctx)
@@ -831,17 +845,18 @@ def _scatter(node, kernel_name, check_id):
                          BufferArg(positions, "const int*"), BufferArg(out, f"{out.dtype.ctype}*")],
                    grid=_grid_1d(out.numel), block=(BLOCK, 1, 1), needs_fibers=False,
                    comment=_comment(node, seg["what"]), ops=[node.op])
-    return [rows, fill, sort, total]
+    return [rows, fill, *sorts, total]
 
 
 def _scatter_helper(node, kernel_name, kind, what, args, grid, block, ctx, index_check=None) -> Kernel:
-    """`<kernel_name>_<kind>`: one of a scatter's integer kernels (rows, fill, sort); only the
-    block-wide rows kernel synchronises."""
+    """`<kernel_name>_<kind>`: one of a scatter's integer kernels (rows, fill, sort, sort_long);
+    sort_long and the block-wide rows kernel synchronise."""
     name = f"{kernel_name}_{kind}"
     comment = _comment(node, f"({what})")
     source = _render("scatter.cu.j2", kind=kind, name=name, comment=comment, **ctx)
     return Kernel(name=name, source=source, args=args, grid=grid, block=block,
-                  needs_fibers=kind == "rows" and not ctx["serial"], comment=comment, ops=[node.op],
+                  needs_fibers=kind == "sort_long" or kind == "rows" and not ctx["serial"], comment=comment,
+                  ops=[node.op],
                   index_check=index_check)
 
 
