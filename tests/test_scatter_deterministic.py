@@ -4,9 +4,10 @@ index_select / x[idx] and gather) are deterministic and equal the eager referenc
 The scatter kernels group the entries by destination with integer work only and add each
 destination's sources in ascending entry order in double, like the eager np.bincount. On a GPU
 the fill kernel's atomic cursors put a segment's entries in any order; the emulator runs small
-launches on one thread, so there they arrive in order and a graph test alone could not tell a
-missing sort. `test_sort_restores_entry_order_whatever_the_fill_order` therefore scrambles the
-segments between the fill and the sort, with values whose float sum depends on the order.
+launches on one thread, so there they mostly arrive in order (the old float atomicAdd path was
+ordered there too) and a graph test alone could not tell a missing sort.
+`test_sort_restores_entry_order_whatever_the_fill_order` therefore scrambles the segments between
+the fill and the sort, with values whose float sum depends on the order.
 """
 import ctypes
 import json
