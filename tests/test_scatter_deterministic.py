@@ -212,6 +212,33 @@ def test_standalone_program_keeps_the_prepared_segments(tmp_path):
     assert np.array_equal(got, -w.grad.numpy())
 
 
+class HotTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 4)
+
+    def forward(self, tokens, g):
+        return (self.emb(tokens) * g).sum()
+
+
+def test_a_cuda_program_with_a_hot_index(monkeypatch):
+    """The GPU rendering in a whole 'cuda' program (the block-wide rows kernel, a block sorting a
+    600-entry segment), order-sensitive values: equal to eager. Without a GPU it runs on the
+    emulator (FLOWGEN_EMULATE_CUDA=1); with one, on the GPU."""
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    rng = np.random.default_rng(10)
+    tokens = rng.permutation(np.concatenate([np.full(600, 7), rng.integers(0, 50, 400)])).reshape(10, 100)
+    g = np.ascontiguousarray(np.broadcast_to(_ranked(tokens.ravel()).reshape(10, 100, 1), (10, 100, 4)))
+    model = HotTokens()
+    want = _eager_grads(model, [tokens, g])["emb.weight"]
+    model.to("cuda")
+    graph = Step(model)
+    nn.init.zeros_(model.emb.weight)
+    graph(flow.tensor(tokens).to("cuda"), flow.tensor(g).to("cuda"))
+    assert np.array_equal(-model.emb.weight.numpy(), want)
+    assert any(k.name.endswith("_sort_long") for k in graph.compiled.program.kernels)
+
+
 # --------------------------------------------------------------------------
 # the kernels on their own, with the fill order scrambled
 
