@@ -235,6 +235,9 @@ CASES = [
     *_conv_cases(),
     *_pool_cases(),
     *_upsample_cases(),
+    # scatter of nothing: a zero fill (appended, so the cases above keep their seeds)
+    Case("index_add_no_entries", "index_add", lambda r: [_index(r, 7, (0,)), _rand(r, (4, 0, 5))], shape=(4, 7, 5),
+         dim=1),
 ]
 
 FAMILY_OPS = {
@@ -339,18 +342,12 @@ def test_kernel_contract(rendered):
     """Argument order (inputs, then output), comments, flags and the emulator registration line."""
     for r in rendered.values():
         node, kernels = r.node, r.kernels
-        main, written = kernels[-1], node.output
-        if main.name.endswith("_combine"):   # split-k: partial sums into a scratch buffer, then combined
-            main, combine = kernels
-            written = combine.args[0].value
-            assert combine.name == main.name + "_combine"
-            assert [a.value for a in combine.args] == [written, node.output]
-            assert [a.ctype.startswith("const") for a in combine.args] == [True, False]
-            kernels = [main, combine]
-        assert [a.value for a in main.args] == [*node.inputs, written]
-        assert all(isinstance(a, BufferArg) for a in main.args)
-        assert [a.ctype.startswith("const") for a in main.args] == [True] * len(node.inputs) + [False]
+        if node.op in FAMILY_OPS["scatter"]:
+            _check_scatter_kernels(node, kernels)
+        else:
+            _check_kernel_args(node, kernels)
         for k in kernels:
+            assert all(isinstance(a, BufferArg) for a in k.args)
             assert k.ops == [node.op]
             assert k.comment.startswith(node.scope + ": " + node.op)
             assert k.source.startswith(f"// {k.comment}") or f"\n// {k.comment}\n" in k.source
@@ -359,9 +356,48 @@ def test_kernel_contract(rendered):
             assert f"FLOWGEN_EMU_KERNEL({k.name}, {'true' if uses_sync else 'false'})" in k.source
             assert k.needs_fibers == uses_sync
             assert all(g >= 1 for g in k.grid) and k.block[0] * k.block[1] * k.block[2] <= 1024
-        for k in kernels[:kernels.index(main)]:              # helper kernels zero-fill the output
-            assert k.name == main.name + "_zero"
-            assert [a.value for a in k.args] == [node.output]
+
+
+def _check_kernel_args(node, kernels):
+    """The main kernel takes the inputs, then the output (split-k: a scratch buffer of partial sums
+    that `_combine` reads); helper kernels before it zero-fill the output."""
+    main, written = kernels[-1], node.output
+    if main.name.endswith("_combine"):   # split-k: partial sums into a scratch buffer, then combined
+        main, combine = kernels
+        written = combine.args[0].value
+        assert combine.name == main.name + "_combine"
+        assert [a.value for a in combine.args] == [written, node.output]
+        assert [a.ctype.startswith("const") for a in combine.args] == [True, False]
+        kernels = [main, combine]
+    assert [a.value for a in main.args] == [*node.inputs, written]
+    assert [a.ctype.startswith("const") for a in main.args] == [True] * len(node.inputs) + [False]
+    for k in kernels[:kernels.index(main)]:              # helper kernels zero-fill the output
+        assert k.name == main.name + "_zero"
+        assert [a.value for a in k.args] == [node.output]
+
+
+def _check_scatter_kernels(node, kernels):
+    """A scatter: `_rows`, `_fill`, `_sort` (integer work on the index and int32 scratch; `_rows`
+    checks the indices), then the segmented sum reading the source and the scratch; with no
+    entries, only a zero fill of the output."""
+    if len(kernels) == 1:
+        assert kernels[0].name.endswith("_zero") and [a.value for a in kernels[0].args] == [node.output]
+        assert (node.inputs[1] if node.op == "embedding_backward" else node.inputs[0]).numel == 0
+        return
+    rows, fill, sort, main = kernels           # segments longer than 256 would add a `_sort_long`
+    assert [k.name for k in (rows, fill, sort)] == [main.name + s for s in ("_rows", "_fill", "_sort")]
+    index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
+    counts, offsets = rows.args[1].value, rows.args[2].value
+    positions = fill.args[3].value
+    assert [a.value for a in rows.args] == [index, counts, offsets]
+    assert [a.value for a in fill.args] == [index, offsets, counts, positions]
+    assert [a.value for a in sort.args] == [offsets, positions]
+    assert [a.value for a in main.args] == [src, offsets, positions, node.output]
+    assert [a.ctype.startswith("const") for a in main.args] == [True, True, True, False]
+    assert all(v.dtype == dt.int32 for v in (counts, offsets, positions))
+    assert offsets.numel == counts.numel + 1 and rows.grid == (1, 1, 1)
+    assert rows.index_check is not None and all(k.index_check is None for k in (fill, sort, main))
+    assert "atomicAdd(&counts" in fill.source and "atomicAdd" not in main.source
 
 
 def test_rendering_is_deterministic(rendered):
@@ -400,6 +436,9 @@ def test_kernels_on_gpu(rendered):
         out = node.output
         pointers[out] = ctx.alloc(out.nbytes)
         ctx.memset(pointers[out], 0xFF, out.nbytes)         # NaN / -1 poison
+        for v in {a.value for k in r.kernels for a in k.args} - set(pointers):   # scratch buffers
+            pointers[v] = ctx.alloc(max(v.nbytes, 1))
+            ctx.memset(pointers[v], 0xFF, v.nbytes)
         for k in r.kernels:
             module.launch(k.name, k.grid, k.block, k.smem, [ctypes.c_void_p(pointers[a.value]) for a in k.args])
         ctx.synchronize()

@@ -14,7 +14,9 @@ and gradient) is 0, a scattered one is dropped. An ignore_index label is not che
 Argument order (every kernel): the node's inputs in `node.inputs` order as
 ``const T*`` buffers, then its outputs as ``T*`` buffers; no scalar arguments.
 Helper kernels that only zero-fill an output before an accumulating kernel
-(``<name>_zero``) take that output alone.
+(``<name>_zero``; a scatter of no entries is that kernel alone) take that output alone. Kernels with scratch buffers (split-k conv
+grad_weight, scatter) take them as extra buffer arguments: Values of their own that the
+memory planner places in the arena like any other.
 
 Kernels by family (the main kernel carries `kernel_name`):
 
@@ -28,9 +30,16 @@ Kernels by family (the main kernel carries `kernel_name`):
              max and sum) or, when the dim is not innermost, one thread per row
              walking the dim (coalesced across neighbouring rows).
 * gather   — gather / index_select / embedding: one thread per output element.
-* scatter  — scatter_add / index_add / embedding_backward: `<name>_zero` then one
-             atomicAdd per source element; padding_idx is skipped. Accumulation order
-             is not deterministic.
+* scatter  — scatter_add / index_add / embedding_backward, deterministic: the entries
+             (source elements, or rows along dim) are grouped by destination with integer
+             work only into int32 scratch buffers (`<name>_rows`: one block counts them per
+             destination and prefix-sums the counts, `<name>_fill`, `<name>_sort`: each
+             segment in ascending entry order), then `<name>`, one thread per output element,
+             adds its segment's sources in that order (double for floats, like the eager
+             np.bincount) and stores once: the eager bits, every run. padding_idx is skipped.
+             One thread sorts a segment (heapsort); on the GPU a segment of more than 256
+             entries (a token in many rows) is sorted by a block instead (`<name>_sort_long`:
+             insertion-sorted runs, then merge passes through a second scratch buffer).
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
              core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
              one-input-channel-per-group convs (depthwise) use direct kernels.
@@ -896,61 +905,127 @@ def _gather(node, kernel_name, check_id):
     return [_kernel(node, kernel_name, source, _grid_1d(out.numel), (BLOCK, 1, 1), False, what, index_check=check)]
 
 
-def _atomic_ops(dtype):
-    """(pointer, value) spellings for atomicAdd into a buffer of `dtype`."""
-    if dtype in (dt.float32, dt.float64, dt.int32):
-        return (lambda p: p), (lambda v: v)
-    if dtype == dt.int64:
-        return (lambda p: f"(unsigned long long*){p}"), (lambda v: f"(unsigned long long)({v})")
-    raise NotImplementedError(f"atomicAdd accumulation into {dtype.name} is not supported "
-                              f"(scatter kernels need float32, float64, int32 or int64)")
+# Scatter segments longer than this are sorted by a block (merge passes) on the GPU, not a thread.
+_LONG_SEGMENT = 256
+
+# The dtypes a scatter kernel sums: floats in double (the eager np.bincount's accumulator),
+# integers in long long (wrapping like np.add.at on the stored type).
+_SCATTER_ACC = {dt.float32: "double", dt.float64: "double", dt.int32: "long long", dt.int64: "long long"}
 
 
 def _scatter(node, kernel_name, check_id):
+    """scatter_add / index_add / embedding_backward as a segmented sum, deterministic and equal to
+    the eager reference bit for bit: the entries (source elements or rows) are grouped by
+    destination with integer work only (`_rows`: counts and their prefix sum, `_fill`, `_sort`:
+    each segment in ascending entry order), then one thread per output element adds its
+    segment's sources in that order, in double for floats like np.bincount, and stores once."""
     out = node.output
-    atomic_ptr, atomic_val = _atomic_ops(out.dtype)
+    if out.dtype not in _SCATTER_ACC:
+        raise NotImplementedError(f"{_USER_OPS.get(node.op, node.op)}: no scatter kernel for {out.dtype.name} "
+                                  f"(float32, float64, int32 or int64)")
+    acc = _SCATTER_ACC[out.dtype]
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
-    src_convert = _converter(src.dtype, out.dtype)
-    ctx = dict(name=kernel_name, out_t=out.dtype.ctype, numel=src.numel, idx_t=_idx_type(src.numel, out.numel),
-               atomic_ptr=atomic_ptr, atomic_val=lambda v: atomic_val(src_convert(v)), check_id=check_id)
-    if node.op == "scatter_add":
-        shape = tuple(out.shape) or (1,)
+    seg = _scatter_segments(node, index, src)
+    if seg["entries"] > 2 ** 30 or seg["keys"] >= 2 ** 31 - 1:
+        raise NotImplementedError(f"{_USER_OPS.get(node.op, node.op)}: {seg['entries']} entries into "
+                                  f"{seg['keys']} destinations exceed the scatter kernels' int positions "
+                                  f"(at most 2^30 entries)")
+    if seg["entries"] == 0:
+        return [_zero_kernel(node, kernel_name, out, "the whole result: nothing is scattered into it")]
+    counts = Value(f"{out.name}_counts", (seg["keys"],), dt.int32)
+    offsets = Value(f"{out.name}_offsets", (seg["keys"] + 1,), dt.int32)
+    positions = Value(f"{out.name}_positions", (seg["entries"],), dt.int32)
+    serial = serial_blocks()
+    # on the GPU a block sorts each segment longer than _LONG_SEGMENT: a thread would take O(L log L) steps
+    long_segment = None if serial or seg["entries"] <= _LONG_SEGMENT else _LONG_SEGMENT
+    ctx = dict(seg, index_t=index.dtype.ctype, check_id=check_id, serial=serial, long_segment=long_segment,
+               threads=min(1024, -(-max(seg["entries"], seg["keys"]) // 32) * 32),   # the rows kernel's block
+               idx_t=_idx_type(seg["entries"], seg["keys"], src.numel, out.numel))
+    index_arg = BufferArg(index, f"const {index.dtype.ctype}*")
+    rows = _scatter_helper(node, kernel_name, "rows", f"segments of {seg['entries']} entries over {seg['keys']} "
+                           f"destinations", [index_arg, BufferArg(counts, "int*"), BufferArg(offsets, "int*")],
+                           (1, 1, 1), (1 if serial else ctx["threads"], 1, 1), ctx,
+                           index_check=_index_check(node, check_id, "index", seg["size"], seg["dim"]))
+    fill = _scatter_helper(node, kernel_name, "fill", "entries into their segments",
+                           [index_arg, BufferArg(offsets, "const int*"), BufferArg(counts, "int*"),
+                            BufferArg(positions, "int*")], _grid_1d(seg["entries"]), (BLOCK, 1, 1), ctx)
+    sorts = [_scatter_helper(node, kernel_name, "sort", "each segment in entry order",
+                             [BufferArg(offsets, "const int*"), BufferArg(positions, "int*")],
+                             _grid_1d(seg["keys"]), (BLOCK, 1, 1), ctx)]
+    if long_segment:
+        merged = Value(f"{out.name}_merged", (seg["entries"],), dt.int32)
+        sorts.append(_scatter_helper(
+            node, kernel_name, "sort_long", f"segments of more than {long_segment} entries in entry order",
+            [BufferArg(offsets, "const int*"), BufferArg(positions, "int*"), BufferArg(merged, "int*")],
+            (min(seg["keys"], target_blocks()), 1, 1), (BLOCK, 1, 1), ctx))
+    source = _render("scatter.cu.j2", kind="sum", name=kernel_name, comment=_comment(node, seg["what"]),
+                     src_t=src.dtype.ctype, out_t=out.dtype.ctype, numel=out.numel, acc=acc,
+                     load=_loader(src.dtype, acc), store=_storer(out.dtype, acc), **ctx)
+    total = Kernel(name=kernel_name, source=source,
+                   args=[BufferArg(src, f"const {src.dtype.ctype}*"), BufferArg(offsets, "const int*"),
+                         BufferArg(positions, "const int*"), BufferArg(out, f"{out.dtype.ctype}*")],
+                   grid=_grid_1d(out.numel), block=(BLOCK, 1, 1), needs_fibers=False,
+                   comment=_comment(node, seg["what"]), ops=[node.op])
+    return [rows, fill, *sorts, total]
+
+
+def _scatter_helper(node, kernel_name, kind, what, args, grid, block, ctx, index_check=None) -> Kernel:
+    """`<kernel_name>_<kind>`: one of a scatter's integer kernels (rows, fill, sort, sort_long);
+    sort_long and the block-wide rows kernel synchronise."""
+    name = f"{kernel_name}_{kind}"
+    comment = _comment(node, f"({what})")
+    source = _render("scatter.cu.j2", kind=kind, name=name, comment=comment, **ctx)
+    return Kernel(name=name, source=source, args=args, grid=grid, block=block,
+                  needs_fibers=kind == "sort_long" or kind == "rows" and not ctx["serial"], comment=comment,
+                  ops=[node.op],
+                  index_check=index_check)
+
+
+def _scatter_segments(node, index, src) -> dict:
+    """How `node` scatters: its entries (what one index moves) and destination keys, C++ for an
+    entry's key (key_lines, key_expr over m and its checked index k), for an output element's key
+    (out_lines, out_key over i) and for the source offset of entry j there (src_offset)."""
+    out = node.output
+    shape = tuple(out.shape) or (1,)
+    if node.op == "scatter_add":                            # an entry per source element
         dim = node.attrs["dim"] % len(shape)
-        lines, coords = _coords(tuple(src.shape) or (1,), "i", "c")
+        lines, coords = _coords(tuple(src.shape) or (1,), "m", "c")
         coords[dim] = "k"
-        what = f"dim {dim}: {_shape_text(src.shape)} into {_shape_text(out.shape)} (atomicAdd)"
-        source = _render("scatter.cu.j2", kind="scatter_add", comment=_comment(node, what),
-                         out_shape=_shape_text(out.shape), src_shape=_shape_text(src.shape), dim=dim,
-                         size=shape[dim], index_t=index.dtype.ctype, src_t=src.dtype.ctype,
-                         coord_lines=[ln for ln in lines if not ln.startswith(f"const long long c{dim} ")],
-                         dst_offset=_offset(coords, _strides(shape)), **ctx)
-        check = _index_check(node, check_id, "index", shape[dim], dim)
-    else:
-        if node.op == "index_add":
-            shape = tuple(out.shape) or (1,)
-            dim = node.attrs["dim"] % len(shape)
-            outer, size, inner = _select_layout(shape, dim)
-            names, pad = ("index", "src", "out"), -1
-            what = f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)} (atomicAdd)"
-            check = _index_check(node, check_id, "index", size, dim)
-        else:                                               # embedding_backward(grad, indices)
-            outer, size, inner = 1, out.shape[0], out.shape[1]
-            names, pad = ("grad", "index", "out"), node.attrs.get("padding_idx", -1)
-            pad = -1 if pad is None or pad < 0 else pad
-            what = f"{index.numel} rows into {_shape_text(out.shape)} (atomicAdd)"
-            check = _index_check(node, check_id, "index", size)
-        n = index.numel
-        j_expr, offset = _select_exprs(outer, n, inner, size)
-        source = _render("scatter.cu.j2", kind="select", comment=_comment(node, what), what=node.op,
-                         params=_params(node, names[:2], names[2:]), outer=outer, n=n, size=size, inner=inner,
-                         j_expr=j_expr, dst_offset=offset, padding_idx=pad,
-                         src_name="src" if node.op == "index_add" else "grad",
-                         wrap_negative=node.attrs.get("wrap_negative", False), **ctx)
-    kernels = [_zero_kernel(node, kernel_name, out, "before atomicAdd")]
-    if src.numel:
-        kernels.append(_kernel(node, kernel_name, source, _grid_1d(src.numel), (BLOCK, 1, 1), False, what,
-                               index_check=check))
-    return kernels
+        return dict(entries=src.numel, keys=out.numel, size=shape[dim], dim=dim, padding_idx=-1,
+                    wrap_negative=False, key_lines=[ln for ln in lines if not ln.startswith(f"const long long c{dim} ")],
+                    key_expr=_offset(coords, _strides(shape)), out_lines=[], out_key="i", src_offset="j",
+                    what=f"dim {dim}: {_shape_text(src.shape)} into {_shape_text(out.shape)}",
+                    formula="out[i] = the sum of src[j] over the source elements j whose destination is i")
+    if node.op == "index_add":                              # an entry per source slice along dim
+        dim = node.attrs["dim"] % len(shape)
+        outer, size, inner = _select_layout(shape, dim)
+        pad, what = -1, f"dim {dim}: {index.numel} slices into {_shape_text(out.shape)}"
+    else:                                                   # embedding_backward: an entry per row of grad
+        dim, outer, size, inner = None, 1, out.shape[0], out.shape[1]
+        pad = node.attrs.get("padding_idx", -1)
+        pad = -1 if pad is None or pad < 0 else pad
+        what = f"{index.numel} rows into {_shape_text(out.shape)}" + (f", padding_idx {pad}" if pad >= 0 else "")
+    out_lines, src_offset = _segment_rows(outer, size, inner, index.numel)
+    return dict(entries=index.numel, keys=size, size=size, dim=dim, padding_idx=pad,
+                wrap_negative=node.attrs.get("wrap_negative", False), key_lines=[], key_expr="k",
+                out_lines=out_lines, out_key="row", src_offset=src_offset, what=what,
+                formula=f"out[o, row, r] = the sum of src[o, j, r] over the entries j with index[j] == row "
+                        f"(out [{outer}, {size}, {inner}], src [{outer}, {index.numel}, {inner}])")
+
+
+def _segment_rows(outer, size, inner, n) -> tuple:
+    """For an output [outer, size, inner] summing rows of a source [outer, n, inner]: C++ lines for
+    `row` (the output's coordinate along dim; also `o`, `r` where needed) from i, and the source
+    offset of row j."""
+    lines = [f"const long long r = i % {inner};"] if inner > 1 else []
+    row = "i" if inner == 1 else f"i / {inner}"
+    if outer > 1:
+        row = f"({row}) % {size}" if " " in row else f"{row} % {size}"
+        lines.append(f"const long long o = i / {size * inner};")
+    lines.append(f"const long long row = {row};")
+    src_row = "j" if outer == 1 else f"o * {n} + j"
+    offset = src_row if inner == 1 else (f"j * {inner} + r" if outer == 1 else f"({src_row}) * {inner} + r")
+    return lines, offset
 
 
 # --------------------------------------------------------------------------
@@ -1219,8 +1294,6 @@ def _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, igemm, grid, bl
     implicit GEMM writes each split's partial dw to its own slice of a scratch buffer (placed in
     the arena by the memory planner, like fused.py's split reductions), then `<name>_combine`
     adds the slices in split order, one thread per weight (no barrier, no atomics)."""
-    from flowgen.ir.graph import Value
-
     out, acc = node.output, ctx["acc"]
     scratch = Value(f"{out.name}_partials", (splits * out.numel,), dt.float64 if acc == "double" else dt.float32)
     params = _params(node, ["grad", "x"], [])[:2] + [f"{acc}* __restrict__ partials"]

@@ -50,8 +50,9 @@ class Program:
 
     @property
     def persistent_values(self) -> list:
-        """Values written by prepare kernels: they keep their own allocations across calls."""
-        return [v for k in self.prepare for v in _buffer_values(k, written=True)]
+        """Values written by prepare kernels, once each (a scatter's scratch is written by several):
+        they keep their own allocations across calls."""
+        return list(dict.fromkeys(v for k in self.prepare for v in _buffer_values(k, written=True)))
 
 
 def render_kernels(graph):

@@ -260,7 +260,8 @@ def _scatter_add_infer(index, src, shape, dim):
 
 
 def _accumulate(lin, src, total):
-    """out.flat[lin] += src with repeated indices summed (float64 accumulation)."""
+    """out.flat[lin] += src with repeated indices summed: floats in float64, each destination's
+    sources added in order (np.bincount), as the scatter kernels do; integers wrap in their dtype."""
     if src.dtype.kind == "f" or src.dtype.kind == "V":
         return np.bincount(lin.reshape(-1), weights=src.reshape(-1).astype(np.float64), minlength=total)
     out = np.zeros(total, src.dtype)
@@ -270,8 +271,9 @@ def _accumulate(lin, src, total):
 
 def _scatter_add_ref(index, src, shape, dim):
     shape = tuple(shape)
-    if len(shape) == 0:
-        return np.asarray(src.sum(), dtype=np.float64).reshape(())
+    if len(shape) == 0:                                     # a 0-d output: one element, index 0
+        _check_range(index, 1, "scatter_add")
+        return _accumulate(np.zeros(index.shape, np.int64), src, 1).reshape(())
     dim = dim % len(shape)
     _check_range(index, shape[dim], "scatter_add", dim)
     return _accumulate(_linear_index(index, shape, dim), src, int(np.prod(shape))).reshape(shape)
@@ -337,8 +339,9 @@ def _index_add_infer(index, src, shape, dim, wrap_negative=False):
 
 def _index_add_ref(index, src, shape, dim, wrap_negative=False):
     shape = tuple(shape)
-    if not shape:
-        return np.asarray(src.sum(), np.float64)
+    if not shape:                                           # a 0-d output: one element, index 0 (or -1)
+        _selected(index, 1, "index_add", None, wrap_negative)
+        return _accumulate(np.zeros(index.shape, np.int64), src, 1).reshape(())
     dim = dim % len(shape)
     idx = _selected(index, shape[dim], "index_add", dim, wrap_negative).reshape(-1).astype(np.int64)
     bshape = [1] * len(shape)
