@@ -1249,10 +1249,10 @@ def multinomial(input, num_samples, replacement=False, generator=None):
     """Category indices drawn by the weights in each row of `input` (1-D or 2-D, non-negative).
 
     The uniforms come from the Philox stream (`flow.manual_seed` makes draws reproducible; the
-    numbers differ from PyTorch's generator). With replacement: the inverse of each row's CDF,
-    built from flowgen ops, so it also runs inside nn.Graph.build(). Without: the `num_samples`
-    largest keys log(u) / p (weighted sampling without replacement, Efraimidis-Spirakis), so
-    zero-weight categories are never drawn; that needs a sort, so it is eager only.
+    numbers differ from PyTorch's generator). With replacement: the inverse of each row's CDF.
+    Without: the `num_samples` largest keys log(u) / p (weighted sampling without replacement,
+    Efraimidis-Spirakis; ties to the lower index), so zero-weight categories are never drawn.
+    Both are built from flowgen ops, so they also run inside nn.Graph.build().
     """
     if generator is not None:
         raise NotImplementedError("multinomial: generator= is not supported; seed with flow.manual_seed")
@@ -1261,9 +1261,6 @@ def multinomial(input, num_samples, replacement=False, generator=None):
     n = int(num_samples)
     if n <= 0:
         raise RuntimeError(f"multinomial: cannot sample n_sample <= 0 samples (got {n})")
-    if input.is_lazy and not replacement:
-        raise NotImplementedError("multinomial(replacement=False) runs in eager mode only: nn.Graph has no sort "
-                                  "kernel; use replacement=True inside build() or draw outside it")
     if not input.is_lazy:
         _check_multinomial_weights(input.numpy_view(), n, replacement)
     weights = _to_float(input) if input.ndim == 2 else unsqueeze(_to_float(input), 0)
@@ -1271,11 +1268,9 @@ def multinomial(input, num_samples, replacement=False, generator=None):
     if replacement:
         draws = _inverse_cdf_draws(weights, rand(rows, n, dtype=weights.dtype, device=input.device))
     else:
-        u = rand(rows, categories, dtype=dt.float64).numpy_view()
-        with np.errstate(divide="ignore"):
-            keys = np.log(np.maximum(u, np.finfo(np.float64).tiny)) / weights.numpy_view()   # -inf for zero weights
-        draws = Tensor(np.argsort(-keys, axis=1, kind="stable")[:, :n].astype(np.int64), dtype=dt.int64,
-                       device=input.device)
+        u = rand(rows, categories, dtype=dt.float64, device=input.device)
+        keys = div(log(clamp_min(u, float(np.finfo(np.float64).tiny))), cast(weights, dt.float64))  # -inf at p = 0
+        draws = topk(keys, n, dim=1).indices
     return draws if input.ndim == 2 else squeeze(draws, 0)
 
 

@@ -66,3 +66,38 @@ def test_generate_samples_from_the_vocabulary():
     out = model.generate(prompt, 20, temperature=0.8, top_k=5).numpy()
     assert out.shape == (1, 25) and (out[0, :5] == corpus.ids[:5]).all()
     assert out.min() >= 0 and out.max() < corpus.vocab_size
+
+
+def test_a_decoding_step_as_a_graph_samples_what_eager_samples():
+    """generate()'s step (forward, top-k filter, softmax, multinomial) as an nn.Graph over the
+    block_size window: the same tokens as the eager step from the same seed."""
+    config = _config()
+    corpus = gpt_char.Corpus()
+    config.vocab_size = corpus.vocab_size
+    flow.manual_seed(1)
+    model = gpt_char.define(flow)(config).eval()
+
+    def step(idx):
+        logits, _ = model(idx)
+        logits = logits[:, -1, :] / 0.8
+        v, _ = flow.topk(logits, 5)
+        logits = flow.where(logits < v[:, -1:], flow.full_like(logits, -float("inf")), logits)
+        return flow.multinomial(flow.nn.functional.softmax(logits, dim=-1), num_samples=1)
+
+    class DecodeStep(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def build(self, idx):
+            return step(idx)
+
+    graph = DecodeStep()
+    eager_tokens, graph_tokens = [], []
+    for seed in range(6):
+        window = flow.tensor(corpus.ids[None, seed:seed + config.block_size])
+        flow.manual_seed(100 + seed)
+        eager_tokens.append(step(window).item())
+        flow.manual_seed(100 + seed)
+        graph_tokens.append(graph(window).item())
+    assert graph_tokens == eager_tokens

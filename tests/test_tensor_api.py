@@ -358,6 +358,22 @@ def test_multinomial_draws_follow_the_weights_reproducibly():
         flow.multinomial(flow.tensor([0.5, -0.1]), 1)
 
 
+def test_multinomial_without_replacement_in_a_graph_draws_what_eager_draws():
+    weights = flow.tensor([[0.1, 0.0, 0.6, 0.3, 0.2], [2.0, 2.0, 2.0, 2.0, 0.0]])
+
+    class Draw(nn.Graph):
+        def build(self, w):
+            return flow.multinomial(w, 3)
+
+    graph = Draw()
+    for seed in range(3):
+        flow.manual_seed(seed)
+        eager = flow.multinomial(weights, 3).numpy()
+        flow.manual_seed(seed)
+        np.testing.assert_array_equal(graph(weights).numpy(), eager)
+        assert 1 not in eager[0] and 4 not in eager[1]
+
+
 def test_oneflow_functional_namespace_computes_what_its_names_say():
     x = flow.tensor([[-2.0, 1.0, 3.0], [0.5, -1.0, 2.0]])
     w = flow.tensor([[1.0, 2.0, 0.0], [0.0, 1.0, -1.0]])
