@@ -3,7 +3,8 @@
 A seeded generator writes a random model as Python source over the public API (`lib` is
 `flowgen` or `torch`, `F` their functional modules, `nn` their module namespaces): elementwise
 unary/binary ops with broadcasting, reductions, Linear/matmul, conv2d, BatchNorm/LayerNorm,
-softmax/log_softmax, reshape/transpose/flatten, where/masked_fill, residual adds and a loss.
+softmax/log_softmax, scaled_dot_product_attention, reshape/transpose/flatten, where/masked_fill,
+cumsum, sort/topk values, index_select with repeated indices, residual adds and a loss.
 Each program runs
 
 * as an inference graph (eval mode) and
@@ -135,15 +136,15 @@ def _statement(g: _Gen, pool: list) -> tuple:
     rank = len(shape)
     same = [v for v, s in pool if s == shape and v != var]
     choices = ["unary", "unary", "binary", "binary", "reduce_back", "reduce", "where", "masked_fill", "reshape",
-               "cat", "chunk"]
+               "cat", "chunk", "cumsum", "sort", "index_select"]
     if rank >= 2:
-        choices += ["softmax", "transpose"]
+        choices += ["softmax", "transpose", "topk"]
     if rank >= 3:
         choices += ["permute"]
     if rank == 2:
         choices += ["linear", "linear", "matmul", "layernorm"] + (["batchnorm1d"] if shape[0] > 1 else [])
     if rank == 3:
-        choices += ["linear", "layernorm", "attention", "flatten"]
+        choices += ["linear", "layernorm", "attention", "sdpa", "flatten"]
     if rank == 4:
         choices += ["conv", "conv", "conv_residual", "conv_where", "groupnorm", "pool", "flatten",
                     "reduce_spatial"] + (["batchnorm2d"] if shape[0] * shape[2] * shape[3] > 1 else [])
@@ -188,6 +189,25 @@ def _statement(g: _Gen, pool: list) -> tuple:
         part = rng.choice([0, 1])
         size = -(-shape[dim] // 2) if part == 0 else shape[dim] // 2
         return g.emit(f"lib.chunk({var}, 2, dim={dim})[{part}]", shape[:dim] + (size,) + shape[dim + 1:])
+    if kind == "cumsum":
+        dim = rng.randrange(rank)
+        return g.emit(f"lib.cumsum({var}, dim={dim})", shape)
+    if kind == "sort":     # the sorted values: continuous in the input, the gradient follows the order
+        dim = rng.randrange(rank)
+        return g.emit(f"lib.sort({var}, dim={dim}, descending={rng.random() < 0.5})[0]", shape)
+    if kind == "topk":
+        dim = rng.randrange(rank)
+        k = rng.randint(1, shape[dim])
+        return g.emit(f"lib.topk({var}, {k}, dim={dim}, largest={rng.random() < 0.7})[0]",
+                      shape[:dim] + (k,) + shape[dim + 1:])
+    if kind == "index_select":     # constant indices with repeats: the gradient is a scatter-add
+        dim = rng.randrange(rank)
+        index = [rng.randrange(shape[dim]) for _ in range(rng.randint(1, 2 * shape[dim]))]
+        return g.emit(f"lib.index_select({var}, {dim}, lib.tensor({index}))",
+                      shape[:dim] + (len(index),) + shape[dim + 1:])
+    if kind == "sdpa":
+        causal = rng.random() < 0.5
+        return g.emit(f"F.scaled_dot_product_attention({var}, lib.tanh({var}), {var}, is_causal={causal})", shape)
     if kind == "permute":
         order = list(range(rank))
         rng.shuffle(order)
