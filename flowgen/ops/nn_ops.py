@@ -1040,18 +1040,22 @@ def _attention_scores_ref(q, k, mask, scale, causal, ct):
     return s
 
 
-def _attention_ref(q, k, v, mask=None, *, scale, causal=False):
-    ct = _ctype(q, k, v)
-    s = _attention_scores_ref(q, k, mask, scale, causal, ct)
+def _attention_probs_ref(s, ct):
+    """(P, lse) of scores `s`: softmax over the last dim and its logsumexp; a row of -inf scores
+    (fully masked) gives P = 0 and lse = -inf."""
     m = s.max(axis=-1, keepdims=True)
     m = np.where(m == -np.inf, ct(0), m)            # a fully masked row: every exp is 0
     e = np.exp(s - m)
     l = e.sum(axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore"):
-        o = np.where(l > 0, np.matmul(e, _f(v, ct)) / l, ct(0))
-        lse = (m + np.log(l))[..., 0]
+        return np.where(l > 0, e / l, ct(0)), (m + np.log(l))[..., 0]
+
+
+def _attention_ref(q, k, v, mask=None, *, scale, causal=False):
+    ct = _ctype(q, k, v)
+    p, lse = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
     lse_ct = np.float64 if q.dtype == np.float64 else np.float32
-    return o.astype(q.dtype, copy=False), lse.astype(lse_ct, copy=False)
+    return np.matmul(p, _f(v, ct)).astype(q.dtype, copy=False), lse.astype(lse_ct, copy=False)
 
 
 def _attention_grad(ctx, g, g_lse=None):
@@ -1076,10 +1080,10 @@ def _attention_backward_infer(q, k, v, o, do, lse, mask=None, *, scale, causal=F
 
 
 def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=False):
+    # P is the softmax of the recomputed scores (what the gradient means); the kernels rebuild it
+    # as exp(s - lse), equal up to rounding, so `lse` is not read here
     ct = _ctype(q, k, v)
-    s = _attention_scores_ref(q, k, mask, scale, causal, ct)
-    with np.errstate(invalid="ignore"):      # -inf - -inf in a fully masked row: that P is 0
-        p = np.where(s == -np.inf, ct(0), np.exp(s - _f(lse, ct)[..., None]))
+    p, _ = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
     do_ = _f(do, ct)
     d = (do_ * _f(o, ct)).sum(axis=-1, keepdims=True)
     ds = p * (np.matmul(do_, np.swapaxes(_f(v, ct), -1, -2)) - d)
