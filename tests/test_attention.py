@@ -209,11 +209,11 @@ def test_attention_graph_training_step_matches_eager_and_torch(case):
     _check_no_scores(graph.compiled.program, *case[1][2:4])
 
 
-def _check_no_scores(program, L, S):
+def _check_no_scores(program, L, S, op="attention"):
     """The fused kernels run the attention both ways and no buffer of the program is [L, S]-sized
     (other than the user's mask, a graph input)."""
     ops = [op for k in program.kernels for op in k.ops]
-    assert "attention" in ops and "attention_backward" in ops
+    assert op in ops and f"{op}_backward" in ops
     assert not {"softmax", "matmul", "softmax_grad"} & set(ops), ops
     buffers = ({a.value for k in program.kernels for a in k.args} | set(program.plan.offsets)) - \
         set(program.graph.inputs)
@@ -284,3 +284,56 @@ def test_multihead_attention_with_masks_uses_the_attention_op_and_matches_torch(
     np.testing.assert_allclose(graph(flow.tensor(q), flow.tensor(kv)).numpy(), f_out.numpy(), rtol=1e-5,
                                atol=1e-6)
     assert any("attention" in k.ops for k in graph.compiled.program.kernels)
+
+
+# --------------------------------------------------------------------------
+# dropout inside the kernels (attention_dropout): F.dropout's Philox mask over [..., L, S]
+
+def _composite_sdpa(q, k, v, mask, dropout_p, scale):
+    """softmax -> F.dropout -> @ v from flowgen ops (what the fused op must equal)."""
+    scores = flow.matmul(q, k.transpose(-2, -1)) * scale
+    if mask is not None:
+        scores = flow.where(mask, scores, float("-inf"))
+    return nn.functional.dropout(flow.softmax(scores, -1), dropout_p) @ v
+
+
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 5, 7)], ids=["no_mask", "bool_mask"])
+def test_attention_dropout_equals_the_composite_with_the_same_seed(mask_shape):
+    q, k, v = _arrays((2, 3, 5, 16), (2, 3, 7, 16), (2, 3, 7, 8))
+    mask = None if mask_shape is None else flow.tensor(_mask("bool", mask_shape))
+    g = flow.tensor(RNG.standard_normal((2, 3, 5, 8)).astype(np.float32))
+    results = []
+    for fused in (True, False):
+        flow.manual_seed(17)
+        ts = [flow.tensor(a, requires_grad=True) for a in (q, k, v)]
+        out = nn.functional.scaled_dot_product_attention(*ts, attn_mask=mask, dropout_p=0.25) if fused \
+            else _composite_sdpa(*ts, mask, 0.25, 0.25)
+        (out * g).sum().backward()
+        results.append([out.numpy()] + [t.grad.numpy() for t in ts])
+    undropped = nn.functional.scaled_dot_product_attention(*(flow.tensor(a) for a in (q, k, v)), attn_mask=mask)
+    assert np.abs(results[0][0] - undropped.numpy()).max() > 0.1     # the dropout did something
+    for name, a, b in zip(["out", "q", "k", "v"], *results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_attention_dropout_trains_in_a_graph_like_eager():
+    """Three graph steps (a fresh Philox offset each) equal three eager steps from the same seed,
+    outputs and parameters; the graph runs the fused dropout kernels and holds no [L, S] buffer."""
+    q, k, v = _arrays((2, 2, 6, 16), (2, 2, 6, 16), (2, 2, 6, 16))
+    w = flow.tensor(RNG.standard_normal((2, 2, 6, 16)).astype(np.float32))
+    graph = WeightedSumStep(QKV(q, k, v, dropout_p=0.2, is_causal=True))
+    eager = QKV(q, k, v, dropout_p=0.2, is_causal=True)
+    opt = flow.optim.SGD(eager.parameters(), lr=1.0)
+    flow.manual_seed(5)
+    got = [graph(w).numpy() for _ in range(3)]
+    flow.manual_seed(5)
+    for step in range(3):
+        out = eager()
+        opt.zero_grad()
+        (out * w).sum().backward()
+        opt.step()
+        np.testing.assert_allclose(got[step], out.numpy(), rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
+    for name in "qkv":
+        np.testing.assert_allclose(getattr(graph.model, name).numpy(), getattr(eager, name).numpy(), rtol=1e-5,
+                                   atol=1e-5, err_msg=name)
+    _check_no_scores(graph.compiled.program, 6, 6, op="attention_dropout")

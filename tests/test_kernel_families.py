@@ -88,7 +88,8 @@ def _attention_backward_cases():
         def arrays(r):
             q, k, v = _qkv(r, q_shape, S, Ev, dtype)
             masks = [] if mask is None else [mask(r)]
-            o, lse = get_op("attention").ref(q, k, v, *masks, **attrs)
+            o, lse = get_op("attention_dropout" if "dropout_p" in attrs else "attention").ref(q, k, v, *masks,
+                                                                                          **attrs)
             return [q, k, v, o, _rand(r, o.shape, dtype), lse, *masks]
         return arrays
 
@@ -105,6 +106,13 @@ def _attention_backward_cases():
     cases.append(Case("attention_backward_f64", "attention_backward", make((2, 4, 3), 6, 2, dtype=np.float64,
                                                                          scale=0.7, causal=True),
                       rtol=1e-12, atol=1e-12, scale=0.7, causal=True))
+    dropout = dict(scale=0.5, causal=False, dropout_p=0.3, seed=2 ** 63 + 5, offset=3)   # seed: a uint64
+    cases.append(Case("attention_dropout_bool_mask", "attention_dropout",
+                      lambda r: [*_qkv(r, (2, 3, 5, 4), 6, 3), r.random((3, 1, 6)) < 0.7], **dropout))
+    cases.append(Case("attention_dropout_backward_bool_mask", "attention_dropout_backward",
+                      make((2, 3, 5, 4), 6, 3, lambda r: r.random((3, 1, 6)) < 0.7, **dropout), **dropout))
+    cases.append(Case("attention_dropout_backward_causal", "attention_dropout_backward",
+                      make((2, 6, 4), 5, 3, **dict(dropout, causal=True)), **dict(dropout, causal=True)))
     return cases
 
 
@@ -281,7 +289,7 @@ FAMILY_OPS = {
     "pool2d": {"max_pool2d", "max_pool2d_indices", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "adaptive_avg_pool2d",
                "adaptive_avg_pool2d_grad"},
     "upsample": {"upsample_nearest2d", "upsample_nearest2d_grad", "upsample_bilinear2d", "upsample_bilinear2d_grad"},
-    "attention": {"attention", "attention_backward"},
+    "attention": {"attention", "attention_backward", "attention_dropout", "attention_dropout_backward"},
 }
 
 

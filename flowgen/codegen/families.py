@@ -1129,14 +1129,16 @@ _INDEX_FAMILIES = {"softmax", "gather", "scatter"}
 # --------------------------------------------------------------------------
 # attention: softmax(q k^T * scale + mask) v and its gradients without the [L, S] scores
 
-def _attention(node, kernel_name):
+def _attention(node, kernel_name, rng=None):
     """`attention`: one forward kernel (output + logsumexp); `attention_backward`: the dQ kernel
-    (which also saves D = rowsum(dO * O) in a scratch buffer) then the dK/dV kernel."""
+    (which also saves D = rowsum(dO * O) in a scratch buffer) then the dK/dV kernel. The
+    `_dropout` variants also read the graph's rng state `rng` (seed, base offset) when their
+    stream is bound (passes/random_streams.py), else their own seed/offset attributes."""
     q, k, v = node.inputs[:3]
     L, E, S, Ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     if S == 0:
         raise NotImplementedError(f"{node.op}: no keys (S = 0) in {_shape_text(k.shape)}")
-    plain = 3 if node.op == "attention" else 6   # inputs before the optional mask
+    plain = 6 if node.op.endswith("_backward") else 3   # inputs before the optional mask
     mask = node.inputs[plain] if len(node.inputs) > plain else None
     acc = _acc_type(q.dtype)
     causal = bool(node.attrs["causal"])
@@ -1146,12 +1148,29 @@ def _attention(node, kernel_name):
                one="1.0" if acc == "double" else "1.0f", neg_inf=_neg_inf(acc), out_t=q.dtype.ctype,
                scale=repr(float(node.attrs["scale"])) if acc == "double" else _f32_literal(node.attrs["scale"]),
                keys_of_row=f"(i + 1 < {S} ? i + 1 : {S})" if causal else str(S), first_query="j" if causal else "0",
+               dropout=_attention_dropout(node.attrs, rng is not None),
                **_attention_mask_context(mask, q.shape[:-2], L, S, acc))
     shapes = f"{_shape_text(q.shape)} x {_shape_text(k.shape)}" + (" causal" if causal else "") + \
-        (f" mask {_shape_text(mask.shape)}" if mask is not None else "")
-    if node.op == "attention":
-        return [_attention_forward(node, kernel_name, ctx, shapes, mask)]
-    return _attention_backward(node, kernel_name, ctx, shapes, mask)
+        (f" mask {_shape_text(mask.shape)}" if mask is not None else "") + \
+        (f" dropout {node.attrs['dropout_p']}" if ctx["dropout"] else "")
+    extra = [(mask, "mask")] if mask is not None else []
+    extra += [(rng, "rng")] if rng is not None else []
+    if node.op.endswith("_backward"):
+        return _attention_backward(node, kernel_name, ctx, shapes, extra)
+    y, lse = node.outputs
+    what = f"{shapes} -> {_shape_text(y.shape)} + logsumexp (online softmax, thread per query row)"
+    return [_attention_kernel(node, ctx, kernel_name, "forward", what, ctx["slices"] * L,
+                              [(q, "q"), (k, "k"), (v, "v"), *extra], [(y, "y"), (lse, "lse")])]
+
+
+def _attention_dropout(attrs, streamed: bool):
+    """The dropout's p (a float32 literal) and its seed/offset as C++: read from the rng state
+    when the stream is bound, else the attributes; None without dropout."""
+    if "dropout_p" not in attrs:
+        return None
+    seed, offset = ("(unsigned long long)rng[0]", f"(unsigned long long)(rng[1] + {attrs['offset']}LL)") \
+        if streamed else (f"{attrs['seed'] & (2 ** 64 - 1)}ULL", f"{attrs['offset']}ULL")
+    return dict(p=_f32_literal(attrs["dropout_p"]), seed=seed, offset=offset)
 
 
 def _attention_mask_context(mask, lead, L, S, acc) -> dict:
@@ -1172,30 +1191,20 @@ def _attention_mask_context(mask, lead, L, S, acc) -> dict:
                 mask_text=f", {kind} mask {_shape_text(mask.shape)} broadcast to {_shape_text(full)}")
 
 
-def _attention_forward(node, kernel_name, ctx, shapes, mask):
-    y, lse = node.outputs
-    rows = ctx["slices"] * ctx["L"]
-    what = f"{shapes} -> {_shape_text(y.shape)} + logsumexp (online softmax, thread per query row)"
-    names = ("q", "k", "v", "mask")[:len(node.inputs)]
-    source = _render("attention.cu.j2", kind="forward", name=kernel_name, comment=_comment(node, what), rows=rows,
-                     idx_t=_idx_type(rows), params=_params(node, names, ("y", "lse")), **ctx)
-    return _kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)
-
-
-def _attention_backward(node, kernel_name, ctx, shapes, mask) -> list:
-    """Two kernels: over query rows (D -> scratch, dQ), then over key rows (dK, dV)."""
+def _attention_backward(node, kernel_name, ctx, shapes, extra) -> list:
+    """Two kernels: over query rows (D -> scratch, dQ), then over key rows (dK, dV). `extra`: the
+    (mask, rng) arguments the node has."""
     q, k, v, o, dout, lse = node.inputs[:6]
     dq, dk, dv = node.outputs
     rowdot = Value(f"{dq.name}_rowdot", tuple(lse.shape), dt.float64 if ctx["acc"] == "double" else dt.float32)
-    masks = [(mask, "mask")] if mask is not None else []
     dq_what = f"{shapes} -> dQ {_shape_text(dq.shape)} (thread per query row; D = rowsum(dO * O) to scratch)"
     dkdv_what = f"{shapes} -> dK {_shape_text(dk.shape)}, dV {_shape_text(dv.shape)} (thread per key row)"
     return [
         _attention_kernel(node, ctx, f"{kernel_name}_dq", "backward_dq", dq_what, ctx["slices"] * ctx["L"],
-                          [(q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"), (lse, "lse"), *masks],
+                          [(q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"), (lse, "lse"), *extra],
                           [(dq, "dq_out"), (rowdot, "rowdot")]),
         _attention_kernel(node, ctx, f"{kernel_name}_dkdv", "backward_dkdv", dkdv_what, ctx["slices"] * ctx["S"],
-                          [(q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (lse, "lse"), (rowdot, "rowdot"), *masks],
+                          [(q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (lse, "lse"), (rowdot, "rowdot"), *extra],
                           [(dk, "dk_out"), (dv, "dv_out")]),
     ]
 

@@ -15,6 +15,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import creation as _creation
 from flowgen import functional as _F
+from flowgen import random as _random
 from flowgen.autograd import no_grad
 from flowgen.ops.registry import apply, normalize_dim
 from flowgen.tensor import Tensor
@@ -260,8 +261,6 @@ def dropout(input, p=0.5, training=True, inplace=False):
         return input
     if p == 1.0:
         return _result(input, input * 0.0, inplace)
-    from flowgen import random as _random
-
     seed, offset = _random.next_dropout_seed()
     return _result(input, apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset)), inplace)
 
@@ -870,11 +869,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     `is_causal`: query i attends keys j <= i (top-left aligned); `dropout_p` drops attention weights
     (always, as torch's functional form); `enable_gqa`: key/value heads are repeated to the query's.
     A row whose scores are all -inf (every key masked) gives 0, as PyTorch's SDPA.
-    Without dropout it is one `attention` op (flowgen/ops/nn_ops.py) whose kernels run an online
-    softmax per query row and rebuild the probabilities from the row's logsumexp in the backward, so
-    neither direction materialises the [L, S] scores; otherwise (or for a float mask that requires
-    grad) it is built from matmul/where/softmax ops. Both run (and differentiate) eagerly and
-    inside nn.Graph.
+    It is one `attention` op (`attention_dropout` with dropout; flowgen/ops/nn_ops.py) whose kernels
+    run an online softmax per query row and rebuild the probabilities from the row's logsumexp in
+    the backward, so neither direction materialises the [L, S] scores; the dropout mask is the one
+    F.dropout on the weights would draw. Otherwise (dropout_p = 1, operands the op does not take,
+    a float mask that requires grad) it is built from matmul/where/softmax/dropout ops. Both run
+    (and differentiate) eagerly and inside nn.Graph.
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
@@ -887,9 +887,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         value = _F.repeat_interleave(value, groups, dim=value.ndim - 3)
     length, source = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if dropout_p == 0.0 and _one_attention_op(query, key, value, attn_mask):
+    if dropout_p < 1.0 and _one_attention_op(query, key, value, attn_mask):
         masks = () if attn_mask is None else (attn_mask,)
-        return apply("attention", query, key, value, *masks, scale=scale, causal=bool(is_causal))[0]
+        if dropout_p == 0.0:
+            return apply("attention", query, key, value, *masks, scale=scale, causal=bool(is_causal))[0]
+        seed, offset = _random.next_dropout_seed()   # the one draw F.dropout on the weights makes
+        return apply("attention_dropout", query, key, value, *masks, scale=scale, causal=bool(is_causal),
+                     dropout_p=float(dropout_p), seed=int(seed), offset=int(offset))[0]
     scores = _F.matmul(query, _F.transpose(key, -2, -1)) * scale
     if is_causal:
         attn_mask = Tensor(np.tri(length, source, dtype=bool), device=query.device)

@@ -1000,6 +1000,12 @@ defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
 # P = exp(s - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - D), dQ = scale dS K,
 # dK = scale dS^T Q. Two kernels, no atomics: one thread per query row (D and dQ, looping over
 # keys), then one thread per key row (dK and dV, looping over queries).
+#
+# attention_dropout / attention_dropout_backward: the same with dropout on P (softmax, then
+# F.dropout, then @ v): element (..., i, j) of the [..., L, S] weights is kept where the Philox
+# uniform of (seed, offset, its linear index) is >= dropout_p, exactly F.dropout's mask, so the
+# fused op equals the composite drawing the same (seed, offset). O = dropout(P) V, and
+# D = rowsum(dO * O) is still rowsum(P * dP) with dP = dropout(dO V^T).
 
 def _attention_mask_infer(mask, q, k):
     if mask.dtype != dt.bool_ and mask.dtype != q.dtype:
@@ -1009,7 +1015,7 @@ def _attention_mask_infer(mask, q, k):
         raise ValueError(f"attention: attn_mask of shape {tuple(mask.shape)} does not broadcast to {full}")
 
 
-def _attention_infer(q, k, v, mask=None, *, scale, causal=False):
+def _attention_infer(q, k, v, mask=None, *, scale, causal=False, **dropout):
     for meta, what in ((q, "query"), (k, "key"), (v, "value")):
         _require_float(meta, "attention", what)
         if len(meta.shape) < 2:
@@ -1026,6 +1032,8 @@ def _attention_infer(q, k, v, mask=None, *, scale, causal=False):
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     if mask is not None:
         _attention_mask_infer(mask, q, k)
+    if dropout and not 0.0 < dropout["dropout_p"] < 1.0:
+        raise ValueError(f"attention: dropout_p must be in (0, 1), got {dropout['dropout_p']}")
     lse_dtype = dt.float64 if q.dtype == dt.float64 else dt.float32
     return TensorMeta((*lead, q.shape[-2], v.shape[-1]), q.dtype), TensorMeta((*lead, q.shape[-2]), lse_dtype)
 
@@ -1051,9 +1059,18 @@ def _attention_probs_ref(s, ct):
         return np.where(l > 0, e / l, ct(0)), (m + np.log(l))[..., 0]
 
 
-def _attention_ref(q, k, v, mask=None, *, scale, causal=False):
+def _attention_dropped(x, ct, dropout_p, seed, offset, stream=None):
+    """x ([..., L, S]) through dropout(dropout_p, seed, offset): F.dropout's keep mask, kept
+    elements divided by (1 - p) in float32 as its kernel does."""
+    keep = dropout_keep_mask(x.shape, dropout_p, seed, offset)
+    return np.where(keep, x / ct(np.float32(1.0) - np.float32(dropout_p)), ct(0))
+
+
+def _attention_ref(q, k, v, mask=None, *, scale, causal=False, **dropout):
     ct = _ctype(q, k, v)
     p, lse = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
+    if dropout:
+        p = _attention_dropped(p, ct, **dropout)
     lse_ct = np.float64 if q.dtype == np.float64 else np.float32
     return np.matmul(p, _f(v, ct)).astype(q.dtype, copy=False), lse.astype(lse_ct, copy=False)
 
@@ -1067,27 +1084,32 @@ def _attention_grad(ctx, g, g_lse=None):
     if mask and mask[0].requires_grad:
         raise NotImplementedError("attention: no gradient for a float attn_mask (scaled_dot_product_attention "
                                   "builds a mask that requires grad from matmul/softmax ops instead)")
-    dq, dk, dv = apply("attention_backward", q, k, v, out, g, lse, *mask, **ctx.attrs)
+    backward = "attention_dropout_backward" if "dropout_p" in ctx.attrs else "attention_backward"
+    dq, dk, dv = apply(backward, q, k, v, out, g, lse, *mask, **ctx.attrs)
     return (dq, dk, dv, *(None for _ in mask))
 
 
-def _attention_backward_infer(q, k, v, o, do, lse, mask=None, *, scale, causal=False):
-    out, lse_meta = _attention_infer(q, k, v, mask, scale=scale, causal=causal)
+def _attention_backward_infer(q, k, v, o, do, lse, mask=None, **attrs):
+    out, lse_meta = _attention_infer(q, k, v, mask, **attrs)
     for meta, want, what in ((o, out, "output"), (do, out, "output gradient"), (lse, lse_meta, "logsumexp")):
         if tuple(meta.shape) != tuple(want.shape) or meta.dtype != want.dtype:
             raise ValueError(f"attention_backward: {what} is {meta}, expected {want}")
     return q, k, v
 
 
-def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=False):
+def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=False, **dropout):
     # P is the softmax of the recomputed scores (what the gradient means); the kernels rebuild it
     # as exp(s - lse), equal up to rounding, so `lse` is not read here
     ct = _ctype(q, k, v)
     p, _ = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
     do_ = _f(do, ct)
     d = (do_ * _f(o, ct)).sum(axis=-1, keepdims=True)
-    ds = p * (np.matmul(do_, np.swapaxes(_f(v, ct), -1, -2)) - d)
-    dv = np.matmul(np.swapaxes(p, -1, -2), do_)
+    dp = np.matmul(do_, np.swapaxes(_f(v, ct), -1, -2))
+    kept_p = p
+    if dropout:   # O = dropout(P) V: dV = dropout(P)^T dO, dP = dropout(dO V^T)
+        dp, kept_p = (_attention_dropped(x, ct, **dropout) for x in (dp, p))
+    ds = p * (dp - d)
+    dv = np.matmul(np.swapaxes(kept_p, -1, -2), do_)
     dq = np.matmul(ds, _f(k, ct)) * ct(scale)
     dk = np.matmul(np.swapaxes(ds, -1, -2), _f(q, ct)) * ct(scale)
     return tuple(a.astype(q.dtype, copy=False) for a in (dq, dk, dv))
@@ -1101,3 +1123,10 @@ defop("attention_backward", infer=_attention_backward_infer, ref=_attention_back
       lowering=Template("attention"),
       doc="attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv): probabilities "
           "rebuilt from lse, a thread per query row (dq) then per key row (dk, dv)")
+defop("attention_dropout", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
+      lowering=Template("attention"), random=True,
+      doc="attention_dropout(q, k, v[, mask], scale, causal, dropout_p, seed, offset): attention with "
+          "dropout(P) as F.dropout draws it over the [..., L, S] weights")
+defop("attention_dropout_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,
+      lowering=Template("attention"), random=True,
+      doc="attention_dropout_backward(q, k, v, o, do, lse[, mask], scale, causal, dropout_p, seed, offset)")

@@ -111,9 +111,9 @@ class MultiheadAttention(Module):
         k = split_heads(self._project(key, 1), source)
         v = split_heads(self._project(value, 2), source)
         mask = self._additive_mask(attn_mask, key_padding_mask, q, length, source)
-        if not need_weights and (self.dropout == 0.0 or not self.training):
-            # no weights to return, nothing to drop: the attention op (no [L, S] scores)
-            out = NF.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd))
+        if not need_weights:   # no weights to return: the attention op (no [L, S] scores)
+            out = NF.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd),
+                                                  dropout_p=self.dropout if self.training else 0.0)
             return self._merge_heads(out, length, batch, unbatched), None
         scores = F.matmul(q, F.transpose(k, -2, -1)) * (1.0 / math.sqrt(hd))
         if mask is not None:
@@ -122,8 +122,6 @@ class MultiheadAttention(Module):
         if self.dropout > 0.0:
             weights = NF.dropout(weights, self.dropout, self.training)
         out = self._merge_heads(F.matmul(weights, v), length, batch, unbatched)
-        if not need_weights:
-            return out, None
         if average_attn_weights:
             weights = F.mean(weights, 1)
         return out, (F.squeeze(weights, 0) if unbatched else weights)
