@@ -48,7 +48,8 @@ Kernels by family (the main kernel carries `kernel_name`):
              skipped when causal, masked keys skipped, and writes the row's logsumexp;
              attention_backward: a thread per query row (D = rowsum(dO * O) to a scratch buffer,
              dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
-             The [L, S] scores never reach memory; no atomics.
+             The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
+             P_ij with F.dropout's Philox mask, reading the rng state like randperm.
 * randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
              seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
@@ -1170,12 +1171,12 @@ def _attention_dropout(attrs, streamed: bool):
         return None
     seed, offset = ("(unsigned long long)rng[0]", f"(unsigned long long)(rng[1] + {attrs['offset']}LL)") \
         if streamed else (f"{attrs['seed'] & (2 ** 64 - 1)}ULL", f"{attrs['offset']}ULL")
-    return dict(p=_f32_literal(attrs["dropout_p"]), seed=seed, offset=offset)
+    return dict(p=_f32_literal(attrs["dropout_p"]), text=attrs["dropout_p"], seed=seed, offset=offset)
 
 
 def _attention_mask_context(mask, lead, L, S, acc) -> dict:
     """How the kernels index a mask broadcast to [*lead, L, S]: `mask_slice` (the offset of the
-    (batch x head) slice, "(slice / 3LL % 2LL) * 12LL + " per non-broadcast lead dim) and the
+    (batch x head) slice, a term "(slice / 3LL % 2LL) * 12LL" per non-broadcast lead dim) and the
     strides of i and j (0 where the mask's dim is 1)."""
     if mask is None:
         return dict(mask=None, mask_text="")
@@ -1183,8 +1184,7 @@ def _attention_mask_context(mask, lead, L, S, acc) -> dict:
     shape = (1,) * (len(full) - len(mask.shape)) + tuple(mask.shape)
     strides = [0 if n == 1 else st for n, st in zip(shape, _strides(shape))]
     inner = _strides(lead)
-    slice_terms = "".join(f"(slice / {inner[d]}LL % {lead[d]}LL) * {strides[d]}LL + "
-                          for d in range(len(lead)) if strides[d])
+    slice_terms = [f"(slice / {inner[d]}LL % {lead[d]}LL) * {strides[d]}LL" for d in range(len(lead)) if strides[d]]
     kind = "bool" if mask.dtype == dt.bool_ else "float"
     return dict(mask=kind, mask_slice=slice_terms, mask_stride_i=strides[-2], mask_stride_j=strides[-1],
                 load_mask=_loader(mask.dtype, acc),
