@@ -514,7 +514,7 @@ def test_every_gemm_tile_configuration(monkeypatch):
     for node, arrays, kernels in rendered:
         r = type("R", (), {})()
         r.node, r.arrays, r.kernels = node, arrays, kernels
-        got = _run(r, {k.name: module for k in kernels})
+        (got,) = _run(r, {k.name: module for k in kernels})
         want = get_op(node.op).ref(*arrays, **node.attrs)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=kernels[-1].comment)
 
@@ -557,9 +557,9 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
     for node, (fibers, serial) in rendered:
         r = type("R", (), {"node": node, "arrays": arrays})()
         r.kernels = fibers
-        want = _run(r, {k.name: module for k in fibers}).copy()
+        want = _run(r, {k.name: module for k in fibers})[0].copy()
         r.kernels = serial
-        got = _run(r, {k.name: module for k in serial})
+        (got,) = _run(r, {k.name: module for k in serial})
         assert [k.grid for k in fibers] == [k.grid for k in serial], serial[0].comment
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), serial[0].comment
 
