@@ -106,6 +106,9 @@ def _attention_backward_cases():
     cases.append(Case("attention_backward_f64", "attention_backward", make((2, 4, 3), 6, 2, dtype=np.float64,
                                                                          scale=0.7, causal=True),
                       rtol=1e-12, atol=1e-12, scale=0.7, causal=True))
+    cases.append(Case("attention_backward_f16", "attention_backward", make((2, 5, 8), 5, 8, dtype=F16, scale=0.25,
+                                                                         causal=True),
+                      rtol=1e-2, atol=1e-3, scale=0.25, causal=True))
     dropout = dict(scale=0.5, causal=False, dropout_p=0.3, seed=2 ** 63 + 5, offset=3)   # seed: a uint64
     cases.append(Case("attention_dropout_bool_mask", "attention_dropout",
                       lambda r: [*_qkv(r, (2, 3, 5, 4), 6, 3), r.random((3, 1, 6)) < 0.7], **dropout))
