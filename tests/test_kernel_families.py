@@ -71,6 +71,54 @@ def _conv_cases():
     return cases
 
 
+def _qkv(rng, q_shape, S, Ev, dtype=np.float32):
+    *lead, _, E = q_shape
+    return [_rand(rng, q_shape, dtype), _rand(rng, (*lead, S, E), dtype), _rand(rng, (*lead, S, Ev), dtype)]
+
+
+def _masked_row(mask):
+    """An additive mask with its row 1 all -inf (a fully masked query row)."""
+    mask[..., 1, :] = -np.inf
+    return mask
+
+
+def _attention_backward_cases():
+    """attention_backward on consistent inputs: o and lse from the forward ref, a random dO."""
+    def make(q_shape, S, Ev, mask=None, dtype=np.float32, **attrs):
+        def arrays(r):
+            q, k, v = _qkv(r, q_shape, S, Ev, dtype)
+            masks = [] if mask is None else [mask(r)]
+            o, lse = get_op("attention_dropout" if "dropout_p" in attrs else "attention").ref(q, k, v, *masks,
+                                                                                          **attrs)
+            return [q, k, v, o, _rand(r, o.shape, dtype), lse, *masks]
+        return arrays
+
+    configs = [  # (id, q shape, S, Ev, mask, attrs)
+        ("full", (2, 3, 5, 8), 7, 6, None, dict(scale=0.35, causal=False)),
+        ("causal_L_gt_S", (3, 9, 5), 4, 3, None, dict(scale=0.5, causal=True)),
+        ("causal_L_lt_S", (2, 4, 5), 7, 3, None, dict(scale=0.5, causal=True)),
+        ("bool_mask", (2, 3, 5, 4), 6, 3, lambda r: r.random((3, 1, 6)) < 0.6, dict(scale=0.5, causal=False)),
+        ("float_mask_masked_row", (2, 4, 4), 5, 4, lambda r: _masked_row(_rand(r, (2, 4, 5))),
+         dict(scale=0.5, causal=False)),
+    ]
+    cases = [Case(f"attention_backward_{cid}", "attention_backward", make(qs, S, Ev, mask, **attrs), **attrs)
+             for cid, qs, S, Ev, mask, attrs in configs]
+    cases.append(Case("attention_backward_f64", "attention_backward", make((2, 4, 3), 6, 2, dtype=np.float64,
+                                                                         scale=0.7, causal=True),
+                      rtol=1e-12, atol=1e-12, scale=0.7, causal=True))
+    cases.append(Case("attention_backward_f16", "attention_backward", make((2, 5, 8), 5, 8, dtype=F16, scale=0.25,
+                                                                         causal=True),
+                      rtol=1e-2, atol=1e-3, scale=0.25, causal=True))
+    dropout = dict(scale=0.5, causal=False, dropout_p=0.3, seed=2 ** 63 + 5, offset=3)   # seed: a uint64
+    cases.append(Case("attention_dropout_bool_mask", "attention_dropout",
+                      lambda r: [*_qkv(r, (2, 3, 5, 4), 6, 3), r.random((3, 1, 6)) < 0.7], **dropout))
+    cases.append(Case("attention_dropout_backward_bool_mask", "attention_dropout_backward",
+                      make((2, 3, 5, 4), 6, 3, lambda r: r.random((3, 1, 6)) < 0.7, **dropout), **dropout))
+    cases.append(Case("attention_dropout_backward_causal", "attention_dropout_backward",
+                      make((2, 6, 4), 5, 3, **dict(dropout, causal=True)), **dict(dropout, causal=True)))
+    return cases
+
+
 def _pool_cases():
     x_shape = (2, 3, 11, 9)
     cases = []
@@ -232,6 +280,11 @@ CASES = [
     Case("attention_f16", "attention", lambda r: [_rand(r, (2, 5, 8), F16), _rand(r, (2, 5, 8), F16),
                                                   _rand(r, (2, 5, 8), F16)], rtol=1e-2, atol=1e-3,
          scale=0.25, causal=True),
+    Case("attention_bool_mask_broadcast", "attention",
+         lambda r: [*_qkv(r, (2, 3, 5, 4), 6, 3), r.random((2, 1, 5, 6)) < 0.6], scale=0.5, causal=False),
+    Case("attention_float_mask_masked_row", "attention",
+         lambda r: [*_qkv(r, (2, 4, 4), 5, 4), _masked_row(_rand(r, (4, 5)))], scale=0.5, causal=False),
+    *_attention_backward_cases(),
     *_conv_cases(),
     *_pool_cases(),
     *_upsample_cases(),
@@ -248,15 +301,16 @@ FAMILY_OPS = {
     "pool2d": {"max_pool2d", "max_pool2d_indices", "max_pool2d_grad", "avg_pool2d", "avg_pool2d_grad", "adaptive_avg_pool2d",
                "adaptive_avg_pool2d_grad"},
     "upsample": {"upsample_nearest2d", "upsample_nearest2d_grad", "upsample_bilinear2d", "upsample_bilinear2d_grad"},
-    "attention": {"attention"},
+    "attention": {"attention", "attention_backward", "attention_dropout", "attention_dropout_backward"},
 }
 
 
 def _node(case, arrays) -> Node:
     inputs = [Value(f"in{k}", tuple(a.shape), dt.from_numpy(a.dtype)) for k, a in enumerate(arrays)]
-    meta = get_op(case.op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **case.attrs)
-    output = Value("out", tuple(meta.shape), meta.dtype)
-    return Node(case.op, inputs, [output], dict(case.attrs), scope=f"model.{case.id}")
+    metas = get_op(case.op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **case.attrs)
+    metas = metas if isinstance(metas, tuple) else (metas,)
+    outputs = [Value("out" if n == 0 else f"out{n}", tuple(m.shape), m.dtype) for n, m in enumerate(metas)]
+    return Node(case.op, inputs, outputs, dict(case.attrs), scope=f"model.{case.id}")
 
 
 class Rendered:
@@ -289,30 +343,40 @@ def emulator(rendered):
     return modules
 
 
-def _run(rendered_case, modules) -> np.ndarray:
+def _run(rendered_case, modules) -> list:
+    """The node's outputs (all of them: attention's logsumexp and gradients too)."""
     buffers = {v: np.ascontiguousarray(a) for v, a in zip(rendered_case.node.inputs, rendered_case.arrays)}
-    out = rendered_case.node.output
     # A poison fill: an element the kernels forget to write shows up as a mismatch.
-    buffers[out] = np.full(out.shape, 123, out.dtype.np_dtype)
+    for out in rendered_case.node.outputs:
+        buffers[out] = np.full(out.shape, 123, out.dtype.np_dtype)
     for v in {a.value for k in rendered_case.kernels for a in k.args} - set(buffers):   # scratch (split-k partials)
         buffers[v] = np.full(v.shape, 123, v.dtype.np_dtype)
     for k in rendered_case.kernels:
         args = [ctypes.c_void_p(buffers[a.value].ctypes.data) for a in k.args]
         modules[k.name].launch(k.name, k.grid, k.block, k.smem, args)
-    return buffers[out]
+    return [buffers[out] for out in rendered_case.node.outputs]
+
+
+def _refs(case, arrays) -> list:
+    want = get_op(case.op).ref(*arrays, **case.attrs)
+    return list(want) if isinstance(want, tuple) else [want]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_kernel_matches_ref(case, rendered, emulator):
     r = rendered[case.id]
-    got = _run(r, emulator)
-    want = np.asarray(get_op(case.op).ref(*r.arrays, **case.attrs)).astype(r.node.output.dtype.np_dtype)
+    for out, got, want in zip(r.node.outputs, _run(r, emulator), _refs(case, r.arrays)):
+        _compare(case, out, got, np.asarray(want).astype(out.dtype.np_dtype))
+
+
+def _compare(case, out, got, want):
     assert got.shape == want.shape
-    if not r.node.output.dtype.is_floating:
+    if not out.dtype.is_floating:
         np.testing.assert_array_equal(got, want)
     else:
         # atol scales with the output's magnitude: a sum of products loses bits where it cancels
-        scale = max(1.0, float(np.abs(want.astype(np.float64)).max(initial=0.0)))
+        wide = want.astype(np.float64)
+        scale = max(1.0, float(np.abs(wide[np.isfinite(wide)]).max(initial=0.0)))
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=case.rtol,
                                    atol=case.atol * scale)
 
@@ -344,6 +408,8 @@ def test_kernel_contract(rendered):
         node, kernels = r.node, r.kernels
         if node.op in FAMILY_OPS["scatter"]:
             _check_scatter_kernels(node, kernels)
+        elif len(node.outputs) > 1:   # attention: the kernels read inputs (+ scratch), write the outputs
+            _check_multi_output_args(node, kernels)
         else:
             _check_kernel_args(node, kernels)
         for k in kernels:
@@ -400,6 +466,19 @@ def _check_scatter_kernels(node, kernels):
     assert "atomicAdd(&counts" in fill.source and "atomicAdd" not in main.source
 
 
+def _check_multi_output_args(node, kernels):
+    """Every output is written by exactly one kernel; a kernel reads only inputs and what an earlier
+    kernel wrote (scratch), and lists its reads (const) before its writes."""
+    written = []
+    for k in kernels:
+        assert all(isinstance(a, BufferArg) for a in k.args)
+        consts = [a.ctype.startswith("const") for a in k.args]
+        assert consts == sorted(consts, reverse=True), k.name
+        assert all(a.value in node.inputs or a.value in written for a in k.args if a.ctype.startswith("const"))
+        written += [a.value for a in k.args if not a.ctype.startswith("const")]
+    assert sorted(v.name for v in written if v in node.outputs) == sorted(v.name for v in node.outputs)
+
+
 def test_rendering_is_deterministic(rendered):
     for i, case in enumerate(CASES[:12]):
         again = Rendered(case, i)
@@ -433,22 +512,21 @@ def test_kernels_on_gpu(rendered):
         for v, a in zip(node.inputs, r.arrays):
             pointers[v] = ctx.alloc(max(a.nbytes, 1))
             ctx.memcpy_htod(pointers[v], a)
-        out = node.output
-        pointers[out] = ctx.alloc(out.nbytes)
-        ctx.memset(pointers[out], 0xFF, out.nbytes)         # NaN / -1 poison
-        for v in {a.value for k in r.kernels for a in k.args} - set(pointers):   # scratch buffers
+        for v in {a.value for k in r.kernels for a in k.args} - set(pointers):   # outputs and scratch
             pointers[v] = ctx.alloc(max(v.nbytes, 1))
-            ctx.memset(pointers[v], 0xFF, v.nbytes)
+            ctx.memset(pointers[v], 0xFF, v.nbytes)         # NaN / -1 poison
         for k in r.kernels:
             module.launch(k.name, k.grid, k.block, k.smem, [ctypes.c_void_p(pointers[a.value]) for a in k.args])
         ctx.synchronize()
-        got = np.empty(out.shape, out.dtype.np_dtype)
-        ctx.memcpy_dtoh(got, pointers[out])
+        ok = True
+        for out, want in zip(node.outputs, _refs(case, r.arrays)):
+            got = np.empty(out.shape, out.dtype.np_dtype)
+            ctx.memcpy_dtoh(got, pointers[out])
+            want = np.asarray(want).astype(out.dtype.np_dtype)
+            ok = ok and (np.array_equal(got, want) if not out.dtype.is_floating else np.allclose(
+                got.astype(np.float64), want.astype(np.float64), rtol=case.rtol, atol=case.atol, equal_nan=True))
         for p in pointers.values():
             ctx.free(p)
-        want = np.asarray(get_op(case.op).ref(*r.arrays, **case.attrs)).astype(out.dtype.np_dtype)
-        ok = np.array_equal(got, want) if not out.dtype.is_floating else np.allclose(
-            got.astype(np.float64), want.astype(np.float64), rtol=case.rtol, atol=case.atol, equal_nan=True)
         if not ok:
             failures.append(case.id)
     module.close()
@@ -479,7 +557,7 @@ def test_every_gemm_tile_configuration(monkeypatch):
     for node, arrays, kernels in rendered:
         r = type("R", (), {})()
         r.node, r.arrays, r.kernels = node, arrays, kernels
-        got = _run(r, {k.name: module for k in kernels})
+        (got,) = _run(r, {k.name: module for k in kernels})
         want = get_op(node.op).ref(*arrays, **node.attrs)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=kernels[-1].comment)
 
@@ -522,9 +600,9 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
     for node, (fibers, serial) in rendered:
         r = type("R", (), {"node": node, "arrays": arrays})()
         r.kernels = fibers
-        want = _run(r, {k.name: module for k in fibers}).copy()
+        want = _run(r, {k.name: module for k in fibers})[0].copy()
         r.kernels = serial
-        got = _run(r, {k.name: module for k in serial})
+        (got,) = _run(r, {k.name: module for k in serial})
         assert [k.grid for k in fibers] == [k.grid for k in serial], serial[0].comment
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), serial[0].comment
 

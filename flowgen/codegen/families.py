@@ -61,9 +61,13 @@ Kernels by family (the main kernel carries `kernel_name`):
              and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
              a scratch row, then `<name>_merge<s>` kernels merge neighbouring runs (each element's
              position found by binary search in the other run), the last one into the outputs.
-* attention — attention(q, k, v): one thread per query row runs an online softmax over the
-             keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
-             skipped when causal; the [L, S] scores never reach memory.
+* attention — attention(q, k, v[, mask]): one thread per query row runs an online softmax over
+             the keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
+             skipped when causal, masked keys skipped, and writes the row's logsumexp;
+             attention_backward: a thread per query row (D = rowsum(dO * O) to a scratch buffer,
+             dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
+             The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
+             P_ij with F.dropout's Philox mask, reading the rng state like randperm.
 * randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
              seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
@@ -1318,29 +1322,97 @@ _INDEX_FAMILIES = {"softmax", "gather", "scatter"}
 
 
 # --------------------------------------------------------------------------
-# attention: softmax(q k^T * scale) v without the [L, S] scores
+# attention: softmax(q k^T * scale + mask) v and its gradients without the [L, S] scores
 
-def _attention(node, kernel_name):
-    q, k, v = node.inputs
-    y = node.output
+def _attention(node, kernel_name, rng=None):
+    """`attention`: one forward kernel (output + logsumexp); `attention_backward`: the dQ kernel
+    (which also saves D = rowsum(dO * O) in a scratch buffer) then the dK/dV kernel. The
+    `_dropout` variants also read the graph's rng state `rng` (seed, base offset) when their
+    stream is bound (passes/random_streams.py), else their own seed/offset attributes."""
+    q, k, v = node.inputs[:3]
     L, E, S, Ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
-    slices = _numel(q.shape[:-2])
-    rows = slices * L
-    acc = _acc_type(q.dtype)
-    f = "" if acc == "double" else "f"
-    causal = bool(node.attrs["causal"])
-    scale = repr(float(node.attrs["scale"])) if acc == "double" else _f32_literal(node.attrs["scale"])
-    what = f"{_shape_text(q.shape)} x {_shape_text(k.shape)} -> {_shape_text(y.shape)}" + \
-        (" causal" if causal else "") + " (online softmax, thread per query row)"
     if S == 0:
-        raise NotImplementedError(f"attention: no keys (S = 0) in {_shape_text(k.shape)}")
-    source = _render("attention.cu.j2", name=kernel_name, comment=_comment(node, what), slices=slices, L=L, S=S,
-                     E=E, Ev=Ev, causal=causal, causal_text=", causal (keys j <= i)" if causal else "",
-                     rows=rows, idx_t=_idx_type(rows), q_t=q.dtype.ctype, out_t=y.dtype.ctype, acc=acc,
-                     load=_loader(q.dtype, acc), store=_storer(y.dtype, acc), exp=f"exp{f}",
-                     one="1.0" if acc == "double" else "1.0f", neg_inf=_neg_inf(acc), scale=scale,
-                     params=_params(node, ("q", "k", "v"), ("y",)))
-    return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+        raise NotImplementedError(f"{node.op}: no keys (S = 0) in {_shape_text(k.shape)}")
+    plain = 6 if node.op.endswith("_backward") else 3   # inputs before the optional mask
+    mask = node.inputs[plain] if len(node.inputs) > plain else None
+    acc = _acc_type(q.dtype)
+    causal = bool(node.attrs["causal"])
+    ctx = dict(slices=_numel(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal_text=", causal (keys j <= i)" if causal
+               else "", q_t=q.dtype.ctype, acc=acc, load=_loader(q.dtype, acc), store=_storer(q.dtype, acc),
+               exp="exp" if acc == "double" else "expf", log="log" if acc == "double" else "logf",
+               one="1.0" if acc == "double" else "1.0f", neg_inf=_neg_inf(acc), out_t=q.dtype.ctype,
+               scale=repr(float(node.attrs["scale"])) if acc == "double" else _f32_literal(node.attrs["scale"]),
+               keys_of_row=f"(i + 1 < {S} ? i + 1 : {S})" if causal else str(S), first_query="j" if causal else "0",
+               dropout=_attention_dropout(node.attrs, rng is not None),
+               **_attention_mask_context(mask, q.shape[:-2], L, S, acc))
+    shapes = f"{_shape_text(q.shape)} x {_shape_text(k.shape)}" + (" causal" if causal else "") + \
+        (f" mask {_shape_text(mask.shape)}" if mask is not None else "") + \
+        (f" dropout {node.attrs['dropout_p']}" if ctx["dropout"] else "")
+    extra = [(mask, "mask")] if mask is not None else []
+    extra += [(rng, "rng")] if rng is not None else []
+    if node.op.endswith("_backward"):
+        return _attention_backward(node, kernel_name, ctx, shapes, extra)
+    y, lse = node.outputs
+    what = f"{shapes} -> {_shape_text(y.shape)} + logsumexp (online softmax, thread per query row)"
+    return [_attention_kernel(node, ctx, kernel_name, "forward", what, ctx["slices"] * L,
+                              [(q, "q"), (k, "k"), (v, "v"), *extra], [(y, "y"), (lse, "lse")])]
+
+
+def _attention_dropout(attrs, streamed: bool):
+    """The dropout's p (a float32 literal) and its seed/offset as C++: read from the rng state
+    when the stream is bound, else the attributes; None without dropout."""
+    if "dropout_p" not in attrs:
+        return None
+    seed, offset = ("(unsigned long long)rng[0]", f"(unsigned long long)(rng[1] + {attrs['offset']}LL)") \
+        if streamed else (f"{attrs['seed'] & (2 ** 64 - 1)}ULL", f"{attrs['offset']}ULL")
+    return dict(p=_f32_literal(attrs["dropout_p"]), text=attrs["dropout_p"], seed=seed, offset=offset)
+
+
+def _attention_mask_context(mask, lead, L, S, acc) -> dict:
+    """How the kernels index a mask broadcast to [*lead, L, S]: `mask_slice` (the offset of the
+    (batch x head) slice, a term "(slice / 3LL % 2LL) * 12LL" per non-broadcast lead dim) and the
+    strides of i and j (0 where the mask's dim is 1)."""
+    if mask is None:
+        return dict(mask=None, mask_text="")
+    full = (*lead, L, S)
+    shape = (1,) * (len(full) - len(mask.shape)) + tuple(mask.shape)
+    strides = [0 if n == 1 else st for n, st in zip(shape, _strides(shape))]
+    inner = _strides(lead)
+    slice_terms = [f"(slice / {inner[d]}LL % {lead[d]}LL) * {strides[d]}LL" for d in range(len(lead)) if strides[d]]
+    kind = "bool" if mask.dtype == dt.bool_ else "float"
+    return dict(mask=kind, mask_slice=slice_terms, mask_stride_i=strides[-2], mask_stride_j=strides[-1],
+                load_mask=_loader(mask.dtype, acc),
+                mask_text=f", {kind} mask {_shape_text(mask.shape)} broadcast to {_shape_text(full)}")
+
+
+def _attention_backward(node, kernel_name, ctx, shapes, extra) -> list:
+    """Two kernels: over query rows (D -> scratch, dQ), then over key rows (dK, dV). `extra`: the
+    (mask, rng) arguments the node has."""
+    q, k, v, o, dout, lse = node.inputs[:6]
+    dq, dk, dv = node.outputs
+    rowdot = Value(f"{dq.name}_rowdot", tuple(lse.shape), dt.float64 if ctx["acc"] == "double" else dt.float32)
+    dq_what = f"{shapes} -> dQ {_shape_text(dq.shape)} (thread per query row; D = rowsum(dO * O) to scratch)"
+    dkdv_what = f"{shapes} -> dK {_shape_text(dk.shape)}, dV {_shape_text(dv.shape)} (thread per key row)"
+    return [
+        _attention_kernel(node, ctx, f"{kernel_name}_dq", "backward_dq", dq_what, ctx["slices"] * ctx["L"],
+                          [(q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"), (lse, "lse"), *extra],
+                          [(dq, "dq_out"), (rowdot, "rowdot")]),
+        _attention_kernel(node, ctx, f"{kernel_name}_dkdv", "backward_dkdv", dkdv_what, ctx["slices"] * ctx["S"],
+                          [(q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (lse, "lse"), (rowdot, "rowdot"), *extra],
+                          [(dk, "dk_out"), (dv, "dv_out")]),
+    ]
+
+
+def _attention_kernel(node, ctx, name, kind, what, rows, reads, writes) -> Kernel:
+    """One thread per row of `rows`; `reads`/`writes`: (Value, parameter name) in argument order."""
+    args = [BufferArg(x, f"const {x.dtype.ctype}*") for x, _ in reads] + \
+        [BufferArg(x, f"{x.dtype.ctype}*") for x, _ in writes]
+    params = [f"const {x.dtype.ctype}* __restrict__ {n}" for x, n in reads] + \
+        [f"{x.dtype.ctype}* __restrict__ {n}" for x, n in writes]
+    source = _render("attention.cu.j2", kind=kind, name=name, comment=_comment(node, what), rows=rows,
+                     idx_t=_idx_type(rows), params=params, **ctx)
+    return Kernel(name=name, source=source, args=args, grid=_grid_1d(rows), block=(BLOCK, 1, 1),
+                  needs_fibers=False, comment=_comment(node, what), ops=[node.op])
 
 
 # --------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import creation as _creation
 from flowgen import functional as _F
+from flowgen import random as _random
 from flowgen.autograd import no_grad
 from flowgen.ops.registry import apply, normalize_dim
 from flowgen.tensor import Tensor
@@ -260,8 +261,6 @@ def dropout(input, p=0.5, training=True, inplace=False):
         return input
     if p == 1.0:
         return _result(input, input * 0.0, inplace)
-    from flowgen import random as _random
-
     seed, offset = _random.next_dropout_seed()
     return _result(input, apply("dropout", input, p=float(p), seed=int(seed), offset=int(offset)), inplace)
 
@@ -869,10 +868,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     `attn_mask`: bool (True = may attend) or float (added to the scores), broadcast to (..., L, S);
     `is_causal`: query i attends keys j <= i (top-left aligned); `dropout_p` drops attention weights
     (always, as torch's functional form); `enable_gqa`: key/value heads are repeated to the query's.
-    Without a mask or dropout it is one `attention` op (flowgen/ops/nn_ops.py) whose kernel runs an
-    online softmax per query row, so the forward never materialises the [L, S] scores (the backward
-    recomputes them); otherwise it is built from matmul/where/softmax ops. Both run (and
-    differentiate) eagerly and inside nn.Graph.
+    A row whose scores are all -inf (every key masked) gives 0, as PyTorch's SDPA.
+    It is one `attention` op (`attention_dropout` with dropout; flowgen/ops/nn_ops.py) whose kernels
+    run an online softmax per query row and rebuild the probabilities from the row's logsumexp in
+    the backward, so neither direction materialises the [L, S] scores; the dropout mask is the one
+    F.dropout on the weights would draw. Otherwise (dropout_p = 1, operands the op does not take,
+    a float mask that requires grad) it is built from matmul/where/softmax/dropout ops. Both run
+    (and differentiate) eagerly and inside nn.Graph.
     """
     if is_causal and attn_mask is not None:
         raise ValueError("scaled_dot_product_attention: pass either attn_mask or is_causal=True, not both")
@@ -885,8 +887,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         value = _F.repeat_interleave(value, groups, dim=value.ndim - 3)
     length, source = query.shape[-2], key.shape[-2]
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    if attn_mask is None and dropout_p == 0.0 and _one_attention_op(query, key, value):
-        return apply("attention", query, key, value, scale=scale, causal=bool(is_causal))
+    if dropout_p < 1.0 and _one_attention_op(query, key, value, attn_mask):
+        masks = () if attn_mask is None else (attn_mask,)
+        if dropout_p == 0.0:
+            return apply("attention", query, key, value, *masks, scale=scale, causal=bool(is_causal))[0]
+        seed, offset = _random.next_dropout_seed()   # the one draw F.dropout on the weights makes
+        return apply("attention_dropout", query, key, value, *masks, scale=scale, causal=bool(is_causal),
+                     dropout_p=float(dropout_p), seed=int(seed), offset=int(offset))[0]
     scores = _F.matmul(query, _F.transpose(key, -2, -1)) * scale
     if is_causal:
         attn_mask = Tensor(np.tri(length, source, dtype=bool), device=query.device)
@@ -895,19 +902,38 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             scores = _F.where(attn_mask, scores, float("-inf"))
         else:
             scores = scores + attn_mask
-    weights = _F.softmax(scores, -1)
+    weights = _safe_softmax(scores) if attn_mask is not None else _F.softmax(scores, -1)
     if dropout_p > 0.0:
         weights = dropout(weights, dropout_p, training=True)
     return _F.matmul(weights, value)
 
 
-def _one_attention_op(query, key, value):
+def _safe_softmax(scores):
+    """softmax over the last dim, 0 (and no gradient) in rows whose scores are all -inf: PyTorch's
+    SDPA. Such a row's scores are replaced by zeros first, so its softmax (then dropped) stays finite."""
+    masked_row = _F.eq(_F.amax(scores, -1, keepdim=True), float("-inf"))
+    weights = _F.softmax(_F.where(masked_row, 0.0, scores), -1)
+    return _F.where(masked_row, 0.0, weights)
+
+
+def _one_attention_op(query, key, value, attn_mask):
     """Whether the `attention` op takes these operands: one floating dtype, the same batch dims (no
-    broadcasting), at least one key."""
+    broadcasting), at least one key; a mask that is bool or of the query's dtype, broadcasting to
+    (..., L, S), and no gradient wanted for it."""
     lead = tuple(query.shape[:-2])
-    return (query.dtype == key.dtype == value.dtype and query.dtype.is_floating and key.shape[-2] > 0
+    if not (query.dtype == key.dtype == value.dtype and query.dtype.is_floating and key.shape[-2] > 0
             and query.ndim == key.ndim == value.ndim and tuple(key.shape[:-2]) == lead
-            and tuple(value.shape[:-2]) == lead)
+            and tuple(value.shape[:-2]) == lead):
+        return False
+    if attn_mask is None:
+        return True
+    full = (*lead, query.shape[-2], key.shape[-2])
+    return (attn_mask.dtype in (dt.bool_, query.dtype) and not attn_mask.requires_grad
+            and attn_mask.ndim <= len(full) and _broadcasts_to(tuple(attn_mask.shape), full))
+
+
+def _broadcasts_to(shape, full) -> bool:
+    return all(a in (1, b) for a, b in zip(shape[::-1], full[::-1]))
 
 
 __all__ += ["scaled_dot_product_attention"]

@@ -27,7 +27,7 @@ from numpy.lib.stride_tricks import as_strided
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise, Template
-from flowgen.ops.registry import TensorMeta, apply, defop, normalize_dim, wants_grad
+from flowgen.ops.registry import TensorMeta, apply, broadcast_shapes, defop, normalize_dim, wants_grad
 from flowgen.tensor import Tensor
 
 
@@ -987,16 +987,38 @@ defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
 
 
 # --------------------------------------------------------------------------
-# attention (Template "attention": one kernel, the [L, S] scores never reach memory)
+# attention (Template "attention": the [L, S] scores never reach memory, forward or backward)
 #
-# attention(q (..., L, E), k (..., S, E), v (..., S, Ev), scale, causal) is
-# softmax(q k^T * scale + mask) v, the mask keeping key j <= query i when `causal` (top-left
-# aligned: PyTorch's is_causal). The kernel runs an online softmax over the keys per query row.
-# The backward recomputes the probabilities (materialising [L, S]) and is written with
-# flowgen ops: dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = dS K * scale,
-# dK = dS^T Q * scale (rowsum(dP * P) = rowsum(dO * O), one [L, S] product fewer).
+# attention(q (..., L, E), k (..., S, E), v (..., S, Ev)[, mask], scale, causal) -> (o, lse) is
+# softmax(q k^T * scale + mask) v and the per-row logsumexp of those scores. `mask` broadcasts
+# to (..., L, S): bool (True = attend, False = score -inf) or an additive float of the query's
+# dtype; `causal` keeps key j <= query i (top-left aligned: PyTorch's is_causal). A row whose
+# scores are all -inf (fully masked) gives o = 0 and lse = -inf, and no gradient flows through
+# it: PyTorch's SDPA (its "safe softmax"). The forward kernel runs an online softmax per query
+# row. lse is float32 (float64 for float64 inputs) and is what the backward needs to rebuild any
+# probability P_ij = exp(s_ij - lse_i) from q and k alone.
+#
+# attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv), without the
+# [L, S] matrices (FlashAttention's backward): D_i = rowsum(dO_i * O_i), then per (i, j)
+# P = exp(s - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - D), dQ = scale dS K,
+# dK = scale dS^T Q. Two kernels, no atomics: one thread per query row (D and dQ, looping over
+# keys), then one thread per key row (dK and dV, looping over queries).
+#
+# attention_dropout / attention_dropout_backward: the same with dropout on P (softmax, then
+# F.dropout, then @ v): element (..., i, j) of the [..., L, S] weights is kept where the Philox
+# uniform of (seed, offset, its linear index) is >= dropout_p, exactly F.dropout's mask, so the
+# fused op equals the composite drawing the same (seed, offset). O = dropout(P) V, and
+# D = rowsum(dO * O) is still rowsum(P * dP) with dP = dropout(dO V^T).
 
-def _attention_infer(q, k, v, scale, causal=False):
+def _attention_mask_infer(mask, q, k):
+    if mask.dtype != dt.bool_ and mask.dtype != q.dtype:
+        raise TypeError(f"attention: attn_mask must be bool or the query's dtype {q.dtype!r}, got {mask.dtype!r}")
+    full = (*q.shape[:-1], k.shape[-2])
+    if len(mask.shape) > len(full) or broadcast_shapes(mask.shape, full, op="attention") != full:
+        raise ValueError(f"attention: attn_mask of shape {tuple(mask.shape)} does not broadcast to {full}")
+
+
+def _attention_infer(q, k, v, mask=None, *, scale, causal=False, **dropout):
     for meta, what in ((q, "query"), (k, "key"), (v, "value")):
         _require_float(meta, "attention", what)
         if len(meta.shape) < 2:
@@ -1011,40 +1033,103 @@ def _attention_infer(q, k, v, scale, causal=False):
     if k.shape[-1] != q.shape[-1] or v.shape[-2] != k.shape[-2]:
         raise ValueError(f"attention: expected query (..., L, E), key (..., S, E), value (..., S, Ev), got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    return TensorMeta((*lead, q.shape[-2], v.shape[-1]), q.dtype)
+    if mask is not None:
+        _attention_mask_infer(mask, q, k)
+    if dropout and not 0.0 < dropout["dropout_p"] < 1.0:
+        raise ValueError(f"attention: dropout_p must be in (0, 1), got {dropout['dropout_p']}")
+    lse_dtype = dt.float64 if q.dtype == dt.float64 else dt.float32
+    return TensorMeta((*lead, q.shape[-2], v.shape[-1]), q.dtype), TensorMeta((*lead, q.shape[-2]), lse_dtype)
 
 
-def _attention_probs_ref(q, k, scale, causal, ct):
+def _attention_scores_ref(q, k, mask, scale, causal, ct):
+    """scale * q k^T with the mask applied: -inf where a bool mask or `causal` drops a key."""
     s = np.matmul(_f(q, ct), np.swapaxes(_f(k, ct), -1, -2)) * ct(scale)
     if causal:
         s = np.where(np.tri(q.shape[-2], k.shape[-2], dtype=bool), s, ct(-np.inf))
-    e = np.exp(s - s.max(axis=-1, keepdims=True))
-    return e / e.sum(axis=-1, keepdims=True)
+    if mask is not None:
+        s = np.where(mask, s, ct(-np.inf)) if mask.dtype == np.bool_ else s + _f(mask, ct)
+    return s
 
 
-def _attention_ref(q, k, v, scale, causal=False):
+def _attention_probs_ref(s, ct):
+    """(P, lse) of scores `s`: softmax over the last dim and its logsumexp; a row of -inf scores
+    (fully masked) gives P = 0 and lse = -inf."""
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(m == -np.inf, ct(0), m)            # a fully masked row: every exp is 0
+    e = np.exp(s - m)
+    l = e.sum(axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(l > 0, e / l, ct(0)), (m + np.log(l))[..., 0]
+
+
+def _attention_dropped(x, ct, dropout_p, seed, offset, stream=None):
+    """x ([..., L, S]) through dropout(dropout_p, seed, offset): F.dropout's keep mask, kept
+    elements divided by (1 - p) in float32 as its kernel does."""
+    keep = dropout_keep_mask(x.shape, dropout_p, seed, offset)
+    return np.where(keep, x / ct(np.float32(1.0) - np.float32(dropout_p)), ct(0))
+
+
+def _attention_ref(q, k, v, mask=None, *, scale, causal=False, **dropout):
     ct = _ctype(q, k, v)
-    p = _attention_probs_ref(q, k, scale, causal, ct)
-    return np.matmul(p, _f(v, ct)).astype(q.dtype, copy=False)
+    p, lse = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
+    if dropout:
+        p = _attention_dropped(p, ct, **dropout)
+    lse_ct = np.float64 if q.dtype == np.float64 else np.float32
+    return np.matmul(p, _f(v, ct)).astype(q.dtype, copy=False), lse.astype(lse_ct, copy=False)
 
 
-def _attention_grad(ctx, g):
-    q, k, v = ctx.inputs
-    out = ctx.outputs[0]
-    scale, causal = ctx.attrs["scale"], ctx.attrs["causal"]
-    scores = F.matmul(q, F.transpose(k, -2, -1)) * scale
-    if causal:
-        keep = np.tri(q.shape[-2], k.shape[-2], dtype=bool)
-        scores = F.where(Tensor(keep, device=q.device), scores, float("-inf"))
-    p = F.softmax(scores, -1)
-    dv = F.matmul(F.transpose(p, -2, -1), g)
-    ds = p * (F.matmul(g, F.transpose(v, -2, -1)) - F.sum(g * out, -1, keepdim=True))
-    dq = F.matmul(ds, k) * scale
-    dk = F.matmul(F.transpose(ds, -2, -1), q) * scale
-    return dq, dk, dv
+def _attention_grad(ctx, g, g_lse=None):
+    if g_lse is not None:
+        raise NotImplementedError("attention: the gradient of its logsumexp output is not implemented "
+                                  "(it is the backward's input, not a result to differentiate)")
+    q, k, v, *mask = ctx.inputs
+    out, lse = ctx.outputs
+    if mask and mask[0].requires_grad:
+        raise NotImplementedError("attention: no gradient for a float attn_mask (scaled_dot_product_attention "
+                                  "builds a mask that requires grad from matmul/softmax ops instead)")
+    backward = "attention_dropout_backward" if "dropout_p" in ctx.attrs else "attention_backward"
+    dq, dk, dv = apply(backward, q, k, v, out, g, lse, *mask, **ctx.attrs)
+    return (dq, dk, dv, *(None for _ in mask))
 
 
-defop("attention", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad,
+def _attention_backward_infer(q, k, v, o, do, lse, mask=None, **attrs):
+    out, lse_meta = _attention_infer(q, k, v, mask, **attrs)
+    for meta, want, what in ((o, out, "output"), (do, out, "output gradient"), (lse, lse_meta, "logsumexp")):
+        if tuple(meta.shape) != tuple(want.shape) or meta.dtype != want.dtype:
+            raise ValueError(f"attention_backward: {what} is {meta}, expected {want}")
+    return q, k, v
+
+
+def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=False, **dropout):
+    # P is the softmax of the recomputed scores (what the gradient means); the kernels rebuild it
+    # as exp(s - lse), equal up to rounding, so `lse` is not read here
+    ct = _ctype(q, k, v)
+    p, _ = _attention_probs_ref(_attention_scores_ref(q, k, mask, scale, causal, ct), ct)
+    do_ = _f(do, ct)
+    d = (do_ * _f(o, ct)).sum(axis=-1, keepdims=True)
+    dp = np.matmul(do_, np.swapaxes(_f(v, ct), -1, -2))
+    kept_p = p
+    if dropout:   # O = dropout(P) V: dV = dropout(P)^T dO, dP = dropout(dO V^T)
+        dp, kept_p = (_attention_dropped(x, ct, **dropout) for x in (dp, p))
+    ds = p * (dp - d)
+    dv = np.matmul(np.swapaxes(kept_p, -1, -2), do_)
+    dq = np.matmul(ds, _f(k, ct)) * ct(scale)
+    dk = np.matmul(np.swapaxes(ds, -1, -2), _f(q, ct)) * ct(scale)
+    return tuple(a.astype(q.dtype, copy=False) for a in (dq, dk, dv))
+
+
+defop("attention", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
       lowering=Template("attention"),
-      doc="attention(q, k, v, scale, causal): softmax(q k^T * scale, keys j <= i if causal) v, "
-          "an online softmax per query row")
+      doc="attention(q, k, v[, mask], scale, causal) -> (softmax(q k^T * scale + mask) v, logsumexp of the "
+          "scores per row): an online softmax per query row")
+defop("attention_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,
+      lowering=Template("attention"),
+      doc="attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv): probabilities "
+          "rebuilt from lse, a thread per query row (dq) then per key row (dk, dv)")
+defop("attention_dropout", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
+      lowering=Template("attention"), random=True,
+      doc="attention_dropout(q, k, v[, mask], scale, causal, dropout_p, seed, offset): attention with "
+          "dropout(P) as F.dropout draws it over the [..., L, S] weights")
+defop("attention_dropout_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,
+      lowering=Template("attention"), random=True,
+      doc="attention_dropout_backward(q, k, v, o, do, lse[, mask], scale, causal, dropout_p, seed, offset)")

@@ -110,29 +110,34 @@ class MultiheadAttention(Module):
         q = split_heads(self._project(query, 0), length)
         k = split_heads(self._project(key, 1), source)
         v = split_heads(self._project(value, 2), source)
-        if not need_weights and attn_mask is None and key_padding_mask is None and \
-                (self.dropout == 0.0 or not self.training):
-            # no weights to return, nothing to mask or drop: the attention op (no [L, S] scores)
-            out = NF.scaled_dot_product_attention(q, k, v, scale=1.0 / math.sqrt(hd))
+        mask = self._additive_mask(attn_mask, key_padding_mask, q, length, source)
+        if not need_weights:   # no weights to return: the attention op (no [L, S] scores)
+            out = NF.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(hd),
+                                                  dropout_p=self.dropout if self.training else 0.0)
             return self._merge_heads(out, length, batch, unbatched), None
         scores = F.matmul(q, F.transpose(k, -2, -1)) * (1.0 / math.sqrt(hd))
-        mask = _as_additive(attn_mask, scores, "attn_mask")
         if mask is not None:
-            if mask.ndim == 3:   # (batch * heads, L, S)
-                mask = F.reshape(mask, (batch, heads, length, source))
             scores = scores + mask
-        padding = _as_additive(key_padding_mask, scores, "key_padding_mask")
-        if padding is not None:
-            scores = scores + F.reshape(padding, (batch, 1, 1, source))
         weights = F.softmax(scores, -1)
         if self.dropout > 0.0:
             weights = NF.dropout(weights, self.dropout, self.training)
         out = self._merge_heads(F.matmul(weights, v), length, batch, unbatched)
-        if not need_weights:
-            return out, None
         if average_attn_weights:
             weights = F.mean(weights, 1)
         return out, (F.squeeze(weights, 0) if unbatched else weights)
+
+    def _additive_mask(self, attn_mask, key_padding_mask, like, length, source):
+        """attn_mask and key_padding_mask as one float mask added to the (batch, heads, L, S) scores
+        (None without masks): (L, S), (batch, heads, L, S), (batch, 1, 1, S) or their sum."""
+        batch, heads = like.shape[0], self.num_heads
+        mask = _as_additive(attn_mask, like, "attn_mask")
+        if mask is not None and mask.ndim == 3:   # (batch * heads, L, S)
+            mask = F.reshape(mask, (batch, heads, length, source))
+        padding = _as_additive(key_padding_mask, like, "key_padding_mask")
+        if padding is not None:
+            padding = F.reshape(padding, (batch, 1, 1, source))
+            mask = padding if mask is None else mask + padding
+        return mask
 
     def _merge_heads(self, out, length, batch, unbatched):
         """(batch, heads, length, head_dim) -> the output projection, in the caller's layout."""
