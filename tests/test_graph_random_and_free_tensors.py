@@ -300,10 +300,12 @@ def test_multinomial_with_replacement_follows_the_weights():
     assert tuple(flow.multinomial(flow.tensor([1.0, 1.0]), 5, True).shape) == (5,)
 
 
-def test_multinomial_without_replacement_in_build_is_refused():
+def test_multinomial_without_replacement_in_build_draws_anew_each_call():
     class Sample(nn.Graph):
         def build(self, w):
             return flow.multinomial(w, 2)
 
-    with pytest.raises(NotImplementedError, match="replacement=False"):
-        Sample()(flow.ones(2, 3))
+    graph, weights = Sample(), flow.ones(2, 50)
+    draws = [graph(weights).numpy() for _ in range(3)]
+    assert all(len(set(row)) == 2 for d in draws for row in d.tolist())   # without replacement
+    assert not np.array_equal(draws[0], draws[1]) or not np.array_equal(draws[1], draws[2])
