@@ -1,0 +1,51 @@
+"""One rank of tests/test_deploy_distributed.py (run by mpiexec).
+
+`python deploy_worker.py OUTDIR` (or `train_and_save(OUTDIR)` in a process of one rank): every rank traces a data-parallel training graph (global split(0)
+inputs, an MLP with SGD momentum), compiles it without taking a step, and saves it with
+`flow.save(graph, OUTDIR/saved)` (all ranks call it; rank 0 writes). Then it trains STEPS steps on
+its part of each global batch; rank 0 writes the global batches (OUTDIR/x.npy, y.npy: the files
+the standalone program reads) and what Python computed (OUTDIR/python.npz: the losses, the final
+parameters and momentum buffers under the program's state names).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import flowgen as flow
+from worker import GLOBAL_BATCH, global_batch, make_graph, make_model
+
+STEPS = 3
+
+
+def train_and_save(out: Path):
+    """Save the graph to out/saved, train it in Python, write the data and results (module doc)."""
+    rank, world = flow.env.get_rank(), flow.env.get_world_size()
+    model = make_model()
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    graph = make_graph(model, flow.nn.MSELoss(), optimizer)
+    xs, ys = (a[:STEPS] for a in global_batch())
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    part = GLOBAL_BATCH // world
+
+    def split(a, step):
+        return flow.tensor(a[step, rank * part:(rank + 1) * part]).to_global(placement, flow.sbp.split(0))
+
+    graph._compile(split(xs, 0), split(ys, 0))
+    flow.save(graph, out / "saved")
+    losses = [float(graph(split(xs, s), split(ys, s)).to_local()) for s in range(STEPS)]
+    # The trained parameters and momentum buffers, under the program's state names.
+    state = {}
+    for name, p in model.named_parameters():
+        state[f"model.{name}"] = p.numpy().copy()
+        state[f"model.{name}.momentum_buffer"] = optimizer.state[p]["momentum_buffer"].numpy().copy()
+    if rank == 0:
+        np.save(out / "x.npy", xs.reshape(STEPS * GLOBAL_BATCH, -1))
+        np.save(out / "y.npy", ys.reshape(STEPS * GLOBAL_BATCH, -1))
+        np.savez(out / "python.npz", losses=np.array(losses, np.float32), **state)
+
+
+if __name__ == "__main__":
+    train_and_save(Path(sys.argv[1]))
