@@ -561,7 +561,8 @@ def is_saved_graph(path) -> bool:
 
 
 def save_graph(graph, path) -> None:
-    """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically."""
+    """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically. For a
+    data-parallel graph every rank calls it and rank 0 writes (module doc)."""
     if graph._last is None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")

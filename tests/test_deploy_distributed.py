@@ -1,10 +1,12 @@
 """Standalone data-parallel programs (`flow.save` of a graph called with split(0) global inputs).
 
-A training graph traced on 2 ranks (tests/distributed/deploy_worker.py, started by flowgen's
-launcher) is saved by every rank, built for the CPU emulator and run with `mpiexec -n 2` and with
-`flowgen run --nproc 2`: its losses, parameters and momentum buffers equal the Python
-data-parallel run bit for bit (the same kernels, the same MPI sum of two ranks, the same
-division for the mean). The same graph on one rank builds without MPI and equals Python too.
+Training graphs traced on 2 ranks (tests/distributed/deploy_worker.py, started by flowgen's
+launcher; an MSE loss, whose gradients are averaged, and a cross-entropy with ignored targets in
+one rank's rows, whose loss and gradients combine as sum / sum over the ranks) are saved by every
+rank, built for the CPU emulator and run with `mpiexec -n 2` and with `flowgen run --nproc 2`:
+their losses, parameters and momentum buffers equal the Python data-parallel run bit for bit (the
+same kernels, the same MPI sum of two ranks, the same division for the mean). The MSE graph on
+one rank builds without MPI and equals Python too.
 The MPI tests skip where mpi4py or mpiexec is missing (`pip install -e '.[dist]'`).
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import pytest
 from click.testing import CliRunner
 from safetensors.numpy import load_file
 
+import flowgen as flow
 from flowgen.codegen import aot
 
 try:   # this checkout's cli/ (the installed flowgen_cli may be another checkout's)
@@ -59,55 +62,61 @@ def assert_equals_python(out: Path, result: str):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    """The graph traced, saved and trained on 2 ranks; its program built for the CPU."""
+    """The graphs traced, saved and trained on 2 ranks; their programs built for the CPU."""
     out = tmp_path_factory.mktemp("deploy_two_ranks")
     worker = str(REPO / "tests" / "distributed" / "deploy_worker.py")
     result = subprocess.run([sys.executable, "-m", "flowgen.distributed.launch", "--nproc_per_node", "2", worker,
                              str(out)], env=ENV, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    aot.build(out / "saved", out / "build", target="cpu")
+    for scenario in deploy_worker.SCENARIOS:
+        aot.build(out / scenario / "saved", out / scenario / "build", target="cpu")
     return out
 
 
 @needs_mpi
 @pytest.mark.slow
-def test_mpiexec_program_equals_the_python_data_parallel_run(two_ranks):
-    doc = json.loads((two_ranks / "saved" / "graph.json").read_text())
-    assert doc["data_parallel"] == {"world_size": 2, "inputs": ["split", "split"], "outputs": ["mean"]}
-    assert sum(n["op"] == "all_reduce" for n in doc["nodes"]) == 1     # 4 gradients, one bucket
-    manifest = json.loads((two_ranks / "build" / "manifest.json").read_text())
+@pytest.mark.parametrize("scenario, combine, all_reduces", [("mse", "mean", 1), ("ce", "global", 3)])
+def test_mpiexec_program_equals_the_python_data_parallel_run(two_ranks, scenario, combine, all_reduces):
+    out = two_ranks / scenario
+    doc = json.loads((out / "saved" / "graph.json").read_text())
+    assert doc["data_parallel"] == {"world_size": 2, "inputs": ["split", "split"], "outputs": [combine]}
+    # mse: the 4 gradients in one bucket; ce: + the count of targets and the loss's sum and count
+    assert sum(n["op"] == "all_reduce" for n in doc["nodes"]) == all_reduces
+    manifest = json.loads((out / "build" / "manifest.json").read_text())
     assert manifest["world_size"] == 2
-    source = (two_ranks / "build" / "program.cu").read_text()
+    source = (out / "build" / "program.cu").read_text()
     assert "#include <mpi.h>" in source and "all_reduce_step(dev, {" in source
-    proc = run_program(two_ranks, MPIEXEC, "-n", "2")
+    proc = run_program(out, MPIEXEC, "-n", "2")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("step ") == deploy_worker.STEPS       # rank 0 prints, the other rank does not
-    assert_equals_python(two_ranks, "res")
+    assert_equals_python(out, "res")
 
 
 @needs_mpi
 @pytest.mark.slow
 def test_flowgen_run_nproc_starts_the_ranks(two_ranks):
-    args = ["run", str(two_ranks / "build"), str(two_ranks / "x.npy"), str(two_ranks / "y.npy"), "-o"]
-    result = CliRunner().invoke(cli, [*args, str(two_ranks / "res_cli"), "--nproc", "2"])
+    out = two_ranks / "mse"
+    args = ["run", str(out / "build"), str(out / "x.npy"), str(out / "y.npy"), "-o"]
+    result = CliRunner().invoke(cli, [*args, str(out / "res_cli"), "--nproc", "2"])
     assert result.exit_code == 0, result.output
     assert "step 3/3" in result.output
-    assert_equals_python(two_ranks, "res_cli")
-    result = CliRunner().invoke(cli, [*args, str(two_ranks / "res_default")])   # the saved world size
+    assert_equals_python(out, "res_cli")
+    result = CliRunner().invoke(cli, [*args, str(out / "res_default")])   # the saved world size
     assert result.exit_code == 0, result.output
-    assert_equals_python(two_ranks, "res_default")
-    result = CliRunner().invoke(cli, [*args, str(two_ranks / "res_3"), "--nproc", "3"])
+    assert_equals_python(out, "res_default")
+    result = CliRunner().invoke(cli, [*args, str(out / "res_3"), "--nproc", "3"])
     assert result.exit_code != 0 and "saved on 2 rank(s)" in result.output
 
 
 @needs_mpi
 @pytest.mark.slow
 def test_program_refuses_another_world_size_and_documents_the_split(two_ranks):
-    proc = run_program(two_ranks, MPIEXEC, "-n", "1", result="res_one")
+    out = two_ranks / "mse"
+    proc = run_program(out, MPIEXEC, "-n", "1", result="res_one")
     assert proc.returncode != 0
     assert "over 2 ranks but was started as 1" in proc.stderr and "mpiexec -n 2" in proc.stderr
-    assert not (two_ranks / "res_one" / "weights.safetensors").exists()
-    binary = two_ranks / "build" / "TrainGraph_0"
+    assert not (out / "res_one" / "weights.safetensors").exists()
+    binary = out / "build" / json.loads((out / "build" / "manifest.json").read_text())["binary"]
     help_text = subprocess.run([MPIEXEC, "-n", "1", str(binary), "--help"], env=ENV, capture_output=True,
                                text=True, timeout=60).stdout
     assert "Data parallel over 2 ranks" in help_text and "input_0 float32[8,6]" in help_text
@@ -118,12 +127,12 @@ def test_program_refuses_another_world_size_and_documents_the_split(two_ranks):
 def test_building_without_mpi_names_what_to_install(two_ranks, monkeypatch, tmp_path):
     monkeypatch.setattr(aot.shutil, "which", lambda *args, **kwargs: None)
     with pytest.raises(aot.BuildError, match=r"needs MPI to build.*pip install mpich"):
-        aot.build(two_ranks / "saved", tmp_path / "build", target="cpu")
+        aot.build(two_ranks / "mse" / "saved", tmp_path / "build", target="cpu")
 
 
 @pytest.mark.slow
 def test_one_rank_data_parallel_program_builds_without_mpi_and_equals_python(tmp_path):
-    deploy_worker.train_and_save(tmp_path)
+    deploy_worker.train_scenario(tmp_path, flow.nn.MSELoss(), deploy_worker.mse_targets)
     doc = json.loads((tmp_path / "saved" / "graph.json").read_text())
     assert doc["data_parallel"]["world_size"] == 1
     aot.build(tmp_path / "saved", tmp_path / "build", target="cpu")
