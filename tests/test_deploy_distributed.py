@@ -25,7 +25,9 @@ from click.testing import CliRunner
 from safetensors.numpy import load_file
 
 import flowgen as flow
+from flowgen import serialization
 from flowgen.codegen import aot
+from flowgen.saved_graph import FormatError
 
 try:   # this checkout's cli/ (the installed flowgen_cli may be another checkout's)
     from cli.main import cli
@@ -124,6 +126,15 @@ def test_program_refuses_another_world_size_and_documents_the_split(two_ranks):
 
 @needs_mpi
 @pytest.mark.slow
+def test_save_refuses_what_a_program_cannot_run(two_ranks):
+    messages = json.loads((two_ranks / "refusals.json").read_text())
+    assert "shards its optimizer state" in messages["zero"] and "without enable_zero" in messages["zero"]
+    assert "input(s) 1 of the data-parallel graph are local tensors" in messages["local_input"]
+    assert not (two_ranks / "zero").exists() and not (two_ranks / "local_input").exists()
+
+
+@needs_mpi
+@pytest.mark.slow
 def test_building_without_mpi_names_what_to_install(two_ranks, monkeypatch, tmp_path):
     monkeypatch.setattr(aot.shutil, "which", lambda *args, **kwargs: None)
     with pytest.raises(aot.BuildError, match=r"needs MPI to build.*pip install mpich"):
@@ -141,3 +152,14 @@ def test_one_rank_data_parallel_program_builds_without_mpi_and_equals_python(tmp
     proc = run_program(tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert_equals_python(tmp_path, "res")
+    # A data_parallel entry that does not fit the graph is refused, even with a valid hash.
+    for entry, why in (({"world_size": 0, "inputs": ["split", "split"], "outputs": ["mean"]}, "world_size 0"),
+                       ({"world_size": 1, "inputs": ["split"], "outputs": ["mean"]}, "per graph input"),
+                       ({"world_size": 1, "inputs": ["split", "split"], "outputs": ["split"]}, "not 0-d")):
+        shutil.copytree(tmp_path / "saved", tmp_path / "bad", dirs_exist_ok=True)
+        doc = json.loads((tmp_path / "bad" / "graph.json").read_text())
+        doc.pop("graph_sha256")
+        doc["data_parallel"] = entry
+        (tmp_path / "bad" / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+        with pytest.raises(FormatError, match=why):
+            flow.load(tmp_path / "bad")

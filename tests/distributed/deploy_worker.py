@@ -6,10 +6,13 @@ MLP with SGD momentum), compiles it without taking a step, and saves it with
 `flow.save(graph, OUTDIR/<loss>/saved)` (all ranks call it; rank 0 writes). Then it trains STEPS
 steps on its part of each global batch; rank 0 writes the global batches (x.npy, y.npy: the files
 the standalone program reads) and what Python computed (python.npz: the losses, the final
-parameters and momentum buffers under the program's state names) beside `saved`.
+parameters and momentum buffers under the program's state names) beside `saved`. Last, the graphs
+a standalone program cannot run (ZeRO, a local input beside split ones) are saved, and rank 0
+writes what flow.save raised to OUTDIR/refusals.json.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -44,6 +47,30 @@ def train_and_save(out: Path):
     results (module doc)."""
     for name, (make_loss, targets) in SCENARIOS.items():
         train_scenario(out / name, make_loss(), targets)
+    messages = refusals(out)
+    if flow.env.get_rank() == 0:
+        (out / "refusals.json").write_text(json.dumps(messages))
+
+
+def refusals(out: Path) -> dict:
+    """What flow.save raises, on every rank, for data-parallel graphs a program cannot run."""
+    world = flow.env.get_world_size()
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    x = flow.randn(GLOBAL_BATCH // world, 6).to_global(placement, flow.sbp.split(0))
+    y = flow.randn(GLOBAL_BATCH // world, 3)
+    messages = {}
+    for what in ("zero", "local_input"):
+        model = make_model()
+        graph = make_graph(model, flow.nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
+        if what == "zero":
+            graph.config.enable_zero(True, stage=1, shard_min_size=1)
+        graph._compile(x, y.to_global(placement, flow.sbp.split(0)) if what == "zero" else y)
+        try:
+            flow.save(graph, out / what)
+            messages[what] = "no error"
+        except NotImplementedError as exc:
+            messages[what] = str(exc)
+    return messages
 
 
 def train_scenario(out: Path, loss_fn, targets):
