@@ -2,7 +2,7 @@
 
     flowgen build DIR -o OUT [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
                   [--sanitize address|undefined|address,undefined]
-    flowgen run OUT INPUT.npy... -o RESDIR [--steps N]
+    flowgen run OUT INPUT.npy... -o RESDIR [--steps N] [--nproc N]
     flowgen inspect DIR|OUT [--source] [--ir] [--memory]
     flowgen bench OUT INPUT.npy... [--steps N] [--json FILE]
 """
@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -142,7 +144,10 @@ def build(saved_dir, out_dir, target, arch, compiler, sanitize):
               help="State to start from (default: OUT/weights.safetensors).")
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="Training: print the loss every K steps.")
-def run(out_dir, inputs, result_dir, steps, weights, log_every):
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Ranks to start with mpiexec (default: the world size the graph was saved with; 1 runs the "
+                   "program directly).")
+def run(out_dir, inputs, result_dir, steps, weights, log_every, nproc):
     """Run the program built in OUT on the given .npy inputs (one per graph input, in order).
 
     Inference graphs write each output as RESDIR/output_<i>.npy. Training graphs run --steps
@@ -152,12 +157,17 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
     bias corrections, dropout offsets and closed-form LR schedules advance per step as in
     Python (LambdaLR/SequentialLR keep the saved learning rate); a GradScaler skips steps whose
     gradients overflow and backs off or grows its scale.
+
+    A data-parallel graph's program runs as `mpiexec -n N` (N: the world size it was saved with):
+    every rank reads the whole input files and takes its rows of each batch; rank 0 prints and
+    writes the results.
     """
     manifest = _read_manifest(out_dir)
     binary = Path(out_dir) / manifest["binary"]
     if not binary.is_file():
         _fail(f"{binary} is missing; rebuild with `flowgen build`")
-    command = [str(binary), "--weights", weights or str(Path(out_dir) / "weights.safetensors")]
+    command = _launcher(manifest.get("world_size", 1), nproc)
+    command += [str(binary), "--weights", weights or str(Path(out_dir) / "weights.safetensors")]
     for path in inputs:
         command += ["--input", path]
     command += ["--out", result_dir, "--log-every", str(log_every)]
@@ -171,6 +181,23 @@ def run(out_dir, inputs, result_dir, steps, weights, log_every):
         _fail(f"{binary.name} was killed by signal {-code}")
     if code != 0:
         sys.exit(code)
+
+
+def _launcher(world_size: int, nproc: int | None) -> list:
+    """The command prefix that starts the program: nothing for one process, else `mpiexec -n N`
+    (the mpiexec next to this Python, as `pip install mpich` puts it, or the first on PATH)."""
+    nproc = world_size if nproc is None else nproc
+    if nproc != world_size:
+        _fail(f"--nproc {nproc}: the program was built for a graph saved on {world_size} rank(s); it runs on "
+              f"exactly that many (save the graph from a run on {nproc} ranks to get a program for them)")
+    if nproc == 1:
+        return []
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    mpiexec = shutil.which("mpiexec", path=search)
+    if mpiexec is None:
+        _fail(f"--nproc {nproc}: no mpiexec next to {sys.executable} or on PATH; install MPI with "
+              f"`pip install mpich`")
+    return [mpiexec, "-n", str(nproc)]
 
 
 @cli.command()
@@ -188,7 +215,8 @@ def bench(out_dir, inputs, steps, json_path):
     if not binary.is_file():
         _fail(f"{binary} is missing; rebuild with `flowgen build`")
     with tempfile.TemporaryDirectory(prefix="flowgen-bench-") as results:
-        command = [str(binary), "--weights", str(Path(out_dir) / "weights.safetensors")]
+        command = _launcher(manifest.get("world_size", 1), None)   # a data-parallel program: all its ranks
+        command += [str(binary), "--weights", str(Path(out_dir) / "weights.safetensors")]
         for path in inputs:
             command += ["--input", path]
         command += ["--out", results, "--steps", str(steps), "--log-every", str(steps)]

@@ -12,7 +12,8 @@ so the step can be rebuilt without the Python code that defined it::
                             for the next step; metadata holds the step counter
                             and how many steps a GradScaler skipped
       signature.json        inputs/outputs (names, shapes, dtypes), training
-                            flag, graph name, flowgen version, and
+                            flag, graph name, flowgen version, the
+                            data_parallel entry of graph.json if any, and
                             signature_sha256 (its own hash, as graph.json's)
 
 `flow.load(dir)` returns a `SavedGraph`: the IR rebuilt, the weights as NumPy
@@ -35,6 +36,8 @@ graph.json, format version 1
                   "body": [<nodes, same form>]}],
      "outputs": ["t6"],
      "updates": [["model.0.weight", "t24"]],          # state name <- value name
+     "data_parallel": {"world_size": 2, "inputs": ["split", "split"],
+                       "outputs": ["mean"]},          # only for a data-parallel graph
      "constants_sha256": "<sha256 of constants.safetensors>",
      "weights_sha256": "<sha256 of weights.safetensors as saved>",
      "graph_sha256": "<sha256 of this document without this key, as canonical JSON>"}
@@ -61,6 +64,20 @@ JSON with tags where JSON has no type of its own::
 Dtype names are flowgen's (float32, bfloat16, int64, bool, ...); attribute arrays and
 scalars of other NumPy dtypes use NumPy's spelling ("|u1").
 
+A data-parallel graph (called with `flow.sbp.split(0)` global inputs on several ranks,
+flowgen/distributed/data_parallel.py) is saved by `flow.save(graph, dir)` on every rank, as
+OneFlow saves global tensors: the ranks check that their graphs and weights are identical
+(replicas never drift apart), rank 0 writes the directory, and every rank returns once it is
+written. Its IR is one rank's step (the traced per-rank batch, shapes as traced) with its
+`all_reduce` nodes; ``data_parallel`` records the world size, each input's layout ("split":
+rows split evenly over the ranks, "broadcast": every rank gets the whole) and how each output
+becomes the global value, as the graph returns it: "split" (the ranks' rows concatenated),
+"sum"/"mean" (a 0-d value added or averaged over the ranks), "global" (combined inside the
+graph) or "replicated" (equal on every rank). The standalone program runs it with
+`mpiexec -n <world_size>` (templates/program_host.cpp.j2). ZeRO (optimizer state sharded per
+rank), pipelines (set_stage) and DistributedDataParallel-wrapped modules (each rank's own
+batch) are refused.
+
 A reader must refuse a version it does not know. Later versions may add keys;
 version 1 readers ignore keys they do not use.
 
@@ -75,6 +92,7 @@ and the field.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 
@@ -82,7 +100,8 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
-from flowgen.serialization import (CheckpointError, check_self_hash, file_sha256, read_json_file,
+from flowgen.distributed.collectives import world
+from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256, read_json_file,
                                    read_safetensors_file, with_self_hash, write_directory_atomically, write_json,
                                    write_safetensors)
 
@@ -94,6 +113,8 @@ GRAPH_FILE = "graph.json"
 CONSTANTS_FILE = "constants.safetensors"
 WEIGHTS_FILE = "weights.safetensors"
 SIGNATURE_FILE = "signature.json"
+INPUT_LAYOUTS = ("split", "broadcast")
+OUTPUT_COMBINES = ("split", "sum", "mean", "global", "replicated")
 
 __all__ = ["SavedGraph", "save_graph", "load_saved_graph", "is_saved_graph"]
 
@@ -403,13 +424,14 @@ class SavedGraph:
     """
 
     def __init__(self, ir, weights: dict, signature: dict, step: int = 0, path: str | None = None,
-                 skipped: int = 0):
+                 skipped: int = 0, data_parallel: dict | None = None):
         self.ir = ir
         self.weights = weights          # state name -> ndarray, in ir.state order
         self.signature = signature
         self.step = int(step)           # steps the graph had run when it was saved (+ runs since)
         self.skipped = int(skipped)     # how many of them a GradScaler skipped
         self.path = path
+        self.data_parallel = data_parallel   # graph.json's data_parallel entry (module doc), or None
         self._programs: dict = {}   # target -> Program
         self._executor = None
 
@@ -509,8 +531,9 @@ def _state_values(compiled) -> dict:
     return result
 
 
-def signature_of(ir, training: bool, graph_name: str) -> dict:
+def signature_of(ir, training: bool, graph_name: str, data_parallel: dict | None = None) -> dict:
     outputs = [dict(_value_json(v), name=f"output_{i}", value=v.name) for i, v in enumerate(ir.outputs)]
+    extra = {} if data_parallel is None else {"data_parallel": data_parallel}
     return {
         "format": SIGNATURE_FORMAT,
         "version": VERSION,
@@ -520,6 +543,7 @@ def signature_of(ir, training: bool, graph_name: str) -> dict:
         "inputs": [_value_json(v) for v in ir.inputs],
         "outputs": outputs,
         "state": [dict(_value_json(s.value), kind=s.kind) for s in ir.state],
+        **extra,
     }
 
 
@@ -537,13 +561,18 @@ def is_saved_graph(path) -> bool:
 
 
 def save_graph(graph, path) -> None:
-    """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically."""
+    """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically. For a
+    data-parallel graph every rank calls it and rank 0 writes (module doc)."""
     if graph._last is None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
+    data_parallel = data_parallel_entry(graph.name, compiled)
     doc, arrays = encode_graph(compiled.ir, graph.training)
+    if data_parallel is not None:
+        doc["data_parallel"] = data_parallel
     weights = _state_values(compiled)
+    signature = signature_of(compiled.ir, graph.training, graph.name, data_parallel)
 
     def write(tmp: str) -> None:
         constants_path = os.path.join(tmp, CONSTANTS_FILE)
@@ -555,10 +584,69 @@ def save_graph(graph, path) -> None:
         doc["constants_sha256"] = file_sha256(constants_path)
         doc["weights_sha256"] = file_sha256(weights_path)
         write_json(with_self_hash(doc, "graph_sha256"), os.path.join(tmp, GRAPH_FILE))
-        write_json(with_self_hash(signature_of(compiled.ir, graph.training, graph.name), "signature_sha256"),
-                   os.path.join(tmp, SIGNATURE_FILE))
+        write_json(with_self_hash(signature, "signature_sha256"), os.path.join(tmp, SIGNATURE_FILE))
 
-    write_directory_atomically(path, write)
+    if data_parallel is None:
+        write_directory_atomically(path, write)
+    else:
+        _write_on_rank_0(graph.name, path, write, doc, weights)
+
+
+def data_parallel_entry(graph_name: str, compiled) -> dict | None:
+    """graph.json's `data_parallel` entry of a compiled variant (module doc), None when it is not
+    data parallel; raises for the data-parallel graphs a standalone program cannot run."""
+    dp = compiled.data_parallel
+    if dp is None:
+        return None
+    where = f"flow.save({graph_name}, ...)"
+    if dp.contract != "global":
+        raise NotImplementedError(f"{where}: the graph's module is wrapped in DistributedDataParallel, so each "
+                                  f"rank passes a batch of its own; the standalone program shards one file per "
+                                  f"input over the ranks, as a graph called with flow.sbp.split(0) global inputs "
+                                  f"does: call the graph with global inputs (x.to_global(placement, "
+                                  f"flow.sbp.split(0))) and save that")
+    sharded = [n.op for n in compiled.ir.nodes if n.op in ("all_gather", "reduce_scatter", "send", "recv")]
+    if compiled.sharded_slots or sharded:
+        raise NotImplementedError(f"{where}: the graph shards its optimizer state or parameters over the ranks "
+                                  f"(enable_zero: {', '.join(sorted(set(sharded)))}); the standalone program "
+                                  f"holds the whole state on every rank: save the graph without enable_zero, or "
+                                  f"save graph.state_dict() instead")
+    local = [k for k, layout in enumerate(compiled.input_layouts) if layout not in INPUT_LAYOUTS]
+    if local:
+        raise NotImplementedError(f"{where}: input(s) {', '.join(map(str, local))} of the data-parallel graph are "
+                                  f"local tensors (each rank its own value); the standalone program reads one "
+                                  f"file per input on every rank: pass them as global tensors, flow.sbp.split(0) "
+                                  f"or flow.sbp.broadcast")
+    return {"world_size": dp.world_size, "inputs": list(compiled.input_layouts),
+            "outputs": ["split" if how is None else how for how in compiled.output_combine]}
+
+
+def _write_on_rank_0(graph_name: str, path, write, doc: dict, weights: dict) -> None:
+    """flow.save of a data-parallel graph, called on every rank: the ranks' graphs and weights must
+    be identical (checked by hash); rank 0 writes, and every rank returns once it has written (or
+    raises if it failed)."""
+    digest = hashlib.sha256(document_sha256(doc).encode())
+    for name, array in weights.items():
+        digest.update(name.encode() + b"\0" + _contiguous(array).tobytes())
+    comm = world()
+    digests = comm.all_gather(np.frombuffer(digest.digest(), np.uint8))
+    differing = [r for r, d in enumerate(digests) if not np.array_equal(d, digests[0])]
+    if differing:
+        raise RuntimeError(f"flow.save({graph_name}, ...): the graph or weights of rank(s) "
+                           f"{', '.join(map(str, differing))} differ from rank 0's; the replicas of a data-parallel "
+                           f"graph must be identical to be saved once")
+    error = None
+    if comm.rank == 0:
+        try:
+            write_directory_atomically(path, write)
+        except Exception as exc:   # noqa: BLE001 - re-raised below, after telling the other ranks
+            error = exc
+    failed = comm.all_gather(np.array(error is not None))
+    if error is not None:
+        raise error
+    if bool(failed[0]):
+        raise RuntimeError(f"flow.save({graph_name}, {path}): rank 0 could not write the directory (its error "
+                           f"says why)")
 
 
 # ------------------------------------------------------------------ loading
@@ -586,17 +674,17 @@ def _metadata_count(metadata: dict, key: str, filename: str) -> int:
     return int(text)
 
 
-def _check_signature(signature, ir, training: bool, filename: str) -> None:
+def _check_signature(signature, ir, training: bool, data_parallel, filename: str) -> None:
     """signature.json must describe the graph it sits beside."""
     if not isinstance(signature, dict) or signature.get("format") != SIGNATURE_FORMAT:
         raise FormatError(f"flow.load: {filename} is not a flowgen signature file")
     if not isinstance(signature.get("graph"), str):
         raise FormatError(f"flow.load: {filename}: the 'graph' field is missing or not a string")
-    expected = signature_of(ir, training, signature["graph"])
-    for key in ("version", "training", "inputs", "outputs", "state"):
-        if signature.get(key) != expected[key]:
+    expected = signature_of(ir, training, signature["graph"], data_parallel)
+    for key in ("version", "training", "inputs", "outputs", "state", "data_parallel"):
+        if signature.get(key) != expected.get(key):
             raise FormatError(f"flow.load: {filename}: the {key!r} field does not match {GRAPH_FILE} "
-                              f"(found {str(signature.get(key))[:80]}, expected {str(expected[key])[:80]})")
+                              f"(found {str(signature.get(key))[:80]}, expected {str(expected.get(key))[:80]})")
 
 
 def load_saved_graph(path) -> SavedGraph:
@@ -614,12 +702,38 @@ def load_saved_graph(path) -> SavedGraph:
             raise FormatError(f"flow.load: {filename} is corrupt: its SHA-256 does not match the {key} field of "
                               f"{GRAPH_FILE} (modified or damaged after saving)")
     ir = decode_graph(doc, arrays, path)
+    data_parallel = _checked_data_parallel(doc.get("data_parallel"), ir, graph_path)
     check_weights(ir, weights_raw, weights_path)
     weights = {s.name: weights_raw[s.name] for s in ir.state}
     step = _metadata_count(metadata, "step", weights_path)
     skipped = _metadata_count(metadata, "skipped", weights_path)
     signature_path = os.path.join(path, SIGNATURE_FILE)
     signature = read_json_file(signature_path)
-    _check_signature(signature, ir, bool(doc.get("training")), signature_path)
+    _check_signature(signature, ir, bool(doc.get("training")), data_parallel, signature_path)
     check_self_hash(signature, "signature_sha256", signature_path)
-    return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped)
+    return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped, data_parallel=data_parallel)
+
+
+def _checked_data_parallel(entry, ir, filename: str) -> dict | None:
+    """graph.json's data_parallel entry (module doc), checked against the graph."""
+    if entry is None:
+        return None
+
+    def bad(why: str):
+        raise FormatError(f"flow.load: {filename}: the 'data_parallel' field {why}")
+
+    if not isinstance(entry, dict):
+        bad("is not an object")
+    size, inputs, outputs = entry.get("world_size"), entry.get("inputs"), entry.get("outputs")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+        bad(f"has world_size {str(size)[:20]}, not a positive integer")
+    if not (isinstance(inputs, list) and len(inputs) == len(ir.inputs) and all(i in INPUT_LAYOUTS for i in inputs)):
+        bad(f"must give one of {', '.join(INPUT_LAYOUTS)} per graph input ({len(ir.inputs)})")
+    if not (isinstance(outputs, list) and len(outputs) == len(ir.outputs)
+            and all(o in OUTPUT_COMBINES for o in outputs)):
+        bad(f"must give one of {', '.join(OUTPUT_COMBINES)} per graph output ({len(ir.outputs)})")
+    if any(layout == "split" and not v.shape for layout, v in zip(inputs, ir.inputs)):
+        bad("splits a 0-d input")
+    if any((how == "split") != bool(v.shape) for how, v in zip(outputs, ir.outputs)):
+        bad("must split exactly the outputs that are not 0-d")
+    return {"world_size": size, "inputs": inputs, "outputs": outputs}

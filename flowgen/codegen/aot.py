@@ -15,6 +15,15 @@ copy state updates back, read outputs.
     OUT/flowgen_*.h, program_constants.inc[, program_cubin.inc]   (everything program.cu includes)
     OUT/graph.json, constants.safetensors, signature.json   (the saved graph, for `inspect`)
 
+A data-parallel graph (saved with its ``data_parallel`` entry, flowgen/saved_graph.py) becomes
+a program that runs as ``mpiexec -n <world size>``: each of its ``all_reduce`` nodes is a host
+step between the launches (download, ``MPI_Allreduce`` with ``MPI_SUM`` on one packed buffer per
+dtype, the division by the world size for "mean", upload: the Python executor's order and
+arithmetic, so the numbers are the same), every rank reads the whole input files and uses its
+rows, and rank 0 combines the outputs and writes the results. MPI comes from the ``mpich`` wheel:
+its ``mpicxx -show`` gives the compile and link flags, added only for such programs (world size
+above 1), so one-process programs build without MPI.
+
 Targets: ``cpu`` compiles the whole file with g++ against the emulator header; ``cuda``
 compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary and the host
 half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
@@ -36,6 +45,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +55,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
+from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
 from flowgen.serialization import with_self_hash, write_file_atomic
 from flowgen.runtime.cpu_compiler import compiler_version
@@ -150,9 +161,41 @@ def _describe_value(v, producers) -> str:
     return f"{v.type_str} {what}" + (f" ({node.scope})" if node.scope else "")
 
 
+def _collective_entry(k, address, world_size: int) -> dict:
+    """A host step of the launch list: an all_reduce (inputs i -> outputs i) run with MPI."""
+    if k.ops != ["all_reduce"]:
+        raise BuildError(f"{k.name}: the standalone program runs all_reduce between ranks, not "
+                         f"{', '.join(k.ops)} (ZeRO and pipelines run in Python only)")
+    if k.collective["world_size"] != world_size:
+        raise BuildError(f"{k.name}: all_reduce over {k.collective['world_size']} ranks in a graph saved for "
+                         f"{world_size}")
+    buffers = [a.value for a in k.args]
+    half = len(buffers) // 2
+    tensors = []
+    for x, y in zip(buffers[:half], buffers[half:]):
+        if x.dtype not in (dt.float32, dt.float64):
+            raise BuildError(f"{k.name}: all_reduce of %{x.name} ({x.dtype.name}); the standalone program "
+                             f"all-reduces float32 and float64 tensors")
+        tensors.append({"src": address(x)[0], "dst": address(y)[0], "nbytes": x.nbytes,
+                        "dtype": _DTYPE_ENUM[x.dtype], "comment": f"%{x.name} -> %{y.name} {x.type_str}"})
+    return {"collective": True, "name": k.name, "comment": _one_line(k.comment), "tensors": tensors,
+            "mean": k.collective["op"] == "mean"}
+
+
+def _output_spec(i: int, v, combine: str, world_size: int) -> str:
+    """The program's view of output i: the global value (a split output: every rank's rows)."""
+    if combine == "split":
+        v = Value(v.name, (v.shape[0] * world_size, *v.shape[1:]), v.dtype)
+    elif combine in ("sum", "mean") and v.dtype not in (dt.float32, dt.float64):
+        raise BuildError(f"output_{i} (%{v.name}, {v.dtype.name}) is combined over the ranks by a {combine}; the "
+                         f"standalone program adds float32 and float64 outputs")
+    return _tensor_spec(f"output_{i}", v, "output")
+
+
 def render_program(program, *, name: str, training: bool, target: str, arch: str,
-                   build_commands: list) -> tuple:
-    """(program.cu text, program_constants.inc text) for `program`."""
+                   build_commands: list, data_parallel: dict | None = None) -> tuple:
+    """(program.cu text, program_constants.inc text) for `program`; `data_parallel` is the saved
+    graph's entry (flowgen/saved_graph.py) for a program run by mpiexec, else None."""
     import flowgen
 
     ir = program.graph
@@ -210,6 +253,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                 lines.append(f"{arg.ctype} a{j} = {_scalar_literal(arg.ctype, arg.literal)};")
             refs.append(f"&a{j}")
         return {
+            "collective": False,
             "name": k.name,
             "cname": names("K_", k.name),
             "comment": _one_line(k.comment),
@@ -221,8 +265,11 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             "args_decl": f"void* args[] = {{{', '.join(refs)}}};" if refs else "void** args = nullptr;",
         }
 
+    world_size = data_parallel["world_size"] if data_parallel else 1
+    layouts = data_parallel["inputs"] if data_parallel else ["broadcast"] * len(ir.inputs)
     prepare = [launch_entry(k) for k in prepare_kernels]
-    kernels = [launch_entry(k) for k in program.kernels]
+    kernels = [launch_entry(k) if k.collective is None else _collective_entry(k, address, world_size)
+               for k in program.kernels]
 
     updates = []
     for state_name, v in ir.updates:
@@ -233,10 +280,12 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         updates.append({"dst": f"m.state[{state_cname[target_value]}]", "src": src, "nbytes": v.nbytes,
                         "comment": f"{state_name} <- %{v.name}"})
 
+    combines = data_parallel["outputs"] if data_parallel else ["global"] * len(ir.outputs)
     outputs = []
-    for i, v in enumerate(ir.outputs):
+    for i, (v, combine) in enumerate(zip(ir.outputs, combines)):
         expr, _ = address(v)
-        outputs.append({"spec": _tensor_spec(f"output_{i}", v, "output"), "value": v.name, "address": expr})
+        outputs.append({"spec": _output_spec(i, v, combine, world_size), "value": v.name, "address": expr,
+                        "local_nbytes": v.nbytes, "combine": combine})
 
     width = max((len(o["cname"]) + len(str(o["offset"])) for o in offsets.values()), default=0)
     offset_list = []
@@ -268,7 +317,10 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "kernels_source": program.source.rstrip("\n"),
         "inputs_summary": summary(ir.inputs, lambda i, v: v.name),
         "outputs_summary": summary(ir.outputs, lambda i, v: f"output_{i} (%{v.name})"),
-        "inputs": [{"spec": _tensor_spec(v.name, v, "input")} for v in ir.inputs],
+        "inputs": [{"spec": _tensor_spec(v.name, v, "input"), "shards": world_size if layout == "split" else 1}
+                   for v, layout in zip(ir.inputs, layouts)],
+        "world_size": world_size,
+        "distributed": data_parallel is not None,
         "outputs": outputs,
         "state": [{"spec": _tensor_spec(s.name, s.value, s.kind), "cname": state_cname[s.value]} for s in ir.state],
         "arena_bytes": plan.arena_bytes,
@@ -277,7 +329,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "constants": constant_list,
         "kernels": kernels,
         "prepare": prepare,
-        "all_kernels": prepare + kernels,
+        "all_kernels": prepare + [k for k in kernels if not k["collective"]],
         "persistent": [{"name": v.name, "cname": persistent_cname[v], "nbytes": v.nbytes,
                         "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
         "updates": updates,
@@ -424,7 +476,29 @@ def _cubin_inc(cubin: bytes, arch: str) -> str:
             + _bytes_literal("FLOWGEN_CUBIN", cubin, f"cubin for {arch}"))
 
 
-def _host_command(target: str, binary: str, sanitize: str | None) -> list:
+def mpi_flags() -> list:
+    """g++ flags that compile and link against MPI: `mpicxx -show` of the MPICH that `pip install
+    mpich` puts next to this Python (or the first mpicxx on PATH), without the compiler name."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    wrapper = shutil.which("mpicxx", path=search)
+    install = "install MPI with `pip install mpich` (it provides mpi.h, libmpi and mpicxx)"
+    if wrapper is None:
+        raise BuildError(f"this program all-reduces over several ranks and needs MPI to build, but mpicxx is not "
+                         f"next to {sys.executable} or on PATH: {install}")
+    shown = subprocess.run([wrapper, "-show"], capture_output=True, text=True)
+    flags = shown.stdout.split()[1:]
+    if shown.returncode != 0 or not flags:
+        raise BuildError(f"`{wrapper} -show` did not print MPICH's compile flags ({shown.stderr.strip()[:200]}); "
+                         f"{install}")
+    includes = [Path(f[2:]) for f in flags if f.startswith("-I")]
+    if not any((d / "mpi.h").is_file() for d in includes):
+        raise BuildError(f"mpi.h is not in the include directories `{wrapper} -show` gives "
+                         f"({', '.join(map(str, includes)) or 'none'}): {install}")
+    return flags
+
+
+def _host_command(target: str, binary: str, sanitize: str | None, mpi: list = ()) -> list:
+    """The g++ command of the host build; `mpi`: mpi_flags() for a program run by mpiexec."""
     if sanitize:
         # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
         optimise = ["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}",
@@ -437,14 +511,15 @@ def _host_command(target: str, binary: str, sanitize: str | None) -> list:
         optimise = ["-O1"]
     if target == "cpu":
         return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
-                "-x", "c++", "program.cu", "-o", binary]
-    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", binary, "-ldl"]
+                "-x", "c++", "program.cu", "-o", binary, *mpi]
+    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", binary, "-ldl", *mpi]
 
 
-def _host_build_key(target: str, sanitize: str | None, out: Path) -> str:
+def _host_build_key(target: str, sanitize: str | None, mpi: list, out: Path) -> str:
     """The host build's cache key: its command, the compiler and every file it reads (program.cu,
     the .inc files it includes, the runtime headers) -- not the graph's or binary's name."""
-    digest = hashlib.sha256("\0".join([*_host_command(target, "program", sanitize), compiler_version()]).encode())
+    digest = hashlib.sha256("\0".join([*_host_command(target, "program", sanitize, mpi),
+                                       compiler_version()]).encode())
     for path in sorted(p for p in out.iterdir() if p.suffix in (".cu", ".h", ".inc")):
         digest.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:32]
@@ -498,6 +573,8 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "compiler": compiler if target == "cuda" else "g++",
         "sanitize": sanitize,
         "training": saved.training,
+        "world_size": saved.data_parallel["world_size"] if saved.data_parallel else 1,
+        "data_parallel": saved.data_parallel,
         "program_sha256": program_sha256,
         "inputs": saved.signature["inputs"],
         "outputs": saved.signature["outputs"],
@@ -551,7 +628,9 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     binary = safe_tag(saved.name)
-    host_cmd = _host_command(target, binary, sanitize)
+    world_size = saved.data_parallel["world_size"] if saved.data_parallel else 1
+    mpi = mpi_flags() if world_size > 1 else []
+    host_cmd = _host_command(target, binary, sanitize, mpi)
     commands = []
     if target == "cuda":
         device_cmd = (" ".join(_nvcc_command(arch)) if compiler == "nvcc"
@@ -562,7 +641,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     else:
         commands += [" ".join(host_cmd)]
     text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
-                                         arch=arch, build_commands=commands)
+                                         arch=arch, build_commands=commands, data_parallel=saved.data_parallel)
     runtime = runtime_cpp_dir()
     for header in sorted(runtime.glob("*.h")):   # the kernels' headers, so OUT builds on its own
         _write(out / header.name, header.read_bytes())
@@ -592,15 +671,16 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
 
     start = begin("compile host code")
     partial = f".{binary}.partial"
-    cached = cache_dir() / "host" / _host_build_key(target, sanitize, out) / "program"
+    cached = cache_dir() / "host" / _host_build_key(target, sanitize, mpi, out) / "program"
     hit = cached.is_file()
     if hit:
         copy_file_atomically(cached, out / partial)
     else:
-        _run_compiler(_host_command(target, partial, sanitize), out, "compile host code", text)
+        _run_compiler(_host_command(target, partial, sanitize, mpi), out, "compile host code", text)
         copy_file_atomically(out / partial, cached)
     os.replace(out / partial, out / binary)
     what = "g++ + emulator (device and host code)" if target == "cpu" else "g++ (driver API via dlopen)"
+    what += f", MPI for {world_size} ranks" if mpi else ""
     stage("compile host code", f"{what} -> {out / binary}" + (f" [-fsanitize={sanitize}]" if sanitize else "")
           + (" (cached)" if hit else ""), start)
 

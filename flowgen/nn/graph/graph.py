@@ -154,6 +154,7 @@ class Graph:
     def _variant_for(self, args, kwargs):
         """The compiled variant for these inputs' signature (compiled now if new) and the flat inputs."""
         inputs, rebuild_call = flatten_call(args, kwargs, self._name)
+        layouts = [a.sbp[0].kind if a.is_global else "local" for a in inputs]
         inputs, placement, split = split_inputs(self, inputs)
         args, kwargs = rebuild_call(inputs)
         key = (signature((args, kwargs)), placement)
@@ -165,6 +166,7 @@ class Graph:
                              f"({len(self._variants) + 1} cached)")
             variant = compile_step(self, args, kwargs, data_parallel_of(self, split))
             variant.output_placement = placement
+            variant.input_layouts = layouts     # "split" | "broadcast" | "local" per input (flow.save reads it)
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
                 self._variants.popitem(last=False)
@@ -212,13 +214,10 @@ class Graph:
                 yield from (v for v in slots.values() if hasattr(v, "_version"))
 
     def _flowgen_save(self, path):
-        """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py)."""
+        """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py).
+        A data-parallel graph is saved by every rank together (rank 0 writes; see saved_graph.py)."""
         from flowgen.saved_graph import save_graph
 
-        if self._last is not None and self._last.data_parallel is not None:
-            raise NotImplementedError(f"flow.save({self._name}, ...): the graph is data parallel (it all-reduces "
-                                      f"gradients over ranks); standalone programs run on one process only, so "
-                                      f"save the graph of a one-process run, or save graph.state_dict() instead")
         if self._last is not None and self._last.pipeline is not None:
             raise NotImplementedError(f"flow.save({self._name}, ...): the graph is a pipeline (set_stage): each rank "
                                       f"runs one stage; standalone programs run on one process only, so save the "
