@@ -140,8 +140,9 @@ def _values(ir) -> list:
 
 
 def _op_definitions(ir) -> list:
-    """Each op `ir` uses, as its name and definition (functions by name, lowerings by value)."""
-    ops = [get_op(name) for name in sorted({node.op for node in _nodes(ir.nodes)})]
+    """Each op `ir` uses, as its name and definition (functions by name, lowerings by value); a
+    fused node is no op of its own (its body's ops are listed)."""
+    ops = [get_op(name) for name in sorted({node.op for node in _nodes(ir.nodes)} - {"fused"})]
     return [(op.name, op.infer, op.ref, op.grad, op.lowering, op.num_outputs) for op in ops]
 
 
