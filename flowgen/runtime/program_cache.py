@@ -5,16 +5,20 @@ new process compiling the same graph skips the passes, the memory planner and ke
 same inputs exists. The key is a SHA-256 over everything that decides the result:
 
 * the IR given (pickled whole: every node, attribute, constant array, scope, source location,
-  state kind and hyper-parameter schedule), and the definitions of the ops it uses (each must
-  come from flowgen itself: an op defined elsewhere is not covered by the fingerprint below, so
-  such a graph is never cached);
+  state kind and hyper-parameter schedule), and the definitions of the ops it uses;
 * `options`: the caller's settings (graph config, target, ...), and what codegen reads from the
-  process (the target block counts, `$FLOWGEN_NAIVE_MEMORY`);
+  environment (`$FLOWGEN_NAIVE_MEMORY`);
 * `source_fingerprint()`: the contents of flowgen's Python files, `templates/` and
-  `runtime_cpp/`, and the Python, NumPy, ml_dtypes and Jinja2 versions, hashed once per process.
+  `runtime_cpp/`, and the Python, NumPy, ml_dtypes and Jinja2 versions, hashed once per process;
+* `_module_state()`: the constants (tile lists, limits, the target block counts) and functions
+  of the modules the passes and codegen run in, as they are now, so a process that replaced
+  one (a test's monkeypatch) does not share entries with one that did not.
 
-An IR that cannot be pickled is not cached (never keyed by less than its content). `build` must not change the IR it is given; a build that did
-is not stored.
+Code goes into the key by name, so it must be code the fingerprint covers: flowgen's, those
+libraries' or the standard library's. An IR or op definition that refers to other code (an op
+a user defined with `defop`), or anything that does not pickle, makes the graph uncacheable
+("off"): it is never keyed by less than its content. `build` must not change the IR it is
+given; a build that did is not stored.
 
 An entry is `programs/<key>.pkl` under the build cache: a header line, the key, the SHA-256 of
 the payload, then the payload (the pickled result). The IR's values and the graph itself are
@@ -29,9 +33,11 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import io
 import os
 import pickle
+import pkgutil
 import sys
 import types
 from dataclasses import dataclass
@@ -44,17 +50,19 @@ import numpy as np
 
 import flowgen
 from flowgen import dtype as dt
-from flowgen.codegen.target import TARGET_BLOCKS
 from flowgen.codegen.templates import templates_dir
 from flowgen.ops.registry import get_op
 from flowgen.runtime.toolchain import atomic_write_bytes, cache_dir, runtime_cpp_dir
 
 _MAGIC = b"flowgen-program-cache 1\n"
 _PROTOCOL = 5
+# Where the passes and codegen run: their module-level constants and functions are in the key.
+_COMPILER_PACKAGES = ("flowgen.ir", "flowgen.ops", "flowgen.passes", "flowgen.schedule", "flowgen.memory",
+                      "flowgen.codegen")
+_COMPILER_MODULES = ("flowgen.nn.graph.compiled", "flowgen.runtime.autotune", "flowgen.saved_graph")
 # Code the key may refer to by name: flowgen's (in `source_fingerprint`), the libraries whose
-# versions are in it, and the standard library's.
-_COVERED_MODULES = frozenset({"flowgen", "numpy", "ml_dtypes", "jinja2", "builtins", "math", "operator",
-                              "functools", "collections", "copyreg", "_operator", "_functools"})
+# versions are in it, and the standard library (in `sys.version`).
+_COVERED_MODULES = frozenset({"flowgen", "numpy", "ml_dtypes", "jinja2"})
 
 
 @dataclass
@@ -87,7 +95,54 @@ def source_fingerprint() -> str:
 
 def _process_options() -> dict:
     """What codegen reads from the process rather than from its arguments."""
-    return {"target_blocks": dict(TARGET_BLOCKS), "naive_memory_env": os.environ.get("FLOWGEN_NAIVE_MEMORY", "")}
+    return {"naive_memory_env": os.environ.get("FLOWGEN_NAIVE_MEMORY", "")}
+
+
+@functools.lru_cache(maxsize=1)
+def _compiler_modules() -> tuple:
+    """Every module of the packages the passes and codegen run in (all loaded, so the key does
+    not depend on which a script happened to import), and the compile glue."""
+    names = list(_COMPILER_MODULES)
+    for package in _COMPILER_PACKAGES:
+        path = importlib.import_module(package).__path__
+        names += [f"{package}.{info.name}" for info in pkgutil.iter_modules(path) if not info.ispkg]
+    return tuple(importlib.import_module(name) for name in sorted(set(names)))
+
+
+def _plain(value) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
+
+
+def _canonical(value):
+    """A plain value with its sets in a fixed order (a set of strings iterates in an order that
+    changes from process to process)."""
+    if isinstance(value, frozenset):
+        return "frozenset", tuple(sorted((_canonical(v) for v in value), key=repr))
+    if isinstance(value, tuple):
+        return tuple(_canonical(v) for v in value)
+    if isinstance(value, dict):
+        return "dict", tuple((_canonical(k), _canonical(v)) for k, v in value.items())
+    return value
+
+
+def _module_state() -> list:
+    """The compiler modules' constants (tile lists, limits, target block counts) and functions
+    as they are now: the source fingerprint says what they were written as, this catches a
+    process (a test) that replaced one (`monkeypatch.setattr(fusion, "MULTI_MAX_POINTERS", 16)`)."""
+    state = []
+    for module in _compiler_modules():
+        for name, value in vars(module).items():
+            if name.startswith("__"):      # __file__, __cached__: where, not what
+                continue
+            if _plain(value):
+                state.append((module.__name__, name, _canonical(value)))
+            elif isinstance(value, (types.FunctionType, type)):
+                state.append((module.__name__, name, value))   # pickled by name, and only if covered
+    return state
 
 
 class _Pickler(pickle.Pickler):
@@ -146,6 +201,11 @@ def _op_definitions(ir) -> list:
     return [(op.name, op.infer, op.ref, op.grad, op.lowering, op.num_outputs) for op in ops]
 
 
+def _covered(module: str | None) -> bool:
+    top = (module or "").split(".")[0]
+    return top in _COVERED_MODULES or top in sys.stdlib_module_names
+
+
 class _UncoveredCode(pickle.PicklingError):
     """The IR refers to code outside flowgen and the libraries in its fingerprint."""
 
@@ -167,7 +227,7 @@ class _KeyPickler(pickle.Pickler):
             return dt.get, (obj.name,)
         code = isinstance(obj, type) or callable(obj)
         module = getattr(obj, "__module__", None) if code else cls.__module__
-        if (module or "").split(".")[0] not in _COVERED_MODULES:
+        if not _covered(module):
             raise _UncoveredCode(f"{obj!r} comes from {module}")
         if isinstance(obj, types.FunctionType):   # closures too (an op's infer made by a factory)
             return str, (f"{module}:{obj.__qualname__}",)
@@ -179,7 +239,7 @@ class _KeyPickler(pickle.Pickler):
 def _key_pickle(ir, options: dict) -> bytes | None:
     buf = io.BytesIO()
     try:
-        _KeyPickler(buf).dump((ir, _op_definitions(ir), options, _process_options()))
+        _KeyPickler(buf).dump((ir, _op_definitions(ir), options, _process_options(), _module_state()))
     except (pickle.PicklingError, TypeError, AttributeError):
         return None
     return buf.getvalue()

@@ -420,7 +420,6 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         (ir, program), cache_status = program_cache.cached(ir, options, passes_and_codegen)
     if cache_status == "hit":
         timings["program cache"] = time.perf_counter() - start
-        graph._log(1, f"(GRAPH:{graph.name}:{cls}) program cache hit: passes and codegen skipped.")
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
     executor_backend = _make_backend_once(device, program.source, data_parallel)
@@ -458,9 +457,11 @@ def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, star
 
 def _program_cache_options(graph, device, data_parallel, checkpointed) -> dict | None:
     """What besides the traced IR decides the compiled program (runtime/program_cache.py), or
-    None where it is not cached: conv tiles timed on the GPU, and data-parallel graphs (whose
-    ranks already share rank 0's build through the kernel cache)."""
-    if data_parallel is not None or graph.config.cudnn_conv_heuristic_search_algo:
+    None where it is not cached: conv tiles timed on the GPU, data-parallel graphs (whose ranks
+    already share rank 0's build through the kernel cache), and graph.debug(1) or above, which
+    logs each pass as it runs."""
+    if (data_parallel is not None or graph.config.cudnn_conv_heuristic_search_algo
+            or graph._debug_level >= 1):
         return None
     return {"config": vars(graph.config), "checkpointed": checkpointed, "target": device.type}
 
