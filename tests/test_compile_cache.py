@@ -205,37 +205,36 @@ def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
 
 
 # One training run in a new process: three steps of a small MLP; prints what the program cache
-# did and the numbers. argv: batch size, LeakyReLU slope, whether add-to-output fusion is on,
-# the graph's debug level, a limit of the fusion pass to set (0: leave it).
+# did and the numbers. argv[1]: JSON of what to change (_BASE's keys).
 _TRAIN_IN_A_NEW_PROCESS = """
 import json, sys
-import numpy as np
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.passes import fusion
 from flowgen.runtime import program_cache
 from graphs import TrainGraph
-batch, slope, fuse_add, debug = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3] == "1", int(sys.argv[4])
-if int(sys.argv[5]):
-    fusion.MULTI_MAX_POINTERS = int(sys.argv[5])
+run = json.loads(sys.argv[1])
+if run["max_pointers"]:
+    fusion.MULTI_MAX_POINTERS = run["max_pointers"]
 flow.manual_seed(0)
-model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(slope), nn.Linear(8, 3))
+model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(run["slope"]), nn.Linear(8, 3))
 graph = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-graph.config.allow_fuse_add_to_output(fuse_add)
-graph.debug(debug)
-x, y = flow.randn(batch, 6), flow.randint(0, 3, (batch,))
+graph.config.allow_fuse_add_to_output(run["fuse_add"])
+next(iter(graph.model)).to(nn.graph.GraphModule).activation_checkpointing = run["checkpoint"]
+graph.debug(run["debug"])
+x, y = flow.randn(run["batch"], 6), flow.randint(0, 3, (run["batch"],))
 losses = [float(graph(x, y)) for _ in range(3)]
 print(json.dumps({"cache": graph.compiled.program_cache, "rejected": program_cache.STATS.rejected,
                   "losses": losses, "params": [p.numpy().tolist() for p in model.parameters()]}))
 """
+_BASE = {"batch": 4, "slope": 0.01, "fuse_add": True, "checkpoint": False, "debug": -1, "max_pointers": 0}
 
 
-def _train_in_a_new_process(cache_root, batch=4, slope=0.01, fuse_add=True, debug=-1, max_pointers=0) -> dict:
+def _train_in_a_new_process(cache_root, **change) -> dict:
     tests = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0",
                PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_IN_A_NEW_PROCESS, str(batch), str(slope),
-                           "1" if fuse_add else "0", str(debug), str(max_pointers)],
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_IN_A_NEW_PROCESS, json.dumps({**_BASE, **change})],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stdout}
@@ -256,13 +255,15 @@ def test_a_new_process_loads_the_compiled_program_and_computes_the_same(first_pr
     assert again["losses"] == first["losses"] and again["params"] == first["params"]
 
 
-@pytest.mark.parametrize("change", [{"batch": 5}, {"slope": 0.2}, {"fuse_add": False}, {"max_pointers": 16}],
-                         ids=["input shape", "op attribute", "graph config", "patched compiler constant"])
+@pytest.mark.parametrize("change", [{"batch": 5}, {"slope": 0.2}, {"fuse_add": False}, {"checkpoint": True},
+                                    {"max_pointers": 16}],
+                         ids=["input shape", "op attribute", "graph config", "module config",
+                              "patched compiler constant"])
 def test_a_changed_graph_misses_the_program_cache(first_process, change):
     root, first = first_process
     changed = _train_in_a_new_process(root, **change)
     assert changed["cache"] == "miss"
-    if "fuse_add" in change or "max_pointers" in change:     # the same computation, compiled differently
+    if not {"batch", "slope"} & change.keys():     # the same computation, compiled differently
         np.testing.assert_allclose(changed["losses"], first["losses"], rtol=1e-6)
     else:
         assert changed["losses"] != first["losses"]

@@ -411,7 +411,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     if rng is not None:
         host_scalars.append((ir.state_by_name()[rng.name].value, rng))
     checkpointed = [path for path, options in graph._module_configs.items() if options.activation_checkpointing]
-    options = _program_cache_options(graph, device, data_parallel, checkpointed)
+    options = _program_cache_options(graph, device, data_parallel)
     passes_and_codegen = functools.partial(_passes_and_codegen, graph, ir, device, checkpointed, progress,
                                            timings, start)
     if options is None:
@@ -455,7 +455,7 @@ def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, star
     return ir, program
 
 
-def _program_cache_options(graph, device, data_parallel, checkpointed) -> dict | None:
+def _program_cache_options(graph, device, data_parallel) -> dict | None:
     """What besides the traced IR decides the compiled program (runtime/program_cache.py), or
     None where it is not cached: conv tiles timed on the GPU, data-parallel graphs (whose ranks
     already share rank 0's build through the kernel cache), and graph.debug(1) or above, which
@@ -463,7 +463,7 @@ def _program_cache_options(graph, device, data_parallel, checkpointed) -> dict |
     if (data_parallel is not None or graph.config.cudnn_conv_heuristic_search_algo
             or graph._debug_level >= 1):
         return None
-    return {"config": vars(graph.config), "checkpointed": checkpointed, "target": device.type}
+    return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type}
 
 
 @dataclass(frozen=True)
