@@ -229,7 +229,9 @@ class _KeyPickler(pickle.Pickler):
         module = getattr(obj, "__module__", None) if code else cls.__module__
         if not _covered(module):
             raise _UncoveredCode(f"{obj!r} comes from {module}")
-        if isinstance(obj, types.FunctionType):   # closures too (an op's infer made by a factory)
+        if isinstance(obj, types.FunctionType):
+            # Closures too (an op's infer made by a factory when flowgen is imported): what they
+            # capture is set by the source, which the fingerprint covers.
             return str, (f"{module}:{obj.__qualname__}",)
         if not code:
             self.covered_types.add(cls)
