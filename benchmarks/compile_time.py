@@ -5,7 +5,9 @@
 
 Every stage runs in a fresh Python process. "cold" uses an empty build cache ($FLOWGEN_CACHE in
 a temporary directory), "warm" runs the same stage again on that cache (a new process, the same
-graph). Stages:
+graph: compiled kernels, the program cache's passes + codegen and compiled templates are found
+there; the emulator row's stages_s then shows "program cache" instead of "passes" and "codegen").
+Stages:
 
   emulator first call   graph(x, y) on the CPU: trace, passes, codegen, g++ build, one step
   nvrtc (cuda target)   the cuda program's kernels.cu through NVRTC (no GPU needed)

@@ -92,6 +92,7 @@ and the field.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
@@ -100,7 +101,9 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
+from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.distributed.collectives import world
+from flowgen.runtime import program_cache
 from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256, read_json_file,
                                    read_safetensors_file, with_self_hash, write_directory_atomically, write_json,
                                    write_safetensors)
@@ -455,11 +458,8 @@ class SavedGraph:
         """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR for `target`
         ("cuda" or "cpu": tile shapes and reduction splits differ)."""
         if target not in self._programs:
-            from flowgen.codegen.program import build_program, count_unfused_kernels
-
-            program = build_program(self.ir, target=target)
-            program.kernels_before_fusion = count_unfused_kernels(self.ir)
-            self._programs[target] = program
+            self._programs[target], _ = program_cache.cached(self.ir, {"target": target},
+                                                             functools.partial(_build_program, self.ir, target))
         return self._programs[target]
 
     def _check_inputs(self, arrays) -> list:
@@ -510,6 +510,12 @@ class SavedGraph:
 
 
 # ------------------------------------------------------------------ saving
+def _build_program(ir, target: str):
+    program = build_program(ir, target=target)
+    program.kernels_before_fusion = count_unfused_kernels(ir)
+    return program
+
+
 def _state_values(compiled) -> dict:
     """Current value of every state entry: eager tensors for bound state, the host's value for hyper
     scalars (what the next step would use), the device copy for anything else."""

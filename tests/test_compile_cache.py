@@ -1,9 +1,14 @@
 """The kernel build cache: identical bodies compiled once, hits across graph instances and
-shapes, compiled variants kept by load_state_dict, and the progress line."""
+shapes, compiled variants kept by load_state_dict, and the progress line. The program cache:
+a new process compiling the same graph loads its program, any change misses, a corrupt entry is
+rebuilt, a graph using an op defined outside flowgen is not cached."""
 import concurrent.futures
 import ctypes
 import io
+import json
 import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -12,6 +17,8 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.codegen import aot
+from flowgen.ops import registry
+from flowgen.ops.lowering import Elementwise
 from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, progress
 from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 from graphs import InferGraph, TrainGraph
@@ -195,3 +202,98 @@ def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
         module.launch("k2_c_scale", (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
     np.testing.assert_array_equal(x, np.full(4, 9.0, np.float32))
     assert not list(cache.rglob(".*.tmp")) and build_kernel_library(SOURCE)[1].stats.compiled == 0
+
+
+# One training run in a new process: three steps of a small MLP; prints what the program cache
+# did and the numbers. argv[1]: JSON of what to change (_BASE's keys).
+_TRAIN_IN_A_NEW_PROCESS = """
+import json, sys
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen.passes import fusion
+from flowgen.runtime import program_cache
+from graphs import TrainGraph
+run = json.loads(sys.argv[1])
+if run["max_pointers"]:
+    fusion.MULTI_MAX_POINTERS = run["max_pointers"]
+flow.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(run["slope"]), nn.Linear(8, 3))
+graph = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+graph.config.allow_fuse_add_to_output(run["fuse_add"])
+next(iter(graph.model)).to(nn.graph.GraphModule).activation_checkpointing = run["checkpoint"]
+graph.debug(run["debug"])
+x, y = flow.randn(run["batch"], 6), flow.randint(0, 3, (run["batch"],))
+losses = [float(graph(x, y)) for _ in range(3)]
+print(json.dumps({"cache": graph.compiled.program_cache, "rejected": program_cache.STATS.rejected,
+                  "losses": losses, "params": [p.numpy().tolist() for p in model.parameters()]}))
+"""
+_BASE = {"batch": 4, "slope": 0.01, "fuse_add": True, "checkpoint": False, "debug": -1, "max_pointers": 0}
+
+
+def _train_in_a_new_process(cache_root, **change) -> dict:
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", _TRAIN_IN_A_NEW_PROCESS, json.dumps({**_BASE, **change})],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stdout}
+
+
+@pytest.fixture(scope="module")
+def first_process(tmp_path_factory):
+    """A cache that one process filled by compiling the base graph, and that process's numbers."""
+    root = tmp_path_factory.mktemp("program-cache")
+    return root, _train_in_a_new_process(root)
+
+
+def test_a_new_process_loads_the_compiled_program_and_computes_the_same(first_process):
+    root, first = first_process
+    assert first["cache"] == "miss"
+    again = _train_in_a_new_process(root)
+    assert again["cache"] == "hit"
+    assert again["losses"] == first["losses"] and again["params"] == first["params"]
+
+
+@pytest.mark.parametrize("change", [{"batch": 5}, {"slope": 0.2}, {"fuse_add": False}, {"checkpoint": True},
+                                    {"max_pointers": 16}],
+                         ids=["input shape", "op attribute", "graph config", "module config",
+                              "patched compiler constant"])
+def test_a_changed_graph_misses_the_program_cache(first_process, change):
+    root, first = first_process
+    changed = _train_in_a_new_process(root, **change)
+    assert changed["cache"] == "miss"
+    if not {"batch", "slope"} & change.keys():     # the same computation, compiled differently
+        np.testing.assert_allclose(changed["losses"], first["losses"], rtol=1e-6)
+    else:
+        assert changed["losses"] != first["losses"]
+
+
+def test_graph_debug_runs_the_passes_instead_of_loading_them(first_process):
+    root, first = first_process
+    debugged = _train_in_a_new_process(root, debug=1)
+    assert debugged["cache"] == "off" and "(PASS:fusion)" in debugged["log"]
+    assert debugged["losses"] == first["losses"]
+
+
+def test_a_corrupt_program_cache_entry_is_rebuilt(first_process):
+    root, first = first_process
+    for entry in (root / "programs").glob("*.pkl"):
+        data = bytearray(entry.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        entry.write_bytes(bytes(data))
+    rebuilt = _train_in_a_new_process(root)
+    assert (rebuilt["cache"], rebuilt["rejected"]) == ("miss", 1)
+    assert rebuilt["losses"] == first["losses"] and rebuilt["params"] == first["params"]
+    assert _train_in_a_new_process(root)["cache"] == "hit"
+
+
+def test_a_graph_using_an_op_defined_outside_flowgen_is_not_program_cached(cache):
+    """Its code is not in flowgen's source fingerprint, so the cache could not see it change."""
+    if "test_compile_cache_triple" not in registry.REGISTRY:
+        registry.defop("test_compile_cache_triple", infer=lambda a: registry.TensorMeta(a.shape, a.dtype),
+                       ref=lambda a: a * 3, lowering=Elementwise("{0} * 3.0f"))
+    graph = flow.nn.Graph.trace(lambda x: registry.apply("test_compile_cache_triple", x))
+    x = flow.randn(3, 4)
+    np.testing.assert_array_equal(graph(x).numpy(), x.numpy() * 3)
+    assert graph.compiled.program_cache == "off"

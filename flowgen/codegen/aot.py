@@ -68,7 +68,6 @@ MAX_DIMS = 8
 
 _DTYPE_ENUM = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.float64: "f64",
                dt.int64: "i64", dt.int32: "i32", dt.bool_: "boolean"}
-_HEX = [f"\\x{i:02x}" for i in range(256)]
 
 
 class BuildError(RuntimeError):
@@ -136,11 +135,10 @@ def _tensor_spec(name: str, value, kind: str) -> str:
 
 
 def _bytes_literal(symbol: str, data: bytes, comment: str) -> str:
+    """`data` as a C string literal, 32 bytes (\\xNN each) per line."""
+    escaped = "\\x" + data.hex("|").replace("|", "\\x") if data else ""
     lines = [f"static const unsigned char {symbol}[] =  // {comment}"]
-    for start in range(0, len(data), 32):
-        lines.append('    "' + "".join(map(_HEX.__getitem__, data[start:start + 32])) + '"')
-    if not data:
-        lines.append('    ""')
+    lines += [f'    "{escaped[start:start + 128]}"' for start in range(0, len(escaped), 128)] or ['    ""']
     lines[-1] += ";"
     return "\n".join(lines) + "\n"
 

@@ -127,6 +127,7 @@ def direct_state_writes(graph, kernels, aliases) -> dict:
     kernel reads it (if at all) only at the element it writes (`Kernel.pointwise_reads`)."""
     state = graph.state_by_name()
     producer = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=True)}
+    last_reader = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=False)}
 
     def views_of(base) -> set:
         """`base` and every view that shares its memory (reshapes of a parameter, ...)."""
@@ -143,7 +144,7 @@ def direct_state_writes(graph, kernels, aliases) -> dict:
         if i is None or value in aliases or value in direct:
             continue
         old_names = views_of(old)
-        if any(v in old_names for k in kernels[i + 1:] for v in _buffer_values(k, written=False)):
+        if any(last_reader.get(v, -1) > i for v in old_names):    # a later kernel reads the old value
             continue
         reads_here = old_names & set(_buffer_values(kernels[i], written=False))
         if reads_here and (reads_here != {old} or old not in kernels[i].pointwise_reads

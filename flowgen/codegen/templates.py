@@ -2,16 +2,19 @@
 
 An installed wheel ships them as ``flowgen/_data/templates``; a source checkout
 keeps them in ``<repo>/templates``. Rendering is strict (an undefined variable
-is an error) so a template never silently emits half a kernel.
+is an error) so a template never silently emits half a kernel. Compiled templates are cached
+under ``<cache>/jinja`` (Jinja2's bytecode cache), so a new process does not compile them again.
 """
 from __future__ import annotations
 
+import hashlib
 from functools import lru_cache
 from pathlib import Path
 
 import jinja2
 
 import flowgen
+from flowgen.runtime.toolchain import cache_dir
 
 
 def templates_dir() -> Path:
@@ -21,16 +24,24 @@ def templates_dir() -> Path:
     return Path(flowgen.__file__).resolve().parent.parent / "templates"
 
 
+_OPTIONS = dict(undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+                autoescape=False)
+
+
 @lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(templates_dir())),
-        undefined=jinja2.StrictUndefined,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                              bytecode_cache=jinja2.FileSystemBytecodeCache(str(_bytecode_dir())), **_OPTIONS)
+
+
+def _bytecode_dir() -> Path:
+    """Where compiled templates are kept between processes: one directory per Jinja2 version
+    and environment options (they shape the compiled code). Jinja2 itself checks each entry
+    against its template's source (SHA-1) and the Python version, and writes it atomically."""
+    options = f"{jinja2.__version__}\0{sorted((k, repr(v)) for k, v in _OPTIONS.items())!r}"
+    path = cache_dir() / "jinja" / hashlib.sha256(options.encode()).hexdigest()[:16]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def get_template(name: str) -> jinja2.Template:

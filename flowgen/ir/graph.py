@@ -15,9 +15,8 @@ pass and interpreted by running their body.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from flowgen import dtype as dt
 
@@ -30,7 +29,7 @@ class Value:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return int(math.prod(self.shape))
 
     @property
     def nbytes(self) -> int:

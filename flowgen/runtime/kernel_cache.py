@@ -36,6 +36,7 @@ from flowgen.runtime.toolchain import atomic_write_bytes
 _KERNEL_START = re.compile(r'^extern "C" __global__ ')
 _KERNEL_END = re.compile(r"^FLOWGEN_EMU_KERNEL\((\w+)\s*,")
 _NAME_PLACEHOLDER = "FLOWGEN_KERNEL_NAME"
+_WORD = re.compile(r"\w")
 _KEY_CHARS = 32
 _SYMBOL_KEY_CHARS = 10
 
@@ -55,10 +56,26 @@ class KernelUnit:
     def body(self) -> str:
         """The text that decides what gets compiled: comment lines dropped, the name abstracted."""
         code = "\n".join(line for line in self.text.splitlines() if not line.lstrip().startswith("//"))
-        return re.sub(rf"\b{re.escape(self.name)}\b", _NAME_PLACEHOLDER, code)
+        return _replace_identifier(code, self.name, _NAME_PLACEHOLDER)
 
     def renamed(self, symbol: str) -> str:
-        return re.sub(rf"\b{re.escape(self.name)}\b", symbol, self.text)
+        return _replace_identifier(self.text, self.name, symbol)
+
+
+def _replace_identifier(text: str, name: str, replacement: str) -> str:
+    """`re.sub(rf"\\b{name}\\b", replacement, text)` for a name of word characters, without
+    compiling a pattern per kernel name: each occurrence, left to right, is replaced where no
+    word character touches it on either side."""
+    out, start, find_from = [], 0, 0
+    while (at := text.find(name, find_from)) >= 0:
+        end = at + len(name)
+        if (at == 0 or not _WORD.match(text, at - 1)) and (end == len(text) or not _WORD.match(text, end)):
+            out += [text[start:at], replacement]
+            start = find_from = end
+        else:
+            find_from = at + 1
+    out.append(text[start:])
+    return "".join(out)
 
 
 def split_kernels(source: str) -> tuple[str, list[KernelUnit]]:

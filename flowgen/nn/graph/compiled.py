@@ -7,6 +7,7 @@ and read back lazily when eager code looks at it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -35,6 +36,7 @@ from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, 
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
 from flowgen.passes.zero import shard_optimizer_state, shards_parameter
+from flowgen.runtime import program_cache
 from flowgen.runtime.progress import reporting
 
 
@@ -60,6 +62,7 @@ class CompiledGraph:
         self.output_placement = None        # the global inputs' placement: outputs become global
         self.sharded_slots = []             # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
         self.pipeline = None                # StageProgram: this rank's stage of a set_stage pipeline
+        self.program_cache = "off"          # "hit" (passes and codegen loaded), "miss" (built, stored) or "off"
 
     @property
     def sources(self) -> dict:
@@ -432,8 +435,40 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     if rng is not None:
         host_scalars.append((ir.state_by_name()[rng.name].value, rng))
     checkpointed = [path for path, options in graph._module_configs.items() if options.activation_checkpointing]
+    options = _program_cache_options(graph, device, data_parallel, stage_program)
+    passes_and_codegen = functools.partial(_passes_and_codegen, graph, ir, device, checkpointed, progress,
+                                           timings, start, stage_program)
+    if options is None:
+        (ir, program), cache_status = passes_and_codegen(), "off"
+    else:
+        (ir, program), cache_status = program_cache.cached(ir, options, passes_and_codegen)
+    if cache_status == "hit":
+        timings["program cache"] = time.perf_counter() - start
+    graph._log(1, program.plan.describe())
+    start = time.perf_counter()
+    executor_backend = _make_backend_once(device, program.source, data_parallel)
+    from flowgen.runtime.executor import Executor
+
+    executor = Executor(program, executor_backend)
+    timings["compile"] = time.perf_counter() - start
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
+    graph._log(0, f"(GRAPH:{graph.name}:{cls}) compiling plan and init graph runtime Done! Cost time: "
+                  f"{sum(t for k, t in timings.items() if k != 'trace'):.2f}s.")
+    compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
+    compiled.program_cache = cache_status
+    compiled.scaler = scaler if grads is not None else None
+    compiled.checks = checks
+    compiled.data_parallel = data_parallel
+    compiled.output_combine = output_combine
+    compiled.sharded_slots = sharded_slots
+    compiled.pipeline = stage_program
+    return compiled
+
+
+def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, start, stage_program) -> tuple:
+    """(optimized IR, Program) of the traced step: the pass pipeline, then kernels and memory plan."""
     passes = default_passes(graph.config, checkpointed)
-    ir, pass_times = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
+    ir, _ = run_passes(ir, passes, log=graph._log if graph._debug_level >= 1 else None)
     if stage_program is not None:
         stage_program.check_transfer_order(ir)
     timings["passes"] = time.perf_counter() - start
@@ -444,24 +479,19 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                             compress_memory=graph.config.compress_memory, allow_tf32=graph.config.tf32)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
-    graph._log(1, program.plan.describe())
-    start = time.perf_counter()
-    executor_backend = _make_backend_once(device, program.source, data_parallel)
-    from flowgen.runtime.executor import Executor
+    return ir, program
 
-    executor = Executor(program, executor_backend)
-    timings["compile"] = time.perf_counter() - start
-    graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
-    graph._log(0, f"(GRAPH:{graph.name}:{cls}) compiling plan and init graph runtime Done! Cost time: "
-                  f"{sum(timings[k] for k in ('passes', 'codegen', 'compile')):.2f}s.")
-    compiled = CompiledGraph(graph, ir, program, executor, device, bindings, host_scalars, structure, timings)
-    compiled.scaler = scaler if grads is not None else None
-    compiled.checks = checks
-    compiled.data_parallel = data_parallel
-    compiled.output_combine = output_combine
-    compiled.sharded_slots = sharded_slots
-    compiled.pipeline = stage_program
-    return compiled
+
+def _program_cache_options(graph, device, data_parallel, stage_program) -> dict | None:
+    """What besides the traced IR decides the compiled program (runtime/program_cache.py), or
+    None where it is not cached: conv tiles timed on the GPU, data-parallel graphs (whose ranks
+    already share rank 0's build through the kernel cache), pipeline stages (each rank's own
+    part, checked against its transfer plan), and graph.debug(1) or above, which logs each pass
+    as it runs."""
+    if (data_parallel is not None or stage_program is not None or graph.config.cudnn_conv_heuristic_search_algo
+            or graph._debug_level >= 1):
+        return None
+    return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type}
 
 
 @dataclass(frozen=True)
