@@ -562,12 +562,12 @@ def test_every_gemm_tile_configuration(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=kernels[-1].comment)
 
 
-@pytest.mark.parametrize("op", ["matmul", "conv2d", "conv2d_grad_weight"])
+@pytest.mark.parametrize("op", ["matmul", "conv2d", "conv2d_grad_input", "conv2d_grad_weight"])
 def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
     """Rendered for "cpu", a SIMT GEMM tile is one thread per block with no shared memory
-    (_gemm_tile_cpu.j2); for each tile shape it gives exactly the numbers of the GPU's
-    shared-memory tile (the same fmaf chain over k per output; the same split-k, whose partial
-    sums are combined in split order)."""
+    (_gemm_tile_cpu.j2); for each tile shape, the cpu target's wider ones included, it gives
+    exactly the numbers of the GPU's shared-memory tile (the same fmaf chain over k per output;
+    the same split-k, whose partial sums are combined in split order)."""
     from flowgen.codegen import families
 
     rng = np.random.default_rng(11)
@@ -576,12 +576,18 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
     elif op == "conv2d":
         case = Case("fwd", "conv2d", None, stride=(2, 1), padding=(1, 0), dilation=(1, 1), groups=2)
         arrays = [_rand(rng, (2, 6, 11, 9)), _rand(rng, (10, 3, 3, 2))]
+    elif op == "conv2d_grad_input":
+        case = Case("dgrad", "conv2d_grad_input", None, input_shape=(2, 6, 11, 9), stride=(2, 1), padding=(1, 0),
+                    dilation=(1, 2), groups=2)
+        arrays = [_rand(rng, (2, 10, 6, 7)), _rand(rng, (10, 3, 3, 2))]
     else:
         case = Case("wgrad", "conv2d_grad_weight", None, weight_shape=(5, 3, 3, 3), stride=(1, 1),
                     padding=(0, 0), dilation=(1, 1), groups=1)
         arrays = [_rand(rng, (2, 5, 33, 33)), _rand(rng, (2, 3, 35, 35))]
     rendered = []
-    for i, tile in enumerate(families._TILES):
+    tiles = families._CPU_TILES + families._TILES
+    monkeypatch.setattr(families, "_CPU_TILES", ())   # one shape at a time, the same on both sides
+    for i, tile in enumerate(tiles):
         monkeypatch.setattr(families, "_TILES", (tile,))
         node = _node(case, arrays)
         pair = []

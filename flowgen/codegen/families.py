@@ -270,6 +270,12 @@ _TILES = ((128, 128, 8, 8), (128, 64, 8, 4), (64, 128, 4, 8), (64, 64, 4, 4), (3
           (32, 32, 2, 2), (16, 64, 1, 4), (64, 16, 4, 1), (16, 16, 1, 1))
 
 
+# The cpu target's extra shapes (serial tiles, _gemm_tile_cpu.j2: one thread computes the whole
+# tile, so TM x TN only names a nominal 256-thread split): each element of A and B that a tile
+# packs feeds BM * BN / (BM + BN) multiply-adds, so wider tiles spend less of their time packing.
+_CPU_TILES = ((256, 256, 16, 16), (256, 128, 16, 8), (128, 256, 8, 16))
+
+
 class _Tile(dict):
     """Tile configuration; a dict so Jinja reads `t.BM` etc."""
 
@@ -282,14 +288,17 @@ def ranked_tiles(M: int, N: int, batch: int, acc: str, k_splits=None) -> list:
     are too few blocks to fill the GPU. `k_splits(blocks)`, when given, says how many ways the
     k loop may be split across blocks (more blocks for the same tile)."""
     costed, best, best_cost = [], None, None
-    for BM, BN, TM, TN in _TILES:
+    serial = serial_blocks()
+    for BM, BN, TM, TN in (_CPU_TILES + _TILES if serial else _TILES):
         if acc == "double" and TM * TN > 16:                 # keep double accumulators in registers
             continue
         blocks = -(-M // BM) * -(-N // BN) * batch
         if k_splits is not None:
             blocks *= k_splits(blocks)
         padded = -(-M // BM) * BM * -(-N // BN) * BN
-        cost = padded * (1.0 + 2.0 / TM + 2.0 / TN) * max(1.0, target_blocks() / blocks)
+        # per multiply-add: shared-memory traffic (GPU), or packing A and B (cpu)
+        overhead = 16.0 / BM + 16.0 / BN if serial else 2.0 / TM + 2.0 / TN
+        cost = padded * (1.0 + overhead) * max(1.0, target_blocks() / blocks)
         costed.append((cost, (BM, BN, TM, TN)))
         if best_cost is None or cost < best_cost * 0.999:   # near-ties keep the table's order
             best, best_cost = (BM, BN, TM, TN), cost
