@@ -513,3 +513,80 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
         assert "combines values of stages [0, 1] after the micro-batches (gradient clipping by a global norm" in str(
             messages["clipping_by_the_global_norm"])
         assert "the graph is a pipeline (set_stage)" in str(messages["save"])
+
+
+# ------------------------------------- gradient clipping in build() and SyncBatchNorm, several ranks
+import clip_syncbn_worker  # noqa: E402
+
+CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_zero2", "syncbn_graph",
+                             "syncbn_eager_ddp"],
+                         4: ["clip_norm", "syncbn_graph"]}
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
+def clip_syncbn_ranks(request, tmp_path_factory):
+    """(world size, rank 0's results of tests/distributed/clip_syncbn_worker.py by scenario)."""
+    world = request.param
+    out = tmp_path_factory.mktemp(f"clip_syncbn_{world}")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    script = os.path.join(REPO, "tests", "distributed", "clip_syncbn_worker.py")
+    result = subprocess.run([MPIEXEC, "-n", str(world), sys.executable, script, str(out),
+                             *CLIP_SYNCBN_SCENARIOS[world]], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return world, {s: np.load(out / f"{s}.npz") for s in CLIP_SYNCBN_SCENARIOS[world]}
+
+
+def _assert_close_to(result, expected: dict, tol: float):
+    for key, value in expected.items():
+        np.testing.assert_allclose(result[key], value, rtol=tol, atol=tol * max(np.abs(value).max(initial=0), 1e-3),
+                                   err_msg=key)
+
+
+@needs_mpi
+@pytest.mark.parametrize("scenario", ["clip_norm", "clip_value", "clip_norm_zero1"])
+def test_clipping_in_build_of_a_data_parallel_graph_clips_the_global_batch_gradients(clip_syncbn_ranks, scenario):
+    """nanoGPT's loop (loss.backward(); clip_grad_norm_ / clip_grad_value_ in build()) on 2 and 4
+    ranks equals one process on the global batch: the clip reads the all-reduced gradients, the
+    returned total norm is the global one, and the clipping is active (the unclipped run differs)."""
+    world, runs = clip_syncbn_ranks
+    if scenario not in runs:
+        pytest.skip(f"{scenario} runs on 2 ranks only")
+    expected = clip_syncbn_worker.reference(scenario)
+    _assert_close_to(runs[scenario], expected, 1e-6)
+    if scenario != "clip_value":
+        assert len(expected["norms"]) == clip_syncbn_worker.STEPS
+        assert (expected["norms"] > clip_syncbn_worker.MAX_NORM).all()
+    unclipped = clip_syncbn_worker.reference(scenario, clipping=False)
+    assert not np.allclose(unclipped["param_0"], expected["param_0"], rtol=1e-3)
+    collectives = set(runs[scenario]["collectives"])
+    assert collectives == ({"all_reduce", "all_gather"} if scenario.endswith("zero1") else {"all_reduce"})
+
+
+@needs_mpi
+def test_zero2_refuses_clipping_in_build(clip_syncbn_ranks):
+    world, runs = clip_syncbn_ranks
+    if "clip_zero2" not in runs:
+        pytest.skip("runs on 2 ranks only")
+    message = str(runs["clip_zero2"]["message"])
+    assert "inside build() (gradient clipping) with enable_zero(stage=2) is not supported" in message
+    assert "use stage=1" in message
+
+
+@needs_mpi
+@pytest.mark.parametrize("scenario", ["syncbn_graph", "syncbn_eager_ddp"])
+def test_sync_batchnorm_on_several_ranks_equals_batchnorm_on_the_global_batch(clip_syncbn_ranks, scenario):
+    """A conv net with SyncBatchNorm trained 3 SGD steps in a data-parallel graph (and eagerly
+    under DDP) equals one process with BatchNorm2d on the global batch: losses, parameters and
+    running statistics (unbiased global variance). The graph all-reduces in the forward (sums
+    and counts, then squared deviations) and the backward (the two channel sums) besides the
+    gradients' bucket."""
+    world, runs = clip_syncbn_ranks
+    if scenario not in runs:
+        pytest.skip(f"{scenario} runs on 2 ranks only")
+    expected = clip_syncbn_worker.reference(scenario)
+    assert {k for k in expected if k.startswith("buffer_")} == {
+        "buffer_1.running_mean", "buffer_1.running_var", "buffer_1.num_batches_tracked"}
+    _assert_close_to(runs[scenario], expected, 1e-5)
+    if scenario == "syncbn_graph":
+        assert list(runs[scenario]["collectives"]) == ["all_reduce"] * 4

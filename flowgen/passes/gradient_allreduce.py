@@ -10,6 +10,10 @@ gradients the update reads. An `all_reduce` has no kernel: the executor runs it 
 gradients, "mean" averages them (equal parts of the batch), "ratio" (a loss S / D, D a sum over
 the batch such as cross_entropy's count of non-ignored targets) weights each rank by its D:
 grad = sum_r D_r g_r / sum_r D_r, which is the global-batch gradient of (sum_r S_r) / (sum_r D_r).
+
+When build() reads the gradients after `loss.backward()` (gradient clipping, as nanoGPT's loop
+clips every step), `reduce_traced_gradients` runs the same reduction at that point of the trace:
+the clipping then works on the reduced gradients, and its norm is the global-batch norm.
 """
 from __future__ import annotations
 
@@ -46,3 +50,14 @@ def all_reduce_gradients(graph, grads: dict, device, world_size: int, reduction,
         outputs = node.outputs if total is None else [tracer.emit("div", [v, total], {}).output for v in node.outputs]
         reduced.update(zip(bucket, outputs))
     return out, reduced
+
+
+def reduce_traced_gradients(tracer, grads: dict, reduction, data_parallel) -> dict:
+    """Inside build(), when it reads the step's gradients (`nn.utils.clip_grad_norm_`): the
+    all_reduce nodes are appended to the graph being traced right away, so build() clips the
+    gradients reduced over the ranks (the global-batch gradients, as one process would) and the
+    pass after build() has nothing left to reduce. Returns {name: reduced gradient}."""
+    ir, reduced = all_reduce_gradients(tracer.graph, grads, tracer.device, data_parallel.world_size, reduction,
+                                       data_parallel.bucket_size)
+    tracer.graph, tracer.new_name = ir, NameGen(start=next_value_index(ir))
+    return {**grads, **reduced}

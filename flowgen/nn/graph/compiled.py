@@ -30,7 +30,7 @@ from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs,
                                                shard_slot_tensors)
 from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
-from flowgen.passes.gradient_allreduce import all_reduce_gradients
+from flowgen.passes.gradient_allreduce import all_reduce_gradients, reduce_traced_gradients
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
@@ -323,18 +323,26 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     steps = graph.config.gradient_accumulation_steps
     grads, sharded_slots = None, []
 
+    reduced_in_build = False   # data parallel: build() read the gradients, so they were all-reduced there
+
     def differentiate(in_build: bool) -> dict:
+        nonlocal reduced_in_build
         if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
             raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) with a "
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
-        if in_build and data_parallel is not None:     # build() would see this rank's gradients only
-            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) in a "
-                             f"data-parallel graph is not supported yet: they are reduced over the ranks after "
-                             f"build(); give the optimizer's parameter groups clip_grad_max_norm and "
-                             f"clip_grad_norm_type instead (they clip the reduced gradients inside the step)")
-        return _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
+        if in_build and zero is not None and zero.stage >= 2:
+            raise NotImplementedError(f"{graph.name}: reading gradients inside build() (gradient clipping) with "
+                                      f"enable_zero(stage={zero.stage}) is not supported: that stage reduce-scatters "
+                                      f"the gradients after build(), so no rank holds the reduced gradients that "
+                                      f"build() would clip; use stage=1")
+        grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
+        if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
+            reduction = gradient_reduction(graph.name, tracer.graph, tracer.losses, data_parallel)
+            grads = reduce_traced_gradients(tracer, grads, reduction, data_parallel)
+            reduced_in_build = True
+        return grads
 
     tracer.differentiate = differentiate
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
@@ -398,9 +406,10 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         if reduction.kind == "ratio" and zero is not None:
             raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
                                       f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
-        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
-                                           data_parallel.bucket_size)
-        grads = {**grads, **reduced}
+        if not reduced_in_build:
+            ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
+                                               data_parallel.bucket_size)
+            grads = {**grads, **reduced}
     output_combine = None
     if data_parallel is not None and data_parallel.contract == "global":
         emitter = Tracer(graph.name, device)

@@ -1,0 +1,162 @@
+"""One rank of the gradient-clipping and SyncBatchNorm tests in tests/test_distributed.py (run by mpiexec).
+
+`python clip_syncbn_worker.py OUTDIR SCENARIO...`: each SCENARIO trains on this rank's part of a
+fixed global batch; rank 0 saves the losses (and, with clipping, the total norms build() returned),
+the final parameters and buffers to OUTDIR/SCENARIO.npz. Every rank checks that its parameters
+equal rank 0's. `reference(SCENARIO)` trains the same model eagerly in one process on the whole
+global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run must equal.
+
+* clip_norm, clip_value: a data-parallel graph (global split inputs) that clips inside build()
+  with nn.utils.clip_grad_norm_ / clip_grad_value_, as nanoGPT's loop does every step;
+* clip_norm_zero1: the same with enable_zero(stage=1); clip_zero2 saves the refusal of stage 2;
+* syncbn_graph: a conv net whose BatchNorm2d was converted to SyncBatchNorm, in a data-parallel graph;
+* syncbn_eager_ddp: the same net eagerly under DistributedDataParallel.
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+import flowgen as flow
+
+STEPS = 3
+GLOBAL_BATCH = 8
+MAX_NORM = 0.5      # below every step's gradient norm: clipping is active on every step
+CLIP_VALUE = 0.02
+
+
+def clip_model():
+    flow.manual_seed(0)
+    return flow.nn.Sequential(flow.nn.Linear(6, 16), flow.nn.ReLU(), flow.nn.Linear(16, 3))
+
+
+def bn_model(sync: bool):
+    flow.manual_seed(0)
+    model = flow.nn.Sequential(flow.nn.Conv2d(2, 4, 3), flow.nn.BatchNorm2d(4), flow.nn.ReLU(),
+                               flow.nn.Conv2d(4, 2, 1))
+    return flow.nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+def global_batch(scenario: str):
+    rng = np.random.default_rng(2)
+    if scenario.startswith("syncbn"):
+        x = rng.standard_normal((STEPS, GLOBAL_BATCH, 2, 6, 6)).astype(np.float32) * 2.0 + 1.0
+        y = rng.standard_normal((STEPS, GLOBAL_BATCH, 2, 4, 4)).astype(np.float32)
+    else:
+        x = rng.standard_normal((STEPS, GLOBAL_BATCH, 6)).astype(np.float32)
+        y = rng.standard_normal((STEPS, GLOBAL_BATCH, 3)).astype(np.float32)
+    return x, y
+
+
+def clip(scenario: str, params):
+    """Clips the gradients of `params` as `scenario` says; the total norm (0 for clip_value)."""
+    if scenario == "clip_value":
+        flow.nn.utils.clip_grad_value_(params, CLIP_VALUE)
+        return None
+    return flow.nn.utils.clip_grad_norm_(params, MAX_NORM)
+
+
+def make_graph(scenario: str, model, optimizer):
+    loss_fn = flow.nn.MSELoss()
+
+    class TrainGraph(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model, self.loss_fn = model, loss_fn
+            self.add_optimizer(optimizer)
+
+        def build(self, x, y):
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+            norm = clip(scenario, self.model.parameters()) if scenario.startswith("clip") else None
+            return loss if norm is None else (loss, norm)
+
+    return TrainGraph()
+
+
+def train(scenario: str, rank: int, world: int) -> dict:
+    net = bn_model(True) if scenario.startswith("syncbn") else clip_model()
+    model = flow.nn.parallel.DistributedDataParallel(net) if scenario == "syncbn_eager_ddp" else net
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    graph = None if scenario == "syncbn_eager_ddp" else make_graph(scenario, model, optimizer)
+    if scenario.startswith("clip_norm_zero") or scenario == "clip_zero2":
+        graph.config.enable_zero(True, stage=1 if scenario.endswith("1") else 2, shard_min_size=1)
+    xs, ys = global_batch(scenario)
+    part = GLOBAL_BATCH // world
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    losses, norms = [], []
+    for step in range(STEPS):
+        x = flow.tensor(xs[step, rank * part:(rank + 1) * part])
+        y = flow.tensor(ys[step, rank * part:(rank + 1) * part])
+        if graph is None:
+            loss = flow.nn.MSELoss()(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+            continue
+        x, y = x.to_global(placement, flow.sbp.split(0)), y.to_global(placement, flow.sbp.split(0))
+        out = graph(x, y)
+        if scenario.startswith("clip_norm"):
+            out, norm = out
+            norms.append(float(norm.to_local()))
+        losses.append(float(out.to_local()))
+    if graph is None:   # each rank's loss is over its equal part: the global mean is their mean
+        losses = flow.distributed.collectives.world().all_reduce([np.array(losses)], "mean")[0]
+    return {"losses": np.array(losses), "norms": np.array(norms),
+            "collectives": np.array([k.ops[0] for k in graph.compiled.program.kernels if k.collective]
+                                    if graph is not None else [], dtype=str),
+            **{f"param_{k}": p.numpy().copy() for k, p in enumerate(net.parameters())},
+            **{f"buffer_{name}": b.numpy().copy() for name, b in net.named_buffers()}}
+
+
+def refusal(world: int) -> str:
+    try:
+        train("clip_zero2", flow.env.get_rank(), world)
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def reference(scenario: str, clipping: bool = True) -> dict:
+    """One process, the whole global batch, eager mode (BatchNorm2d for the SyncBatchNorm net)."""
+    model = bn_model(False) if scenario.startswith("syncbn") else clip_model()
+    optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    xs, ys = global_batch(scenario)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = flow.nn.MSELoss()(model(flow.tensor(xs[step])), flow.tensor(ys[step]))
+        optimizer.zero_grad()
+        loss.backward()
+        if scenario.startswith("clip") and clipping:
+            norm = clip(scenario, model.parameters())
+            if norm is not None:
+                norms.append(float(norm))
+        optimizer.step()
+        losses.append(float(loss))
+    return {"losses": np.array(losses), "norms": np.array(norms),
+            **{f"param_{k}": p.numpy().copy() for k, p in enumerate(model.parameters())},
+            **{f"buffer_{name}": b.numpy().copy() for name, b in model.named_buffers()}}
+
+
+def main():
+    out_dir, scenarios = sys.argv[1], sys.argv[2:]
+    rank, world = flow.env.get_rank(), flow.env.get_world_size()
+    comm = flow.distributed.collectives.world()
+    for scenario in scenarios:
+        if scenario == "clip_zero2":
+            message = refusal(world)
+            if rank == 0:
+                np.savez(f"{out_dir}/{scenario}.npz", message=message)
+            continue
+        results = train(scenario, rank, world)
+        for key in [k for k in results if k.startswith("param_")]:
+            if any(not np.array_equal(results[key], other) for other in comm.all_gather(results[key])):
+                sys.exit(f"rank {rank}: {key} differs between ranks after {scenario}")
+        if rank == 0:
+            np.savez(f"{out_dir}/{scenario}.npz", **results)
+
+
+if __name__ == "__main__":
+    main()
