@@ -518,9 +518,9 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
 # ------------------------------------- gradient clipping in build() and SyncBatchNorm, several ranks
 import clip_syncbn_worker  # noqa: E402
 
-CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_zero2", "syncbn_graph",
-                             "syncbn_eager_ddp"],
-                         4: ["clip_norm", "syncbn_graph"]}
+CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_norm_zero2", "clip_value_zero2",
+                             "clip_inf_zero2", "syncbn_graph", "syncbn_eager_ddp"],
+                         4: ["clip_norm", "clip_norm_zero2", "clip_norm_zero3", "syncbn_graph"]}
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["two_ranks", "four_ranks"])
@@ -544,7 +544,7 @@ def _assert_close_to(result, expected: dict, tol: float):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["clip_norm", "clip_value", "clip_norm_zero1"])
+@pytest.mark.parametrize("scenario", ["clip_norm", "clip_value"])
 def test_clipping_in_build_of_a_data_parallel_graph_clips_the_global_batch_gradients(clip_syncbn_ranks, scenario):
     """nanoGPT's loop (loss.backward(); clip_grad_norm_ / clip_grad_value_ in build()) on 2 and 4
     ranks equals one process on the global batch: the clip reads the all-reduced gradients, the
@@ -554,23 +554,47 @@ def test_clipping_in_build_of_a_data_parallel_graph_clips_the_global_batch_gradi
         pytest.skip(f"{scenario} runs on 2 ranks only")
     expected = clip_syncbn_worker.reference(scenario)
     _assert_close_to(runs[scenario], expected, 1e-6)
-    if scenario != "clip_value":
+    if scenario == "clip_norm":
         assert len(expected["norms"]) == clip_syncbn_worker.STEPS
         assert (expected["norms"] > clip_syncbn_worker.MAX_NORM).all()
     unclipped = clip_syncbn_worker.reference(scenario, clipping=False)
     assert not np.allclose(unclipped["param_0"], expected["param_0"], rtol=1e-3)
-    collectives = set(runs[scenario]["collectives"])
-    assert collectives == ({"all_reduce", "all_gather"} if scenario.endswith("zero1") else {"all_reduce"})
+    assert list(runs[scenario]["collectives"]) == ["all_reduce"]
 
 
 @needs_mpi
-def test_zero2_refuses_clipping_in_build(clip_syncbn_ranks):
+@pytest.mark.parametrize("scenario", ["clip_norm_zero1", "clip_norm_zero2", "clip_value_zero2", "clip_norm_zero3"])
+def test_clipping_in_build_with_zero_equals_plain_data_parallel(clip_syncbn_ranks, scenario):
+    """ZeRO-1 clips the all-reduced gradients (bit for bit plain data parallel's); ZeRO-2/3 clip
+    the reduce-scattered pieces, the norm summed over the ranks by one all_reduce of a scalar (at 4
+    ranks the biases, fewer elements than ranks, stay whole and all-reduced: one all_reduce for
+    them too), and no full reduced gradient is gathered: only the update's all_gather (stage 2) or
+    the parameters' just-in-time gathers (stage 3) remain."""
     world, runs = clip_syncbn_ranks
-    if "clip_zero2" not in runs:
+    if scenario not in runs:
+        pytest.skip(f"{scenario} does not run on {world} ranks")
+    plain, result = runs["clip_norm" if "norm" in scenario else "clip_value"], runs[scenario]
+    for key in [k for k in result.files if k.startswith("param_") or k in ("losses", "norms")]:
+        if scenario.endswith("zero1"):
+            np.testing.assert_array_equal(result[key], plain[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(result[key], plain[key], rtol=1e-6, atol=1e-6 * np.abs(plain[key]).max(
+                initial=1e-3), err_msg=key)
+    stage, whole_biases = int(scenario[-1]), ["all_reduce"] * (world == 4)
+    norm = ["all_reduce"] * ("norm" in scenario)
+    expected = {1: ["all_reduce", "all_gather"], 2: ["reduce_scatter", "all_gather"] + norm + whole_biases,
+                3: ["all_gather"] * 3 + ["reduce_scatter"] + norm + whole_biases}[stage]
+    assert sorted(result["collectives"]) == sorted(expected)
+
+
+@needs_mpi
+def test_zero2_refuses_the_max_norm_in_build(clip_syncbn_ranks):
+    world, runs = clip_syncbn_ranks
+    if "clip_inf_zero2" not in runs:
         pytest.skip("runs on 2 ranks only")
-    message = str(runs["clip_zero2"]["message"])
-    assert "inside build() (gradient clipping) with enable_zero(stage=2) is not supported" in message
-    assert "use stage=1" in message
+    message = str(runs["clip_inf_zero2"]["message"])
+    assert "clip_grad_norm_(norm_type=inf) inside build() with enable_zero(stage=2|3)" in message
+    assert "use a finite norm_type or stage=1" in message
 
 
 @needs_mpi

@@ -34,7 +34,7 @@ from flowgen.passes.gradient_allreduce import all_reduce_gradients, reduce_trace
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
-from flowgen.passes.zero import shard_optimizer_state, shards_parameter
+from flowgen.passes.zero import reduce_scatter_traced_gradients, shard_optimizer_state, shards_parameter
 from flowgen.runtime.progress import reporting
 
 
@@ -332,15 +332,14 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
-        if in_build and zero is not None and zero.stage >= 2:
-            raise NotImplementedError(f"{graph.name}: reading gradients inside build() (gradient clipping) with "
-                                      f"enable_zero(stage={zero.stage}) is not supported: that stage reduce-scatters "
-                                      f"the gradients after build(), so no rank holds the reduced gradients that "
-                                      f"build() would clip; use stage=1")
         grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
         if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
-            reduction = gradient_reduction(graph.name, tracer.graph, tracer.losses, data_parallel)
-            grads = reduce_traced_gradients(tracer, grads, reduction, data_parallel)
+            reduction = _gradient_reduction(graph, tracer.graph, tracer.losses, data_parallel, zero)
+            pieces = {} if zero is None or zero.stage == 1 else reduce_scatter_traced_gradients(
+                tracer, grads, world().rank, data_parallel.world_size, zero.shard_min_size,
+                data_parallel.bucket_size, reduction.kind)
+            whole = {n: g for n, g in grads.items() if n not in pieces}
+            grads = {**reduce_traced_gradients(tracer, whole, reduction, data_parallel), **pieces}
             reduced_in_build = True
         return grads
 
@@ -402,10 +401,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
-        reduction = gradient_reduction(graph.name, ir, tracer.losses, data_parallel)
-        if reduction.kind == "ratio" and zero is not None:
-            raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
-                                      f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
+        reduction = _gradient_reduction(graph, ir, tracer.losses, data_parallel, zero)
         if not reduced_in_build:
             ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
                                                data_parallel.bucket_size)
@@ -424,7 +420,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                                                    scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
-                                               device, data_parallel.bucket_size, zero.stage, reduction.kind)
+                                               device, data_parallel.bucket_size, zero.stage, reduction.kind,
+                                               {grads[n]: piece for n, (piece, _) in tracer.gradient_pieces.items()})
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
             bindings, sharded_params = shard_parameter_bindings(graph._zero_slots, bindings, ir.state_by_name(),
                                                                 shards)
@@ -471,6 +468,15 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     compiled.sharded_slots = sharded_slots
     compiled.pipeline = stage_program
     return compiled
+
+
+def _gradient_reduction(graph, ir, losses, data_parallel, zero):
+    """How the gradients combine over the ranks (data_parallel.gradient_reduction); ZeRO's refusal."""
+    reduction = gradient_reduction(graph.name, ir, losses, data_parallel)
+    if reduction.kind == "ratio" and zero is not None:
+        raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
+                                  f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
+    return reduction
 
 
 @dataclass(frozen=True)
