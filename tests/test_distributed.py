@@ -519,7 +519,7 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
 import clip_syncbn_worker  # noqa: E402
 
 CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_norm_zero2", "clip_value_zero2",
-                             "clip_inf_zero2", "syncbn_graph", "syncbn_eager_ddp"],
+                             "clip_inf_zero2", "syncbn_graph", "syncbn_eager_ddp", "syncbn_refusals"],
                          4: ["clip_norm", "clip_norm_zero2", "clip_norm_zero3", "syncbn_graph"]}
 
 
@@ -614,3 +614,14 @@ def test_sync_batchnorm_on_several_ranks_equals_batchnorm_on_the_global_batch(cl
     _assert_close_to(runs[scenario], expected, 1e-5)
     if scenario == "syncbn_graph":
         assert list(runs[scenario]["collectives"]) == ["all_reduce"] * 4
+
+
+@needs_mpi
+def test_sync_batchnorm_refuses_what_it_would_get_wrong(clip_syncbn_ranks):
+    world, runs = clip_syncbn_ranks
+    if "syncbn_refusals" not in runs:
+        pytest.skip("runs on 2 ranks only")
+    messages = runs["syncbn_refusals"]
+    assert "SyncBatchNorm (model.0.1) with a loss divided by a data-dependent count" in str(messages["cross_entropy"])
+    assert "wrap the module in DistributedDataParallel" in str(messages["cross_entropy"])
+    assert "SyncBatchNorm (model.1) in a pipelined graph" in str(messages["pipeline"])

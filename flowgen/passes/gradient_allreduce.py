@@ -33,6 +33,13 @@ def gradient_buckets(names: list, bucket_size: int) -> list:
 
 def all_reduce_gradients(graph, grads: dict, device, world_size: int, reduction, bucket_size: int):
     """Returns (graph with one all_reduce node per bucket appended, {name: reduced gradient})."""
+    synced = [n.scope for n in graph.nodes if n.op == "sync_batch_norm_affine"]
+    if reduction.kind == "ratio" and synced:
+        raise NotImplementedError(f"{graph.name}: SyncBatchNorm ({synced[0] or 'build()'}) with a loss divided by a "
+                                  f"data-dependent count (cross_entropy's mean) in a data-parallel graph with global "
+                                  f"inputs: the backward's all-reduced sums would weight the ranks equally, not by "
+                                  f"their counts; use reduction='sum', or wrap the module in DistributedDataParallel "
+                                  f"(PyTorch's contract: gradients averaged over the ranks)")
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
     tracer.graph = out

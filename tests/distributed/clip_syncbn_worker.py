@@ -11,7 +11,9 @@ global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run 
 * clip_norm_zero1, clip_norm_zero2, clip_value_zero2, clip_norm_zero3: the same with
   enable_zero(stage=1|2|3); clip_inf_zero2 saves the refusal of norm_type=inf at stage 2;
 * syncbn_graph: a conv net whose BatchNorm2d was converted to SyncBatchNorm, in a data-parallel graph;
-* syncbn_eager_ddp: the same net eagerly under DistributedDataParallel.
+* syncbn_eager_ddp: the same net eagerly under DistributedDataParallel;
+* syncbn_refusals: the refusals of SyncBatchNorm with cross_entropy's mean over global inputs and
+  in a pipelined graph (2 ranks), saved as messages.
 """
 from __future__ import annotations
 
@@ -112,6 +114,31 @@ def train(scenario: str, rank: int, world: int) -> dict:
             **{f"buffer_{name}": b.numpy().copy() for name, b in net.named_buffers()}}
 
 
+def _refusal(graph, *args) -> str:
+    try:
+        graph(*args)
+    except NotImplementedError as exc:
+        return str(exc)
+    return "no error"
+
+
+def syncbn_refusals(world: int) -> dict:
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    x = flow.randn(2, 2, 6, 6)
+    net = flow.nn.Sequential(bn_model(True), flow.nn.Flatten())
+    graph = make_graph("syncbn_ce", net, flow.optim.SGD(net.parameters(), lr=0.1))
+    graph.loss_fn = flow.nn.CrossEntropyLoss()
+    labels = flow.tensor(np.array([1, 5], np.int64))
+    messages = {"cross_entropy": _refusal(graph, x.to_global(placement, flow.sbp.split(0)),
+                                          labels.to_global(placement, flow.sbp.split(0)))}
+    net = bn_model(True)
+    graph = make_graph("syncbn_pipeline", net, flow.optim.SGD(net.parameters(), lr=0.1))
+    for index, module in enumerate(graph.model):
+        module.to(flow.nn.graph.GraphModule).set_stage(index // 2, flow.placement("cpu", ranks=[index // 2]))
+    messages["pipeline"] = _refusal(graph, x, flow.randn(2, 2, 4, 4))
+    return messages
+
+
 def reference(scenario: str, clipping: bool = True) -> dict:
     """One process, the whole global batch, eager mode (BatchNorm2d for the SyncBatchNorm net)."""
     model = bn_model(False) if scenario.startswith("syncbn") else clip_model()
@@ -138,6 +165,11 @@ def main():
     rank, world = flow.env.get_rank(), flow.env.get_world_size()
     comm = flow.distributed.collectives.world()
     for scenario in scenarios:
+        if scenario == "syncbn_refusals":
+            messages = syncbn_refusals(world)
+            if rank == 0:
+                np.savez(f"{out_dir}/{scenario}.npz", **messages)
+            continue
         if scenario == "clip_inf_zero2":
             try:
                 train(scenario, rank, world)

@@ -431,6 +431,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         host_scalars += [(state[h.name].value, h) for h in host]
     stage_program = None
     if pipeline is not None:
+        _refuse_sync_batch_norm(graph.name, ir)
         stage_program = split_stage(graph.name, ir, pipeline, micro_ends)
         bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars)
         ir, structure = stage_program.ir, stage_program.user_structure(structure)
@@ -468,6 +469,14 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     compiled.sharded_slots = sharded_slots
     compiled.pipeline = stage_program
     return compiled
+
+
+def _refuse_sync_batch_norm(graph_name, ir):
+    synced = [n.scope for n in ir.nodes if n.op == "sync_batch_norm_affine"]
+    if synced:
+        raise NotImplementedError(f"{graph_name}: SyncBatchNorm ({synced[0]}) in a pipelined graph: it reduces its "
+                                  f"statistics over every rank, but each rank runs one stage on the whole batch; "
+                                  f"use BatchNorm")
 
 
 def _gradient_reduction(graph, ir, losses, data_parallel, zero):
