@@ -11,9 +11,10 @@ global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run 
 * clip_norm_zero1, clip_norm_zero2, clip_value_zero2, clip_norm_zero3: the same with
   enable_zero(stage=1|2|3); clip_inf_zero2 saves the refusal of norm_type=inf at stage 2;
 * syncbn_graph: a conv net whose BatchNorm2d was converted to SyncBatchNorm, in a data-parallel graph;
+* syncbn_graph_ce: the same net flattened into 32 logits, cross_entropy's mean with the ignored
+  targets all in rank 0's part (the ranks' counts differ: the backward's sums are weighted by them);
 * syncbn_eager_ddp: the same net eagerly under DistributedDataParallel;
-* syncbn_refusals: the refusals of SyncBatchNorm with cross_entropy's mean over global inputs and
-  in a pipelined graph (2 ranks), saved as messages.
+* syncbn_refusals: the refusal of SyncBatchNorm in a pipelined graph (2 ranks), saved as a message.
 """
 from __future__ import annotations
 
@@ -34,11 +35,17 @@ def clip_model():
     return flow.nn.Sequential(flow.nn.Linear(6, 16), flow.nn.ReLU(), flow.nn.Linear(16, 3))
 
 
-def bn_model(sync: bool):
+def bn_model(sync: bool, scenario: str = "syncbn_graph"):
     flow.manual_seed(0)
     model = flow.nn.Sequential(flow.nn.Conv2d(2, 4, 3), flow.nn.BatchNorm2d(4), flow.nn.ReLU(),
                                flow.nn.Conv2d(4, 2, 1))
+    if scenario.endswith("_ce"):
+        model = flow.nn.Sequential(model, flow.nn.Flatten())
     return flow.nn.SyncBatchNorm.convert_sync_batchnorm(model) if sync else model
+
+
+def make_loss(scenario: str):
+    return flow.nn.CrossEntropyLoss(ignore_index=-1) if scenario.endswith("_ce") else flow.nn.MSELoss()
 
 
 def global_batch(scenario: str):
@@ -46,6 +53,9 @@ def global_batch(scenario: str):
     if scenario.startswith("syncbn"):
         x = rng.standard_normal((STEPS, GLOBAL_BATCH, 2, 6, 6)).astype(np.float32) * 2.0 + 1.0
         y = rng.standard_normal((STEPS, GLOBAL_BATCH, 2, 4, 4)).astype(np.float32)
+        if scenario.endswith("_ce"):    # labels of the 32 logits, the first 3 of each batch ignored
+            y = y.reshape(STEPS, GLOBAL_BATCH, 32).argmax(-1).astype(np.int64)
+            y[:, :3] = -1
     else:
         x = rng.standard_normal((STEPS, GLOBAL_BATCH, 6)).astype(np.float32)
         y = rng.standard_normal((STEPS, GLOBAL_BATCH, 3)).astype(np.float32)
@@ -61,7 +71,7 @@ def clip(scenario: str, params):
 
 
 def make_graph(scenario: str, model, optimizer):
-    loss_fn = flow.nn.MSELoss()
+    loss_fn = make_loss(scenario)
 
     class TrainGraph(flow.nn.Graph):
         def __init__(self):
@@ -79,7 +89,7 @@ def make_graph(scenario: str, model, optimizer):
 
 
 def train(scenario: str, rank: int, world: int) -> dict:
-    net = bn_model(True) if scenario.startswith("syncbn") else clip_model()
+    net = bn_model(True, scenario) if scenario.startswith("syncbn") else clip_model()
     model = flow.nn.parallel.DistributedDataParallel(net) if scenario == "syncbn_eager_ddp" else net
     optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     graph = None if scenario == "syncbn_eager_ddp" else make_graph(scenario, model, optimizer)
@@ -93,7 +103,7 @@ def train(scenario: str, rank: int, world: int) -> dict:
         x = flow.tensor(xs[step, rank * part:(rank + 1) * part])
         y = flow.tensor(ys[step, rank * part:(rank + 1) * part])
         if graph is None:
-            loss = flow.nn.MSELoss()(model(x), y)
+            loss = make_loss(scenario)(model(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -123,30 +133,21 @@ def _refusal(graph, *args) -> str:
 
 
 def syncbn_refusals(world: int) -> dict:
-    placement = flow.placement("cpu", ranks=list(range(world)))
-    x = flow.randn(2, 2, 6, 6)
-    net = flow.nn.Sequential(bn_model(True), flow.nn.Flatten())
-    graph = make_graph("syncbn_ce", net, flow.optim.SGD(net.parameters(), lr=0.1))
-    graph.loss_fn = flow.nn.CrossEntropyLoss()
-    labels = flow.tensor(np.array([1, 5], np.int64))
-    messages = {"cross_entropy": _refusal(graph, x.to_global(placement, flow.sbp.split(0)),
-                                          labels.to_global(placement, flow.sbp.split(0)))}
     net = bn_model(True)
     graph = make_graph("syncbn_pipeline", net, flow.optim.SGD(net.parameters(), lr=0.1))
     for index, module in enumerate(graph.model):
         module.to(flow.nn.graph.GraphModule).set_stage(index // 2, flow.placement("cpu", ranks=[index // 2]))
-    messages["pipeline"] = _refusal(graph, x, flow.randn(2, 2, 4, 4))
-    return messages
+    return {"pipeline": _refusal(graph, flow.randn(2, 2, 6, 6), flow.randn(2, 2, 4, 4))}
 
 
 def reference(scenario: str, clipping: bool = True) -> dict:
     """One process, the whole global batch, eager mode (BatchNorm2d for the SyncBatchNorm net)."""
-    model = bn_model(False) if scenario.startswith("syncbn") else clip_model()
+    model = bn_model(False, scenario) if scenario.startswith("syncbn") else clip_model()
     optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = global_batch(scenario)
     losses, norms = [], []
     for step in range(STEPS):
-        loss = flow.nn.MSELoss()(model(flow.tensor(xs[step])), flow.tensor(ys[step]))
+        loss = make_loss(scenario)(model(flow.tensor(xs[step])), flow.tensor(ys[step]))
         optimizer.zero_grad()
         loss.backward()
         if scenario.startswith("clip") and clipping:

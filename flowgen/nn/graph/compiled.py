@@ -30,7 +30,8 @@ from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs,
                                                shard_slot_tensors)
 from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
-from flowgen.passes.gradient_allreduce import all_reduce_gradients, reduce_traced_gradients
+from flowgen.passes.gradient_allreduce import (all_reduce_gradients, divide_ratio_loss_by_global_count,
+                                                reduce_traced_gradients)
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
@@ -332,6 +333,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
+        if data_parallel is not None and data_parallel.contract == "global":
+            divide_ratio_loss_by_global_count(tracer, data_parallel.world_size)
         grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
         if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
             reduction = _gradient_reduction(graph, tracer.graph, tracer.losses, data_parallel, zero)

@@ -7,7 +7,9 @@ from the global mean; the running statistics take the global mean and the unbias
 variance. The `sync_batch_norm_affine` op (flowgen/ops/norm_ops.py) all-reduces the backward's two
 channel sums. The same code runs eagerly (each rank's local tensors, with or without
 DistributedDataParallel: the all-reduces are MPI calls) and in a data-parallel `nn.Graph` (they
-become all_reduce nodes in the forward and the backward). In a process started alone it is BatchNorm.
+become all_reduce nodes in the forward and the backward; a loss like cross_entropy's mean is
+differentiated as the rank's share of the global loss, passes/gradient_allreduce.py). In a process
+started alone it is BatchNorm.
 """
 from __future__ import annotations
 
