@@ -519,8 +519,8 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
 import clip_syncbn_worker  # noqa: E402
 
 CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_norm_zero2", "clip_value_zero2",
-                             "clip_inf_zero2", "syncbn_graph", "syncbn_graph_ce", "syncbn_eager_ddp",
-                             "syncbn_refusals"],
+                             "clip_inf_zero2", "syncbn_graph", "syncbn_graph_ce", "syncbn_graph_zero3",
+                             "syncbn_eager_ddp", "syncbn_refusals"],
                          4: ["clip_norm", "clip_norm_zero2", "clip_norm_zero3", "syncbn_graph", "syncbn_graph_ce"]}
 
 
@@ -599,11 +599,11 @@ def test_zero2_refuses_the_max_norm_in_build(clip_syncbn_ranks):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["syncbn_graph", "syncbn_graph_ce", "syncbn_eager_ddp"])
+@pytest.mark.parametrize("scenario", ["syncbn_graph", "syncbn_graph_ce", "syncbn_graph_zero3", "syncbn_eager_ddp"])
 def test_sync_batchnorm_on_several_ranks_equals_batchnorm_on_the_global_batch(clip_syncbn_ranks, scenario):
     """A conv net with SyncBatchNorm trained 3 SGD steps in a data-parallel graph (MSE mean, and
-    cross_entropy's mean with the ranks' counts of non-ignored targets differing) and eagerly
-    under DDP equals one process with BatchNorm2d on the global batch: losses, parameters and
+    cross_entropy's mean with the ranks' counts of non-ignored targets differing; MSE with ZeRO-3)
+    and eagerly under DDP equals one process with BatchNorm2d on the global batch: losses, parameters and
     running statistics (unbiased global variance). The graph all-reduces in the forward (sums
     and counts, then squared deviations) and the backward (the two channel sums) besides the
     gradients' bucket."""
@@ -626,3 +626,4 @@ def test_sync_batchnorm_refuses_what_it_would_get_wrong(clip_syncbn_ranks):
         pytest.skip("runs on 2 ranks only")
     messages = runs["syncbn_refusals"]
     assert "SyncBatchNorm (model.1) in a pipelined graph" in str(messages["pipeline"])
+    assert "SyncBatchNorm: a global input (sbp flowgen.sbp.split(dim=0)) on 2 ranks is not supported" in str(messages["global"])

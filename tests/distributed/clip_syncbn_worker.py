@@ -13,8 +13,10 @@ global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run 
 * syncbn_graph: a conv net whose BatchNorm2d was converted to SyncBatchNorm, in a data-parallel graph;
 * syncbn_graph_ce: the same net flattened into 32 logits, cross_entropy's mean with the ignored
   targets all in rank 0's part (the ranks' counts differ: the backward's sums are weighted by them);
+* syncbn_graph_zero3: syncbn_graph with enable_zero(stage=3);
 * syncbn_eager_ddp: the same net eagerly under DistributedDataParallel;
-* syncbn_refusals: the refusal of SyncBatchNorm in a pipelined graph (2 ranks), saved as a message.
+* syncbn_refusals: the refusals of SyncBatchNorm in a pipelined graph and on an eager global
+  tensor (2 ranks), saved as messages.
 """
 from __future__ import annotations
 
@@ -137,7 +139,14 @@ def syncbn_refusals(world: int) -> dict:
     graph = make_graph("syncbn_pipeline", net, flow.optim.SGD(net.parameters(), lr=0.1))
     for index, module in enumerate(graph.model):
         module.to(flow.nn.graph.GraphModule).set_stage(index // 2, flow.placement("cpu", ranks=[index // 2]))
-    return {"pipeline": _refusal(graph, flow.randn(2, 2, 6, 6), flow.randn(2, 2, 4, 4))}
+    messages = {"pipeline": _refusal(graph, flow.randn(2, 2, 6, 6), flow.randn(2, 2, 4, 4))}
+    split = flow.randn(2, 2, 6, 6).to_global(flow.placement("cpu", ranks=list(range(world))), flow.sbp.split(0))
+    try:
+        flow.nn.SyncBatchNorm(2)(split)
+        messages["global"] = "no error"
+    except NotImplementedError as exc:
+        messages["global"] = str(exc)
+    return messages
 
 
 def reference(scenario: str, clipping: bool = True) -> dict:

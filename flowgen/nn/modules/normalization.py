@@ -139,7 +139,7 @@ class SyncBatchNorm(_BatchNorm):
         if not use_batch_stats or world_size == 1:
             return super()._normalize(x, running_mean, running_var, use_batch_stats, factor)
         if x.is_global:
-            raise NotImplementedError(f"SyncBatchNorm: a global input ({x.sbp}) on {world_size} ranks is not "
+            raise NotImplementedError(f"SyncBatchNorm: a global input (sbp {', '.join(map(str, x.sbp))}) on {world_size} ranks is not "
                                       f"supported; pass each rank's local batch (eager DistributedDataParallel) or "
                                       f"call it inside a data-parallel nn.Graph")
         return _sync_batch_norm(x, running_mean, running_var, self.weight, self.bias, factor, self.eps, world_size)
@@ -167,7 +167,7 @@ def _sync_batch_norm(x, running_mean, running_var, weight, bias, momentum: float
     """Training batch norm with the statistics of every rank's part of the batch together."""
     dims = (0,) + tuple(range(2, x.ndim))
     local_sum = F.sum(x, dims, keepdim=True)
-    local_count = creation.full_like(local_sum, float(math.prod(x.shape[d] for d in dims)))
+    local_count = creation.full_like(local_sum, float(math.prod(x.shape[d] for d in dims)), dtype=dt.float32)
     total, count = apply("all_reduce", local_sum, local_count, op="sum", world_size=world_size)
     mean = total / count
     diff = x - mean
