@@ -10,6 +10,8 @@ global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run 
   with nn.utils.clip_grad_norm_ / clip_grad_value_, as nanoGPT's loop does every step;
 * clip_norm_zero1, clip_norm_zero2, clip_value_zero2, clip_norm_zero3: the same with
   enable_zero(stage=1|2|3); clip_inf_zero2 saves the refusal of norm_type=inf at stage 2;
+* gpt_ddp: examples/gpt_char.py's nanoGPT loop (AdamW groups, warm-up + cosine LR, clipping in
+  build()) with --graph --ddp, 4 steps without dropout, against the eager loop in one process;
 * syncbn_graph: a conv net whose BatchNorm2d was converted to SyncBatchNorm, in a data-parallel graph;
 * syncbn_graph_ce: the same net flattened into 32 logits, cross_entropy's mean with the ignored
   targets all in rank 0's part (the ranks' counts differ: the backward's sums are weighted by them);
@@ -20,11 +22,15 @@ global batch (SyncBatchNorm scenarios: with plain BatchNorm2d), which every run 
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 
 import flowgen as flow
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples"))
+import gpt_char  # noqa: E402
 
 STEPS = 3
 GLOBAL_BATCH = 8
@@ -90,7 +96,18 @@ def make_graph(scenario: str, model, optimizer):
     return TrainGraph()
 
 
+def gpt_config():
+    return gpt_char.GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+
+
+def gpt(ddp: bool) -> dict:
+    model, losses = gpt_char.train(gpt_config(), STEPS + 1, batch=4, use_graph=ddp, ddp=ddp, log=None)
+    return {"losses": np.array(losses), **{f"param_{k}": p.numpy().copy() for k, p in enumerate(model.parameters())}}
+
+
 def train(scenario: str, rank: int, world: int) -> dict:
+    if scenario == "gpt_ddp":
+        return gpt(True)
     net = bn_model(True, scenario) if scenario.startswith("syncbn") else clip_model()
     model = flow.nn.parallel.DistributedDataParallel(net) if scenario == "syncbn_eager_ddp" else net
     optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -151,6 +168,8 @@ def syncbn_refusals(world: int) -> dict:
 
 def reference(scenario: str, clipping: bool = True) -> dict:
     """One process, the whole global batch, eager mode (BatchNorm2d for the SyncBatchNorm net)."""
+    if scenario == "gpt_ddp":
+        return gpt(False)
     model = bn_model(False, scenario) if scenario.startswith("syncbn") else clip_model()
     optimizer = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     xs, ys = global_batch(scenario)
