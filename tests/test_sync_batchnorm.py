@@ -6,6 +6,7 @@ import pytest
 
 import flowgen as flow
 from flowgen import nn
+from flowgen.ops.registry import apply
 
 
 def _net(sync: bool, momentum=0.1):
@@ -98,3 +99,24 @@ def test_sync_batchnorm_refuses_process_groups_and_1d_inputs():
         nn.SyncBatchNorm(3, process_group=object())
     with pytest.raises(ValueError, match="SyncBatchNorm: expected at least 2D input"):
         nn.SyncBatchNorm(3)(flow.randn(3))
+
+
+def test_sync_batch_norm_affine_on_one_rank_is_batch_norm_affine():
+    """The op SyncBatchNorm uses on several ranks (its backward all-reduces the channel sums; on one
+    rank the all_reduce is the identity): value and gradients equal batch_norm_affine's."""
+    rng = np.random.default_rng(3)
+    x0 = rng.standard_normal((3, 2, 4, 4)).astype(np.float32)
+    g = rng.standard_normal(x0.shape).astype(np.float32)
+    results = []
+    for op in ("batch_norm_affine", "sync_batch_norm_affine"):
+        x = flow.tensor(x0, requires_grad=True)
+        w = flow.tensor(np.array([1.5, -0.5], np.float32).reshape(1, 2, 1, 1), requires_grad=True)
+        b = flow.tensor(np.array([0.1, 0.2], np.float32).reshape(1, 2, 1, 1), requires_grad=True)
+        mean = x.detach().mean((0, 2, 3), keepdim=True)
+        invstd = flow.rsqrt(((x.detach() - mean) ** 2).mean((0, 2, 3), keepdim=True) + 1e-5)
+        extra = ((flow.ones(1, 2, 1, 1) * 48.0,), {"world_size": 1}) if op.startswith("sync") else ((), {})
+        y = apply(op, x, mean, invstd, w, b, *extra[0], **extra[1])
+        (y * flow.tensor(g)).sum().backward()
+        results.append([y.numpy(), x.grad.numpy(), w.grad.numpy(), b.grad.numpy()])
+    for ours, theirs in zip(*results):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
