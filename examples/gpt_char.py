@@ -9,6 +9,11 @@ PyTorch.
 
     python examples/gpt_char.py                  # 200 eager steps, then a sample
     python examples/gpt_char.py --graph          # the training step compiled as an nn.Graph
+    python -m flowgen.distributed.launch --nproc_per_node 2 examples/gpt_char.py --graph --ddp
+
+With `--ddp` each rank trains a DistributedDataParallel replica on its part of every batch (the
+gradients averaged over the ranks before the clipping, as nanoGPT's DDP loop), which equals one
+process on the whole batch.
 """
 from __future__ import annotations
 
@@ -173,19 +178,25 @@ class Corpus:
 
 
 def train(config: GPTConfig, steps: int, batch: int = 4, use_graph: bool = False, lr: float = 3e-3,
-          warmup: int = 5, clip: float = 1.0, seed: int = 0, log=print):
-    """Train from a fixed seed; returns (model, losses). Eager and graph take the same steps."""
+          warmup: int = 5, clip: float = 1.0, seed: int = 0, ddp: bool = False, log=print):
+    """Train from a fixed seed; returns (model, losses). Eager and graph take the same steps. With
+    `ddp`, this rank trains on its part of each batch and the losses are averaged over the ranks."""
     corpus = Corpus()
     config.vocab_size = corpus.vocab_size
     flow.manual_seed(seed)
     model = define(flow)(config)
     optimizer = model.configure_optimizer(weight_decay=0.1, learning_rate=lr, betas=(0.9, 0.95))
     scheduler = flow.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup, steps))
+    rank, world = (flow.env.get_rank(), flow.env.get_world_size()) if ddp else (0, 1)
+    if batch % world:
+        raise ValueError(f"--ddp: the batch ({batch}) must split evenly over the {world} ranks")
+    part = batch // world
+    replica = flow.nn.parallel.DistributedDataParallel(model) if ddp else model
 
     class TrainStep(flow.nn.Graph):
         def __init__(self):
             super().__init__()
-            self.model = model
+            self.model = replica
             self.add_optimizer(optimizer, lr_sch=scheduler)
 
         def build(self, x, y):
@@ -197,16 +208,18 @@ def train(config: GPTConfig, steps: int, batch: int = 4, use_graph: bool = False
     step = TrainStep() if use_graph else None
     losses = []
     for k, (x, y) in enumerate(corpus.batches(steps, batch, config.block_size, seed)):
+        x, y = x[rank * part:(rank + 1) * part], y[rank * part:(rank + 1) * part]
         if step is not None:
             loss = step(x, y)
         else:
-            _, loss = model(x, y)
+            _, loss = replica(x, y)
             optimizer.zero_grad()
             loss.backward()
             flow.nn.utils.clip_grad_norm_(model.parameters(), clip)
             optimizer.step()
             scheduler.step()
-        losses.append(loss.item())
+        losses.append(loss.item() if not ddp else float(
+            flow.distributed.collectives.world().all_reduce([loss.numpy()], "mean")[0]))
         if log is not None and (k % 20 == 0 or k == steps - 1):
             log(f"step {k:4d}  loss {losses[-1]:.4f}  lr {warmup_cosine(k, warmup, steps) * lr:.2e}")
     return model, losses
@@ -216,8 +229,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--graph", action="store_true", help="compile the training step as an nn.Graph")
+    parser.add_argument("--ddp", action="store_true", help="data parallel over the launched ranks")
     args = parser.parse_args(argv)
-    model, losses = train(GPTConfig(), args.steps, use_graph=args.graph)
+    model, losses = train(GPTConfig(), args.steps, use_graph=args.graph, ddp=args.ddp,
+                          log=print if flow.env.get_rank() == 0 else None)
+    if flow.env.get_rank() != 0:
+        return losses
     corpus = Corpus()
     model.eval()
     sample = model.generate(flow.tensor(corpus.ids[None, :8]), 80, temperature=0.8, top_k=10)

@@ -3,8 +3,10 @@
 In-process tests run at world size 1 (no MPI needed). The multi-process tests start 2 and 4 ranks
 with mpiexec (tests/distributed/worker.py) and check that data-parallel training equals training
 in one process on the global batch, and that ZeRO stage 3 equals stage 2 and plain data parallel
-with a shard of the parameters per rank (tests/distributed/zero3_worker.py); they skip when mpi4py
-or mpiexec is missing (`pip install -e '.[dist]'`).
+with a shard of the parameters per rank (tests/distributed/zero3_worker.py), and that gradient
+clipping inside build() and SyncBatchNorm equal one process on the global batch
+(tests/distributed/clip_syncbn_worker.py); they skip when mpi4py or mpiexec is missing
+(`pip install -e '.[dist]'`).
 """
 from __future__ import annotations
 
@@ -513,3 +515,137 @@ def test_what_pipelines_cannot_do_raises_naming_the_module(pipeline_two_ranks):
         assert "combines values of stages [0, 1] after the micro-batches (gradient clipping by a global norm" in str(
             messages["clipping_by_the_global_norm"])
         assert "the graph is a pipeline (set_stage)" in str(messages["save"])
+
+
+# ------------------------------------- gradient clipping in build() and SyncBatchNorm, several ranks
+import clip_syncbn_worker  # noqa: E402
+
+CLIP_SYNCBN_SCENARIOS = {2: ["clip_norm", "clip_value", "clip_norm_zero1", "clip_norm_zero2", "clip_value_zero2",
+                             "clip_inf_zero2", "syncbn_graph", "syncbn_graph_ce", "syncbn_graph_zero3",
+                             "syncbn_eager_ddp", "syncbn_refusals", "gpt_ddp"],
+                         4: ["clip_norm", "clip_norm_zero2", "clip_norm_zero3", "syncbn_graph", "syncbn_graph_ce"]}
+
+
+def _clip_syncbn_runs(world: int, tmp_path_factory) -> tuple:
+    """(world size, rank 0's results of tests/distributed/clip_syncbn_worker.py by scenario)."""
+    out = tmp_path_factory.mktemp(f"clip_syncbn_{world}")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])))
+    script = os.path.join(REPO, "tests", "distributed", "clip_syncbn_worker.py")
+    result = subprocess.run([MPIEXEC, "-n", str(world), sys.executable, script, str(out),
+                             *CLIP_SYNCBN_SCENARIOS[world]], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return world, {s: np.load(out / f"{s}.npz") for s in CLIP_SYNCBN_SCENARIOS[world]}
+
+
+@pytest.fixture(scope="module")
+def clip_syncbn_2(tmp_path_factory):
+    return _clip_syncbn_runs(2, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def clip_syncbn_4(tmp_path_factory):
+    return _clip_syncbn_runs(4, tmp_path_factory)
+
+
+def _runs_with(scenario_filter) -> list:
+    """(fixture, scenario) pairs of the runs whose scenario passes `scenario_filter`."""
+    return [(f"clip_syncbn_{world}", s) for world, names in CLIP_SYNCBN_SCENARIOS.items() for s in names
+            if scenario_filter(s)]
+
+
+def _assert_close_to(result, expected: dict, tol: float):
+    for key, value in expected.items():
+        np.testing.assert_allclose(result[key], value, rtol=tol, atol=tol * max(np.abs(value).max(initial=0), 1e-3),
+                                   err_msg=key)
+
+
+@needs_mpi
+@pytest.mark.parametrize(("ranks", "scenario"), _runs_with(lambda s: s in ("clip_norm", "clip_value")))
+def test_clipping_in_build_of_a_data_parallel_graph_clips_the_global_batch_gradients(request, ranks, scenario):
+    """nanoGPT's loop (loss.backward(); clip_grad_norm_ / clip_grad_value_ in build()) on 2 and 4
+    ranks equals one process on the global batch: the clip reads the all-reduced gradients, the
+    returned total norm is the global one, and the clipping is active (the unclipped run differs)."""
+    world, runs = request.getfixturevalue(ranks)
+    expected = clip_syncbn_worker.reference(scenario)
+    _assert_close_to(runs[scenario], expected, 1e-6)
+    if scenario == "clip_norm":
+        assert len(expected["norms"]) == clip_syncbn_worker.STEPS
+        assert (expected["norms"] > clip_syncbn_worker.MAX_NORM).all()
+    unclipped = clip_syncbn_worker.reference(scenario, clipping=False)
+    assert not np.allclose(unclipped["param_0"], expected["param_0"], rtol=1e-3)
+    assert list(runs[scenario]["collectives"]) == ["all_reduce"]
+
+
+@needs_mpi
+@pytest.mark.parametrize(("ranks", "scenario"),
+                         _runs_with(lambda s: s.startswith(("clip_norm_zero", "clip_value_zero"))))
+def test_clipping_in_build_with_zero_equals_plain_data_parallel(request, ranks, scenario):
+    """ZeRO-1 clips the all-reduced gradients (bit for bit plain data parallel's); ZeRO-2/3 clip
+    the reduce-scattered pieces, the norm summed over the ranks by one all_reduce of a scalar (at 4
+    ranks the biases, fewer elements than ranks, stay whole and all-reduced: one all_reduce for
+    them too), and no full reduced gradient is gathered: only the update's all_gather (stage 2) or
+    the parameters' just-in-time gathers (stage 3) remain."""
+    world, runs = request.getfixturevalue(ranks)
+    plain, result = runs["clip_norm" if "norm" in scenario else "clip_value"], runs[scenario]
+    for key in [k for k in result.files if k.startswith("param_") or k in ("losses", "norms")]:
+        if scenario.endswith("zero1"):
+            np.testing.assert_array_equal(result[key], plain[key], err_msg=key)
+        else:
+            np.testing.assert_allclose(result[key], plain[key], rtol=1e-6, atol=1e-6 * np.abs(plain[key]).max(
+                initial=1e-3), err_msg=key)
+    stage, whole_biases = int(scenario[-1]), ["all_reduce"] * (world == 4)
+    norm = ["all_reduce"] * ("norm" in scenario)
+    expected = {1: ["all_reduce", "all_gather"], 2: ["reduce_scatter", "all_gather"] + norm + whole_biases,
+                3: ["all_gather"] * 3 + ["reduce_scatter"] + norm + whole_biases}[stage]
+    assert sorted(result["collectives"]) == sorted(expected)
+
+
+@needs_mpi
+def test_nanogpt_loop_with_ddp_in_a_graph_equals_one_process(clip_syncbn_2):
+    """examples/gpt_char.py --graph --ddp on 2 ranks (AdamW groups, warm-up + cosine LR,
+    clip_grad_norm_ in build(), tied embedding) equals its eager loop in one process on the whole
+    batch: the losses within 1e-6, the parameters within Adam's amplified rounding (as the
+    example's own eager-vs-PyTorch test)."""
+    _world, runs = clip_syncbn_2
+    expected = clip_syncbn_worker.reference("gpt_ddp")
+    np.testing.assert_allclose(runs["gpt_ddp"]["losses"], expected["losses"], rtol=1e-6)
+    for key in [k for k in expected if k.startswith("param_")]:
+        np.testing.assert_allclose(runs["gpt_ddp"][key], expected[key], rtol=1e-4, atol=3e-5, err_msg=key)
+
+
+@needs_mpi
+def test_zero2_refuses_the_max_norm_in_build(clip_syncbn_2):
+    _world, runs = clip_syncbn_2
+    message = str(runs["clip_inf_zero2"]["message"])
+    assert "clip_grad_norm_(norm_type=inf) inside build() with enable_zero(stage=2|3)" in message
+    assert "use a finite norm_type or stage=1" in message
+
+
+@needs_mpi
+@pytest.mark.parametrize(("ranks", "scenario"),
+                         _runs_with(lambda s: s.startswith("syncbn_") and s != "syncbn_refusals"))
+def test_sync_batchnorm_on_several_ranks_equals_batchnorm_on_the_global_batch(request, ranks, scenario):
+    """A conv net with SyncBatchNorm trained 3 SGD steps in a data-parallel graph (MSE mean, and
+    cross_entropy's mean with the ranks' counts of non-ignored targets differing; MSE with ZeRO-3)
+    and eagerly under DDP equals one process with BatchNorm2d on the global batch: losses,
+    parameters and running statistics (unbiased global variance). The graph all-reduces in the forward (sums
+    and counts, then squared deviations) and the backward (the two channel sums) besides the
+    gradients' bucket."""
+    world, runs = request.getfixturevalue(ranks)
+    expected = clip_syncbn_worker.reference(scenario)
+    prefix = "buffer_0.1." if scenario.endswith("_ce") else "buffer_1."
+    assert {k for k in expected if k.startswith("buffer_")} == {
+        prefix + name for name in ("running_mean", "running_var", "num_batches_tracked")}
+    _assert_close_to(runs[scenario], expected, 1e-5)
+    if scenario == "syncbn_graph":
+        assert list(runs[scenario]["collectives"]) == ["all_reduce"] * 4
+
+
+@needs_mpi
+def test_sync_batchnorm_refuses_what_it_would_get_wrong(clip_syncbn_2):
+    _world, runs = clip_syncbn_2
+    messages = runs["syncbn_refusals"]
+    assert "SyncBatchNorm (model.1) in a pipelined graph" in str(messages["pipeline"])
+    assert "SyncBatchNorm: a global input (sbp flowgen.sbp.split(dim=0)) on 2 ranks is not supported" in str(
+        messages["global"])

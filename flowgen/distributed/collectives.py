@@ -6,7 +6,9 @@ Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into o
 so that it costs one MPI call (`all_reduce`).
 
 The `all_reduce`, `reduce_scatter` and `all_gather` ops are the IR's view of the same thing:
-`all_reduce` nodes (one per gradient bucket) come from `passes/gradient_allreduce.py`,
+`all_reduce` nodes (one per gradient bucket) come from `passes/gradient_allreduce.py` (others
+from SyncBatchNorm's statistics and backward sums, nn/modules/normalization.py, and the norm of
+ZeRO-2/3 gradient pieces clipped in build(), nn/utils.py),
 `reduce_scatter` (ZeRO-2/3's gradient pieces) and `all_gather` (the parameter pieces ZeRO updated;
 at stage 3 gathered before their readers) from `passes/zero.py`. They have no kernel (lowering
 `Collective`): the executor runs them on the host between the kernels around them.

@@ -70,6 +70,8 @@ class Tracer:
         self.losses: list = []           # every loss backward() was called on, in order (micro-batches)
         self.differentiate = None     # set by nn.Graph: (in_build) -> backward of the marked loss, {state name: grad}
         self.grads = None             # the step's gradients once build() asked for them (nn.utils clipping)
+        self.gradient_pieces: dict = {}   # ZeRO-2/3, gradients read in build(): {state name: (this rank's piece
+        #                                 of the reduced gradient, every rank's piece size)} (passes/zero.py)
         self.log = log                # callable(level, text) for graph.debug()
         self.autocast = autocast      # mixed precision: None, or the dtype of AUTOCAST_OPS
         self.capture_free_tensors = capture_free_tensors

@@ -13,6 +13,13 @@ the statistics already folded in::
 so ``mean`` and ``invstd`` take no gradient of their own. Autodiff of the composite would
 produce about ten kernels per BatchNorm layer in a training graph's backward; this is two
 channel reductions (``g`` and ``g * xhat`` read in one pass) and one elementwise kernel.
+
+``sync_batch_norm_affine(x, mean, invstd, weight, bias, count, world_size)`` is the same map for
+SyncBatchNorm on several ranks: ``mean`` and ``invstd`` are the statistics of the batch of all
+ranks together and ``count`` (per channel, like ``mean``) its number of elements per channel.
+Its gradient is the same closed form with the two channel sums all-reduced over the ranks (an
+``all_reduce`` op, flowgen/distributed/collectives.py) before ``dx``; ``dweight`` and ``dbias``
+stay this rank's sums, as any parameter's gradient (the data-parallel all-reduce combines them).
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise
 from flowgen.ops.nn_ops import _ctype
-from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop, wants_grad
+from flowgen.ops.registry import TensorMeta, apply, broadcast_shapes, defop, wants_grad
 
 
 def _stat_dims(x):
@@ -66,3 +73,34 @@ defop("batch_norm_affine", infer=_bn_affine_infer, ref=_bn_affine_ref, grad=_bn_
       lowering=Elementwise("(((({0}) - ({1})) * ({2})) * ({3}) + ({4}))"),
       doc="batch_norm_affine(x, mean, invstd, weight, bias): training BatchNorm with x's own batch "
           "statistics; closed-form gradient (mean and invstd take none)")
+
+
+def _sync_bn_affine_infer(x, mean, invstd, weight, bias, count, world_size: int):
+    broadcast_shapes(mean.shape, count.shape, op="sync_batch_norm")
+    return _bn_affine_infer(x, mean, invstd, weight, bias)
+
+
+def _sync_bn_affine_ref(x, mean, invstd, weight, bias, count, world_size: int):
+    return _bn_affine_ref(x, mean, invstd, weight, bias)
+
+
+def _sync_bn_affine_grad(ctx, g):
+    x, mean, invstd, weight, bias, count = ctx.inputs
+    dims = _stat_dims(x)
+    xhat = (x - mean) * invstd
+    dbias = F.sum(g, dims, keepdim=True)
+    dweight = F.sum(g * xhat, dims, keepdim=True)
+    dx = None
+    if wants_grad(x):
+        # the sums over every rank's part of the batch, as one process would take over the whole batch
+        all_dbias, all_dweight = apply("all_reduce", dbias, dweight, op="sum", world_size=ctx.attrs["world_size"])
+        dx = (g - (all_dbias + xhat * all_dweight) / count) * invstd * weight
+    return (dx, None, None,
+            F.sum_to(dweight, tuple(weight.shape)) if wants_grad(weight) else None,
+            F.sum_to(dbias, tuple(bias.shape)) if wants_grad(bias) else None, None)
+
+
+defop("sync_batch_norm_affine", infer=_sync_bn_affine_infer, ref=_sync_bn_affine_ref, grad=_sync_bn_affine_grad,
+      lowering=Elementwise("(((({0}) - ({1})) * ({2})) * ({3}) + ({4}))"),
+      doc="sync_batch_norm_affine(x, mean, invstd, weight, bias, count, world_size): SyncBatchNorm with the "
+          "statistics of all ranks' batches; its closed-form gradient all-reduces the two channel sums")

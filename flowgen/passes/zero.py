@@ -31,6 +31,12 @@ arithmetic as without sharding: stage 1 equals plain data parallel bit for bit, 
 to the order MPI sums the ranks in (stage 3 equals stage 2 bit for bit: same reduce-scatters, same
 values gathered). Optimizer-state bytes per rank (and parameter bytes at stage 3): the whole over N
 plus at most one element per sharded parameter, plus the parameters left whole.
+
+Gradient clipping inside build() (`nn.utils.clip_grad_norm_` after `loss.backward()`): stage 1 clips
+the all-reduced gradients as plain data parallel does. Stages 2 and 3 reduce-scatter the sharded
+parameters' gradients right there (`reduce_scatter_traced_gradients`) and clip the pieces: the
+global norm is the sum over the ranks (one all_reduce of a scalar) of the pieces' powered sums,
+plus those of the gradients kept whole (all-reduced); no rank holds a full reduced gradient.
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ from flowgen.distributed.global_tensor import split_sizes
 from flowgen.ir.graph import NameGen, Node, StateVar, Value
 from flowgen.ir.trace import Tracer
 from flowgen.ops.lowering import Elementwise
-from flowgen.ops.registry import get_op
+from flowgen.ops.registry import apply, get_op
 from flowgen.passes.autodiff import next_value_index
 from flowgen.passes.simplify import dce
 
@@ -88,11 +94,42 @@ class _Sharded:
     readers: tuple = ()  # stage 3: indices of the nodes reading the full parameter (or, backward, made values)
 
 
+def regathered(piece, sizes: tuple, shape: tuple):
+    """The full reduced gradient rebuilt from the ranks' pieces (an all_gather, reshaped): what
+    build() sees of a gradient reduce-scattered in it; `shard_optimizer_state` gives the update the
+    piece instead, so the all_gather dies unless build() itself reads the full value."""
+    return F.reshape(apply("all_gather", piece, sizes=(tuple(sizes),), world_size=len(sizes)), shape)
+
+
+def reduce_scatter_traced_gradients(tracer, grads: dict, rank: int, world_size: int, shard_min_size: int,
+                                    bucket_size: int, op: str) -> dict:
+    """Stages 2 and 3 when build() reads the step's gradients (`nn.utils.clip_grad_norm_`): the
+    gradients of the parameters ZeRO shards are reduce-scattered at that point of the trace
+    (`bucket_size` per node), each piece recorded in `tracer.gradient_pieces` (nn/utils.py clips
+    the pieces: the global norm sums the pieces' powered sums over the ranks with one all_reduce of
+    a scalar). Returns {name: the full gradient `regathered`} for those parameters."""
+    names = [n for n, g in grads.items() if shards_parameter(g.numel, world_size, shard_min_size)]
+    tracer.scopes.append(SCOPE)
+    full = {}
+    for first in range(0, len(names), bucket_size):
+        bucket = names[first:first + bucket_size]
+        sizes = tuple(tuple(split_sizes(grads[n].numel, world_size)) for n in bucket)
+        node = tracer.emit("reduce_scatter", [grads[n] for n in bucket],
+                           {"sizes": sizes, "op": op, "rank": rank, "world_size": world_size})
+        for name, piece, piece_sizes in zip(bucket, node.outputs, sizes):
+            tracer.gradient_pieces[name] = (piece, piece_sizes)
+            full[name] = regathered(tracer.lazy(piece), piece_sizes, tuple(grads[name].shape))._value
+    tracer.scopes.pop()
+    return full
+
+
 def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int, device, bucket_size: int = 10,
-                          stage: int = 1, op: str = "mean"):
+                          stage: int = 1, op: str = "mean", pieces: dict | None = None):
     """Returns (graph, {state name: Shard}) for the sharded slots (and, stage 3, parameters) — see
     the module docstring. Stages 2 and 3 expect the gradients of sharded parameters not yet
-    reduced; `op` says how to combine them."""
+    reduced (`op` says how to combine them), except those in `pieces` ({full-shaped gradient
+    value: this rank's piece}, reduced in build() by `reduce_scatter_traced_gradients`)."""
+    pieces = pieces or {}
     state = graph.state_by_name()
     updates = dict(graph.updates)
     producers = graph.producers()
@@ -136,13 +173,16 @@ def shard_optimizer_state(graph, rank: int, world_size: int, shard_min_size: int
                     if tuple(v.shape) != shape:
                         raise NotImplementedError(f"enable_zero(stage={stage}): the update of {item.var.name} reads "
                                                   f"a {v.type_str} value, neither a scalar nor parameter-shaped")
-                    if stage >= 2 and v is not item.var.value:
+                    if stage >= 2 and v in pieces:      # reduce-scattered in build()
+                        item.piece_of[v] = pieces[v]
+                    elif stage >= 2 and v is not item.var.value:
                         readers = [n.op for n in graph.nodes if v in n.inputs and n not in item.chain]
                         if readers:
                             raise NotImplementedError(
                                 f"enable_zero(stage={stage}): the gradient of {item.var.name} is also read by "
-                                f"{readers[0]} (gradient clipping?), which needs the whole reduced gradient; "
-                                f"use stage=1")
+                                f"{readers[0]} (a parameter group's clip_grad_max_norm?), which needs the whole "
+                                f"reduced gradient; use stage=1, or clip inside build() with "
+                                f"nn.utils.clip_grad_norm_ after loss.backward()")
                         gradients.append((item, v))
                         item.piece_of[v] = None      # filled by the reduce-scatter below
                     else:

@@ -31,11 +31,12 @@ from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs,
                                                shard_slot_tensors)
 from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
-from flowgen.passes.gradient_allreduce import all_reduce_gradients
+from flowgen.passes.gradient_allreduce import (all_reduce_gradients, divide_ratio_loss_by_global_count,
+                                                reduce_traced_gradients)
 from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, scaler_state_name
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
-from flowgen.passes.zero import shard_optimizer_state, shards_parameter
+from flowgen.passes.zero import reduce_scatter_traced_gradients, shard_optimizer_state, shards_parameter
 from flowgen.runtime import program_cache
 from flowgen.runtime.progress import reporting
 
@@ -326,18 +327,27 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     steps = graph.config.gradient_accumulation_steps
     grads, sharded_slots = None, []
 
+    reduced_in_build = False   # data parallel: build() read the gradients, so they were all-reduced there
+
     def differentiate(in_build: bool) -> dict:
+        nonlocal reduced_in_build
         if in_build and (steps > 1 or scale != 1.0):   # build() would see scaled or partial gradients
             raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) with a "
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
-        if in_build and data_parallel is not None:     # build() would see this rank's gradients only
-            raise TraceError(f"{graph.name}: reading gradients inside build() (gradient clipping) in a "
-                             f"data-parallel graph is not supported yet: they are reduced over the ranks after "
-                             f"build(); give the optimizer's parameter groups clip_grad_max_norm and "
-                             f"clip_grad_norm_type instead (they clip the reduced gradients inside the step)")
-        return _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
+        if data_parallel is not None and data_parallel.contract == "global":
+            divide_ratio_loss_by_global_count(tracer, data_parallel.world_size)
+        grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
+        if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
+            reduction = _gradient_reduction(graph, tracer.graph, tracer.losses, data_parallel, zero)
+            pieces = {} if zero is None or zero.stage == 1 else reduce_scatter_traced_gradients(
+                tracer, grads, world().rank, data_parallel.world_size, zero.shard_min_size,
+                data_parallel.bucket_size, reduction.kind)
+            whole = {n: g for n, g in grads.items() if n not in pieces}
+            grads = {**reduce_traced_gradients(tracer, whole, reduction, data_parallel), **pieces}
+            reduced_in_build = True
+        return grads
 
     tracer.differentiate = differentiate
     previous_hook = module_mod.set_module_call_hook(_module_hook(graph, tracer, paths, io))
@@ -397,13 +407,11 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
-        reduction = gradient_reduction(graph.name, ir, tracer.losses, data_parallel)
-        if reduction.kind == "ratio" and zero is not None:
-            raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
-                                      f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
-        ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
-                                           data_parallel.bucket_size)
-        grads = {**grads, **reduced}
+        reduction = _gradient_reduction(graph, ir, tracer.losses, data_parallel, zero)
+        if not reduced_in_build:
+            ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
+                                               data_parallel.bucket_size)
+            grads = {**grads, **reduced}
     output_combine = None
     if data_parallel is not None and data_parallel.contract == "global":
         emitter = Tracer(graph.name, device)
@@ -418,7 +426,8 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                                                    scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
-                                               device, data_parallel.bucket_size, zero.stage, reduction.kind)
+                                               device, data_parallel.bucket_size, zero.stage, reduction.kind,
+                                               {grads[n]: piece for n, (piece, _) in tracer.gradient_pieces.items()})
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
             bindings, sharded_params = shard_parameter_bindings(graph._zero_slots, bindings, ir.state_by_name(),
                                                                 shards)
@@ -428,6 +437,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         host_scalars += [(state[h.name].value, h) for h in host]
     stage_program = None
     if pipeline is not None:
+        _refuse_sync_batch_norm(graph.name, ir)
         stage_program = split_stage(graph.name, ir, pipeline, micro_ends)
         bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars)
         ir, structure = stage_program.ir, stage_program.user_structure(structure)
@@ -492,6 +502,23 @@ def _program_cache_options(graph, device, data_parallel, stage_program) -> dict 
             or graph._debug_level >= 1):
         return None
     return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type}
+
+
+def _refuse_sync_batch_norm(graph_name, ir):
+    synced = [n.scope for n in ir.nodes if n.op == "sync_batch_norm_affine"]
+    if synced:
+        raise NotImplementedError(f"{graph_name}: SyncBatchNorm ({synced[0]}) in a pipelined graph: it reduces its "
+                                  f"statistics over every rank, but each rank runs one stage on the whole batch; "
+                                  f"use BatchNorm")
+
+
+def _gradient_reduction(graph, ir, losses, data_parallel, zero):
+    """How the gradients combine over the ranks (data_parallel.gradient_reduction); ZeRO's refusal."""
+    reduction = gradient_reduction(graph.name, ir, losses, data_parallel)
+    if reduction.kind == "ratio" and zero is not None:
+        raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
+                                  f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
+    return reduction
 
 
 @dataclass(frozen=True)

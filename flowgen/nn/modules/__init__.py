@@ -9,7 +9,7 @@ from flowgen.nn.modules.loss import (BCELoss, BCEWithLogitsLoss, CosineEmbedding
                                      KLDivLoss, L1Loss, MarginRankingLoss, MSELoss, NLLLoss, SmoothL1Loss,
                                      TripletMarginLoss)
 from flowgen.nn.modules.normalization import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d,
-                                              InstanceNorm2d, InstanceNorm3d, LayerNorm)
+                                              InstanceNorm2d, InstanceNorm3d, LayerNorm, SyncBatchNorm)
 from flowgen.nn.modules.pixelshuffle import PixelShuffle, PixelUnshuffle
 from flowgen.nn.modules.pooling import (AdaptiveAvgPool1d, AdaptiveAvgPool2d, AvgPool1d, AvgPool2d, MaxPool1d,
                                         MaxPool2d)
@@ -29,5 +29,5 @@ __all__ = [
     "PixelUnshuffle", "GRU", "LSTM", "RNN", "GRUCell", "LSTMCell", "RNNBase", "RNNCell", "MultiheadAttention",
     "Transformer", "TransformerDecoder", "TransformerDecoderLayer", "TransformerEncoder", "TransformerEncoderLayer",
     "Conv1d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "BatchNorm3d", "InstanceNorm1d", "InstanceNorm3d",
-    "AdaptiveAvgPool1d", "AvgPool1d", "MaxPool1d", "Fold", "Unfold",
+    "AdaptiveAvgPool1d", "AvgPool1d", "MaxPool1d", "Fold", "Unfold", "SyncBatchNorm",
 ]
