@@ -103,14 +103,17 @@ def summarize(medians: list, iters: int) -> dict:
 
 
 def git_commit() -> str:
-    """HEAD of the flowgen checkout, with '+dirty' when tracked files differ from it."""
+    """$FLOWGEN_COMMIT when set (the device machine's copy of the tree has no git history), else
+    HEAD of the flowgen checkout, with '+dirty' when tracked files differ from it."""
+    if os.environ.get("FLOWGEN_COMMIT"):
+        return os.environ["FLOWGEN_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("FLOWGEN_COMMIT", "unknown (no git checkout)")
+        return "unknown (no git checkout; set FLOWGEN_COMMIT)"
     return head + ("+dirty" if dirty else "")
 
 

@@ -364,6 +364,7 @@ def headline(table: list) -> list:
         if flowgen_row and torch_rows:
             best = min(torch_rows, key=lambda r: r["median_ms"])
             heads.append({"model": key[0], "precision": key[1], "task": key[2], "flowgen_ms": flowgen_row["median_ms"],
+                          "flowgen_agrees": flowgen_row.get("agrees"),
                           "best_torch_row": best["row"], "best_torch_ms": best["median_ms"],
                           "flowgen_speedup_vs_best_torch": best["median_ms"] / flowgen_row["median_ms"]})
     return heads
@@ -442,6 +443,7 @@ def main(argv=None):
         ("flowgen ms", lambda h: fmt(h["flowgen_ms"], ".4g")), ("best torch row", lambda h: h["best_torch_row"]),
         ("torch ms", lambda h: fmt(h["best_torch_ms"], ".4g")),
         ("flowgen speedup", lambda h: fmt(h["flowgen_speedup_vs_best_torch"], ".3f")),
+        ("flowgen agrees", lambda h: str(h["flowgen_agrees"])),
     ])
     return table
 

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
 from fair_common import (CudaEventTimer, HostTimer, environment, fmt, log, passes, print_table,  # noqa: E402
-                         rel_err, write_json)
+                         write_json)
 
 # (M, K, N). GPT-2 124M at batch 8 x 1024 tokens: the MLP's c_fc and c_proj, attention's c_attn.
 SHAPES = {
@@ -106,8 +106,25 @@ def random_operands(m, k, n, dtype, device, generator):
     return a, b
 
 
-def reference(a, b) -> np.ndarray:
-    return (a.double() @ b.double()).cpu().numpy()
+def reference(a, b):
+    """The float64 product, on the operands' device."""
+    return a.double() @ b.double()
+
+
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| in float64 on the device (no large copies to the host); NaN when
+    `out` holds a non-finite value."""
+    out = out.to(ref.device, torch.float64)
+    if out.shape != ref.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} differs from the reference's {tuple(ref.shape)}")
+    if not bool(torch.isfinite(out).all()):
+        return float("nan")
+    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-300))
+
+
+def from_host(array) -> "torch.Tensor":
+    """A flowgen result (NumPy, bf16/fp16 via ml_dtypes) as a float32 torch tensor."""
+    return torch.from_numpy(np.asarray(array, np.float32))
 
 
 def to_flowgen(t, dtype, device):
@@ -142,7 +159,7 @@ class FlowgenSide(Side):
         out = self.graph(to_flowgen(a, self.dtype, self.device), to_flowgen(b, self.dtype, self.device))
         if "compile_s" not in self.result:   # the first call traces, compiles and runs once
             self.result["compile_s"] = time.perf_counter() - start
-        return np.asarray(out.numpy(), np.float64)
+        return from_host(out.numpy())
 
     @property
     def executor(self):
@@ -162,7 +179,7 @@ class FlowgenSide(Side):
 
     def last_output(self):
         executor = self.executor
-        return executor.read_value(executor.program.graph.outputs[0])
+        return from_host(executor.read_value(executor.program.graph.outputs[0]))
 
 
 class TorchSide(Side):
@@ -172,7 +189,7 @@ class TorchSide(Side):
 
     def compute(self, a, b):
         with torch_precision(self.precision, self.device):
-            return torch.matmul(a, b).double().cpu().numpy()
+            return torch.matmul(a, b)
 
     def timing_hooks(self, sets, flush):
         current = {}
@@ -187,18 +204,22 @@ class TorchSide(Side):
         return prepare, run
 
 
+def l2_bytes() -> int:
+    """The GPU's L2 size (64 MiB, more than an H100's 50, where torch does not report it)."""
+    return getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20)
+
+
 def make_timer_and_flush(device, stream=None):
     if device == "cpu":
         return HostTimer(), lambda: None
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    scratch = torch.empty(max(2 * l2, 1 << 20), dtype=torch.uint8, device="cuda")
+    scratch = torch.empty(max(2 * l2_bytes(), 1 << 20), dtype=torch.uint8, device="cuda")
     return CudaEventTimer(torch, stream or torch.cuda.current_stream()), scratch.zero_
 
 
-def input_sets(m, k, n, dtype, device, generator, l2_bytes):
+def input_sets(m, k, n, dtype, device, generator, l2):
     """Enough operand pairs that together they exceed twice L2 (at least 2, at most 16)."""
     pair_bytes = (m * k + k * n) * torch.empty((), dtype=dtype).element_size()
-    count = min(16, max(2, math.ceil(2 * l2_bytes / pair_bytes)))
+    count = min(16, max(2, math.ceil(2 * l2 / pair_bytes)))
     return [random_operands(m, k, n, dtype, device, generator) for _ in range(count)]
 
 
@@ -207,8 +228,7 @@ def run_row(shape_name, m, k, n, precision, device, args, generator):
     row = {"shape": shape_name, "m": m, "k": k, "n": n, "precision": precision,
            "gflop": 2 * m * n * k / 1e9}
     sides = [FlowgenSide(precision, flow.device(device)), TorchSide(precision, device)]
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
-    sets = input_sets(m, k, n, tdtype, device, generator, l2)
+    sets = input_sets(m, k, n, tdtype, device, generator, l2_bytes() if device == "cuda" else 0)
     for side in sides:
         row[side.name] = side.result
         try:
