@@ -209,14 +209,11 @@ class Executor:
         for dst, src, nbytes in self.updates:
             self.backend.copy(dst, src, nbytes)
 
-    def run(self, inputs, state_changed: bool = True):
-        """One step: `inputs` are contiguous arrays matching the graph inputs. Prepare kernels
-        (they read only state the graph never writes) run when `state_changed`."""
-        for v, array in zip(self.program.graph.inputs, inputs):
-            self.backend.upload(self.address[v], array)
-        if state_changed:
-            for launch in self.prepare_launches:
-                launch()
+    def launch_step(self):
+        """Launch one step's kernels and state write-backs on the device buffers as they are: no
+        inputs copied in, no synchronisation, no outputs read (`run` does those around it;
+        benchmarks time this alone, between events on `backend.stream`). On CUDA the second
+        step is captured into a CUDA graph and later steps replay it."""
         if (self.backend.name == "cuda" and self.calls >= 1 and self.capturable
                 and os.environ.get("FLOWGEN_DEBUG_SYNC") != "1"):
             if self.graph_exec is None:
@@ -229,6 +226,16 @@ class Executor:
         else:
             self._step()
         self.calls += 1
+
+    def run(self, inputs, state_changed: bool = True):
+        """One step: `inputs` are contiguous arrays matching the graph inputs. Prepare kernels
+        (they read only state the graph never writes) run when `state_changed`."""
+        for v, array in zip(self.program.graph.inputs, inputs):
+            self.backend.upload(self.address[v], array)
+        if state_changed:
+            for launch in self.prepare_launches:
+                launch()
+        self.launch_step()
         self.backend.synchronize()
         if self.index_error_address is not None:
             self.backend.download(self.index_error, self.index_error_address)
