@@ -73,22 +73,22 @@ def gpt_case(device):
             (lambda p: gpt.configure_optimizer(weight_decay=0.1, learning_rate=3e-3, betas=(0.9, 0.95))), (x, y))
 
 
-def mobilenet_case(device):
+def _convnet_case(name, device):
+    """flowgen.models.<name> (10 classes) trained on a CIFAR-sized batch of 8 with SGD momentum."""
     flow.manual_seed(0)
-    model = flow.models.mobilenet_v2(num_classes=10).to(device)
+    model = getattr(flow.models, name)(num_classes=10).to(device)
     x = flow.randn(8, 3, 32, 32).to(device)
     y = flow.randint(0, 10, (8,)).to(device)
-    return ("mobilenet_v2_b8_train", model, nn.CrossEntropyLoss(),
+    return (f"{name}_b8_train", model, nn.CrossEntropyLoss(),
             (lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9)), (x, y))
+
+
+def mobilenet_case(device):
+    return _convnet_case("mobilenet_v2", device)
 
 
 def resnet18_case(device):
-    flow.manual_seed(0)
-    model = flow.models.resnet18(num_classes=10).to(device)
-    x = flow.randn(8, 3, 32, 32).to(device)
-    y = flow.randint(0, 10, (8,)).to(device)
-    return ("resnet18_b8_train", model, nn.CrossEntropyLoss(),
-            (lambda p: flow.optim.SGD(p, lr=0.01, momentum=0.9)), (x, y))
+    return _convnet_case("resnet18", device)
 
 
 CASES = {"polyfit": (polyfit_case, 1), "mlp": (mlp_case, 1), "gpt": (gpt_case, 2),
