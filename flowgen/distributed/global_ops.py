@@ -76,9 +76,12 @@ def _boxed(t, layout: Sbp):
     return t if _layout(t) == layout else global_tensor.to_global(t, sbp=layout)
 
 
-def _local_piece(arr: np.ndarray, axis: int) -> np.ndarray:
+def _local_piece(t, axis: int):
+    """This rank's piece along `axis` of the broadcast global tensor `t`, as a local tensor."""
     comm = world()
-    return global_tensor.local_part(arr, split(axis), comm.rank, comm.size)
+    local = t._global.local
+    piece = global_tensor.local_part(local.numpy_view(), split(axis), comm.rank, comm.size)
+    return type(local)(piece, dtype=t.dtype, device=local.device)
 
 
 def _split_elementwise(op_name, tensors, out_ndim):
@@ -92,7 +95,7 @@ def _split_elementwise(op_name, tensors, out_ndim):
         local = t._global.local
         axis = d - (out_ndim - t.ndim)
         if _layout(t).kind == "broadcast" and axis >= 0 and t.shape[axis] != 1:
-            local = type(local)(_local_piece(local.numpy_view(), axis), dtype=t.dtype, device=local.device)
+            local = _local_piece(t, axis)
         locals_.append(local)
     return locals_, split(d)
 
@@ -197,9 +200,9 @@ def _matmul(op, a, b, attrs, out_ndim):
         # split along k (a broadcast operand takes its own piece of k): each rank's product is a partial sum
         local_a, local_b = a._global.local, b._global.local
         if la.kind == "broadcast":
-            local_a = type(local_a)(_local_piece(local_a.numpy_view(), a.ndim - 1), dtype=a.dtype, device=local_a.device)
+            local_a = _local_piece(a, a.ndim - 1)
         if lb.kind == "broadcast":
-            local_b = type(local_b)(_local_piece(local_b.numpy_view(), b.ndim - 2), dtype=b.dtype, device=local_b.device)
+            local_b = _local_piece(b, b.ndim - 2)
         return [local_a, local_b], partial_sum, attrs
     else:
         raise _unsupported(op.name, (a, b))
@@ -227,9 +230,7 @@ def _rows(op, tensors, attrs):
     if "partial_sum" in kinds or len(dims) != 1 or row_dim in dims:
         return [_boxed(t, broadcast)._global.local for t in tensors], broadcast, attrs
     d = dims.pop()
-    locals_ = [type(t._global.local)(_local_piece(t._global.local.numpy_view(), d), dtype=t.dtype,
-                                     device=t._global.local.device) if _layout(t).kind == "broadcast"
-               else t._global.local for t in tensors]
+    locals_ = [_local_piece(t, d) if _layout(t).kind == "broadcast" else t._global.local for t in tensors]
     return locals_, split(d), attrs
 
 
