@@ -794,10 +794,16 @@ def _scan(node, kernel_name):
 SORT_RUN = 256
 
 
+# topk of at most this many from a row longer than SORT_RUN selects instead of sorting the row: a block
+# per row (SELECT_THREADS threads on a GPU, one on the cpu target) keeps the k in shared memory.
+SELECT_MAX_K = 1024
+SELECT_THREADS = 512
+
+
 def _sort(node, kernel_name):
     """sort / topk along any dim (see sort.cu.j2): each element's rank counted in its row; rows
     longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes, through
-    two scratch pairs (values, indices) used in turn."""
+    two scratch pairs (values, indices) used in turn; topk of few from long rows by radix select."""
     x, values, indices = node.inputs[0], *node.outputs
     dim = node.attrs["dim"] % max(len(x.shape), 1)
     outer, D, inner = _rows(x.shape, dim)
@@ -814,6 +820,8 @@ def _sort(node, kernel_name):
                + (f", k={K}" if node.op == "topk" else ""))
     source_arg = [BufferArg(x, f"const {x.dtype.ctype}*")]
     outputs = _sort_pair_args(values, indices, writable=True)
+    if node.op == "topk" and D > SORT_RUN and K <= SELECT_MAX_K:
+        return [_select_kernel(node, kernel_name, ctx, source_arg + outputs, descending)]
     if passes == 0:
         return [_sort_kernel(node, kernel_name, ctx, "thread per element", source_arg + outputs, kind="rank", run=D,
                              to_outputs=True)]
@@ -830,6 +838,22 @@ def _sort(node, kernel_name):
                                     _sort_pair_args(*scratch[(step - 1) % 2], writable=False) + dst, kind="merge",
                                     step=step + 1, width=width, to_outputs=last))
     return kernels
+
+
+def _select_kernel(node, name, ctx, args, descending: bool) -> Kernel:
+    """topk by radix select (sort.cu.j2 kind "select"): one block per row; its threads share the
+    row's histograms on a GPU, one thread walks it on the cpu target (no barriers, no fibers)."""
+    threads = 1 if serial_blocks() else SELECT_THREADS
+    key_bits = 32 if ctx["acc"] == "float" else 64
+    step_what = f"radix select, block of {threads} per row" if threads > 1 else "radix select, thread per row"
+    comment = _comment(node, f"{ctx['what']} ({step_what})")
+    out_params = f"{ctx['t']}* __restrict__ values, long long* __restrict__ indices"
+    source = _render("sort.cu.j2", kind="select", name=name, comment=comment, out_params=out_params, threads=threads,
+                     key_bits=key_bits, key_t="unsigned int" if key_bits == 32 else "unsigned long long",
+                     key_kind="float" if node.inputs[0].dtype.is_floating else "integer", descending=descending,
+                     **ctx)
+    return Kernel(name=name, source=source, args=args, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
+                  block=(threads, 1, 1), needs_fibers=threads > 1, comment=comment, ops=[node.op])
 
 
 def _sort_pair_args(values, indices, writable: bool) -> list:
