@@ -61,6 +61,9 @@ Kernels by family (the main kernel carries `kernel_name`):
              and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
              a scratch row, then `<name>_merge<s>` kernels merge neighbouring runs (each element's
              position found by binary search in the other run), the last one into the outputs.
+             topk of k <= SELECT_MAX_K from such rows: one kernel, a block per row (one thread on
+             the cpu target) radix-selects the k-th order key, keeps the k first elements in shared
+             memory and ranks them among themselves.
 * attention — attention(q, k, v[, mask]): one thread per query row runs an online softmax over
              the keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
              skipped when causal, masked keys skipped, and writes the row's logsumexp;
