@@ -799,9 +799,11 @@ SORT_RUN = 256
 
 
 # topk of at most this many from a row longer than SORT_RUN selects instead of sorting the row: a block
-# per row (SELECT_THREADS threads on a GPU, one on the cpu target) keeps the k in shared memory.
+# per row (on a GPU up to SELECT_THREADS threads, each with SELECT_PER_THREAD elements or more; one
+# thread on the cpu target) keeps the k in shared memory.
 SELECT_MAX_K = 1024
 SELECT_THREADS = 512
+SELECT_PER_THREAD = 16
 
 
 def _sort(node, kernel_name):
@@ -860,7 +862,9 @@ def _order_keys(dtype, descending: bool) -> dict:
 def _select_kernel(node, name, ctx, args, keys) -> Kernel:
     """topk by radix select (sort.cu.j2 kind "select"): one block per row; its threads share the
     row's histograms on a GPU, one thread walks it on the cpu target (no barriers, no fibers)."""
-    threads = 1 if serial_blocks() else SELECT_THREADS
+    per_warp = 32 * SELECT_PER_THREAD
+    warps = 1 << ((ctx["D"] + per_warp - 1) // per_warp - 1).bit_length()   # a power of two
+    threads = 1 if serial_blocks() else min(SELECT_THREADS, 32 * warps)
     step_what = f"radix select, block of {threads} per row" if threads > 1 else "radix select, thread per row"
     comment = _comment(node, f"{ctx['what']} ({step_what})")
     source = _render("sort.cu.j2", kind="select", name=name, comment=comment, out_params=_sort_out_params(ctx["t"]),
