@@ -71,7 +71,8 @@ def _assert_graph_equals_eager(model, x, device="cpu"):
 
 
 # (id, input, dim, k): rows along a strided dim, the last dim, the first; rows longer than one block
-# and than the sort family's run (SORT_RUN = 256: ranked in runs, then merged once, twice, four times)
+# and than the sort family's run (SORT_RUN = 256: on the cpu target radix-sorted, their topk radix-
+# selected; the CUDA programs rank them in runs, then merge once, twice, four times)
 ORDER_CASES = [
     ("f32_ties_dim1_strided", _ties((3, 300, 2)), 1, 4),
     ("f32_ties_last", _ties((5, 7)), -1, 3),
