@@ -867,8 +867,10 @@ def _select_kernel(node, name, ctx, args, keys) -> Kernel:
     threads = 1 if serial_blocks() else min(SELECT_THREADS, 32 * warps)
     step_what = f"radix select, block of {threads} per row" if threads > 1 else "radix select, thread per row"
     comment = _comment(node, f"{ctx['what']} ({step_what})")
+    # the cpu target's work per row (flowgen_emu::SerialBlocks): ~8 operations an element a read of the row
+    row_work = 8 * ctx["D"] * (keys["key_bits"] // 8 + 2)
     source = _render("sort.cu.j2", kind="select", name=name, comment=comment, out_params=_sort_out_params(ctx["t"]),
-                     threads=threads, **keys, **ctx)
+                     threads=threads, row_work=row_work, **keys, **ctx)
     return Kernel(name=name, source=source, args=args, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
                   block=(threads, 1, 1), needs_fibers=threads > 1, comment=comment, ops=[node.op])
 
@@ -883,8 +885,9 @@ def _radix_sort_kernel(node, name, ctx, args, keys) -> Kernel:
         scratch += [BufferArg(Value(f"{node.outputs[0].name}_keys_{k}", (x.numel,), key_dtype), f"{keys['key_t']}*"),
                     BufferArg(Value(f"{node.outputs[1].name}_order_{k}", (x.numel,), dt.int64), "long long*")]
     comment = _comment(node, f"{ctx['what']} (radix sort, thread per row)")
+    row_work = 8 * ctx["D"] * (keys["key_bits"] // 4 + 2)   # ~8 operations an element a walk of the row
     source = _render("sort.cu.j2", kind="radix", name=name, comment=comment, out_params=_sort_out_params(ctx["t"]),
-                     **keys, **ctx)
+                     row_work=row_work, **keys, **ctx)
     return Kernel(name=name, source=source, args=args + scratch, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
                   block=(1, 1, 1), needs_fibers=False, comment=comment, ops=[node.op])
 
