@@ -1,4 +1,4 @@
-"""sort / argsort / topk / cumsum / cumprod inside nn.Graph (issues 11, 14): the `sort` and `scan`
+"""sort / argsort / topk / cumsum / cumprod inside nn.Graph (issues 11, 12, 14): the `sort` and `scan`
 kernel families on the CPU emulator, forward equal to eager flowgen bit for bit (values and
 indices: the kernels are stable and scan sequentially in the dtype, as the NumPy references do)
 and to PyTorch; graph training through them equal to eager and to PyTorch's gradients; the
@@ -71,7 +71,8 @@ def _assert_graph_equals_eager(model, x, device="cpu"):
 
 
 # (id, input, dim, k): rows along a strided dim, the last dim, the first; rows longer than one block
-# and than the sort family's run (SORT_RUN = 256: ranked in runs, then merged once, twice, four times)
+# and than the sort family's run (SORT_RUN = 256: on the cpu target radix-sorted, their topk radix-
+# selected; the CUDA programs rank them in runs, then merge once, twice, four times)
 ORDER_CASES = [
     ("f32_ties_dim1_strided", _ties((3, 300, 2)), 1, 4),
     ("f32_ties_last", _ties((5, 7)), -1, 3),
@@ -104,6 +105,60 @@ def test_sort_and_topk_graph_equal_eager_and_torch(x, dim, k):
         np.testing.assert_array_equal(g, w.numpy(), err_msg=f"output {i} vs torch")
     # values only (PyTorch's topk breaks ties in its own order)
     np.testing.assert_array_equal(got[5], torch.topk(t, k, dim).values.numpy())
+
+
+VOCAB = 50257   # GPT-2's vocabulary: nanoGPT's generate takes topk(logits, top_k) of rows this long
+
+
+def _vocab_logits():
+    """Two rows of VOCAB logits: many ties (eighths of small integers, both signed zeros) with 40
+    NaNs, and distinct values (a permutation), where PyTorch's indices are the only ones."""
+    tied = (RNG.integers(-40, 41, VOCAB) / 8).astype(np.float32)
+    tied[tied == 0] = np.where(RNG.random(int((tied == 0).sum())) < 0.5, -0.0, 0.0)
+    tied[RNG.choice(VOCAB, 40, replace=False)] = np.nan
+    distinct = (RNG.permutation(VOCAB) - VOCAB // 2).astype(np.float32) / 64
+    return np.stack([tied, distinct])
+
+
+class TopKs(nn.Module):
+    """topk(x, k) along the last dim, largest and smallest, for each k."""
+
+    def __init__(self, ks):
+        super().__init__()
+        self.ks = ks
+
+    def forward(self, x):
+        return tuple(t for k in self.ks for largest in (True, False) for t in x.topk(k, dim=-1, largest=largest))
+
+
+@pytest.mark.parametrize("ks", [(1, 50, 200, 1024), (1025, VOCAB)], ids=["select", "sort"])
+def test_topk_of_vocab_rows_graph_equal_eager_and_torch(ks):
+    """topk of up to 1024 from long rows takes the radix select kernel, of more (on the cpu target)
+    the radix sort: both equal eager bit for bit (stable ties in index order, NaN largest) and
+    PyTorch's values; the indices too in the row without ties."""
+    torch = get_torch()
+    x = _vocab_logits()
+    model = TopKs(ks)
+    graph = InferGraph(model)
+    got = [g.numpy() for g in graph(flow.tensor(x))]
+    for i, (g, w) in enumerate(zip(got, model(flow.tensor(x)))):
+        assert g.tobytes() == w.numpy().tobytes(), f"output {i}: not eager's bits"
+    t = torch.from_numpy(x)
+    for i, (k, largest) in enumerate((k, largest) for k in ks for largest in (True, False)):
+        want = torch.topk(t, k, dim=-1, largest=largest)
+        np.testing.assert_array_equal(got[2 * i], want.values.numpy(), err_msg=f"k={k} largest={largest}")
+        np.testing.assert_array_equal(got[2 * i + 1][1], want.indices[1].numpy(), err_msg=f"k={k} largest={largest}")
+    kind = "radix select" if max(ks) <= 1024 else "radix sort"   # the cpu target sorts long rows by radix
+    assert [kind in k.comment for k in graph.compiled.program.kernels] == [True] * (2 * len(ks))
+
+
+def test_topk_select_cuda_program_equals_eager(monkeypatch):
+    """The GPU's radix select (a block of threads per row sharing histograms and a prefix count of
+    equal keys; on the emulator where no GPU is present): vocab rows, strided rows, float64, int64."""
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    _assert_graph_equals_eager(TopKs((1, 200)), _vocab_logits(), "cuda")
+    _assert_graph_equals_eager(Orders(1, 9), _ties((3, 700, 2), np.float64), "cuda")
+    _assert_graph_equals_eager(TopKs((300,)), _ties((2, 1500), np.int64), "cuda")
 
 
 SCAN_CASES = [
@@ -299,7 +354,10 @@ def _nodes():
                 ("cumprod", (6, 10), dt.int64, dict(dim=1, reverse=False)),
                 ("cumprod", (3, 5), dt.float16, dict(dim=1, reverse=True)),
                 ("cumprod", (7,), dt.float64, dict(dim=0, reverse=False)),
-                ("topk", (2, 1100), dt.bfloat16, dict(k=3, dim=1, largest=True)),      # ranked in runs, merged
+                ("topk", (2, 1100), dt.bfloat16, dict(k=3, dim=1, largest=True)),      # radix select
+                ("topk", (3, 600, 2), dt.float64, dict(k=20, dim=1, largest=False)),
+                ("topk", (2, 50257), dt.int64, dict(k=1024, dim=1, largest=True)),
+                ("sort", (2, 1100), dt.bfloat16, dict(dim=1, descending=True)),        # ranked in runs, merged
                 ("cumsum", (2, 3000), dt.float16, dict(dim=1, reverse=True)),          # block per row
                 ("cumprod", (3, 1000), dt.int64, dict(dim=1, reverse=False))]
     nodes = []

@@ -61,6 +61,10 @@ Kernels by family (the main kernel carries `kernel_name`):
              and writes itself there. Rows longer than SORT_RUN: ranked in runs of SORT_RUN into
              a scratch row, then `<name>_merge<s>` kernels merge neighbouring runs (each element's
              position found by binary search in the other run), the last one into the outputs.
+             topk of k <= SELECT_MAX_K from such rows: one kernel, a block per row (one thread on
+             the cpu target) radix-selects the k-th order key, keeps the k first elements in shared
+             memory and ranks them among themselves. The cpu target sorts the other long rows a
+             thread per row by LSD radix sort of the same keys (scratch rows of keys and indices).
 * attention — attention(q, k, v[, mask]): one thread per query row runs an online softmax over
              the keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
              skipped when causal, masked keys skipped, and writes the row's logsumexp;
@@ -794,10 +798,19 @@ def _scan(node, kernel_name):
 SORT_RUN = 256
 
 
+# topk of at most this many from a row longer than SORT_RUN selects instead of sorting the row: a block
+# per row (on a GPU up to SELECT_THREADS threads, each with SELECT_PER_THREAD elements or more; one
+# thread on the cpu target) keeps the k in shared memory.
+SELECT_MAX_K = 1024
+SELECT_THREADS = 512
+SELECT_PER_THREAD = 16
+
+
 def _sort(node, kernel_name):
     """sort / topk along any dim (see sort.cu.j2): each element's rank counted in its row; rows
     longer than SORT_RUN ranked in runs, then merged in ceil(log2(D / SORT_RUN)) passes, through
-    two scratch pairs (values, indices) used in turn."""
+    two scratch pairs (values, indices) used in turn; topk of few from long rows by radix select,
+    other long rows on the cpu target by radix sort."""
     x, values, indices = node.inputs[0], *node.outputs
     dim = node.attrs["dim"] % max(len(x.shape), 1)
     outer, D, inner = _rows(x.shape, dim)
@@ -814,6 +827,12 @@ def _sort(node, kernel_name):
                + (f", k={K}" if node.op == "topk" else ""))
     source_arg = [BufferArg(x, f"const {x.dtype.ctype}*")]
     outputs = _sort_pair_args(values, indices, writable=True)
+    if D > SORT_RUN:
+        keys = _order_keys(x.dtype, descending)
+        if node.op == "topk" and K <= SELECT_MAX_K:
+            return [_select_kernel(node, kernel_name, ctx, source_arg + outputs, keys)]
+        if serial_blocks():
+            return [_radix_sort_kernel(node, kernel_name, ctx, source_arg + outputs, keys)]
     if passes == 0:
         return [_sort_kernel(node, kernel_name, ctx, "thread per element", source_arg + outputs, kind="rank", run=D,
                              to_outputs=True)]
@@ -832,6 +851,52 @@ def _sort(node, kernel_name):
     return kernels
 
 
+def _order_keys(dtype, descending: bool) -> dict:
+    """The select and radix kernels' order keys (sort.cu.j2 `order_key`): unsigned integers of the
+    compute type's width whose order is the output's."""
+    key_bits = 32 if _acc_type(dtype) == "float" else 64
+    return dict(key_bits=key_bits, key_t="unsigned int" if key_bits == 32 else "unsigned long long",
+                key_kind="float" if dtype.is_floating else "integer", descending=descending)
+
+
+def _select_kernel(node, name, ctx, args, keys) -> Kernel:
+    """topk by radix select (sort.cu.j2 kind "select"): one block per row; its threads share the
+    row's histograms on a GPU, one thread walks it on the cpu target (no barriers, no fibers)."""
+    per_warp = 32 * SELECT_PER_THREAD
+    warps = 1 << ((ctx["D"] + per_warp - 1) // per_warp - 1).bit_length()   # a power of two
+    threads = 1 if serial_blocks() else min(SELECT_THREADS, 32 * warps)
+    step_what = f"radix select, block of {threads} per row" if threads > 1 else "radix select, thread per row"
+    comment = _comment(node, f"{ctx['what']} ({step_what})")
+    # the cpu target's work per row (flowgen_emu::SerialBlocks): ~8 operations an element a read of the row
+    row_work = 8 * ctx["D"] * (keys["key_bits"] // 8 + 2)
+    source = _render("sort.cu.j2", kind="select", name=name, comment=comment, out_params=_sort_out_params(ctx["t"]),
+                     threads=threads, row_work=row_work, **keys, **ctx)
+    return Kernel(name=name, source=source, args=args, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
+                  block=(threads, 1, 1), needs_fibers=threads > 1, comment=comment, ops=[node.op])
+
+
+def _radix_sort_kernel(node, name, ctx, args, keys) -> Kernel:
+    """sort / topk of long rows on the cpu target (sort.cu.j2 kind "radix"): a thread per row sorts
+    its order keys by LSD radix sort through two scratch rows of keys and indices."""
+    x = node.inputs[0]
+    key_dtype = dt.int32 if keys["key_bits"] == 32 else dt.int64
+    scratch = []
+    for k in "ab":
+        scratch += [BufferArg(Value(f"{node.outputs[0].name}_keys_{k}", (x.numel,), key_dtype), f"{keys['key_t']}*"),
+                    BufferArg(Value(f"{node.outputs[1].name}_order_{k}", (x.numel,), dt.int64), "long long*")]
+    comment = _comment(node, f"{ctx['what']} (radix sort, thread per row)")
+    row_work = 8 * ctx["D"] * (keys["key_bits"] // 4 + 2)   # ~8 operations an element a walk of the row
+    source = _render("sort.cu.j2", kind="radix", name=name, comment=comment, out_params=_sort_out_params(ctx["t"]),
+                     row_work=row_work, **keys, **ctx)
+    return Kernel(name=name, source=source, args=args + scratch, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
+                  block=(1, 1, 1), needs_fibers=False, comment=comment, ops=[node.op])
+
+
+def _sort_out_params(t: str, prefix: str = "") -> str:
+    """The kernel parameters a sort-family kernel writes: the outputs, or (prefix "dst_") scratch."""
+    return f"{t}* __restrict__ {prefix}values, long long* __restrict__ {prefix}indices"
+
+
 def _sort_pair_args(values, indices, writable: bool) -> list:
     const = "" if writable else "const "
     return [BufferArg(values, f"{const}{values.dtype.ctype}*"), BufferArg(indices, f"{const}long long*")]
@@ -841,8 +906,7 @@ def _sort_kernel(node, name, ctx, step_what, args, **step) -> Kernel:
     """One sort-family kernel (sort.cu.j2 `kind` "rank" or "merge"), writing the op's outputs or
     the next scratch pair."""
     comment = _comment(node, f"{ctx['what']} ({step_what})")
-    dst = "" if step["to_outputs"] else "dst_"
-    out_params = f"{ctx['t']}* __restrict__ {dst}values, long long* __restrict__ {dst}indices"
+    out_params = _sort_out_params(ctx["t"], "" if step["to_outputs"] else "dst_")
     source = _render("sort.cu.j2", name=name, comment=comment, out_params=out_params, **ctx, **step)
     return Kernel(name=name, source=source, args=args, grid=_grid_1d(ctx["numel"]), block=(BLOCK, 1, 1),
                   needs_fibers=False, comment=comment, ops=[node.op])

@@ -1,7 +1,8 @@
 """Order-dependent ops: sort, topk and the cumulative scans.
 
 Graph kernels: ``sort``/``topk`` are the `sort` family (templates/sort.cu.j2: each element's rank
-counted in its row, or in runs of a long row that are then merged), ``cumsum``/``cumprod`` the
+counted in its row, or in runs of a long row that are then merged; topk of few from a long row by
+radix select of the k-th key; long rows on the cpu target by radix sort), ``cumsum``/``cumprod`` the
 `scan` family (templates/scan.cu.j2: one thread per row, sequential in the dtype), so graph
 results equal these NumPy references bit for bit.
 
