@@ -81,6 +81,7 @@ from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
+from flowgen.ops.norm_ops import layer_norm_lanes
 from flowgen.ops.registry import get_op
 
 # Threads per block for the one-thread-per-element kernels.
@@ -723,6 +724,58 @@ def _softmax(node, kernel_name, check_id):
     for k in kernels:   # a row is read whole before any of it is written (Template.rows_in_place)
         k.pointwise_reads = frozenset({x})
     return kernels
+
+
+# --------------------------------------------------------------------------
+# layer_norm / add_layer_norm / layer_norm_backward: rows over the trailing dims
+
+# per op: (kernel parameter names of the inputs that are always there, of the outputs)
+_LAYER_NORM_OPERANDS = {
+    "layer_norm": (("x",), ("y", "mean_out", "rstd_out")),
+    "add_layer_norm": (("a", "b"), ("sum", "y", "mean_out", "rstd_out")),
+    "layer_norm_backward": (("g", "x", "mean", "rstd"), ("dx",)),
+}
+
+# Elements per thread a block kernel keeps in registers: longer rows are read (or recomputed) again.
+LAYER_NORM_CACHED_STEPS = 32
+
+
+def _layer_norm(node, kernel_name):
+    """One row kernel: the forward (statistics by Welford per lane, merged in the op's fixed tree;
+    add_layer_norm also writes the residual sum) or the backward's dx (two row sums, same tree).
+    A block of L threads per row, or on the cpu target one thread per row with L accumulators:
+    the same arithmetic in the same order either way (ops/norm_ops.py)."""
+    fixed, out_names = _LAYER_NORM_OPERANDS[node.op]
+    attrs = node.attrs
+    backward = node.op == "layer_norm_backward"
+    optional = ("weight", "residual") if backward else ("weight", "bias")
+    flags = (attrs["has_weight"], attrs["has_residual"]) if backward else (attrs["has_weight"], attrs["has_bias"])
+    in_names = list(fixed) + [n for n, on in zip(optional, flags) if on]
+    operand = dict(zip(in_names, node.inputs))
+    x = operand["x"] if "x" in operand else operand["a"]
+    k = attrs["normalized_ndim"]
+    D = _numel(x.shape[len(x.shape) - k:])
+    rows = _numel(x.shape[:len(x.shape) - k])
+    stat = node.inputs[2] if backward else node.outputs[-1]
+    ct = stat.dtype.ctype
+    L = layer_norm_lanes(D)
+    S = -(-D // L)
+    ctx = dict(name=kernel_name, op=node.op, shape=_shape_text(x.shape), normalized_ndim=k, rows=rows, D=D, L=L,
+               S=S, ct=ct, idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
+               mode="backward" if backward else "forward", residual=node.op == "add_layer_norm",
+               has_weight=attrs["has_weight"], has_bias=attrs.get("has_bias", False),
+               has_residual=attrs.get("has_residual", False), cache=S <= LAYER_NORM_CACHED_STEPS,
+               eps=repr(float(attrs.get("eps", 0.0))), store_x=_storer(x.dtype, ct),
+               store_y=None if backward else _storer(node.outputs[-3].dtype, ct),
+               store_dx=_storer(node.outputs[0].dtype, ct))
+    # load_x, load_weight, ...: an operand's element in the compute type (add_layer_norm's sum reads as x)
+    ctx.update({f"load_{n}": _loader(v.dtype, ct) for n, v in operand.items()}, load_x=_loader(x.dtype, ct))
+    serial = serial_blocks()
+    what = f"over the last {k} dims of {_shape_text(x.shape)} ({'thread' if serial else 'block'} per row)"
+    source = _render("layer_norm.cu.j2", kind="serial" if serial else "block", comment=_comment(node, what), **ctx)
+    if serial:
+        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
+    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)]
 
 
 def _argreduce(node, kernel_name):
@@ -1451,4 +1504,5 @@ _FAMILIES = {
     "conv2d": _conv2d,
     "randperm": _randperm,
     "attention": _attention,
+    "layer_norm": _layer_norm,
 }
