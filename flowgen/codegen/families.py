@@ -68,6 +68,13 @@ Kernels by family (the main kernel carries `kernel_name`):
              dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
              The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
              P_ij with F.dropout's Philox mask, reading the rng state like randperm.
+* layer_norm — layer_norm / add_layer_norm (forward: y, the row's mean and rstd; add_layer_norm
+             also writes the residual sum it normalizes) and layer_norm_backward (dx, plus a
+             residual gradient): a block of L threads per row (L = layer_norm_lanes(D)), each
+             thread a lane of the op's fixed order, its elements kept in registers up to
+             LAYER_NORM_CACHED_STEPS; Welford states (forward) or two sums (backward) merged in
+             the op's tree through shared memory and warp shuffles. On the cpu target one thread
+             per row with the L lanes' accumulators in arrays, merged the same way.
 * randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
              seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
@@ -81,6 +88,7 @@ from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
+from flowgen.ops.lowering import cpp_literal
 from flowgen.ops.norm_ops import layer_norm_lanes
 from flowgen.ops.registry import get_op
 
@@ -740,17 +748,23 @@ _LAYER_NORM_OPERANDS = {
 LAYER_NORM_CACHED_STEPS = 32
 
 
+def _layer_norm_names(node) -> tuple:
+    """(input names, output names) of a layer_norm-family node's kernel parameters."""
+    fixed, out_names = _LAYER_NORM_OPERANDS[node.op]
+    attrs = node.attrs
+    optional = ("weight", "residual") if node.op == "layer_norm_backward" else ("weight", "bias")
+    flags = (attrs["has_weight"], attrs.get("has_residual", False) or attrs.get("has_bias", False))
+    return list(fixed) + [n for n, on in zip(optional, flags) if on], out_names
+
+
 def _layer_norm(node, kernel_name):
     """One row kernel: the forward (statistics by Welford per lane, merged in the op's fixed tree;
     add_layer_norm also writes the residual sum) or the backward's dx (two row sums, same tree).
     A block of L threads per row, or on the cpu target one thread per row with L accumulators:
     the same arithmetic in the same order either way (ops/norm_ops.py)."""
-    fixed, out_names = _LAYER_NORM_OPERANDS[node.op]
     attrs = node.attrs
     backward = node.op == "layer_norm_backward"
-    optional = ("weight", "residual") if backward else ("weight", "bias")
-    flags = (attrs["has_weight"], attrs["has_residual"]) if backward else (attrs["has_weight"], attrs["has_bias"])
-    in_names = list(fixed) + [n for n, on in zip(optional, flags) if on]
+    in_names, out_names = _layer_norm_names(node)
     operand = dict(zip(in_names, node.inputs))
     x = operand["x"] if "x" in operand else operand["a"]
     k = attrs["normalized_ndim"]
@@ -765,7 +779,7 @@ def _layer_norm(node, kernel_name):
                mode="backward" if backward else "forward", residual=node.op == "add_layer_norm",
                has_weight=attrs["has_weight"], has_bias=attrs.get("has_bias", False),
                has_residual=attrs.get("has_residual", False), cache=S <= LAYER_NORM_CACHED_STEPS,
-               eps=repr(float(attrs.get("eps", 0.0))), store_x=_storer(x.dtype, ct),
+               eps=None if backward else cpp_literal(attrs["eps"], double=True), store_x=_storer(x.dtype, ct),
                store_y=None if backward else _storer(node.outputs[-3].dtype, ct),
                store_dx=_storer(node.outputs[0].dtype, ct))
     # load_x, load_weight, ...: an operand's element in the compute type (add_layer_norm's sum reads as x)

@@ -1,4 +1,5 @@
-"""Normalisation ops with a closed-form gradient.
+"""Normalisation ops with a closed-form gradient: BatchNorm's (below) and LayerNorm's (`layer_norm`,
+`add_layer_norm`, `layer_norm_backward`: row kernels, further down).
 
 ``batch_norm_affine(x, mean, invstd, weight, bias)`` is ``(x - mean) * invstd * weight + bias``
 where ``mean`` and ``invstd = rsqrt(biased var + eps)`` are *the batch statistics of x* over

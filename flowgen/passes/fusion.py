@@ -19,6 +19,9 @@
   ``segments`` run side by side (a multi-tensor update).
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
+* Then a residual add left as a kernel of its own runs inside a LayerNorm row kernel: feeding a
+  layer_norm it becomes ``add_layer_norm`` (which also writes the sum); adding a gradient to
+  layer_norm_backward's dx it becomes that op's ``residual`` operand.
 
 Four families can be switched off (``graph.config.allow_fuse_*`` and
 ``enable_multi_tensor_update``, all on by default):
