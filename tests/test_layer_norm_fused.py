@@ -211,3 +211,25 @@ def test_residual_add_joins_a_gemm_epilogue_unless_switched_off():
         graph = Block(fuse_add)
         assert np.array_equal(graph(x).numpy(), want)
         assert [n.op for n in _layer_norm_nodes(graph)] == [op]
+
+
+def test_layer_norm_in_an_amp_graph_stays_float32():
+    """Autocast runs matmul/conv2d in bfloat16; the LayerNorm between them gets their float32 results
+    and stays the float32 row kernels. The AMP step trains like the float32 graph (within bfloat16's
+    rounding)."""
+    from graphs import TrainGraph
+
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Linear(32, 4))
+    reference = copy.deepcopy(model)
+    amp = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.0625))
+    amp.config.enable_amp(True, dtype=flow.bfloat16)
+    fp32 = TrainGraph(reference, nn.MSELoss(), flow.optim.SGD(reference.parameters(), lr=0.0625))
+    x, y = flow.randn(8, 16), flow.randn(8, 4)
+    for _ in range(3):
+        la, lf = float(amp(x, y)), float(fp32(x, y))
+        assert abs(la - lf) < 2e-2 * max(1.0, abs(lf))
+    nodes = _layer_norm_nodes(amp)
+    assert {n.op for n in nodes} == {"layer_norm", "layer_norm_backward"}
+    assert all(v.dtype == flow.float32 for n in nodes for v in n.inputs + n.outputs)
+    assert "bf16[" in str(amp.compiled.ir)
