@@ -172,7 +172,7 @@ def _tree(lanes, merge):
 
 
 def _welford_merge(a, b):
-    """Chan's merge of two (count, mean, m2) lane states, as the kernel's `flowgen_welford_merge`."""
+    """Chan's merge of two (count, mean, m2) lane states, as templates/layer_norm.cu.j2's `welford_merge`."""
     na, ma, qa = a
     nb, mb, qb = b
     n = na + nb
