@@ -788,8 +788,14 @@ def _layer_norm(node, kernel_name):
     what = f"over the last {k} dims of {_shape_text(x.shape)} ({'thread' if serial else 'block'} per row)"
     source = _render("layer_norm.cu.j2", kind="serial" if serial else "block", comment=_comment(node, what), **ctx)
     if serial:
-        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)]
-    return [_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)]
+        kernel = _kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)
+    else:
+        kernel = _kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
+    # Template.rows_in_place: each input is read per row before the row's barrier (one thread per
+    # row on the cpu target), or at an element by the thread that writes that element (add_layer_norm
+    # writes the sum right after reading its addends), so an output may take over a dying input
+    kernel.pointwise_reads = frozenset(node.inputs)
+    return [kernel]
 
 
 def _argreduce(node, kernel_name):

@@ -394,14 +394,15 @@ def _ln_backward_grad(ctx, g):
                               "implemented")
 
 
-defop("layer_norm", infer=_ln_infer, ref=_ln_ref, grad=_ln_grad, num_outputs=3, lowering=Template("layer_norm"),
+defop("layer_norm", infer=_ln_infer, ref=_ln_ref, grad=_ln_grad, num_outputs=3,
+      lowering=Template("layer_norm", rows_in_place=True),
       doc="layer_norm(x[, weight][, bias], normalized_ndim, eps, has_weight, has_bias) -> (y, mean, rstd): "
           "one row kernel, Welford statistics in double in a fixed lane order")
 defop("add_layer_norm", infer=_add_ln_infer, ref=_add_ln_ref, grad=_add_ln_grad, num_outputs=4,
-      lowering=Template("layer_norm"),
+      lowering=Template("layer_norm", rows_in_place=True),
       doc="add_layer_norm(a, b[, weight][, bias], ...) -> (a + b, y, mean, rstd): layer_norm of a residual "
           "sum, which it also writes")
 defop("layer_norm_backward", infer=_ln_backward_infer, ref=_ln_backward_ref, grad=_ln_backward_grad,
-      lowering=Template("layer_norm"),
+      lowering=Template("layer_norm", rows_in_place=True),
       doc="layer_norm_backward(g, x, mean, rstd[, weight][, residual], normalized_ndim, has_weight, "
           "has_residual) -> dx: the closed form, one row kernel (+ residual)")
