@@ -114,7 +114,7 @@ class _Step(nn.Graph):
 
 def _train_graph_and_eager(width, dtype, device, steps=3):
     """`steps` SGD steps as a graph and eagerly: the model's output, losses and parameters equal
-    bit for bit. In float64 the loss's mean and the weight/bias gradients' column sums are the
+    bit for bit. In float64 the loss's sum and the weight/bias gradients' column sums are the
     generic reductions, whose float64 sums depend on their order: equal to 1e-12 there."""
     flow.manual_seed(3)
     model = _Residual(width, dtype)
@@ -124,7 +124,6 @@ def _train_graph_and_eager(width, dtype, device, steps=3):
     assert np.array_equal(InferGraph(copy.deepcopy(model).to(device))(x.to(device)).numpy(), eager(x).numpy())
     same = np.testing.assert_array_equal if dtype == flow.float32 else \
         (lambda a, b, err_msg="": np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-14, err_msg=err_msg))
-    # an LR that float32 holds exactly (graphs keep hyper-parameters in float32)
     graph = _Step(model.to(device), flow.optim.SGD(model.parameters(), lr=0.0078125))
     opt = flow.optim.SGD(eager.parameters(), lr=0.0078125)
     for _ in range(steps):
