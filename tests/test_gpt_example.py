@@ -51,9 +51,11 @@ def test_eager_equals_pytorch_on_the_same_model_code():
             opt.step()
     # The attention's key bias has an exactly-zero gradient (softmax ignores a shift along keys), so
     # Adam's normalised step turns rounding noise there into steps of up to lr * (noise ratio): the
-    # bound is a small fraction of one LR step (3e-3) rather than float32 rounding.
+    # bound is a small fraction of one LR step (3e-3) rather than float32 rounding. Elements whose
+    # gradient cancels to noise do the same (h.1's c_attn.weight[176, 21]: 7e-10 at step 1, its row's
+    # median 4e-4; 3.5e-5 apart after 5 steps, 1% of a step).
     for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        np.testing.assert_allclose(p.numpy(), q.detach().numpy(), rtol=1e-4, atol=3e-5, err_msg=name)
+        np.testing.assert_allclose(p.numpy(), q.detach().numpy(), rtol=1e-4, atol=5e-5, err_msg=name)
 
 
 def test_generate_samples_from_the_vocabulary():

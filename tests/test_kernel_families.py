@@ -119,6 +119,46 @@ def _attention_backward_cases():
     return cases
 
 
+def _layer_norm_cases():
+    """The lanes-and-tree order of ops/norm_ops.py: every case equals the reference bit for bit
+    (32 lanes with some empty, 64 and 128 lanes folded into a warp, rows longer than a block keeps
+    in registers); layer_norm_backward on the statistics the forward reference gives."""
+    def ln(shape, k, affine="wb", dtype=np.float32, op="layer_norm"):
+        def arrays(r):
+            x = (_rand(r, shape) * 3 + 1).astype(dtype)
+            params = [_rand(r, shape[len(shape) - k:], dtype) for _ in affine]
+            return [x, _rand(r, shape, dtype)] + params if op == "add_layer_norm" else [x] + params
+        return arrays
+
+    def backward(shape, k, weight=True, residual=False, dtype=np.float32):
+        def arrays(r):
+            x = (_rand(r, shape) * 3 + 1).astype(dtype)
+            w = [_rand(r, shape[len(shape) - k:], dtype)] if weight else []
+            _, mean, rstd = get_op("layer_norm").ref(x, normalized_ndim=k, eps=1e-5, has_weight=False, has_bias=False)
+            return [_rand(r, shape, dtype), x, mean, rstd, *w] + ([_rand(r, shape, dtype)] if residual else [])
+        return arrays
+
+    def attrs(k, affine="wb"):
+        return dict(normalized_ndim=k, eps=1e-5, has_weight="w" in affine, has_bias="b" in affine)
+
+    exact = dict(rtol=0.0, atol=0.0)
+    return [
+        Case("layer_norm_affine", "layer_norm", ln((4, 6, 40), 1), **exact, **attrs(1)),
+        Case("layer_norm_two_dims_no_affine", "layer_norm", ln((3, 5, 7), 2, ""), **exact, **attrs(2, "")),
+        Case("layer_norm_wide_f64_weight", "layer_norm", ln((3, 700), 1, "w", np.float64), **exact, **attrs(1, "w")),
+        Case("layer_norm_f16_bias", "layer_norm", ln((5, 24), 1, "b", F16), **exact, **attrs(1, "b")),
+        Case("layer_norm_long_rows", "layer_norm", ln((2, 9000), 1), **exact, **attrs(1)),
+        Case("add_layer_norm", "add_layer_norm", ln((5, 300), 1, op="add_layer_norm"), **exact, **attrs(1)),
+        Case("layer_norm_backward_residual", "layer_norm_backward", backward((4, 6, 40), 1, residual=True), **exact,
+             normalized_ndim=1, has_weight=True, has_residual=True),
+        Case("layer_norm_backward_f64_no_weight", "layer_norm_backward", backward((3, 700), 1, False, False,
+                                                                                np.float64),
+             **exact, normalized_ndim=1, has_weight=False, has_residual=False),
+        Case("layer_norm_backward_long_rows", "layer_norm_backward", backward((2, 3, 3000), 2), **exact,
+             normalized_ndim=2, has_weight=True, has_residual=False),
+    ]
+
+
 def _pool_cases():
     x_shape = (2, 3, 11, 9)
     cases = []
@@ -291,6 +331,7 @@ CASES = [
     # scatter of nothing: a zero fill (appended, so the cases above keep their seeds)
     Case("index_add_no_entries", "index_add", lambda r: [_index(r, 7, (0,)), _rand(r, (4, 0, 5))], shape=(4, 7, 5),
          dim=1),
+    *_layer_norm_cases(),
 ]
 
 FAMILY_OPS = {
@@ -302,6 +343,7 @@ FAMILY_OPS = {
                "adaptive_avg_pool2d_grad"},
     "upsample": {"upsample_nearest2d", "upsample_nearest2d_grad", "upsample_bilinear2d", "upsample_bilinear2d_grad"},
     "attention": {"attention", "attention_backward", "attention_dropout", "attention_dropout_backward"},
+    "layer_norm": {"layer_norm", "add_layer_norm", "layer_norm_backward"},
 }
 
 

@@ -72,6 +72,13 @@ Kernels by family (the main kernel carries `kernel_name`):
              dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
              The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
              P_ij with F.dropout's Philox mask, reading the rng state like randperm.
+* layer_norm — layer_norm / add_layer_norm (forward: y, the row's mean and rstd; add_layer_norm
+             also writes the residual sum it normalizes) and layer_norm_backward (dx, plus a
+             residual gradient): a block of L threads per row (L = layer_norm_lanes(D)), each
+             thread a lane of the op's fixed order, its elements kept in registers up to
+             LAYER_NORM_CACHED_STEPS; Welford states (forward) or two sums (backward) merged in
+             the op's tree through shared memory and warp shuffles. On the cpu target one thread
+             per row with the L lanes' accumulators in arrays, merged the same way.
 * randperm — a Fisher-Yates shuffle on one thread, reading the graph's rng state (the
              seed and per-call offset, passes/random_streams.py) as an extra argument.
 """
@@ -85,6 +92,8 @@ from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
+from flowgen.ops.lowering import cpp_literal
+from flowgen.ops.norm_ops import layer_norm_lanes
 from flowgen.ops.registry import get_op
 
 # Threads per block for the one-thread-per-element kernels.
@@ -727,6 +736,70 @@ def _softmax(node, kernel_name, check_id):
     for k in kernels:   # a row is read whole before any of it is written (Template.rows_in_place)
         k.pointwise_reads = frozenset({x})
     return kernels
+
+
+# --------------------------------------------------------------------------
+# layer_norm / add_layer_norm / layer_norm_backward: rows over the trailing dims
+
+# per op: (kernel parameter names of the inputs that are always there, of the outputs)
+_LAYER_NORM_OPERANDS = {
+    "layer_norm": (("x",), ("y", "mean_out", "rstd_out")),
+    "add_layer_norm": (("a", "b"), ("sum", "y", "mean_out", "rstd_out")),
+    "layer_norm_backward": (("g", "x", "mean", "rstd"), ("dx",)),
+}
+
+# Elements per thread a block kernel keeps in registers: longer rows are read (or recomputed) again.
+LAYER_NORM_CACHED_STEPS = 32
+
+
+def _layer_norm_names(node) -> tuple:
+    """(input names, output names) of a layer_norm-family node's kernel parameters."""
+    fixed, out_names = _LAYER_NORM_OPERANDS[node.op]
+    attrs = node.attrs
+    optional = ("weight", "residual") if node.op == "layer_norm_backward" else ("weight", "bias")
+    flags = (attrs["has_weight"], attrs.get("has_residual", False) or attrs.get("has_bias", False))
+    return list(fixed) + [n for n, on in zip(optional, flags) if on], out_names
+
+
+def _layer_norm(node, kernel_name):
+    """One row kernel: the forward (statistics by Welford per lane, merged in the op's fixed tree;
+    add_layer_norm also writes the residual sum) or the backward's dx (two row sums, same tree).
+    A block of L threads per row, or on the cpu target one thread per row with L accumulators:
+    the same arithmetic in the same order either way (ops/norm_ops.py)."""
+    attrs = node.attrs
+    backward = node.op == "layer_norm_backward"
+    in_names, out_names = _layer_norm_names(node)
+    operand = dict(zip(in_names, node.inputs))
+    x = operand["x"] if "x" in operand else operand["a"]
+    k = attrs["normalized_ndim"]
+    D = _numel(x.shape[len(x.shape) - k:])
+    rows = _numel(x.shape[:len(x.shape) - k])
+    stat = node.inputs[2] if backward else node.outputs[-1]
+    ct = stat.dtype.ctype
+    L = layer_norm_lanes(D)
+    S = -(-D // L)
+    ctx = dict(name=kernel_name, op=node.op, shape=_shape_text(x.shape), normalized_ndim=k, rows=rows, D=D, L=L,
+               S=S, ct=ct, idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
+               mode="backward" if backward else "forward", residual=node.op == "add_layer_norm",
+               has_weight=attrs["has_weight"], has_bias=attrs.get("has_bias", False),
+               has_residual=attrs.get("has_residual", False), cache=S <= LAYER_NORM_CACHED_STEPS,
+               eps=None if backward else cpp_literal(attrs["eps"], double=True), store_x=_storer(x.dtype, ct),
+               store_y=None if backward else _storer(node.outputs[-3].dtype, ct),
+               store_dx=_storer(node.outputs[0].dtype, ct))
+    # load_x, load_weight, ...: an operand's element in the compute type (add_layer_norm's sum reads as x)
+    ctx.update({f"load_{n}": _loader(v.dtype, ct) for n, v in operand.items()}, load_x=_loader(x.dtype, ct))
+    serial = serial_blocks()
+    what = f"over the last {k} dims of {_shape_text(x.shape)} ({'thread' if serial else 'block'} per row)"
+    source = _render("layer_norm.cu.j2", kind="serial" if serial else "block", comment=_comment(node, what), **ctx)
+    if serial:
+        kernel = _kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)
+    else:
+        kernel = _kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
+    # Template.rows_in_place: each input is read per row before the row's barrier (one thread per
+    # row on the cpu target), or at an element by the thread that writes that element (add_layer_norm
+    # writes the sum right after reading its addends), so an output may take over a dying input
+    kernel.pointwise_reads = frozenset(node.inputs)
+    return [kernel]
 
 
 def _argreduce(node, kernel_name):
@@ -1515,4 +1588,5 @@ _FAMILIES = {
     "conv2d": _conv2d,
     "randperm": _randperm,
     "attention": _attention,
+    "layer_norm": _layer_norm,
 }

@@ -19,7 +19,11 @@ Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_
 * row ops (softmax / log_softmax along `dim`; the cross-entropy rows of (N, C) logits and their
   gradient, rows along dim 0): split along another dim than the row's -> the same split (a B
   operand takes its piece); split along the row's dim, or P, -> the operands are gathered to B
-  first and the result is B.
+  first and the result is B;
+* layer_norm / add_layer_norm / layer_norm_backward (rows over the trailing normalized dims): the
+  row operands (the input's rank: x, g, mean, rstd, ...) split along one leading dim -> the same
+  split, with B weight and bias whole (a B row operand takes its piece); anything else is gathered
+  to B first.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
 operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
@@ -234,6 +238,26 @@ def _rows(op, tensors, attrs):
     return locals_, split(d), attrs
 
 
+_NORMALIZED_ROWS = frozenset({"layer_norm", "add_layer_norm", "layer_norm_backward"})
+
+
+def _normalized_rows(op, tensors, attrs):
+    """The layer_norm family: each rank normalizes its own rows when the row operands are split
+    along one leading dim and the weight and bias (of the normalized shape) are broadcast."""
+    ndim = max(t.ndim for t in tensors)
+    rows = [t for t in tensors if t.ndim == ndim]
+    affine = [t for t in tensors if t.ndim != ndim]
+    dims = {_layout(t).dim for t in rows if _layout(t).kind == "split"}
+    lead = ndim - attrs["normalized_ndim"]
+    if (len(dims) != 1 or next(iter(dims)) >= lead or any(_layout(t).kind == "partial_sum" for t in rows)
+            or any(_layout(t).kind != "broadcast" for t in affine)):
+        return [_boxed(t, broadcast)._global.local for t in tensors], broadcast, attrs
+    d = dims.pop()
+    locals_ = [_local_piece(t, d) if t.ndim == ndim and _layout(t).kind == "broadcast" else t._global.local
+               for t in tensors]
+    return locals_, split(d), attrs
+
+
 def _local_inputs(op, tensors, attrs, out_ndim):
     """(local operands, output sbp, local attrs) for `op` on global `tensors`."""
     if op.name in _RANDOM:
@@ -253,6 +277,8 @@ def _local_inputs(op, tensors, attrs, out_ndim):
         return _permute(op, tensors[0], attrs)
     if op.name in _ROW_DIM:
         return _rows(op, tensors, attrs)
+    if op.name in _NORMALIZED_ROWS:
+        return _normalized_rows(op, tensors, attrs)
     raise _unsupported(op.name, tensors)
 
 

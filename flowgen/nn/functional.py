@@ -333,11 +333,10 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         raise RuntimeError(f"layer_norm: given normalized_shape={list(normalized_shape)}, expected input with "
                            f"shape [*, {', '.join(map(str, normalized_shape))}], but got input of size "
                            f"{list(input.shape)}")
-    out, _, _ = _normalize(input, tuple(range(input.ndim - k, input.ndim)), eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
+    # one op (ops/norm_ops.py): a row kernel forward, the closed form backward
+    affine = [t for t in (weight, bias) if t is not None]
+    out, _, _ = apply("layer_norm", input, *affine, normalized_ndim=k, eps=float(eps),
+                      has_weight=weight is not None, has_bias=bias is not None)
     return out
 
 

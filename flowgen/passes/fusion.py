@@ -19,6 +19,9 @@
   ``segments`` run side by side (a multi-tensor update).
 * Every other elementwise or reduction node becomes a one-node fused group, so
   codegen sees kernels only as ``fused`` nodes or template-family nodes.
+* Then a residual add left as a kernel of its own runs inside a LayerNorm row kernel: feeding a
+  layer_norm it becomes ``add_layer_norm`` (which also writes the sum); adding a gradient to
+  layer_norm_backward's dx it becomes that op's ``residual`` operand.
 
 Four families can be switched off (``graph.config.allow_fuse_*`` and
 ``enable_multi_tensor_update``, all on by default):
@@ -40,6 +43,7 @@ group produces (so the order stays valid).
 """
 from __future__ import annotations
 
+from flowgen import dtype as dt
 from flowgen.ir.graph import Node
 from flowgen.ops.lowering import Elementwise, Reduction, View
 from flowgen.ops.registry import get_op
@@ -314,7 +318,8 @@ def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: 
             new_nodes.append(node)
         elif i in last_of:
             new_nodes.append(_fused_node(graph, g, nodes, users))
-    return graph.copy_with(nodes=new_nodes)
+    fused = graph.copy_with(nodes=new_nodes)
+    return _residual_adds_into_layer_norms(fused) if enabled else fused
 
 
 def _is_update_group(g: _Group, nodes, users, live_out) -> bool:
@@ -382,3 +387,70 @@ def _fused_node(graph, group: _Group, nodes, users) -> Node:
         position = {m: k for k, m in enumerate(members)}
         attrs["segments"] = [[position[m] for m in seg] for seg in group.segments]
     return Node("fused", inputs, outputs, attrs, scope=scopes[0] if scopes else "", loc=body[-1].loc)
+
+
+def _lone_residual_add(node):
+    """(add, views) of a kernel that is one `add` of two float32/float64 operands of the result's
+    shape and dtype (a residual stream's sum, or its gradient's), then only views (reshapes) of
+    its result; else None."""
+    if node.op != "fused" or node.attrs["kind"] != "elementwise":
+        return None
+    add, *views = node.attrs["body"]
+    out = add.output
+    if add.op != "add" or out.dtype not in (dt.float32, dt.float64):
+        return None
+    if any(tuple(v.shape) != tuple(out.shape) or v.dtype != out.dtype for v in add.inputs):
+        return None
+    made = {out}
+    for view in views:
+        if not isinstance(get_op(view.op).lowering, View) or view.inputs[0] not in made:
+            return None
+        made.add(view.output)
+    return add, views
+
+
+def _residual_adds_into_layer_norms(graph):
+    """A residual add that stayed a kernel of its own (it joined no GEMM/conv epilogue or
+    elementwise chain) runs inside the layer_norm row kernel next to it:
+
+    * forward, `s = a + b` feeding layer_norm(s): `add_layer_norm(a, b)` reads both addends and
+      writes s (still read later: the next residual add, the backward) and the normalized rows;
+    * backward, `dx + r` adding the residual stream's gradient r to layer_norm_backward's dx (its
+      only reader): `layer_norm_backward(..., residual=r)` writes the sum.
+
+    Where the add joined a GEMM epilogue (nanoGPT's `x + c_proj(y)`) it stays there: the GEMM
+    then writes s with one read of x less than add_layer_norm would need."""
+    nodes = graph.nodes
+    users = graph.users()
+    live_out = graph.live_out()
+    index = {id(n): i for i, n in enumerate(nodes)}
+    producer = {v: i for i, n in enumerate(nodes) for v in n.outputs}
+    rewritten: dict = {}   # node index -> the nodes in its place ([] where a node is absorbed)
+    for i, node in enumerate(nodes):
+        if node.op == "layer_norm":
+            total = node.inputs[0]
+            p = producer.get(total)
+            found = _lone_residual_add(nodes[p]) if p is not None and p not in rewritten else None
+            # the sum is written later now: nothing between the add and the layer_norm may read it
+            if found is None or found[1] or nodes[p].outputs != [total] or \
+                    any(total in nodes[b].inputs for b in range(p + 1, i)):
+                continue
+            rewritten[p] = []
+            rewritten[i] = [Node("add_layer_norm", [*found[0].inputs, *node.inputs[1:]], [total, *node.outputs],
+                                 dict(node.attrs), scope=node.scope, loc=node.loc)]
+        elif node.op == "layer_norm_backward" and not node.attrs["has_residual"]:
+            dx = node.output
+            readers = users.get(dx, [])
+            if dx in live_out or len(readers) != 1 or index[id(readers[0])] in rewritten:
+                continue
+            found = _lone_residual_add(readers[0])
+            if found is None or found[0].inputs[0] is found[0].inputs[1]:
+                continue
+            add, views = found
+            residual = add.inputs[1] if add.inputs[0] is dx else add.inputs[0]
+            rewritten[i] = []
+            # the reshapes of the sum stay views of it (no kernel)
+            rewritten[index[id(readers[0])]] = [
+                Node("layer_norm_backward", [*node.inputs, residual], [add.output],
+                     {**node.attrs, "has_residual": True}, scope=node.scope, loc=node.loc), *views]
+    return graph.copy_with(nodes=[m for i, n in enumerate(nodes) for m in rewritten.get(i, [n])])

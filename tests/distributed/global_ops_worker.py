@@ -70,6 +70,10 @@ CASES = {
     "cross_entropy_split_rows": (lambda T: flow.nn.functional.cross_entropy(T("x", S0), T("labels", S0)), B),
     "cross_entropy_input_grad": (lambda T: _input_grad(lambda x: flow.nn.functional.cross_entropy(x, T("labels", S0)),
                                                        T("x", S0)), S0),
+    "layer_norm_split_rows": (lambda T: flow.nn.functional.layer_norm(T("x", S0), 4, T("v", B)), S0),
+    "layer_norm_along_the_split": (lambda T: flow.nn.functional.layer_norm(T("x", S1), 4), B),
+    "layer_norm_input_grad": (lambda T: _input_grad(
+        lambda x: (flow.nn.functional.layer_norm(x, 4, T("v", B)) * T("y", S0)).sum(), T("x", S0)), S0),
     # 3 rows over 4 ranks: the last rank's piece is empty
     "uneven_pieces": (lambda T: flow.matmul(flow.exp(T("r3", S0)), T("w", B)).mean(0) + T("r3", S0).amax(1).sum(),
                       flow.sbp.partial_sum),
