@@ -206,7 +206,8 @@ def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
 
 
 # One training run in a new process: three steps of a small MLP; prints what the program cache
-# did, the numbers and what graph.compiled shows. argv[1]: JSON of what to change (_BASE's keys):
+# did, the numbers and what graph.compiled shows (a graph on "cuda" runs its CUDA program on the
+# emulator where no GPU is present). argv[1]: JSON of what to change (_BASE's keys):
 # "instances" graphs are made before the one trained (its name is TrainGraph_<instances>), and
 # "call_line" blank lines above its call move it (the source location of its backward nodes).
 _TRAIN_IN_A_NEW_PROCESS = """
@@ -220,13 +221,15 @@ run = json.loads(sys.argv[1])
 if run["max_pointers"]:
     fusion.MULTI_MAX_POINTERS = run["max_pointers"]
 flow.manual_seed(0)
-model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(run["slope"]), nn.Linear(8, 3)).to(getattr(flow, run["dtype"]))
+model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(run["slope"]), nn.Linear(8, 3))
+model.to(getattr(flow, run["dtype"])).to(run["device"])
 make = lambda: TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
 graph = [make() for _ in range(run["instances"] + 1)][-1]
 graph.config.allow_fuse_add_to_output(run["fuse_add"])
 next(iter(graph.model)).to(nn.graph.GraphModule).activation_checkpointing = run["checkpoint"]
 graph.debug(run["debug"])
-x, y = flow.randn(run["batch"], 6, dtype=getattr(flow, run["dtype"])), flow.randint(0, 3, (run["batch"],))
+x = flow.randn(run["batch"], 6, dtype=getattr(flow, run["dtype"]), device=run["device"])
+y = flow.randint(0, 3, (run["batch"],), device=run["device"])
 losses = [float(graph(x, y)) for _ in range(3)]
 program = graph.compiled.program
 kernels = [repr(dataclasses.replace(k, pointwise_reads=sorted(map(repr, k.pointwise_reads))))  # a set: sorted
@@ -241,7 +244,7 @@ print(json.dumps({"cache": graph.compiled.program_cache, "rejected": program_cac
                             "graph.json": open(sys.argv[2] + "/graph.json").read()}}))
 """
 _BASE = {"batch": 4, "slope": 0.01, "fuse_add": True, "checkpoint": False, "debug": -1, "max_pointers": 0,
-         "dtype": "float32", "instances": 0, "call_line": 0}
+         "dtype": "float32", "device": "cpu", "instances": 0, "call_line": 0}
 
 
 _SAVES = itertools.count()
@@ -249,7 +252,7 @@ _SAVES = itertools.count()
 
 def _train_in_a_new_process(cache_root, **change) -> dict:
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0",
+    env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0", FLOWGEN_EMULATE_CUDA="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]))
     saved = cache_root.parent / f"saved-{os.getpid()}-{next(_SAVES)}"
     run = {**_BASE, **change}
@@ -290,6 +293,16 @@ def test_another_instance_called_from_another_line_hits_and_shows_what_a_fresh_b
     assert loaded["shown"]["ir"].startswith("graph TrainGraph_2(") and first["shown"]["ir"].startswith(
         "graph TrainGraph_0(")
     assert loaded["shown"]["locations"] != first["shown"]["locations"]
+
+
+def test_a_cuda_graph_has_entries_of_its_own_target(first_process):
+    root, first = first_process
+    cuda = _train_in_a_new_process(root, device="cuda")
+    again = _train_in_a_new_process(root, device="cuda")
+    assert (cuda["cache"], again["cache"]) == ("miss", "hit")
+    assert again["shown"] == cuda["shown"] and again["shown"]["source"] != first["shown"]["source"]
+    assert again["losses"] == cuda["losses"] and again["params"] == cuda["params"]
+    np.testing.assert_allclose(cuda["losses"], first["losses"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("change", [{"batch": 5}, {"dtype": "float64"}, {"slope": 0.2}, {"fuse_add": False},
