@@ -38,7 +38,9 @@ unpickle is counted in `STATS.rejected`, ignored, and rebuilt over.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import importlib
 import io
@@ -247,7 +249,9 @@ class _KeyPickler(pickle.Pickler):
         if cls is dt.DType:
             return dt.get, (obj.name,)
         if isinstance(obj, Node):     # its fields but the source location
-            return tuple, ((cls.__qualname__, {k: v for k, v in vars(obj).items() if k != "loc"}),)
+            fields = vars(obj).copy()
+            del fields["loc"]
+            return tuple, ((cls.__qualname__, fields),)
         if isinstance(obj, Graph):    # its fields, with the class's name for the instance's
             fields = {**vars(obj), "name": _graph_class_name(obj.name)}
             return tuple, ((cls.__qualname__, fields),)
@@ -296,6 +300,20 @@ def _external(ir) -> dict:
     return {**external, id(ir): ("graph",), id(ir.name): ("name",)}
 
 
+@contextlib.contextmanager
+def _collector_paused():
+    """Loading an entry makes tens of thousands of objects that all stay alive: the cyclic garbage
+    collector, which runs every few hundred new objects, would only walk them (a third of the
+    load's time) and find nothing to free."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _load(k: str, ir):
     """The cached result for key `k`, None if there is no valid entry."""
     try:
@@ -310,7 +328,8 @@ def _load(k: str, ir):
         payload = data[digest_end:]
         if hashlib.sha256(payload).hexdigest().encode() != data[len(header):digest_end - 1]:
             raise ValueError("payload digest mismatch")
-        return _Unpickler(io.BytesIO(payload), ir, _values(ir), list(_nodes(ir.nodes))).load()
+        with _collector_paused():
+            return _Unpickler(io.BytesIO(payload), ir, _values(ir), list(_nodes(ir.nodes))).load()
     except Exception:   # any damage to an entry means: rebuild it, never trust it
         STATS.rejected += 1
         return None
