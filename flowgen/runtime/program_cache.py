@@ -301,10 +301,11 @@ def _external(ir) -> dict:
 
 
 @contextlib.contextmanager
-def _collector_paused():
-    """Loading an entry makes tens of thousands of objects that all stay alive: the cyclic garbage
-    collector, which runs every few hundred new objects, would only walk them (a third of the
-    load's time) and find nothing to free."""
+def collector_paused():
+    """The cyclic garbage collector off meanwhile. Loading an entry, or tracing and compiling a
+    graph, makes tens of thousands of objects that mostly stay alive: the collector, which runs
+    every few hundred new objects, would walk them again and again and find little to free (a
+    third of a load's time, a sixth of a warm compile's). It runs again afterwards."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -328,7 +329,7 @@ def _load(k: str, ir):
         payload = data[digest_end:]
         if hashlib.sha256(payload).hexdigest().encode() != data[len(header):digest_end - 1]:
             raise ValueError("payload digest mismatch")
-        with _collector_paused():
+        with collector_paused():
             return _Unpickler(io.BytesIO(payload), ir, _values(ir), list(_nodes(ir.nodes))).load()
     except Exception:   # any damage to an entry means: rebuild it, never trust it
         STATS.rejected += 1
