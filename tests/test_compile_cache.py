@@ -65,6 +65,34 @@ def test_identical_bodies_compile_once_for_the_emulator(cache):
     np.testing.assert_array_equal(x, np.full(4, 12.0, np.float32))
 
 
+def _scale_by_every_kernel(library, build) -> np.ndarray:
+    module = CpuModule(library, {name: symbol for name, (_, symbol) in build.symbols.items()})
+    x = np.ones(4, np.float32)
+    for name in build.symbols:
+        module.launch(name, (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
+    return x
+
+
+def test_a_source_built_before_is_found_whole_until_an_artifact_is_gone(cache, monkeypatch):
+    first = build_kernel_library(SOURCE)
+    by_body = []
+    build_bodies = kernel_cache._build_bodies
+    monkeypatch.setattr(kernel_cache, "_build_bodies", lambda *args: by_body.append(1) or build_bodies(*args))
+    library, again = build_kernel_library(SOURCE)
+    assert not by_body and library == first[0] and again.symbols == first[1].symbols
+    assert again.stats.as_dict() == {"kernels": 4, "distinct": 2, "cached": 2, "compiled": 0, "chunks": 0}
+    np.testing.assert_array_equal(_scale_by_every_kernel(library, again), np.full(4, 24.0, np.float32))
+
+    records = list((cache / "cpu-kernels" / "sources").iterdir())
+    records[0].write_bytes(b'{"chunks": ["elsewhere"]')    # not a record flowgen wrote: built body by body
+    assert build_kernel_library(SOURCE)[1].stats.cached == 2 and len(by_body) == 1
+    for path in first[1].artifacts:                          # a chunk's artifact removed: compiled again
+        path.unlink()
+    library, rebuilt = build_kernel_library(SOURCE)
+    assert len(by_body) == 2 and rebuilt.stats.compiled == 2
+    np.testing.assert_array_equal(_scale_by_every_kernel(library, rebuilt), np.full(4, 24.0, np.float32))
+
+
 def test_split_kernels_keeps_every_kernel_and_drops_header_comments():
     preamble, units = kernel_cache.split_kernels("// kernels.cu for MyGraph\n" + SOURCE)
     assert preamble == '#include "flowgen_cuda_prelude.h"\n'
