@@ -18,9 +18,11 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.codegen import aot
+from flowgen.ir import graph as ir_graph
+from flowgen.ir.graph import Node, Value
 from flowgen.ops import registry
 from flowgen.ops.lowering import Elementwise
-from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, progress
+from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, program_cache, progress
 from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 from graphs import InferGraph, TrainGraph
 
@@ -371,6 +373,28 @@ def test_a_corrupt_program_cache_entry_is_rebuilt(first_process, damage):
     assert rebuilt["shown"] == first["shown"]
     again = _train_in_a_new_process(root)
     assert (again["cache"], again["rejected"]) == ("hit", 0) and again["shown"] == first["shown"]
+
+
+def _relu_ir(name: str, loc: str):
+    x, y = Value("x", (3,), flow.float32), Value("y", (3,), flow.float32)
+    return ir_graph.Graph(name, inputs=[x], nodes=[Node("relu", [x], [y], loc=loc)], outputs=[y])
+
+
+def test_a_loaded_result_takes_the_callers_name_and_locations(cache):
+    first = _relu_ir("ReluGraph_0", "a.py:1")
+    result, status = program_cache.cached(first, {}, lambda: (first.name, first.nodes[0].loc, first.outputs[0]))
+    assert status == "miss"
+    second = _relu_ir("ReluGraph_7", "b.py:2")
+    result, status = program_cache.cached(second, {}, lambda: None)
+    assert status == "hit" and result == ("ReluGraph_7", "b.py:2", second.outputs[0])
+    assert result[2] is second.outputs[0]
+    other = _relu_ir("ReluGraph_0", "a.py:1")
+    other.nodes[0].attrs["note"] = "x"      # another key; its result spells the name out: not stored
+    stored = program_cache.STATS.stored
+    assert program_cache.cached(other, {}, lambda: f"{other.name}.relu")[1] == "miss"
+    assert program_cache.STATS.stored == stored
+    assert program_cache.cached(other, {}, lambda: "ReluGraph_01 FLAG_ReluGraph_0x")[1] == "miss"   # not the name
+    assert program_cache.STATS.stored == stored + 1
 
 
 def test_a_graph_using_an_op_defined_outside_flowgen_is_not_program_cached(cache):

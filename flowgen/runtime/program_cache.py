@@ -47,6 +47,7 @@ import io
 import os
 import pickle
 import pkgutil
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -166,14 +167,15 @@ class _Pickler(pickle.Pickler):
     def __init__(self, file, external: dict, name: str, locations: frozenset):
         super().__init__(file, protocol=_PROTOCOL)
         self.external = external    # id(object) -> persistent id
-        self.name, self.locations = name, locations
+        self.name = re.compile(rf"(?<!\w){re.escape(name)}(?!\w)")   # the name as a word of its own
+        self.locations = locations
 
     def persistent_id(self, obj):
         if isinstance(obj, dt.DType):
             return ("dtype", obj.name)
         pid = self.external.get(id(obj))
-        if pid is None and type(obj) is str and (self.name in obj or obj in self.locations):
-            raise _UnboundString(f"{obj!r} holds the graph name {self.name!r} or a source location")
+        if pid is None and type(obj) is str and (obj in self.locations or self.name.search(obj)):
+            raise _UnboundString(f"{obj!r} holds the graph's name or a source location")
         return pid
 
 
