@@ -1,7 +1,7 @@
 """Compile time of the MobileNetV2 (CIFAR shapes) training graph, cold and warm cache.
 
     python benchmarks/compile_time.py [--batch 8] [--width 1.0] [--arch sm_90] [--skip-cpu-build]
-                                      [--out FILE]
+                                      [--skip-cuda-call] [--note TEXT] [--out FILE]
 
 Every stage runs in a fresh Python process. "cold" uses an empty build cache ($FLOWGEN_CACHE in
 a temporary directory), "warm" runs the same stage again on that cache (a new process, the same
@@ -12,11 +12,18 @@ Stages:
   emulator first call   graph(x, y) on the CPU: trace, passes, codegen, g++ build, one step
   nvrtc (cuda target)   the cuda program's kernels.cu through NVRTC (no GPU needed)
   flowgen build cuda    `flowgen build --target cuda` of the saved graph (NVRTC + host g++)
+  cuda first call       graph(x, y) on 'cuda': the same for the cuda target (without a GPU,
+                        FLOWGEN_EMULATE_CUDA=1: its CUDA program built by g++ and run on the
+                        emulator, whose step is slow; "nvrtc_s" is then its kernels.cu through
+                        NVRTC and the kernel cache, which the GPU backend runs instead of g++)
   flowgen build cpu     `flowgen build --target cpu` (the emulator program)
 
 Each row reports wall seconds and CPU seconds (user + sys of the process and the compilers it
-ran). The machines these run on are shared, so read CPU time next to wall time. Writes JSON
-(default benchmarks/results/compile_time.json).
+ran); the first-call rows also "import_s" (`import flowgen`) and "inner_s", the graph call alone,
+split into "stages_s" (its compile pipeline) and "step_s" (the step it then runs). The stages
+share one build cache and run in the order above: the cuda call's NVRTC kernels are those the
+nvrtc row compiled. The machines these run on are shared, so read CPU time next to wall time.
+Writes JSON (default benchmarks/results/compile_time.json).
 """
 from __future__ import annotations
 
@@ -38,21 +45,32 @@ import json, sys, time
 sys.path.insert(0, {ROOT!r}); sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
 """
 
-_EMULATOR = _SETUP + """
+_FIRST_CALL = _SETUP + """
+start = time.perf_counter()
 import flowgen as flow
+import_s = time.perf_counter() - start
 from flowgen.models import mobilenet_v2
+from flowgen.runtime import cuda_driver, nvrtc
 from graphs import TrainGraph
-batch, width, saved = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+batch, width, device, saved, arch = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 flow.manual_seed(0)
-model = mobilenet_v2(num_classes=10, width_mult=width)
+model = mobilenet_v2(num_classes=10, width_mult=width).to(device)
 graph = TrainGraph(model, flow.nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
-x, y = flow.randn(batch, 3, 32, 32), flow.randint(0, 10, (batch,))
+x, y = flow.randn(batch, 3, 32, 32, device=device), flow.randint(0, 10, (batch,), device=device)
 start = time.perf_counter()
 graph(x, y)
 inner = time.perf_counter() - start
-flow.save(graph, saved)
-print(json.dumps({"inner_s": inner, "kernels": len(graph.compiled.program.kernels),
-                  "stages_s": graph.compiled.timings}))
+stages = graph.compiled.timings
+result = {"import_s": import_s, "inner_s": inner, "kernels": len(graph.compiled.program.kernels), "stages_s": stages,
+          "step_s": inner - sum(stages.values()), "program_cache": graph.compiled.program_cache}
+if device == "cpu":
+    flow.save(graph, saved)
+elif not cuda_driver.available():
+    result["emulated"] = True
+    start = time.perf_counter()
+    nvrtc.compile_kernels(graph.compiled.program.source, arch)
+    result["nvrtc_s"] = time.perf_counter() - start
+print(json.dumps(result))
 """
 
 _NVRTC = _SETUP + """
@@ -91,21 +109,27 @@ def main():
     parser.add_argument("--width", type=float, default=1.0)
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--skip-cpu-build", action="store_true", help="skip `flowgen build --target cpu`")
+    parser.add_argument("--skip-cuda-call", action="store_true", help="skip the graph call on 'cuda'")
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept in the JSON)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile_time.json"))
     args = parser.parse_args()
+    load_before = os.getloadavg()
 
     work = tempfile.mkdtemp(prefix="flowgen-compile-time-")
-    env = dict(os.environ, FLOWGEN_CACHE=os.path.join(work, "cache"), FLOWGEN_PROGRESS="0",
+    env = dict(os.environ, FLOWGEN_CACHE=os.path.join(work, "cache"), FLOWGEN_PROGRESS="0", FLOWGEN_EMULATE_CUDA="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     saved = os.path.join(work, "saved")
     flowgen_cli = [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
                    "from cli.main import main; main()"]
+    first_call = [sys.executable, "-c", _FIRST_CALL, str(args.batch), str(args.width)]
     stages = [
-        ("emulator first call", [sys.executable, "-c", _EMULATOR, str(args.batch), str(args.width), saved]),
+        ("emulator first call", [*first_call, "cpu", saved, args.arch]),
         ("nvrtc (cuda target)", [sys.executable, "-c", _NVRTC, saved, args.arch]),
         ("flowgen build cuda", [*flowgen_cli, "build", saved, "-o", os.path.join(work, "out_cuda"),
                                 "--target", "cuda", "--arch", args.arch]),
     ]
+    if not args.skip_cuda_call:
+        stages.append(("cuda first call", [*first_call, "cuda", saved, args.arch]))
     if not args.skip_cpu_build:
         stages.append(("flowgen build cpu", [*flowgen_cli, "build", saved, "-o", os.path.join(work, "out_cpu"),
                                              "--target", "cpu"]))
@@ -118,13 +142,13 @@ def main():
                   + (f"   (inner {result['inner_s']:.2f} s)" if "inner_s" in result else ""), flush=True)
 
     print(f"\nMobileNetV2 training graph, batch {args.batch}, width {args.width}, {os.cpu_count()} cores")
-    print(f"{'stage':<22}{'cache':<7}{'wall s':>9}{'cpu s':>9}{'inner s':>9}")
+    print(f"{'stage':<22}{'cache':<7}{'wall s':>9}{'cpu s':>9}{'inner s':>9}{'step s':>9}")
     for r in rows:
-        inner = f"{r['inner_s']:9.2f}" if "inner_s" in r else f"{'-':>9}"
-        print(f"{r['stage']:<22}{r['cache']:<7}{r['wall_s']:9.2f}{r['cpu_s']:9.2f}{inner}")
+        inner, step = (f"{r[k]:9.2f}" if k in r else f"{'-':>9}" for k in ("inner_s", "step_s"))
+        print(f"{r['stage']:<22}{r['cache']:<7}{r['wall_s']:9.2f}{r['cpu_s']:9.2f}{inner}{step}")
     report = {"model": "mobilenet_v2", "batch": args.batch, "width": args.width, "arch": args.arch,
-              "cores": os.cpu_count(), "machine": platform.machine(), "load_average": os.getloadavg(),
-              "stages": rows}
+              "cores": os.cpu_count(), "machine": platform.machine(), "load_average_before": load_before,
+              "load_average": os.getloadavg(), "note": args.note, "stages": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".tmp", "w") as f:
         json.dump(report, f, indent=2)

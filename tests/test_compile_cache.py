@@ -5,6 +5,7 @@ rebuilt, a graph using an op defined outside flowgen is not cached."""
 import concurrent.futures
 import ctypes
 import io
+import itertools
 import json
 import os
 import subprocess
@@ -17,9 +18,11 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.codegen import aot
+from flowgen.ir import graph as ir_graph
+from flowgen.ir.graph import Node, Value
 from flowgen.ops import registry
 from flowgen.ops.lowering import Elementwise
-from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, progress
+from flowgen.runtime import cpu_compiler, kernel_cache, nvrtc, program_cache, progress
 from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 from graphs import InferGraph, TrainGraph
 
@@ -62,6 +65,34 @@ def test_identical_bodies_compile_once_for_the_emulator(cache):
     for name in ("k0_a_scale", "k1_b_scale", "k2_c_scale"):
         module.launch(name, (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
     np.testing.assert_array_equal(x, np.full(4, 12.0, np.float32))
+
+
+def _scale_by_every_kernel(library, build) -> np.ndarray:
+    module = CpuModule(library, {name: symbol for name, (_, symbol) in build.symbols.items()})
+    x = np.ones(4, np.float32)
+    for name in build.symbols:
+        module.launch(name, (1, 1, 1), (4, 1, 1), 0, [ctypes.c_void_p(x.ctypes.data)])
+    return x
+
+
+def test_a_source_built_before_is_found_whole_until_an_artifact_is_gone(cache, monkeypatch):
+    first = build_kernel_library(SOURCE)
+    by_body = []
+    build_bodies = kernel_cache._build_bodies
+    monkeypatch.setattr(kernel_cache, "_build_bodies", lambda *args: by_body.append(1) or build_bodies(*args))
+    library, again = build_kernel_library(SOURCE)
+    assert not by_body and library == first[0] and again.symbols == first[1].symbols
+    assert again.stats.as_dict() == {"kernels": 4, "distinct": 2, "cached": 2, "compiled": 0, "chunks": 0}
+    np.testing.assert_array_equal(_scale_by_every_kernel(library, again), np.full(4, 24.0, np.float32))
+
+    records = list((cache / "cpu-kernels" / "sources").iterdir())
+    records[0].write_bytes(b'{"chunks": ["elsewhere"]')    # not a record flowgen wrote: built body by body
+    assert build_kernel_library(SOURCE)[1].stats.cached == 2 and len(by_body) == 1
+    for path in first[1].artifacts:                          # a chunk's artifact removed: compiled again
+        path.unlink()
+    library, rebuilt = build_kernel_library(SOURCE)
+    assert len(by_body) == 2 and rebuilt.stats.compiled == 2
+    np.testing.assert_array_equal(_scale_by_every_kernel(library, rebuilt), np.full(4, 24.0, np.float32))
 
 
 def test_split_kernels_keeps_every_kernel_and_drops_header_comments():
@@ -205,9 +236,12 @@ def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
 
 
 # One training run in a new process: three steps of a small MLP; prints what the program cache
-# did and the numbers. argv[1]: JSON of what to change (_BASE's keys).
+# did, the numbers and what graph.compiled shows (a graph on "cuda" runs its CUDA program on the
+# emulator where no GPU is present). argv[1]: JSON of what to change (_BASE's keys):
+# "instances" graphs are made before the one trained (its name is TrainGraph_<instances>), and
+# "call_line" blank lines above its call move it (the source location of its backward nodes).
 _TRAIN_IN_A_NEW_PROCESS = """
-import json, sys
+import dataclasses, json, sys
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.passes import fusion
@@ -218,23 +252,42 @@ if run["max_pointers"]:
     fusion.MULTI_MAX_POINTERS = run["max_pointers"]
 flow.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(run["slope"]), nn.Linear(8, 3))
-graph = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+model.to(getattr(flow, run["dtype"])).to(run["device"])
+make = lambda: TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+graph = [make() for _ in range(run["instances"] + 1)][-1]
 graph.config.allow_fuse_add_to_output(run["fuse_add"])
 next(iter(graph.model)).to(nn.graph.GraphModule).activation_checkpointing = run["checkpoint"]
 graph.debug(run["debug"])
-x, y = flow.randn(run["batch"], 6), flow.randint(0, 3, (run["batch"],))
+x = flow.randn(run["batch"], 6, dtype=getattr(flow, run["dtype"]), device=run["device"])
+y = flow.randint(0, 3, (run["batch"],), device=run["device"])
 losses = [float(graph(x, y)) for _ in range(3)]
+program = graph.compiled.program
+kernels = [repr(dataclasses.replace(k, pointwise_reads=sorted(map(repr, k.pointwise_reads))))  # a set: sorted
+           for k in program.kernels + program.prepare]
+flow.save(graph, sys.argv[2])
 print(json.dumps({"cache": graph.compiled.program_cache, "rejected": program_cache.STATS.rejected,
-                  "losses": losses, "params": [p.numpy().tolist() for p in model.parameters()]}))
+                  "losses": losses, "params": [p.numpy().tolist() for p in model.parameters()],
+                  "shown": {"ir": str(graph.compiled.ir), "source": program.source, "plan": program.plan.describe(),
+                            "kernels": kernels,
+                            "locations": [n.loc for n in graph.compiled.ir.nodes],
+                            "before_fusion": program.kernels_before_fusion,
+                            "graph.json": open(sys.argv[2] + "/graph.json").read()}}))
 """
-_BASE = {"batch": 4, "slope": 0.01, "fuse_add": True, "checkpoint": False, "debug": -1, "max_pointers": 0}
+_BASE = {"batch": 4, "slope": 0.01, "fuse_add": True, "checkpoint": False, "debug": -1, "max_pointers": 0,
+         "dtype": "float32", "device": "cpu", "instances": 0, "call_line": 0}
+
+
+_SAVES = itertools.count()
 
 
 def _train_in_a_new_process(cache_root, **change) -> dict:
     tests = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0",
+    env = dict(os.environ, FLOWGEN_CACHE=str(cache_root), FLOWGEN_PROGRESS="0", FLOWGEN_EMULATE_CUDA="1",
                PYTHONPATH=os.pathsep.join([os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _TRAIN_IN_A_NEW_PROCESS, json.dumps({**_BASE, **change})],
+    saved = cache_root.parent / f"saved-{os.getpid()}-{next(_SAVES)}"
+    run = {**_BASE, **change}
+    script = _TRAIN_IN_A_NEW_PROCESS.replace("\nlosses = ", "\n" * (run.pop("call_line") + 1) + "losses = ")
+    proc = subprocess.run([sys.executable, "-c", script, json.dumps(run), str(saved)],
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     return {**json.loads(proc.stdout.strip().splitlines()[-1]), "log": proc.stdout}
@@ -253,17 +306,44 @@ def test_a_new_process_loads_the_compiled_program_and_computes_the_same(first_pr
     again = _train_in_a_new_process(root)
     assert again["cache"] == "hit"
     assert again["losses"] == first["losses"] and again["params"] == first["params"]
+    assert again["shown"] == first["shown"]
 
 
-@pytest.mark.parametrize("change", [{"batch": 5}, {"slope": 0.2}, {"fuse_add": False}, {"checkpoint": True},
-                                    {"max_pointers": 16}],
-                         ids=["input shape", "op attribute", "graph config", "module config",
+def test_another_instance_called_from_another_line_hits_and_shows_what_a_fresh_build_shows(first_process,
+                                                                                            tmp_path):
+    """The instance name and the source locations are not in the key: the loaded program takes the
+    caller's, so graph.compiled, flow.save and the numbers are those of a fresh build."""
+    root, first = first_process
+    moved = {"instances": 2, "call_line": 3}
+    loaded = _train_in_a_new_process(root, **moved)
+    fresh = _train_in_a_new_process(tmp_path / "fresh-cache", **moved)
+    assert (loaded["cache"], fresh["cache"]) == ("hit", "miss")
+    assert loaded["shown"] == fresh["shown"]
+    assert loaded["losses"] == fresh["losses"] == first["losses"] and loaded["params"] == first["params"]
+    assert loaded["shown"]["ir"].startswith("graph TrainGraph_2(") and first["shown"]["ir"].startswith(
+        "graph TrainGraph_0(")
+    assert loaded["shown"]["locations"] != first["shown"]["locations"]
+
+
+def test_a_cuda_graph_has_entries_of_its_own_target(first_process):
+    root, first = first_process
+    cuda = _train_in_a_new_process(root, device="cuda")
+    again = _train_in_a_new_process(root, device="cuda")
+    assert (cuda["cache"], again["cache"]) == ("miss", "hit")
+    assert again["shown"] == cuda["shown"] and again["shown"]["source"] != first["shown"]["source"]
+    assert again["losses"] == cuda["losses"] and again["params"] == cuda["params"]
+    np.testing.assert_allclose(cuda["losses"], first["losses"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("change", [{"batch": 5}, {"dtype": "float64"}, {"slope": 0.2}, {"fuse_add": False},
+                                    {"checkpoint": True}, {"max_pointers": 16}],
+                         ids=["input shape", "dtype", "op attribute", "graph config", "module config",
                               "patched compiler constant"])
 def test_a_changed_graph_misses_the_program_cache(first_process, change):
     root, first = first_process
     changed = _train_in_a_new_process(root, **change)
     assert changed["cache"] == "miss"
-    if not {"batch", "slope"} & change.keys():     # the same computation, compiled differently
+    if not {"batch", "dtype", "slope"} & change.keys():     # the same computation, compiled differently
         np.testing.assert_allclose(changed["losses"], first["losses"], rtol=1e-6)
     else:
         assert changed["losses"] != first["losses"]
@@ -276,16 +356,45 @@ def test_graph_debug_runs_the_passes_instead_of_loading_them(first_process):
     assert debugged["losses"] == first["losses"]
 
 
-def test_a_corrupt_program_cache_entry_is_rebuilt(first_process):
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_corrupt_program_cache_entry_is_rebuilt(first_process, damage):
     root, first = first_process
-    for entry in (root / "programs").glob("*.pkl"):
+    entries = list((root / "programs").glob("*.pkl"))
+    for entry in entries:
         data = bytearray(entry.read_bytes())
-        data[len(data) // 2] ^= 0xFF
+        if damage == "truncated":    # what a writer that died mid-way would leave without the rename
+            del data[len(data) // 2:]
+        else:
+            data[len(data) // 2] ^= 0xFF
         entry.write_bytes(bytes(data))
     rebuilt = _train_in_a_new_process(root)
     assert (rebuilt["cache"], rebuilt["rejected"]) == ("miss", 1)
     assert rebuilt["losses"] == first["losses"] and rebuilt["params"] == first["params"]
-    assert _train_in_a_new_process(root)["cache"] == "hit"
+    assert rebuilt["shown"] == first["shown"]
+    again = _train_in_a_new_process(root)
+    assert (again["cache"], again["rejected"]) == ("hit", 0) and again["shown"] == first["shown"]
+
+
+def _relu_ir(name: str, loc: str):
+    x, y = Value("x", (3,), flow.float32), Value("y", (3,), flow.float32)
+    return ir_graph.Graph(name, inputs=[x], nodes=[Node("relu", [x], [y], loc=loc)], outputs=[y])
+
+
+def test_a_loaded_result_takes_the_callers_name_and_locations(cache):
+    first = _relu_ir("ReluGraph_0", "a.py:1")
+    result, status = program_cache.cached(first, {}, lambda: (first.name, first.nodes[0].loc, first.outputs[0]))
+    assert status == "miss"
+    second = _relu_ir("ReluGraph_7", "b.py:2")
+    result, status = program_cache.cached(second, {}, lambda: None)
+    assert status == "hit" and result == ("ReluGraph_7", "b.py:2", second.outputs[0])
+    assert result[2] is second.outputs[0]
+    other = _relu_ir("ReluGraph_0", "a.py:1")
+    other.nodes[0].attrs["note"] = "x"      # another key; its result spells the name out: not stored
+    stored = program_cache.STATS.stored
+    assert program_cache.cached(other, {}, lambda: f"{other.name}.relu")[1] == "miss"
+    assert program_cache.STATS.stored == stored
+    assert program_cache.cached(other, {}, lambda: "ReluGraph_01 FLAG_ReluGraph_0x")[1] == "miss"   # not the name
+    assert program_cache.STATS.stored == stored + 1
 
 
 def test_a_graph_using_an_op_defined_outside_flowgen_is_not_program_cached(cache):

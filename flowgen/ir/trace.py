@@ -20,6 +20,7 @@ constants of the graph.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -38,14 +39,22 @@ class TraceError(RuntimeError):
     pass
 
 
+@functools.lru_cache(maxsize=None)
+def _user_file(filename: str) -> str | None:
+    """The basename of a frame's file, None for flowgen's own files (each node recorded walks a
+    few dozen frames: each file is looked at once)."""
+    return None if filename.startswith(_FLOWGEN_DIR) else os.path.basename(filename)
+
+
 def user_location() -> str:
     """file:line of the innermost frame outside flowgen (what the user wrote)."""
     frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_FLOWGEN_DIR):
+    while frame is not None:
+        name = _user_file(frame.f_code.co_filename)
+        if name is not None:
+            return f"{name}:{frame.f_lineno}"
         frame = frame.f_back
-    if frame is None:
-        return ""
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    return ""
 
 
 # Ops that run in float16 or bfloat16 under `config.enable_amp(True, dtype=...)`: float32 inputs

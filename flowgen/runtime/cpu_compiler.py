@@ -185,12 +185,24 @@ def _dim3(value: Sequence[int], what: str) -> ctypes.Array:
     return (ctypes.c_uint * 3)(*dims)
 
 
+def _bound_openmp_spinning() -> None:
+    """OpenMP team members with nothing to do spin before they sleep (libgomp: 300,000 turns by
+    default). Where other processes share the cores, a spinning member holds the core that a
+    descheduled one needs: an emulator step of MobileNetV2's training graph took twice as long
+    (1.1 s against 0.5 s, load average 6 on 2 cores). Unless the user chose a wait policy, the
+    team spins 10,000 turns (microseconds), then sleeps. libgomp reads the variable when it is
+    loaded, which is with the first emulator library unless something loaded it before."""
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+
 class CpuModule:
     """An emulator library built by `build_cpu_library` or `build_kernel_library`; `symbols`
     maps a kernel name to its function's name in the library where they differ."""
 
     def __init__(self, library: Path, symbols: dict | None = None):
         self.path = Path(library)
+        _bound_openmp_spinning()
         self._library = ctypes.CDLL(str(self.path))
         self._symbols = symbols or {}
         self._launchers: dict[str, ctypes._CFuncPtr] = {}

@@ -15,6 +15,10 @@ Cache layout, under one compiler's `root` (e.g. `<cache>/nvrtc-kernels`):
     chunks/<chunk id>/      what the compiler saw (source.cu for g++, kernels.cu for NVRTC;
                             kernels renamed <first name>_<key prefix>), compile.log, and the
                             artifact (cubin or object file)
+    sources/<source key>    JSON: a whole kernels.cu's build (its chunks, every kernel's symbol,
+                            the counts), so the same source again is one file read instead of
+                            splitting it and hashing each body; used while its chunks' artifacts
+                            are all there, rebuilt from the body entries when not
 
 Every file is written to a temporary name and renamed into place, and an index entry is
 written only after its chunk's artifact exists, so concurrent processes at worst compile the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -157,6 +162,34 @@ def build_kernels(source: str, *, root: Path, salt: str, artifact: str, compiler
     its output. Chunks hold at least `min_chunk_chars` of source each (a compiler call has a
     fixed cost: headers, start-up), at most two per job.
     """
+    source_key = _digest(salt, source)[:_KEY_CHARS]
+    known = _lookup_source(root, source_key, artifact)
+    if known is not None:
+        return known
+    build = _build_bodies(source, root, salt, artifact, compiler, compile_chunk, min_chunk_chars)
+    chunks = [path.parent.name for path in build.artifacts]
+    record = {"chunks": chunks, "symbols": build.symbols, "kernels": build.stats.kernels,
+              "distinct": build.stats.distinct}
+    atomic_write_bytes(root / "sources" / source_key, json.dumps(record).encode())
+    return build
+
+
+def _lookup_source(root: Path, source_key: str, artifact: str) -> KernelBuild | None:
+    """The recorded build of a whole source whose artifacts are all still there, else None."""
+    try:
+        record = json.loads((root / "sources" / source_key).read_bytes())
+        artifacts = [root / "chunks" / chunk / artifact for chunk in record["chunks"]]
+        symbols = {name: (index, symbol) for name, (index, symbol) in record["symbols"].items()}
+        stats = BuildStats(kernels=record["kernels"], distinct=record["distinct"], cached=record["distinct"])
+    except (OSError, ValueError, KeyError, TypeError):   # absent, or not a record we wrote: build
+        return None
+    whole = all(0 <= index < len(artifacts) for index, _ in symbols.values())
+    return KernelBuild(artifacts, symbols, stats) if whole and all(p.is_file() for p in artifacts) else None
+
+
+def _build_bodies(source: str, root: Path, salt: str, artifact: str, compiler: str, compile_chunk,
+                  min_chunk_chars: int) -> KernelBuild:
+    """`build_kernels` body by body: the cached ones found, the others compiled in chunks."""
     preamble, units = split_kernels(source)
     bodies: dict[str, _Body] = {}
     kernel_keys = {}

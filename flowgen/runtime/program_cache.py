@@ -4,8 +4,12 @@ new process compiling the same graph skips the passes, the memory planner and ke
 `cached(ir, options, build)` returns `build()`'s result, from the cache when an entry for the
 same inputs exists. The key is a SHA-256 over everything that decides the result:
 
-* the IR given (pickled whole: every node, attribute, constant array, scope, source location,
-  state kind and hyper-parameter schedule), and the definitions of the ops it uses;
+* the IR given (pickled whole: every node, attribute, constant array, scope, state kind and
+  hyper-parameter schedule), and the definitions of the ops it uses. Two things are left out,
+  as they name where the graph came from rather than what it computes: the graph's instance
+  number (`TrainGraph_3` is keyed as `TrainGraph`, the name kernels.cu's header uses) and the
+  nodes' user source locations (`train.py:42`: editing a script above its `graph(x)` call, or a
+  second graph instance, still hits). The loaded result takes the caller's, see below;
 * `options`: the caller's settings (graph config, target, ...), and what codegen reads from the
   environment (`$FLOWGEN_NAIVE_MEMORY`);
 * `source_fingerprint()`: the contents of flowgen's Python files, `templates/` and
@@ -24,20 +28,26 @@ An entry is `programs/<key>.pkl` under the build cache: a header line, the key, 
 the payload, then the payload (the pickled result). The IR's values and the graph itself are
 pickled as references (`("value", i)`, `("graph",)`) and bound to the caller's objects on
 load, so the loaded program shares its values with the caller exactly as a fresh build does
-(the executor and the graph's state bindings find buffers by value identity). dtypes are
+(the executor and the graph's state bindings find buffers by value identity). So are the
+graph's name (`("name",)`) and each node's source location (`("loc", i)`, node i of the IR
+given): the passes pass them on by reference, and a result holding either inside another
+string (by value, where a load could not put the caller's in) is not stored. dtypes are
 pickled by name and load as flowgen's dtype objects. Entries are written to a temporary file
 and renamed into place; an entry that is truncated, corrupt, for another key or does not
 unpickle is counted in `STATS.rejected`, ignored, and rebuilt over.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import hashlib
 import importlib
 import io
 import os
 import pickle
 import pkgutil
+import re
 import sys
 import types
 from dataclasses import dataclass
@@ -51,6 +61,7 @@ import numpy as np
 import flowgen
 from flowgen import dtype as dt
 from flowgen.codegen.templates import templates_dir
+from flowgen.ir.graph import Graph, Node
 from flowgen.ops.registry import get_op
 from flowgen.runtime.toolchain import atomic_write_bytes, cache_dir, runtime_cpp_dir
 
@@ -145,23 +156,33 @@ def _module_state() -> list:
     return state
 
 
-class _Pickler(pickle.Pickler):
-    """dtypes by name; the `external` objects (the caller's IR and its values) by position."""
+class _UnboundString(pickle.PicklingError):
+    """The result holds the graph's name or a source location inside a string of its own."""
 
-    def __init__(self, file, external: dict):
+
+class _Pickler(pickle.Pickler):
+    """dtypes by name; the `external` objects (the caller's IR, its values, its name and source
+    locations) by position; refuses any other string that contains the name or is a location."""
+
+    def __init__(self, file, external: dict, name: str, locations: frozenset):
         super().__init__(file, protocol=_PROTOCOL)
         self.external = external    # id(object) -> persistent id
+        self.name = re.compile(rf"(?<!\w){re.escape(name)}(?!\w)")   # the name as a word of its own
+        self.locations = locations
 
     def persistent_id(self, obj):
         if isinstance(obj, dt.DType):
             return ("dtype", obj.name)
-        return self.external.get(id(obj))
+        pid = self.external.get(id(obj))
+        if pid is None and type(obj) is str and (obj in self.locations or self.name.search(obj)):
+            raise _UnboundString(f"{obj!r} holds the graph's name or a source location")
+        return pid
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file, graph, values: list):
+    def __init__(self, file, graph, values: list, nodes: list):
         super().__init__(file)
-        self.graph, self.values = graph, values
+        self.graph, self.values, self.nodes = graph, values, nodes
 
     def persistent_load(self, pid):
         kind, *rest = pid
@@ -169,8 +190,12 @@ class _Unpickler(pickle.Unpickler):
             return dt.get(rest[0])
         if kind == "graph":
             return self.graph
+        if kind == "name":
+            return self.graph.name
         if kind == "value":
             return self.values[rest[0]]
+        if kind == "loc":
+            return self.nodes[rest[0]].loc
         raise pickle.UnpicklingError(f"unknown reference {pid!r}")
 
 
@@ -225,6 +250,13 @@ class _KeyPickler(pickle.Pickler):
             return NotImplemented
         if cls is dt.DType:
             return dt.get, (obj.name,)
+        if isinstance(obj, Node):     # its fields but the source location
+            fields = vars(obj).copy()
+            del fields["loc"]
+            return tuple, ((cls.__qualname__, fields),)
+        if isinstance(obj, Graph):    # its fields, with the class's name for the instance's
+            fields = {**vars(obj), "name": _graph_class_name(obj.name)}
+            return tuple, ((cls.__qualname__, fields),)
         code = isinstance(obj, type) or callable(obj)
         module = getattr(obj, "__module__", None) if code else cls.__module__
         if not _covered(module):
@@ -236,6 +268,11 @@ class _KeyPickler(pickle.Pickler):
         if not code:
             self.covered_types.add(cls)
         return NotImplemented
+
+
+def _graph_class_name(name: str) -> str:
+    """`TrainGraph` of the instance name `TrainGraph_3` (nn.Graph names instances so)."""
+    return name.rsplit("_", 1)[0]
 
 
 def _key_pickle(ir, options: dict) -> bytes | None:
@@ -256,7 +293,28 @@ def _entry(k: str) -> Path:
 
 
 def _external(ir) -> dict:
-    return {id(ir): ("graph",), **{id(v): ("value", i) for i, v in enumerate(_values(ir))}}
+    """The caller's objects a result refers to, by position: the graph, its name, its values,
+    its nodes' source locations (the empty string is shared by every empty string: not one)."""
+    external = {id(v): ("value", i) for i, v in enumerate(_values(ir))}
+    for i, node in enumerate(_nodes(ir.nodes)):
+        if node.loc:
+            external.setdefault(id(node.loc), ("loc", i))
+    return {**external, id(ir): ("graph",), id(ir.name): ("name",)}
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """The cyclic garbage collector off meanwhile. Loading an entry, or tracing and compiling a
+    graph, makes tens of thousands of objects that mostly stay alive: the collector, which runs
+    every few hundred new objects, would walk them again and again and find little to free (a
+    third of a load's time, a sixth of a warm compile's). It runs again afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _load(k: str, ir):
@@ -273,7 +331,8 @@ def _load(k: str, ir):
         payload = data[digest_end:]
         if hashlib.sha256(payload).hexdigest().encode() != data[len(header):digest_end - 1]:
             raise ValueError("payload digest mismatch")
-        return _Unpickler(io.BytesIO(payload), ir, _values(ir)).load()
+        with collector_paused():
+            return _Unpickler(io.BytesIO(payload), ir, _values(ir), list(_nodes(ir.nodes))).load()
     except Exception:   # any damage to an entry means: rebuild it, never trust it
         STATS.rejected += 1
         return None
@@ -282,7 +341,8 @@ def _load(k: str, ir):
 def _store(k: str, ir, result) -> None:
     buf = io.BytesIO()
     try:
-        _Pickler(buf, _external(ir)).dump(result)
+        locations = frozenset(node.loc for node in _nodes(ir.nodes) if node.loc)
+        _Pickler(buf, _external(ir), ir.name, locations).dump(result)
     except (pickle.PicklingError, TypeError, AttributeError):
         return   # a result that does not pickle is simply not kept
     payload = buf.getvalue()

@@ -285,7 +285,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     other values are constants of this variant) and compile it. The tensors are this rank's
     local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
     gradients over the ranks. One progress line covers all stages."""
-    with reporting(graph.name) as progress:
+    with reporting(graph.name) as progress, program_cache.collector_paused():
         return _compile_step(graph, args, kwargs, data_parallel, progress)
 
 
