@@ -1,5 +1,7 @@
-"""Hopper warpgroup MMA (wgmma.mma_async) as the emulator runs it, checked independently of any
-GEMM template: the host lays A and B out in shared memory by the PTX ISA's canonical layouts
+"""Hopper warpgroup MMA (wgmma.mma_async): the primitives as the emulator runs them, checked
+independently of any GEMM template, then the GEMM family built on them (gemm_wgmma.cu.j2).
+
+Primitives: the host lays A and B out in shared memory by the PTX ISA's canonical layouts
 (K-major and M/N-major; 128B, 64B and 32B swizzles and the unswizzled interleave), a kernel
 copies the bytes in unchanged, describes them with matrix descriptors and multiplies; the
 result is compared with NumPy. The same kernels compile with NVRTC for sm_90a.
@@ -9,13 +11,24 @@ swizzle, offset or fragment position) changes a result.
 """
 
 import ctypes
+import re
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from flowgen.runtime import nvrtc
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen import dtype as dt
+from flowgen.codegen.families import gemm_kernel
+from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
+from flowgen.ir.graph import Node, Value
+from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from graphs import TrainGraph
+from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
 K = 64            # four k16 slices per test: each wgmma reads its slice through its own descriptor
 A_BYTES, B_BYTES = 8192, 16384
@@ -174,3 +187,184 @@ def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_module, case):
 def test_wgmma_primitives_compile_with_nvrtc_for_sm_90a():
     cubin = nvrtc.compile_cuda(WGMMA_KERNELS, arch="sm_90a", tag="test_wgmma")
     assert cubin[:4] == b"\x7fELF"
+
+
+# ---------------------------------------------------------------------------------------
+# The GEMM family on warpgroup MMA (templates/gemm_wgmma.cu.j2), rendered for sm_90 the way the
+# fused GEMM path calls it and run on the emulator: operands possibly transposed (read in place),
+# an fp32 output written by the epilogue lines. The cases are rendered with a target of one
+# block so that the tile choice follows the padded work alone and every tile shape is covered.
+
+KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
+
+
+class GemmCase:
+    def __init__(self, kind, M, N, K, a_trans=False, b_trans=False, a_batch=(), b_batch=(), tile=None):
+        self.kind, self.M, self.N, self.K, self.a_trans, self.b_trans, self.tile = kind, M, N, K, a_trans, b_trans, tile
+        self.a_shape = a_batch + ((K, M) if a_trans else (M, K))
+        self.b_shape = b_batch + ((N, K) if b_trans else (K, N))
+        self.out_shape = tuple(np.broadcast_shapes(a_batch, b_batch)) + (M, N)
+        self.id = (f"{kind}_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
+                   f"{'_batch' if a_batch or b_batch else ''}")
+        self.kernel = self.render(f"wg_{self.id}")
+
+    def render(self, name):
+        dtype = dt.from_numpy(np.dtype(KINDS[self.kind]))
+        a, b = Value("a", self.a_shape, dtype), Value("b", self.b_shape, dtype)
+        c = Value("c", self.out_shape, dt.float32)
+        node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
+        args = [BufferArg(a, f"const {dtype.ctype}*"), BufferArg(b, f"const {dtype.ctype}*"), BufferArg(c, "float*")]
+        with mock.patch.dict(TARGET_BLOCKS, cuda=1), rendering_for("cuda", arch="sm_90"):
+            return gemm_kernel(node, name, a, b, c, params=None, args=args,
+                               epilogue_lines=["c[c_base + (long long)m * GN + n] = val;"],
+                               a_trans=self.a_trans, b_trans=self.b_trans)
+
+    def operands(self, make):
+        dtype = KINDS[self.kind]
+        a = make(self.a_shape[:-2] + (self.M, self.K)).astype(dtype)
+        b = make(self.b_shape[:-2] + (self.K, self.N)).astype(dtype)
+        return a, b
+
+    def run(self, module, a, b):
+        out = np.full(self.out_shape, 123, np.float32)   # poison: an output the kernel skips shows up
+        stored = lambda x, trans: np.ascontiguousarray(np.swapaxes(x, -1, -2)) if trans else x
+        buffers = [stored(a, self.a_trans), stored(b, self.b_trans), out]
+        k = self.kernel
+        module.launch(k.name, k.grid, k.block, k.smem, [ptr(x) for x in buffers])
+        return out
+
+
+# Every tile (2 warpgroups or 1, m64n128 or m64n64), both majors of both operands, tails in every
+# dim and k tails inside a k tile, each copy width (16-byte .cg, 8- and 4-byte .ca, plain loads
+# for rows of odd length), several k tiles through the pipeline, a broadcast batch.
+GEMM_CASES = [
+    GemmCase("bf16", 250, 250, 100, tile="128x128"), GemmCase("f16", 250, 250, 100, True, True, tile="128x128"),
+    GemmCase("f16", 128, 64, 136, True, False, tile="128x64"), GemmCase("bf16", 64, 128, 192, False, True, tile="64x128"),
+    GemmCase("bf16", 37, 45, 70, tile="64x64"), GemmCase("bf16", 37, 45, 70, False, True, tile="64x64"),
+    GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), tile="64x64"),
+]
+
+
+@pytest.fixture(scope="module")
+def gemm_module():
+    return CpuModule(build_cpu_library("\n".join(c.kernel.source for c in GEMM_CASES), "test_wgmma_gemm"))
+
+
+def test_gemm_cases_cover_every_wgmma_tile():
+    for case in GEMM_CASES:
+        assert f"tensor-core GEMM {case.tile}, {case.kind} wgmma" in case.kernel.comment, case.kernel.comment
+        assert "wgmma_m64n" in case.kernel.source and "mma_m16n8k16" not in case.kernel.source
+    copies = {c.id: re.findall(r"cp_async_cg|cp_async_ca<\d+>|rows of odd length", c.kernel.source) for c in GEMM_CASES}
+    assert {name for found in copies.values() for name in found} == {
+        "cp_async_cg", "cp_async_ca<8>", "cp_async_ca<4>", "rows of odd length"}
+
+
+@pytest.mark.parametrize("case", GEMM_CASES, ids=[c.id for c in GEMM_CASES])
+def test_wgmma_gemm_is_exact_on_integers(case, gemm_module):
+    a, b = case.operands(lambda shape: np.random.default_rng(case.M * case.K).integers(-4, 5, size=shape))
+    np.testing.assert_array_equal(case.run(gemm_module, a, b), a.astype(np.float32) @ b.astype(np.float32))
+
+
+@pytest.mark.parametrize("case", GEMM_CASES[:4], ids=[c.id for c in GEMM_CASES[:4]])
+def test_wgmma_gemm_matches_the_reference_in_its_precision(case, gemm_module):
+    """Random values: inputs rounded to bf16/fp16, products summed in fp32 (the bound is fp32
+    summation error over K terms; rounding the accumulator to 16 bits would miss it by far)."""
+    rng = np.random.default_rng(case.N)
+    a, b = case.operands(lambda shape: rng.standard_normal(shape))
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    np.testing.assert_array_less(np.abs(case.run(gemm_module, a, b) - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
+
+
+# ---------------------------------------------------------------------------------------
+# Through the public API: a 'cuda' graph rendered for sm_90. Without a GPU it runs on the emulator
+# (FLOWGEN_EMULATE_CUDA=1, FLOWGEN_EMULATE_CUDA_ARCH=sm_90); on an sm_90 GPU, on the GPU.
+
+U_BF16 = 2.0 ** -8
+
+
+def amp_training_run(make_model, steps=3):
+    """(losses, parameters) of `steps` SGD steps of a bf16-AMP graph on 'cuda', and the graph."""
+    flow.manual_seed(0)
+    model = make_model().to("cuda")
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.05))
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    x, y = flow.randn(50, 72).to("cuda"), flow.randn(50, 40).to("cuda")
+    losses = [float(graph(x, y)) for _ in range(steps)]
+    return losses, [p.numpy() for p in model.parameters()], graph
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(72, 136), nn.ReLU(), nn.Linear(136, 40))
+
+
+def test_bf16_amp_linear_training_runs_on_warpgroup_mma(monkeypatch):
+    on_gpu = cuda_driver.available()
+    if on_gpu and cuda_driver.CudaContext.get().arch != "sm_90":
+        pytest.skip("the GPU is not an sm_90: its graphs use mma.sync")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "sm_90")
+    losses, params, graph = amp_training_run(mlp)
+    gemms = [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
+    # Forward and both gradients of the second layer, forward and weight gradient of the first
+    # (its input gradient is not needed); the first layer's bias and ReLU run in its epilogue.
+    assert len(gemms) == 5 and all("bf16 wgmma" in k.comment for k in gemms)
+    assert any({"add", "relu"} <= set(k.ops) for k in gemms)
+
+    flow.manual_seed(0)
+    reference = mlp()
+    eager_opt = flow.optim.SGD(reference.parameters(), lr=0.05)
+    x, y = flow.randn(50, 72), flow.randn(50, 40)
+    for loss in losses:   # fp32 eager: two bf16 GEMMs in a row through a squared error
+        eager_opt.zero_grad()
+        eager_loss = nn.MSELoss()(reference(x), y)
+        eager_loss.backward()
+        eager_opt.step()
+        assert abs(loss - float(eager_loss)) <= 12 * U_BF16 * abs(float(eager_loss))
+    for p, q in zip(params, reference.parameters()):
+        assert p.dtype == np.float32     # master weights stay float32
+        np.testing.assert_allclose(p, q.numpy(), rtol=0, atol=3 * 0.05 * 12 * U_BF16)
+    if not on_gpu:
+        # The emulator adds each output's products in increasing k on both paths: the sm_80
+        # (mma.sync) program gives the same bits.
+        monkeypatch.delenv("FLOWGEN_EMULATE_CUDA_ARCH")
+        sm80_losses, sm80_params, sm80_graph = amp_training_run(mlp)
+        assert all("bf16 mma.sync" in k.comment for k in sm80_graph.compiled.program.kernels
+                   if "tensor-core GEMM" in k.comment)
+        assert sm80_losses == losses
+        for p, q in zip(params, sm80_params):
+            np.testing.assert_array_equal(p, q)
+
+
+# ---------------------------------------------------------------------------------------
+# Machine code for sm_90a: warpgroup MMA, asynchronous copies, no spills; full-size tiles
+# (M, N, K = 4096, both majors of each operand) beside the test cases.
+
+SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True, tile="128x128"),
+                           GemmCase("f16", 4096, 4096, 4096, True, False, tile="128x128")]
+
+
+@pytest.fixture(scope="module")
+def sm_90a_build():
+    return build_with_ptxas_report("\n".join(c.kernel.source for c in SASS_CASES), "sm_90a")
+
+
+def test_graph_kernels_with_wgmma_compile_for_sm_90a_and_ptxas_reports_no_spills(sm_90a_build):
+    assert nvrtc._arch_number_for(GEMM_CASES[0].kernel.source, "sm_90") == "90a"   # what the executor compiles for
+    assert_no_spills(sm_90a_build[1], {c.kernel.name for c in SASS_CASES})
+
+
+@pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
+                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+def test_sm_90a_sass_has_warpgroup_mma_and_async_copies_and_no_local_memory(sm_90a_build, tmp_path):
+    sass, usage = disassemble(sm_90a_build[0], tmp_path)
+    for case in SASS_CASES:
+        name, code = case.kernel.name, sass[case.kernel.name]
+        width = case.tile.split("x")[1]
+        assert f"HGMMA.64x{width}x16.F32{'.BF16' if case.kind == 'bf16' else ' '}" in code, name
+        assert "WARPGROUP.ARRIVE" in code and "WARPGROUP.DEPBAR" in code, name     # wgmma fence / wait_group
+        assert "HMMA" not in code, name
+        if re.search(r"cp_async_c[ag]\b", case.kernel.source):
+            assert "LDGSTS" in code and "DEPBAR" in code, name             # cp.async and wait_group
+        assert "LDL" not in code and "STL" not in code, name               # no local memory (spills)
+        assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])
