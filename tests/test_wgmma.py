@@ -236,11 +236,12 @@ class GemmCase:
 
 # Every tile (2 warpgroups or 1, m64n128 or m64n64), both majors of both operands, tails in every
 # dim and k tails inside a k tile, each copy width (16-byte .cg, 8- and 4-byte .ca, plain loads
-# for rows of odd length), several k tiles through the pipeline, a broadcast batch.
+# for rows of odd length), more k tiles than stages (stages refilled while MMAs are in flight),
+# a broadcast batch.
 GEMM_CASES = [
     GemmCase("bf16", 250, 250, 100, tile="128x128"), GemmCase("f16", 250, 250, 100, True, True, tile="128x128"),
-    GemmCase("f16", 128, 64, 136, True, False, tile="128x64"), GemmCase("bf16", 64, 128, 192, False, True, tile="64x128"),
-    GemmCase("bf16", 37, 45, 70, tile="64x64"), GemmCase("bf16", 37, 45, 70, False, True, tile="64x64"),
+    GemmCase("f16", 128, 64, 520, True, False, tile="128x64"), GemmCase("bf16", 64, 128, 192, False, True, tile="64x128"),
+    GemmCase("bf16", 37, 45, 390, tile="64x64"), GemmCase("bf16", 37, 45, 70, False, True, tile="64x64"),
     GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), tile="64x64"),
 ]
 

@@ -528,8 +528,9 @@ def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
 
 # The warpgroup MMA per input precision and tile width BN: m64n{BN}k16, fp32 accumulation.
 _WGMMA_FUNCTIONS = {"bf16": "wgmma_m64n{}k16_bf16", "f16": "wgmma_m64n{}k16_f16"}
-# k step (one 128-byte swizzled row of 16-bit elements) and pipeline depth.
-_WGMMA_BK, _WGMMA_STAGES = 64, 4
+# k step (one 128-byte swizzled row of 16-bit elements) and pipeline stages (copies run
+# stages - 2 k tiles ahead of the MMAs, one more stage is read by the MMAs still in flight).
+_WGMMA_BK, _WGMMA_STAGES = 64, 5
 
 
 def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans,
