@@ -833,7 +833,7 @@ inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, i
 inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
   const MatrixDescriptor a = decode_descriptor(op.a_desc), b = decode_descriptor(op.b_desc);
   const int warp = thread % 128 / 32, lane = thread % 32;
-  float a_rows[2][16], b_cols[32][16];  // the thread's 2 rows of A and n / 4 columns of B
+  float a_rows[2][16], b_cols[64][16];  // the thread's 2 rows of A and n / 4 columns of B
   for (int h = 0; h < 2; ++h)
     for (int k = 0; k < 16; ++k)
       a_rows[h][k] = operand_element(a, op.trans_a, 16 * warp + lane / 4 + 8 * h, k, op.decode);
@@ -851,7 +851,7 @@ inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
 
 template <int N, int TransA, int TransB>
 inline void wgmma_issue(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, float (*decode)(uint32_t)) {
-  static_assert(N % 8 == 0 && N <= 128, "m64nNk16: N a multiple of 8, at most 128 here");
+  static_assert(N % 8 == 0 && N <= 256, "m64nNk16: N a multiple of 8, at most 256");
   Block& b = synchronising_block("wgmma.mma_async");
   if (b.nthreads % 128 != 0) {
     std::fprintf(stderr, "flowgen emulator: wgmma needs whole warpgroups (blocks of 128 k threads), got %d\n",
@@ -912,6 +912,8 @@ FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_bf16, 64, flowgen_emu::bf16_bits_to_float)
 FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_f16, 64, flowgen_emu::half_register_to_float)
 FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_bf16, 128, flowgen_emu::bf16_bits_to_float)
 FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_f16, 128, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_bf16, 256, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_f16, 256, flowgen_emu::half_register_to_float)
 #undef FLOWGEN_EMU_WGMMA
 
 // ---------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from graphs import TrainGraph
 from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
 K = 64            # four k16 slices per test: each wgmma reads its slice through its own descriptor
-A_BYTES, B_BYTES = 8192, 16384
+A_BYTES, B_BYTES = 8192, 32768
 
 WGMMA_KERNELS = r"""
 // One warpgroup computes D (64 x N) = A (64 x 64) * B (64 x N) + (scale_d ? C : 0) with four
@@ -47,7 +47,7 @@ __device__ void wgmma_tile(MMA mma, const unsigned char* a_bytes, const unsigned
   unsigned char* smem = smem_raw + (1024 - shared_address(smem_raw) % 1024) % 1024;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   for (int i = tid; i < 8192; i += 128) smem[i] = a_bytes[i];
-  for (int i = tid; i < 16384; i += 128) smem[8192 + i] = b_bytes[i];
+  for (int i = tid; i < 32768; i += 128) smem[8192 + i] = b_bytes[i];
   fence_proxy_async_shared();
   __syncthreads();
   float acc[N / 2];
@@ -82,6 +82,8 @@ WGMMA_TEST_KERNEL(wgmma_bf16_n128_kk, wgmma_m64n128k16_bf16, 128, 0, 0)
 WGMMA_TEST_KERNEL(wgmma_bf16_n128_mm, wgmma_m64n128k16_bf16, 128, 1, 1)
 WGMMA_TEST_KERNEL(wgmma_f16_n64_km, wgmma_m64n64k16_f16, 64, 0, 1)
 WGMMA_TEST_KERNEL(wgmma_bf16_n64_mk, wgmma_m64n64k16_bf16, 64, 1, 0)
+WGMMA_TEST_KERNEL(wgmma_f16_n256_km, wgmma_m64n256k16_f16, 256, 0, 1)
+WGMMA_TEST_KERNEL(wgmma_bf16_n256_kk, wgmma_m64n256k16_bf16, 256, 0, 0)
 """
 
 SWIZZLE_MODE = {"interleave": 0, "128B": 1, "64B": 2, "32B": 3}
@@ -159,6 +161,8 @@ CASES = [
     ("wgmma_f16_n64_km", np.float16, 64, False, True, "64B", "32B", 1),
     ("wgmma_bf16_n64_mk", ml_dtypes.bfloat16, 64, True, False, "interleave", "interleave", 1),
     ("wgmma_bf16_n64_mk", ml_dtypes.bfloat16, 64, True, False, "32B", "64B", 1),
+    ("wgmma_f16_n256_km", np.float16, 256, False, True, "128B", "128B", 1),
+    ("wgmma_bf16_n256_kk", ml_dtypes.bfloat16, 256, False, False, "128B", "interleave", 0),
 ]
 
 
@@ -234,12 +238,12 @@ class GemmCase:
         return out
 
 
-# Every tile (2 warpgroups or 1, m64n128 or m64n64), both majors of both operands, tails in every
+# Every tile (2 warpgroups or 1, m64n256, m64n128 or m64n64), both majors of both operands, tails in every
 # dim and k tails inside a k tile, each copy width (16-byte .cg, 8- and 4-byte .ca, plain loads
 # for rows of odd length), more k tiles than stages (stages refilled while MMAs are in flight),
 # a broadcast batch.
 GEMM_CASES = [
-    GemmCase("bf16", 250, 250, 100, tile="128x128"), GemmCase("f16", 250, 250, 100, True, True, tile="128x128"),
+    GemmCase("bf16", 250, 250, 100, tile="128x256"), GemmCase("f16", 250, 120, 100, True, True, tile="128x128"),
     GemmCase("f16", 128, 64, 520, True, False, tile="128x64"), GemmCase("bf16", 64, 128, 192, False, True, tile="64x128"),
     GemmCase("bf16", 37, 45, 390, tile="64x64"), GemmCase("bf16", 37, 45, 70, False, True, tile="64x64"),
     GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), tile="64x64"),
@@ -341,8 +345,8 @@ def test_bf16_amp_linear_training_runs_on_warpgroup_mma(monkeypatch):
 # Machine code for sm_90a: warpgroup MMA, asynchronous copies, no spills; full-size tiles
 # (M, N, K = 4096, both majors of each operand) beside the test cases.
 
-SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True, tile="128x128"),
-                           GemmCase("f16", 4096, 4096, 4096, True, False, tile="128x128")]
+SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True, tile="128x256"),
+                           GemmCase("f16", 4096, 4096, 4096, True, False, tile="128x256")]
 
 
 @pytest.fixture(scope="module")

@@ -432,14 +432,15 @@ def tensor_core_kind(a_dtype, b_dtype):
     return None
 
 
-def _mma_tile(M: int, N: int, batch: int) -> tuple:
-    """The (BM, BN, WM, WN) with the least padded work, scaled up when too few blocks fill the target."""
+def _mma_tile(M: int, N: int, batch: int, tiles=_MMA_TILES) -> tuple:
+    """The entry of `tiles` ((BM, BN, ...) each) with the least padded work, scaled up when too
+    few blocks fill the target; the first of near-ties."""
     def cost(dims):
         BM, BN = dims[:2]
         blocks = -(-M // BM) * -(-N // BN) * batch
         return -(-M // BM) * BM * -(-N // BN) * BN * max(1.0, target_blocks() / blocks)
-    best = _MMA_TILES[0]
-    for dims in _MMA_TILES[1:]:
+    best = tiles[0]
+    for dims in tiles[1:]:
         if cost(dims) < cost(best) * 0.999:
             best = dims
     return best
@@ -528,22 +529,26 @@ def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
 
 # The warpgroup MMA per input precision and tile width BN: m64n{BN}k16, fp32 accumulation.
 _WGMMA_FUNCTIONS = {"bf16": "wgmma_m64n{}k16_bf16", "f16": "wgmma_m64n{}k16_f16"}
-# k step (one 128-byte swizzled row of 16-bit elements) and pipeline stages (copies run
-# stages - 2 k tiles ahead of the MMAs, one more stage is read by the MMAs still in flight).
-_WGMMA_BK, _WGMMA_STAGES = 64, 5
+# Block tiles (BM, BN): BM / 64 warpgroups of 64 x BN; in table order when costs tie.
+_WGMMA_TILES = ((128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+# k step (one 128-byte swizzled row of 16-bit elements); pipeline stages: as many as fit in an
+# sm_90 block's shared memory (227 KiB, less the 1 KiB alignment), at most 5. Copies run
+# stages - 2 k tiles ahead of the MMAs; one more stage is read by the MMAs still in flight.
+_WGMMA_BK, _WGMMA_MAX_STAGES, _SM90_SHARED_BYTES = 64, 5, 227 * 1024
 
 
 def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans,
                        ops, what_extra, a_ptr, b_ptr) -> Kernel:
     """c = op(a) @ op(b) with warpgroup MMA; same arguments and epilogue contract as `gemm_kernel`.
-    Block tiles are the mma.sync family's (BM, BN) in {64, 128}^2: BM / 64 warpgroups, each
-    64 x BN."""
+    Block tiles: `_WGMMA_TILES`."""
     a, b, c = operands
     M, N, K = sizes
     out_batch = tuple(c.shape[:-2])
     batch = _numel(out_batch)
-    BM, BN = _mma_tile(M, N, batch)[:2]
-    BK, STAGES = _WGMMA_BK, _WGMMA_STAGES
+    BM, BN = _mma_tile(M, N, batch, _WGMMA_TILES)
+    BK = _WGMMA_BK
+    stage_bytes = (BM + BN) * BK * a.dtype.itemsize
+    STAGES = min(_WGMMA_MAX_STAGES, (_SM90_SHARED_BYTES - 1024) // stage_bytes)
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
     a_op = _staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype,
                            f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
