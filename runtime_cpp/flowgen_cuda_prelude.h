@@ -154,6 +154,13 @@ __device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commi
 template <int N> __device__ __forceinline__ void wgmma_wait_group() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
+// Pins the accumulator registers at this point of the program: the compiler sees each read and
+// written here, so it neither moves their uses across a wgmma_wait_group nor copies them while an
+// MMA is in flight (wgmma's register operands are asynchronous, which the compiler does not know).
+template <int N> __device__ __forceinline__ void wgmma_fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
 // Makes this thread's shared-memory writes through the generic proxy (st.shared, cp.async)
 // visible to the async proxy that wgmma reads operands through; then a barrier.
 __device__ __forceinline__ void fence_proxy_async_shared() {

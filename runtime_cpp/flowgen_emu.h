@@ -899,6 +899,8 @@ template <int N> inline void wgmma_wait_group() {
   }
   queue.fenced = false;
 }
+// The accumulators live in memory here (the pending MMAs hold their address): nothing to pin.
+template <int N> inline void wgmma_fence_accumulators(float (&)[N]) {}
 // The emulator has one memory proxy: shared-memory writes are visible to wgmma once the
 // barrier after them has passed.
 inline void fence_proxy_async_shared() {}
