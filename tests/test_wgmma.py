@@ -6,6 +6,10 @@ Primitives: the host lays A and B out in shared memory by the PTX ISA's canonica
 copies the bytes in unchanged, describes them with matrix descriptors and multiplies; the
 result is compared with NumPy. The same kernels compile with NVRTC for sm_90a.
 
+The primitive and GEMM kernels run on the emulator, and with an sm_90 GPU (pytest -m gpu) on it
+too against the same NumPy products: the hardware check of the emulator's layouts and of the
+inline PTX.
+
 Values are small integers, so every sum is exact in fp32 and only a layout mistake (a wrong
 swizzle, offset or fragment position) changes a result.
 """
@@ -28,6 +32,7 @@ from flowgen.ir.graph import Node, Value
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import TrainGraph
+from test_cuda_driver import Device
 from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
 K = 64            # four k16 slices per test: each wgmma reads its slice through its own descriptor
@@ -144,13 +149,53 @@ def test_128B_swizzle_moves_chunk_c_of_row_r_to_chunk_c_xor_r():
             np.testing.assert_array_equal(data[r, c ^ r], np.arange(8) + 64 * r + 8 * c)
 
 
-@pytest.fixture(scope="module")
-def wgmma_module():
-    return CpuModule(build_cpu_library(WGMMA_KERNELS, "test_wgmma"))
-
-
 def ptr(array: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(array.ctypes.data)
+
+
+class EmulatorLaunch:
+    """Runs a kernel of `source` on the CPU emulator over host arrays, in place."""
+
+    def __init__(self, source: str, tag: str):
+        self.module = CpuModule(build_cpu_library(source, tag))
+
+    def __call__(self, name, grid, block, smem, arrays):
+        self.module.launch(name, grid, block, smem, [ptr(x) for x in arrays])
+
+
+class GpuLaunch:
+    """Runs a kernel of `source` on the sm_90 GPU (compiled for sm_90a): the arrays are copied
+    to the device, and back after the kernel."""
+
+    def __init__(self, source: str, tag: str):
+        self.ctx = cuda_driver.CudaContext.get()
+        self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, arch=self.ctx.arch, tag=tag))
+
+    def __call__(self, name, grid, block, smem, arrays):
+        device = Device(self.ctx)
+        buffers = [device.put(x) for x in arrays]
+        self.module.launch(name, grid, block, smem, buffers)
+        self.ctx.synchronize()
+        for x, buffer in zip(arrays, buffers):
+            x[...] = device.get(x, buffer)
+        for buffer in device.buffers:
+            self.ctx.free(buffer)
+
+
+def on_sm_90() -> bool:
+    return cuda_driver.available() and cuda_driver.CudaContext.get().arch == "sm_90"
+
+
+# The emulator always; an sm_90 GPU too when one is present (pytest -m gpu), the hardware check of
+# the emulator's layouts and of the inline PTX.
+TARGETS = [pytest.param("emulator", id="emulator"),
+           pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+               "not on_sm_90()", reason="needs an sm_90 GPU")])]
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def wgmma_launch(request):
+    return (EmulatorLaunch if request.param == "emulator" else GpuLaunch)(WGMMA_KERNELS, "test_wgmma")
 
 
 # (kernel, element type, N, A M-major?, B N-major?, A layout, B layout, scale_d)
@@ -167,7 +212,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}_{c[5]}_{c[6]}_scale{c[7]}")
-def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_module, case):
+def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_launch, case):
     kernel, np_dtype, N, a_mn, b_mn, a_mode, b_mode, scale_d = case
     rng = np.random.default_rng(N + 3 * a_mn + b_mn)
     a = rng.integers(-4, 5, size=(64, K)).astype(np_dtype)
@@ -179,13 +224,13 @@ def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_module, case):
                     *a_slices, *b_slices], np.int32)
     before = np.zeros((128, N // 2), np.float32)
     d = np.zeros((64, N), np.float32)
-    wgmma_module.launch(kernel, (1, 1, 1), (128, 1, 1), 1024 + A_BYTES + B_BYTES,
-                        [ptr(x) for x in (a_bytes, b_bytes, cfg, c, before, d)])
+    wgmma_launch(kernel, (1, 1, 1), (128, 1, 1), 1024 + A_BYTES + B_BYTES, [a_bytes, b_bytes, cfg, c, before, d])
     want = a.astype(np.float32) @ b.astype(np.float32) + (c if scale_d else 0)
     np.testing.assert_array_equal(d, want)
-    # Asynchronous: until wgmma.wait_group the registers still hold C (a kernel that skips the wait
-    # reads stale accumulators here as it may on the GPU).
-    assert sorted(before.ravel()) == sorted(c.ravel())
+    if isinstance(wgmma_launch, EmulatorLaunch):
+        # Asynchronous: until wgmma.wait_group the registers still hold C (a kernel that skips the
+        # wait reads stale accumulators here, as it may on the GPU).
+        assert sorted(before.ravel()) == sorted(c.ravel())
 
 
 def test_wgmma_primitives_compile_with_nvrtc_for_sm_90a():
@@ -229,12 +274,11 @@ class GemmCase:
         b = make(self.b_shape[:-2] + (self.K, self.N)).astype(dtype)
         return a, b
 
-    def run(self, module, a, b):
+    def run(self, launch, a, b):
         out = np.full(self.out_shape, 123, np.float32)   # poison: an output the kernel skips shows up
         stored = lambda x, trans: np.ascontiguousarray(np.swapaxes(x, -1, -2)) if trans else x
-        buffers = [stored(a, self.a_trans), stored(b, self.b_trans), out]
         k = self.kernel
-        module.launch(k.name, k.grid, k.block, k.smem, [ptr(x) for x in buffers])
+        launch(k.name, k.grid, k.block, k.smem, [stored(a, self.a_trans), stored(b, self.b_trans), out])
         return out
 
 
@@ -250,9 +294,10 @@ GEMM_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gemm_module():
-    return CpuModule(build_cpu_library("\n".join(c.kernel.source for c in GEMM_CASES), "test_wgmma_gemm"))
+@pytest.fixture(scope="module", params=TARGETS)
+def gemm_launch(request):
+    source = "\n".join(c.kernel.source for c in GEMM_CASES)
+    return (EmulatorLaunch if request.param == "emulator" else GpuLaunch)(source, "test_wgmma_gemm")
 
 
 def test_gemm_cases_cover_every_wgmma_tile():
@@ -265,20 +310,20 @@ def test_gemm_cases_cover_every_wgmma_tile():
 
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[c.id for c in GEMM_CASES])
-def test_wgmma_gemm_is_exact_on_integers(case, gemm_module):
+def test_wgmma_gemm_is_exact_on_integers(case, gemm_launch):
     a, b = case.operands(lambda shape: np.random.default_rng(case.M * case.K).integers(-4, 5, size=shape))
-    np.testing.assert_array_equal(case.run(gemm_module, a, b), a.astype(np.float32) @ b.astype(np.float32))
+    np.testing.assert_array_equal(case.run(gemm_launch, a, b), a.astype(np.float32) @ b.astype(np.float32))
 
 
 @pytest.mark.parametrize("case", GEMM_CASES[:4], ids=[c.id for c in GEMM_CASES[:4]])
-def test_wgmma_gemm_matches_the_reference_in_its_precision(case, gemm_module):
+def test_wgmma_gemm_matches_the_reference_in_its_precision(case, gemm_launch):
     """Random values: inputs rounded to bf16/fp16, products summed in fp32 (the bound is fp32
     summation error over K terms; rounding the accumulator to 16 bits would miss it by far)."""
     rng = np.random.default_rng(case.N)
     a, b = case.operands(lambda shape: rng.standard_normal(shape))
     want = a.astype(np.float64) @ b.astype(np.float64)
     magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
-    np.testing.assert_array_less(np.abs(case.run(gemm_module, a, b) - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
+    np.testing.assert_array_less(np.abs(case.run(gemm_launch, a, b) - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
 
 
 # ---------------------------------------------------------------------------------------
