@@ -566,8 +566,9 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines)
-    # + 1024: the tiles start at the first 1024-byte boundary of the shared window (the swizzle's repeat)
-    smem = STAGES * stage_elems * a.dtype.itemsize + 1024
+    # The stages, or the epilogue's fp32 tile of padded rows, whichever is larger (_WGMMA_TILES all
+    # take the stages), + 1024: the tiles start at the first 1024-byte boundary of the shared window.
+    smem = max(STAGES * stage_bytes, BM * (BN + 8) * 4) + 1024
     return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
                   smem=smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
