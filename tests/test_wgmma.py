@@ -400,7 +400,6 @@ def sm_90a_build():
 
 
 def test_graph_kernels_with_wgmma_compile_for_sm_90a_and_ptxas_reports_no_spills(sm_90a_build):
-    assert nvrtc._arch_number_for(GEMM_CASES[0].kernel.source, "sm_90") == "90a"   # what the executor compiles for
     assert_no_spills(sm_90a_build[1], {c.kernel.name for c in SASS_CASES})
     # ptxas's advisory when it cannot overlap the MMAs (e.g. "wgmma.mma_async instructions are
     # serialized due to insufficient register resources for the wgmma pipeline")
@@ -421,3 +420,16 @@ def test_sm_90a_sass_has_warpgroup_mma_and_async_copies_and_no_local_memory(sm_9
             assert "LDGSTS" in code and "DEPBAR" in code, name             # cp.async and wait_group
         assert "LDL" not in code and "STL" not in code, name               # no local memory (spills)
         assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])
+
+
+def test_a_program_rendered_for_sm_90_compiles_as_the_executor_compiles_it(monkeypatch):
+    """The whole training step's kernels.cu through nvrtc.compile_kernels for the GPU's "sm_90":
+    sources calling wgmma get sm_90a, others keep sm_90."""
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "sm_90")
+    source = amp_training_run(mlp, steps=1)[2].compiled.program.source
+    assert nvrtc._arch_number_for(source, "sm_90") == "90a"
+    assert nvrtc._arch_number_for(source.replace("wgmma_m64n", "gemm_m64n"), "sm_90") == "90"
+    assert nvrtc._arch_number_for(source, "sm_80") == "80"
+    build = nvrtc.compile_kernels(source, "sm_90")
+    assert all(path.read_bytes()[:4] == b"\x7fELF" for path in build.artifacts)
