@@ -135,7 +135,7 @@ template <int N> __device__ __forceinline__ void cp_async_wait_group() {
 // 16-29 the leading dimension byte offset, 32-45 the stride dimension byte offset (each >> 4),
 // 49-51 the base offset (0: the swizzle pattern is aligned to its repeat, 1024 bytes for
 // 128B), 62-63 the swizzle mode. What the offsets step over depends on the canonical layout
-// (flowgen_emu.h: `canonical_byte_offset`).
+// (flowgen_emu.h: `canonical_address`).
 __device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile, unsigned leading_bytes,
                                                                unsigned stride_bytes, int swizzle) {
   return (unsigned long long)((shared_address(tile) & 0x3FFFF) >> 4) |
