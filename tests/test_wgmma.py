@@ -433,3 +433,12 @@ def test_a_program_rendered_for_sm_90_compiles_as_the_executor_compiles_it(monke
     assert nvrtc._arch_number_for(source, "sm_80") == "80"
     build = nvrtc.compile_kernels(source, "sm_90")
     assert all(path.read_bytes()[:4] == b"\x7fELF" for path in build.artifacts)
+
+
+def test_a_malformed_emulated_arch_is_refused_naming_the_variable(monkeypatch):
+    if cuda_driver.available():
+        pytest.skip("a GPU is present: its own architecture is used")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "hopper")
+    with pytest.raises(ValueError, match="FLOWGEN_EMULATE_CUDA_ARCH='hopper'"):
+        amp_training_run(mlp, steps=1)
