@@ -117,6 +117,86 @@ template <int N> __device__ __forceinline__ void cp_async_wait_group() {
 }
 
 #endif  // __CUDA_ARCH__ >= 800
+
+// ---------------------------------------------------------------------------------------
+// Hopper warpgroup MMA (sm_90a only: NVRTC's --gpu-architecture=sm_90a defines
+// __CUDA_ARCH_FEAT_SM90_ALL). A warpgroup is 4 consecutive warps (threads 128 g .. 128 g + 127);
+// its 128 threads issue each of these together. flowgen_emu.h implements the same functions.
+// PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions".
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// Swizzle modes of a matrix descriptor (bits 62-63).
+#define WGMMA_INTERLEAVE 0
+#define WGMMA_SWIZZLE_128B 1
+#define WGMMA_SWIZZLE_64B 2
+#define WGMMA_SWIZZLE_32B 3
+
+// The 64-bit shared-memory matrix descriptor of an operand tile: bits 0-13 its start address,
+// 16-29 the leading dimension byte offset, 32-45 the stride dimension byte offset (each >> 4),
+// 49-51 the base offset (0: the swizzle pattern is aligned to its repeat, 1024 bytes for
+// 128B), 62-63 the swizzle mode. What the offsets step over depends on the canonical layout
+// (flowgen_emu.h: `canonical_address`).
+__device__ __forceinline__ unsigned long long wgmma_descriptor(const void* tile, unsigned leading_bytes,
+                                                               unsigned stride_bytes, int swizzle) {
+  return (unsigned long long)((shared_address(tile) & 0x3FFFF) >> 4) |
+         (unsigned long long)((leading_bytes & 0x3FFFF) >> 4) << 16 |
+         (unsigned long long)((stride_bytes & 0x3FFFF) >> 4) << 32 |
+         (unsigned long long)swizzle << 62;
+}
+
+// wgmma.fence: orders this thread's earlier register accesses (the accumulators) before the
+// warpgroup MMAs that follow; needed before the first wgmma and after touching accumulators.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// Closes the group of wgmma.mma_async issued since the last commit.
+__device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most N committed groups are in flight; only then are their accumulators
+// (and the shared memory they read) safe to touch.
+template <int N> __device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
+}
+// Pins the accumulator registers at this point of the program: the compiler sees each read and
+// written here, so it neither moves their uses across a wgmma_wait_group nor copies them while an
+// MMA is in flight (wgmma's register operands are asynchronous, which the compiler does not know).
+template <int N> __device__ __forceinline__ void wgmma_fence_accumulators(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i]) :: "memory");
+}
+// Makes this thread's shared-memory writes through the generic proxy (st.shared, cp.async)
+// visible to the async proxy that wgmma reads operands through; then a barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// D (64 x N, fp32) = A (64 x 16) * B (16 x N) + (scale_d ? D : 0), A and B read from shared
+// memory through their descriptors; TransA / TransB = 0: K-major tiles, 1: M- / N-major.
+// Accumulator register r of thread t (warp w = t % 128 / 32, lane l) is
+// D(16 w + l / 4 + 8 ((r / 2) % 2), 8 (r / 4) + 2 (l % 4) + r % 2). Asynchronous: the registers
+// hold the result only after wgmma_commit_group + wgmma_wait_group.
+#define FLOWGEN_WGMMA_D8(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), \
+                            "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), "+f"(d[i + 7])
+#define FLOWGEN_WGMMA_D32_AT(i) FLOWGEN_WGMMA_D8(i), FLOWGEN_WGMMA_D8(i + 8), FLOWGEN_WGMMA_D8(i + 16), \
+                                FLOWGEN_WGMMA_D8(i + 24)
+#define FLOWGEN_WGMMA_D32 FLOWGEN_WGMMA_D32_AT(0)
+#define FLOWGEN_WGMMA_D64 FLOWGEN_WGMMA_D32_AT(0), FLOWGEN_WGMMA_D32_AT(32)
+#define FLOWGEN_WGMMA_D128 FLOWGEN_WGMMA_D64, FLOWGEN_WGMMA_D32_AT(64), FLOWGEN_WGMMA_D32_AT(96)
+#define FLOWGEN_WGMMA_SS(fname, N, type, regs, args, a_at, b_at, p_at, ta_at, tb_at)                     \
+  template <int TransA, int TransB>                                                                  \
+  __device__ __forceinline__ void fname(float (&d)[N / 2], unsigned long long a_desc,                 \
+                                        unsigned long long b_desc, int scale_d) {                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" p_at ", 0;\n"                                   \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." type "." type " {" regs "}, "      \
+                 "%" a_at ", %" b_at ", p, 1, 1, %" ta_at ", %" tb_at ";\n}\n"                         \
+                 : args : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(TransA), "n"(TransB));          \
+  }
+FLOWGEN_WGMMA_SS(wgmma_m64n64k16_bf16, 64, "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", FLOWGEN_WGMMA_D32, "32", "33", "34", "35", "36")
+FLOWGEN_WGMMA_SS(wgmma_m64n64k16_f16, 64, "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31", FLOWGEN_WGMMA_D32, "32", "33", "34", "35", "36")
+FLOWGEN_WGMMA_SS(wgmma_m64n128k16_bf16, 128, "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", FLOWGEN_WGMMA_D64, "64", "65", "66", "67", "68")
+FLOWGEN_WGMMA_SS(wgmma_m64n128k16_f16, 128, "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63", FLOWGEN_WGMMA_D64, "64", "65", "66", "67", "68")
+FLOWGEN_WGMMA_SS(wgmma_m64n256k16_bf16, 256, "bf16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127", FLOWGEN_WGMMA_D128, "128", "129", "130", "131", "132")
+FLOWGEN_WGMMA_SS(wgmma_m64n256k16_f16, 256, "f16", "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127", FLOWGEN_WGMMA_D128, "128", "129", "130", "131", "132")
+#undef FLOWGEN_WGMMA_SS
+
+#endif  // sm_90a
 #endif
 
 // Device functions shared by generated kernels on both targets.

@@ -384,6 +384,25 @@ struct Block {
   struct AsyncQueue { std::vector<AsyncCopy> open; std::deque<std::vector<AsyncCopy>> groups; };
   std::vector<AsyncQueue> async_copies;
   bool async_used = false;  // a thread of this block issued cp.async: clear the queues before the next
+  // Warpgroup MMA (wgmma.mma_async): each thread's operations not yet committed, then its
+  // committed groups, oldest first. An operation computes this thread's accumulators when
+  // wgmma.wait_group retires its group (one legal GPU schedule): a kernel that reads the
+  // accumulators before waiting reads their old values here too. `fenced`: a wgmma.fence
+  // since the thread's last wait (the emulator asks for one before every batch of wgmma).
+  struct WarpgroupMma {
+    uint64_t a_desc, b_desc;
+    float* d;
+    int n;
+    bool scale_d, trans_a, trans_b;
+    float (*decode)(uint32_t);
+  };
+  struct WgmmaQueue {
+    std::vector<WarpgroupMma> open;
+    std::deque<std::vector<WarpgroupMma>> groups;
+    bool fenced = false;
+  };
+  std::vector<WgmmaQueue> wgmma;
+  bool wgmma_used = false;
   struct alignas(16) Chunk { unsigned char bytes[16]; };
   std::vector<Chunk> dynamic_shared;          // sized per launch
 };
@@ -446,6 +465,11 @@ inline void run_block_with_fibers(Block& b) {
       queue.groups.clear();
     }
     b.async_used = false;
+  }
+  if (b.wgmma.size() < size_t(n)) b.wgmma.resize(n);
+  if (b.wgmma_used) {  // nor may warpgroup MMAs it never waited for
+    for (Block::WgmmaQueue& queue : b.wgmma) queue = Block::WgmmaQueue{};
+    b.wgmma_used = false;
   }
   for (int t = 0; t < n; ++t)
     start_context(b.pool[t]->context, b.pool[t]->stack.get(),
@@ -716,6 +740,183 @@ inline void cp_async_commit() {
   queue.open.clear();
 }
 template <int N> inline void cp_async_wait_group() { flowgen_emu::cp_async_retire(N); }
+
+// ---------------------------------------------------------------------------------------
+// Hopper warpgroup MMA: the emulator's versions of the sm_90a functions of
+// flowgen_cuda_prelude.h. PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate
+// Instructions": matrix descriptors, the canonical shared-memory layouts of K-major and
+// M/N-major operands with their swizzles, and the accumulator fragment of m64nNk16.
+#define WGMMA_INTERLEAVE 0
+#define WGMMA_SWIZZLE_128B 1
+#define WGMMA_SWIZZLE_64B 2
+#define WGMMA_SWIZZLE_32B 3
+
+namespace flowgen_emu {
+
+// The shared-window address of the first byte of dynamic shared memory. The GPU promises 16-byte
+// alignment only, so the emulator places it at 16: a kernel must align swizzled tiles itself.
+constexpr uint32_t kDynamicSharedAddress = 16;
+
+inline uint32_t shared_window_address(const void* p) {
+  const Block& b = *current_block;
+  const auto* base = reinterpret_cast<const unsigned char*>(b.dynamic_shared.data());
+  const auto* q = static_cast<const unsigned char*>(p);
+  const size_t size = b.dynamic_shared.size() * sizeof(Block::Chunk);
+  if (q < base || q >= base + size) {
+    std::fprintf(stderr, "flowgen emulator: shared_address of a pointer outside dynamic shared memory "
+                         "(only FLOWGEN_DYN_SHARED memory has shared-window addresses here)\n");
+    std::abort();
+  }
+  return uint32_t(q - base) + kDynamicSharedAddress;
+}
+
+inline const unsigned char* shared_window_pointer(uint32_t address, int bytes) {
+  const Block& b = *current_block;
+  const size_t size = b.dynamic_shared.size() * sizeof(Block::Chunk);
+  if (address < kDynamicSharedAddress || address + bytes > kDynamicSharedAddress + size) {
+    std::fprintf(stderr, "flowgen emulator: wgmma operand address %u outside dynamic shared memory [%u, %zu)\n",
+                 address, kDynamicSharedAddress, kDynamicSharedAddress + size);
+    std::abort();
+  }
+  return reinterpret_cast<const unsigned char*>(b.dynamic_shared.data()) + (address - kDynamicSharedAddress);
+}
+
+// A decoded matrix descriptor (byte values).
+struct MatrixDescriptor {
+  uint32_t start, leading, stride;
+  int swizzle_chunks;  // W: 16-byte chunks per swizzled row (8: 128B, 4: 64B, 2: 32B); 1: interleave
+};
+
+inline MatrixDescriptor decode_descriptor(uint64_t desc) {
+  if ((desc >> 49 & 7) != 0) {
+    std::fprintf(stderr, "flowgen emulator: wgmma descriptor with a nonzero base offset (unaligned swizzle "
+                         "pattern) is not emulated\n");
+    std::abort();
+  }
+  static const int chunks[4] = {1, 8, 4, 2};  // swizzle mode 0: interleave, 1: 128B, 2: 64B, 3: 32B
+  return {uint32_t(desc & 0x3FFF) << 4, uint32_t(desc >> 16 & 0x3FFF) << 4, uint32_t(desc >> 32 & 0x3FFF) << 4,
+          chunks[desc >> 62]};
+}
+
+// Shared-window address of element (mn, k), k < 16, of a 16-bit operand in the canonical layout
+// of `d` (cute's GMMA layouts in elements, T = 8 per 16 bytes, W = d.swizzle_chunks):
+//   K-major,  interleave: ((8,m),(T,2)):((T,SBO),(1,LBO))
+//   K-major,  swizzled:   ((8,m),(T,2)):((W T,SBO),(1,T))         (LBO unused)
+//   MN-major, interleave: ((T,1,m),(8,2)):((1,T,SBO),(T,LBO))
+//   MN-major, swizzled:   ((T,W,m),(8,2)):((1,T,LBO),(W T,SBO))
+// then the swizzle XORs address bits [4, 4 + log2 W) with bits [7, 7 + log2 W): the 16-byte
+// chunk c of 128-byte row r (of a 1024-byte aligned 128B pattern) lands at chunk c ^ (r % 8).
+inline uint32_t canonical_address(const MatrixDescriptor& d, bool mn_major, int mn, int k) {
+  const int W = d.swizzle_chunks;
+  uint32_t offset;
+  if (!mn_major && W == 1)
+    offset = (mn % 8) * 16 + (mn / 8) * d.stride + (k / 8) * d.leading + (k % 8) * 2;
+  else if (!mn_major)
+    offset = (mn % 8) * W * 16 + (mn / 8) * d.stride + (k / 8) * 16 + (k % 8) * 2;
+  else if (W == 1)
+    offset = (mn % 8) * 2 + (mn / 8) * d.stride + (k % 8) * 16 + (k / 8) * d.leading;
+  else
+    offset = (mn % (8 * W)) * 2 + (mn / (8 * W)) * d.leading + (k % 8) * W * 16 + (k / 8) * d.stride;
+  const uint32_t address = d.start + offset;
+  return W == 1 ? address : address ^ ((address >> 7 & uint32_t(W - 1)) << 4);
+}
+
+inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, int k, float (*decode)(uint32_t)) {
+  uint16_t bits;
+  std::memcpy(&bits, shared_window_pointer(canonical_address(d, mn_major, mn, k), 2), 2);
+  return decode(bits);
+}
+
+// This thread's part of D (64 x n) = A (64 x 16) * B (16 x n) + (scale_d ? D : 0): register r
+// of lane l in warp w of the warpgroup is D(16 w + l / 4 + 8 ((r / 2) % 2), 8 (r / 4) + 2 (l % 4) + r % 2).
+// Products of 16-bit values are exact in float; each output adds its 16 terms in increasing k.
+inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
+  const MatrixDescriptor a = decode_descriptor(op.a_desc), b = decode_descriptor(op.b_desc);
+  const int warp = thread % 128 / 32, lane = thread % 32;
+  float a_rows[2][16], b_cols[64][16];  // the thread's 2 rows of A and n / 4 columns of B
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k)
+      a_rows[h][k] = operand_element(a, op.trans_a, 16 * warp + lane / 4 + 8 * h, k, op.decode);
+  for (int j = 0; j < op.n / 4; ++j)
+    for (int k = 0; k < 16; ++k)
+      b_cols[j][k] = operand_element(b, op.trans_b, 8 * (j / 2) + 2 * (lane % 4) + j % 2, k, op.decode);
+  for (int r = 0; r < op.n / 2; ++r) {
+    const float* row = a_rows[r / 2 % 2];
+    const float* col = b_cols[2 * (r / 4) + r % 2];
+    float sum = op.scale_d ? op.d[r] : 0.0f;
+    for (int k = 0; k < 16; ++k) sum += row[k] * col[k];
+    op.d[r] = sum;
+  }
+}
+
+template <int N, int TransA, int TransB>
+inline void wgmma_issue(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, float (*decode)(uint32_t)) {
+  static_assert(N % 8 == 0 && N <= 256, "m64nNk16: N a multiple of 8, at most 256");
+  Block& b = synchronising_block("wgmma.mma_async");
+  if (b.nthreads % 128 != 0) {
+    std::fprintf(stderr, "flowgen emulator: wgmma needs whole warpgroups (blocks of 128 k threads), got %d\n",
+                 b.nthreads);
+    std::abort();
+  }
+  Block::WgmmaQueue& queue = b.wgmma[b.current];
+  if (!queue.fenced) {
+    std::fprintf(stderr, "flowgen emulator: wgmma.mma_async without a wgmma.fence before it (one is needed "
+                         "before the first wgmma and after registers it uses were touched)\n");
+    std::abort();
+  }
+  queue.open.push_back({a_desc, b_desc, d, N, scale_d != 0, TransA != 0, TransB != 0, decode});
+  b.wgmma_used = true;
+}
+
+}  // namespace flowgen_emu
+
+inline unsigned shared_address(const void* p) { return flowgen_emu::shared_window_address(p); }
+
+inline unsigned long long wgmma_descriptor(const void* tile, unsigned leading_bytes, unsigned stride_bytes,
+                                           int swizzle) {
+  return (unsigned long long)((shared_address(tile) & 0x3FFFF) >> 4) |
+         (unsigned long long)((leading_bytes & 0x3FFFF) >> 4) << 16 |
+         (unsigned long long)((stride_bytes & 0x3FFFF) >> 4) << 32 | (unsigned long long)swizzle << 62;
+}
+
+inline void wgmma_fence() {
+  flowgen_emu::Block& b = flowgen_emu::synchronising_block("wgmma.fence");
+  b.wgmma[b.current].fenced = true;
+}
+inline void wgmma_commit_group() {
+  flowgen_emu::Block& b = flowgen_emu::synchronising_block("wgmma.commit_group");
+  auto& queue = b.wgmma[b.current];
+  queue.groups.push_back(std::move(queue.open));
+  queue.open.clear();
+}
+// Computes every committed group but the newest N, oldest first.
+template <int N> inline void wgmma_wait_group() {
+  flowgen_emu::Block& b = flowgen_emu::synchronising_block("wgmma.wait_group");
+  auto& queue = b.wgmma[b.current];
+  while (int(queue.groups.size()) > N) {
+    for (const auto& op : queue.groups.front()) flowgen_emu::run_wgmma(op, b.current);
+    queue.groups.pop_front();
+  }
+  queue.fenced = false;
+}
+// The accumulators live in memory here (the pending MMAs hold their address): nothing to pin.
+template <int N> inline void wgmma_fence_accumulators(float (&)[N]) {}
+// The emulator has one memory proxy: shared-memory writes are visible to wgmma once the
+// barrier after them has passed.
+inline void fence_proxy_async_shared() {}
+
+#define FLOWGEN_EMU_WGMMA(fname, N, decode)                                                              \
+  template <int TransA, int TransB>                                                                    \
+  inline void fname(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc, int scale_d) { \
+    flowgen_emu::wgmma_issue<N, TransA, TransB>(d, a_desc, b_desc, scale_d, decode);                      \
+  }
+FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_bf16, 64, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_f16, 64, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_bf16, 128, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_f16, 128, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_bf16, 256, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_f16, 256, flowgen_emu::half_register_to_float)
+#undef FLOWGEN_EMU_WGMMA
 
 // ---------------------------------------------------------------------------------------
 // Dynamic shared memory: one 16-byte-aligned buffer per OS thread, sized at launch.

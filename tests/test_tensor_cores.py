@@ -555,8 +555,13 @@ SASS_CASES = GEMM_CASES + CONV_CASES + [
 @pytest.fixture(scope="module")
 def sm_90_build():
     """(cubin, NVRTC log with ptxas --verbose: registers, stack and spills per kernel) for SASS_CASES."""
-    source = '#include "flowgen_cuda_prelude.h"\n' + "\n".join(c.kernel.source for c in SASS_CASES)
-    options = ["--gpu-architecture=sm_90", "-std=c++17", "--ptxas-options=--verbose",
+    return build_with_ptxas_report("\n".join(c.kernel.source for c in SASS_CASES), "sm_90")
+
+
+def build_with_ptxas_report(kernels: str, arch: str) -> tuple:
+    """(cubin, NVRTC log with ptxas --verbose) of generated kernels compiled for `arch`."""
+    source = '#include "flowgen_cuda_prelude.h"\n' + kernels
+    options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=--verbose",
                *(f"-I{d}" for d in (runtime_cpp_dir(), *cuda_include_dirs()))]
     _, program = nvrtc_api.nvrtcCreateProgram(source.encode(), b"kernels.cu", 0, [], [])
     try:
@@ -574,9 +579,13 @@ def sm_90_build():
 
 
 def test_ptxas_reports_no_spills_for_sm_90(sm_90_build):
-    report = sm_90_build[1]
+    assert_no_spills(sm_90_build[1], {c.kernel.name for c in SASS_CASES})
+
+
+def assert_no_spills(report: str, names: set):
+    """ptxas --verbose says every kernel in `names` (and no other) has no stack frame and no spills."""
     per_kernel = dict(re.findall(r"Function properties for (\w+)\s*ptxas\s+\.\s+([^\n]*)", report))
-    assert set(per_kernel) == {c.kernel.name for c in SASS_CASES}
+    assert set(per_kernel) == names
     for name, frame in per_kernel.items():
         assert frame == "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads", (name, frame)
 
@@ -589,21 +598,29 @@ def cuda_binary_tool(name: str):
 
 
 CUOBJDUMP, NVDISASM = cuda_binary_tool("cuobjdump"), cuda_binary_tool("nvdisasm")
+
+
+def disassemble(cubin: bytes, tmp_path) -> tuple:
+    """({kernel: SASS}, {kernel: cuobjdump -res-usage line}) of a cubin."""
+    path = tmp_path / "kernels.cubin"
+    path.write_bytes(cubin)
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(NVDISASM).parent), os.environ.get("PATH", "")]))
+
+    def dump(flag):
+        return subprocess.run([CUOBJDUMP, flag, str(path)], env=env, capture_output=True, text=True, check=True).stdout
+
+    sass = {chunk.split("\n", 1)[0].strip(): chunk for chunk in re.split(r"\n\s*Function : ", dump("-sass"))[1:]}
+    usage = dict(re.findall(r"Function (\w+):\s*\n\s*(REG:[^\n]*)", dump("-res-usage")))
+    return sass, usage
+
+
 MMA_SASS = {"bf16": "HMMA.16816.F32.BF16", "f16": "HMMA.16816.F32 ", "tf32": "HMMA.1688.F32.TF32"}
 
 
 @pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
                     reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm_90_sass_has_tensor_core_and_async_copy_instructions_and_no_local_memory(sm_90_build, tmp_path):
-    cubin = tmp_path / "gemm.cubin"
-    cubin.write_bytes(sm_90_build[0])
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(NVDISASM).parent), os.environ.get("PATH", "")]))
-
-    def dump(flag):
-        return subprocess.run([CUOBJDUMP, flag, str(cubin)], env=env, capture_output=True, text=True, check=True).stdout
-
-    sass = {chunk.split("\n", 1)[0].strip(): chunk for chunk in re.split(r"\n\s*Function : ", dump("-sass"))[1:]}
-    usage = dict(re.findall(r"Function (\w+):\s*\n\s*(REG:[^\n]*)", dump("-res-usage")))
+    sass, usage = disassemble(sm_90_build[0], tmp_path)
     for case in SASS_CASES:
         name, code = case.kernel.name, sass[case.kernel.name]
         assert MMA_SASS[case.kind] in code, name

@@ -22,7 +22,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 
 * gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides; bf16/fp16
              operands (and float32 ones when TF32 is allowed) run on tensor cores instead
-             (gemm_mma.cu.j2: mma.sync, ldmatrix, a cp.async pipeline).
+             (gemm_mma.cu.j2: mma.sync, ldmatrix, a cp.async pipeline); rendered for sm_90,
+             bf16/fp16 ones use warpgroup MMA (gemm_wgmma.cu.j2: wgmma from 128B-swizzled
+             shared-memory tiles through matrix descriptors, a cp.async pipeline).
 * copy     — permute / slice / slice_backward / cat: one thread per output element
              with a baked index map (slice_backward writes zeros outside the slice).
 * softmax  — softmax / log_softmax over any dim, and cross-entropy rows and their
@@ -89,7 +91,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen.fused import block_segments, reduce_block
 from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
-from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks
+from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks, warpgroup_mma
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.ops.lowering import cpp_literal
@@ -370,6 +372,9 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
         params = [f"const {a.dtype.ctype}* __restrict__ a", f"const {b.dtype.ctype}* __restrict__ b",
                   f"{c.dtype.ctype}* __restrict__ c"]
     kind = None if direct else tensor_core_kind(a.dtype, b.dtype)
+    if kind in _WGMMA_FUNCTIONS and warpgroup_mma():
+        return _wgmma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
+                                  a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
     if kind is not None:
         return _mma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
                                 a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
@@ -440,14 +445,15 @@ def tensor_core_kind(a_dtype, b_dtype):
     return None
 
 
-def _mma_tile(M: int, N: int, batch: int) -> tuple:
-    """The (BM, BN, WM, WN) with the least padded work, scaled up when too few blocks fill the target."""
+def _mma_tile(M: int, N: int, batch: int, tiles=_MMA_TILES) -> tuple:
+    """The entry of `tiles` ((BM, BN, ...) each) with the least padded work, scaled up when too
+    few blocks fill the target; the first of near-ties."""
     def cost(dims):
         BM, BN = dims[:2]
         blocks = -(-M // BM) * -(-N // BN) * batch
         return -(-M // BM) * BM * -(-N // BN) * BN * max(1.0, target_blocks() / blocks)
-    best = _MMA_TILES[0]
-    for dims in _MMA_TILES[1:]:
+    best = tiles[0]
+    for dims in tiles[1:]:
         if cost(dims) < cost(best) * 0.999:
             best = dims
     return best
@@ -456,18 +462,25 @@ def _mma_tile(M: int, N: int, batch: int) -> tuple:
 def _mma_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, mn_size, K, dtype, kind, what):
     """How one operand's k tile is staged: rows over its non-contiguous dim, `vec` elements per
     copy (16-byte cp.async.cg where the contiguous length allows aligned vectors, else 8- or
-    4-byte cp.async.ca, else plain loads for 16-bit rows of odd length)."""
+    4-byte cp.async.ca, else plain loads for 16-bit rows of odd length); rows padded (`LD`)."""
+    x = _staged_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, mn_size, K, dtype, what)
+    pad = 4 if kind == "tf32" and k_contiguous else 8
+    x.update(LD=x.C + pad, elems=x.R * (x.C + pad))
+    return x
+
+
+def _staged_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, mn_size, K, dtype, what):
+    """The copy of one operand's k tile into shared memory (see `_mma_operand`), without a row layout."""
     contiguous_len = K if k_contiguous else mn_size
     item = dtype.itemsize
     vec = next(v for v in (16 // item, 8 // item, 4 // item, 1) if v >= 1 and contiguous_len % v == 0)
     copy_kind = "cg" if vec * item == 16 else "ca" if vec * item >= 4 else "plain"
-    pad = 4 if kind == "tf32" and k_contiguous else 8
     if k_contiguous:
         R, C, o0, O, i0, I, ld = tile_mn, BK, mn_origin, mn_extent, "k0", "GK", "GK"
     else:
         R, C, o0, O, i0, I, ld = BK, tile_mn, "k0", "GK", mn_origin, mn_extent, mn_extent
-    return _Tile(name=name, ptr=ptr, major="k" if k_contiguous else "mn", R=R, C=C, LD=C + pad, vec=vec,
-                 copy_kind=copy_kind, o0=o0, O=O, i0=i0, I=I, ld=ld, elems=R * (C + pad), what=what)
+    return _Tile(name=name, ptr=ptr, major="k" if k_contiguous else "mn", R=R, C=C, vec=vec, copy_kind=copy_kind,
+                 o0=o0, O=O, i0=i0, I=I, ld=ld, what=what)
 
 
 def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans, ops,
@@ -522,6 +535,55 @@ def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
                  MI=WM // 16, NI=WN // 8, KSTEP=KSTEP, kind=kind, mma=mma, elem=dtype.ctype, elem_bytes=dtype.itemsize,
                  zero=_zero_literal(dtype), to_elem=_storer(dtype, "float"), a=a_op, b=b_op, stage_elems=stage_elems,
                  smem=STAGES * stage_elems * dtype.itemsize)
+
+
+# --------------------------------------------------------------------------
+# gemm on Hopper tensor cores (templates/gemm_wgmma.cu.j2), for programs rendered for sm_90
+
+# The warpgroup MMA per input precision and tile width BN: m64n{BN}k16, fp32 accumulation.
+_WGMMA_FUNCTIONS = {"bf16": "wgmma_m64n{}k16_bf16", "f16": "wgmma_m64n{}k16_f16"}
+# Block tiles (BM, BN): BM / 64 warpgroups of 64 x BN; in table order when costs tie.
+_WGMMA_TILES = ((128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
+# k step (one 128-byte swizzled row of 16-bit elements); pipeline stages: as many as fit in an
+# sm_90 block's shared memory (227 KiB, less the 1 KiB alignment), at most 5. Copies run
+# stages - 2 k tiles ahead of the MMAs; one more stage is read by the MMAs still in flight.
+_WGMMA_BK, _WGMMA_MAX_STAGES, _SM90_SHARED_BYTES = 64, 5, 227 * 1024
+
+
+def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans,
+                       ops, what_extra, a_ptr, b_ptr) -> Kernel:
+    """c = op(a) @ op(b) with warpgroup MMA; same arguments and epilogue contract as `gemm_kernel`.
+    Block tiles: `_WGMMA_TILES`."""
+    a, b, c = operands
+    M, N, K = sizes
+    out_batch = tuple(c.shape[:-2])
+    batch = _numel(out_batch)
+    BM, BN = _mma_tile(M, N, batch, _WGMMA_TILES)
+    BK = _WGMMA_BK
+    stage_bytes = (BM + BN) * BK * a.dtype.itemsize
+    STAGES = min(_WGMMA_MAX_STAGES, (_SM90_SHARED_BYTES - 1024) // stage_bytes)
+    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
+    a_op = _staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype,
+                           f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
+    b_op = _staged_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype,
+                           f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
+    stage_elems = (BM + BN) * BK
+    t = _Tile(BM=BM, BN=BN, BK=BK, WGS=BM // 64, NT=2 * BM, STAGES=STAGES, wgmma=_WGMMA_FUNCTIONS[kind].format(BN),
+              elem=a.dtype.ctype, zero=_zero_literal(a.dtype), a=a_op, b=b_op, a_elems=BM * BK,
+              stage_elems=stage_elems)
+    what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
+            f" (tensor-core GEMM {BM}x{BN}, {kind} wgmma){what_extra}")
+    source = _render(
+        "gemm_wgmma.cu.j2", name=kernel_name, comment=_comment(node, what), params=params, t=t,
+        M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
+        batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
+        epilogue_lines=epilogue_lines)
+    # The stages, or the epilogue's fp32 tile of padded rows, whichever is larger (_WGMMA_TILES all
+    # take the stages), + 1024: the tiles start at the first 1024-byte boundary of the shared window.
+    smem = max(STAGES * stage_bytes, BM * (BN + 8) * 4) + 1024
+    return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
+                  smem=smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
 
 # --------------------------------------------------------------------------

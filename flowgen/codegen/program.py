@@ -260,13 +260,14 @@ def _reads_before_writing(k: Kernel) -> bool:
 
 
 def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
-                  allow_tf32: bool = False) -> Program:
+                  allow_tf32: bool = False, arch: str = None) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
     chosen for `target` ("cuda": a GPU; "cpu": the emulator); `compress_memory` searches
     placement orders for a smaller arena (memory/search.py); `allow_tf32` runs float32
-    GEMMs on tensor cores with TF32 inputs."""
+    GEMMs on tensor cores with TF32 inputs; `arch` ("sm_90", ...) is the GPU a "cuda" program
+    is for (None: any sm_80 or newer; "sm_90": warpgroup MMA GEMMs)."""
 
-    with rendering_for(target, allow_tf32):
+    with rendering_for(target, allow_tf32, arch=arch):
         kernels, aliases, constants = render_kernels(graph)
     prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)

@@ -1,4 +1,5 @@
-"""What a program is rendered for: the target's block count, and the cpu target's one-thread blocks.
+"""What a program is rendered for: the target's block count, the cpu target's one-thread blocks,
+and the GPU architecture the CUDA program is for (which tensor-core instructions it may use).
 
 `rendering_for(target)` sets these while a program is built (codegen/program.py); the kernel
 renderers (codegen/families.py, codegen/fused.py) read them.
@@ -21,6 +22,10 @@ _allow_tf32 = contextvars.ContextVar("allow_tf32", default=False)
 # threads runs as fibers, its slowest path. The GPU's kernels still run on the emulator when a
 # program is rendered for "cuda" (tests, FLOWGEN_EMULATE_CUDA).
 _serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
+# The GPU architecture ("sm_90", ...) a 'cuda' program is rendered for, or None: any sm_80 or newer.
+# On sm_90, bf16/fp16 GEMMs use Hopper's warpgroup MMA (wgmma, gemm_wgmma.cu.j2; NVRTC compiles
+# them for sm_90a); elsewhere mma.sync (gemm_mma.cu.j2). The emulator runs both.
+_cuda_arch = contextvars.ContextVar("cuda_arch", default=None)
 
 
 def target_blocks() -> int:
@@ -35,18 +40,28 @@ def serial_blocks() -> bool:
     return _serial_blocks.get()
 
 
+def warpgroup_mma() -> bool:
+    """Whether GEMMs may use Hopper's warpgroup MMA (the program is rendered for sm_90)."""
+    return _cuda_arch.get() in ("sm_90", "sm_90a")
+
+
 @contextlib.contextmanager
-def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None):
+def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None, arch: str = None):
     """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
     `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_blocks`
     (default: on for "cpu") renders SIMT GEMM tiles (_gemm_tile_cpu.j2) and reductions as one
-    thread per block."""
+    thread per block; `arch` ("sm_90", ...; "cuda" only) is the GPU the program is for (None:
+    any sm_80 or newer)."""
+    if arch is not None and target != "cuda":
+        raise ValueError(f"rendering_for: arch={arch!r} is for the 'cuda' target, not {target!r}")
     token = _target_blocks.set(TARGET_BLOCKS[target])
+    arch_token = _cuda_arch.set(arch)
     tf32_token = _allow_tf32.set(bool(allow_tf32))
     serial_token = _serial_blocks.set(target == "cpu" if serial_blocks is None else serial_blocks)
     try:
         yield
     finally:
+        _cuda_arch.reset(arch_token)
         _serial_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)

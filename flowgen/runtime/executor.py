@@ -92,6 +92,8 @@ class CudaBackend:
         if "mma_m16n8k" in source and major < 8:
             raise RuntimeError(f"this graph runs GEMMs on tensor cores (mma.sync, cp.async), which needs sm_80 or "
                                f"newer; the GPU is {self.ctx.arch}")
+        if "wgmma_m64n" in source and self.ctx.arch != "sm_90":
+            raise RuntimeError(f"this graph's GEMMs were rendered for sm_90 (warpgroup MMA); the GPU is {self.ctx.arch}")
         self.build = nvrtc.compile_kernels(source, self.ctx.arch)
         self.modules = [cuda_driver.CudaModule(path.read_bytes()) for path in self.build.artifacts]
         self.stream = self.ctx.create_stream()

@@ -47,15 +47,27 @@ def _arch_number(arch: str) -> str:
     return match.group(1)
 
 
+# A call of a Hopper warpgroup MMA (flowgen_cuda_prelude.h): the source needs sm_90a.
+_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k16_\w+\s*<")
+
+
+def _arch_number_for(source: str, arch: str) -> str:
+    """`arch`'s number, with the architecture-specific suffix "a" on sm_90 when the source uses
+    warpgroup MMA (wgmma exists only in the sm_90a feature set; such a cubin runs on sm_90 GPUs)."""
+    number = _arch_number(arch)
+    return "90a" if number == "90" and _WGMMA_CALL.search(source) else number
+
+
 def compile_cuda(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
-    """A cubin for `arch` (e.g. "sm_90"): machine code the driver loads as is."""
-    return _compile(source, f"sm_{_arch_number(arch)}", tag, "kernels.cubin")
+    """A cubin for `arch` (e.g. "sm_90"; sm_90a for a source with warpgroup MMA): machine code
+    the driver loads as is."""
+    return _compile(source, f"sm_{_arch_number_for(source, arch)}", tag, "kernels.cubin")
 
 
 def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
     """NUL-terminated PTX for the virtual architecture `compute_XY` matching `arch`; the
     driver JIT-compiles it, which also works where it cannot load this NVRTC's cubins."""
-    return _compile(source, f"compute_{_arch_number(arch)}", tag, "kernels.ptx")
+    return _compile(source, f"compute_{_arch_number_for(source, arch)}", tag, "kernels.ptx")
 
 
 def _options(target: str) -> list[str]:
@@ -89,7 +101,7 @@ _MIN_CHUNK_CHARS = 15_000
 def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
     """Cubins for a generated kernels.cu: `artifacts` are cubin paths (load each as a module),
     `symbols` maps each kernel name to (cubin index, function name)."""
-    options = _options(f"sm_{_arch_number(arch)}")
+    options = _options(f"sm_{_arch_number_for(source, arch)}")
     source = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
     return build_kernels(source, root=cache_dir() / "nvrtc-kernels", salt=_salt(options), artifact="kernels.cubin",
                          compiler="nvrtc", min_chunk_chars=_MIN_CHUNK_CHARS,

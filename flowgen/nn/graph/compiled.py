@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -486,7 +487,8 @@ def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, star
     progress.stage("codegen")
     ir = _with_measured_conv_tiles(graph, ir, device)
     program = build_program(ir, naive_memory=graph.config.naive_memory, target=device.type,
-                            compress_memory=graph.config.compress_memory, allow_tf32=graph.config.tf32)
+                            compress_memory=graph.config.compress_memory, allow_tf32=graph.config.tf32,
+                            arch=_cuda_arch(device))
     program.kernels_before_fusion = count_unfused_kernels(ir)
     timings["codegen"] = time.perf_counter() - start
     return ir, program
@@ -501,7 +503,24 @@ def _program_cache_options(graph, device, data_parallel, stage_program) -> dict 
     if (data_parallel is not None or stage_program is not None or graph.config.cudnn_conv_heuristic_search_algo
             or graph._debug_level >= 1):
         return None
-    return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type}
+    return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type,
+            "arch": _cuda_arch(device)}
+
+
+def _cuda_arch(device):
+    """The GPU architecture a 'cuda' graph's program is rendered for (codegen/target.py): the
+    GPU's; with no GPU under FLOWGEN_EMULATE_CUDA=1, FLOWGEN_EMULATE_CUDA_ARCH (e.g. sm_90, to run
+    the Hopper kernels on the emulator), else None (any sm_80 or newer)."""
+    if device.type != "cuda":
+        return None
+    from flowgen.runtime import cuda_driver
+
+    if cuda_driver.available():
+        return cuda_driver.CudaContext.get().arch
+    arch = os.environ.get("FLOWGEN_EMULATE_CUDA_ARCH") or None
+    if arch is not None and not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"FLOWGEN_EMULATE_CUDA_ARCH={arch!r}: expected a GPU architecture such as sm_90")
+    return arch
 
 
 def _refuse_sync_batch_norm(graph_name, ir):
