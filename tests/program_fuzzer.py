@@ -19,7 +19,8 @@ plus `ROUNDING_UNITS` units of 2**-24 of the tensor's largest magnitude (differe
 valid summation orders). With torch installed, eager
 float64 is also checked against torch float64 (forward, loss and first-step gradients), which
 must agree to 1e-6 relative (formulas may round differently; semantics may not): that checks
-the op semantics the fuzzer's reference relies on.
+the op semantics the fuzzer's reference relies on. The ulp-perturbed eager runs are made only
+for a comparison that fails without them (they can only widen its allowance).
 
 Several programs share one pair of graphs (their inputs, outputs and losses side by side; the
 training loss is their sum, and their parameters are disjoint, so each trains as if alone) to
@@ -27,10 +28,14 @@ pay the g++ start-up once. A mismatch is re-run program by program, minimised st
 statement, and reported as the program's source and seed:
 
     python tests/program_fuzzer.py --long 500 [--seed 0] [--batch 10]
+
+Long runs spend most of their time in g++: `FLOWGEN_EMULATOR_OPT=0` compiles the kernels about
+3x faster and gives the same numbers (README, "Environment").
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import re
 import sys
@@ -335,19 +340,29 @@ def _namespaces(library: str) -> dict:
 
 def model_class(program: Program, library: str = "flowgen"):
     """An `nn.Module` subclass (of flowgen or torch) running `program`."""
-    names = _namespaces(library)
     code = "\n".join(["def __init__(self):", "    super(type(self), self).__init__()"]
                      + [f"    {line}" for line in program.init] + ["def forward(self, x):"]
                      + [f"    {line}" for line in program.body] + ["    return out"])
+    return _compiled_class(code, program.seed, library)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_class(code: str, seed: int, library: str):
+    """The class of `model_class`, compiled once per source (a program runs 5 to 8 times)."""
+    names = _namespaces(library)
     scope = dict(names)
-    exec(compile(code, f"<fuzz program {program.seed}>", "exec"), scope)
-    return type(f"Fuzz{program.seed}", (names["nn"].Module,),
-                {"__init__": scope["__init__"], "forward": scope["forward"]})
+    exec(compile(code, f"<fuzz program {seed}>", "exec"), scope)
+    return type(f"Fuzz{seed}", (names["nn"].Module,), {"__init__": scope["__init__"], "forward": scope["forward"]})
 
 
 def loss_fn(program: Program, library: str = "flowgen"):
+    return _compiled_loss(program.loss, program.seed, library)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_loss(expression: str, seed: int, library: str):
     scope = dict(_namespaces(library))
-    return eval(compile(f"lambda out, target: {program.loss}", f"<fuzz loss {program.seed}>", "eval"), scope)
+    return eval(compile(f"lambda out, target: {expression}", f"<fuzz loss {seed}>", "eval"), scope)
 
 
 def make_data(program: Program) -> tuple:
@@ -555,6 +570,38 @@ def torch_mismatch(name, flow64, torch64, flow64_perturbed=None) -> str | None:
     return None
 
 
+class _Eager:
+    """One program's eager runs. The exact float32 and the float64 runs are made at once; the
+    ulp-perturbed runs only when a comparison fails without them: the allowance of `mismatch`
+    and `torch_mismatch` only grows with them, so a comparison that passes without them passes
+    with them, and one that fails is decided with them (the same verdicts, fewer runs)."""
+
+    def __init__(self, program, state):
+        self.program, self.state = program, state
+        self.exact32 = run_eager(program, state, flow.float32)[0]
+        self.values64, self.grads64 = run_eager(program, state, flow.float64)
+
+    @functools.cached_property
+    def runs32(self) -> list:
+        return [self.exact32] + [run_eager(self.program, self.state, flow.float32, perturb)[0]
+                                 for perturb in PERTURBED_RUNS if perturb is not None]
+
+    @functools.cached_property
+    def moved64(self) -> tuple:
+        return run_eager(self.program, self.state, flow.float64, perturb=3)
+
+    def graph_problem(self, name, graph32) -> str | None:
+        """`mismatch` of the graph's `name` against the eager float32 runs."""
+        value = self.values64[name]
+        return (mismatch(name, graph32, [self.exact32[name]], value)
+                and mismatch(name, graph32, [r[name] for r in self.runs32], value))
+
+    @staticmethod
+    def torch_problem(name, flow64, torch64, moved) -> str | None:
+        """`torch_mismatch` of `name`; `moved()` is the ulp-perturbed flowgen float64 value."""
+        return torch_mismatch(name, flow64, torch64) and torch_mismatch(name, flow64, torch64, moved())
+
+
 def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> list:
     """Run `programs` in eager and (with `graphs`) in one pair of graphs; [(program, problems)]
     for each program that disagrees. A batch whose graphs fail is retried program by program."""
@@ -562,8 +609,7 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
     eager, found = [], []
     for p, s in zip(programs, states):
         try:
-            runs32 = [run_eager(p, s, flow.float32, perturb)[0] for perturb in PERTURBED_RUNS]
-            eager.append((runs32, run_eager(p, s, flow.float64)))
+            eager.append(_Eager(p, s))
         except Exception:
             found.append((p, [f"eager failed: {traceback.format_exc(limit=-3)}"]))
     if found:
@@ -576,29 +622,38 @@ def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> lis
             if len(programs) > 1:
                 return [found for p in programs for found in check_programs([p], graphs, use_torch)]
             return [(programs[0], [f"graph failed: {traceback.format_exc(limit=-3)}"])]
-    for p, s, g, (e32, (e64, grads64)) in zip(programs, states, graph_results, eager):
-        if not all(np.all(np.isfinite(v)) for v in e64.values()):
+    for p, s, g, e in zip(programs, states, graph_results, eager):
+        if not all(np.all(np.isfinite(v)) for v in e.values64.values()):
             continue   # overflowed in float64 already: nothing to compare against
-        problems = []
-        if g is not None:
-            problems += [m for k in e64
-                         if (m := mismatch(k, g.get(k, np.full(1, np.nan)), [r[k] for r in e32], e64[k]))]
         try:
-            oracle = run_torch(p, s) if use_torch else None
+            problems = _problems(p, s, g, e, use_torch)
         except Exception:
-            oracle = None
-            problems.append(f"torch failed (flowgen eager ran): {traceback.format_exc(limit=-2)}")
-        if oracle is not None:
-            t_values, t_grads = oracle
-            moved, moved_grads = run_eager(p, s, flow.float64, perturb=3)
-            problems += [m for k, v in t_values.items() if (m := torch_mismatch(k, e64[k], v, moved[k]))]
-            missing = np.full(1, np.nan)
-            problems += [m for k in sorted(set(t_grads) | set(grads64))
-                         if (m := torch_mismatch(f"step 0 grad {k}", grads64.get(k, missing), t_grads.get(k, missing),
-                                                 moved_grads.get(k, missing)))]
+            problems = [f"eager failed (an ulp-perturbed run): {traceback.format_exc(limit=-3)}"]
         if problems:
             found.append((p, problems))
     return found
+
+
+def _problems(program, state, graph_result, eager: _Eager, use_torch: bool) -> list:
+    """The comparisons of one program: graph vs eager (with `graph_result`), eager vs torch."""
+    problems = []
+    if graph_result is not None:
+        problems += [m for k in eager.values64
+                     if (m := eager.graph_problem(k, graph_result.get(k, np.full(1, np.nan))))]
+    try:
+        oracle = run_torch(program, state) if use_torch else None
+    except Exception:
+        oracle = None
+        problems.append(f"torch failed (flowgen eager ran): {traceback.format_exc(limit=-2)}")
+    if oracle is not None:
+        t_values, t_grads = oracle
+        problems += [m for k, v in t_values.items()
+                     if (m := eager.torch_problem(k, eager.values64[k], v, lambda: eager.moved64[0][k]))]
+        missing = np.full(1, np.nan)
+        problems += [m for k in sorted(set(t_grads) | set(eager.grads64))
+                     if (m := eager.torch_problem(f"step 0 grad {k}", eager.grads64.get(k, missing),
+                                                  t_grads.get(k, missing), lambda: eager.moved64[1].get(k, missing)))]
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------

@@ -59,6 +59,26 @@ def test_comparison_catches_wrong_numbers():
     assert fuzzer.torch_mismatch("out", reference, reference + 1e-3) is not None
 
 
+def test_perturbed_eager_runs_are_made_only_when_the_exact_run_does_not_excuse_the_graph():
+    """The ulp-perturbed eager runs only widen the allowance: they are run (here: stood in for)
+    only for a comparison that fails against the exact eager float32 run."""
+    reference = np.array([1.0, -2.0, 3.0])
+    exact32 = reference.astype(np.float32).astype(np.float64)
+    eager = object.__new__(fuzzer._Eager)
+    eager.exact32, eager.values64 = {"w": exact32}, {"w": reference}
+    assert eager.graph_problem("w", exact32) is None and "runs32" not in vars(eager)
+    eager.runs32 = [{"w": exact32}, {"w": reference + np.array([0.0, 1e-3, 0.0])}]   # chaotic: moves 1e-3
+    assert eager.graph_problem("w", reference + np.array([2e-3, 0, 0])) is None
+    assert "from eager float64" in eager.graph_problem("w", reference + np.array([2e-2, 0, 0]))
+
+    def not_needed():
+        raise AssertionError("a perturbed run for a comparison that passes without it")
+
+    assert eager.torch_problem("out", reference, reference * (1 + 1e-9), not_needed) is None
+    assert eager.torch_problem("out", reference, reference + 1e-3, lambda: reference + 1e-3) is None
+    assert "from torch float64" in eager.torch_problem("out", reference, reference + 1e-3, lambda: reference)
+
+
 # ----------------------------------------------------------------------------------------------
 # Regressions: minimised repros
 
