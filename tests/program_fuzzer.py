@@ -348,7 +348,7 @@ def model_class(program: Program, library: str = "flowgen"):
 
 @functools.lru_cache(maxsize=256)
 def _compiled_class(code: str, seed: int, library: str):
-    """The class of `model_class`, compiled once per source (a program runs 5 to 8 times)."""
+    """The class of `model_class`, compiled once per source (each program runs several times)."""
     names = _namespaces(library)
     scope = dict(names)
     exec(compile(code, f"<fuzz program {seed}>", "exec"), scope)
