@@ -393,11 +393,13 @@ def min(x, dim=None, keepdim=False):  # noqa: A001
 
 
 def amax(x, dim=None, keepdim=False):
-    return apply("max", x, dims=_dims(x, dim, "amax"), keepdim=bool(keepdim))
+    """The maximum over `dim`; its gradient is split evenly among ties (as torch.amax; max(x, dim)
+    gives it all to the index it returns)."""
+    return apply("max", x, dims=_dims(x, dim, "amax"), keepdim=bool(keepdim), split_ties=True)
 
 
 def amin(x, dim=None, keepdim=False):
-    return apply("min", x, dims=_dims(x, dim, "amin"), keepdim=bool(keepdim))
+    return apply("min", x, dims=_dims(x, dim, "amin"), keepdim=bool(keepdim), split_ties=True)
 
 
 def _arg(x, dim, keepdim, op):

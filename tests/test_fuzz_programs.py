@@ -113,6 +113,12 @@ REGRESSIONS = {
     "layernorm_of_a_constant_row": _regression(
         11358, (4, 5), ["self.m1 = nn.LayerNorm(5)"],
         ["h1 = lib.masked_fill(x, x < 10.0, -0.14)", "h2 = self.m1(h1)"], loss="lib.sum(out * target)"),
+    # fuzz seed 730204: amin over LayerNorm rows with ties (the clamp's floor) gave the whole
+    # gradient to the first tie; torch.amin splits it evenly (bias gradient 2.49 off).
+    "amin_over_ties": _regression(
+        730204, (2, 4, 5), ["self.m2 = nn.LayerNorm(5)"],
+        ["h1 = lib.clamp(x, min=0.25)", "h3 = self.m2(h1)", "h5 = lib.amin(h3, dim=2, keepdim=True)"],
+        loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 1)),
 }
 
 
