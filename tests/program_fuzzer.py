@@ -516,6 +516,9 @@ def run_torch(program, state) -> tuple:
     model = model_class(program, "torch")()
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
     model = model.double()
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.register_forward_pre_hook(_contiguous_inputs)
     model.eval()
     with torch.no_grad():
         out = model(torch.from_numpy(x.astype(np.float64))).numpy()
@@ -525,6 +528,13 @@ def run_torch(program, state) -> tuple:
     loss.backward()
     grads = {k: p.grad.numpy() for k, p in model.named_parameters() if p.grad is not None}
     return {"inference": out, "loss step 0": loss.detach().numpy()}, grads
+
+
+def _contiguous_inputs(module, inputs):
+    """Torch BatchNorm's inputs made contiguous (same values): torch 2.13's CPU BatchNorm2d
+    backward is wrong for an input whose strides also read as channels_last (a transposed
+    [N, C, H, 1]) -- bias gradient not the sum of the output gradient (fuzz seed 730247)."""
+    return tuple(t.contiguous() for t in inputs)
 
 
 # ----------------------------------------------------------------------------------------------
