@@ -127,6 +127,15 @@ REGRESSIONS = {
         ["h1 = lib.amax(x, dim=3, keepdim=True)", "h6 = lib.transpose(h1, 1, 2)", "h8 = self.m7(h6)",
          "h9 = lib.index_select(h8, 3, lib.tensor([0, 0]))"],
         loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 2, 2)),
+    # fuzz seed 701619: amax over a dim of size 1 then log_softmax: the backward's two sums (the
+    # tie count, log_softmax's) fused into one reduction whose epilogue read the tie mask, a
+    # loop variable out of scope there (KeyError in codegen): the epilogue computes it again.
+    "amax_over_a_size_1_dim_then_log_softmax": _regression(
+        701619, (2, 2, 4, 6), ["self.p5 = nn.Parameter(lib.randn(1) * 0.5)"],
+        ["h3 = lib.flatten(x, 1)", "h4 = lib.mean(h3, dim=1, keepdim=True)",
+         "h6 = lib.where(h4 > -0.137, h4, self.p5)", "h7 = lib.amax(h6, dim=1, keepdim=True)",
+         "h8 = lib.log_softmax(h7, dim=1)", "h9 = lib.transpose(h8, 0, 1)"],
+        loss="lib.mean(out * out)", target_shape=(1, 2)),
 }
 
 
