@@ -334,8 +334,27 @@ def _namespaces(library: str) -> dict:
     if library == "torch":
         import torch   # the optional oracle: imported only when a torch comparison is asked for
 
-        return {"lib": torch, "nn": torch.nn, "F": torch.nn.functional}
+        return {"lib": _StableTorch(torch), "nn": torch.nn, "F": torch.nn.functional}
     return {"lib": flow, "nn": flow_nn, "F": flow_F}
+
+
+class _StableTorch:
+    """`torch`, but sort and topk keep tied values in index order, as flowgen documents (which
+    tied elements torch picks is unspecified: its CPU topk took the last of tied values where
+    flowgen takes the first, and the gradient then reaches other elements; fuzz seed 702616)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def sort(self, x, dim=-1, descending=False):
+        return self._torch.sort(x, dim=dim, descending=descending, stable=True)
+
+    def topk(self, x, k, dim=-1, largest=True):
+        values, indices = self._torch.sort(x, dim=dim, descending=largest, stable=True)
+        return values.narrow(dim, 0, k), indices.narrow(dim, 0, k)
 
 
 def model_class(program: Program, library: str = "flowgen"):
@@ -519,6 +538,7 @@ def run_torch(program, state) -> tuple:
     for module in model.modules():
         if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
             module.register_forward_pre_hook(_contiguous_inputs)
+            module.register_forward_hook(_contiguous_output_gradient)
     model.eval()
     with torch.no_grad():
         out = model(torch.from_numpy(x.astype(np.float64))).numpy()
@@ -532,9 +552,16 @@ def run_torch(program, state) -> tuple:
 
 def _contiguous_inputs(module, inputs):
     """Torch BatchNorm's inputs made contiguous (same values): torch 2.13's CPU BatchNorm2d
-    backward is wrong for an input whose strides also read as channels_last (a transposed
-    [N, C, H, 1]) -- bias gradient not the sum of the output gradient (fuzz seed 730247)."""
+    backward is wrong where the input or the output's gradient has strides that also read as
+    channels_last (a transposed [N, C, H, 1]) and the other does not -- the bias gradient is
+    not the sum of the output gradient (fuzz seeds 730247, 702446)."""
     return tuple(t.contiguous() for t in inputs)
+
+
+def _contiguous_output_gradient(module, inputs, output):
+    """The gradient reaching torch BatchNorm's backward made contiguous (see `_contiguous_inputs`)."""
+    if output.requires_grad:
+        output.register_hook(lambda grad: grad.contiguous())
 
 
 # ----------------------------------------------------------------------------------------------

@@ -119,14 +119,27 @@ REGRESSIONS = {
         730204, (2, 4, 5), ["self.m2 = nn.LayerNorm(5)"],
         ["h1 = lib.clamp(x, min=0.25)", "h3 = self.m2(h1)", "h5 = lib.amin(h3, dim=2, keepdim=True)"],
         loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 1)),
-    # fuzz seed 730247: the oracle's fault: torch's CPU BatchNorm2d backward on a transposed
-    # [2, 4, 2, 1] (strides that also read as channels_last) got the bias gradient 7.98 off;
-    # run_torch makes BatchNorm inputs contiguous.
+    # fuzz seeds 730247, 702446: the oracle's fault: torch's CPU BatchNorm2d backward with an
+    # input (a transposed [2, 4, 2, 1]) or output gradient (of [2, 4, 1, 5] transposed back)
+    # whose strides also read as channels_last got the bias gradient 7.98 / 0.05 off;
+    # run_torch makes BatchNorm's input and output gradient contiguous.
     "batchnorm_of_a_transposed_column": _regression(
         730247, (2, 2, 4, 6), ["self.m7 = nn.BatchNorm2d(4)"],
         ["h1 = lib.amax(x, dim=3, keepdim=True)", "h6 = lib.transpose(h1, 1, 2)", "h8 = self.m7(h6)",
          "h9 = lib.index_select(h8, 3, lib.tensor([0, 0]))"],
         loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 2, 2)),
+    "batchnorm_gradient_through_a_transpose": _regression(
+        702446, (2, 4, 5), ["self.m7 = nn.BatchNorm2d(4)"],
+        ["h1 = lib.unsqueeze(x, 2)", "h8 = self.m7(h1)", "h9 = lib.transpose(h8, 1, 3)", "h10 = lib.cumsum(h9, dim=2)"],
+        loss="F.l1_loss(out, target)", optimizer="adam", target_shape=(2, 5, 1, 4)),
+    # fuzz seed 702616: the oracle's fault: topk(4 of 5) of LayerNorm rows with ties (the
+    # masked_fill value); torch's CPU topk takes the last tied elements, flowgen the first (its
+    # documented stable order), so the LayerNorm weight gradient reached other features.
+    # run_torch's sort/topk are stable.
+    "topk_of_tied_values": _regression(
+        702616, (3, 5), ["self.m3 = nn.LayerNorm(5)"],
+        ["h1 = lib.masked_fill(x, x < 0.43, 0.04)", "h4 = self.m3(h1)", "h6 = lib.topk(h4, 4, dim=1, largest=True)[0]"],
+        loss="lib.mean(out * out)", target_shape=(3, 4)),
     # fuzz seed 701619: amax over a dim of size 1 then log_softmax: the backward's two sums (the
     # tie count, log_softmax's) fused into one reduction whose epilogue read the tie mask, a
     # loop variable out of scope there (KeyError in codegen): the epilogue computes it again.
