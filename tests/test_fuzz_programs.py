@@ -52,6 +52,11 @@ def test_comparison_catches_wrong_numbers():
     assert "graph float32 is 0.0003 from eager float64" in fuzzer.mismatch("loss", reference * (1 + 1e-4), [eager32],
                                                                              reference)
     assert "non-finite" in fuzzer.mismatch("out", np.array([np.nan, 0, 0]), [eager32], reference)
+    # fuzz seeds 703017, 703391: the third step's loss is 1e73 in float64, inf in eager float32 too
+    overflowed = np.array([np.inf, -2.0, 3.0])
+    assert fuzzer.mismatch("loss", np.array([np.inf, -2.0, 3.0]), [overflowed], reference) is None
+    assert fuzzer.mismatch("loss", np.array([np.nan, -2.0, 3.0]), [eager32, overflowed], reference) is None
+    assert "non-finite" in fuzzer.mismatch("loss", np.array([1.0, np.inf, 3.0]), [overflowed], reference)
     perturbed = reference + np.array([0.0, 1e-3, 0.0])   # chaotic: an ulp-perturbed eager run is 1e-3 off
     assert fuzzer.mismatch("w", reference + np.array([2e-3, 0, 0]), [eager32, perturbed], reference) is None
     assert fuzzer.mismatch("w", reference + np.array([2e-2, 0, 0]), [eager32, perturbed], reference) is not None
