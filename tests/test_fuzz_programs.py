@@ -41,6 +41,16 @@ def test_generator_is_seeded_and_varied():
         assert construct in text, construct
 
 
+def test_generator_writes_no_group_norm_of_one_value_per_group():
+    """Fuzz seed 736603 drew GroupNorm(2, 2) of a [1, 2, 1, 1]: training raises (as in torch);
+    the generator writes another op there."""
+    import flowgen as flow
+
+    for seed in (5418, 736603):
+        program = fuzzer.generate(seed)
+        fuzzer.run_eager(program, fuzzer.initial_states([program])[0], flow.float32)
+
+
 def test_comparison_catches_wrong_numbers():
     """The tolerance is float32 rounding against the float64 result, scaled by how far eager
     float32 itself is off: a graph 1e-4 off where eager float32 is exact fails."""
