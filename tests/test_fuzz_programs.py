@@ -155,6 +155,12 @@ REGRESSIONS = {
         702616, (3, 5), ["self.m3 = nn.LayerNorm(5)"],
         ["h1 = lib.masked_fill(x, x < 0.43, 0.04)", "h4 = self.m3(h1)", "h6 = lib.topk(h4, 4, dim=1, largest=True)[0]"],
         loss="lib.mean(out * out)", target_shape=(3, 4)),
+    # fuzz seed 706755: relu6 of LayerNorm(1)'s output, exactly its bias (0): the gradient passed
+    # at relu6's lower bound (torch's is 0 there).
+    "relu6_at_its_lower_bound": _regression(
+        706755, (4, 6), ["self.m4 = nn.LayerNorm(1)"],
+        ["h2 = lib.amax(x, dim=1, keepdim=True)", "h5 = self.m4(h2)", "h6 = F.relu6(h5 * 3.0)"],
+        loss="F.l1_loss(out, target)", optimizer="adam", target_shape=(4, 1)),
     # fuzz seed 701619: amax over a dim of size 1 then log_softmax: the backward's two sums (the
     # tie count, log_softmax's) fused into one reduction whose epilogue read the tie mask, a
     # loop variable out of scope there (KeyError in codegen): the epilogue computes it again.
