@@ -216,9 +216,19 @@ def clamp(x, min=None, max=None):  # noqa: A002
     if _is_tensor(min) or _is_tensor(max):
         out = x if min is None else maximum(x, min)
         return out if max is None else minimum(out, max)
+    return _clamp_op(x, min, max, exclusive=False)
+
+
+def hardtanh(x, min_val=-1.0, max_val=1.0):
+    """clamp(x, min_val, max_val) whose gradient passes strictly inside the bounds (0 at them, as
+    torch's hardtanh and relu6; clamp's passes at them too). nn.functional.hardtanh's kernel."""
+    return _clamp_op(x, min_val, max_val, exclusive=True)
+
+
+def _clamp_op(x, min, max, exclusive: bool):   # noqa: A002
     if not x.dtype.is_floating and _bany(isinstance(v, float) and v != int(v) for v in (min, max) if v is not None):
         x = apply("cast", x, dtype=dt.float32)
-    return apply("clamp", x, min=_bound(min, x, "min"), max=_bound(max, x, "max"))
+    return apply("clamp", x, min=_bound(min, x, "min"), max=_bound(max, x, "max"), exclusive=exclusive)
 
 
 clip = clamp
@@ -393,11 +403,13 @@ def min(x, dim=None, keepdim=False):  # noqa: A001
 
 
 def amax(x, dim=None, keepdim=False):
-    return apply("max", x, dims=_dims(x, dim, "amax"), keepdim=bool(keepdim))
+    """The maximum over `dim`; its gradient is split evenly among ties (as torch.amax; max(x, dim)
+    gives it all to the index it returns)."""
+    return apply("max", x, dims=_dims(x, dim, "amax"), keepdim=bool(keepdim), split_ties=True)
 
 
 def amin(x, dim=None, keepdim=False):
-    return apply("min", x, dims=_dims(x, dim, "amin"), keepdim=bool(keepdim))
+    return apply("min", x, dims=_dims(x, dim, "amin"), keepdim=bool(keepdim), split_ties=True)
 
 
 def _arg(x, dim, keepdim, op):
@@ -1324,4 +1336,5 @@ __all__ = [name for name, value in list(globals().items())
            if not name.startswith("_") and callable(value)
            and getattr(value, "__module__", None) in (__name__, "flowgen.creation")
            and name not in {"Tensor", "as_tensor_like", "apply", "normalize_dim", "normalize_dims", "namedtuple",
-                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous", "keyword_sizes"}]
+                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous", "keyword_sizes",
+                            "hardtanh"}]

@@ -141,6 +141,33 @@ def test_a_shape_change_compiles_only_the_kernels_that_changed(cache):
     assert loss == pytest.approx(expected, rel=1e-5)
 
 
+def _train_losses_and_weights(seed):
+    flow.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.GELU(), nn.Linear(8, 3))
+    graph = TrainGraph(model, nn.CrossEntropyLoss(), flow.optim.Adam(model.parameters(), lr=0.01))
+    x, y = flow.randn(4, 6), flow.randint(0, 3, (4,))
+    losses = [graph(x, y).numpy() for _ in range(2)]
+    return graph, losses, {k: v.numpy() for k, v in model.state_dict().items()}
+
+
+def test_emulator_optimisation_level_changes_compile_flags_not_numbers(cache, monkeypatch):
+    graph2, losses2, weights2 = _train_losses_and_weights(3)
+    monkeypatch.setenv("FLOWGEN_EMULATOR_OPT", "0")
+    graph0, losses0, weights0 = _train_losses_and_weights(3)
+    build = _build_stats(graph0)
+    assert build.compiled == build.distinct > 0    # a different level is a different cache entry
+    logs = {graph.name: [(a.parent / "compile.log").read_text().split("\n")[0].split()
+                         for a in graph.compiled.executor.backend.build.artifacts] for graph in (graph0, graph2)}
+    assert all("-O0" in log and "-O2" not in log for log in logs[graph0.name])
+    assert all("-O2" in log for log in logs[graph2.name])
+    np.testing.assert_array_equal(np.array(losses0), np.array(losses2))
+    for name, value in weights2.items():
+        np.testing.assert_array_equal(weights0[name], value, err_msg=name)
+    monkeypatch.setenv("FLOWGEN_EMULATOR_OPT", "3")
+    with pytest.raises(ValueError, match="FLOWGEN_EMULATOR_OPT='3'.*one of 0, 1, 2"):
+        build_kernel_library(SOURCE)
+
+
 def test_load_state_dict_keeps_the_compiled_variant(cache, tmp_path, capsys):
     x, y = flow.randn(4, 6), flow.randint(0, 3, (4,))
     graph = _train_graph(_mlp())

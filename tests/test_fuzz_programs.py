@@ -41,6 +41,16 @@ def test_generator_is_seeded_and_varied():
         assert construct in text, construct
 
 
+def test_generator_writes_no_group_norm_of_one_value_per_group():
+    """Fuzz seed 736603 drew GroupNorm(2, 2) of a [1, 2, 1, 1]: training raises (as in torch);
+    the generator writes another op there."""
+    import flowgen as flow
+
+    for seed in (5418, 736603):
+        program = fuzzer.generate(seed)
+        fuzzer.run_eager(program, fuzzer.initial_states([program])[0], flow.float32)
+
+
 def test_comparison_catches_wrong_numbers():
     """The tolerance is float32 rounding against the float64 result, scaled by how far eager
     float32 itself is off: a graph 1e-4 off where eager float32 is exact fails."""
@@ -52,11 +62,36 @@ def test_comparison_catches_wrong_numbers():
     assert "graph float32 is 0.0003 from eager float64" in fuzzer.mismatch("loss", reference * (1 + 1e-4), [eager32],
                                                                              reference)
     assert "non-finite" in fuzzer.mismatch("out", np.array([np.nan, 0, 0]), [eager32], reference)
+    # fuzz seeds 703017, 703391: the third step's loss is 1e73 in float64, inf in eager float32 too
+    overflowed = np.array([np.inf, -2.0, 3.0])
+    assert fuzzer.mismatch("loss", np.array([np.inf, -2.0, 3.0]), [overflowed], reference) is None
+    assert fuzzer.mismatch("loss", np.array([np.nan, -2.0, 3.0]), [eager32, overflowed], reference) is None
+    assert "non-finite" in fuzzer.mismatch("loss", np.array([1.0, np.inf, 3.0]), [overflowed], reference)
     perturbed = reference + np.array([0.0, 1e-3, 0.0])   # chaotic: an ulp-perturbed eager run is 1e-3 off
     assert fuzzer.mismatch("w", reference + np.array([2e-3, 0, 0]), [eager32, perturbed], reference) is None
     assert fuzzer.mismatch("w", reference + np.array([2e-2, 0, 0]), [eager32, perturbed], reference) is not None
     assert fuzzer.torch_mismatch("out", reference, reference) is None
     assert fuzzer.torch_mismatch("out", reference, reference + 1e-3) is not None
+
+
+def test_perturbed_eager_runs_are_made_only_when_the_exact_run_does_not_excuse_the_graph():
+    """The ulp-perturbed eager runs only widen the allowance: they are run (here: stood in for)
+    only for a comparison that fails against the exact eager float32 run."""
+    reference = np.array([1.0, -2.0, 3.0])
+    exact32 = reference.astype(np.float32).astype(np.float64)
+    eager = object.__new__(fuzzer._Eager)
+    eager.exact32, eager.values64 = {"w": exact32}, {"w": reference}
+    assert eager.graph_problem("w", exact32) is None and "runs32" not in vars(eager)
+    eager.runs32 = [{"w": exact32}, {"w": reference + np.array([0.0, 1e-3, 0.0])}]   # chaotic: moves 1e-3
+    assert eager.graph_problem("w", reference + np.array([2e-3, 0, 0])) is None
+    assert "from eager float64" in eager.graph_problem("w", reference + np.array([2e-2, 0, 0]))
+
+    def not_needed():
+        raise AssertionError("a perturbed run for a comparison that passes without it")
+
+    assert eager.torch_problem("out", reference, reference * (1 + 1e-9), not_needed) is None
+    assert eager.torch_problem("out", reference, reference + 1e-3, lambda: reference + 1e-3) is None
+    assert "from torch float64" in eager.torch_problem("out", reference, reference + 1e-3, lambda: reference)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,6 +128,48 @@ REGRESSIONS = {
     "layernorm_of_a_constant_row": _regression(
         11358, (4, 5), ["self.m1 = nn.LayerNorm(5)"],
         ["h1 = lib.masked_fill(x, x < 10.0, -0.14)", "h2 = self.m1(h1)"], loss="lib.sum(out * target)"),
+    # fuzz seed 730204: amin over LayerNorm rows with ties (the clamp's floor) gave the whole
+    # gradient to the first tie; torch.amin splits it evenly (bias gradient 2.49 off).
+    "amin_over_ties": _regression(
+        730204, (2, 4, 5), ["self.m2 = nn.LayerNorm(5)"],
+        ["h1 = lib.clamp(x, min=0.25)", "h3 = self.m2(h1)", "h5 = lib.amin(h3, dim=2, keepdim=True)"],
+        loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 1)),
+    # fuzz seeds 730247, 702446: the oracle's fault: torch's CPU BatchNorm2d backward with an
+    # input (a transposed [2, 4, 2, 1]) or output gradient (of [2, 4, 1, 5] transposed back)
+    # whose strides also read as channels_last got the bias gradient 7.98 / 0.05 off;
+    # run_torch makes BatchNorm's input and output gradient contiguous.
+    "batchnorm_of_a_transposed_column": _regression(
+        730247, (2, 2, 4, 6), ["self.m7 = nn.BatchNorm2d(4)"],
+        ["h1 = lib.amax(x, dim=3, keepdim=True)", "h6 = lib.transpose(h1, 1, 2)", "h8 = self.m7(h6)",
+         "h9 = lib.index_select(h8, 3, lib.tensor([0, 0]))"],
+        loss="lib.sum(out * target)", optimizer="adam", target_shape=(2, 4, 2, 2)),
+    "batchnorm_gradient_through_a_transpose": _regression(
+        702446, (2, 4, 5), ["self.m7 = nn.BatchNorm2d(4)"],
+        ["h1 = lib.unsqueeze(x, 2)", "h8 = self.m7(h1)", "h9 = lib.transpose(h8, 1, 3)", "h10 = lib.cumsum(h9, dim=2)"],
+        loss="F.l1_loss(out, target)", optimizer="adam", target_shape=(2, 5, 1, 4)),
+    # fuzz seed 702616: the oracle's fault: topk(4 of 5) of LayerNorm rows with ties (the
+    # masked_fill value); torch's CPU topk takes the last tied elements, flowgen the first (its
+    # documented stable order), so the LayerNorm weight gradient reached other features.
+    # run_torch's sort/topk are stable.
+    "topk_of_tied_values": _regression(
+        702616, (3, 5), ["self.m3 = nn.LayerNorm(5)"],
+        ["h1 = lib.masked_fill(x, x < 0.43, 0.04)", "h4 = self.m3(h1)", "h6 = lib.topk(h4, 4, dim=1, largest=True)[0]"],
+        loss="lib.mean(out * out)", target_shape=(3, 4)),
+    # fuzz seed 706755: relu6 of LayerNorm(1)'s output, exactly its bias (0): the gradient passed
+    # at relu6's lower bound (torch's is 0 there).
+    "relu6_at_its_lower_bound": _regression(
+        706755, (4, 6), ["self.m4 = nn.LayerNorm(1)"],
+        ["h2 = lib.amax(x, dim=1, keepdim=True)", "h5 = self.m4(h2)", "h6 = F.relu6(h5 * 3.0)"],
+        loss="F.l1_loss(out, target)", optimizer="adam", target_shape=(4, 1)),
+    # fuzz seed 701619: amax over a dim of size 1 then log_softmax: the backward's two sums (the
+    # tie count, log_softmax's) fused into one reduction whose epilogue read the tie mask, a
+    # loop variable out of scope there (KeyError in codegen): the epilogue computes it again.
+    "amax_over_a_size_1_dim_then_log_softmax": _regression(
+        701619, (2, 2, 4, 6), ["self.p5 = nn.Parameter(lib.randn(1) * 0.5)"],
+        ["h3 = lib.flatten(x, 1)", "h4 = lib.mean(h3, dim=1, keepdim=True)",
+         "h6 = lib.where(h4 > -0.137, h4, self.p5)", "h7 = lib.amax(h6, dim=1, keepdim=True)",
+         "h8 = lib.log_softmax(h7, dim=1)", "h9 = lib.transpose(h8, 0, 1)"],
+        loss="lib.mean(out * out)", target_shape=(1, 2)),
 }
 
 

@@ -21,6 +21,7 @@ import flowgen as flow
 from flowgen.ops import lowering
 from flowgen.ops.registry import REGISTRY, apply
 from gradcheck import check_grad
+from graphs import TrainGraph
 from torch_oracle import compare_with_torch
 
 RNG = np.random.default_rng(1234)
@@ -354,6 +355,63 @@ def test_max_gradient_with_ties():
     tx.max().backward()
     np.testing.assert_allclose(fx.grad.numpy(), tx.grad.numpy())
     np.testing.assert_allclose(fx.grad.numpy(), [[0, 0.5, 0.5], [0, 0, 0]])
+
+
+def test_amax_amin_over_one_dim_split_the_gradient_among_ties_in_eager_and_graphs():
+    """As torch.amax/amin (max(x, dim) gives it all to its index instead). Fuzz seed 730204:
+    amin over LayerNorm rows with ties (a clamp's floor) gave the whole gradient to the first."""
+    torch = pytest.importorskip("torch")
+    x = np.array([[1.0, 3.0, 3.0, 3.0], [2.0, 2.0, 0.0, 0.0]], np.float32)
+    w = np.array([[1.0], [-2.0]], np.float32)
+
+    class Reduce(flow.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.p, self.name = flow.nn.Parameter(flow.tensor(x)), name
+
+        def forward(self, weights):
+            return getattr(flow, self.name)(self.p, dim=1, keepdim=True) * weights
+
+    for name in ("amax", "amin"):
+        tx = torch.tensor(x, requires_grad=True)
+        (getattr(torch, name)(tx, dim=1, keepdim=True) * torch.tensor(w)).sum().backward()
+        eager = Reduce(name)
+        eager(flow.tensor(w)).sum().backward()
+        np.testing.assert_array_equal(eager.p.grad.numpy(), tx.grad.numpy())
+        model = Reduce(name)
+        graph = TrainGraph(model, lambda out, _: out.sum(), flow.optim.SGD(model.parameters(), lr=1.0))
+        graph(flow.tensor(w), flow.tensor(w))   # one step: p - grad
+        np.testing.assert_allclose(model.p.numpy(), x - tx.grad.numpy(), rtol=1e-6)
+
+
+def test_hardtanh_and_relu6_pass_no_gradient_at_their_bounds_in_eager_and_graphs():
+    """As torch (clamp passes it at the bounds, as torch.clamp). Fuzz seed 706755: relu6 of a
+    LayerNorm(1) output, exactly 0, passed the gradient to the bias."""
+    torch = pytest.importorskip("torch")
+    x = np.array([[0.0, 6.0, 3.0, -1.0, 1.0, 7.0]], np.float32)
+
+    class Act(flow.nn.Module):
+        def __init__(self, name):
+            super().__init__()
+            self.p, self.name = flow.nn.Parameter(flow.tensor(x)), name
+
+        def forward(self, weights):
+            return getattr(flow.nn.functional, self.name)(self.p) * weights
+
+    w = np.arange(1.0, 7.0, dtype=np.float32)[None]
+    for name in ("relu6", "hardtanh"):
+        tx = torch.tensor(x, requires_grad=True)
+        (getattr(torch.nn.functional, name)(tx) * torch.tensor(w)).sum().backward()
+        eager = Act(name)
+        eager(flow.tensor(w)).sum().backward()
+        np.testing.assert_array_equal(eager.p.grad.numpy(), tx.grad.numpy())
+        model = Act(name)
+        graph = TrainGraph(model, lambda out, _: out.sum(), flow.optim.SGD(model.parameters(), lr=1.0))
+        graph(flow.tensor(w), flow.tensor(w))   # one step: p - grad
+        np.testing.assert_array_equal(model.p.numpy(), x - tx.grad.numpy())
+    clamped = flow.tensor(x, requires_grad=True)
+    flow.clamp(clamped, 0.0, 1.0).sum().backward()
+    np.testing.assert_array_equal(clamped.grad.numpy(), [[1, 0, 0, 0, 1, 0]])
 
 
 def test_max_with_tensor_is_maximum_and_all_any():

@@ -286,7 +286,9 @@ def _combine_fn(combine: str, acc_type: str) -> str:
 
 
 def _split_reduction_body(body):
-    """(loop nodes computing the reductions' inputs, reduction nodes, epilogue nodes)."""
+    """(loop nodes computing the reductions' inputs, reduction nodes, epilogue nodes). The loop
+    nodes whose values the epilogue reads come first in the epilogue again: loop variables are
+    out of scope after the loop."""
     reds = [b for b in body if isinstance(get_op(b.op).lowering, Reduction)]
     produced_by = {o: b for b in body for o in b.outputs}
     in_loop, todo = set(), [r.inputs[0] for r in reds]
@@ -298,7 +300,27 @@ def _split_reduction_body(body):
         todo.extend(b.inputs)
     loop = [b for b in body if id(b) in in_loop]
     epilogue = [b for b in body if id(b) not in in_loop and not any(b is r for r in reds)]
-    return loop, reds, epilogue
+    return loop, reds, _loop_values_read_after(loop, epilogue, reds[0].output.numel) + epilogue
+
+
+def _loop_values_read_after(loop, epilogue, numel: int) -> list:
+    """The loop nodes computing what the epilogue reads (and what they read), to compute again
+    per output element. Fusion joins such a read only for a value with one element per output,
+    e.g. a reduction over dims of size 1 (amax's tie mask beside log_softmax's sum, fuzz seed
+    701619); a value with one element per reduced element cannot be read there."""
+    produced_by = {o: b for b in loop for o in b.outputs}
+    needed, todo = set(), [v for b in epilogue for v in b.inputs if v in produced_by]
+    while todo:
+        v = todo.pop()
+        b = produced_by.get(v)
+        if b is None or id(b) in needed:
+            continue
+        if v.numel != numel:
+            raise AssertionError(f"a reduction's epilogue reads %{v.name} {list(v.shape)} ({b.op}), one value per "
+                                 f"reduced element, not per output ({numel})")
+        needed.add(id(b))
+        todo.extend(b.inputs)
+    return [b for b in loop if id(b) in needed]
 
 
 def reduce_block(size: int) -> int:

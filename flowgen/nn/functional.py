@@ -172,7 +172,8 @@ def relu6(input, inplace=False):
 
 
 def hardtanh(input, min_val=-1.0, max_val=1.0, inplace=False):
-    return _result(input, _F.clamp(input, min_val, max_val), inplace)
+    """Clamp to [min_val, max_val]; the gradient is 0 at the bounds, as torch's (clamp's is 1 there)."""
+    return _result(input, _F.hardtanh(input, min_val, max_val), inplace)
 
 
 def gelu(input, approximate="none"):

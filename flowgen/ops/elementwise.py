@@ -336,13 +336,13 @@ defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise
       doc="identity that stops gradients (Tensor.detach on lazy tensors)")
 
 
-def _clamp_infer(a, min=None, max=None):
+def _clamp_infer(a, min=None, max=None, exclusive=False):
     if min is None and max is None:
         raise ValueError("clamp: at least one of min and max must be given")
     return a
 
 
-def _clamp_ref(a, min=None, max=None):
+def _clamp_ref(a, min=None, max=None, exclusive=False):
     out = a
     if min is not None:
         out = np.maximum(out, np.asarray(min, dtype=a.dtype))
@@ -353,19 +353,22 @@ def _clamp_ref(a, min=None, max=None):
 
 def _clamp_grad(ctx, g):
     x, lo, hi = ctx.inputs[0], ctx.attrs.get("min"), ctx.attrs.get("max")
+    exclusive = ctx.attrs.get("exclusive", False)
     inside = None
     if lo is not None:
-        inside = x >= lo
+        inside = x > lo if exclusive else x >= lo
     if hi is not None:
-        inside = x <= hi if inside is None else F.logical_and(inside, x <= hi)
+        below = x < hi if exclusive else x <= hi
+        inside = below if inside is None else F.logical_and(inside, below)
     return (F.where(inside, g, 0),)
 
 
 defop("clamp", infer=_clamp_infer, ref=_clamp_ref, grad=_clamp_grad,
       lowering=Elementwise("(((({0}) < ({min}) ? ({min}) : ({0})) > ({max})) ? ({max}) : "
                            "(({0}) < ({min}) ? ({min}) : ({0})))"),
-      doc="clamp(x, min, max) = minimum(maximum(x, min), max). The functional layer never passes None: "
-          "a missing bound becomes -inf/+inf (float) or the dtype's limit (int).")
+      doc="clamp(x, min, max, exclusive) = minimum(maximum(x, min), max). The functional layer never passes "
+          "None: a missing bound becomes -inf/+inf (float) or the dtype's limit (int). The gradient passes "
+          "where min <= x <= max (torch.clamp), with exclusive where min < x < max (torch's hardtanh, relu6).")
 
 
 def _expand_infer(a, shape):

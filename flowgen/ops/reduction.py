@@ -4,10 +4,10 @@ Attributes are always explicit (the functional layer normalises them):
 
 * ``sum(x, dims=tuple[int], keepdim=bool)`` — ``dims`` sorted, non-negative; ``()``
   reduces nothing (identity). Integer and bool inputs sum to int64.
-* ``max/min(x, dims, keepdim)`` — values only. Gradient: reducing a single dim of
-  a tensor with 2+ dims routes it to the first extremum along that dim (the index
-  argmax picks, as ``torch.max(x, dim)``); reducing several or all dims splits it
-  evenly among ties (as ``torch.max(x)``).
+* ``max/min(x, dims, keepdim, split_ties)`` — values only. Gradient: split evenly among
+  ties with ``split_ties`` (``amax/amin``, as ``torch.amax``) or over several or all dims
+  (as ``torch.max(x)``); otherwise (``max(x, dim)``: a single dim of a tensor with 2+ dims)
+  routed to the first extremum along that dim, the index argmax picks (as ``torch.max(x, dim)``).
 * ``mean(x, dims, keepdim)`` — floating inputs; the float64 (float32 for f16/bf16) sum divided
   by the count before the one rounding, so the mean of n equal values is that value exactly.
 * ``sum_to(x, shape)`` — sum the broadcast dims away so the result has ``shape``
@@ -114,7 +114,7 @@ defop("mean", infer=_mean_infer, ref=_mean_ref, grad=_mean_grad, lowering=Reduct
 
 # ---------------------------------------------------------------------- max / min
 def _extremum_infer(name):
-    def infer(a, dims, keepdim=False):
+    def infer(a, dims, keepdim=False, split_ties=False):
         dims = _check_dims(name, a, dims)
         for d in dims:
             if a.shape[d] == 0:
@@ -131,7 +131,7 @@ def _extremum_grad(arg_name):
         if not ctx.attrs.get("keepdim", False):
             g = F.reshape(g, keep)
             out = F.reshape(out, keep)
-        if len(dims) == 1 and len(x.shape) >= 2:
+        if len(dims) == 1 and len(x.shape) >= 2 and not ctx.attrs.get("split_ties", False):
             # Route to the index argmax/argmin selects (first occurrence), like torch.max(x, dim).
             d = dims[0]
             idx = F.apply(arg_name, x, dim=d, keepdim=True)
@@ -141,7 +141,7 @@ def _extremum_grad(arg_name):
 
             mask = F.eq(idx, Tensor(positions, device=x.device))
             return (F.where(mask, g, 0),)
-        # Split evenly among ties, like torch.max(x) / torch.amax.
+        # Split evenly among ties, like torch.max(x) / torch.amax(x, dim).
         mask = F.eq(x, out)
         count = F.sum(F.cast(mask, g.dtype), dims, keepdim=True)
         return (F.where(mask, g / count, 0),)
@@ -149,13 +149,13 @@ def _extremum_grad(arg_name):
 
 
 defop("max", infer=_extremum_infer("max"),
-      ref=lambda a, dims, keepdim=False: np.max(a, axis=tuple(dims), keepdims=keepdim),
+      ref=lambda a, dims, keepdim=False, split_ties=False: np.max(a, axis=tuple(dims), keepdims=keepdim),
       grad=_extremum_grad("argmax"), lowering=Reduction("max", "-INFINITY"),
-      doc="max(x, dims, keepdim): values")
+      doc="max(x, dims, keepdim, split_ties): values")
 defop("min", infer=_extremum_infer("min"),
-      ref=lambda a, dims, keepdim=False: np.min(a, axis=tuple(dims), keepdims=keepdim),
+      ref=lambda a, dims, keepdim=False, split_ties=False: np.min(a, axis=tuple(dims), keepdims=keepdim),
       grad=_extremum_grad("argmin"), lowering=Reduction("min", "INFINITY"),
-      doc="min(x, dims, keepdim): values")
+      doc="min(x, dims, keepdim, split_ties): values")
 
 
 # ---------------------------------------------------------------------- sum_to

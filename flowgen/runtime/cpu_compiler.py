@@ -44,8 +44,21 @@ def _host_has_fma() -> bool:
         return False
 
 
-_FLAGS = ("-std=c++17", "-O2", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULATOR") + \
-    (("-mfma", "-ffp-contract=off") if _host_has_fma() else ())
+_FMA_FLAGS = ("-mfma", "-ffp-contract=off") if _host_has_fma() else ()
+_OPT_LEVELS = ("0", "1", "2")
+
+
+def _flags() -> tuple:
+    """g++ flags of emulator libraries. `$FLOWGEN_EMULATOR_OPT` (0, 1 or 2; default 2) is the
+    optimisation level: 0 compiles kernels about 3x faster and runs them slower, for many small
+    graphs (tests, fuzzing). No level enables fast-math, and on x86-64 g++ fuses no a * b + c of
+    its own (no -mfma, or -ffp-contract=off with it), so every level computes the same IEEE
+    operations in the same order: the same numbers."""
+    level = os.environ.get("FLOWGEN_EMULATOR_OPT", "2").strip() or "2"
+    if level not in _OPT_LEVELS:
+        raise ValueError(f"FLOWGEN_EMULATOR_OPT={level!r}: the emulator's g++ optimisation level must be one of "
+                         f"{', '.join(_OPT_LEVELS)}")
+    return ("-std=c++17", f"-O{level}", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,7 +77,7 @@ def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
 
 
 def _object_flags(runtime: Path, header: Path) -> list:
-    flags = [flag for flag in _FLAGS if flag != "-shared"]
+    flags = [flag for flag in _flags() if flag != "-shared"]
     return [*flags, "-c", f"-I{runtime}", "-include", str(header)]
 
 
@@ -85,7 +98,7 @@ def _precompiled_header(runtime: Path, salt: str) -> Path:
 def _build_precompiled_header(runtime: Path, header: Path) -> None:
     pch_dir = header.parent
     copy_file_atomically(runtime / "flowgen_emu.h", header)
-    flags = [flag for flag in _FLAGS if flag != "-shared"]
+    flags = [flag for flag in _flags() if flag != "-shared"]
     fd, partial = tempfile.mkstemp(dir=pch_dir, prefix=".flowgen_emu.h.", suffix=".gch")
     os.close(fd)
     command = [_CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
@@ -168,7 +181,7 @@ def build_cpu_library(source: str, tag: str) -> Path:
     runtime = runtime_cpp_dir()
     # The prelude, as NVRTC gets it (runtime/nvrtc.py): with -DFLOWGEN_EMULATOR it pulls in the
     # emulator, and it declares what kernels share (the index-error record, Philox).
-    flags = [*_FLAGS, f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
+    flags = [*_flags(), f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
     build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, flags, runtime)[:20]}"
     library = build_dir / "kernels.so"
     if library.is_file():
