@@ -215,6 +215,14 @@ def _grid_1d(n: int, block: int = BLOCK) -> tuple:
     return (max(1, min(-(-n // block), MAX_BLOCKS)), 1, 1)
 
 
+def _serial_rows_launch(rows: int) -> tuple:
+    """(grid, block) of a thread-per-row kernel on the cpu target: the emulator runs a block's
+    threads one after another on one core, so few rows (a GPT's 128) are spread over the
+    target's blocks instead of filling one block of BLOCK threads."""
+    block = max(1, min(BLOCK, -(-rows // target_blocks())))
+    return _grid_1d(rows, block), (block, 1, 1)
+
+
 def _coords(shape, index: str, prefix: str) -> tuple:
     """(lines, coords): `const long long c0 = i / 12;` ... per dim of `shape`; size-1 dims get no
     line and the coordinate "0"."""
@@ -755,8 +763,8 @@ def _row_kernels(node, kernel_name, template, ctx, index_check=None) -> list:
     if _use_columns(D, inner, rows) or serial_rows:
         what = f"{where} (thread per row)"
         source = _render(template, kind="column", comment=_comment(node, what), **ctx)
-        return [_kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what,
-                        index_check=index_check)]
+        grid, block = _serial_rows_launch(rows) if serial_blocks() else (_grid_1d(rows), (BLOCK, 1, 1))
+        return [_kernel(node, kernel_name, source, grid, block, False, what, index_check=index_check)]
     block = reduce_block(D)
     what = f"{where} (block per row)"
     source = _render(template, kind="block", comment=_comment(node, what), block=block, **ctx)
@@ -854,7 +862,7 @@ def _layer_norm(node, kernel_name):
     what = f"over the last {k} dims of {_shape_text(x.shape)} ({'thread' if serial else 'block'} per row)"
     source = _render("layer_norm.cu.j2", kind="serial" if serial else "block", comment=_comment(node, what), **ctx)
     if serial:
-        kernel = _kernel(node, kernel_name, source, _grid_1d(rows), (BLOCK, 1, 1), False, what)
+        kernel = _kernel(node, kernel_name, source, *_serial_rows_launch(rows), False, what)
     else:
         kernel = _kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
     # Template.rows_in_place: each input is read per row before the row's barrier (one thread per
