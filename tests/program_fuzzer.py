@@ -13,13 +13,17 @@ Each program runs
 compared with the same model in eager float32 and eager float64. The tolerance is stated in
 float32 rounding units against the float64 eager result: the graph's error may be at most
 `ERROR_FACTOR` times the largest error of three eager float32 runs (on the exact inputs and
-state, and on copies moved by up to one ulp: how far float32 rounding alone moves this result,
-which is large where the program is chaotic, e.g. Adam on a gradient that cancels to zero)
+state, on copies moved by up to one ulp, and with every op's result moved by up to one ulp --
+an exact zero by one ulp of the largest magnitude the op read or wrote, as a cancellation
+summed in another valid order leaves: how far float32 rounding alone moves this result, which
+is large where the program is chaotic, e.g. Adam on a gradient that cancels to zero, or `abs`
+and `relu` on a value that is exactly zero only because its terms cancelled)
 plus `ROUNDING_UNITS` units of 2**-24 of the tensor's largest magnitude (different but equally
 valid summation orders); a value that overflows in eager float32 too is not compared. With
 torch installed, eager float64 is also checked against torch float64 (forward, loss and
 first-step gradients), which must agree to 1e-6 relative (formulas may round differently;
-semantics may not): that checks the op semantics the fuzzer's reference relies on. The ulp-perturbed eager runs are made only
+semantics may not; the allowance grows with how far perturbed flowgen float64 runs move): that
+checks the op semantics the fuzzer's reference relies on. The perturbed eager runs are made only
 for a comparison that fails without them (they can only widen its allowance).
 
 Several programs share one pair of graphs (their inputs, outputs and losses side by side; the
@@ -35,6 +39,7 @@ Long runs spend most of their time in g++: `FLOWGEN_EMULATOR_OPT=0` compiles the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import random
 import re
@@ -47,12 +52,14 @@ import numpy as np
 import flowgen as flow
 import flowgen.nn as flow_nn
 import flowgen.nn.functional as flow_F
+from flowgen.ops.registry import REGISTRY
 
 ERROR_FACTOR = 8.0
 ROUNDING_UNITS = 256
 EPS32 = 2.0 ** -24
 TORCH_RTOL = 1e-6
 PERTURBED_RUNS = (None, 1, 2)   # eager float32 runs: exact inputs, and two ulp-perturbed ones
+NOISY_RUNS = (11, 12)           # and two with every op's result moved by up to an ulp (`rounding_noise`)
 STEPS = 3
 
 
@@ -497,15 +504,60 @@ def _perturbed(array, rng, relative: float):
     return array.astype(np.float64) * (1 + relative * rng.uniform(-1, 1, array.shape))
 
 
-def run_eager(program, state, dtype, perturb: int | None = None) -> tuple:
+@contextlib.contextmanager
+def rounding_noise(seed: int, relative: float):
+    """Eager ops whose float results are each moved by up to `relative` of themselves, and an
+    exactly zero element by up to `relative` of the largest finite magnitude among the op's
+    inputs and outputs (a cancellation summed in another valid order leaves about an ulp of its
+    terms, which `abs`, `relu` or Adam may turn into a different result). Results that share
+    memory with an input (views: no rounding happens) are left alone. The NumPy references of
+    the op registry are wrapped while the block runs."""
+    rng = np.random.default_rng(seed)
+
+    def noisy(array, scale):
+        if not isinstance(array, np.ndarray) or array.dtype.kind != "f" or not array.size:
+            return array
+        a = array.astype(np.float64)
+        r = relative * rng.uniform(-1, 1, a.shape)
+        moved = np.where(a == 0, r * scale, a * (1 + r))
+        return np.asarray(moved.astype(array.dtype))
+
+    def wrapped(ref):
+        def run(*arrays, **attrs):
+            result = ref(*arrays, **attrs)
+            outs = result if isinstance(result, tuple) else (result,)
+            ins = [a for a in arrays if isinstance(a, np.ndarray) and a.dtype.kind == "f"]
+            if any(isinstance(o, np.ndarray) and np.shares_memory(o, a) for o in outs for a in ins):
+                return result
+            floats = [np.abs(a[np.isfinite(a)]) for a in ins + [o for o in outs if isinstance(o, np.ndarray)
+                                                                and o.dtype.kind == "f"]]
+            scale = max((float(f.max()) for f in floats if f.size), default=0.0)
+            moved = tuple(noisy(o, scale) for o in outs)
+            return moved if isinstance(result, tuple) else moved[0]
+        return run
+
+    refs = {name: op.ref for name, op in REGISTRY.items()}
+    try:
+        for op in REGISTRY.values():
+            op.ref = wrapped(op.ref)
+        yield
+    finally:
+        for name, ref in refs.items():
+            REGISTRY[name].ref = ref
+
+
+def run_eager(program, state, dtype, perturb: int | None = None, noise: int | None = None) -> tuple:
     """The same as `run_graphs` for one program in eager mode; also the first step's gradients.
     With `perturb` (a seed), the input and initial state are first moved by up to one float32
     ulp each (float64: 2**-40, a few thousand ulps, enough to flip a comparison that rounding
-    decides)."""
+    decides); with `noise` (a seed), every op's result is moved as much (`rounding_noise`)."""
+    relative = 2.0 ** -23 if dtype == flow.float32 else 2.0 ** -40
+    if noise is not None:
+        with rounding_noise(noise, relative):
+            return run_eager(program, state, dtype, perturb)
     x, target = make_data(program)
     if perturb is not None:
         rng = np.random.default_rng(perturb)
-        relative = 2.0 ** -23 if dtype == flow.float32 else 2.0 ** -40
         x = _perturbed(x, rng, relative)
         state = {k: _perturbed(v, rng, relative) for k, v in state.items()}
     model = _fresh(program, state, dtype)
@@ -595,10 +647,10 @@ def mismatch(name, graph32, eager32_runs, eager64) -> str | None:
     return None
 
 
-def torch_mismatch(name, flow64, torch64, flow64_perturbed=None) -> str | None:
+def torch_mismatch(name, flow64, torch64, flow64_moved=()) -> str | None:
     """Why flowgen's float64 result differs from torch's by more than `TORCH_RTOL` (plus
-    `ERROR_FACTOR` times how far an ulp-perturbed flowgen float64 run moves: a comparison that
-    rounding decides, like `where(x > 0, ...)` on an x that cancels to zero), or None."""
+    `ERROR_FACTOR` times how far the perturbed flowgen float64 runs `flow64_moved` move: a
+    comparison that rounding decides, like `where(x > 0, ...)` on an x that cancels to zero), or None."""
     a, b = np.asarray(flow64, np.float64), np.asarray(torch64, np.float64)
     if a.shape != b.shape:
         return f"{name}: shape {a.shape} in flowgen, {b.shape} in torch"
@@ -606,7 +658,7 @@ def torch_mismatch(name, flow64, torch64, flow64_perturbed=None) -> str | None:
         return None
     scale = float(np.max(np.abs(b)))
     err = float(np.max(np.abs(a - b)))
-    spread = 0.0 if flow64_perturbed is None else float(np.max(np.abs(np.asarray(flow64_perturbed) - a)))
+    spread = max((float(np.max(np.abs(np.asarray(m, np.float64) - a))) for m in flow64_moved), default=0.0)
     if err > TORCH_RTOL * max(scale, 1.0) + ERROR_FACTOR * spread:
         return (f"{name}: flowgen float64 is {err:.3g} from torch float64 (largest magnitude {scale:.3g}, "
                 f"perturbed flowgen runs move {spread:.3g})")
@@ -626,12 +678,16 @@ class _Eager:
 
     @functools.cached_property
     def runs32(self) -> list:
-        return [self.exact32] + [run_eager(self.program, self.state, flow.float32, perturb)[0]
-                                 for perturb in PERTURBED_RUNS if perturb is not None]
+        return ([self.exact32]
+                + [run_eager(self.program, self.state, flow.float32, perturb)[0]
+                   for perturb in PERTURBED_RUNS if perturb is not None]
+                + [run_eager(self.program, self.state, flow.float32, noise=noise)[0] for noise in NOISY_RUNS])
 
     @functools.cached_property
-    def moved64(self) -> tuple:
-        return run_eager(self.program, self.state, flow.float64, perturb=3)
+    def moved64(self) -> list:
+        """Perturbed float64 runs ((values, first-step gradients) each): inputs moved, op results moved."""
+        return [run_eager(self.program, self.state, flow.float64, perturb=3),
+                run_eager(self.program, self.state, flow.float64, noise=13)]
 
     def graph_problem(self, name, graph32) -> str | None:
         """`mismatch` of the graph's `name` against the eager float32 runs."""
@@ -641,7 +697,7 @@ class _Eager:
 
     @staticmethod
     def torch_problem(name, flow64, torch64, moved) -> str | None:
-        """`torch_mismatch` of `name`; `moved()` is the ulp-perturbed flowgen float64 value."""
+        """`torch_mismatch` of `name`; `moved()` lists the perturbed flowgen float64 values."""
         return torch_mismatch(name, flow64, torch64) and torch_mismatch(name, flow64, torch64, moved())
 
 
@@ -691,11 +747,13 @@ def _problems(program, state, graph_result, eager: _Eager, use_torch: bool) -> l
     if oracle is not None:
         t_values, t_grads = oracle
         problems += [m for k, v in t_values.items()
-                     if (m := eager.torch_problem(k, eager.values64[k], v, lambda: eager.moved64[0][k]))]
+                     if (m := eager.torch_problem(k, eager.values64[k], v,
+                                                  lambda: [values[k] for values, _ in eager.moved64]))]
         missing = np.full(1, np.nan)
         problems += [m for k in sorted(set(t_grads) | set(eager.grads64))
                      if (m := eager.torch_problem(f"step 0 grad {k}", eager.grads64.get(k, missing),
-                                                  t_grads.get(k, missing), lambda: eager.moved64[1].get(k, missing)))]
+                                                  t_grads.get(k, missing),
+                                                  lambda: [grads.get(k, missing) for _, grads in eager.moved64]))]
     return problems
 
 

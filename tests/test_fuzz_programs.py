@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 
+import flowgen as flow
 import program_fuzzer as fuzzer
 from program_fuzzer import Program
 
@@ -90,8 +91,26 @@ def test_perturbed_eager_runs_are_made_only_when_the_exact_run_does_not_excuse_t
         raise AssertionError("a perturbed run for a comparison that passes without it")
 
     assert eager.torch_problem("out", reference, reference * (1 + 1e-9), not_needed) is None
-    assert eager.torch_problem("out", reference, reference + 1e-3, lambda: reference + 1e-3) is None
-    assert "from torch float64" in eager.torch_problem("out", reference, reference + 1e-3, lambda: reference)
+    assert eager.torch_problem("out", reference, reference + 1e-3, lambda: [reference, reference + 1e-3]) is None
+    assert "from torch float64" in eager.torch_problem("out", reference, reference + 1e-3, lambda: [reference])
+
+
+def test_rounding_noise_moves_op_results_and_cancelled_zeros_by_an_ulp_of_their_terms():
+    """The noisy eager runs: every op's float result moves by up to `relative` of itself, an
+    exact zero by up to `relative` of the largest magnitude the op saw (so `abs` of a difference
+    that cancels exactly gets a residue, as another summation order would leave); views and
+    integer results are not moved, and the references are restored after the block."""
+    a = flow.tensor(np.array([3.0, -5.0, 0.25], np.float64))
+    exact = (a - a).numpy()
+    with fuzzer.rounding_noise(seed=0, relative=2.0 ** -40):
+        cancelled = (a - a).numpy()
+        product = (a * 2).numpy()
+        view = a.reshape(3, 1).numpy().ravel()
+        index = flow.argmax(a).numpy()
+    assert np.all(exact == 0) and np.all(cancelled != 0) and np.all(np.abs(cancelled) <= 5 * 2.0 ** -40)
+    assert np.all(product != np.array([6.0, -10.0, 0.5])) and np.allclose(product, [6.0, -10.0, 0.5], rtol=1e-11)
+    assert np.array_equal(view, a.numpy()) and int(index) == 0
+    assert np.all((a - a).numpy() == 0)
 
 
 # ----------------------------------------------------------------------------------------------
