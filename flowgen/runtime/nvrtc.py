@@ -48,7 +48,7 @@ def _arch_number(arch: str) -> str:
 
 
 # A call of a Hopper warpgroup MMA (flowgen_cuda_prelude.h): the source needs sm_90a.
-_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k16_\w+\s*<")
+_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k\d+_\w+\s*<")
 
 
 def _arch_number_for(source: str, arch: str) -> str:
