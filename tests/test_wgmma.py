@@ -25,13 +25,14 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
+from flowgen.codegen import aot
 from flowgen.codegen.families import gemm_kernel
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
-from graphs import TrainGraph
+from graphs import InferGraph, TrainGraph
 from test_cuda_driver import Device
 from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
@@ -442,3 +443,38 @@ def test_a_malformed_emulated_arch_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "hopper")
     with pytest.raises(ValueError, match="FLOWGEN_EMULATE_CUDA_ARCH='hopper'"):
         amp_training_run(mlp, steps=1)
+
+
+# ---------------------------------------------------------------------------------------
+# The standalone program (`flowgen build --target cuda --arch ...`): rendered for the GPU it names.
+
+@pytest.fixture(scope="module")
+def saved_amp_graph(tmp_path_factory):
+    """A bf16-AMP conv + linear inference graph, saved."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 40))
+    graph = InferGraph(model)
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    graph(flow.randn(16, 3, 6, 6))
+    path = tmp_path_factory.mktemp("amp") / "saved"
+    flow.save(graph, path)
+    return path
+
+
+def test_saved_graph_renders_warpgroup_mma_only_for_sm_90(saved_amp_graph):
+    saved = flow.load(saved_amp_graph)
+    for arch in ("sm_90", "sm_90a", "sm_80", "sm_89", "sm_100", None):
+        source = saved.program("cuda", arch=arch).source
+        hopper = arch in ("sm_90", "sm_90a")
+        assert ("wgmma_m64n" in source) == hopper and ("mma_m16n8k16_bf16(" in source) != hopper, arch
+        if arch:
+            assert nvrtc.cubin_arch(source, arch) == ("sm_90a" if hopper else arch)
+
+
+@pytest.mark.slow
+def test_standalone_cuda_build_for_sm_90_embeds_an_sm_90a_cubin(saved_amp_graph, tmp_path):
+    result = aot.build(saved_amp_graph, tmp_path / "out", target="cuda", arch="sm_90")
+    assert result.manifest["arch"] == "sm_90"
+    program = (tmp_path / "out" / "program.cu").read_text()
+    assert "wgmma_m64n" in program and "--gpu-architecture=sm_90a" in program
+    assert "compiled for sm_90a" in (tmp_path / "out" / "program_cubin.inc").read_text()

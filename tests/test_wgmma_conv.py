@@ -24,7 +24,7 @@ from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
-from flowgen.runtime import cuda_driver
+from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import InferGraph, TrainGraph
 from test_tensor_cores import (CUOBJDUMP, NVDISASM, U_BF16, U_FP32, U_TF32, assert_no_spills, build_with_ptxas_report,
@@ -312,31 +312,42 @@ def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
 
 # ---------------------------------------------------------------------------------------
 # Machine code for sm_90a: warpgroup MMA, no local memory; a ResNet-sized 3x3 conv (64 -> 64
-# channels on 56 x 56, batch 32: 128x256 tiles) and its gradients beside the test cases.
+# channels on 56 x 56, batch 32: 128x256 tiles) and its gradients beside the test cases, and the
+# tf32 GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
 
 SASS_CASES = CASES + [ConvCase(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
                       for kind in ("bf16", "tf32") for op in OPS]
+# (kind, main kernel) of each case, then every kernel (split-k combines too)
+SASS_MAIN = [(c.kind, c.kernel) for c in SASS_CASES] + [("tf32", g.kernel) for g in TF32_GEMMS]
+SASS_KERNELS = [k for c in SASS_CASES for k in c.kernels] + [g.kernel for g in TF32_GEMMS]
 HGMMA = {"bf16": "HGMMA.64x{}x16.F32.BF16", "f16": "HGMMA.64x{}x16.F32 ", "tf32": "HGMMA.64x{}x8.F32.TF32"}
 
 
 @pytest.fixture(scope="module")
 def sm_90a_build():
-    return build_with_ptxas_report("\n".join(k.source for c in SASS_CASES for k in c.kernels), "sm_90a")
+    return build_with_ptxas_report("\n".join(k.source for k in SASS_KERNELS), "sm_90a")
 
 
-def test_conv_kernels_compile_for_sm_90a_without_spills(sm_90a_build):
-    assert_no_spills(sm_90a_build[1], {k.name for c in SASS_CASES for k in c.kernels})
+def test_kernels_compile_for_sm_90a_without_spills(sm_90a_build):
+    assert_no_spills(sm_90a_build[1], {k.name for k in SASS_KERNELS})
     assert "Potential Performance Loss" not in sm_90a_build[1]
 
 
 @pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
                     reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
-def test_sm_90a_conv_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_path):
+def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_path):
     sass, usage = disassemble(sm_90a_build[0], tmp_path)
-    for case in SASS_CASES:
-        name, code = case.kernel.name, sass[case.kernel.name]
-        width = re.search(r"GEMM \d+x(\d+)", case.kernel.comment).group(1)
-        assert HGMMA[case.kind].format(width) in code, name
-        assert "WARPGROUP.ARRIVE" in code and "WARPGROUP.DEPBAR" in code and "HMMA" not in code, name
-        assert "LDL" not in code and "STL" not in code, name
-        assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])
+    for kind, kernel in SASS_MAIN:
+        code = sass[kernel.name]
+        width = re.search(r"GEMM \d+x(\d+)", kernel.comment).group(1)
+        assert HGMMA[kind].format(width) in code, kernel.name
+        assert "WARPGROUP.ARRIVE" in code and "WARPGROUP.DEPBAR" in code and "HMMA" not in code, kernel.name
+        assert "LDL" not in code and "STL" not in code, kernel.name
+        assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[kernel.name]), (kernel.name, usage[kernel.name])
+
+
+def test_sm_80_renderings_compile_for_sm_80():
+    source = "\n".join(k.source for c in CASES for k in c.sm80_kernels) + \
+        "\n".join(g.kernels[None].source for g in TF32_GEMMS)
+    assert "wgmma" not in source
+    assert nvrtc.compile_cuda(source, arch="sm_80", tag="test_wgmma_conv_sm80")[:4] == b"\x7fELF"

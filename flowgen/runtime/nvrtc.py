@@ -58,6 +58,12 @@ def _arch_number_for(source: str, arch: str) -> str:
     return "90a" if number == "90" and _WGMMA_CALL.search(source) else number
 
 
+def cubin_arch(source: str, arch: str) -> str:
+    """The real architecture a cubin of `source` for the GPU `arch` is compiled for: `arch`, or
+    sm_90a for an sm_90 source with warpgroup MMA."""
+    return f"sm_{_arch_number_for(source, arch)}"
+
+
 def compile_cuda(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
     """A cubin for `arch` (e.g. "sm_90"; sm_90a for a source with warpgroup MMA): machine code
     the driver loads as is."""
