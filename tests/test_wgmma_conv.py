@@ -110,6 +110,12 @@ def test_cases_run_on_warpgroup_mma_with_every_tile_and_split_k():
         assert f"on tensor cores, {case.kind} wgmma" in case.kernel.comment, case.kernel.comment
         assert "wgmma_m64n" in case.kernel.source and "mma_m16n8k" not in case.kernel.source
         assert f"on tensor cores, {case.kind} mma.sync" in case.sm80_kernels[0].comment
+    # operands that are runs of memory (weights, output gradients, 1x1 convs' pixels) by cp.async of
+    # every width; the others gathered; tf32 always gathered (rounded on the way in)
+    copies = {name for c in CASES for name in re.findall(r"cp_async_cg|cp_async_ca<\d+>", c.kernel.source)}
+    assert copies == {"cp_async_cg", "cp_async_ca<8>", "cp_async_ca<4>"}
+    assert not any("cp_async_c" in c.kernel.source for c in CASES if c.kind == "tf32")
+    assert any("gathered element" not in c.kernel.source for c in CASES)    # a 1x1 conv: both by cp.async
     tiles = {re.search(r"GEMM (\d+x\d+)", c.kernel.comment).group(1) for c in CASES}
     assert {"64x64", "64x128", "128x128", "128x64"} <= tiles, tiles
     assert [c.id for c in SPLIT_K] == ["tf32_conv2d_grad_weight_3x3_24x24"]
@@ -311,12 +317,12 @@ def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
 
 
 # ---------------------------------------------------------------------------------------
-# Machine code for sm_90a: warpgroup MMA, no local memory; a ResNet-sized 3x3 conv (64 -> 64
-# channels on 56 x 56, batch 32: 128x256 tiles) and its gradients beside the test cases, and the
-# tf32 GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
+# Machine code for sm_90a: warpgroup MMA, no local memory; ResNet-sized convs (3x3 and 1x1, 64 ->
+# 64 channels on 56 x 56, batch 32) and their gradients beside the test cases, and the tf32 GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
 
 SASS_CASES = CASES + [ConvCase(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
-                      for kind in ("bf16", "tf32") for op in OPS]
+                      for kind in ("bf16", "tf32") for op in OPS] + [
+    ConvCase("bf16", op, ("resnet_1x1", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1)) for op in OPS]
 # (kind, main kernel) of each case, then every kernel (split-k combines too)
 SASS_MAIN = [(c.kind, c.kernel) for c in SASS_CASES] + [("tf32", g.kernel) for g in TF32_GEMMS]
 SASS_KERNELS = [k for c in SASS_CASES for k in c.kernels] + [g.kernel for g in TF32_GEMMS]
@@ -342,6 +348,8 @@ def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_pat
         width = re.search(r"GEMM \d+x(\d+)", kernel.comment).group(1)
         assert HGMMA[kind].format(width) in code, kernel.name
         assert "WARPGROUP.ARRIVE" in code and "WARPGROUP.DEPBAR" in code and "HMMA" not in code, kernel.name
+        if re.search(r"cp_async_c[ag]\b", kernel.source):
+            assert "LDGSTS" in code and "DEPBAR" in code, kernel.name             # cp.async and wait_group
         assert "LDL" not in code and "STL" not in code, kernel.name
         assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[kernel.name]), (kernel.name, usage[kernel.name])
 

@@ -576,6 +576,8 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
     else:
         a_op = _staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, a_what)
         b_op = _staged_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, b_what)
+        for x in (a_op, b_op):
+            x["address"] = f"{x.name}_base + (long long)go * {x.ld} + gi"
     a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
     t = _wgmma_tile_config(kind, BM, BN, a.dtype, a_op, b_op)
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
@@ -589,21 +591,63 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
                   smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
 
-def _wgmma_implicit_gemm_tile(kind, GM: int, GN: int, groups: int, dtype, op: str) -> _Tile:
-    """The `t` of an implicit-GEMM conv on warpgroup MMA: both operands gathered by the conv
-    template's load statements into swizzled tiles, A (weights or output gradients) K-major; B
-    M/N-major for 16-bit forward / grad_input (consecutive threads on consecutive pixels), K-major
-    for grad_weight (consecutive k = pixels) and for tf32 (the only layout wgmma reads it in)."""
+def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, dtype) -> _Tile:
+    """The `t` of an implicit-GEMM conv on warpgroup MMA. An operand that is contiguous in memory
+    along its tile's rows (16-bit only: tf32 inputs are rounded on the way in) is copied by
+    cp.async (`_wgmma_conv_copies`); the others are gathered by the conv template's load
+    statements: A (weights or output gradients) K-major; B M/N-major for 16-bit forward /
+    grad_input (consecutive threads on consecutive pixels), K-major for grad_weight (consecutive k
+    = pixels) and for tf32 (the only layout wgmma reads it in)."""
+    GM, GN, groups = sizes
     BM, BN = _mma_tile(GM, GN, groups, _WGMMA_TILES)
     BK = _WGMMA_ROW_BYTES // dtype.itemsize
     names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
              "wgrad": ("output gradients", "input windows")}[op]
+    a_what = f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
+    b_what = f"B(k, n) ({names[1]}), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})"
     b_order = "k" if op == "wgrad" else "mn"
-    a_op = _Tile(name="a", major="k", order="k", copy_kind="gather",
-                 what=f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
-    b_op = _Tile(name="b", major="k" if kind == "tf32" else b_order, order=b_order, copy_kind="gather",
-                 what=f"B(k, n) ({names[1]}), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_op = _Tile(name="a", major="k", order="k", copy_kind="gather", what=a_what)
+    b_op = _Tile(name="b", major="k" if kind == "tf32" else b_order, order=b_order, copy_kind="gather", what=b_what)
+    if kind != "tf32":
+        copies = _wgmma_conv_copies(geo, op, pointwise, (BM, BN, BK), dtype, (a_what, b_what))
+        a_op, b_op = copies.get("a", a_op), copies.get("b", b_op)
     return _wgmma_tile_config(kind, BM, BN, dtype, a_op, b_op)
+
+
+def _wgmma_conv_copies(geo: dict, op: str, pointwise: bool, tile, dtype, whats) -> dict:
+    """The conv operands that cp.async can copy, by name ("a", "b"): those whose tile rows are runs
+    of memory that aligned vectors tile (a run's length a multiple of 2 elements at least; one vector
+    never crosses from one run to the next, e.g. from one image to the next). Each gives `address`,
+    the element offset of (row go, column gi) in its buffer. Forward weights are rows of GK; output
+    gradients (grad_weight's A) runs of OH x OW pixels; a 1x1 conv's input / output-gradient
+    pixels runs of H x W, and grad_input's 1x1 weights runs of CG channels."""
+    BM, BN, BK = tile
+    C, O, CG, OG, G = (geo[k] for k in ("C", "O", "CG", "OG", "G"))
+    HW, OHW, GK = geo["H"] * geo["W"], geo["OH"] * geo["OW"], geo["CG"] * geo["KH"] * geo["KW"]
+    a_what, b_what = whats
+    # (name, buffer, k-major?, run length, address of (go, gi))
+    found = []
+    if op == "fwd":
+        found.append(("a", "w", True, GK, f"(long long)(grp * {OG} + go) * GK + gi"))
+    if op == "wgrad":
+        found.append(("a", "grad", True, OHW, f"((long long)(gi / {OHW}) * {O} + grp * {OG} + go) * {OHW} + gi % {OHW}"))
+    if pointwise and op == "fwd":
+        found.append(("b", "x", False, HW, f"((long long)(gi / {HW}) * {C} + grp * {CG} + go) * {HW} + gi % {HW}"))
+    if pointwise and op == "dgrad":
+        found.append(("a", "w", False, CG, f"(long long)(grp * {OG} + go) * {CG} + gi"))
+        found.append(("b", "grad", False, HW, f"((long long)(gi / {HW}) * {O} + grp * {OG} + go) * {HW} + gi % {HW}"))
+    if pointwise and op == "wgrad":
+        found.append(("b", "x", True, HW, f"((long long)(gi / {HW}) * {C} + grp * {CG} + go) * {HW} + gi % {HW}"))
+    copies = {}
+    for name, ptr, k_major, run, address in found:
+        mn = (BM, "m0", "GM") if name == "a" else (BN, "n0", "GN")
+        x = _staged_operand(name, ptr, k_major, mn[0], BK, mn[1], mn[2], run, run, dtype,
+                            a_what if name == "a" else b_what)
+        if x.copy_kind != "plain":
+            # k runs to this block's k_end (split-k), not GK
+            x.update(address=address, **({"I": "k_end"} if k_major else {"O": "k_end"}))
+            copies[name] = x
+    return copies
 
 
 def _wgmma_tile_config(kind, BM: int, BN: int, dtype, a_op, b_op) -> _Tile:
@@ -1515,7 +1559,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
     warpgroup = kind is not None and warpgroup_mma()   # rendered for sm_90: wgmma instead of mma.sync
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
     if warpgroup:
-        t = _wgmma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
+        t = _wgmma_implicit_gemm_tile(kind, geo, (GM, GN, G), op, pointwise, first.dtype)
     elif kind is not None:
         t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
     elif chosen:
