@@ -23,8 +23,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 * gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides; bf16/fp16
              operands (and float32 ones when TF32 is allowed) run on tensor cores instead
              (gemm_mma.cu.j2: mma.sync, ldmatrix, a cp.async pipeline); rendered for sm_90,
-             bf16/fp16 ones use warpgroup MMA (gemm_wgmma.cu.j2: wgmma from 128B-swizzled
-             shared-memory tiles through matrix descriptors, a cp.async pipeline).
+             they use warpgroup MMA (gemm_wgmma.cu.j2 on _wgmma.j2: wgmma from 128B-swizzled
+             shared-memory tiles through matrix descriptors, a cp.async pipeline; tf32 operands
+             gathered into K-major tiles and rounded by cvt.rna on the way in).
 * copy     — permute / slice / slice_backward / cat: one thread per output element
              with a baked index map (slice_backward writes zeros outside the slice).
 * softmax  — softmax / log_softmax over any dim, and cross-entropy rows and their
@@ -43,7 +44,8 @@ Kernels by family (the main kernel carries `kernel_name`):
              entries (a token in many rows) is sorted by a block instead (`<name>_sort_long`:
              insertion-sorted runs, then merge passes through a second scratch buffer).
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
-             core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
+             core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding), the
+             tensor-core ones (16-bit, tf32) on _mma.j2, or on _wgmma.j2 when rendered for sm_90;
              one-input-channel-per-group convs (depthwise) use direct kernels.
              conv2d_grad_weight splits the reduction over batch x pixels across blocks
              when the weight alone gives too few blocks: each split writes its partial
