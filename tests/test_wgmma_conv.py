@@ -85,6 +85,7 @@ GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, grou
     ("3x2_s2_p10_g2", 2, 10, 9, 8, 12, (3, 2), (2, 2), (1, 0), (1, 1), 2),
     ("3x3_d2_p2", 1, 6, 9, 10, 7, (3, 3), (1, 1), (2, 2), (2, 2), 1),
     ("1x1", 2, 24, 5, 6, 18, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+    ("1x1_g2", 3, 16, 4, 6, 12, (1, 1), (1, 1), (0, 0), (1, 1), 2),
 ]
 OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 # bf16: every op on every geometry; fp16 and tf32 every op on the first two; a 64-channel conv with
@@ -287,6 +288,30 @@ def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision):
     sm80, _, sm80_graph = infer_run(None, precision)
     assert all(f"{precision} mma.sync" in k.comment for k in conv_kernels(sm80_graph))
     np.testing.assert_array_equal(got, sm80)
+    # kernels.cu as the executor compiles it on an sm_90 GPU: sources calling wgmma get sm_90a
+    build = nvrtc.compile_kernels(graph.compiled.program.source, "sm_90")
+    assert all(path.read_bytes()[:4] == b"\x7fELF" for path in build.artifacts)
+
+
+def tf32_linear_run(arch):
+    flow.manual_seed(0)
+    model = nn.Linear(96, 40)
+    x = flow.randn(24, 96)
+    want = model(x).numpy().astype(np.float64)
+    graph = InferGraph(model.to("cuda"))
+    graph.config.allow_tf32(True)
+    with mock.patch.dict("os.environ", emulated(arch)):
+        return graph(x.to("cuda")).numpy().astype(np.float64), want, graph, x.numpy(), model.weight.numpy()
+
+
+@emulated_cuda_only
+def test_allow_tf32_linear_runs_on_warpgroup_mma():
+    got, want, graph, x, w = tf32_linear_run("sm_90")
+    (gemm,) = [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
+    assert "tf32 wgmma" in gemm.comment and "add" in gemm.ops            # the bias in its epilogue
+    bound = (2 * U_TF32 + 96 * U_FP32) * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    np.testing.assert_array_less(np.abs(got - want), bound + 2 * U_FP32 * np.abs(want))
+    np.testing.assert_array_equal(got, tf32_linear_run(None)[0])       # the sm_80 (mma.sync tf32) bits
 
 
 def train_run(arch):
