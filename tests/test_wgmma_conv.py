@@ -343,7 +343,8 @@ def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
 
 # ---------------------------------------------------------------------------------------
 # Machine code for sm_90a: warpgroup MMA, no local memory; ResNet-sized convs (3x3 and 1x1, 64 ->
-# 64 channels on 56 x 56, batch 32) and their gradients beside the test cases, and the tf32 GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
+# 64 channels on 56 x 56, batch 32) and their gradients beside the test cases, and the tf32
+# GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
 
 SASS_CASES = CASES + [ConvCase(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
                       for kind in ("bf16", "tf32") for op in OPS] + [

@@ -632,7 +632,8 @@ def _wgmma_conv_copies(geo: dict, op: str, pointwise: bool, tile, dtype, whats) 
     if op == "fwd":
         found.append(("a", "w", True, GK, f"(long long)(grp * {OG} + go) * GK + gi"))
     if op == "wgrad":
-        found.append(("a", "grad", True, OHW, f"((long long)(gi / {OHW}) * {O} + grp * {OG} + go) * {OHW} + gi % {OHW}"))
+        found.append(("a", "grad", True, OHW,
+                      f"((long long)(gi / {OHW}) * {O} + grp * {OG} + go) * {OHW} + gi % {OHW}"))
     if pointwise and op == "fwd":
         found.append(("b", "x", False, HW, f"((long long)(gi / {HW}) * {C} + grp * {CG} + go) * {HW} + gi % {HW}"))
     if pointwise and op == "dgrad":
