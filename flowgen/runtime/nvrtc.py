@@ -67,7 +67,7 @@ def cubin_arch(source: str, arch: str) -> str:
 def compile_cuda(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
     """A cubin for `arch` (e.g. "sm_90"; sm_90a for a source with warpgroup MMA): machine code
     the driver loads as is."""
-    return _compile(source, f"sm_{_arch_number_for(source, arch)}", tag, "kernels.cubin")
+    return _compile(source, cubin_arch(source, arch), tag, "kernels.cubin")
 
 
 def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
@@ -107,7 +107,7 @@ _MIN_CHUNK_CHARS = 15_000
 def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
     """Cubins for a generated kernels.cu: `artifacts` are cubin paths (load each as a module),
     `symbols` maps each kernel name to (cubin index, function name)."""
-    options = _options(f"sm_{_arch_number_for(source, arch)}")
+    options = _options(cubin_arch(source, arch))
     source = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
     return build_kernels(source, root=cache_dir() / "nvrtc-kernels", salt=_salt(options), artifact="kernels.cubin",
                          compiler="nvrtc", min_chunk_chars=_MIN_CHUNK_CHARS,
