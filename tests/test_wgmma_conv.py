@@ -273,6 +273,7 @@ def conv_kernels(graph) -> list:
     return [k for k in graph.compiled.program.kernels if any(op.startswith("conv2d") for op in k.ops)]
 
 
+@pytest.mark.slow
 @emulated_cuda_only
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
 def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision):
@@ -304,6 +305,7 @@ def tf32_linear_run(arch):
         return graph(x.to("cuda")).numpy().astype(np.float64), want, graph, x.numpy(), model.weight.numpy()
 
 
+@pytest.mark.slow
 @emulated_cuda_only
 def test_allow_tf32_linear_runs_on_warpgroup_mma():
     got, want, graph, x, w = tf32_linear_run("sm_90")
@@ -326,6 +328,7 @@ def train_run(arch):
     return losses, [p.numpy() for p in model.parameters()], graph
 
 
+@pytest.mark.slow
 @emulated_cuda_only
 def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
     """Forward, grad_input and grad_weight convs all on wgmma; the same losses and parameters
@@ -360,11 +363,13 @@ def sm_90a_build():
     return build_with_ptxas_report("\n".join(k.source for k in SASS_KERNELS), "sm_90a")
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm_90a_without_spills(sm_90a_build):
     assert_no_spills(sm_90a_build[1], {k.name for k in SASS_KERNELS})
     assert "Potential Performance Loss" not in sm_90a_build[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
                     reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
 def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_path):
@@ -380,6 +385,7 @@ def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_pat
         assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[kernel.name]), (kernel.name, usage[kernel.name])
 
 
+@pytest.mark.slow
 def test_sm_80_renderings_compile_for_sm_80():
     source = "\n".join(k.source for c in CASES for k in c.sm80_kernels) + \
         "\n".join(g.kernels[None].source for g in TF32_GEMMS)
