@@ -618,13 +618,13 @@ def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, 
 
 def _wgmma_conv_copies(geo: dict, op: str, pointwise: bool, tile, dtype, whats) -> dict:
     """The conv operands that cp.async can copy, by name ("a", "b"): those whose tile rows are runs
-    of memory that aligned vectors tile (a run's length a multiple of 2 elements at least; one vector
-    never crosses from one run to the next, e.g. from one image to the next). Each gives `address`,
+    of memory that aligned vectors of 2 to 8 elements tile (the run length a multiple of the
+    vector's, so no vector crosses from one run to the next, e.g. one image to the next). Each gives `address`,
     the element offset of (row go, column gi) in its buffer. Forward weights are rows of GK; output
     gradients (grad_weight's A) runs of OH x OW pixels; a 1x1 conv's input / output-gradient
     pixels runs of H x W, and grad_input's 1x1 weights runs of CG channels."""
     BM, BN, BK = tile
-    C, O, CG, OG, G = (geo[k] for k in ("C", "O", "CG", "OG", "G"))
+    C, O, CG, OG = (geo[k] for k in ("C", "O", "CG", "OG"))
     HW, OHW, GK = geo["H"] * geo["W"], geo["OH"] * geo["OW"], geo["CG"] * geo["KH"] * geo["KW"]
     a_what, b_what = whats
     # (name, buffer, k-major?, run length, address of (go, gi))
