@@ -103,7 +103,9 @@ def cli():
               help="Output directory: program.cu, the binary, weights.safetensors, manifest.json.")
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
               help="cuda: GPU binary (builds without a GPU); cpu: the CPU emulator, runs anywhere.")
-@click.option("--arch", default="sm_90", show_default=True, help="GPU architecture of the embedded cubin (cuda target).")
+@click.option("--arch", default="sm_90", show_default=True,
+              help="GPU architecture the program is rendered and compiled for (cuda target); sm_90 uses Hopper's "
+                   "warpgroup MMA (an sm_90a cubin), others mma.sync.")
 @click.option("--compiler", type=click.Choice(["nvrtc", "nvcc"]), default="nvrtc", show_default=True,
               help="Device compiler for the cuda target; nvcc must be on PATH.")
 @click.option("--sanitize", type=click.Choice(SANITIZERS), default=None,
@@ -262,7 +264,8 @@ def inspect(path, source, ir, memory):
     if (Path(path) / "manifest.json").is_file():
         manifest = _read_manifest(path)
     saved = _load(path)
-    program = saved.program(manifest["target"] if manifest else "cuda")
+    # a build's program as it was rendered (for its GPU architecture), else the any-sm_80 one
+    program = saved.program(manifest["target"], arch=manifest.get("arch")) if manifest else saved.program("cuda")
     plan = program.plan
     kind = "training" if saved.training else "inference"
     lines = [f"graph {saved.name} ({kind}, saved at step {saved.step})"]

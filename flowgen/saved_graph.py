@@ -435,7 +435,7 @@ class SavedGraph:
         self.skipped = int(skipped)     # how many of them a GradScaler skipped
         self.path = path
         self.data_parallel = data_parallel   # graph.json's data_parallel entry (module doc), or None
-        self._programs: dict = {}   # target -> Program
+        self._programs: dict = {}   # (target, arch) -> Program
         self._executor = None
 
     @property
@@ -454,13 +454,16 @@ class SavedGraph:
     def outputs(self) -> list:
         return self.signature["outputs"]
 
-    def program(self, target: str = "cuda"):
+    def program(self, target: str = "cuda", arch: str = None):
         """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR for `target`
-        ("cuda" or "cpu": tile shapes and reduction splits differ)."""
-        if target not in self._programs:
-            self._programs[target], _ = program_cache.cached(self.ir, {"target": target},
-                                                             functools.partial(_build_program, self.ir, target))
-        return self._programs[target]
+        ("cuda" or "cpu": tile shapes and reduction splits differ) and, for "cuda", the GPU
+        architecture `arch` ("sm_90": Hopper's warpgroup MMA; None: any sm_80 or newer)."""
+        key = (target, arch)
+        if key not in self._programs:
+            options = {"target": target} | ({"arch": arch} if arch else {})
+            self._programs[key], _ = program_cache.cached(self.ir, options,
+                                                          functools.partial(_build_program, self.ir, target, arch))
+        return self._programs[key]
 
     def _check_inputs(self, arrays) -> list:
         if len(arrays) != len(self.ir.inputs):
@@ -510,8 +513,8 @@ class SavedGraph:
 
 
 # ------------------------------------------------------------------ saving
-def _build_program(ir, target: str):
-    program = build_program(ir, target=target)
+def _build_program(ir, target: str, arch: str = None):
+    program = build_program(ir, target=target, arch=arch)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     return program
 

@@ -392,7 +392,7 @@ struct Block {
   struct WarpgroupMma {
     uint64_t a_desc, b_desc;
     float* d;
-    int n;
+    int n, k, element_bytes;  // m64n{n}k{k}; operands of 2 (bf16, f16) or 4 (tf32) bytes
     bool scale_d, trans_a, trans_b;
     float (*decode)(uint32_t);
   };
@@ -798,21 +798,22 @@ inline MatrixDescriptor decode_descriptor(uint64_t desc) {
           chunks[desc >> 62]};
 }
 
-// Shared-window address of element (mn, k), k < 16, of a 16-bit operand in the canonical layout
-// of `d` (cute's GMMA layouts in elements, T = 8 per 16 bytes, W = d.swizzle_chunks):
+// Shared-window address of element (mn, k), k < 32 bytes' worth (16 16-bit or 8 tf32 elements),
+// of an operand of `bytes`-byte elements in the canonical layout of `d` (cute's GMMA layouts in
+// elements, T per 16 bytes: 8 for 16-bit, 4 for tf32; W = d.swizzle_chunks):
 //   K-major,  interleave: ((8,m),(T,2)):((T,SBO),(1,LBO))
 //   K-major,  swizzled:   ((8,m),(T,2)):((W T,SBO),(1,T))         (LBO unused)
-//   MN-major, interleave: ((T,1,m),(8,2)):((1,T,SBO),(T,LBO))
-//   MN-major, swizzled:   ((T,W,m),(8,2)):((1,T,LBO),(W T,SBO))
+//   MN-major, interleave: ((T,1,m),(8,2)):((1,T,SBO),(T,LBO))      (16-bit only)
+//   MN-major, swizzled:   ((T,W,m),(8,2)):((1,T,LBO),(W T,SBO))    (16-bit only)
 // then the swizzle XORs address bits [4, 4 + log2 W) with bits [7, 7 + log2 W): the 16-byte
 // chunk c of 128-byte row r (of a 1024-byte aligned 128B pattern) lands at chunk c ^ (r % 8).
-inline uint32_t canonical_address(const MatrixDescriptor& d, bool mn_major, int mn, int k) {
-  const int W = d.swizzle_chunks;
+inline uint32_t canonical_address(const MatrixDescriptor& d, bool mn_major, int mn, int k, int bytes) {
+  const int W = d.swizzle_chunks, T = 16 / bytes;
   uint32_t offset;
   if (!mn_major && W == 1)
-    offset = (mn % 8) * 16 + (mn / 8) * d.stride + (k / 8) * d.leading + (k % 8) * 2;
+    offset = (mn % 8) * 16 + (mn / 8) * d.stride + (k / T) * d.leading + (k % T) * bytes;
   else if (!mn_major)
-    offset = (mn % 8) * W * 16 + (mn / 8) * d.stride + (k / 8) * 16 + (k % 8) * 2;
+    offset = (mn % 8) * W * 16 + (mn / 8) * d.stride + (k / T) * 16 + (k % T) * bytes;
   else if (W == 1)
     offset = (mn % 8) * 2 + (mn / 8) * d.stride + (k % 8) * 16 + (k / 8) * d.leading;
   else
@@ -821,37 +822,41 @@ inline uint32_t canonical_address(const MatrixDescriptor& d, bool mn_major, int 
   return W == 1 ? address : address ^ ((address >> 7 & uint32_t(W - 1)) << 4);
 }
 
-inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, int k, float (*decode)(uint32_t)) {
-  uint16_t bits;
-  std::memcpy(&bits, shared_window_pointer(canonical_address(d, mn_major, mn, k), 2), 2);
+inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, int k, int bytes,
+                             float (*decode)(uint32_t)) {
+  uint32_t bits = 0;  // the element's bytes, little-endian as on the GPU
+  std::memcpy(&bits, shared_window_pointer(canonical_address(d, mn_major, mn, k, bytes), bytes), size_t(bytes));
   return decode(bits);
 }
 
-// This thread's part of D (64 x n) = A (64 x 16) * B (16 x n) + (scale_d ? D : 0): register r
-// of lane l in warp w of the warpgroup is D(16 w + l / 4 + 8 ((r / 2) % 2), 8 (r / 4) + 2 (l % 4) + r % 2).
-// Products of 16-bit values are exact in float; each output adds its 16 terms in increasing k.
+// This thread's part of D (64 x n) = A (64 x k) * B (k x n) + (scale_d ? D : 0), k = 16 (16-bit
+// operands) or 8 (tf32): register r of lane l in warp w of the warpgroup is
+// D(16 w + l / 4 + 8 ((r / 2) % 2), 8 (r / 4) + 2 (l % 4) + r % 2). Products of 16-bit or tf32
+// values are exact in float; each output adds its k terms in increasing k (as mma.sync does here).
 inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
   const MatrixDescriptor a = decode_descriptor(op.a_desc), b = decode_descriptor(op.b_desc);
   const int warp = thread % 128 / 32, lane = thread % 32;
   float a_rows[2][16], b_cols[64][16];  // the thread's 2 rows of A and n / 4 columns of B
   for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 16; ++k)
-      a_rows[h][k] = operand_element(a, op.trans_a, 16 * warp + lane / 4 + 8 * h, k, op.decode);
+    for (int k = 0; k < op.k; ++k)
+      a_rows[h][k] = operand_element(a, op.trans_a, 16 * warp + lane / 4 + 8 * h, k, op.element_bytes, op.decode);
   for (int j = 0; j < op.n / 4; ++j)
-    for (int k = 0; k < 16; ++k)
-      b_cols[j][k] = operand_element(b, op.trans_b, 8 * (j / 2) + 2 * (lane % 4) + j % 2, k, op.decode);
+    for (int k = 0; k < op.k; ++k)
+      b_cols[j][k] = operand_element(b, op.trans_b, 8 * (j / 2) + 2 * (lane % 4) + j % 2, k, op.element_bytes,
+                                     op.decode);
   for (int r = 0; r < op.n / 2; ++r) {
     const float* row = a_rows[r / 2 % 2];
     const float* col = b_cols[2 * (r / 4) + r % 2];
     float sum = op.scale_d ? op.d[r] : 0.0f;
-    for (int k = 0; k < 16; ++k) sum += row[k] * col[k];
+    for (int k = 0; k < op.k; ++k) sum += row[k] * col[k];
     op.d[r] = sum;
   }
 }
 
-template <int N, int TransA, int TransB>
+template <int N, int K, int TransA, int TransB>
 inline void wgmma_issue(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, float (*decode)(uint32_t)) {
-  static_assert(N % 8 == 0 && N <= 256, "m64nNk16: N a multiple of 8, at most 256");
+  static_assert(N % 8 == 0 && N <= 256, "m64nNk: N a multiple of 8, at most 256");
+  static_assert(K == 16 || (K == 8 && TransA == 0 && TransB == 0), "k16 (16-bit) or k8 (tf32, K-major only)");
   Block& b = synchronising_block("wgmma.mma_async");
   if (b.nthreads % 128 != 0) {
     std::fprintf(stderr, "flowgen emulator: wgmma needs whole warpgroups (blocks of 128 k threads), got %d\n",
@@ -864,7 +869,7 @@ inline void wgmma_issue(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d,
                          "before the first wgmma and after registers it uses were touched)\n");
     std::abort();
   }
-  queue.open.push_back({a_desc, b_desc, d, N, scale_d != 0, TransA != 0, TransB != 0, decode});
+  queue.open.push_back({a_desc, b_desc, d, N, K, K == 16 ? 2 : 4, scale_d != 0, TransA != 0, TransB != 0, decode});
   b.wgmma_used = true;
 }
 
@@ -905,17 +910,21 @@ template <int N> inline void wgmma_fence_accumulators(float (&)[N]) {}
 // barrier after them has passed.
 inline void fence_proxy_async_shared() {}
 
-#define FLOWGEN_EMU_WGMMA(fname, N, decode)                                                              \
+#define FLOWGEN_EMU_WGMMA(fname, N, K, decode)                                                           \
   template <int TransA, int TransB>                                                                    \
   inline void fname(float (&d)[N / 2], unsigned long long a_desc, unsigned long long b_desc, int scale_d) { \
-    flowgen_emu::wgmma_issue<N, TransA, TransB>(d, a_desc, b_desc, scale_d, decode);                      \
+    flowgen_emu::wgmma_issue<N, K, TransA, TransB>(d, a_desc, b_desc, scale_d, decode);                   \
   }
-FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_bf16, 64, flowgen_emu::bf16_bits_to_float)
-FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_f16, 64, flowgen_emu::half_register_to_float)
-FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_bf16, 128, flowgen_emu::bf16_bits_to_float)
-FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_f16, 128, flowgen_emu::half_register_to_float)
-FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_bf16, 256, flowgen_emu::bf16_bits_to_float)
-FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_f16, 256, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_bf16, 64, 16, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n64k16_f16, 64, 16, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_bf16, 128, 16, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n128k16_f16, 128, 16, flowgen_emu::half_register_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_bf16, 256, 16, flowgen_emu::bf16_bits_to_float)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k16_f16, 256, 16, flowgen_emu::half_register_to_float)
+// .tf32: the tensor core reads the top 19 bits of each 4-byte operand, as mma.sync's tf32 does here.
+FLOWGEN_EMU_WGMMA(wgmma_m64n64k8_tf32, 64, 8, flowgen_emu::tf32_operand)
+FLOWGEN_EMU_WGMMA(wgmma_m64n128k8_tf32, 128, 8, flowgen_emu::tf32_operand)
+FLOWGEN_EMU_WGMMA(wgmma_m64n256k8_tf32, 256, 8, flowgen_emu::tf32_operand)
 #undef FLOWGEN_EMU_WGMMA
 
 // ---------------------------------------------------------------------------------------

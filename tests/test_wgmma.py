@@ -25,26 +25,27 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
+from flowgen.codegen import aot
 from flowgen.codegen.families import gemm_kernel
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
-from graphs import TrainGraph
+from graphs import InferGraph, TrainGraph
 from test_cuda_driver import Device
 from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
-K = 64            # four k16 slices per test: each wgmma reads its slice through its own descriptor
+K = 64            # four k16 slices per test (tf32: four k8 of K / 2), each read through its own descriptor
 A_BYTES, B_BYTES = 8192, 32768
 
 WGMMA_KERNELS = r"""
-// One warpgroup computes D (64 x N) = A (64 x 64) * B (64 x N) + (scale_d ? C : 0) with four
-// wgmma.mma_async, one per k16 slice. The host lays the operands out: `a_bytes` / `b_bytes` are
-// copied unchanged to a 1024-byte aligned shared-window address (A there, B 8192 bytes later).
-// cfg: a_leading, a_stride, a_swizzle, b_leading, b_stride, b_swizzle, scale_d, then the byte
-// offset of each k16 slice of A (4), of B (4). `before` receives the accumulators after the
-// commit and before the wait; `d` after the wait.
+// One warpgroup computes D (64 x N) = A (64 x K) * B (K x N) + (scale_d ? C : 0) with four
+// wgmma.mma_async, one per k slice (K = 64 for 16-bit operands, 32 for tf32). The host lays the
+// operands out: `a_bytes` / `b_bytes` are copied unchanged to a 1024-byte aligned shared-window
+// address (A there, B 8192 bytes later). cfg: a_leading, a_stride, a_swizzle, b_leading,
+// b_stride, b_swizzle, scale_d, then the byte offset of each k slice of A (4), of B (4).
+// `before` receives the accumulators after the commit and before the wait; `d` after the wait.
 template <int N, int TransA, int TransB, class MMA>
 __device__ void wgmma_tile(MMA mma, const unsigned char* a_bytes, const unsigned char* b_bytes, const int* cfg,
                            const float* c, float* before, float* d) {
@@ -89,6 +90,9 @@ WGMMA_TEST_KERNEL(wgmma_f16_n64_km, wgmma_m64n64k16_f16, 64, 0, 1)
 WGMMA_TEST_KERNEL(wgmma_bf16_n64_mk, wgmma_m64n64k16_bf16, 64, 1, 0)
 WGMMA_TEST_KERNEL(wgmma_f16_n256_km, wgmma_m64n256k16_f16, 256, 0, 1)
 WGMMA_TEST_KERNEL(wgmma_bf16_n256_kk, wgmma_m64n256k16_bf16, 256, 0, 0)
+WGMMA_TEST_KERNEL(wgmma_tf32_n64_kk, wgmma_m64n64k8_tf32, 64, 0, 0)
+WGMMA_TEST_KERNEL(wgmma_tf32_n128_kk, wgmma_m64n128k8_tf32, 128, 0, 0)
+WGMMA_TEST_KERNEL(wgmma_tf32_n256_kk, wgmma_m64n256k8_tf32, 256, 0, 0)
 """
 
 SWIZZLE_MODE = {"interleave": 0, "128B": 1, "64B": 2, "32B": 3}
@@ -101,11 +105,12 @@ def swizzle(offset: int, chunks: int) -> int:
 
 
 def lay_out(tile: np.ndarray, mn_major: bool, mode: str, size: int):
-    """Bytes of `tile` (MN x K, 16-bit) in the canonical layout, its (leading, stride) byte offsets
-    and the byte offset of each k16 slice, written from the PTX ISA's layout figures:
-    * K-major, swizzled: rows of W 16-byte chunks (8W elements of k) per atom; 8 rows make a
-      pattern (stride offset = 8 x row bytes); atoms along k are separate regions.
-    * K-major, interleave: 8 x 8 core matrices of 8 rows of 16 bytes; leading offset steps k.
+    """Bytes of `tile` (MN x K, 16-bit, or 32-bit tf32: K-major only) in the canonical layout, its
+    (leading, stride) byte offsets and the byte offset of each k slice (32 bytes of k: k16, or k8
+    for tf32), written from the PTX ISA's layout figures:
+    * K-major, swizzled: rows of W 16-byte chunks (16W / e elements of k, e bytes each) per atom;
+      8 rows make a pattern (stride offset = 8 x row bytes); atoms along k are separate regions.
+    * K-major, interleave: core matrices of 8 rows of 16 bytes; leading offset steps k.
     * MN-major, swizzled: rows of 8W elements of mn per k; blocks of 8W along mn are the leading
       offset apart, groups of 8 k rows the stride offset apart.
     * MN-major, interleave: core matrices of 8 k rows of 8 mn elements; leading offset steps k,
@@ -113,18 +118,20 @@ def lay_out(tile: np.ndarray, mn_major: bool, mode: str, size: int):
     """
     MN, KK = tile.shape
     W = CHUNKS[mode]
-    bits = tile.view(np.uint16)
-    out = np.zeros(size // 2, np.uint16)
-    row = W * 16
+    e = tile.itemsize
+    assert e == 2 or not mn_major, "tf32 tiles are K-major"
+    bits = tile.view(np.uint16 if e == 2 else np.uint32)
+    out = np.zeros(size // e, bits.dtype)
+    row, T, kslice = W * 16, 16 // e, 32 // e      # row bytes, elements per 16 bytes, k per slice
     if not mn_major and mode != "interleave":
-        atom_k = 8 * W
+        atom_k = W * T
         leading, stride = 16, 8 * row           # leading: unused by swizzled K-major layouts
-        where = lambda mn, k: (k // atom_k) * MN * row + mn * row + (k % atom_k) * 2
-        slices = [where(0, 16 * s) for s in range(KK // 16)]
+        where = lambda mn, k: (k // atom_k) * MN * row + mn * row + (k % atom_k) * e
+        slices = [where(0, kslice * s) for s in range(KK // kslice)]
     elif not mn_major:
-        leading, stride = 128, (KK // 8) * 128
-        where = lambda mn, k: (mn // 8) * stride + (k // 8) * leading + (mn % 8) * 16 + (k % 8) * 2
-        slices = [2 * s * leading for s in range(KK // 16)]
+        leading, stride = 128, (KK // T) * 128
+        where = lambda mn, k: (mn // 8) * stride + (k // T) * leading + (mn % 8) * 16 + (k % T) * e
+        slices = [2 * s * leading for s in range(KK // kslice)]
     elif mode != "interleave":
         leading, stride = KK * row, 8 * row
         where = lambda mn, k: (mn // (8 * W)) * leading + k * row + (mn % (8 * W)) * 2
@@ -136,7 +143,7 @@ def lay_out(tile: np.ndarray, mn_major: bool, mode: str, size: int):
     for mn in range(MN):
         for k in range(KK):
             offset = where(mn, k)
-            out[(swizzle(offset, W) if mode != "interleave" else offset) // 2] = bits[mn, k]
+            out[(swizzle(offset, W) if mode != "interleave" else offset) // e] = bits[mn, k]
     return out.view(np.uint8), leading, stride, slices
 
 
@@ -208,6 +215,9 @@ CASES = [
     ("wgmma_bf16_n64_mk", ml_dtypes.bfloat16, 64, True, False, "32B", "64B", 1),
     ("wgmma_f16_n256_km", np.float16, 256, False, True, "128B", "128B", 1),
     ("wgmma_bf16_n256_kk", ml_dtypes.bfloat16, 256, False, False, "128B", "interleave", 0),
+    ("wgmma_tf32_n128_kk", np.float32, 128, False, False, "128B", "128B", 1),
+    ("wgmma_tf32_n64_kk", np.float32, 64, False, False, "32B", "interleave", 1),
+    ("wgmma_tf32_n256_kk", np.float32, 256, False, False, "64B", "128B", 0),
 ]
 
 
@@ -215,8 +225,9 @@ CASES = [
 def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_launch, case):
     kernel, np_dtype, N, a_mn, b_mn, a_mode, b_mode, scale_d = case
     rng = np.random.default_rng(N + 3 * a_mn + b_mn)
-    a = rng.integers(-4, 5, size=(64, K)).astype(np_dtype)
-    b = rng.integers(-4, 5, size=(K, N)).astype(np_dtype)
+    kk = K if np.dtype(np_dtype).itemsize == 2 else K // 2      # four k slices of 32 bytes
+    a = rng.integers(-4, 5, size=(64, kk)).astype(np_dtype)
+    b = rng.integers(-4, 5, size=(kk, N)).astype(np_dtype)
     c = rng.integers(-50, 50, size=(64, N)).astype(np.float32)
     a_bytes, a_lead, a_stride, a_slices = lay_out(a, a_mn, a_mode, A_BYTES)
     b_bytes, b_lead, b_stride, b_slices = lay_out(np.ascontiguousarray(b.T), b_mn, b_mode, B_BYTES)
@@ -442,3 +453,38 @@ def test_a_malformed_emulated_arch_is_refused_naming_the_variable(monkeypatch):
     monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "hopper")
     with pytest.raises(ValueError, match="FLOWGEN_EMULATE_CUDA_ARCH='hopper'"):
         amp_training_run(mlp, steps=1)
+
+
+# ---------------------------------------------------------------------------------------
+# The standalone program (`flowgen build --target cuda --arch ...`): rendered for the GPU it names.
+
+@pytest.fixture(scope="module")
+def saved_amp_graph(tmp_path_factory):
+    """A bf16-AMP conv + linear inference graph, saved."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 40))
+    graph = InferGraph(model)
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    graph(flow.randn(16, 3, 6, 6))
+    path = tmp_path_factory.mktemp("amp") / "saved"
+    flow.save(graph, path)
+    return path
+
+
+def test_saved_graph_renders_warpgroup_mma_only_for_sm_90(saved_amp_graph):
+    saved = flow.load(saved_amp_graph)
+    for arch in ("sm_90", "sm_90a", "sm_80", "sm_89", "sm_100", None):
+        source = saved.program("cuda", arch=arch).source
+        hopper = arch in ("sm_90", "sm_90a")
+        assert ("wgmma_m64n" in source) == hopper and ("mma_m16n8k16_bf16(" in source) != hopper, arch
+        if arch:
+            assert nvrtc.cubin_arch(source, arch) == ("sm_90a" if hopper else arch)
+
+
+@pytest.mark.slow
+def test_standalone_cuda_build_for_sm_90_embeds_an_sm_90a_cubin(saved_amp_graph, tmp_path):
+    result = aot.build(saved_amp_graph, tmp_path / "out", target="cuda", arch="sm_90")
+    assert result.manifest["arch"] == "sm_90"
+    program = (tmp_path / "out" / "program.cu").read_text()
+    assert "wgmma_m64n" in program and "--gpu-architecture=sm_90a" in program
+    assert "compiled for sm_90a" in (tmp_path / "out" / "program_cubin.inc").read_text()

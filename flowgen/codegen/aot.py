@@ -622,7 +622,9 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
 
     start = time.perf_counter()
     saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
-    program = saved.program(target)
+    # A 'cuda' program is rendered for the GPU `arch` names: on sm_90 its bf16/fp16 (and tf32)
+    # GEMMs and convs use warpgroup MMA, and its device code compiles for sm_90a.
+    program = saved.program(target, arch=arch if target == "cuda" else None)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     binary = safe_tag(saved.name)
@@ -631,15 +633,19 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     host_cmd = _host_command(target, binary, sanitize, mpi)
     commands = []
     if target == "cuda":
-        device_cmd = (" ".join(_nvcc_command(arch)) if compiler == "nvcc"
-                      else f"NVRTC --gpu-architecture={arch} -std=c++17 -I<runtime_cpp> -I<CUDA include> "
+        from flowgen.runtime import nvrtc
+
+        device_arch = nvrtc.cubin_arch(program.source, arch)   # sm_90a for warpgroup MMA
+        device_cmd = (" ".join(_nvcc_command(device_arch)) if compiler == "nvcc"
+                      else f"NVRTC --gpu-architecture={device_arch} -std=c++17 -I<runtime_cpp> -I<CUDA include> "
                            f"program.cu -> cubin")
         commands += [f"device: {device_cmd} (written as program_cubin.inc)"]
         commands += [f"host:   {' '.join(host_cmd)}"]
     else:
         commands += [" ".join(host_cmd)]
     text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
-                                         arch=arch, build_commands=commands, data_parallel=saved.data_parallel)
+                                         arch=device_arch if target == "cuda" else arch, build_commands=commands,
+                                         data_parallel=saved.data_parallel)
     runtime = runtime_cpp_dir()
     for header in sorted(runtime.glob("*.h")):   # the kernels' headers, so OUT builds on its own
         _write(out / header.name, header.read_bytes())
@@ -654,16 +660,14 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     if target == "cuda":
         start = begin("compile device code")
         if compiler == "nvrtc":
-            from flowgen.runtime import nvrtc
-
             # The device half of program.cu is kernels.cu verbatim; compiling that (not program.cu,
             # whose host half names the graph) lets every graph instance share the cached cubin.
             cubin = nvrtc.compile_cuda(program.source, arch, "aot")
         else:
-            _run_compiler(_nvcc_command(arch), out, "compile device code", text)
+            _run_compiler(_nvcc_command(device_arch), out, "compile device code", text)
             cubin = (out / "program.cubin").read_bytes()
-        _write(out / "program_cubin.inc", _cubin_inc(cubin, arch))
-        stage("compile device code", f"{compiler} -> {arch} cubin, {len(cubin)} bytes, embedded", start)
+        _write(out / "program_cubin.inc", _cubin_inc(cubin, device_arch))
+        stage("compile device code", f"{compiler} -> {device_arch} cubin, {len(cubin)} bytes, embedded", start)
     else:
         log(f"  {'compile device code':<22} {'-':>7}     (cpu target: the kernels compile with the host code)")
 

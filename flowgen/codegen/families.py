@@ -23,8 +23,9 @@ Kernels by family (the main kernel carries `kernel_name`):
 * gemm     — matmul(a, b): tiled SIMT GEMM, batch dims broadcast through strides; bf16/fp16
              operands (and float32 ones when TF32 is allowed) run on tensor cores instead
              (gemm_mma.cu.j2: mma.sync, ldmatrix, a cp.async pipeline); rendered for sm_90,
-             bf16/fp16 ones use warpgroup MMA (gemm_wgmma.cu.j2: wgmma from 128B-swizzled
-             shared-memory tiles through matrix descriptors, a cp.async pipeline).
+             they use warpgroup MMA (gemm_wgmma.cu.j2 on _wgmma.j2: wgmma from 128B-swizzled
+             shared-memory tiles through matrix descriptors, a cp.async pipeline; tf32 operands
+             gathered into K-major tiles and rounded by cvt.rna on the way in).
 * copy     — permute / slice / slice_backward / cat: one thread per output element
              with a baked index map (slice_backward writes zeros outside the slice).
 * softmax  — softmax / log_softmax over any dim, and cross-entropy rows and their
@@ -43,7 +44,8 @@ Kernels by family (the main kernel carries `kernel_name`):
              entries (a token in many rows) is sorted by a block instead (`<name>_sort_long`:
              insertion-sorted runs, then merge passes through a second scratch buffer).
 * conv2d   — conv2d, conv2d_grad_input, conv2d_grad_weight: implicit GEMM on the tile
-             core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding);
+             core (a plain GEMM indexing when the conv is 1x1/stride 1/no padding), the
+             tensor-core ones (16-bit, tf32) on _mma.j2, or on _wgmma.j2 when rendered for sm_90;
              one-input-channel-per-group convs (depthwise) use direct kernels.
              conv2d_grad_weight splits the reduction over batch x pixels across blocks
              when the weight alone gives too few blocks: each split writes its partial
@@ -380,7 +382,7 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
         params = [f"const {a.dtype.ctype}* __restrict__ a", f"const {b.dtype.ctype}* __restrict__ b",
                   f"{c.dtype.ctype}* __restrict__ c"]
     kind = None if direct else tensor_core_kind(a.dtype, b.dtype)
-    if kind in _WGMMA_FUNCTIONS and warpgroup_mma():
+    if kind is not None and warpgroup_mma():
         return _wgmma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
                                   a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
     if kind is not None:
@@ -548,50 +550,137 @@ def _mma_tile_config(kind, dims, dtype, a_op, b_op) -> _Tile:
 # --------------------------------------------------------------------------
 # gemm on Hopper tensor cores (templates/gemm_wgmma.cu.j2), for programs rendered for sm_90
 
-# The warpgroup MMA per input precision and tile width BN: m64n{BN}k16, fp32 accumulation.
-_WGMMA_FUNCTIONS = {"bf16": "wgmma_m64n{}k16_bf16", "f16": "wgmma_m64n{}k16_f16"}
+# The warpgroup MMA per input precision and tile width BN (fp32 accumulation), and its k.
+_WGMMA_KINDS = {"bf16": ("wgmma_m64n{}k16_bf16", 16), "f16": ("wgmma_m64n{}k16_f16", 16),
+                "tf32": ("wgmma_m64n{}k8_tf32", 8)}
 # Block tiles (BM, BN): BM / 64 warpgroups of 64 x BN; in table order when costs tie.
 _WGMMA_TILES = ((128, 256), (128, 128), (128, 64), (64, 128), (64, 64))
-# k step (one 128-byte swizzled row of 16-bit elements); pipeline stages: as many as fit in an
-# sm_90 block's shared memory (227 KiB, less the 1 KiB alignment), at most 5. Copies run
-# stages - 2 k tiles ahead of the MMAs; one more stage is read by the MMAs still in flight.
-_WGMMA_BK, _WGMMA_MAX_STAGES, _SM90_SHARED_BYTES = 64, 5, 227 * 1024
+# The k step is one 128-byte swizzled row (64 16-bit or 32 tf32 elements). Pipeline stages: as
+# many as fit in an sm_90 block's shared memory (227 KiB, less the 1 KiB alignment), at most 5.
+# Copies run stages - 2 k tiles ahead of the MMAs; one more stage is read by the MMAs still in
+# flight. Tiles with a gathered operand (conv, tf32) take 3: their loads are synchronous, so
+# deeper prefetch gains nothing.
+_WGMMA_ROW_BYTES, _WGMMA_MAX_STAGES, _WGMMA_GATHER_STAGES, _SM90_SHARED_BYTES = 128, 5, 3, 227 * 1024
 
 
 def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans,
                        ops, what_extra, a_ptr, b_ptr) -> Kernel:
     """c = op(a) @ op(b) with warpgroup MMA; same arguments and epilogue contract as `gemm_kernel`.
-    Block tiles: `_WGMMA_TILES`."""
+    Block tiles: `_WGMMA_TILES`. 16-bit operands are copied by cp.async in their own order;
+    tf32 ones are gathered (K-major tiles only, rounded by cvt.rna as the mma.sync path does)."""
     a, b, c = operands
     M, N, K = sizes
     out_batch = tuple(c.shape[:-2])
     batch = _numel(out_batch)
     BM, BN = _mma_tile(M, N, batch, _WGMMA_TILES)
-    BK = _WGMMA_BK
-    stage_bytes = (BM + BN) * BK * a.dtype.itemsize
-    STAGES = min(_WGMMA_MAX_STAGES, (_SM90_SHARED_BYTES - 1024) // stage_bytes)
+    BK = _WGMMA_ROW_BYTES // a.dtype.itemsize
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
-    a_op = _staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype,
-                           f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
-    b_op = _staged_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype,
-                           f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})")
+    a_what = f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
+    b_what = f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})"
+    loads = {}
+    if kind == "tf32":
+        a_op = _Tile(name="a", major="k", order="mn" if a_trans else "k", copy_kind="gather", what=a_what)
+        b_op = _Tile(name="b", major="k", order="k" if b_trans else "mn", copy_kind="gather", what=b_what)
+        loads = dict(a_load=f"v = {a_ptr}[a_base + {'(long long)k * GM + m' if a_trans else '(long long)m * GK + k'}];",
+                     b_load=f"v = {b_ptr}[b_base + {'(long long)n * GK + k' if b_trans else '(long long)k * GN + n'}];")
+    else:
+        a_op = _staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, a_what)
+        b_op = _staged_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, b_what)
+        for x in (a_op, b_op):
+            x["address"] = f"{x.name}_base + (long long)go * {x.ld} + gi"
     a_op["desc"], b_op["desc"] = _operand_text("A", a_trans), _operand_text("B", b_trans)
-    stage_elems = (BM + BN) * BK
-    t = _Tile(BM=BM, BN=BN, BK=BK, WGS=BM // 64, NT=2 * BM, STAGES=STAGES, wgmma=_WGMMA_FUNCTIONS[kind].format(BN),
-              elem=a.dtype.ctype, zero=_zero_literal(a.dtype), a=a_op, b=b_op, a_elems=BM * BK,
-              stage_elems=stage_elems)
+    t = _wgmma_tile_config(kind, BM, BN, a.dtype, a_op, b_op)
     what = (f"{_shape_text(a.shape)}{'^T' if a_trans else ''} @ {_shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" (tensor-core GEMM {BM}x{BN}, {kind} wgmma){what_extra}")
     source = _render(
         "gemm_wgmma.cu.j2", name=kernel_name, comment=_comment(node, what), params=params, t=t,
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
-        epilogue_lines=epilogue_lines)
-    # The stages, or the epilogue's fp32 tile of padded rows, whichever is larger (_WGMMA_TILES all
-    # take the stages), + 1024: the tiles start at the first 1024-byte boundary of the shared window.
-    smem = max(STAGES * stage_bytes, BM * (BN + 8) * 4) + 1024
+        epilogue_lines=epilogue_lines, **loads)
     return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
-                  smem=smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
+                  smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
+
+
+def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, dtype) -> _Tile:
+    """The `t` of an implicit-GEMM conv on warpgroup MMA. An operand that is contiguous in memory
+    along its tile's rows (16-bit only: tf32 inputs are rounded on the way in) is copied by
+    cp.async (`_wgmma_conv_copies`); the others are gathered by the conv template's load
+    statements: A (weights or output gradients) K-major; B M/N-major for 16-bit forward /
+    grad_input (consecutive threads on consecutive pixels), K-major for grad_weight (consecutive k
+    = pixels) and for tf32 (the only layout wgmma reads it in)."""
+    GM, GN, groups = sizes
+    BM, BN = _mma_tile(GM, GN, groups, _WGMMA_TILES)
+    BK = _WGMMA_ROW_BYTES // dtype.itemsize
+    names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
+             "wgrad": ("output gradients", "input windows")}[op]
+    a_what = f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
+    b_what = f"B(k, n) ({names[1]}), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})"
+    b_order = "k" if op == "wgrad" else "mn"
+    a_op = _Tile(name="a", major="k", order="k", copy_kind="gather", what=a_what)
+    b_op = _Tile(name="b", major="k" if kind == "tf32" else b_order, order=b_order, copy_kind="gather", what=b_what)
+    if kind != "tf32":
+        copies = _wgmma_conv_copies(geo, op, pointwise, (BM, BN, BK), dtype, (a_what, b_what))
+        a_op, b_op = copies.get("a", a_op), copies.get("b", b_op)
+    return _wgmma_tile_config(kind, BM, BN, dtype, a_op, b_op)
+
+
+def _wgmma_conv_copies(geo: dict, op: str, pointwise: bool, tile, dtype, whats) -> dict:
+    """The conv operands that cp.async can copy, by name ("a", "b"): those whose tile rows are runs
+    of memory that aligned vectors of 2 to 8 elements tile (the run length a multiple of the
+    vector's, so no vector crosses from one run to the next, e.g. one image to the next). Each gives `address`,
+    the element offset of (row go, column gi) in its buffer. Forward weights are rows of GK; output
+    gradients (grad_weight's A) runs of OH x OW pixels; a 1x1 conv's input / output-gradient
+    pixels runs of H x W, and grad_input's 1x1 weights runs of CG channels."""
+    BM, BN, BK = tile
+    C, O, CG, OG = (geo[k] for k in ("C", "O", "CG", "OG"))
+    HW, OHW, GK = geo["H"] * geo["W"], geo["OH"] * geo["OW"], geo["CG"] * geo["KH"] * geo["KW"]
+    a_what, b_what = whats
+    # (name, buffer, k-major?, run length, address of (go, gi))
+    found = []
+    if op == "fwd":
+        found.append(("a", "w", True, GK, f"(long long)(grp * {OG} + go) * GK + gi"))
+    if op == "wgrad":
+        found.append(("a", "grad", True, OHW,
+                      f"((long long)(gi / {OHW}) * {O} + grp * {OG} + go) * {OHW} + gi % {OHW}"))
+    if pointwise and op == "fwd":
+        found.append(("b", "x", False, HW, f"((long long)(gi / {HW}) * {C} + grp * {CG} + go) * {HW} + gi % {HW}"))
+    if pointwise and op == "dgrad":
+        found.append(("a", "w", False, CG, f"(long long)(grp * {OG} + go) * {CG} + gi"))
+        found.append(("b", "grad", False, HW, f"((long long)(gi / {HW}) * {O} + grp * {OG} + go) * {HW} + gi % {HW}"))
+    if pointwise and op == "wgrad":
+        found.append(("b", "x", True, HW, f"((long long)(gi / {HW}) * {C} + grp * {CG} + go) * {HW} + gi % {HW}"))
+    copies = {}
+    for name, ptr, k_major, run, address in found:
+        mn = (BM, "m0", "GM") if name == "a" else (BN, "n0", "GN")
+        x = _staged_operand(name, ptr, k_major, mn[0], BK, mn[1], mn[2], run, run, dtype,
+                            a_what if name == "a" else b_what)
+        if x.copy_kind != "plain":
+            # k runs to this block's k_end (split-k), not GK
+            x.update(address=address, **({"I": "k_end"} if k_major else {"O": "k_end"}))
+            copies[name] = x
+    return copies
+
+
+def _wgmma_tile_config(kind, BM: int, BN: int, dtype, a_op, b_op) -> _Tile:
+    """The `t` of _wgmma.j2: block tile, the wgmma, pipeline depth, operand staging (tf32 tiles
+    hold cvt.rna-rounded bit patterns), and `smem`: the stages, or the epilogue's fp32 tile of
+    padded rows, whichever is larger (_WGMMA_TILES all take the stages), + 1024: the tiles start
+    at the first 1024-byte boundary of the shared window."""
+    function, KSTEP = _WGMMA_KINDS[kind]
+    elem_bytes = dtype.itemsize
+    BK = _WGMMA_ROW_BYTES // elem_bytes
+    stage_bytes = (BM + BN) * _WGMMA_ROW_BYTES
+    if "gather" in (a_op.copy_kind, b_op.copy_kind):
+        STAGES = _WGMMA_GATHER_STAGES
+    else:
+        STAGES = min(_WGMMA_MAX_STAGES, (_SM90_SHARED_BYTES - 1024) // stage_bytes)
+    tf32 = kind == "tf32"
+    return _Tile(BM=BM, BN=BN, BK=BK, KSTEP=KSTEP, V=16 // elem_bytes, WGS=BM // 64, NT=2 * BM, STAGES=STAGES,
+                 wgmma=function.format(BN), elem="unsigned" if tf32 else dtype.ctype, elem_bytes=elem_bytes,
+                 zero="0u" if tf32 else _zero_literal(dtype),
+                 to_elem=(lambda v: f"float_to_tf32({v})") if tf32 else _storer(dtype, "float"),
+                 a=a_op, b=b_op, a_elems=BM * BK, stage_elems=(BM + BN) * BK,
+                 smem=max(STAGES * stage_bytes, BM * (BN + 8) * 4) + 1024)
 
 
 # --------------------------------------------------------------------------
@@ -1478,8 +1567,11 @@ def _conv2d_kernels(node, kernel_name, fusion):
         return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
 
     kind = tensor_core_kind(first.dtype, second.dtype)
+    warpgroup = kind is not None and warpgroup_mma()   # rendered for sm_90: wgmma instead of mma.sync
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
-    if kind is not None:
+    if warpgroup:
+        t = _wgmma_implicit_gemm_tile(kind, geo, (GM, GN, G), op, pointwise, first.dtype)
+    elif kind is not None:
         t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
     elif chosen:
         t = make_tile(chosen, acc, a_order, b_order)
@@ -1496,16 +1588,18 @@ def _conv2d_kernels(node, kernel_name, fusion):
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
     serial = kind is None and serial_blocks()
     what = f"{text} ({'1x1 as GEMM' if pointwise else 'implicit GEMM'} {t.BM}x{t.BN}" + \
-        (f" on tensor cores, {kind} mma.sync" if kind else "") + \
+        (f" on tensor cores, {kind} {'wgmma' if warpgroup else 'mma.sync'}" if kind else "") + \
         (f", split-k {splits}" if splits > 1 else "") + (", one thread per tile" if serial else "") + ")" + \
         (fusion["what_extra"] if fusion else "")
     if splits == 1:
         source = _render("conv2d.cu.j2", kind="igemm", comment=_comment(node, what), GM=GM, GN=GN, GK=GK, t=t,
-                         splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial, **ctx)
+                         splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, warpgroup=warpgroup,
+                         serial=serial, **ctx)
         return [_kernel(node, kernel_name, source, (n_tiles, m_tiles, G), (1 if serial else t.NT, 1, 1),
                         not serial, what, smem=t.smem if kind else 0)]
     return _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, dict(
-        GM=GM, GN=GN, GK=GK, t=t, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, serial=serial),
+        GM=GM, GN=GN, GK=GK, t=t, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, warpgroup=warpgroup,
+        serial=serial),
         grid=(n_tiles, m_tiles, G * splits), block=(1 if serial else t.NT, 1, 1), smem=t.smem if kind else 0)
 
 

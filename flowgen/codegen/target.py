@@ -23,8 +23,9 @@ _allow_tf32 = contextvars.ContextVar("allow_tf32", default=False)
 # program is rendered for "cuda" (tests, FLOWGEN_EMULATE_CUDA).
 _serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
 # The GPU architecture ("sm_90", ...) a 'cuda' program is rendered for, or None: any sm_80 or newer.
-# On sm_90, bf16/fp16 GEMMs use Hopper's warpgroup MMA (wgmma, gemm_wgmma.cu.j2; NVRTC compiles
-# them for sm_90a); elsewhere mma.sync (gemm_mma.cu.j2). The emulator runs both.
+# On sm_90, tensor-core GEMMs and convs (bf16/fp16, tf32 under allow_tf32) use Hopper's warpgroup
+# MMA (wgmma, _wgmma.j2; NVRTC compiles them for sm_90a); elsewhere mma.sync (_mma.j2). The
+# emulator runs both.
 _cuda_arch = contextvars.ContextVar("cuda_arch", default=None)
 
 
@@ -41,7 +42,7 @@ def serial_blocks() -> bool:
 
 
 def warpgroup_mma() -> bool:
-    """Whether GEMMs may use Hopper's warpgroup MMA (the program is rendered for sm_90)."""
+    """Whether GEMMs and convs may use Hopper's warpgroup MMA (the program is rendered for sm_90)."""
     return _cuda_arch.get() in ("sm_90", "sm_90a")
 
 

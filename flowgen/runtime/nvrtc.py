@@ -48,7 +48,7 @@ def _arch_number(arch: str) -> str:
 
 
 # A call of a Hopper warpgroup MMA (flowgen_cuda_prelude.h): the source needs sm_90a.
-_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k16_\w+\s*<")
+_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k\d+_\w+\s*<")
 
 
 def _arch_number_for(source: str, arch: str) -> str:
@@ -58,10 +58,16 @@ def _arch_number_for(source: str, arch: str) -> str:
     return "90a" if number == "90" and _WGMMA_CALL.search(source) else number
 
 
+def cubin_arch(source: str, arch: str) -> str:
+    """The real architecture a cubin of `source` for the GPU `arch` is compiled for: `arch`, or
+    sm_90a for an sm_90 source with warpgroup MMA."""
+    return f"sm_{_arch_number_for(source, arch)}"
+
+
 def compile_cuda(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
     """A cubin for `arch` (e.g. "sm_90"; sm_90a for a source with warpgroup MMA): machine code
     the driver loads as is."""
-    return _compile(source, f"sm_{_arch_number_for(source, arch)}", tag, "kernels.cubin")
+    return _compile(source, cubin_arch(source, arch), tag, "kernels.cubin")
 
 
 def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes:
@@ -101,7 +107,7 @@ _MIN_CHUNK_CHARS = 15_000
 def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
     """Cubins for a generated kernels.cu: `artifacts` are cubin paths (load each as a module),
     `symbols` maps each kernel name to (cubin index, function name)."""
-    options = _options(f"sm_{_arch_number_for(source, arch)}")
+    options = _options(cubin_arch(source, arch))
     source = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
     return build_kernels(source, root=cache_dir() / "nvrtc-kernels", salt=_salt(options), artifact="kernels.cubin",
                          compiler="nvrtc", min_chunk_chars=_MIN_CHUNK_CHARS,

@@ -1,0 +1,393 @@
+"""Hopper warpgroup MMA beyond bf16/fp16 GEMMs: implicit-GEMM convolutions (forward, grad_input,
+grad_weight; templates/conv2d.cu.j2 on templates/_wgmma.j2) and TF32 (float32 GEMMs and convs under
+`allow_tf32`: wgmma m64nNk8 .tf32 from K-major tiles, inputs rounded by cvt.rna on the way in),
+rendered for sm_90 and run on the emulator; their sm_90a machine code (HGMMA, no spills).
+
+Accumulation order: the emulator adds each output's products in increasing k, one k16 (k8 for
+tf32) instruction after the other, on both mma.sync and wgmma, and both paths round tf32 inputs
+with cvt.rna: an sm_90 program gives the sm_80 program's bits wherever both reduce all of k in one
+block (everything but split-k grad_weight, whose splits follow the tile's k step: 32 vs 64).
+"""
+
+import re
+from unittest import mock
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen import dtype as dt
+from flowgen.codegen.families import gemm_kernel, render_node
+from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
+from flowgen.ir.graph import Node, Value
+from flowgen.ops.registry import TensorMeta, get_op
+from flowgen.runtime import cuda_driver, nvrtc
+from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from graphs import InferGraph, TrainGraph
+from test_tensor_cores import (CUOBJDUMP, NVDISASM, U_BF16, U_FP32, U_TF32, assert_no_spills, build_with_ptxas_report,
+                               disassemble, ptr, tf32_round)
+
+KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "tf32": np.float32}
+
+# The graph tests render for sm_90 through FLOWGEN_EMULATE_CUDA_ARCH, which applies without a GPU only.
+emulated_cuda_only = pytest.mark.skipif(cuda_driver.available(), reason="a GPU renders for its own architecture")
+
+
+def render(node, name, kind, arch, blocks=None):
+    """The node's kernels rendered for 'cuda' on `arch` (None: any sm_80 or newer); `blocks`
+    overrides the target's block count (1: the tile choice follows the padded work alone)."""
+    with mock.patch.dict(TARGET_BLOCKS, cuda=blocks or TARGET_BLOCKS["cuda"]), \
+            rendering_for("cuda", allow_tf32=kind == "tf32", arch=arch):
+        return render_node(node, name)
+
+
+class ConvCase:
+    """One conv op (conv2d / conv2d_grad_input / conv2d_grad_weight) rendered for sm_90 and, for
+    comparison, for sm_80."""
+
+    def __init__(self, kind, op, geometry, blocks=None):
+        name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
+        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}{'_b' + str(blocks) if blocks else ''}"
+        attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+        x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
+        in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
+        y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
+        if op == "conv2d":
+            shapes = (x_shape, w_shape)
+        elif op == "conv2d_grad_input":
+            shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
+        else:
+            shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
+        self.shapes, self.attrs = shapes, attrs
+        inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
+        meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
+        self.out = Value("out", tuple(meta.shape), meta.dtype)
+        self.node = Node(op, inputs, [self.out], attrs, scope=f"test.{self.id}")
+        self.kernels = render(self.node, f"wgc_{self.id}", kind, "sm_90", blocks)
+        self.sm80_kernels = render(self.node, f"mmac_{self.id}", kind, None, blocks)
+        self.kernel = self.kernels[0]
+
+    def run(self, module, kernels, arrays):
+        out = np.full(self.out.shape, 123, self.out.dtype.np_dtype)   # poison: a skipped output shows up
+        buffers = {v: x for v, x in zip(self.node.inputs, arrays)} | {self.out: out}
+        for k in kernels:   # scratch arguments (split-k partials) get buffers of their own
+            buffers.update({a.value: np.zeros(a.value.shape, a.value.dtype.np_dtype) for a in k.args
+                            if a.value not in buffers})
+            module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
+        return out
+
+
+GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, groups): ragged channels and pixels
+    ("3x3_s1_p1", 2, 8, 7, 7, 20, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+    ("3x2_s2_p10_g2", 2, 10, 9, 8, 12, (3, 2), (2, 2), (1, 0), (1, 1), 2),
+    ("3x3_d2_p2", 1, 6, 9, 10, 7, (3, 3), (1, 1), (2, 2), (2, 2), 1),
+    ("1x1", 2, 24, 5, 6, 18, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+    ("1x1_g2", 3, 16, 4, 6, 12, (1, 1), (1, 1), (0, 0), (1, 1), 2),
+]
+OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
+# bf16: every op on every geometry; fp16 and tf32 every op on the first two; a 64-channel conv with
+# one block's target so it takes the 128-row tiles (two warpgroups) and several k tiles; a deep
+# float32 weight gradient rendered for the GPU's block count, split-k (partials, then an ordered
+# combine; 16-bit weight gradients are never split).
+CASES = [ConvCase("bf16", op, g) for g in GEOMETRIES for op in OPS] + [
+    ConvCase(kind, op, g) for kind in ("f16", "tf32") for g in GEOMETRIES[:2] for op in OPS] + [
+    ConvCase(kind, op, ("3x3_c64", 2, 64, 6, 6, 128, (3, 3), (1, 1), (1, 1), (1, 1), 1), blocks=1)
+    for kind in ("bf16", "tf32") for op in OPS] + [
+    ConvCase("tf32", "conv2d_grad_weight", ("3x3_24x24", 2, 4, 24, 24, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1))]
+SPLIT_K = [c for c in CASES if "split-k" in c.kernel.comment]
+
+
+@pytest.fixture(scope="module")
+def conv_module():
+    source = "\n".join(k.source for case in CASES for k in case.kernels + case.sm80_kernels)
+    return CpuModule(build_cpu_library(source, "test_wgmma_conv"))
+
+
+def test_cases_run_on_warpgroup_mma_with_every_tile_and_split_k():
+    for case in CASES:
+        assert f"on tensor cores, {case.kind} wgmma" in case.kernel.comment, case.kernel.comment
+        assert "wgmma_m64n" in case.kernel.source and "mma_m16n8k" not in case.kernel.source
+        assert f"on tensor cores, {case.kind} mma.sync" in case.sm80_kernels[0].comment
+    # operands that are runs of memory (weights, output gradients, 1x1 convs' pixels) by cp.async of
+    # every width; the others gathered; tf32 always gathered (rounded on the way in)
+    copies = {name for c in CASES for name in re.findall(r"cp_async_cg|cp_async_ca<\d+>", c.kernel.source)}
+    assert copies == {"cp_async_cg", "cp_async_ca<8>", "cp_async_ca<4>"}
+    assert not any("cp_async_c" in c.kernel.source for c in CASES if c.kind == "tf32")
+    assert any("gathered element" not in c.kernel.source for c in CASES)    # a 1x1 conv: both by cp.async
+    tiles = {re.search(r"GEMM (\d+x\d+)", c.kernel.comment).group(1) for c in CASES}
+    assert {"64x64", "64x128", "128x128", "128x64"} <= tiles, tiles
+    assert [c.id for c in SPLIT_K] == ["tf32_conv2d_grad_weight_3x3_24x24"]
+    assert [k.name for k in SPLIT_K[0].kernels] == [SPLIT_K[0].kernel.name, f"{SPLIT_K[0].kernel.name}_combine"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_wgmma_conv_is_exact_on_integers(case, conv_module):
+    """Values in {-1, 0, 1}: every sum (at most 576 terms) is exact in fp32 and in the 16-bit output."""
+    rng = np.random.default_rng(len(case.id))
+    arrays = [rng.integers(-1, 2, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    np.testing.assert_array_equal(case.run(conv_module, case.kernels, arrays).astype(np.float64), want)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_wgmma_conv_gives_the_sm_80_programs_bits(case, conv_module):
+    """Random values: the same bits as the mma.sync kernel (same k order, same tf32 rounding);
+    split-k weight gradients split k at other points, so there within fp32 summation error."""
+    rng = np.random.default_rng(7 + len(case.id))
+    arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    got = case.run(conv_module, case.kernels, arrays)
+    sm80 = case.run(conv_module, case.sm80_kernels, arrays)
+    if case in SPLIT_K:
+        rounded = [tf32_round(a) if case.kind == "tf32" else a for a in arrays]
+        magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in rounded), **case.attrs)
+        terms = np.prod(case.shapes[0]) // case.shapes[0][1]   # batch x output pixels
+        np.testing.assert_array_less(np.abs(got.astype(np.float64) - sm80), 2 * terms * U_FP32 * magnitude + 1e-30)
+    else:
+        np.testing.assert_array_equal(got, sm80)
+
+
+def test_tf32_conv_rounds_its_inputs_to_nearest_ties_away():
+    """Inputs with low mantissa bits set: the products are of the cvt.rna-rounded values (not the
+    truncation the tensor core itself applies), so the result equals the fp64 conv of tf32_round's
+    inputs up to fp32 summation, and differs from the fp32 conv."""
+    case = next(c for c in CASES if c.id == "tf32_conv2d_3x3_s1_p1")
+    module = CpuModule(build_cpu_library(case.kernel.source, "test_wgmma_conv_tf32"))
+    rng = np.random.default_rng(3)
+    arrays = [(rng.standard_normal(shape) * (1 + 2.0 ** -11 + 2.0 ** -12)).astype(np.float32) for shape in case.shapes]
+    got = case.run(module, case.kernels, arrays).astype(np.float64)
+    rounded = get_op(case.op).ref(*(tf32_round(a).astype(np.float64) for a in arrays), **case.attrs)
+    magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in arrays), **case.attrs)
+    np.testing.assert_array_less(np.abs(got - rounded), 72 * U_FP32 * magnitude + 1e-30)
+    exact = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    assert (np.abs(got - exact) > 72 * U_FP32 * magnitude).any()
+
+
+# ---------------------------------------------------------------------------------------
+# TF32 GEMMs on warpgroup MMA (gemm_wgmma.cu.j2): both operands gathered into K-major tiles
+# whatever their order in memory, every tile width.
+
+class Tf32Gemm:
+    def __init__(self, M, N, K, a_trans=False, b_trans=False, blocks=1):
+        self.M, self.N, self.K, self.a_trans, self.b_trans = M, N, K, a_trans, b_trans
+        self.id = f"tf32_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
+        self.a_shape = (K, M) if a_trans else (M, K)
+        self.b_shape = (N, K) if b_trans else (K, N)
+        self.kernels = {arch: self.render(f"{'wg' if arch else 'mma'}_{self.id}", arch, blocks)
+                        for arch in ("sm_90", None)}
+        self.kernel = self.kernels["sm_90"]
+
+    def render(self, name, arch, blocks):
+        a, b = Value("a", self.a_shape, dt.float32), Value("b", self.b_shape, dt.float32)
+        c = Value("c", (self.M, self.N), dt.float32)
+        node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
+        args = [BufferArg(a, "const float*"), BufferArg(b, "const float*"), BufferArg(c, "float*")]
+        with mock.patch.dict(TARGET_BLOCKS, cuda=blocks or TARGET_BLOCKS["cuda"]), \
+                rendering_for("cuda", allow_tf32=True, arch=arch):
+            return gemm_kernel(node, name, a, b, c, params=None, args=args,
+                               epilogue_lines=["c[c_base + (long long)m * GN + n] = val;"],
+                               a_trans=self.a_trans, b_trans=self.b_trans)
+
+    def run(self, module, kernel, a, b):
+        out = np.full((self.M, self.N), 123, np.float32)
+        stored = lambda x, trans: np.ascontiguousarray(x.T) if trans else x
+        arrays = [stored(a, self.a_trans), stored(b, self.b_trans), out]   # alive until the launch returns
+        module.launch(kernel.name, kernel.grid, kernel.block, kernel.smem, [ptr(x) for x in arrays])
+        return out
+
+
+TF32_GEMMS = [Tf32Gemm(250, 250, 100), Tf32Gemm(130, 120, 70, True, True), Tf32Gemm(37, 45, 90, False, True),
+              Tf32Gemm(64, 64, 33, True, False, blocks=None)]
+
+
+@pytest.fixture(scope="module")
+def tf32_gemm_module():
+    source = "\n".join(k.source for case in TF32_GEMMS for k in case.kernels.values())
+    return CpuModule(build_cpu_library(source, "test_wgmma_tf32_gemm"))
+
+
+def test_tf32_gemms_run_on_warpgroup_mma_k8():
+    for case in TF32_GEMMS:
+        assert "tf32 wgmma" in case.kernel.comment and "k8_tf32<0, 0>" in case.kernel.source
+        assert "cp_async" not in case.kernel.source     # gathered: rounded on the way in
+    assert {re.search(r"GEMM (\d+x\d+)", c.kernel.comment).group(1) for c in TF32_GEMMS} == {
+        "128x256", "64x128", "64x64"}
+
+
+@pytest.mark.parametrize("case", TF32_GEMMS, ids=[c.id for c in TF32_GEMMS])
+def test_tf32_wgmma_gemm_rounds_like_mma_sync(case, tf32_gemm_module):
+    rng = np.random.default_rng(case.M)
+    a = rng.standard_normal((case.M, case.K)).astype(np.float32)
+    b = rng.standard_normal((case.K, case.N)).astype(np.float32)
+    got = case.run(tf32_gemm_module, case.kernel, a, b)
+    np.testing.assert_array_equal(got, case.run(tf32_gemm_module, case.kernels[None], a, b))
+    want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
+    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
+    np.testing.assert_array_less(np.abs(got - want), case.K * U_FP32 * 2 * magnitude + 1e-30)
+
+
+# ---------------------------------------------------------------------------------------
+# Through the public API: 'cuda' graphs rendered for sm_90 on the emulator (FLOWGEN_EMULATE_CUDA=1,
+# FLOWGEN_EMULATE_CUDA_ARCH=sm_90) against eager float32 and against the sm_80 program.
+
+class Block(nn.Module):
+    """conv -> BatchNorm -> ReLU, plus a residual 1x1 conv with bias: the fused conv epilogues."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(6, 12, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(12)
+        self.project = nn.Conv2d(6, 12, 1)
+        self.head = nn.Conv2d(12, 5, 3, stride=2, dilation=2, padding=2, groups=1)
+
+    def forward(self, x):
+        return self.head(nn.functional.relu(self.bn(self.conv(x))) + self.project(x))
+
+
+def emulated(arch) -> dict:
+    """The environment of a 'cuda' graph run on the emulator, rendered for `arch` (None: sm_80+)."""
+    return {"FLOWGEN_EMULATE_CUDA": "1"} | ({"FLOWGEN_EMULATE_CUDA_ARCH": arch} if arch else {})
+
+
+def infer_run(arch, precision):
+    """(graph output, eager float32 output, graph) of an eval-mode Block on 'cuda' rendered for `arch`."""
+    flow.manual_seed(0)
+    model = Block().eval()
+    with flow.no_grad():
+        model.bn.running_mean.copy_(flow.randn(12) * 0.1)
+        model.bn.running_var.copy_(flow.rand(12) + 0.5)
+    x = flow.randn(2, 6, 11, 9)
+    want = model(x).numpy().astype(np.float64)
+    graph = InferGraph(model.to("cuda"))
+    if precision == "bf16":
+        graph.config.enable_amp(True, dtype=flow.bfloat16)
+    else:
+        graph.config.allow_tf32(True)
+    with mock.patch.dict("os.environ", emulated(arch)):
+        return graph(x.to("cuda")).numpy().astype(np.float64), want, graph
+
+
+def conv_kernels(graph) -> list:
+    return [k for k in graph.compiled.program.kernels if any(op.startswith("conv2d") for op in k.ops)]
+
+
+@pytest.mark.slow
+@emulated_cuda_only
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision):
+    got, want, graph = infer_run("sm_90", precision)
+    convs = conv_kernels(graph)
+    assert len(convs) == 3 and all(f"{precision} wgmma" in k.comment for k in convs)
+    assert any({"relu", "add"} <= set(k.ops) for k in convs)     # BatchNorm folded, ReLU and residual fused
+    u = U_BF16 if precision == "bf16" else U_TF32
+    # two convs in a row, each off by a few u relative to its magnitude; bf16 also rounds the
+    # intermediate activations
+    scale = np.abs(want).max()
+    np.testing.assert_array_less(np.abs(got - want), 40 * u * scale)
+    sm80, _, sm80_graph = infer_run(None, precision)
+    assert all(f"{precision} mma.sync" in k.comment for k in conv_kernels(sm80_graph))
+    np.testing.assert_array_equal(got, sm80)
+    # kernels.cu as the executor compiles it on an sm_90 GPU: sources calling wgmma get sm_90a
+    build = nvrtc.compile_kernels(graph.compiled.program.source, "sm_90")
+    assert all(path.read_bytes()[:4] == b"\x7fELF" for path in build.artifacts)
+
+
+def tf32_linear_run(arch):
+    flow.manual_seed(0)
+    model = nn.Linear(96, 40)
+    x = flow.randn(24, 96)
+    want = model(x).numpy().astype(np.float64)
+    graph = InferGraph(model.to("cuda"))
+    graph.config.allow_tf32(True)
+    with mock.patch.dict("os.environ", emulated(arch)):
+        return graph(x.to("cuda")).numpy().astype(np.float64), want, graph, x.numpy(), model.weight.numpy()
+
+
+@pytest.mark.slow
+@emulated_cuda_only
+def test_allow_tf32_linear_runs_on_warpgroup_mma():
+    got, want, graph, x, w = tf32_linear_run("sm_90")
+    (gemm,) = [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
+    assert "tf32 wgmma" in gemm.comment and "add" in gemm.ops            # the bias in its epilogue
+    bound = (2 * U_TF32 + 96 * U_FP32) * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
+    np.testing.assert_array_less(np.abs(got - want), bound + 2 * U_FP32 * np.abs(want))
+    np.testing.assert_array_equal(got, tf32_linear_run(None)[0])       # the sm_80 (mma.sync tf32) bits
+
+
+def train_run(arch):
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2),
+                          nn.Flatten(), nn.Linear(6 * 4 * 4, 5)).to("cuda")
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.05))
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    x, y = flow.randn(3, 4, 9, 9).to("cuda"), flow.randn(3, 5).to("cuda")
+    with mock.patch.dict("os.environ", emulated(arch)):
+        losses = [float(graph(x, y)) for _ in range(2)]
+    return losses, [p.numpy() for p in model.parameters()], graph
+
+
+@pytest.mark.slow
+@emulated_cuda_only
+def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
+    """Forward, grad_input and grad_weight convs all on wgmma; the same losses and parameters
+    as the sm_80 (mma.sync) program, bit for bit (no split-k at these sizes)."""
+    losses, params, graph = train_run("sm_90")
+    convs = conv_kernels(graph)
+    assert {op for k in convs for op in k.ops} >= {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
+    assert all("bf16 wgmma" in k.comment for k in convs if "tensor cores" in k.comment)
+    assert not any("split-k" in k.comment for k in convs)
+    sm80_losses, sm80_params, _ = train_run(None)
+    assert losses == sm80_losses
+    for p, q in zip(params, sm80_params):
+        np.testing.assert_array_equal(p, q)
+
+
+# ---------------------------------------------------------------------------------------
+# Machine code for sm_90a: warpgroup MMA, no local memory; ResNet-sized convs (3x3 and 1x1, 64 ->
+# 64 channels on 56 x 56, batch 32) and their gradients beside the test cases, and the tf32
+# GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
+
+SASS_CASES = CASES + [ConvCase(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
+                      for kind in ("bf16", "tf32") for op in OPS] + [
+    ConvCase("bf16", op, ("resnet_1x1", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1)) for op in OPS]
+# (kind, main kernel) of each case, then every kernel (split-k combines too)
+SASS_MAIN = [(c.kind, c.kernel) for c in SASS_CASES] + [("tf32", g.kernel) for g in TF32_GEMMS]
+SASS_KERNELS = [k for c in SASS_CASES for k in c.kernels] + [g.kernel for g in TF32_GEMMS]
+HGMMA = {"bf16": "HGMMA.64x{}x16.F32.BF16", "f16": "HGMMA.64x{}x16.F32 ", "tf32": "HGMMA.64x{}x8.F32.TF32"}
+
+
+@pytest.fixture(scope="module")
+def sm_90a_build():
+    return build_with_ptxas_report("\n".join(k.source for k in SASS_KERNELS), "sm_90a")
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm_90a_without_spills(sm_90a_build):
+    assert_no_spills(sm_90a_build[1], {k.name for k in SASS_KERNELS})
+    assert "Potential Performance Loss" not in sm_90a_build[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(CUOBJDUMP is None or NVDISASM is None,
+                    reason="needs cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_path):
+    sass, usage = disassemble(sm_90a_build[0], tmp_path)
+    for kind, kernel in SASS_MAIN:
+        code = sass[kernel.name]
+        width = re.search(r"GEMM \d+x(\d+)", kernel.comment).group(1)
+        assert HGMMA[kind].format(width) in code, kernel.name
+        assert "WARPGROUP.ARRIVE" in code and "WARPGROUP.DEPBAR" in code and "HMMA" not in code, kernel.name
+        if re.search(r"cp_async_c[ag]\b", kernel.source):
+            assert "LDGSTS" in code and "DEPBAR" in code, kernel.name             # cp.async and wait_group
+        assert "LDL" not in code and "STL" not in code, kernel.name
+        assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[kernel.name]), (kernel.name, usage[kernel.name])
+
+
+@pytest.mark.slow
+def test_sm_80_renderings_compile_for_sm_80():
+    source = "\n".join(k.source for c in CASES for k in c.sm80_kernels) + \
+        "\n".join(g.kernels[None].source for g in TF32_GEMMS)
+    assert "wgmma" not in source
+    assert nvrtc.compile_cuda(source, arch="sm_80", tag="test_wgmma_conv_sm80")[:4] == b"\x7fELF"
