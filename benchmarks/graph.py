@@ -4,7 +4,7 @@ kernel launches per call of MobileNetV2's training and inference graphs before/a
     python benchmarks/graph.py [--device cpu|cuda] [--steps N] [--cases NAME ...] [--out FILE]
 
 Prints one table and writes JSON (default benchmarks/results/graph_<device>.json).
-Step times are compared side by side in one run (graph vs the eager loop on the
+Training steps and eval-mode forwards (inference graph vs eager under no_grad) are compared side by side in one run (graph vs the eager loop on the
 same inputs; on cuda also vs PyTorch eager and torch.compile when PyTorch is
 installed), because these machines are noisy: read the ratios.
 """
@@ -148,7 +148,24 @@ def bench_training(case, device, steps):
         "eager_over_graph": eager_step_time / graph_step,
     }
     row.update(torch_baselines(name, model, x, y, device, steps))
+    row.update(bench_inference(eager_model, x, steps))
     return row
+
+
+def bench_inference(model, x, steps):
+    """The model's eval-mode forward: an inference graph vs eager under no_grad, same inputs."""
+    model.eval()
+    graph = InferGraph(model)
+    graph(x)
+
+    def eager_forward():
+        with flow.no_grad():
+            return model(x).numpy()
+
+    graph_ms, graph_min, graph_max = (t * 1e3 for t in time_calls(lambda: graph(x).numpy(), steps))
+    eager_ms, eager_min, eager_max = (t * 1e3 for t in time_calls(eager_forward, steps))
+    return {"graph_infer_ms": graph_ms, "eager_infer_ms": eager_ms, "graph_infer_ms_range": [graph_min, graph_max],
+            "eager_infer_ms_range": [eager_min, eager_max], "eager_over_graph_infer": eager_ms / graph_ms}
 
 
 def convnet_launches(device):
@@ -249,7 +266,8 @@ def main():
         shutil.rmtree(cache, ignore_errors=True)
 
     cols = ["graph", "trace_s", "passes_s", "codegen_s", "compile_s", "warm_start_s", "kernels_unfused",
-            "kernels_fused", "arena_over_lower_bound", "graph_step_ms", "eager_step_ms", "eager_over_graph"]
+            "kernels_fused", "arena_over_lower_bound", "graph_step_ms", "eager_step_ms", "eager_over_graph",
+            "graph_infer_ms", "eager_infer_ms", "eager_over_graph_infer"]
     print(" | ".join(f"{c:>14}" for c in cols))
     for r in rows:
         print(" | ".join(f"{r[c]:>14.4f}" if isinstance(r[c], float) else f"{str(r[c]):>14}" for c in cols))

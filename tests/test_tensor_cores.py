@@ -389,25 +389,32 @@ CONV_GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation,
 ]
 
 
+def conv_node(kind, op, geometry, case_id):
+    """(input shapes, attrs, node) of one conv op (conv2d / conv2d_grad_input / conv2d_grad_weight)
+    on the `geometry` (name, N, C, H, W, O, kernel, stride, padding, dilation, groups) in `kind`'s
+    input dtype; the node's output is named "out"."""
+    name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
+    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
+    x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
+    in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
+    y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
+    if op == "conv2d":
+        shapes = (x_shape, w_shape)
+    elif op == "conv2d_grad_input":
+        shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
+    else:
+        shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
+    inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
+    meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
+    out = Value("out", tuple(meta.shape), meta.dtype)
+    return shapes, attrs, Node(op, inputs, [out], attrs, scope=f"test.{case_id}")
+
+
 class ConvCase:
     def __init__(self, kind, op, geometry, target="cpu"):
-        name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
-        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}_{target}"
-        attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-        x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
-        in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
-        y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
-        if op == "conv2d":
-            shapes = (x_shape, w_shape)
-        elif op == "conv2d_grad_input":
-            shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
-        else:
-            shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
-        self.shapes, self.attrs = shapes, attrs
-        inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
-        meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
-        self.out = Value("out", tuple(meta.shape), meta.dtype)
-        self.node = Node(op, inputs, [self.out], attrs, scope=f"test.{self.id}")
+        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{geometry[0]}_{target}"
+        self.shapes, self.attrs, self.node = conv_node(kind, op, geometry, self.id)
+        self.out = self.node.outputs[0]
         with rendering_for(target, allow_tf32=kind == "tf32"):
             self.kernels = render_node(self.node, f"tc_{self.id}")   # a combine kernel after when split-k
         self.kernel = self.kernels[0]

@@ -27,10 +27,8 @@ from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import InferGraph, TrainGraph
-from test_tensor_cores import (CUOBJDUMP, NVDISASM, U_BF16, U_FP32, U_TF32, assert_no_spills, build_with_ptxas_report,
-                               disassemble, ptr, tf32_round)
-
-KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "tf32": np.float32}
+from test_tensor_cores import (CUOBJDUMP, KINDS, NVDISASM, U_BF16, U_FP32, U_TF32, assert_no_spills,
+                               build_with_ptxas_report, conv_node, disassemble, ptr, tf32_round)
 
 # The graph tests render for sm_90 through FLOWGEN_EMULATE_CUDA_ARCH, which applies without a GPU only.
 emulated_cuda_only = pytest.mark.skipif(cuda_driver.available(), reason="a GPU renders for its own architecture")
@@ -49,23 +47,10 @@ class ConvCase:
     comparison, for sm_80."""
 
     def __init__(self, kind, op, geometry, blocks=None):
-        name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
-        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{name}{'_b' + str(blocks) if blocks else ''}"
-        attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-        x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
-        in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
-        y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
-        if op == "conv2d":
-            shapes = (x_shape, w_shape)
-        elif op == "conv2d_grad_input":
-            shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
-        else:
-            shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
-        self.shapes, self.attrs = shapes, attrs
-        inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
-        meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
-        self.out = Value("out", tuple(meta.shape), meta.dtype)
-        self.node = Node(op, inputs, [self.out], attrs, scope=f"test.{self.id}")
+        self.kind, self.op = kind, op
+        self.id = f"{kind}_{op}_{geometry[0]}{'_b' + str(blocks) if blocks else ''}"
+        self.shapes, self.attrs, self.node = conv_node(kind, op, geometry, self.id)
+        self.out = self.node.outputs[0]
         self.kernels = render(self.node, f"wgc_{self.id}", kind, "sm_90", blocks)
         self.sm80_kernels = render(self.node, f"mmac_{self.id}", kind, None, blocks)
         self.kernel = self.kernels[0]
