@@ -12,7 +12,6 @@ block (everything but split-k grad_weight, whose splits follow the tile's k step
 import re
 from unittest import mock
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -23,7 +22,7 @@ from flowgen.codegen.families import gemm_kernel, render_node
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
-from flowgen.ops.registry import TensorMeta, get_op
+from flowgen.ops.registry import get_op
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import InferGraph, TrainGraph
