@@ -20,6 +20,7 @@ from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.nn.module import Module
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
 from flowgen.optim.optimizer import Optimizer
@@ -52,8 +53,6 @@ class Graph:
 
     # ---------------------------------------------------------------- set-up
     def __setattr__(self, name, value):
-        from flowgen.nn.module import Module
-
         if not hasattr(self, "_modules"):
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
         if isinstance(value, Proxy):
