@@ -109,9 +109,9 @@ from flowgen.ir.verify import IRError, verify
 from flowgen.ops.registry import get_op
 from flowgen.runtime import program_cache
 from flowgen.runtime.executor import CpuBackend, Executor
-from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256, read_json_file,
-                                   read_safetensors_file, with_self_hash, write_directory_atomically, write_json,
-                                   write_safetensors)
+from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256,
+                                   install_graph_loader, read_json_file, read_safetensors_file, with_self_hash,
+                                   write_directory_atomically, write_json, write_safetensors)
 
 FORMAT = "flowgen.graph"
 VERSION = 1
@@ -736,3 +736,6 @@ def _checked_data_parallel(entry, ir, filename: str) -> dict | None:
     if any((how == "split") != bool(v.shape) for how, v in zip(outputs, ir.outputs)):
         bad("must split exactly the outputs that are not 0-d")
     return {"world_size": size, "inputs": inputs, "outputs": outputs}
+
+
+install_graph_loader(load_saved_graph)
