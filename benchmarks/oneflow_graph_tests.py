@@ -10,9 +10,10 @@ lines). Each file runs in its own pytest process on one node with one device, so
 `skip_unless_1n1d` are the ones that run; multi-device tests are skipped. Without a GPU, tests on
 'cuda' run their CUDA programs on the CPU emulator (FLOWGEN_EMULATE_CUDA=1) unless --no-emulate-cuda.
 Files that test OneFlow's implementation (its C++ bindings, framework modules, protobuf job configs)
-are marked and counted apart from the API tests, and so are files that need what flowgen leaves out
-of scope (OneFlow's OFRecord data readers, its job protobuf, the flowvision package) or whose tests
-all need several devices; each such file carries its reason in the JSON (`file_groups`). Failures
+are marked and counted apart from the API tests, and so are files whose tests all need several
+devices (`file_groups` in the JSON, with the reason) and tests whose code needs what flowgen leaves
+out of scope (OneFlow's OFRecord data readers, its job protobuf, the flowvision package; each test
+outcome carries its `group` and `reason`). Failures
 that come from a documented semantic choice of flowgen (PyTorch's formula where OneFlow's differs)
 stay counted as failures, with the difference spelled out (`known_differences`).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import collections
 import datetime
 import fnmatch
 import json
@@ -61,8 +63,9 @@ def GenArgDict(arg_dict):
 INTERNAL = re.compile(r"^\s*(import|from)\s+(oneflow\._oneflow_internal|oneflow\.framework|oneflow\._C"
                       r"|google\.protobuf|oneflow\.test_utils\.automated_test_util|oneflow\.core)", re.M)
 
-# Files whose tests need what flowgen leaves out of scope: counted apart from the API tests, like the
-# internals above. The first pattern found in a file gives its reason.
+# Tests that need what flowgen leaves out of scope: counted apart from the API tests, like the
+# internals above. A test is out of scope when the code it runs (its method and the file's functions,
+# classes and imports it reaches by name) matches a pattern; the first pattern found gives its reason.
 OUT_OF_SCOPE = (
     (re.compile(r"OFRecord"),
      "reads OneFlow's OFRecord dataset files (nn.OFRecordReader and its raw/image decoders): OneFlow's "
@@ -116,18 +119,68 @@ def multi_device_only(source: str) -> bool:
     return bool(tests) and all(_marked_multi_device(node) for node in tests)
 
 
-def categorise(source: str) -> tuple:
-    """(group, reason): 'internal', 'out_of_scope' or 'multi_device' files are counted apart from 'api'."""
+def categorise_file(source: str) -> tuple:
+    """(group, reason) for a whole file: 'internal' or 'multi_device', else ('api', '') and its
+    tests are categorised one by one (`test_scopes`)."""
     if INTERNAL.search(source):
         return "internal", ("imports OneFlow's C++ bindings, framework modules, protobuf or its "
                             "PyTorch-comparison harness")
-    for pattern, reason in OUT_OF_SCOPE:
-        if pattern.search(source):
-            return "out_of_scope", reason
     if multi_device_only(source):
         imports = sorted(set(re.findall(r"^\s*(?:from|import)\s+(oneflow\.[\w.]+)", source, re.M)))
         return "multi_device", MULTI_DEVICE.format(imports=", ".join(imports) or "nothing")
     return "api", ""
+
+
+def out_of_scope_reason(code: str) -> str:
+    """The reason `code` needs what flowgen leaves out of scope, or ''."""
+    return next((reason for pattern, reason in OUT_OF_SCOPE if pattern.search(code)), "")
+
+
+def _reachable_code(source: str, tree, start) -> str:
+    """The source of `start` and of every module-level definition and import it reaches by name."""
+    named = {}
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            named[node.name] = node
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                named[(alias.asname or alias.name).split(".")[0]] = node
+    seen, stack, parts = {id(start)}, [start], []
+    while stack:
+        node = stack.pop()
+        parts.append(ast.get_source_segment(source, node) or "")
+        for name in {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}:
+            target = named.get(name)
+            if target is not None and id(target) not in seen:
+                seen.add(id(target))
+                stack.append(target)
+    return "\n".join(parts)
+
+
+def test_scopes(source: str) -> dict:
+    """Test id as the junit report names it ('Class::method', 'module::function') -> the out-of-scope
+    reason of the code it runs ('' when none)."""
+    tree = ast.parse(source)
+    scopes = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
+            scopes[node.name] = out_of_scope_reason(_reachable_code(source, tree, node))
+        elif isinstance(node, ast.ClassDef):
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name.startswith("test"):
+                    code = _reachable_code(source, tree, method)
+                    scopes[f"{node.name}::{method.name}"] = out_of_scope_reason(code)
+    return scopes
+
+
+def test_group(row: dict, scopes: dict, source: str) -> tuple:
+    """(group, reason) of one test outcome of an API file; a collection failure (no test of the
+    file ran) is out of scope when the file's code is."""
+    test = row["test"]
+    reason = scopes.get(test, scopes.get(test.rsplit("::", 1)[-1]))
+    if reason is None:
+        reason = out_of_scope_reason(source)
+    return ("out_of_scope", reason) if reason else ("api", "")
 
 
 # Installed as conftest.py beside the copied tests: `import oneflow.nn.graph` loads flowgen.nn.graph.
@@ -245,19 +298,26 @@ def main() -> None:
     print(f"{'file':48} {'passed':>6} {'failed':>6} {'skipped':>7}")
     for name in names:
         with open(os.path.join(work, name)) as f:
-            group, reason = categorise(f.read())
-        if group != "api":
-            file_groups[name] = {"group": group, "reason": reason}
+            source = f.read()
+        file_group, file_reason = categorise_file(source)
+        if file_group != "api":
+            file_groups[name] = {"group": file_group, "reason": file_reason}
+        scopes = test_scopes(source) if file_group == "api" else {}
         rows = run_file(work, name, args.timeout, args.emulate_cuda)
         for row in rows:
+            group, reason = (file_group, "") if file_group != "api" else test_group(row, scopes, source)
+            row["group"] = group
+            if reason:
+                row["reason"] = reason
             difference = KNOWN_DIFFERENCES.get(f"{name}::{row['test']}")
             if difference and row["outcome"] == "failed":
                 row["known_difference"] = difference
+            totals[group][row["outcome"]] += 1
         results[name] = rows
         counts = {k: sum(r["outcome"] == k for r in rows) for k in kinds}
-        for k in kinds:
-            totals[group][k] += counts[k]
-        mark = f"  ({marks[group]})" if group != "api" else ""
+        apart = collections.Counter(r["group"] for r in rows if r["group"] != "api")
+        labels = [marks[g] if n == len(rows) else f"{n} {marks[g]}" for g, n in apart.items()]
+        mark = f"  ({', '.join(labels)})" if labels else ""
         print(f"{name:48} {counts['passed']:6} {counts['failed']:6} {counts['skipped']:7}{mark}", flush=True)
     rates = {}
     for label, included in (("API tests", ["api"]), ("all tests", list(groups))):
@@ -266,10 +326,15 @@ def main() -> None:
         rates[label] = passed / ran if ran else 0.0
         print(f"single-device pass rate, {label}: {passed}/{ran} = {rates[label]:.1%}")
     for group in groups[1:]:
-        files = sorted(n for n, g in file_groups.items() if g["group"] == group)
-        print(f"{marks[group]}: {len(files)} files, {totals[group]['failed']} failed tests")
-        for reason in sorted({file_groups[n]["reason"] for n in files}):
-            print(f"  {', '.join(n for n in files if file_groups[n]['reason'] == reason)}: {reason}")
+        rows = [(n, r) for n, file_rows in results.items() for r in file_rows if r["group"] == group]
+        print(f"{marks[group]}: {len({n for n, _ in rows})} files, {totals[group]['failed']} failed tests")
+        reasons = {}
+        for name, row in rows:
+            reason = row.get("reason") or file_groups[name]["reason"]
+            label = name if file_groups.get(name, {}).get("group") == group else f"{name}::{row['test']}"
+            reasons.setdefault(reason, {}).setdefault(label, None)
+        for reason, labels in sorted(reasons.items()):
+            print(f"  {', '.join(labels)}: {reason}")
     failed_differences = [(n, r) for n, rows in results.items() for r in rows if "known_difference" in r]
     if failed_differences:
         print(f"{len(failed_differences)} API failures are flowgen's documented semantic choices (known_differences):")
