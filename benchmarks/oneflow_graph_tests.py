@@ -331,7 +331,8 @@ def main() -> None:
         reasons = {}
         for name, row in rows:
             reason = row.get("reason") or file_groups[name]["reason"]
-            label = name if file_groups.get(name, {}).get("group") == group else f"{name}::{row['test']}"
+            test = row["test"].lstrip(":")   # a collection failure is '::<file stem>'
+            label = name if file_groups.get(name, {}).get("group") == group else f"{name}::{test}"
             reasons.setdefault(reason, {}).setdefault(label, None)
         for reason, labels in sorted(reasons.items()):
             print(f"  {', '.join(labels)}: {reason}")
