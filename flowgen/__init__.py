@@ -23,9 +23,10 @@ char = int8
 int = int32  # noqa: A001
 
 __version__ = "0.1.0"
-from flowgen import nn, optim, utils, amp, models  # noqa: E402
+from flowgen import nn, optim, utils, amp, models, one_embedding  # noqa: E402,F401
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)
 from flowgen.serialization import save, load  # noqa: E402
 from flowgen.distributed import env, sbp  # noqa: E402
+from flowgen.distributed import global_ops as _global_ops  # noqa: E402,F401  (installs eager ops on global tensors)
 from flowgen import sysconfig  # noqa: E402
 from flowgen.distributed.placement import placement  # noqa: E402

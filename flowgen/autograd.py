@@ -12,9 +12,9 @@ import numpy as np
 
 _state = threading.local()
 
-from flowgen.ops.registry import GradContext  # noqa: E402
+from flowgen.ops.registry import GradContext, install_eager_runtime  # noqa: E402
 from flowgen.device import CPU  # noqa: E402
-from flowgen.tensor import Tensor, c_array  # noqa: E402
+from flowgen.tensor import Tensor, as_tensor_like, c_array  # noqa: E402
 from flowgen.distributed import global_tensor  # noqa: E402
 from flowgen.distributed.sbp import broadcast  # noqa: E402
 
@@ -92,8 +92,6 @@ def rebase_history(target, new):
 def zero_grads(params, set_to_none: bool = True) -> None:
     """`zero_grad()` of modules and optimizers: drop each gradient, or give it a fresh zero
     buffer (never zero in place: eager gradients may share one buffer)."""
-    from flowgen.tensor import Tensor
-
     for p in params:
         if p.grad is None:
             continue
@@ -227,3 +225,6 @@ def backward(root, gradient=None):
                                        f"for an input of shape {tuple(inp.shape)}")
                 prev = grads.get(id(inp))
                 grads[id(inp)] = ig if prev is None else prev + ig
+
+
+install_eager_runtime(Tensor, as_tensor_like, wrap_outputs)

@@ -373,7 +373,7 @@ class cuda:  # noqa: N801 - `flow.cuda.is_available()`
 
     @staticmethod
     def is_available() -> bool:
-        try:
+        try:  # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load
             from flowgen.runtime import cuda_driver
         except ImportError:
             return False
@@ -386,6 +386,7 @@ class cuda:  # noqa: N801 - `flow.cuda.is_available()`
     def device_count() -> int:
         if not cuda.is_available():
             return 0
+        # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load.
         from flowgen.runtime import cuda_driver
 
         count = getattr(cuda_driver, "device_count", None)

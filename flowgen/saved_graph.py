@@ -99,14 +99,19 @@ import os
 
 import numpy as np
 
+import flowgen
 from flowgen import dtype as dt
 from flowgen import random
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.distributed.collectives import world
+from flowgen.ir.graph import Graph, Node, StateVar, Value
+from flowgen.ir.verify import IRError, verify
+from flowgen.ops.registry import get_op
 from flowgen.runtime import program_cache
-from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256, read_json_file,
-                                   read_safetensors_file, with_self_hash, write_directory_atomically, write_json,
-                                   write_safetensors)
+from flowgen.runtime.executor import CpuBackend, Executor
+from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256,
+                                   install_graph_loader, read_json_file, read_safetensors_file, with_self_hash,
+                                   write_directory_atomically, write_json, write_safetensors)
 
 FORMAT = "flowgen.graph"
 VERSION = 1
@@ -123,8 +128,6 @@ __all__ = ["SavedGraph", "save_graph", "load_saved_graph", "is_saved_graph"]
 
 
 def _flowgen_version() -> str:
-    import flowgen
-
     return flowgen.__version__
 
 
@@ -273,8 +276,6 @@ class _IRDecoder:
         raise FormatError(f"flow.load: {self.source}: {message}")
 
     def new_value(self, entry):
-        from flowgen.ir.graph import Value
-
         if not isinstance(entry, dict):
             self.fail(f"bad value description {str(entry)[:80]} (not an object)")
         name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype")
@@ -338,9 +339,6 @@ class _IRDecoder:
         self.fail(f"attribute {key!r}: unknown dtype {str(name)[:40]!r}")
 
     def node(self, entry, where: str):
-        from flowgen.ir.graph import Node
-        from flowgen.ops.registry import get_op
-
         if not isinstance(entry, dict) or not isinstance(entry.get("op"), str):
             self.fail(f"{where} is not a node object with an op")
         op = entry["op"]
@@ -379,9 +377,6 @@ def check_graph_format(doc, source: str) -> None:
 
 
 def decode_graph(doc: dict, arrays: dict, source: str):
-    from flowgen.ir.graph import Graph, StateVar
-    from flowgen.ir.verify import IRError, verify
-
     check_graph_format(doc, source)
     dec = _IRDecoder(arrays, source)
     for key, kind in (("name", str), ("inputs", list), ("state", list), ("nodes", list), ("outputs", list),
@@ -486,8 +481,6 @@ class SavedGraph:
         saved step, replayed; the built program advances them from step to step. An input index
         out of range raises IndexError after the step, as a graph call does.
         """
-        from flowgen.runtime.executor import CpuBackend, Executor
-
         inputs = self._check_inputs(arrays)
         if self._executor is None:
             program = self.program("cpu")
@@ -746,3 +739,6 @@ def _checked_data_parallel(entry, ir, filename: str) -> dict | None:
     if any((how == "split") != bool(v.shape) for how, v in zip(outputs, ir.outputs)):
         bad("must split exactly the outputs that are not 0-d")
     return {"world_size": size, "inputs": inputs, "outputs": outputs}
+
+
+install_graph_loader(load_saved_graph)

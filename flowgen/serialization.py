@@ -543,13 +543,21 @@ def load(path, map_location=None):
     if not os.path.isdir(path):
         return _load_single_file(path, map_location)
     if os.path.lexists(os.path.join(path, "graph.json")):   # flow.save(graph, dir): a deployable graph
-        from flowgen.saved_graph import load_saved_graph
-
-        result = load_saved_graph(path)
+        result = _graph_loader(path)
     else:
         result = _load_state(path, map_location)
     remove_leftovers(path)
     return result
+
+
+_graph_loader = None   # reads a flow.save(graph, dir) directory: installed by flowgen/saved_graph.py
+
+
+def install_graph_loader(loader) -> None:
+    """flowgen/saved_graph.py, when it loads (it builds on this module): `loader(path)` reads a
+    deployable graph's directory for `load`."""
+    global _graph_loader
+    _graph_loader = loader
 
 
 def read_json_file(filename: str, allow_nan: bool = False):

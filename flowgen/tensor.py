@@ -125,9 +125,7 @@ class Tensor:
 
     @property
     def meta(self):
-        from flowgen.ops.registry import TensorMeta
-
-        return TensorMeta(tuple(self.shape), self._dtype)
+        return registry.TensorMeta(tuple(self.shape), self._dtype)
 
     def size(self, dim=None):
         shape = self.shape
@@ -255,9 +253,6 @@ class Tensor:
 
     # ---------------------------------------------------------------- autograd
     def backward(self, gradient=None, retain_graph=False):
-        from flowgen import autograd
-        from flowgen.ops import registry
-
         if self.is_lazy:  # inside nn.Graph.build(): mark the loss for the autodiff pass
             return registry._tracer_hook.mark_backward(self)
 
@@ -423,8 +418,6 @@ class Tensor:
     def _assign(self, new: "Tensor") -> "Tensor":
         """Write `new` into this tensor (eager: same buffer; traced: a state update, or a new
         value of a free eager tensor for the rest of the call, ir/trace.py)."""
-        from flowgen.ops import registry
-
         tracer = registry._tracer_hook
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
             return tracer.assign(self, new) if tracer else None
@@ -642,7 +635,9 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
     return Tensor(arr, device=like.device if like is not None else None)
 
 
+# Below the class: these modules import Tensor (the op registry through its op definitions).
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
+from flowgen.ops import registry  # noqa: E402
 from flowgen import creation  # noqa: E402
 from flowgen import autograd  # noqa: E402  (autograd imports Tensor)
 from flowgen.distributed import global_tensor  # noqa: E402

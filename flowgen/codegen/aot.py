@@ -52,6 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
+import flowgen
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
@@ -59,7 +60,9 @@ from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
 from flowgen.serialization import with_self_hash, write_file_atomic
 from flowgen.runtime.cpu_compiler import compiler_version
-from flowgen.runtime.toolchain import cache_dir, copy_file_atomically
+from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph, load_saved_graph,
+                                 write_weights)
+from flowgen.runtime.toolchain import CompileError, cache_dir, copy_file_atomically, runtime_cpp_dir, safe_tag
 
 SANITIZERS = ("address", "undefined", "address,undefined")
 MANIFEST_FORMAT = "flowgen.manifest"
@@ -194,8 +197,6 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                    build_commands: list, data_parallel: dict | None = None) -> tuple:
     """(program.cu text, program_constants.inc text) for `program`; `data_parallel` is the saved
     graph's entry (flowgen/saved_graph.py) for a program run by mpiexec, else None."""
-    import flowgen
-
     ir = program.graph
     names = _Names()
     producers = _producers(ir)
@@ -538,8 +539,6 @@ def _write(path: Path, data) -> None:
 
 
 def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None:
-    from flowgen.runtime.toolchain import CompileError
-
     try:
         result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
     except FileNotFoundError:
@@ -552,8 +551,6 @@ def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None
 
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
                  timings: dict, sanitize: str | None = None) -> dict:
-    import flowgen
-
     ir = program.graph
 
     def kernel_json(k):
@@ -595,10 +592,6 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     """Build the program for a saved graph (`source`: a `flow.save(graph, dir)` directory or a
     `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS. `log(text)` receives
     one line per finished stage."""
-    from flowgen.runtime.toolchain import runtime_cpp_dir, safe_tag
-    from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph,
-                                     load_saved_graph, write_weights)
-
     log = log or (lambda text: None)
     if target not in ("cpu", "cuda"):
         raise BuildError(f"unknown target {target!r}; use cpu or cuda")
@@ -633,6 +626,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     host_cmd = _host_command(target, binary, sanitize, mpi)
     commands = []
     if target == "cuda":
+        # Imported here, not at the top: cuda-python's NVRTC bindings load only when a build targets CUDA.
         from flowgen.runtime import nvrtc
 
         device_arch = nvrtc.cubin_arch(program.source, arch)   # sm_90a for warpgroup MMA

@@ -13,6 +13,7 @@ from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.target import serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
+from flowgen.ir.graph import Value
 from flowgen.ops.lowering import Reduction, View, cpp_literal
 from flowgen.ops.registry import get_op
 
@@ -376,8 +377,6 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     runs per output element on the reduced values. With few outputs and many elements each
     (a whole-tensor sum, BatchNorm over few channels) the pass is split over several blocks per
     output writing partial results, and a second kernel combines them and runs the epilogue."""
-    from flowgen.ir.graph import Value
-
     body = node.body
     prologue, reds, epilogue = _split_reduction_body(body)
     red = reds[0]

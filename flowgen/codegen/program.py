@@ -57,6 +57,7 @@ class Program:
 
 def render_kernels(graph):
     """Kernels in schedule order, plus the view aliases and constants they rely on."""
+    # Imported here, not at the top: the kernel families (~0.2 s to load) wait for the first render.
     from flowgen.codegen.families import render_node
 
     producers = graph.producers()

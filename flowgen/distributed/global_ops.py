@@ -41,10 +41,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flowgen.autograd import no_grad, record
 from flowgen.distributed import global_tensor
 from flowgen.distributed.collectives import world
 from flowgen.distributed.sbp import broadcast, partial_sum, sbp as Sbp, split
+from flowgen.ops import registry
 from flowgen.ops.lowering import Elementwise
+from flowgen.tensor import Tensor, as_tensor_like
 
 _RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int", "randperm"})
 # Elementwise ops linear in their partial_sum operand, given that the others are broadcast.
@@ -283,9 +286,7 @@ def _local_inputs(op, tensors, attrs, out_ndim):
 
 
 def apply_global(op, tensors, attrs):
-    """Run `op` on `tensors`, of which at least one is global (`registry.apply` sends it here)."""
-    from flowgen.autograd import no_grad, record
-
+    """Run `op` on `tensors`, of which at least one is global."""
     globals_ = [t for t in tensors if t._global is not None]
     placement = globals_[0]._global.placement
     if any(t._global.placement != placement for t in globals_):
@@ -311,8 +312,6 @@ def apply_global(op, tensors, attrs):
 
 
 def _run_local(local_run, locals_):
-    from flowgen.ops import registry
-
     result = registry.apply(local_run.op_name, *locals_, **local_run.attrs)
     return result if local_run.divisor == 1.0 else registry.apply("div", result, local_run.divisor)
 
@@ -346,7 +345,15 @@ def _run_on_every_rank(op_name, run):
 
 def scalar_as_global(value, like):
     """A Python scalar operand beside the global tensor `like`: a broadcast global tensor."""
-    from flowgen.tensor import as_tensor_like
-
     local = as_tensor_like(value, like._global.local)
     return global_tensor.wrap_local(local, like._global.placement, broadcast, tuple(local.shape))
+
+
+def _apply_with_scalars(op, inputs, attrs):
+    """`registry.apply` of an op with a global operand: Python scalars beside it become broadcast
+    global tensors."""
+    like = next(x for x in inputs if isinstance(x, Tensor) and x._global is not None)
+    return apply_global(op, [x if isinstance(x, Tensor) else scalar_as_global(x, like) for x in inputs], attrs)
+
+
+registry.install_global_apply(_apply_with_scalars)

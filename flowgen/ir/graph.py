@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from flowgen import dtype as dt
+from flowgen.ir.text import format_graph
 
 
 @dataclass(eq=False)
@@ -107,8 +108,6 @@ class Graph:
         return Graph(**fields)
 
     def __str__(self) -> str:
-        from flowgen.ir.text import format_graph
-
         return format_graph(self)
 
 

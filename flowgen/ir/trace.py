@@ -26,6 +26,8 @@ import sys
 
 import numpy as np
 
+from flowgen import dtype as dt
+from flowgen import functional as F
 from flowgen import tensor as tensor_module
 from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
 from flowgen.ops import registry
@@ -179,11 +181,7 @@ class Tracer:
 
     def __call__(self, op, tensors, attrs):
         """The registry hook: record `op` on `tensors` and return lazy results."""
-        from flowgen import dtype as dt
-
         if self.autocast is not None and op.name in AUTOCAST_OPS and all(t.dtype == dt.float32 for t in tensors):
-            from flowgen import functional as F
-
             low = registry.apply(op.name, *(F.cast(t, self.autocast) for t in tensors), **attrs)
             return F.cast(low, dt.float32)
         node = self.emit(op.name, [self.value_of(t) for t in tensors], attrs)

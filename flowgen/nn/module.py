@@ -21,6 +21,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.device import as_device, device as _device_type
+from flowgen.autograd import zero_grads
 from flowgen.nn.parameter import Parameter
 from flowgen.tensor import Tensor
 
@@ -379,8 +380,6 @@ class Module:
         return self
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        from flowgen.autograd import zero_grads
-
         zero_grads(self.parameters(), set_to_none)
 
     def apply(self, fn) -> "Module":

@@ -29,6 +29,7 @@ from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise, Template
 from flowgen.ops.registry import TensorMeta, apply, broadcast_shapes, defop, normalize_dim, wants_grad
 from flowgen.tensor import Tensor
+from flowgen.random import philox_uniform
 
 
 # --------------------------------------------------------------------------
@@ -955,8 +956,6 @@ DROPOUT_EXPR = ("(flowgen_philox_uniform({seed}, {offset}, {idx}) >= (float)({p}
 
 def dropout_keep_mask(shape, p, seed, offset):
     """The keep mask of dropout(p, seed, offset) over a tensor of `shape` (element i uses stream value i)."""
-    from flowgen.random import philox_uniform
-
     n = int(np.prod(shape, dtype=np.int64))
     u = np.asarray(philox_uniform(seed, offset, n), dtype=np.float32).reshape(shape)
     return u >= np.float32(p)

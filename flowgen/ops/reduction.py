@@ -26,6 +26,7 @@ from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Reduction, Template
 from flowgen.ops.registry import TensorMeta, defop, normalize_dim, normalize_dims
+from flowgen.tensor import Tensor
 
 _LOW_PRECISION = {dt.float16.np_dtype, dt.bfloat16.np_dtype}
 
@@ -137,8 +138,6 @@ def _extremum_grad(arg_name):
             idx = F.apply(arg_name, x, dim=d, keepdim=True)
             positions = np.arange(x.shape[d], dtype=np.int64).reshape(
                 tuple(x.shape[d] if i == d else 1 for i in range(len(x.shape))))
-            from flowgen.tensor import Tensor
-
             mask = F.eq(idx, Tensor(positions, device=x.device))
             return (F.where(mask, g, 0),)
         # Split evenly among ties, like torch.max(x) / torch.amax(x, dim).

@@ -140,9 +140,7 @@ def set_tracer_hook(hook):
 
 def apply(name: str, *inputs, **attrs):
     """Run op `name` on tensors (or Python scalars) — eagerly or into a trace."""
-    Tensor = _Tensor
-    if Tensor is None:
-        Tensor = _load_tensor_types()
+    Tensor = _eager.tensor_type
     op = REGISTRY.get(name)
     if op is None:
         op = get_op(name)
@@ -158,8 +156,9 @@ def apply(name: str, *inputs, **attrs):
         else:
             all_tensors = False
     if is_global and _tracer_hook is None:   # while tracing, global state is the graph's (data parallel)
-        return _apply_global(op, inputs, attrs, Tensor)
-    tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _as_tensor_like(x, like) for x in inputs]
+        return _eager.apply_global(op, inputs, attrs)
+    tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _eager.as_tensor_like(x, like)
+                                          for x in inputs]
     lazy = False
     for t in tensors:
         if t._value is not None:
@@ -176,26 +175,27 @@ def apply(name: str, *inputs, **attrs):
     # infer raises readable shape/dtype errors before NumPy sees the data
     metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
     result = op.ref(*arrays, **attrs)
-    return _wrap_outputs(op, tensors, attrs, result, metas)
+    return _eager.wrap_outputs(op, tensors, attrs, result, metas)
 
 
-def _apply_global(op, inputs, attrs, Tensor):
-    """An op with a global operand (flowgen/distributed/global_ops.py); Python scalars beside it
-    become broadcast global tensors."""
-    from flowgen.distributed import global_ops
-
-    like = next(x for x in inputs if isinstance(x, Tensor) and x._global is not None)
-    tensors = [x if isinstance(x, Tensor) else global_ops.scalar_as_global(x, like) for x in inputs]
-    return global_ops.apply_global(op, tensors, attrs)
-
-
-_Tensor = _as_tensor_like = _wrap_outputs = None
+class _EagerRuntime:
+    """What `apply` needs from the layers above the op registry, installed by them when they load
+    (the registry is below Tensor, autograd and global tensors, which all call `apply`)."""
+    tensor_type: type = type(None)      # flowgen.tensor.Tensor (flowgen.autograd installs it)
+    as_tensor_like: Callable = None     # a Python scalar operand as a tensor beside another
+    wrap_outputs: Callable = None       # NumPy results -> tensors, recorded on the autograd tape
+    apply_global: Callable = None       # an op with a global operand (flowgen/distributed/global_ops.py)
 
 
-def _load_tensor_types():
-    global _Tensor, _as_tensor_like, _wrap_outputs
-    from flowgen.autograd import wrap_outputs
-    from flowgen.tensor import Tensor, as_tensor_like
+_eager = _EagerRuntime()
 
-    _as_tensor_like, _wrap_outputs, _Tensor = as_tensor_like, wrap_outputs, Tensor
-    return Tensor
+
+def install_eager_runtime(tensor_type, as_tensor_like, wrap_outputs) -> None:
+    """flowgen.autograd, when it loads: the tensor type eager `apply` runs on and its tape."""
+    _eager.tensor_type, _eager.as_tensor_like, _eager.wrap_outputs = tensor_type, as_tensor_like, wrap_outputs
+
+
+def install_global_apply(apply_global) -> None:
+    """flowgen.distributed.global_ops, when it loads: `apply_global(op, inputs, attrs)` runs an op
+    with a global operand (Python scalars among `inputs` included)."""
+    _eager.apply_global = apply_global

@@ -26,7 +26,7 @@ from collections import defaultdict
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.autograd import enable_grad
+from flowgen.autograd import enable_grad, zero_grads
 from flowgen.nn.utils import clip_grad_norm_
 from flowgen.tensor import Tensor
 
@@ -167,8 +167,6 @@ class Optimizer:
                           f"clip_grad_norm_type, so nothing is clipped")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        from flowgen.autograd import zero_grads
-
         zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     def step(self, closure=None):

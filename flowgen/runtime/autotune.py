@@ -66,6 +66,7 @@ def _load(arch: str) -> dict:
 
 def _time_candidates(node, candidates, ctx, arch, log) -> tuple:
     """Compile one kernel set per candidate tile, time each on random inputs; the fastest dims."""
+    # Imported here, not at the top: cuda-python's bindings take ~0.3 s to load (autotune runs on a GPU only).
     from flowgen.runtime.cuda_driver import CudaModule
     from flowgen.runtime.nvrtc import compile_cuda
 
@@ -111,6 +112,7 @@ def _time_candidates(node, candidates, ctx, arch, log) -> tuple:
 
 def tune_convs(graph, log=None) -> dict:
     """conv_key -> tile dims for every implicit-GEMM conv of `graph` (measuring unseen shapes)."""
+    # Imported here, not at the top: cuda-python's bindings take ~0.3 s to load (autotune runs on a GPU only).
     from flowgen.runtime.cuda_driver import CudaContext
 
     ctx = CudaContext.get()

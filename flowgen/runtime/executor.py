@@ -35,6 +35,7 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, source: str):
+        # Imported here, not at the top: the g++ build machinery (~0.1 s) loads when a CPU program is first built.
         from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 
         library, self.build = build_kernel_library(source)
@@ -80,6 +81,7 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, source: str):
+        # Imported here, not at the top: cuda-python's driver and NVRTC bindings take ~0.3 s to load.
         from flowgen.runtime import cuda_driver, nvrtc
 
         self.driver = cuda_driver

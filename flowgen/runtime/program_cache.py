@@ -54,7 +54,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import jinja2
 import ml_dtypes
 import numpy as np
 
@@ -92,6 +91,9 @@ STATS = CacheStats()
 def source_fingerprint() -> str:
     """SHA-256 of flowgen's own source (Python files, templates, runtime headers, by content)
     and of the versions of the libraries that shape a program."""
+    # Imported here, not at the top: Jinja2 takes ~0.15 s to load and `import flowgen` needs only its version here.
+    import jinja2
+
     h = hashlib.sha256()
     roots = [Path(flowgen.__file__).resolve().parent, templates_dir().resolve(), runtime_cpp_dir().resolve()]
     for root in roots:

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowgen import random
+from flowgen import creation
+from flowgen import functional as F
+from flowgen.amp import StaticGradScaler
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
 from flowgen.ir.trace import TraceError, Tracer
@@ -38,6 +41,8 @@ from flowgen.passes.optimizer import GraphScaler, HostScalar, lower_optimizers, 
 from flowgen.passes.pipeline import default_passes, run_passes
 from flowgen.passes.random_streams import bind_random_streams
 from flowgen.passes.zero import reduce_scatter_traced_gradients, shard_optimizer_state, shards_parameter
+from flowgen.runtime.executor import CpuBackend, CudaBackend, Executor
+from flowgen.tensor import Tensor
 from flowgen.runtime import program_cache
 from flowgen.runtime.progress import reporting
 
@@ -139,8 +144,6 @@ class CompiledGraph:
 
     def run(self, args):
         """One call with the flat input tensors (io.flatten of the call's arguments)."""
-        from flowgen.tensor import Tensor
-
         for a in args:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
@@ -176,10 +179,9 @@ def _device_of(graph, args):
 
 
 def _make_backend(device, source: str):
-    from flowgen.runtime.executor import CpuBackend, CudaBackend
-
     if device.type == "cpu":
         return CpuBackend(source)
+    # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load and CPU graphs never use them.
     from flowgen.runtime import cuda_driver
 
     if not cuda_driver.available():
@@ -233,10 +235,12 @@ def _conv_tiles(graph, ir, device) -> dict:
         warnings.warn(f"{graph.name}: enable_cudnn_conv_heuristic_search_algo has no effect on the {device.type} "
                       f"device: conv tile shapes are timed on a GPU only", UserWarning, stacklevel=4)
         return {}
+    # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load and CPU graphs never use them.
     from flowgen.runtime import cuda_driver
 
     if not cuda_driver.available():
         return {}   # the backend reports the missing GPU
+    # Imported here, not at the top: autotune loads the kernel families (~0.2 s), kept out of `import flowgen`.
     from flowgen.runtime.autotune import tune_convs
 
     return tune_convs(ir, log=graph._log)
@@ -244,14 +248,13 @@ def _conv_tiles(graph, ir, device) -> dict:
 
 def _with_measured_conv_tiles(graph, ir, device):
     """The IR with the measured tiles as conv attributes (saved graphs and programs keep them)."""
+    # Imported here, not at the top: autotune loads the kernel families (~0.2 s), kept out of `import flowgen`.
     from flowgen.runtime.autotune import with_conv_tiles
 
     return with_conv_tiles(ir, _conv_tiles(graph, ir, device))
 
 
 def _micro_batch(graph, lazy_args, j: int, steps: int) -> list:
-    from flowgen import functional as F
-
     out = []
     for k, a in enumerate(lazy_args):
         if not a.shape or a.shape[0] % steps:
@@ -381,8 +384,6 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                         n: (tracer.lazy(grads[n]) + tracer.lazy(g))._value for n, g in micro_grads.items()}
                 micro_ends.append(len(tracer.graph.nodes))
             if steps > 1:   # per-micro-batch outputs stacked along a new leading dim
-                from flowgen import functional as F
-
                 flat = [F.stack([m[i] for m in micro_outputs]) for i in range(len(micro_outputs[0]))]
             tracer.graph.outputs = [tracer.value_of(t) for t in flat]
     finally:
@@ -458,8 +459,6 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
     executor_backend = _make_backend_once(device, program.source, data_parallel)
-    from flowgen.runtime.executor import Executor
-
     executor = Executor(program, executor_backend)
     timings["compile"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
@@ -513,6 +512,7 @@ def _cuda_arch(device):
     the Hopper kernels on the emulator), else None (any sm_80 or newer)."""
     if device.type != "cuda":
         return None
+    # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load and CPU graphs never use them.
     from flowgen.runtime import cuda_driver
 
     if cuda_driver.available():
@@ -560,8 +560,6 @@ def _zero_settings(graph, data_parallel):
 
 def _static_scale(graph) -> float:
     """A StaticGradScaler's fixed scale (baked into the step), else 1."""
-    from flowgen.amp import StaticGradScaler
-
     scaler = graph._grad_scaler
     return float(scaler.get_scale()) if isinstance(scaler, StaticGradScaler) else 1.0
 
@@ -569,9 +567,6 @@ def _static_scale(graph) -> float:
 def _add_grad_scaler(graph, tracer, host_scalars: list):
     """The graph's (dynamic) GradScaler as state: its scale seeds the backward pass; the
     optimizer pass adds the inf check, the skip and the growth/backoff rule (passes/optimizer.py)."""
-    from flowgen import creation
-    from flowgen.amp import StaticGradScaler
-
     scaler = graph._grad_scaler
     if scaler is None or not scaler.is_enabled() or isinstance(scaler, StaticGradScaler):
         return None

@@ -20,10 +20,12 @@ from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
 from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.nn.module import Module
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
 from flowgen.optim.optimizer import Optimizer
 from flowgen.passes.optimizer import group_lr_now
+from flowgen.saved_graph import save_graph
 
 def _as_int(step) -> int:
     return int(step.item() if hasattr(step, "item") else step)
@@ -52,8 +54,6 @@ class Graph:
 
     # ---------------------------------------------------------------- set-up
     def __setattr__(self, name, value):
-        from flowgen.nn.module import Module
-
         if not hasattr(self, "_modules"):
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() before setting attributes")
         if isinstance(value, Proxy):
@@ -216,8 +216,6 @@ class Graph:
     def _flowgen_save(self, path):
         """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py).
         A data-parallel graph is saved by every rank together (rank 0 writes; see saved_graph.py)."""
-        from flowgen.saved_graph import save_graph
-
         if self._last is not None and self._last.pipeline is not None:
             raise NotImplementedError(f"flow.save({self._name}, ...): the graph is a pipeline (set_stage): each rank "
                                       f"runs one stage; standalone programs run on one process only, so save the "
