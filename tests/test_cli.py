@@ -156,6 +156,7 @@ def test_nvcc_missing_is_a_clear_error(built, monkeypatch):
     assert result.exit_code == 1 and "nvcc is not on PATH" in result.output
 
 
+@pytest.mark.slow
 def test_deploy_example(tmp_path, capsys):
     """examples/deploy.py: train, checkpoint, flow.save(graph), flowgen build + run, compare."""
     module = runpy.run_path(str(REPO / "examples" / "deploy.py"))

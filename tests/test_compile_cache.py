@@ -150,6 +150,7 @@ def _train_losses_and_weights(seed):
     return graph, losses, {k: v.numpy() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.slow
 def test_emulator_optimisation_level_changes_compile_flags_not_numbers(cache, monkeypatch):
     graph2, losses2, weights2 = _train_losses_and_weights(3)
     monkeypatch.setenv("FLOWGEN_EMULATOR_OPT", "0")

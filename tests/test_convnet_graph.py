@@ -305,6 +305,7 @@ def _load_example():
     return module
 
 
+@pytest.mark.slow
 def test_example_script_trains_and_checkpoints(tmp_path, capsys):
     example = _load_example()
     ckpt = tmp_path / "GraphMobileNetV2"
@@ -359,6 +360,7 @@ def test_example_reads_cifar10_python_batches(tmp_path, capsys):
         example.load_cifar10(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.slow
 def test_training_program_of_the_tiny_mobilenet_equals_the_graph(tmp_path):
     """The standalone training program (BatchNorm and cross-entropy ops, fused reductions,
     multi-tensor updates, SGD momentum) takes the same 2 steps as the graph."""

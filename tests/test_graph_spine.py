@@ -560,6 +560,7 @@ def scaled_training_like_eager(model, make_opt, x, y, steps, device="cpu", rtol=
     return scales
 
 
+@pytest.mark.slow
 def test_updates_of_conv_weights_share_one_multi_tensor_kernel(monkeypatch, tmp_path):
     """Conv weight gradients come from template kernels, so their SGD-momentum updates cannot join
     them: they run as segments of one kernel (chunked when the buffers would not fit CUDA's

@@ -282,6 +282,7 @@ def test_graph_gradients_equal_torch(name):
     np.testing.assert_allclose(model.w.numpy(), 1 - w.grad.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_cuda_programs_equal_eager(monkeypatch):
     """The CUDA programs (on a GPU, else on the emulator): forward bit for bit (long strided rows,
     ties, NaN; the block-per-row scan of few long rows), and training."""
