@@ -21,6 +21,7 @@ its registry, download helper and `flowvision.layers` package are replaced by sm
 Both copies get the same weights (torch's state_dict); dropout is set to 0 so numbers compare.
 Prints per model: eval forward max|diff|, the loss of each SGD-momentum training step, and the
 largest parameter/buffer difference after the steps; with --graph flowgen runs as an nn.Graph.
+Writes the same as JSON (--out; default results/third_party_models_<eager|graph>.json).
 MobileNetV2's ReLU6 masks flip on float32 rounding, so its training numbers drift as much as torch
 float32 drifts from torch float64 (both ~0.5 after 3 steps at 4x3x64x64).
 """
@@ -28,12 +29,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import zipfile
 
 import numpy as np
@@ -183,7 +186,9 @@ def run(name, graph, steps, torch, flow, pt, fg):
         got = Infer()(flow.tensor(x)).numpy()
     else:
         got = forward(flow, fm, flow.tensor(x)).numpy()
-    print(f"{name:16s} {'graph' if graph else 'eager'}  eval forward max|diff| {np.abs(expected - got).max():.3g}")
+    row = {"model": name, "mode": "graph" if graph else "eager", "forward_max_abs_diff": float(np.abs(expected - got).max()),
+           "forward_max_abs": float(np.abs(expected).max()), "losses_torch": [], "losses_flowgen": []}
+    print(f"{name:16s} {row['mode']}  eval forward max|diff| {row['forward_max_abs_diff']:.3g}")
     pm.train(), fm.train()
     popt = torch.optim.SGD(pm.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
     fopt = flow.optim.SGD(fm.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4)
@@ -214,11 +219,15 @@ def run(name, graph, steps, torch, flow, pt, fg):
             fopt.zero_grad()
             floss = flow_step(flow.tensor(x), flow.tensor(y))
             fopt.step()
+        row["losses_torch"].append(ploss.item())
+        row["losses_flowgen"].append(float(floss.numpy()))
         print(f"    step {step}: loss torch {ploss.item():.6f} flowgen {float(floss.numpy()):.6f}")
     psd, fsd = pm.state_dict(), fm.state_dict()
     worst = max(psd, key=lambda k: np.abs(psd[k].numpy() - fsd[k].numpy()).max())
-    print(f"    after {steps} steps max|param/buffer diff| {np.abs(psd[worst].numpy() - fsd[worst].numpy()).max():.3g}"
-          f" ({worst})")
+    row["after_steps_max_abs_diff"] = float(np.abs(psd[worst].numpy() - fsd[worst].numpy()).max())
+    row["after_steps_worst"] = worst
+    print(f"    after {steps} steps max|param/buffer diff| {row['after_steps_max_abs_diff']:.3g} ({worst})")
+    return row
 
 
 def main():
@@ -229,6 +238,7 @@ def main():
     parser.add_argument("--graph", action="store_true", help="run flowgen as an nn.Graph")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--models", nargs="*", help="default: all (`vit` when --flowvision-sdist is given)")
+    parser.add_argument("--out", help="JSON file (default benchmarks/results/third_party_models_<eager|graph>.json)")
     args = parser.parse_args()
     models = args.models or ["resnet18", "mobilenet_v2", "mnist", "wlm:LSTM", "wlm:GRU", "wlm:RNN_TANH",
                              "wlm:Transformer"] + (["vit"] if args.flowvision_sdist else [])
@@ -242,8 +252,25 @@ def main():
             parser.error("the model `vit` needs --flowvision-sdist")
         pt, fg = ({name[:-3]: importlib.import_module(f"{flavour}_{name[:-3]}") for name in EXAMPLES_FILES}
                   for flavour in ("pt", "fg"))
-        for name in models:
-            run(name, args.graph, args.steps, torch, flow, pt, fg)
+        rows = [run(name, args.graph, args.steps, torch, flow, pt, fg) for name in models]
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                   f"third_party_models_{'graph' if args.graph else 'eager'}.json")
+    payload = {"date": time.strftime("%Y-%m-%d"), "commit": _commit(), "torch": torch.__version__,
+               "torchvision_wheel": os.path.basename(args.torchvision_wheel), "steps": args.steps, "rows": rows}
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out + ".tmp", "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(out + ".tmp", out)
+    print(f"wrote {out}")
+
+
+def _commit() -> str:
+    """The flowgen checkout's commit, or "unknown" outside a git checkout."""
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 
 if __name__ == "__main__":
