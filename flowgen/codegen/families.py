@@ -1570,7 +1570,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
     can_split = op == "wgrad" and out.dtype in (dt.float16, dt.bfloat16, dt.float32, dt.float64)
 
     def k_splits(blocks, bk):
-        return wgrad_k_splits(GK, G, blocks, bk, out.numel * (8 if acc == "double" else 4),
+        return _wgrad_k_splits(GK, G, blocks, bk, out.numel * (8 if acc == "double" else 4),
                               first.numel * first.dtype.itemsize + second.numel * second.dtype.itemsize)
 
     kind = tensor_core_kind(first.dtype, second.dtype)
@@ -1621,7 +1621,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
 _SPLIT_K_MIN_K_TILES, _SPLIT_K_SCRATCH_BYTES = 16, 64 << 20
 
 
-def wgrad_k_splits(GK: int, G: int, blocks: int, bk: int, split_bytes: int, operand_bytes: int) -> int:
+def _wgrad_k_splits(GK: int, G: int, blocks: int, bk: int, split_bytes: int, operand_bytes: int) -> int:
     """Ways to split grad_weight's reduction of GK (batch x pixels) terms across blocks, for a
     grid of `blocks` tiles (all G groups) with k tiles of `bk`: enough blocks to fill the target
     (`target_blocks`), at least _SPLIT_K_MIN_K_TILES k tiles per split, G x splits within the
