@@ -566,11 +566,12 @@ U_OUT = {"bf16": U_BF16, "f16": 2.0 ** -11}
 
 
 def split_k_layout(kernels) -> tuple:
-    """(splits, chunk) of a split-k grad_weight rendering: the main kernel's grid z (groups x
-    splits; the cases have one group) and its chunk of batch x pixels."""
+    """(splits, chunk) of a split-k grad_weight rendering: its split count and its chunk of
+    batch x pixels per split."""
     main, combine = kernels
-    assert combine.name == f"{main.name}_combine" and "split-k" in main.comment
-    return main.grid[2], int(re.search(r"chunks of (\d+)", main.source).group(1))
+    assert combine.name == f"{main.name}_combine"
+    return (int(re.search(r"split-k (\d+)", main.comment).group(1)),
+            int(re.search(r"chunks of (\d+)", main.source).group(1)))
 
 
 def split_k_bound(case, arrays, want, kernels) -> np.ndarray:
@@ -588,6 +589,7 @@ def test_16bit_weight_gradients_split_k_into_float32_partials():
         splits, chunk = split_k_layout(case.kernels)
         GK = 2 * 24 * 24
         assert splits > 1 and chunk % 32 == 0 and (splits - 1) * chunk < GK <= splits * chunk   # whole k tiles
+        assert case.kernel.grid[2] == splits   # one group
         (scratch,) = {a.value for a in case.kernels[1].args} - {case.out}
         assert scratch.dtype == dt.float32 and scratch.shape == (splits * case.out.numel,)
         combine = case.kernels[1].source
@@ -618,22 +620,25 @@ def test_split_k_16bit_weight_gradient_is_within_its_rounding_bound(case, conv_m
 
 # ResNet-50's first bottleneck under AMP (64 -> 64 channels, 56 x 56, batch 32): its weight
 # gradients alone make 9 (3x3) and 1 to 4 (1x1) tiles; split-k fills the H100's target of
-# 264 blocks. Rendered only.
+# 264 blocks. A ResNeXt-style grouped 3x3 (32 groups of 4 channels): a grid of G x splits in z.
+# Rendered only.
 RESNET_WGRAD = [("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1),
                 ("resnet_1x1", 32, 64, 56, 56, 64, (1, 1), (1, 1), (0, 0), (1, 1), 1),
-                ("resnet_1x1_256", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1)]
+                ("resnet_1x1_256", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+                ("resnext_3x3_g32", 32, 128, 56, 56, 128, (3, 3), (1, 1), (1, 1), (1, 1), 32)]
 
 
 def split_k_grid_checks(kernels, geometry, BK: int):
-    """A ResNet-sized 16-bit weight gradient's split-k grid: (GN tiles, GM tiles, splits) blocks,
-    the target's 264 (less at most one split: chunks are rounded up to whole k tiles) or as many
-    as 16 k tiles per split allow."""
+    """A ResNet-sized 16-bit weight gradient's split-k grid: (GN tiles, GM tiles, G x splits)
+    blocks, the target's 264 (less at most one split's worth: chunks are rounded up to whole k
+    tiles) or as many as 16 k tiles per split allow."""
     name, N, C, H, W, O, k = geometry[:7]
-    GM, GN, GK = O, C * k[0] * k[1], N * H * W
+    G = geometry[-1]
+    GM, GN, GK = O // G, C // G * k[0] * k[1], N * H * W
     BM, BN = map(int, re.search(r"GEMM (\d+)x(\d+)", kernels[0].comment).groups())
     splits, chunk = split_k_layout(kernels)
-    assert kernels[0].grid == (-(-GN // BN), -(-GM // BM), splits)
-    tiles = -(-GN // BN) * -(-GM // BM)
+    assert kernels[0].grid == (-(-GN // BN), -(-GM // BM), G * splits)
+    tiles = -(-GN // BN) * -(-GM // BM) * G
     assert (splits + 1) * tiles >= 264 or chunk == 16 * BK, (tiles, splits, chunk)
     assert chunk % BK == 0 and (splits - 1) * chunk < GK <= splits * chunk
     return splits
