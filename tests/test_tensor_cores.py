@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -27,7 +28,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
 from flowgen.codegen.families import gemm_kernel, render_node
-from flowgen.codegen.target import rendering_for
+from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.codegen.kernel import BufferArg
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
@@ -420,12 +421,16 @@ class ConvCase:
         self.kernel = self.kernels[0]
 
 
-# bf16: forward and both gradients for each geometry; tf32 on the first; a weight gradient
-# rendered for the GPU, whose deep reduction (2 x 14 x 14) is split across blocks (split-k:
-# each split writes its partial sums from the tensor-core epilogue, a second kernel adds them in order).
+# bf16: forward and both gradients for each geometry; tf32 on the first; weight gradients
+# rendered for the GPU whose deep reductions (2 x 24 x 24 in bf16 and fp16, 2 x 14 x 14 in tf32)
+# are split across blocks (split-k: each split writes its float32 partial sums from the
+# tensor-core epilogue, a second kernel adds them in order and rounds once to the output dtype).
+SPLIT_GEOMETRY = ("3x3_24x24", 2, 4, 24, 24, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1)
+SPLIT_K_16BIT = [ConvCase(kind, "conv2d_grad_weight", SPLIT_GEOMETRY, "cuda") for kind in ("bf16", "f16")]
 CONV_CASES = [ConvCase("bf16", op, g) for g in CONV_GEOMETRIES
               for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
-    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
+    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + \
+    SPLIT_K_16BIT + [
     ConvCase("tf32", "conv2d_grad_weight", ("3x3_14x14", 2, 4, 14, 14, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), "cuda")]
 
 
@@ -441,20 +446,26 @@ def conv_module():
     return CpuModule(build_cpu_library(source, "test_tensor_cores_conv"))
 
 
+def run_conv(case, module, kernels, arrays) -> np.ndarray:
+    """The conv case's output from `kernels` (its own, or another rendering of its node) on `arrays`."""
+    out = np.full(case.out.shape, 123, case.out.dtype.np_dtype)   # poison: a skipped output shows up
+    buffers = {v: x for v, x in zip(case.node.inputs, arrays)} | {case.out: out}
+    for k in kernels:   # scratch arguments (split-k partials) get buffers of their own
+        buffers.update({a.value: np.zeros(a.value.shape, a.value.dtype.np_dtype) for a in k.args
+                        if a.value not in buffers})
+        module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
+    return out
+
+
 @pytest.mark.parametrize("case", CONV_CASES, ids=[c.id for c in CONV_CASES])
 def test_implicit_gemm_conv_on_tensor_cores_is_exact_on_integers(case, conv_module):
-    """Values in {-1, 0, 1}: every sum (at most 98 terms) is exact in fp32 and in the bf16 output."""
+    """Values in {-1, 0, 1}: every sum (at most 1152 terms, far below 256 in magnitude) is exact
+    in fp32 and in the 16-bit output."""
     assert f"on tensor cores, {case.kind} mma.sync" in case.kernel.comment
     rng = np.random.default_rng(len(case.id))
     arrays = [rng.integers(-1, 2, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
-    out = np.full(case.out.shape, 123, case.out.dtype.np_dtype)
-    buffers = {v: x for v, x in zip(case.node.inputs, arrays)} | {case.out: out}
-    for k in case.kernels:   # scratch arguments (split-k partials) get buffers of their own
-        buffers.update({a.value: np.zeros(a.value.shape, a.value.dtype.np_dtype) for a in k.args
-                        if a.value not in buffers})
-        conv_module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
-    np.testing.assert_array_equal(out.astype(np.float64), want)
+    np.testing.assert_array_equal(run_conv(case, conv_module, case.kernels, arrays).astype(np.float64), want)
 
 
 # ---------------------------------------------------------------------------------------
@@ -543,6 +554,136 @@ def test_enable_amp_names_the_dtypes_it_accepts():
     graph = InferGraph(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="float16 or flow.bfloat16"):
         graph.config.enable_amp(True, dtype=flow.float64)
+
+
+# ---------------------------------------------------------------------------------------
+# Split-k 16-bit weight gradients (AMP): float32 partials per split, combined in split order in
+# float32 and rounded once to bf16/fp16. Against the unsplit kernel only the grouping of the sum
+# changes, so the result is within fp32 summation error (chunk + splits terms deep) of the float64
+# sum, plus the one final rounding; exact wherever every partial sum is exact (integers).
+
+U_OUT = {"bf16": U_BF16, "f16": 2.0 ** -11}
+
+
+def split_k_layout(kernels) -> tuple:
+    """(splits, chunk) of a split-k grad_weight rendering: its split count and its chunk of
+    batch x pixels per split."""
+    main, combine = kernels
+    assert combine.name == f"{main.name}_combine"
+    return (int(re.search(r"split-k (\d+)", main.comment).group(1)),
+            int(re.search(r"chunks of (\d+)", main.source).group(1)))
+
+
+def split_k_bound(case, arrays, want, kernels) -> np.ndarray:
+    """|dw - exact| bound of a split-k 16-bit weight gradient: fp32 sums of chunk-long runs, then of
+    `splits` partials (first order, (chunk + splits) u_fp32 x the sum of |products|), then one
+    rounding to the output (u_out |dw|)."""
+    splits, chunk = split_k_layout(kernels)
+    magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in arrays), **case.attrs)
+    return (1 + U_OUT[case.kind]) * (chunk + splits) * U_FP32 * magnitude + U_OUT[case.kind] * np.abs(want)
+
+
+def test_16bit_weight_gradients_split_k_into_float32_partials():
+    for case in SPLIT_K_16BIT:
+        assert f"on tensor cores, {case.kind} mma.sync" in case.kernel.comment
+        splits, chunk = split_k_layout(case.kernels)
+        GK = 2 * 24 * 24
+        assert splits > 1 and chunk % 32 == 0 and (splits - 1) * chunk < GK <= splits * chunk   # whole k tiles
+        assert case.kernel.grid[2] == splits   # one group
+        (scratch,) = {a.value for a in case.kernels[1].args} - {case.out}
+        assert scratch.dtype == dt.float32 and scratch.shape == (splits * case.out.numel,)
+        combine = case.kernels[1].source
+        assert "float sum = partials[i];" in combine and combine.count("__float2") == 1   # rounded once, at the store
+
+
+@pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
+def test_split_k_16bit_weight_gradient_rounds_once(case, conv_module):
+    """Integers in [0, 4): partial sums reach thousands, exact in fp32 but not in bf16 (fp16 holds
+    them): rounding each split's partial, or the running sum, to 16 bits would show; rounding
+    the exact fp32 total once gives the exact sum rounded to the output dtype."""
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 4, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    assert np.abs(want).max() > 1024
+    got = run_conv(case, conv_module, case.kernels, arrays)
+    np.testing.assert_array_equal(got, want.astype(KINDS[case.kind]))
+
+
+@pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
+def test_split_k_16bit_weight_gradient_is_within_its_rounding_bound(case, conv_module):
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    got = run_conv(case, conv_module, case.kernels, arrays).astype(np.float64)
+    np.testing.assert_array_less(np.abs(got - want), split_k_bound(case, arrays, want, case.kernels) + 1e-30)
+
+
+# ResNet-50's first bottleneck under AMP (64 -> 64 channels, 56 x 56, batch 32): its weight
+# gradients alone make 9 (3x3) and 1 to 4 (1x1) tiles; split-k fills the H100's target of
+# 264 blocks. A ResNeXt-style grouped 3x3 (32 groups of 4 channels): a grid of G x splits in z.
+# Rendered only.
+RESNET_WGRAD = [("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1),
+                ("resnet_1x1", 32, 64, 56, 56, 64, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+                ("resnet_1x1_256", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1),
+                ("resnext_3x3_g32", 32, 128, 56, 56, 128, (3, 3), (1, 1), (1, 1), (1, 1), 32)]
+
+
+def split_k_grid_checks(kernels, geometry, BK: int):
+    """A ResNet-sized 16-bit weight gradient's split-k grid: (GN tiles, GM tiles, G x splits)
+    blocks, the target's 264 (less at most one split's worth: chunks are rounded up to whole k
+    tiles) or as many as 16 k tiles per split allow."""
+    name, N, C, H, W, O, k = geometry[:7]
+    G = geometry[-1]
+    GM, GN, GK = O // G, C // G * k[0] * k[1], N * H * W
+    BM, BN = map(int, re.search(r"GEMM (\d+)x(\d+)", kernels[0].comment).groups())
+    splits, chunk = split_k_layout(kernels)
+    assert kernels[0].grid == (-(-GN // BN), -(-GM // BM), G * splits)
+    tiles = -(-GN // BN) * -(-GM // BM) * G
+    assert (splits + 1) * tiles >= 264 or chunk == 16 * BK, (tiles, splits, chunk)
+    assert chunk % BK == 0 and (splits - 1) * chunk < GK <= splits * chunk
+    return splits
+
+
+@pytest.mark.parametrize("geometry", RESNET_WGRAD, ids=[g[0] for g in RESNET_WGRAD])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_resnet_sized_16bit_weight_gradient_fills_the_gpu_with_split_k(kind, geometry):
+    _, _, node = conv_node(kind, "conv2d_grad_weight", geometry, geometry[0])
+    with rendering_for("cuda"):
+        kernels = render_node(node, f"rn_{kind}_{geometry[0]}")
+    assert f"{kind} mma.sync" in kernels[0].comment
+    assert split_k_grid_checks(kernels, geometry, 32) > 1
+
+
+def test_bf16_amp_conv_training_step_with_split_k_weight_gradients_matches_eager():
+    """A public-API AMP training step whose conv weight gradients (4 x 16 x 16 = 1024 positions,
+    two chunks of 16 k tiles) run split-k on tensor cores; the block target is the GPU's (the cpu
+    target's follows the machine's cores). Graph (bf16 convs) against eager float32."""
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(),
+                          nn.Linear(8 * 16 * 16, 5))
+    reference = copy.deepcopy(model)
+    initial = [p.numpy().copy() for p in model.parameters()]
+    loss_fn = nn.MSELoss()
+    amp = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.01))
+    amp.config.enable_amp(True, dtype=flow.bfloat16)
+    eager_opt = flow.optim.SGD(reference.parameters(), lr=0.01)
+    x, y = flow.randn(4, 4, 16, 16), flow.randn(4, 5)
+    with mock.patch.dict(TARGET_BLOCKS, cpu=TARGET_BLOCKS["cuda"]):
+        for _ in range(2):
+            loss = float(amp(x, y))
+            eager_opt.zero_grad()
+            eager_loss = loss_fn(reference(x), y)
+            eager_loss.backward()
+            eager_opt.step()
+            # three bf16 GEMMs in a row, each off by a few u relative, through a squared error
+            assert abs(loss - float(eager_loss)) <= 16 * U_BF16 * abs(float(eager_loss))
+    wgrads = [k for k in amp.compiled.program.kernels if "conv2d_grad_weight" in k.ops]
+    assert [k.name.endswith("_combine") for k in wgrads] == [False, True] * 2   # each: partials, then combine
+    assert all("bf16 mma.sync" in k.comment and "split-k 2" in k.comment for k in wgrads[::2])
+    # the two steps' updates (gradients through three bf16 layers): within 16 u of their largest (seen: 8 u)
+    for p, q, p0 in zip(model.parameters(), reference.parameters(), initial):
+        update, want = p.numpy() - p0, q.numpy() - p0
+        np.testing.assert_allclose(update, want, rtol=0, atol=16 * U_BF16 * np.abs(want).max())
 
 
 # ---------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ rendered for sm_90 and run on the emulator; their sm_90a machine code (HGMMA, no
 Accumulation order: the emulator adds each output's products in increasing k, one k16 (k8 for
 tf32) instruction after the other, on both mma.sync and wgmma, and both paths round tf32 inputs
 with cvt.rna: an sm_90 program gives the sm_80 program's bits wherever both reduce all of k in one
-block (everything but split-k grad_weight, whose splits follow the tile's k step: 32 vs 64).
+block (everything but split-k grad_weight, whose splits follow the tile's k step: 32 vs 64; with
+16-bit outputs the two may then round to neighbouring values).
 """
 
 import re
@@ -26,8 +27,9 @@ from flowgen.ops.registry import get_op
 from flowgen.runtime import cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import InferGraph, TrainGraph
-from test_tensor_cores import (CUOBJDUMP, KINDS, NVDISASM, U_BF16, U_FP32, U_TF32, assert_no_spills,
-                               build_with_ptxas_report, conv_node, disassemble, ptr, tf32_round)
+from test_tensor_cores import (CUOBJDUMP, KINDS, NVDISASM, RESNET_WGRAD, SPLIT_GEOMETRY, U_BF16, U_FP32, U_OUT,
+                               U_TF32, assert_no_spills, build_with_ptxas_report, conv_node, disassemble, ptr,
+                               split_k_bound, split_k_grid_checks, split_k_layout, tf32_round)
 
 # The graph tests render for sm_90 through FLOWGEN_EMULATE_CUDA_ARCH, which applies without a GPU only.
 emulated_cuda_only = pytest.mark.skipif(cuda_driver.available(), reason="a GPU renders for its own architecture")
@@ -73,15 +75,16 @@ GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, grou
 ]
 OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 # bf16: every op on every geometry; fp16 and tf32 every op on the first two; a 64-channel conv with
-# one block's target so it takes the 128-row tiles (two warpgroups) and several k tiles; a deep
-# float32 weight gradient rendered for the GPU's block count, split-k (partials, then an ordered
-# combine; 16-bit weight gradients are never split).
+# one block's target so it takes the 128-row tiles (two warpgroups) and several k tiles; deep
+# weight gradients (tf32, bf16, fp16) rendered for the GPU's block count, split-k (float32
+# partials, then an ordered combine that rounds once to the output dtype).
 CASES = [ConvCase("bf16", op, g) for g in GEOMETRIES for op in OPS] + [
     ConvCase(kind, op, g) for kind in ("f16", "tf32") for g in GEOMETRIES[:2] for op in OPS] + [
     ConvCase(kind, op, ("3x3_c64", 2, 64, 6, 6, 128, (3, 3), (1, 1), (1, 1), (1, 1), 1), blocks=1)
     for kind in ("bf16", "tf32") for op in OPS] + [
-    ConvCase("tf32", "conv2d_grad_weight", ("3x3_24x24", 2, 4, 24, 24, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1))]
+    ConvCase(kind, "conv2d_grad_weight", SPLIT_GEOMETRY) for kind in ("tf32", "bf16", "f16")]
 SPLIT_K = [c for c in CASES if "split-k" in c.kernel.comment]
+SPLIT_K_16BIT = [c for c in SPLIT_K if c.kind != "tf32"]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +106,9 @@ def test_cases_run_on_warpgroup_mma_with_every_tile_and_split_k():
     assert any("gathered element" not in c.kernel.source for c in CASES)    # a 1x1 conv: both by cp.async
     tiles = {re.search(r"GEMM (\d+x\d+)", c.kernel.comment).group(1) for c in CASES}
     assert {"64x64", "64x128", "128x128", "128x64"} <= tiles, tiles
-    assert [c.id for c in SPLIT_K] == ["tf32_conv2d_grad_weight_3x3_24x24"]
-    assert [k.name for k in SPLIT_K[0].kernels] == [SPLIT_K[0].kernel.name, f"{SPLIT_K[0].kernel.name}_combine"]
+    assert [c.id for c in SPLIT_K] == [f"{kind}_conv2d_grad_weight_3x3_24x24" for kind in ("tf32", "bf16", "f16")]
+    for case in SPLIT_K:
+        assert [k.name for k in case.kernels] == [case.kernel.name, f"{case.kernel.name}_combine"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -119,7 +123,8 @@ def test_wgmma_conv_is_exact_on_integers(case, conv_module):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_wgmma_conv_gives_the_sm_80_programs_bits(case, conv_module):
     """Random values: the same bits as the mma.sync kernel (same k order, same tf32 rounding);
-    split-k weight gradients split k at other points, so there within fp32 summation error."""
+    split-k weight gradients split k at other points, so there within fp32 summation error (and
+    16-bit outputs within one rounding more)."""
     rng = np.random.default_rng(7 + len(case.id))
     arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
     got = case.run(conv_module, case.kernels, arrays)
@@ -128,7 +133,9 @@ def test_wgmma_conv_gives_the_sm_80_programs_bits(case, conv_module):
         rounded = [tf32_round(a) if case.kind == "tf32" else a for a in arrays]
         magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in rounded), **case.attrs)
         terms = np.prod(case.shapes[0]) // case.shapes[0][1]   # batch x output pixels
-        np.testing.assert_array_less(np.abs(got.astype(np.float64) - sm80), 2 * terms * U_FP32 * magnitude + 1e-30)
+        rounding = 2 * U_OUT[case.kind] * np.abs(sm80.astype(np.float64)) if case in SPLIT_K_16BIT else 0
+        np.testing.assert_array_less(np.abs(got.astype(np.float64) - sm80),
+                                     2 * terms * U_FP32 * magnitude + rounding + 1e-30)
     else:
         np.testing.assert_array_equal(got, sm80)
 
@@ -251,6 +258,38 @@ def infer_run(arch, precision):
         graph.config.allow_tf32(True)
     with mock.patch.dict("os.environ", emulated(arch)):
         return graph(x.to("cuda")).numpy().astype(np.float64), want, graph
+
+
+@pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
+def test_split_k_16bit_weight_gradient_on_wgmma_rounds_once(case, conv_module):
+    """Chunks of whole 64-wide k tiles (the sm_80 rendering: 32-wide), float32 partials; integers
+    in [0, 4) whose sums are exact in fp32 but not in bf16: the exact sum rounded once."""
+    splits, chunk = split_k_layout(case.kernels)
+    assert splits > 1 and chunk % 64 == 0 and split_k_layout(case.sm80_kernels)[1] % 32 == 0
+    assert {a.value.dtype for a in case.kernels[1].args} == {dt.float32, case.out.dtype}
+    rng = np.random.default_rng(3)
+    arrays = [rng.integers(0, 4, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    assert np.abs(want).max() > 1024
+    np.testing.assert_array_equal(case.run(conv_module, case.kernels, arrays), want.astype(KINDS[case.kind]))
+
+
+@pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
+def test_split_k_16bit_weight_gradient_on_wgmma_is_within_its_rounding_bound(case, conv_module):
+    rng = np.random.default_rng(5)
+    arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
+    want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
+    got = case.run(conv_module, case.kernels, arrays).astype(np.float64)
+    np.testing.assert_array_less(np.abs(got - want), split_k_bound(case, arrays, want, case.kernels) + 1e-30)
+
+
+@pytest.mark.parametrize("geometry", RESNET_WGRAD, ids=[g[0] for g in RESNET_WGRAD])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_resnet_sized_16bit_weight_gradient_on_wgmma_fills_the_gpu_with_split_k(kind, geometry):
+    _, _, node = conv_node(kind, "conv2d_grad_weight", geometry, geometry[0])
+    kernels = render(node, f"rnw_{kind}_{geometry[0]}", kind, "sm_90")
+    assert f"{kind} wgmma" in kernels[0].comment
+    assert split_k_grid_checks(kernels, geometry, 64) > 1
 
 
 def conv_kernels(graph) -> list:

@@ -455,12 +455,15 @@ def tensor_core_kind(a_dtype, b_dtype):
     return None
 
 
-def _mma_tile(M: int, N: int, batch: int, tiles=_MMA_TILES) -> tuple:
+def _mma_tile(M: int, N: int, batch: int, tiles=_MMA_TILES, k_splits=None) -> tuple:
     """The entry of `tiles` ((BM, BN, ...) each) with the least padded work, scaled up when too
-    few blocks fill the target; the first of near-ties."""
+    few blocks fill the target; the first of near-ties. `k_splits(blocks)`, when given, says how
+    many ways the k loop may be split across blocks (as in `ranked_tiles`)."""
     def cost(dims):
         BM, BN = dims[:2]
         blocks = -(-M // BM) * -(-N // BN) * batch
+        if k_splits is not None:
+            blocks *= k_splits(blocks)
         return -(-M // BM) * BM * -(-N // BN) * BN * max(1.0, target_blocks() / blocks)
     best = tiles[0]
     for dims in tiles[1:]:
@@ -520,11 +523,12 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
                   smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
 
-def _mma_implicit_gemm_tile(kind, GM: int, GN: int, groups: int, dtype, op: str) -> _Tile:
+def _mma_implicit_gemm_tile(kind, GM: int, GN: int, groups: int, dtype, op: str, k_splits=None) -> _Tile:
     """The `t` of an implicit-GEMM conv on tensor cores: both operands gathered by the conv
-    template's load statements, A (GM x GK) staged k-major and B (GK x GN) n-major."""
-    BM, BN, WM, WN = _mma_tile(GM, GN, groups)
+    template's load statements, A (GM x GK) staged k-major and B (GK x GN) n-major. `k_splits(blocks,
+    BK)`: as in `_mma_tile`, for split-k grad_weight."""
     BK = _MMA_KINDS[kind][2]
+    BM, BN, WM, WN = _mma_tile(GM, GN, groups, k_splits=k_splits and (lambda blocks: k_splits(blocks, BK)))
     names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
              "wgrad": ("output gradients", "input windows")}[op]
     a_op = _Tile(name="a", major="k", R=BM, C=BK, LD=BK + (4 if kind == "tf32" else 8), copy_kind="gather",
@@ -601,16 +605,17 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
                   smem=t.smem, needs_fibers=True, comment=_comment(node, what), ops=ops or [node.op])
 
 
-def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, dtype) -> _Tile:
+def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, dtype, k_splits=None) -> _Tile:
     """The `t` of an implicit-GEMM conv on warpgroup MMA. An operand that is contiguous in memory
     along its tile's rows (16-bit only: tf32 inputs are rounded on the way in) is copied by
     cp.async (`_wgmma_conv_copies`); the others are gathered by the conv template's load
     statements: A (weights or output gradients) K-major; B M/N-major for 16-bit forward /
     grad_input (consecutive threads on consecutive pixels), K-major for grad_weight (consecutive k
-    = pixels) and for tf32 (the only layout wgmma reads it in)."""
+    = pixels) and for tf32 (the only layout wgmma reads it in). `k_splits(blocks, BK)`: as in
+    `_mma_tile`, for split-k grad_weight."""
     GM, GN, groups = sizes
-    BM, BN = _mma_tile(GM, GN, groups, _WGMMA_TILES)
     BK = _WGMMA_ROW_BYTES // dtype.itemsize
+    BM, BN = _mma_tile(GM, GN, groups, _WGMMA_TILES, k_splits and (lambda blocks: k_splits(blocks, BK)))
     names = {"fwd": ("weights", "input windows"), "dgrad": ("weights", "output-gradient taps"),
              "wgrad": ("output gradients", "input windows")}[op]
     a_what = f"A(m, k) ({names[0]}), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
@@ -1560,28 +1565,31 @@ def _conv2d_kernels(node, kernel_name, fusion):
         GM, GN, GK, a_order, b_order = OG, CG * KH * KW, N * OH * OW, "k", "k"
     if max(GM, GN, GK) >= 2 ** 31 - 2 ** 16:
         raise NotImplementedError(f"{node.op}: implicit GEMM of {GM}x{GN}x{GK} overflows int indexing")
-    can_split = op == "wgrad" and out.dtype in (dt.float32, dt.float64)
+    # grad_weight's reduction (batch x pixels) splits across blocks when its tiles alone leave the
+    # GPU idle; 16-bit outputs too: the partials stay float32 and are rounded once (`_split_k_wgrad_kernels`)
+    can_split = op == "wgrad" and out.dtype in (dt.float16, dt.bfloat16, dt.float32, dt.float64)
 
-    def k_splits(blocks, bk=16):
-        """Ways to split GK: enough blocks to fill the GPU, at least 16 k steps per split."""
-        return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * 16)), max(1, 65535 // G)))
+    def k_splits(blocks, bk):
+        return _wgrad_k_splits(GK, G, blocks, bk, out.numel * (8 if acc == "double" else 4),
+                              first.numel * first.dtype.itemsize + second.numel * second.dtype.itemsize)
 
     kind = tensor_core_kind(first.dtype, second.dtype)
     warpgroup = kind is not None and warpgroup_mma()   # rendered for sm_90: wgmma instead of mma.sync
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
+    split_rule = k_splits if can_split else None
     if warpgroup:
-        t = _wgmma_implicit_gemm_tile(kind, geo, (GM, GN, G), op, pointwise, first.dtype)
+        t = _wgmma_implicit_gemm_tile(kind, geo, (GM, GN, G), op, pointwise, first.dtype, split_rule)
     elif kind is not None:
-        t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op)
+        t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op, split_rule)
     elif chosen:
         t = make_tile(chosen, acc, a_order, b_order)
     else:
-        t = _choose_tile(GM, GN, G, acc, a_order, b_order, k_splits if can_split else None)
+        t = _choose_tile(GM, GN, G, acc, a_order, b_order, split_rule and (lambda blocks: k_splits(blocks, 16)))
     m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
     splits, kchunk = 1, GK
     if can_split:
         want = k_splits(m_tiles * n_tiles * G, t.BK)
-        if want > 1:
+        if want > 1:   # chunks of whole k tiles (the mainloops step k_begin by BK)
             kchunk = -(-(-(-GK // want)) // t.BK) * t.BK
             splits = -(-GK // kchunk)
     if G * splits > 65535 or m_tiles > 65535:
@@ -1603,11 +1611,37 @@ def _conv2d_kernels(node, kernel_name, fusion):
         grid=(n_tiles, m_tiles, G * splits), block=(1 if serial else t.NT, 1, 1), smem=t.smem if kind else 0)
 
 
+# Split-k grad_weight: at least this many k tiles per split (each block's pipeline fills and drains
+# once), and at most this much scratch for the partials. The scratch is arena memory at the
+# backward's peak, written once by the implicit GEMM and read once by the combine: 2 x its size in
+# memory traffic, a traffic the unsplit kernel does not have. So splits stop where that traffic
+# would pass the conv's own (reading its two operands once; below it the extra traffic costs less
+# than the idle SMs it fills), and at 64 MiB whatever the operands' size (a few tens of
+# microseconds of an H100's HBM; an arena slot well below a ResNet-50 batch's activations).
+_SPLIT_K_MIN_K_TILES, _SPLIT_K_SCRATCH_BYTES = 16, 64 << 20
+
+
+def _wgrad_k_splits(GK: int, G: int, blocks: int, bk: int, split_bytes: int, operand_bytes: int) -> int:
+    """Ways to split grad_weight's reduction of GK (batch x pixels) terms across blocks, for a
+    grid of `blocks` tiles (all G groups) with k tiles of `bk`: enough blocks to fill the target
+    (`target_blocks`), at least _SPLIT_K_MIN_K_TILES k tiles per split, G x splits within the
+    grid's z limit, and the scratch (`split_bytes` of partial sums per split) within the cap above
+    (`operand_bytes`: the conv's two inputs)."""
+    scratch_cap = min(_SPLIT_K_SCRATCH_BYTES, operand_bytes // 2)
+    return max(1, min(-(-target_blocks() // blocks), -(-GK // (bk * _SPLIT_K_MIN_K_TILES)), 65535 // G,
+                      scratch_cap // split_bytes))
+
+
 def _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, igemm, grid, block, smem) -> list:
     """A split-k grad_weight as two kernels, deterministic (the same bits every run): the
-    implicit GEMM writes each split's partial dw to its own slice of a scratch buffer (placed in
-    the arena by the memory planner, like fused.py's split reductions), then `<name>_combine`
-    adds the slices in split order, one thread per weight (no barrier, no atomics)."""
+    implicit GEMM writes each split's partial dw, unrounded (float32; float64 for float64
+    convs), to its own slice of a scratch buffer (placed in the arena by the memory planner,
+    like fused.py's split reductions), then `<name>_combine` adds the slices in split order, one
+    thread per weight (no barrier, no atomics), and rounds once to dw's dtype (bf16/fp16 under
+    AMP: one rounding, as the unsplit kernel's). Against the unsplit kernel only the grouping of
+    the sum changes (each split's chunk of batch x pixels, then the chunks' sums): both are
+    within the accumulator's summation error of the exact (float64) sum, and equal where every
+    partial sum is exact (small integer inputs)."""
     out, acc = node.output, ctx["acc"]
     scratch = Value(f"{out.name}_partials", (splits * out.numel,), dt.float64 if acc == "double" else dt.float32)
     params = _params(node, ["grad", "x"], [])[:2] + [f"{acc}* __restrict__ partials"]
