@@ -67,13 +67,17 @@ Kernels by family (the main kernel carries `kernel_name`):
              the cpu target) radix-selects the k-th order key, keeps the k first elements in shared
              memory and ranks them among themselves. The cpu target sorts the other long rows a
              thread per row by LSD radix sort of the same keys (scratch rows of keys and indices).
-* attention — attention(q, k, v[, mask]): one thread per query row runs an online softmax over
-             the keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
-             skipped when causal, masked keys skipped, and writes the row's logsumexp;
-             attention_backward: a thread per query row (D = rowsum(dO * O) to a scratch buffer,
-             dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
-             The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
-             P_ij with F.dropout's Philox mask, reading the rng state like randperm.
+* attention — attention(q, k, v[, mask]) (output and the rows' logsumexp) and attention_backward
+             (the dQ kernel, which also writes D = rowsum(dO * O) to a scratch buffer, then the
+             dK/dV kernel); the `_dropout` variants drop P_ij with F.dropout's Philox mask, reading
+             the rng state like randperm. The [L, S] scores never reach memory; no atomics. On a GPU
+             (attention_tiled.cu.j2): a block of 4 warps per (slice, 64 query rows), or 64 key rows
+             for dK/dV, streaming 64-row K/V (Q/dO) tiles through shared memory, an online softmax
+             across key tiles, causal tiles above the diagonal never loaded; float16/bfloat16 on
+             tensor cores (mma.sync m16n8k16, fp32 accumulation and statistics, P and dS fed from
+             the accumulators as A fragments), float32/float64 on scalar loops. On the cpu target
+             (and head dims over 128, or float64 tiles over the shared memory) attention.cu.j2: a
+             thread per query row (forward, dQ) or key row (dK/dV), no barriers.
 * layer_norm — layer_norm / add_layer_norm (forward: y, the row's mean and rstd; add_layer_norm
              also writes the residual sum it normalizes) and layer_norm_backward (dx, plus a
              residual gradient): a block of L threads per row (L = layer_norm_lanes(D)), each
@@ -1636,7 +1640,7 @@ def _attention_layout(tiling, rows: str) -> str:
     """How a kernel's work is split, for its comment."""
     if tiling is None:
         return f"thread per {rows} row"
-    where = f"tensor cores, {tiling['mma'][4:]}" if tiling["engine"] == "mma" else "SIMT"
+    where = f"tensor cores, {tiling['mma'].rsplit('_', 1)[1]} mma.sync" if tiling["engine"] == "mma" else "SIMT"
     return f"block per {tiling['BM']} {rows} rows, {where}"
 
 
@@ -1673,6 +1677,8 @@ def _attention_kernel(node, ctx, tiling, name, kind, what, rows_per_slice, reads
                          idx_t=_idx_type(rows), params=params, **ctx)
         return Kernel(name=name, source=source, args=args, grid=_grid_1d(rows), block=(BLOCK, 1, 1),
                       needs_fibers=False, comment=comment, ops=[node.op])
+    if kind == "backward_dkdv" and max(tiling["EP"], tiling["EvP"]) > 64:
+        tiling = dict(tiling, BN=tiling["BN"] // 2)   # dK and dV fill the registers: half the score tile
     tiles = -(-rows_per_slice // tiling["BM"])
     source = _render("attention_tiled.cu.j2", kind=kind, name=name, comment=comment, params=params,
                      tiles_per_slice=tiles, **ctx, **tiling)
