@@ -235,6 +235,7 @@ def test_tiled_kernels_compile_with_nvrtc(arch):
     assert nvrtc.compile_cuda(source, arch=arch, tag="test_attention_tiled")[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow   # ptxas --verbose on 15 kernels: about 30 s
 def test_tensor_core_kernels_have_hmma_and_no_spills_on_sm_90(tmp_path):
     """ptxas: no stack frame or spills (head dims 64 and 128); the dropout kernels keep the Philox
     rounds' state too and may spill a few words (16 bytes for the forward at head dim 80)."""
