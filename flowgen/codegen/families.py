@@ -69,13 +69,17 @@ Kernels by family (the main kernel carries `kernel_name`):
              the cpu target) radix-selects the k-th order key, keeps the k first elements in shared
              memory and ranks them among themselves. The cpu target sorts the other long rows a
              thread per row by LSD radix sort of the same keys (scratch rows of keys and indices).
-* attention — attention(q, k, v[, mask]): one thread per query row runs an online softmax over
-             the keys (running max and sum, the accumulator rescaled as the max grows), keys j > i
-             skipped when causal, masked keys skipped, and writes the row's logsumexp;
-             attention_backward: a thread per query row (D = rowsum(dO * O) to a scratch buffer,
-             dQ) then a thread per key row (dK, dV), probabilities rebuilt from the logsumexp.
-             The [L, S] scores never reach memory; no atomics. The `_dropout` variants drop
-             P_ij with F.dropout's Philox mask, reading the rng state like randperm.
+* attention — attention(q, k, v[, mask]) (output and the rows' logsumexp) and attention_backward
+             (the dQ kernel, which also writes D = rowsum(dO * O) to a scratch buffer, then the
+             dK/dV kernel); the `_dropout` variants drop P_ij with F.dropout's Philox mask, reading
+             the rng state like randperm. The [L, S] scores never reach memory; no atomics. On a GPU
+             (attention_tiled.cu.j2): a block of 4 warps per (slice, 64 query rows), or 64 key rows
+             for dK/dV, streaming 64-row K/V (Q/dO) tiles through shared memory, an online softmax
+             across key tiles, causal tiles above the diagonal never loaded; float16/bfloat16 on
+             tensor cores (mma.sync m16n8k16, fp32 accumulation and statistics, P and dS fed from
+             the accumulators as A fragments), float32/float64 on scalar loops. On the cpu target
+             (and head dims over 128, or float64 tiles over the shared memory) attention.cu.j2: a
+             thread per query row (forward, dQ) or key row (dK/dV), no barriers.
 * layer_norm — layer_norm / add_layer_norm (forward: y, the row's mean and rstd; add_layer_norm
              also writes the residual sum it normalizes) and layer_norm_backward (dx, plus a
              residual gradient): a block of L threads per row (L = layer_norm_lanes(D)), each
@@ -1672,7 +1676,9 @@ def _attention(node, kernel_name, rng=None):
     """`attention`: one forward kernel (output + logsumexp); `attention_backward`: the dQ kernel
     (which also saves D = rowsum(dO * O) in a scratch buffer) then the dK/dV kernel. The
     `_dropout` variants also read the graph's rng state `rng` (seed, base offset) when their
-    stream is bound (passes/random_streams.py), else their own seed/offset attributes."""
+    stream is bound (passes/random_streams.py), else their own seed/offset attributes. On a GPU
+    the kernels are tiled (attention_tiled.cu.j2, `_attention_tiling`); on the cpu target, a
+    thread per row (attention.cu.j2)."""
     q, k, v = node.inputs[:3]
     L, E, S, Ev = q.shape[-2], q.shape[-1], k.shape[-2], v.shape[-1]
     if S == 0:
@@ -1681,24 +1687,26 @@ def _attention(node, kernel_name, rng=None):
     mask = node.inputs[plain] if len(node.inputs) > plain else None
     acc = _acc_type(q.dtype)
     causal = bool(node.attrs["causal"])
-    ctx = dict(slices=_numel(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal_text=", causal (keys j <= i)" if causal
-               else "", q_t=q.dtype.ctype, acc=acc, load=_loader(q.dtype, acc), store=_storer(q.dtype, acc),
+    ctx = dict(slices=_numel(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal=causal,
+               causal_text=", causal (keys j <= i)" if causal else "", q_t=q.dtype.ctype, acc=acc,
+               load=_loader(q.dtype, acc), store=_storer(q.dtype, acc),
                exp="exp" if acc == "double" else "expf", log="log" if acc == "double" else "logf",
                one="1.0" if acc == "double" else "1.0f", neg_inf=_neg_inf(acc), out_t=q.dtype.ctype,
                scale=repr(float(node.attrs["scale"])) if acc == "double" else _f32_literal(node.attrs["scale"]),
                keys_of_row=f"(i + 1 < {S} ? i + 1 : {S})" if causal else str(S), first_query="j" if causal else "0",
                dropout=_attention_dropout(node.attrs, rng is not None),
                **_attention_mask_context(mask, q.shape[:-2], L, S, acc))
+    tiling = _attention_tiling(q.dtype, E, Ev, acc)
     shapes = f"{_shape_text(q.shape)} x {_shape_text(k.shape)}" + (" causal" if causal else "") + \
         (f" mask {_shape_text(mask.shape)}" if mask is not None else "") + \
         (f" dropout {node.attrs['dropout_p']}" if ctx["dropout"] else "")
     extra = [(mask, "mask")] if mask is not None else []
     extra += [(rng, "rng")] if rng is not None else []
     if node.op.endswith("_backward"):
-        return _attention_backward(node, kernel_name, ctx, shapes, extra)
+        return _attention_backward(node, kernel_name, ctx, tiling, shapes, extra)
     y, lse = node.outputs
-    what = f"{shapes} -> {_shape_text(y.shape)} + logsumexp (online softmax, thread per query row)"
-    return [_attention_kernel(node, ctx, kernel_name, "forward", what, ctx["slices"] * L,
+    what = f"{shapes} -> {_shape_text(y.shape)} + logsumexp ({_attention_layout(tiling, 'query')}, online softmax)"
+    return [_attention_kernel(node, ctx, tiling, kernel_name, "forward", what, L,
                               [(q, "q"), (k, "k"), (v, "v"), *extra], [(y, "y"), (lse, "lse")])]
 
 
@@ -1729,34 +1737,90 @@ def _attention_mask_context(mask, lead, L, S, acc) -> dict:
                 mask_text=f", {kind} mask {_shape_text(mask.shape)} broadcast to {_shape_text(full)}")
 
 
-def _attention_backward(node, kernel_name, ctx, shapes, extra) -> list:
+# Tiled attention (attention_tiled.cu.j2): blocks of ATTENTION_THREADS threads (4 warps), each over
+# a tile of ATTENTION_TILE rows (queries, or keys for dK/dV) against streamed tiles of as many rows.
+ATTENTION_THREADS, ATTENTION_TILE = 128, 64
+# Head dims up to this run tiled (the accumulators of a [64, 128] tile per block fill the registers).
+ATTENTION_MAX_HEAD_DIM = 128
+# Shared memory a tiled attention kernel may take (of an H100's 227 KiB per block).
+ATTENTION_SMEM_LIMIT = 200 * 1024
+
+
+def _attention_tiling(dtype, E: int, Ev: int, acc: str):
+    """The tiled kernels' constants, or None for a thread per row: on the cpu target (one thread
+    per block there: the tiles' barriers and shuffles would run as fibers, while a thread per row
+    streams K and V from cache), and for head dims over ATTENTION_MAX_HEAD_DIM or tiles over
+    ATTENTION_SMEM_LIMIT (float64 with head dims over 64). 16-bit inputs run on tensor cores
+    ("mma" engine), float32/float64 on scalar loops ("simt")."""
+    if serial_blocks() or max(E, Ev) > ATTENTION_MAX_HEAD_DIM:
+        return None
+    mma = dtype in (dt.bfloat16, dt.float16)
+    EP, EvP = -(-E // 16) * 16, -(-Ev // 16) * 16        # head dims zero-padded to the k step
+    pad = 8 if mma else 1                                # 16 bytes (ldmatrix rows); 1 (odd: no bank conflicts)
+    elem, acc_bytes = (2 if mma else 4 if acc == "float" else 8), 4 if acc == "float" else 8
+    T = ATTENTION_TILE
+    tile_e, tile_v = T * (EP + pad) * elem, T * (EvP + pad) * elem
+    smem = 2 * tile_e + 2 * tile_v + 2 * T * acc_bytes + (0 if mma else T * (T + 1) * acc_bytes)
+    if smem > ATTENTION_SMEM_LIMIT:
+        return None
+    smem_t = dtype.ctype if mma else acc
+    return dict(engine="mma" if mma else "simt", NT=ATTENTION_THREADS, BM=T, BN=T,
+                RA=2 if mma else T // (ATTENTION_THREADS // 16), EP=EP, EvP=EvP, LDE=EP + pad, LDV=EvP + pad,
+                LDP=T + 1, smem_t=smem_t, tile_bytes_e=tile_e, tile_bytes_v=tile_v, acc_bytes=acc_bytes,
+                smem=smem, mma=f"mma_m16n8k16_{'bf16' if dtype == dt.bfloat16 else 'f16'}" if mma else None,
+                to_smem=(lambda expr: expr) if mma else _loader(dtype, acc),
+                smem_zero=_store("0.0f", dtype) if mma else "0")
+
+
+def _attention_layout(tiling, rows: str) -> str:
+    """How a kernel's work is split, for its comment."""
+    if tiling is None:
+        return f"thread per {rows} row"
+    where = f"tensor cores, {tiling['mma'].rsplit('_', 1)[1]} mma.sync" if tiling["engine"] == "mma" else "SIMT"
+    return f"block per {tiling['BM']} {rows} rows, {where}"
+
+
+def _attention_backward(node, kernel_name, ctx, tiling, shapes, extra) -> list:
     """Two kernels: over query rows (D -> scratch, dQ), then over key rows (dK, dV). `extra`: the
     (mask, rng) arguments the node has."""
     q, k, v, o, dout, lse = node.inputs[:6]
     dq, dk, dv = node.outputs
     rowdot = Value(f"{dq.name}_rowdot", tuple(lse.shape), dt.float64 if ctx["acc"] == "double" else dt.float32)
-    dq_what = f"{shapes} -> dQ {_shape_text(dq.shape)} (thread per query row; D = rowsum(dO * O) to scratch)"
-    dkdv_what = f"{shapes} -> dK {_shape_text(dk.shape)}, dV {_shape_text(dv.shape)} (thread per key row)"
+    dq_what = f"{shapes} -> dQ {_shape_text(dq.shape)} ({_attention_layout(tiling, 'query')}; " \
+              f"D = rowsum(dO * O) to scratch)"
+    dkdv_what = f"{shapes} -> dK {_shape_text(dk.shape)}, dV {_shape_text(dv.shape)} ({_attention_layout(tiling, 'key')})"
     return [
-        _attention_kernel(node, ctx, f"{kernel_name}_dq", "backward_dq", dq_what, ctx["slices"] * ctx["L"],
+        _attention_kernel(node, ctx, tiling, f"{kernel_name}_dq", "backward_dq", dq_what, ctx["L"],
                           [(q, "q"), (k, "k"), (v, "v"), (o, "o"), (dout, "dout"), (lse, "lse"), *extra],
                           [(dq, "dq_out"), (rowdot, "rowdot")]),
-        _attention_kernel(node, ctx, f"{kernel_name}_dkdv", "backward_dkdv", dkdv_what, ctx["slices"] * ctx["S"],
+        _attention_kernel(node, ctx, tiling, f"{kernel_name}_dkdv", "backward_dkdv", dkdv_what, ctx["S"],
                           [(q, "q"), (k, "k"), (v, "v"), (dout, "dout"), (lse, "lse"), (rowdot, "rowdot"), *extra],
                           [(dk, "dk_out"), (dv, "dv_out")]),
     ]
 
 
-def _attention_kernel(node, ctx, name, kind, what, rows, reads, writes) -> Kernel:
-    """One thread per row of `rows`; `reads`/`writes`: (Value, parameter name) in argument order."""
+def _attention_kernel(node, ctx, tiling, name, kind, what, rows_per_slice, reads, writes) -> Kernel:
+    """One kernel over the `rows_per_slice` rows of every slice: a thread per row, or with `tiling` a
+    block per tile of rows; `reads`/`writes`: (Value, parameter name) in argument order."""
     args = [BufferArg(x, f"const {x.dtype.ctype}*") for x, _ in reads] + \
         [BufferArg(x, f"{x.dtype.ctype}*") for x, _ in writes]
     params = [f"const {x.dtype.ctype}* __restrict__ {n}" for x, n in reads] + \
         [f"{x.dtype.ctype}* __restrict__ {n}" for x, n in writes]
-    source = _render("attention.cu.j2", kind=kind, name=name, comment=_comment(node, what), rows=rows,
-                     idx_t=_idx_type(rows), params=params, **ctx)
-    return Kernel(name=name, source=source, args=args, grid=_grid_1d(rows), block=(BLOCK, 1, 1),
-                  needs_fibers=False, comment=_comment(node, what), ops=[node.op])
+    comment = _comment(node, what)
+    if tiling is None:
+        rows = ctx["slices"] * rows_per_slice
+        source = _render("attention.cu.j2", kind=kind, name=name, comment=comment, rows=rows,
+                         idx_t=_idx_type(rows), params=params, **ctx)
+        return Kernel(name=name, source=source, args=args, grid=_grid_1d(rows), block=(BLOCK, 1, 1),
+                      needs_fibers=False, comment=comment, ops=[node.op])
+    if kind == "backward_dkdv" and max(tiling["EP"], tiling["EvP"]) > 64:
+        tiling = dict(tiling, BN=tiling["BN"] // 2)   # dK and dV fill the registers: half the score tile
+    tiles = -(-rows_per_slice // tiling["BM"])
+    source = _render("attention_tiled.cu.j2", kind=kind, name=name, comment=comment, params=params,
+                     tiles_per_slice=tiles, **ctx, **tiling)
+    return Kernel(name=name, source=source, args=args, grid=(ctx["slices"] * tiles, 1, 1),
+                  block=(tiling["NT"], 1, 1), smem=tiling["smem"], needs_fibers=True, comment=comment,
+                  ops=[node.op])
 
 
 # --------------------------------------------------------------------------

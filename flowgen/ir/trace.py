@@ -60,9 +60,11 @@ def user_location() -> str:
 
 
 # Ops that run in float16 or bfloat16 under `config.enable_amp(True, dtype=...)`: float32 inputs
-# are cast down, the kernel accumulates in float32, and the result is cast back, so the rest of
-# the graph (and the loss) stays float32. Everything else runs in the dtype it was given.
-AUTOCAST_OPS = frozenset({"matmul", "conv2d"})
+# are cast down, the kernel accumulates in float32, and the results are cast back, so the rest of
+# the graph (and the loss) stays float32. Everything else runs in the dtype it was given. The
+# attention ops are PyTorch's scaled_dot_product_attention, which autocast runs in the low dtype
+# too; a bool mask stays bool, the logsumexp output is float32 already.
+AUTOCAST_OPS = frozenset({"matmul", "conv2d", "attention", "attention_dropout"})
 
 
 class Tracer:
@@ -181,8 +183,12 @@ class Tracer:
 
     def __call__(self, op, tensors, attrs):
         """The registry hook: record `op` on `tensors` and return lazy results."""
-        if self.autocast is not None and op.name in AUTOCAST_OPS and all(t.dtype == dt.float32 for t in tensors):
-            low = registry.apply(op.name, *(F.cast(t, self.autocast) for t in tensors), **attrs)
+        floats = [t.dtype for t in tensors if t.dtype.is_floating]
+        if self.autocast is not None and op.name in AUTOCAST_OPS and floats and set(floats) == {dt.float32}:
+            low = registry.apply(op.name, *(F.cast(t, self.autocast) if t.dtype.is_floating else t
+                                             for t in tensors), **attrs)
+            if isinstance(low, tuple):
+                return tuple(F.cast(x, dt.float32) if x.dtype == self.autocast else x for x in low)
             return F.cast(low, dt.float32)
         node = self.emit(op.name, [self.value_of(t) for t in tensors], attrs)
         needs_grad = op.grad is not None and any(t.requires_grad for t in tensors)

@@ -993,15 +993,17 @@ defop("dropout", infer=_dropout_infer, ref=_dropout_ref,
 # to (..., L, S): bool (True = attend, False = score -inf) or an additive float of the query's
 # dtype; `causal` keeps key j <= query i (top-left aligned: PyTorch's is_causal). A row whose
 # scores are all -inf (fully masked) gives o = 0 and lse = -inf, and no gradient flows through
-# it: PyTorch's SDPA (its "safe softmax"). The forward kernel runs an online softmax per query
-# row. lse is float32 (float64 for float64 inputs) and is what the backward needs to rebuild any
+# it: PyTorch's SDPA (its "safe softmax"). The forward kernel runs an online softmax over the keys
+# (across key tiles of a block of query rows on a GPU, templates/attention_tiled.cu.j2; a thread per
+# query row on the cpu target, templates/attention.cu.j2). lse is float32 (float64 for float64 inputs) and is what the backward needs to rebuild any
 # probability P_ij = exp(s_ij - lse_i) from q and k alone.
 #
 # attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv), without the
 # [L, S] matrices (FlashAttention's backward): D_i = rowsum(dO_i * O_i), then per (i, j)
 # P = exp(s - lse), dV = P^T dO, dP = dO V^T, dS = P * (dP - D), dQ = scale dS K,
-# dK = scale dS^T Q. Two kernels, no atomics: one thread per query row (D and dQ, looping over
-# keys), then one thread per key row (dK and dV, looping over queries).
+# dK = scale dS^T Q. Two kernels, no atomics: one over query rows (D and dQ, looping over keys),
+# then one over key rows (dK and dV, looping over queries); tiles of rows per block on a GPU (on
+# tensor cores for float16/bfloat16), a thread per row on the cpu target.
 #
 # attention_dropout / attention_dropout_backward: the same with dropout on P (softmax, then
 # F.dropout, then @ v): element (..., i, j) of the [..., L, S] weights is kept where the Philox
@@ -1120,11 +1122,11 @@ def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=Fal
 defop("attention", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
       lowering=Template("attention"),
       doc="attention(q, k, v[, mask], scale, causal) -> (softmax(q k^T * scale + mask) v, logsumexp of the "
-          "scores per row): an online softmax per query row")
+          "scores per row): an online softmax over the keys")
 defop("attention_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,
       lowering=Template("attention"),
       doc="attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv): probabilities "
-          "rebuilt from lse, a thread per query row (dq) then per key row (dk, dv)")
+          "rebuilt from lse, a kernel over query rows (dq) then one over key rows (dk, dv)")
 defop("attention_dropout", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
       lowering=Template("attention"), random=True,
       doc="attention_dropout(q, k, v[, mask], scale, causal, dropout_p, seed, offset): attention with "
