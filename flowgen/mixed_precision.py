@@ -1,0 +1,147 @@
+"""Automatic mixed precision: which dtype each op runs in under autocast (the one table).
+
+`graph.config.enable_amp(True, dtype=flow.bfloat16 | flow.float16)` (nn.Graph) and the eager
+context manager `flow.autocast(device_type, dtype)` (= `flow.amp.autocast`) both read this module:
+the tracer of build() (ir/trace.py) and the eager context push the autocast dtype, and
+`registry.apply`, the one entry point of eager and traced ops alike, asks `plan()` for every op run
+while one is active and casts the op's inputs (and, for KEEP_INPUT_DTYPE ops, its first output) as
+it says. The lists follow PyTorch's CUDA autocast (aten/src/ATen/autocast_mode.cpp), spelled in
+flowgen's op names (a composite such as F.linear, F.mse_loss or F.group_norm follows from its ops):
+
+* LOWER_PRECISION: floating inputs (float32, and the other 16-bit type; never float64) are cast to
+  the autocast dtype and the result stays in it: the GEMM / conv / attention kernels accumulate in
+  float32 and store 16 bits. `F.linear` and the convolutions cast their bias too (PyTorch's linear
+  and conv take all three operands in the autocast dtype), so the bias add stays 16-bit.
+* FLOAT32: 16-bit inputs are cast up to float32 and the result is float32 (softmax, log_softmax,
+  cross entropy, layer_norm, exp/log/pow and friends, sum, cumsum/cumprod; and mean, which PyTorch
+  computes in float32 inside its norm and loss kernels: BatchNorm's statistics and mse are means).
+* KEEP_INPUT_DTYPE: computed in float32 from 16-bit inputs, the result cast back to the dtype of
+  the first input (BatchNorm's normalize-and-scale: PyTorch runs batch_norm in its input's dtype
+  with float32 parameters and statistics).
+* Every other op runs in its inputs' dtypes; a binary op of a 16-bit and a float32 tensor
+  promotes to float32 (add, mul, where, cat: PyTorch's type promotion, and its autocast "promote"
+  list, which only names ops that do not promote by themselves).
+
+Parameters stay float32: a 16-bit copy is a `cast` node whose gradient casts back, so every
+parameter's gradient is float32; activation gradients flowing back through 16-bit activations are
+16-bit, as in PyTorch.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from flowgen import dtype as dt
+
+LOWER_PRECISION = frozenset({"matmul", "conv2d", "conv2d_grad_input", "attention", "attention_dropout"})
+FLOAT32 = frozenset({"softmax", "log_softmax", "cross_entropy_rows", "layer_norm", "exp", "expm1", "log",
+                     "log1p", "pow", "reciprocal", "rsqrt", "erfinv", "sum", "mean", "cumsum", "cumprod"})
+KEEP_INPUT_DTYPE = frozenset({"batch_norm_affine", "sync_batch_norm_affine"})
+
+LOW_DTYPES = (dt.float16, dt.bfloat16)
+
+_active: list = [None]    # a stack: the autocast dtype now (None: off), innermost last
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How an op runs under autocast: the dtype each input is cast to, and the dtype its first
+    output is cast back to (None: kept as the op makes it)."""
+    inputs: tuple
+    output: object = None
+
+
+def active():
+    """The autocast dtype in force (float16 or bfloat16), or None."""
+    return _active[-1]
+
+
+def push(dtype) -> None:
+    """Enter an autocast region (`dtype` None: a region with autocast off, e.g. the gradient
+    formulas traced while build() runs)."""
+    if dtype is not None and dtype not in LOW_DTYPES:
+        raise ValueError(f"autocast: dtype must be flow.float16 or flow.bfloat16, got {dtype}")
+    _active.append(dtype)
+
+
+def pop() -> None:
+    _active.pop()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Autocast off inside (eager backward: gradient formulas run in the dtypes the forward chose)."""
+    push(None)
+    try:
+        yield
+    finally:
+        pop()
+
+
+def _is_castable(dtype) -> bool:
+    return dtype in LOW_DTYPES or dtype == dt.float32
+
+
+def plan(op_name: str, dtypes: list, low) -> Plan | None:
+    """The casts op `op_name` with inputs of `dtypes` needs under autocast to `low`; None when it
+    runs as given (not listed, or its inputs already have the dtypes the list asks for)."""
+    if op_name in LOWER_PRECISION:
+        inputs = tuple(low if _is_castable(d) else d for d in dtypes)
+        output = None
+    elif op_name in FLOAT32:
+        inputs = tuple(dt.float32 if d in LOW_DTYPES else d for d in dtypes)
+        output = None
+    elif op_name in KEEP_INPUT_DTYPE:
+        inputs = tuple(dt.float32 if d in LOW_DTYPES else d for d in dtypes)
+        output = dtypes[0] if dtypes[0] in LOW_DTYPES else None
+    else:
+        return None
+    if inputs == tuple(dtypes):
+        return None
+    return Plan(inputs, output)
+
+
+def run(plan: Plan, op_name: str, tensors, attrs: dict, apply):
+    """Op `op_name` on `tensors` under autocast: the inputs cast as `plan` says (`cast` ops; in a
+    graph they fuse into the loads of the kernel that reads them), the op applied by `apply`
+    (registry.apply: eager or traced), its first output cast back if the plan asks."""
+    cast = [t if t.dtype == d else apply("cast", t, dtype=d) for t, d in zip(tensors, plan.inputs)]
+    outs = apply(op_name, *cast, **attrs)
+    if plan.output is None:
+        return outs
+    if isinstance(outs, tuple):
+        return (apply("cast", outs[0], dtype=plan.output),) + outs[1:]
+    return apply("cast", outs, dtype=plan.output)
+
+
+class autocast:  # noqa: N801 - PyTorch's name
+    """`with flow.autocast("cuda", dtype=flow.bfloat16):` (also `flow.amp.autocast`, and a
+    decorator): eager ops in the block run in the dtypes the lists above give them, as under
+    torch.autocast; `loss.backward()` runs its gradient formulas with autocast off, in the dtypes
+    the forward chose. nn.Graph takes its precision from `graph.config.enable_amp` alone: a graph
+    traces with the config's autocast dtype (or none) whatever region it is called in.
+    `device_type` is "cuda" or "cpu" (the lists are the same for both; the default dtype is float16
+    for "cuda" and bfloat16 for "cpu", as PyTorch's). `cache_enabled` is taken for PyTorch's signature: it
+    caches weight casts there and changes no number."""
+
+    def __init__(self, device_type: str, dtype=None, enabled: bool = True, cache_enabled=None):
+        if device_type not in ("cuda", "cpu"):
+            raise ValueError(f"autocast: device_type must be 'cuda' or 'cpu', got {device_type!r}")
+        dtype = dtype if dtype is not None else (dt.float16 if device_type == "cuda" else dt.bfloat16)
+        if dtype not in LOW_DTYPES:
+            raise ValueError(f"autocast: dtype must be flow.float16 or flow.bfloat16, got {dtype}")
+        self.dtype = dtype if enabled else None
+
+    def __enter__(self):
+        push(self.dtype)
+        return self
+
+    def __exit__(self, *exc):
+        pop()
+        return False
+
+    def __call__(self, fn):
+        def wrapped(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+        return wrapped
