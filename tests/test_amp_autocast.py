@@ -249,3 +249,18 @@ def test_fp16_amp_graph_with_grad_scaler_equals_eager_autocast():
     for p, q in zip(model.parameters(), eager.parameters()):
         assert p.grad is None or p.grad.dtype == flow.float32
         np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=0, atol=3 * 0.1 * 4 * u_fp16)
+
+
+@pytest.mark.parametrize("dtype", [flow.bfloat16, flow.float16])
+def test_a_cast_to_16_bits_rounds_inside_a_fused_chain(dtype):
+    """x.to(16 bits).to(float32) between float32 ops is one fused kernel: it rounds as eager does."""
+    class Round(nn.Graph):
+        def build(self, x):
+            return (x * 3.0).to(dtype).to(flow.float32) * 2.0
+
+    x = flow.tensor(np.linspace(0.1, 1.0, 37, dtype=np.float32))
+    graph = Round()
+    want = ((x * 3.0).to(dtype).to(flow.float32) * 2.0).numpy()
+    assert not np.array_equal(want, (x * 6.0).numpy())
+    assert np.array_equal(graph(x).numpy(), want)
+    assert graph.compiled.num_launches == 1
