@@ -298,3 +298,54 @@ def test_gpt_eager_autocast_matches_torch_autocast():
         # 2 steps of lr 0.5, gradients within 2u of the largest (~0.3) apart (measured 1.05e-3)
         np.testing.assert_allclose(p.numpy(), q.detach().numpy(), rtol=0, atol=2 * 0.5 * 0.3 * 2 * U_BF16,
                                    err_msg=name)
+
+
+FAMILIES = {
+    "max_pool2d": lambda h: nn.functional.max_pool2d(h, 2),
+    "avg_pool2d": lambda h: nn.functional.avg_pool2d(h, 2),
+    "upsample_bilinear2d": lambda h: nn.functional.interpolate(h, scale_factor=2, mode="bilinear",
+                                                               align_corners=False),
+    "index_select": lambda h: flow.index_select(h, 1, flow.tensor([0, 2, 2, 3])),
+    "gather": lambda h: flow.gather(h, 3, flow.tensor(np.tile([0, 5, 5, 2, 1, 0], (2, 4, 6, 1)))),
+    "sort": lambda h: flow.sort(h.reshape(2, -1), dim=1)[0],
+    "cat_slice": lambda h: flow.cat([h, h[:, 1:3]], 1),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_kernel_families_train_on_bf16_activations(name):
+    """A bf16 conv output through each family (forward and its gradient kernel: pooling gradients,
+    upsample's, the scatter kernels of index_select / gather / sort) trains like eager flow.autocast:
+    outputs a bf16 rounding apart (the graph rounds conv + bias once, eager twice), one SGD step's
+    weights within lr * that of the gradient."""
+    fn = FAMILIES[name]
+    flow.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, padding=1)
+    eager = copy.deepcopy(conv)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.conv = conv
+            self.add_optimizer(flow.optim.SGD(conv.parameters(), lr=0.1))
+            self.config.enable_amp(True, dtype=flow.bfloat16)
+
+        def build(self, x):
+            out = fn(self.conv(x))
+            loss = (out.float() ** 2).mean()
+            loss.backward()
+            return out, loss
+
+    x = flow.randn(2, 3, 6, 6)
+    out, loss = Step()(x)
+    with flow.autocast("cpu", dtype=flow.bfloat16):
+        out_e = fn(eager(x))
+        loss_e = (out_e.float() ** 2).mean()
+    loss_e.backward()
+    assert out.dtype == out_e.dtype == flow.bfloat16
+    want = out_e.numpy().astype(np.float32)
+    np.testing.assert_allclose(out.numpy().astype(np.float32), want, rtol=0, atol=2 * U_BF16 * np.abs(want).max())
+    grad = eager.weight.grad.numpy()
+    step = (eager.weight.numpy() - conv.weight.numpy()) / 0.1
+    np.testing.assert_allclose(step, grad, rtol=0, atol=4 * U_BF16 * np.abs(grad).max())
