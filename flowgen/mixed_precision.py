@@ -4,9 +4,9 @@
 context manager `flow.autocast(device_type, dtype)` (= `flow.amp.autocast`) both read this module:
 the tracer of build() (ir/trace.py) and the eager context push the autocast dtype, and
 `registry.apply`, the one entry point of eager and traced ops alike, asks `plan()` for every op run
-while one is active and casts the op's inputs (and, for KEEP_INPUT_DTYPE ops, its first output) as
-it says. The lists follow PyTorch's CUDA autocast (aten/src/ATen/autocast_mode.cpp), spelled in
-flowgen's op names (a composite such as F.linear, F.mse_loss or F.group_norm follows from its ops):
+while one is active and casts the op's inputs as it says. The lists follow PyTorch's CUDA autocast
+(aten/src/ATen/autocast_mode.cpp), spelled in flowgen's op names (a composite such as F.linear,
+F.mse_loss or F.group_norm follows from its ops):
 
 * LOWER_PRECISION: floating inputs (float32, and the other 16-bit type; never float64) are cast to
   the autocast dtype and the result stays in it: the GEMM / conv / attention kernels accumulate in
@@ -15,12 +15,10 @@ flowgen's op names (a composite such as F.linear, F.mse_loss or F.group_norm fol
 * FLOAT32: 16-bit inputs are cast up to float32 and the result is float32 (softmax, log_softmax,
   cross entropy, layer_norm, exp/log/pow and friends, sum, cumsum/cumprod; and mean, which PyTorch
   computes in float32 inside its norm and loss kernels: BatchNorm's statistics and mse are means).
-* KEEP_INPUT_DTYPE: computed in float32 from 16-bit inputs, the result cast back to the dtype of
-  the first input (BatchNorm's normalize-and-scale: PyTorch runs batch_norm in its input's dtype
-  with float32 parameters and statistics).
-* Every other op runs in its inputs' dtypes; a binary op of a 16-bit and a float32 tensor
-  promotes to float32 (add, mul, where, cat: PyTorch's type promotion, and its autocast "promote"
-  list, which only names ops that do not promote by themselves).
+* Every other op runs in its inputs' dtypes (BatchNorm of a 16-bit input with float32 parameters
+  computes in float32 and keeps the input's dtype, as PyTorch's batch_norm); a binary op of a
+  16-bit and a float32 tensor promotes to float32 (add, mul, where, cat: PyTorch's type promotion,
+  and its autocast "promote" list, which only names ops that do not promote by themselves).
 
 Parameters stay float32: a 16-bit copy is a `cast` node whose gradient casts back, so every
 parameter's gradient is float32; activation gradients flowing back through 16-bit activations are
@@ -29,26 +27,16 @@ parameter's gradient is float32; activation gradients flowing back through 16-bi
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 from flowgen import dtype as dt
 
 LOWER_PRECISION = frozenset({"matmul", "conv2d", "conv2d_grad_input", "attention", "attention_dropout"})
 FLOAT32 = frozenset({"softmax", "log_softmax", "cross_entropy_rows", "layer_norm", "exp", "expm1", "log",
                      "log1p", "pow", "reciprocal", "rsqrt", "erfinv", "sum", "mean", "cumsum", "cumprod"})
-KEEP_INPUT_DTYPE = frozenset({"batch_norm_affine", "sync_batch_norm_affine"})
 
 LOW_DTYPES = (dt.float16, dt.bfloat16)
 
 _active: list = [None]    # a stack: the autocast dtype now (None: off), innermost last
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How an op runs under autocast: the dtype each input is cast to, and the dtype its first
-    output is cast back to (None: kept as the op makes it)."""
-    inputs: tuple
-    output: object = None
 
 
 def active():
@@ -82,36 +70,24 @@ def _is_castable(dtype) -> bool:
     return dtype in LOW_DTYPES or dtype == dt.float32
 
 
-def plan(op_name: str, dtypes: list, low) -> Plan | None:
-    """The casts op `op_name` with inputs of `dtypes` needs under autocast to `low`; None when it
-    runs as given (not listed, or its inputs already have the dtypes the list asks for)."""
+def plan(op_name: str, dtypes: list, low) -> tuple | None:
+    """The dtype each input of op `op_name` (inputs of `dtypes`) is cast to under autocast to `low`;
+    None when it runs as given (not listed, or its inputs already have the dtypes the list asks for)."""
     if op_name in LOWER_PRECISION:
         inputs = tuple(low if _is_castable(d) else d for d in dtypes)
-        output = None
     elif op_name in FLOAT32:
         inputs = tuple(dt.float32 if d in LOW_DTYPES else d for d in dtypes)
-        output = None
-    elif op_name in KEEP_INPUT_DTYPE:
-        inputs = tuple(dt.float32 if d in LOW_DTYPES else d for d in dtypes)
-        output = dtypes[0] if dtypes[0] in LOW_DTYPES else None
     else:
         return None
-    if inputs == tuple(dtypes):
-        return None
-    return Plan(inputs, output)
+    return None if inputs == tuple(dtypes) else inputs
 
 
-def run(plan: Plan, op_name: str, tensors, attrs: dict, apply):
-    """Op `op_name` on `tensors` under autocast: the inputs cast as `plan` says (`cast` ops; in a
-    graph they fuse into the loads of the kernel that reads them), the op applied by `apply`
-    (registry.apply: eager or traced), its first output cast back if the plan asks."""
-    cast = [t if t.dtype == d else apply("cast", t, dtype=d) for t, d in zip(tensors, plan.inputs)]
-    outs = apply(op_name, *cast, **attrs)
-    if plan.output is None:
-        return outs
-    if isinstance(outs, tuple):
-        return (apply("cast", outs[0], dtype=plan.output),) + outs[1:]
-    return apply("cast", outs, dtype=plan.output)
+def run(plan: tuple, op_name: str, tensors, attrs: dict, apply):
+    """Op `op_name` on `tensors` under autocast: the inputs cast to the dtypes of `plan` (`cast` ops;
+    in a graph they fuse into the loads of the kernel that reads them), the op applied by `apply`
+    (registry.apply: eager or traced)."""
+    return apply(op_name, *(t if t.dtype == d else apply("cast", t, dtype=d) for t, d in zip(tensors, plan)),
+                 **attrs)
 
 
 class autocast:  # noqa: N801 - PyTorch's name

@@ -332,7 +332,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         out = out * _F.reshape(weight, bshape)
     if bias is not None:
         out = out + _F.reshape(bias, bshape)
-    return out
+    # a 16-bit input keeps its dtype (float32 statistics; batch_norm_affine does the same)
+    return _F.cast(out, input.dtype) if input.dtype in (dt.float16, dt.bfloat16) else out
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
