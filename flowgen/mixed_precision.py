@@ -94,8 +94,9 @@ class autocast:  # noqa: N801 - PyTorch's name
     """`with flow.autocast("cuda", dtype=flow.bfloat16):` (also `flow.amp.autocast`, and a
     decorator): eager ops in the block run in the dtypes the lists above give them, as under
     torch.autocast; `loss.backward()` runs its gradient formulas with autocast off, in the dtypes
-    the forward chose. nn.Graph takes its precision from `graph.config.enable_amp` alone: a graph
-    traces with the config's autocast dtype (or none) whatever region it is called in.
+    the forward chose. A graph traces build() with the config's autocast dtype (`enable_amp`, or
+    none) whatever region the graph is called in; an autocast block inside build() applies to the
+    ops in it, as in eager code.
     `device_type` is "cuda" or "cpu" (the lists are the same for both; the default dtype is float16
     for "cuda" and bfloat16 for "cpu", as PyTorch's). `cache_enabled` is taken for PyTorch's signature: it
     caches weight casts there and changes no number."""

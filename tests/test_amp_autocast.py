@@ -349,3 +349,27 @@ def test_kernel_families_train_on_bf16_activations(name):
     grad = eager.weight.grad.numpy()
     step = (eager.weight.numpy() - conv.weight.numpy()) / 0.1
     np.testing.assert_allclose(step, grad, rtol=0, atol=4 * U_BF16 * np.abs(grad).max())
+
+
+def test_an_autocast_block_inside_build_applies_to_its_ops_only():
+    lin = nn.Linear(4, 4)
+
+    class Mixed(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.lin = lin
+
+        def build(self, x):
+            with flow.autocast("cuda", dtype=flow.bfloat16):
+                low = self.lin(x)
+            return low, self.lin(x)
+
+    x = flow.randn(2, 4)
+    low, full = Mixed()(x)
+    assert (low.dtype, full.dtype) == (flow.bfloat16, flow.float32)
+    with flow.autocast("cuda", dtype=flow.bfloat16):
+        want = lin(x)
+    # the graph rounds the GEMM + bias once, eager after each: a bf16 rounding apart
+    want = want.numpy().astype(np.float32)
+    np.testing.assert_allclose(low.numpy().astype(np.float32), want, rtol=0, atol=U_BF16 * np.abs(want).max())
+    np.testing.assert_allclose(full.numpy(), lin(x).numpy(), rtol=1e-6, atol=1e-6)
