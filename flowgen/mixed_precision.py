@@ -27,6 +27,7 @@ parameter's gradient is float32; activation gradients flowing back through 16-bi
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from flowgen import dtype as dt
 
@@ -82,11 +83,11 @@ def plan(op_name: str, dtypes: list, low) -> tuple | None:
     return None if inputs == tuple(dtypes) else inputs
 
 
-def run(plan: tuple, op_name: str, tensors, attrs: dict, apply):
-    """Op `op_name` on `tensors` under autocast: the inputs cast to the dtypes of `plan` (`cast` ops;
-    in a graph they fuse into the loads of the kernel that reads them), the op applied by `apply`
-    (registry.apply: eager or traced)."""
-    return apply(op_name, *(t if t.dtype == d else apply("cast", t, dtype=d) for t, d in zip(tensors, plan)),
+def run(dtypes: tuple, op_name: str, tensors, attrs: dict, apply):
+    """Op `op_name` on `tensors` under autocast: the inputs cast to `dtypes` (what `plan()` gave;
+    `cast` ops, which in a graph fuse into the loads of the kernel reading them), the op applied by
+    `apply` (registry.apply: eager or traced)."""
+    return apply(op_name, *(t if t.dtype == d else apply("cast", t, dtype=d) for t, d in zip(tensors, dtypes)),
                  **attrs)
 
 
@@ -96,10 +97,10 @@ class autocast:  # noqa: N801 - PyTorch's name
     torch.autocast; `loss.backward()` runs its gradient formulas with autocast off, in the dtypes
     the forward chose. A graph traces build() with the config's autocast dtype (`enable_amp`, or
     none) whatever region the graph is called in; an autocast block inside build() applies to the
-    ops in it, as in eager code.
-    `device_type` is "cuda" or "cpu" (the lists are the same for both; the default dtype is float16
-    for "cuda" and bfloat16 for "cpu", as PyTorch's). `cache_enabled` is taken for PyTorch's signature: it
-    caches weight casts there and changes no number."""
+    ops in it, as in eager code. `device_type` is "cuda" or "cpu" (the lists are the same for both;
+    the default dtype is float16 for "cuda" and bfloat16 for "cpu", as PyTorch's); `enabled=False`
+    turns autocast off inside the block. `cache_enabled` is taken for PyTorch's signature: it caches
+    weight casts there and changes no number."""
 
     def __init__(self, device_type: str, dtype=None, enabled: bool = True, cache_enabled=None):
         if device_type not in ("cuda", "cpu"):
@@ -118,6 +119,7 @@ class autocast:  # noqa: N801 - PyTorch's name
         return False
 
     def __call__(self, fn):
+        @functools.wraps(fn)
         def wrapped(*args, **kwargs):
             with self:
                 return fn(*args, **kwargs)

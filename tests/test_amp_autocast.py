@@ -373,3 +373,17 @@ def test_an_autocast_block_inside_build_applies_to_its_ops_only():
     want = want.numpy().astype(np.float32)
     np.testing.assert_allclose(low.numpy().astype(np.float32), want, rtol=0, atol=U_BF16 * np.abs(want).max())
     np.testing.assert_allclose(full.numpy(), lin(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_autocast_as_a_decorator_and_disabled_inside():
+    lin = nn.Linear(3, 3)
+
+    @flow.amp.autocast("cpu")
+    def forward(x):
+        with flow.autocast("cpu", enabled=False):
+            full = lin(x)
+        return lin(x), full
+
+    low, full = forward(flow.randn(2, 3))
+    assert (low.dtype, full.dtype) == (flow.bfloat16, flow.float32)
+    assert lin(flow.randn(2, 3)).dtype == flow.float32
