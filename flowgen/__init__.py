@@ -24,6 +24,7 @@ int = int32  # noqa: A001
 
 __version__ = "0.1.0"
 from flowgen import nn, optim, utils, amp, models, one_embedding  # noqa: E402,F401
+from flowgen.mixed_precision import autocast  # noqa: E402
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)
 from flowgen.serialization import save, load  # noqa: E402
 from flowgen.distributed import env, sbp  # noqa: E402

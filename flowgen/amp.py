@@ -1,4 +1,5 @@
-"""`flow.amp.GradScaler`: dynamic loss scaling with PyTorch's eager semantics.
+"""`flow.amp.GradScaler`: dynamic loss scaling with PyTorch's eager semantics; `flow.amp.autocast`
+(flowgen/mixed_precision.py: the op lists of mixed precision, eager and nn.Graph alike).
 
 Eager flowgen computes in the tensors' own dtypes (float32 by default), so
 with fp32 models the scaler mostly passes through: it still multiplies the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flowgen.mixed_precision import autocast  # noqa: F401 - flow.amp.autocast, as torch.amp.autocast
 from flowgen.tensor import Tensor
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"

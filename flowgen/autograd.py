@@ -12,7 +12,8 @@ import numpy as np
 
 _state = threading.local()
 
-from flowgen.ops.registry import GradContext, install_eager_runtime  # noqa: E402
+from flowgen import mixed_precision  # noqa: E402
+from flowgen.ops.registry import GradContext, apply, install_eager_runtime  # noqa: E402
 from flowgen.device import CPU  # noqa: E402
 from flowgen.tensor import Tensor, as_tensor_like, c_array  # noqa: E402
 from flowgen.distributed import global_tensor  # noqa: E402
@@ -191,7 +192,8 @@ def backward(root, gradient=None):
                            f"tensor shape {tuple(root.shape)}")
     grads = {id(root): gradient}
     # inf/NaN gradients are values (a GradScaler's overflowing step makes them on purpose): no warnings
-    with no_grad(), np.errstate(over="ignore", invalid="ignore"):
+    # Autocast off: the gradient formulas run in the dtypes autocast chose for the forward (PyTorch).
+    with no_grad(), mixed_precision.disabled(), np.errstate(over="ignore", invalid="ignore"):
         for t in _topological_order(root):
             g = grads.pop(id(t), None)
             if g is None:
@@ -223,6 +225,8 @@ def backward(root, gradient=None):
                 if tuple(ig.shape) != tuple(inp.shape):
                     raise RuntimeError(f"gradient of {node.op.name} has shape {tuple(ig.shape)} "
                                        f"for an input of shape {tuple(inp.shape)}")
+                if ig.dtype != inp.dtype:   # a gradient has its input's dtype (mixed precision; PyTorch's engine)
+                    ig = apply("cast", ig, dtype=inp.dtype)
                 prev = grads.get(id(inp))
                 grads[id(inp)] = ig if prev is None else prev + ig
 

@@ -217,8 +217,8 @@ def test_residual_add_joins_a_gemm_epilogue_unless_switched_off():
 
 
 def test_layer_norm_in_an_amp_graph_stays_float32():
-    """Autocast runs matmul/conv2d in bfloat16; the LayerNorm between them gets their float32 results
-    and stays the float32 row kernels. The AMP step trains like the float32 graph (within bfloat16's
+    """Autocast runs matmul/conv2d in bfloat16; LayerNorm is on autocast's float32 list, so the
+    LayerNorm between them upcasts their bfloat16 results and stays the float32 row kernels. The AMP step trains like the float32 graph (within bfloat16's
     rounding)."""
     from graphs import TrainGraph
 

@@ -1226,9 +1226,11 @@ def _gather(node, kernel_name, check_id):
 # Scatter segments longer than this are sorted by a block (merge passes) on the GPU, not a thread.
 _LONG_SEGMENT = 256
 
-# The dtypes a scatter kernel sums: floats in double (the eager np.bincount's accumulator),
-# integers in long long (wrapping like np.add.at on the stored type).
-_SCATTER_ACC = {dt.float32: "double", dt.float64: "double", dt.int32: "long long", dt.int64: "long long"}
+# The dtypes a scatter kernel sums: floats in double (the eager np.bincount's accumulator; 16-bit
+# results round double -> float -> 16 bits, as the eager cast does), integers in long long
+# (wrapping like np.add.at on the stored type).
+_SCATTER_ACC = {dt.float32: "double", dt.float64: "double", dt.float16: "double", dt.bfloat16: "double",
+                dt.int32: "long long", dt.int64: "long long"}
 
 
 def _scatter(node, kernel_name, check_id):
@@ -1240,7 +1242,7 @@ def _scatter(node, kernel_name, check_id):
     out = node.output
     if out.dtype not in _SCATTER_ACC:
         raise NotImplementedError(f"{_USER_OPS.get(node.op, node.op)}: no scatter kernel for {out.dtype.name} "
-                                  f"(float32, float64, int32 or int64)")
+                                  f"(float16, bfloat16, float32, float64, int32 or int64)")
     acc = _SCATTER_ACC[out.dtype]
     index, src = (node.inputs[1], node.inputs[0]) if node.op == "embedding_backward" else node.inputs
     seg = _scatter_segments(node, index, src)

@@ -26,8 +26,7 @@ import sys
 
 import numpy as np
 
-from flowgen import dtype as dt
-from flowgen import functional as F
+from flowgen import mixed_precision
 from flowgen import tensor as tensor_module
 from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
 from flowgen.ops import registry
@@ -59,14 +58,6 @@ def user_location() -> str:
     return ""
 
 
-# Ops that run in float16 or bfloat16 under `config.enable_amp(True, dtype=...)`: float32 inputs
-# are cast down, the kernel accumulates in float32, and the results are cast back, so the rest of
-# the graph (and the loss) stays float32. Everything else runs in the dtype it was given. The
-# attention ops are PyTorch's scaled_dot_product_attention, which autocast runs in the low dtype
-# too; a bool mask stays bool, the logsumexp output is float32 already.
-AUTOCAST_OPS = frozenset({"matmul", "conv2d", "attention", "attention_dropout"})
-
-
 class Tracer:
     """`capture_free_tensors`: bind free eager tensors as state (the tracer of `build()`; the
     passes that trace gradient and optimizer formulas leave it off)."""
@@ -86,7 +77,7 @@ class Tracer:
         self.gradient_pieces: dict = {}   # ZeRO-2/3, gradients read in build(): {state name: (this rank's piece
         #                                 of the reduced gradient, every rank's piece size)} (passes/zero.py)
         self.log = log                # callable(level, text) for graph.debug()
-        self.autocast = autocast      # mixed precision: None, or the dtype of AUTOCAST_OPS
+        self.autocast = autocast      # mixed precision: None, or the 16-bit dtype of flowgen/mixed_precision.py
         self.capture_free_tensors = capture_free_tensors
         self.first_new = None         # creation mark at __enter__: older eager tensors are free ones
         self.free_tensors: list = []  # free eager tensors bound as state, in order
@@ -183,13 +174,6 @@ class Tracer:
 
     def __call__(self, op, tensors, attrs):
         """The registry hook: record `op` on `tensors` and return lazy results."""
-        floats = [t.dtype for t in tensors if t.dtype.is_floating]
-        if self.autocast is not None and op.name in AUTOCAST_OPS and floats and set(floats) == {dt.float32}:
-            low = registry.apply(op.name, *(F.cast(t, self.autocast) if t.dtype.is_floating else t
-                                             for t in tensors), **attrs)
-            if isinstance(low, tuple):
-                return tuple(F.cast(x, dt.float32) if x.dtype == self.autocast else x for x in low)
-            return F.cast(low, dt.float32)
         node = self.emit(op.name, [self.value_of(t) for t in tensors], attrs)
         needs_grad = op.grad is not None and any(t.requires_grad for t in tensors)
         outs = [self.lazy(v, needs_grad and v.dtype.is_floating) for v in node.outputs]
@@ -253,10 +237,12 @@ class Tracer:
         if self.capture_free_tensors:
             self.first_new = tensor_module.creation_mark()
         self._previous = registry.set_tracer_hook(self)
+        mixed_precision.push(self.autocast)     # registry.apply casts each op's inputs as flowgen/mixed_precision.py says
         return self
 
     def __exit__(self, *exc):
         registry.set_tracer_hook(self._previous)
+        mixed_precision.pop()
         for t in self.state_tensors + self.rebound:
             t._value = None
         self.first_new = None

@@ -15,6 +15,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import creation as _creation
 from flowgen import functional as _F
+from flowgen import mixed_precision
 from flowgen import random as _random
 from flowgen.autograd import no_grad
 from flowgen.ops.registry import apply, normalize_dim
@@ -122,7 +123,16 @@ def depend(input: Tensor, depend) -> Tensor:
 def linear(input, weight, bias=None):
     """y = input @ weight.T + bias (weight is (out_features, in_features))."""
     out = _F.matmul(input, _F.transpose(weight, 0, 1))
-    return out + bias if bias is not None else out
+    return _add_bias(out, bias) if bias is not None else out
+
+
+def _add_bias(out, bias):
+    """The bias add of a linear layer or convolution (`bias` already shaped to broadcast). Under
+    autocast the bias joins in the product's dtype: PyTorch's linear and convolutions take all
+    three operands in the autocast dtype (flowgen/mixed_precision.py)."""
+    if mixed_precision.active() is not None:
+        bias = _F.cast(bias, out.dtype)
+    return out + bias
 
 
 def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -148,7 +158,7 @@ def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
     def run(x):
         out = apply("conv2d", x, weight, stride=stride, padding=padding, dilation=dilation, groups=int(groups))
         if bias is not None:
-            out = out + _F.reshape(bias, (1, weight.shape[0], 1, 1))
+            out = _add_bias(out, _F.reshape(bias, (1, weight.shape[0], 1, 1)))
         return out
 
     return _batched_2d(run, input)
@@ -322,7 +332,8 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
         out = out * _F.reshape(weight, bshape)
     if bias is not None:
         out = out + _F.reshape(bias, bshape)
-    return out
+    # a 16-bit input keeps its dtype (float32 statistics; batch_norm_affine does the same)
+    return _F.cast(out, input.dtype) if input.dtype in (dt.float16, dt.bfloat16) else out
 
 
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -1011,7 +1022,7 @@ def conv3d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         total = y if total is None else total + y
     out = _F.permute(_F.reshape(total, (n, out_d) + tuple(total.shape[1:])), (0, 2, 1, 3, 4))
     if bias is not None:
-        out = out + _F.reshape(bias, (1, out_c, 1, 1, 1))
+        out = _add_bias(out, _F.reshape(bias, (1, out_c, 1, 1, 1)))
     return out
 
 
@@ -1034,7 +1045,7 @@ def conv_transpose2d(input, weight, bias=None, stride=1, padding=0, output_paddi
         out = apply("conv2d_grad_input", x, weight, input_shape=(n, weight.shape[1] * groups) + out_hw,
                     stride=stride, padding=padding, dilation=dilation, groups=int(groups))
         if bias is not None:
-            out = out + _F.reshape(bias, (1, -1, 1, 1))
+            out = _add_bias(out, _F.reshape(bias, (1, -1, 1, 1)))
         return out
 
     return _batched_2d(run, input)

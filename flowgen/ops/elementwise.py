@@ -329,7 +329,19 @@ def _cast_grad(ctx, g):
     return (F.cast(g, src) if src.is_floating else None,)
 
 
-defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elementwise("({0})"),
+def _cast_expr(attrs) -> str:
+    """Kernels hold 16-bit values in float between their load and store (codegen/fused.py), so a
+    cast to float16/bfloat16 rounds there: x.to(bf16).to(float32) in one fused chain is the rounded
+    value, as in eager (and autocast's casts of GEMM operands round once, wherever they fuse)."""
+    target = dt.get(attrs["dtype"])
+    if target == dt.float16:
+        return "__half2float(__float2half({0}))"
+    if target == dt.bfloat16:
+        return "__bfloat162float(__float2bfloat16({0}))"
+    return "({0})"
+
+
+defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elementwise(_cast_expr),
       doc="cast(x, dtype=DType); float -> int truncates toward zero")
 
 defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),

@@ -45,7 +45,10 @@ def _bn_affine_infer(x, mean, invstd, weight, bias):
     shape = broadcast_shapes(x.shape, mean.shape, invstd.shape, weight.shape, bias.shape, op="batch_norm")
     if shape != tuple(x.shape):
         raise ValueError(f"batch_norm: per-channel operands must broadcast to the input's shape {tuple(x.shape)}")
-    return TensorMeta(tuple(x.shape), dt.promote(x.dtype, weight.dtype))
+    # A 16-bit input with float32 statistics and parameters (mixed precision) keeps its dtype, as
+    # PyTorch's batch_norm: computed in float32, stored in 16 bits.
+    out = x.dtype if x.dtype in (dt.float16, dt.bfloat16) else dt.promote(x.dtype, weight.dtype)
+    return TensorMeta(tuple(x.shape), out)
 
 
 def _bn_affine_ref(x, mean, invstd, weight, bias):
@@ -61,6 +64,7 @@ def _bn_affine_grad(ctx, g):
     for d in dims:
         n *= int(x.shape[d])
     xhat = (x - mean) * invstd
+    g = F.cast(g, xhat.dtype)    # a 16-bit gradient: the channel sums and dx in float32, as the forward
     dbias = F.sum(g, dims, keepdim=True)
     dweight = F.sum(g * xhat, dims, keepdim=True)
     dx = None
@@ -91,6 +95,7 @@ def _sync_bn_affine_grad(ctx, g):
     x, mean, invstd, weight, bias, count = ctx.inputs
     dims = _stat_dims(x)
     xhat = (x - mean) * invstd
+    g = F.cast(g, xhat.dtype)    # a 16-bit gradient: the channel sums and dx in float32, as the forward
     dbias = F.sum(g, dims, keepdim=True)
     dweight = F.sum(g * xhat, dims, keepdim=True)
     dx = None

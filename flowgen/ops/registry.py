@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from flowgen import mixed_precision
 from flowgen import dtype as dt
 
 
@@ -159,6 +160,10 @@ def apply(name: str, *inputs, **attrs):
         return _eager.apply_global(op, inputs, attrs)
     tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _eager.as_tensor_like(x, like)
                                           for x in inputs]
+    if mixed_precision.active() is not None:   # autocast: the dtypes flowgen/mixed_precision.py gives the op
+        plan = mixed_precision.plan(name, [t.dtype for t in tensors], mixed_precision.active())
+        if plan is not None:
+            return mixed_precision.run(plan, name, tensors, attrs, apply)
     lazy = False
     for t in tensors:
         if t._value is not None:

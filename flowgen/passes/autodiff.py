@@ -11,7 +11,7 @@ import numpy as np
 
 from flowgen.ir.graph import NameGen, Value
 from flowgen.ir.trace import Tracer
-from flowgen.ops.registry import GradContext, get_op
+from flowgen.ops.registry import GradContext, apply, get_op
 
 
 def _needs_grad(graph, wrt: set) -> set:
@@ -71,6 +71,8 @@ def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
             for v, g in zip(node.inputs, in_grads):
                 if g is None or v not in differentiable:
                     continue
+                if g.dtype != v.dtype:   # a gradient has its input's dtype (mixed precision; PyTorch's engine)
+                    g = apply("cast", g, dtype=v.dtype)
                 prev = grads.get(v)
                 if prev is None:
                     grads[v] = g

@@ -224,9 +224,22 @@ def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, dev
                     _adam(tracer, optimizer, group, params, grads, param_name, state, lr, hyper, new_state, slots,
                           counter, decoupled=(kind == "AdamW"))
                 tracer.scopes.pop()
+        _keep_state_dtypes(tracer, out, first_update)
     if scaler is not None:
         _skip_or_grow(tracer, out, first_update, found_inf, scaler)
     return out, host, slots, checks
+
+
+def _keep_state_dtypes(tracer, graph, first_update: int) -> None:
+    """An update whose math promoted (a bfloat16 parameter minus lr times a float32 gradient) is
+    cast back to its state's dtype, as eager's in-place update stores it: the state buffer keeps
+    its dtype and size (the float32 value written into a bfloat16 parameter overran it)."""
+    state = graph.state_by_name()
+    for k in range(first_update, len(graph.updates)):
+        name, value = graph.updates[k]
+        target = state[name].value.dtype
+        if value.dtype != target:
+            graph.updates[k] = (name, F.cast(tracer.lazy(value), target)._value)
 
 
 def _clip_groups(tracer, optimizer, opt_index: int, grads: dict, param_name: dict) -> dict:

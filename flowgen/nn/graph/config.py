@@ -40,7 +40,7 @@ class GraphConfig:
         self.fusion = True              # flowgen: fuse elementwise chains and reduction prologues/epilogues
         self.naive_memory = False       # flowgen: one allocation per intermediate (debugging)
         self.amp = False
-        self.amp_dtype = dt.float16     # what matmul/conv2d compute in under enable_amp
+        self.amp_dtype = dt.float16     # the autocast dtype under enable_amp (flowgen/mixed_precision.py)
         self.tf32 = False               # float32 GEMMs may run on tensor cores with TF32 inputs
         self.zero = False
         self.zero_stage = 2
@@ -55,8 +55,11 @@ class GraphConfig:
         self.compress_memory = False
 
     def enable_amp(self, mode: bool = True, dtype=dt.float16):
-        """Mixed precision: matmul and conv2d of float32 tensors compute in `dtype` (float16 or
-        bfloat16) with float32 accumulation, on tensor cores; parameters stay float32."""
+        """Mixed precision with PyTorch's autocast semantics (the op lists: flowgen/mixed_precision.py):
+        matmul, conv and attention take `dtype` (float16 or bfloat16) operands, accumulate in float32
+        on tensor cores and keep their results in `dtype`; softmax, cross entropy, layer_norm and
+        sums upcast to float32; other ops run in their inputs' dtype. Parameters and their
+        gradients stay float32."""
         if dtype not in (dt.float16, dt.bfloat16):
             raise ValueError(f"enable_amp: dtype must be flow.float16 or flow.bfloat16, got {dtype}")
         self.amp = bool(mode)
