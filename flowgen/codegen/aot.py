@@ -24,9 +24,13 @@ rows, and rank 0 combines the outputs and writes the results. MPI comes from the
 its ``mpicxx -show`` gives the compile and link flags, added only for such programs (world size
 above 1), so one-process programs build without MPI.
 
-Targets: ``cpu`` compiles the whole file with g++ against the emulator header; ``cuda``
-compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary and the host
-half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
+Targets: ``cpu`` compiles the device half with g++ against the emulator header as the emulator's
+own cached chunk objects (cpu_compiler.compile_kernel_objects: a graph that ran already compiled
+them), the host half as a unit of its own (``-DFLOWGEN_HOST_UNIT``: the kernels only declared,
+-O0, cached as an object), and links them; ``cuda`` compiles the device half with NVRTC (or nvcc)
+to a cubin embedded in the binary and the host half with g++; the host half opens
+``libcuda.so.1`` at run time, so building needs no GPU. program.cu's header lists the commands
+that build OUT by hand.
 
 ``sanitize`` ("address", "undefined" or "address,undefined") builds the host code (on the cpu
 target: the kernels too) with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer, -O0 -g,
