@@ -639,17 +639,20 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
                          for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol)
     # The same body compiled by two concurrent processes may sit in two chunks, and every chunk
     # defines the index-error record: muldefs keeps one copy of each (the same code, or a zeroed record).
-    objects = [str(host_object), *map(str, kernels.artifacts), "kernel_symbols.ld", "-Wl,-z,muldefs"]
-    key = hashlib.sha256("\0".join([*_link_command("program", objects, sanitize, mpi), compiler_version(),
-                                    symbol_map]).encode()).hexdigest()[:32]
-    link_dir = cache_dir() / "host" / key
+    objects = [str(host_object), *map(str, kernels.artifacts)]
+    link_flags = ["-Wl,-z,muldefs"]
+    key = hashlib.sha256("\0".join([*_link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
+                                                   sanitize, mpi), compiler_version(), symbol_map]).encode())
+    link_dir = cache_dir() / "host" / key.hexdigest()[:32]
     if not (link_dir / "program").is_file():
         hit = False
         link_dir.mkdir(parents=True, exist_ok=True)
         _write(link_dir / "kernel_symbols.ld", symbol_map)
-        partial = f".program.{os.getpid()}"
-        _run_compiler(_link_command(partial, objects, sanitize, mpi), link_dir, "link", text)
-        os.replace(link_dir / partial, link_dir / "program")
+        partial = link_dir / f".program.{os.getpid()}"
+        command = _link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), *link_flags],
+                                sanitize, mpi)
+        _run_compiler(command, out, "link", text)
+        os.replace(partial, link_dir / "program")
     partial = f".{binary}.partial"
     copy_file_atomically(link_dir / "program", out / partial)
     os.replace(out / partial, out / binary)
