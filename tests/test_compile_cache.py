@@ -246,6 +246,38 @@ def test_flowgen_build_reuses_the_cached_device_and_host_builds(cache, tmp_path,
     assert os.access(result.binary, os.X_OK)
 
 
+def test_cpu_program_links_the_kernels_its_graph_compiled(cache, tmp_path):
+    """After the graph ran on the emulator, `flowgen build --target cpu` compiles no kernel (it
+    links the emulator's objects) and the program computes the graph's numbers; the commands in
+    program.cu's header build OUT by hand into a program with the same numbers."""
+    graph = InferGraph(nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)).eval())
+    x = flow.randn(3, 5)
+    expected = graph(x).numpy()
+    flow.save(graph, tmp_path / "saved")
+    np.save(tmp_path / "x.npy", x.numpy())
+    lines = []
+    result = aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", log=lines.append)
+    device_line = next(line for line in lines if line.startswith("  compile device code") and " s " in line)
+    assert " 0 compiled in 0 chunk(s)" in device_line, device_line
+
+    def run(binary, results):
+        proc = subprocess.run([str(binary), "--input", str(tmp_path / "x.npy"), "--out", str(results)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+        return np.load(results / "output_0.npy")
+
+    assert run(result.binary, tmp_path / "res").tobytes() == expected.tobytes()
+    header = (tmp_path / "out" / "program.cu").read_text().split("#if defined", 1)[0]
+    commands = [line.split(":", 1)[1].split() for line in header.splitlines()
+                if line.startswith(("//   kernels:", "//   host:", "//   link:"))]
+    assert [c[-1] for c in commands] == ["program_kernels.o", "program_host.o", result.binary.name]
+    link = commands[-1]
+    link[link.index("-o") + 1] = "by_hand"
+    for command in commands:
+        subprocess.run(command, cwd=tmp_path / "out", check=True, capture_output=True)
+    assert run(tmp_path / "out" / "by_hand", tmp_path / "by_hand").tobytes() == expected.tobytes()
+
+
 def test_concurrent_builds_of_the_same_kernels_share_the_cache(cache):
     start = threading.Barrier(2)
 

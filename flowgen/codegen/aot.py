@@ -24,9 +24,13 @@ rows, and rank 0 combines the outputs and writes the results. MPI comes from the
 its ``mpicxx -show`` gives the compile and link flags, added only for such programs (world size
 above 1), so one-process programs build without MPI.
 
-Targets: ``cpu`` compiles the whole file with g++ against the emulator header; ``cuda``
-compiles the device half with NVRTC (or nvcc) to a cubin embedded in the binary and the host
-half with g++; the host half opens ``libcuda.so.1`` at run time, so building needs no GPU.
+Targets: ``cpu`` compiles the device half with g++ against the emulator header as the emulator's
+own cached chunk objects (cpu_compiler.compile_kernel_objects: a graph that ran already compiled
+them), the host half as a unit of its own (``-DFLOWGEN_HOST_UNIT``: the kernels only declared,
+-O0, cached as an object), and links them; ``cuda`` compiles the device half with NVRTC (or nvcc)
+to a cubin embedded in the binary and the host half with g++; the host half opens
+``libcuda.so.1`` at run time, so building needs no GPU. program.cu's header lists the commands
+that build OUT by hand.
 
 ``sanitize`` ("address", "undefined" or "address,undefined") builds the host code (on the cpu
 target: the kernels too) with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer, -O0 -g,
@@ -59,7 +63,7 @@ from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
 from flowgen.serialization import with_self_hash, write_file_atomic
-from flowgen.runtime.cpu_compiler import compiler_version
+from flowgen.runtime.cpu_compiler import compile_kernel_objects, compiler_version, kernel_flags
 from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph, load_saved_graph,
                                  write_weights)
 from flowgen.runtime.toolchain import CompileError, cache_dir, copy_file_atomically, runtime_cpp_dir, safe_tag
@@ -313,7 +317,8 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "arch": arch,
         "training": training,
         "build_commands": build_commands,
-        "kernels_source": program.source.rstrip("\n"),
+        "kernels_source": _device_section(program.source, target,
+                                          [k["name"] for k in prepare + kernels if not k["collective"]]),
         "inputs_summary": summary(ir.inputs, lambda i, v: v.name),
         "outputs_summary": summary(ir.outputs, lambda i, v: f"output_{i} (%{v.name})"),
         "inputs": [{"spec": _tensor_spec(v.name, v, "input"), "shards": world_size if layout == "split" else 1}
@@ -341,6 +346,31 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                               -1),
     }
     return get_template("program.cu.j2").render(**context), "\n".join(inc_parts)
+
+
+def _device_section(source: str, target: str, kernel_names: list) -> str:
+    """The device half of program.cu: kernels.cu verbatim. A cpu program compiles it as a unit
+    of its own (-DFLOWGEN_DEVICE_PASS), so the host unit (-DFLOWGEN_HOST_UNIT) sees instead
+    what the host code uses of it: the index-error record and each kernel's emulator entry."""
+    kernels = source.rstrip("\n")
+    if target != "cpu":
+        return kernels
+    entries = [f'extern "C" void flowgen_launch_{name}(const unsigned*, const unsigned*, size_t, void**);'
+               for name in dict.fromkeys(kernel_names)]
+    return "\n".join([
+        "#if defined(FLOWGEN_HOST_UNIT)",
+        "// The host unit: the kernels (below, in the #else branch) are compiled on their own and linked in.",
+        "#include <cstddef>",
+        "struct FlowgenIndexError {  // as flowgen_cuda_prelude.h declares it",
+        "  unsigned long long check;",
+        "  long long value;",
+        "};",
+        'extern "C" FlowgenIndexError flowgen_index_error;',
+        *entries,
+        "#else",
+        kernels,
+        "#endif  // FLOWGEN_HOST_UNIT",
+    ])
 
 
 def _lr_expression(sched) -> str:
@@ -496,29 +526,56 @@ def mpi_flags() -> list:
     return flags
 
 
-def _host_command(target: str, binary: str, sanitize: str | None, mpi: list = ()) -> list:
-    """The g++ command of the host build; `mpi`: mpi_flags() for a program run by mpiexec."""
+def _sanitizer_flags(sanitize: str) -> list:
+    # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
+    return ["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
+
+
+def _mpi_compile_flags(mpi: list) -> list:
+    return [flag for flag in mpi if flag.startswith(("-I", "-D"))]
+
+
+def _host_command(target: str, output: str, sanitize: str | None, mpi: list = ()) -> list:
+    """The g++ command of the host code; `mpi`: mpi_flags() for a program run by mpiexec. On the
+    cpu target it compiles program.cu's host unit into an object (`output`) that `_link_command`
+    links with the kernels; on the cuda target, the whole binary.
+
+    Launch lists, file readers and the step loop, nothing hot: on the cuda target -O1 builds
+    MobileNetV2's training program in 11 s of CPU where -O2 took 28 s. On the cpu target, whose
+    launches run emulated kernels, -O0 (2.5 s of CPU for a small model's host unit, 4 s at -O1)."""
     if sanitize:
-        # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
-        optimise = ["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}",
-                    "-fno-omit-frame-pointer"]
-    elif target == "cpu":
-        optimise = ["-O2"]   # the kernels compile with the host code
+        optimise = _sanitizer_flags(sanitize)
     else:
-        # Launch lists, file readers and the step loop, nothing hot: -O1 builds MobileNetV2's
-        # training program in 11 s of CPU where -O2 took 28 s.
-        optimise = ["-O1"]
+        optimise = ["-O0"] if target == "cpu" else ["-O1"]
     if target == "cpu":
-        return ["g++", "-std=c++17", *optimise, "-fopenmp", "-DFLOWGEN_EMULATOR", "-I.", "-include", "flowgen_emu.h",
-                "-x", "c++", "program.cu", "-o", binary, *mpi]
-    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", binary, "-ldl", *mpi]
+        return ["g++", "-std=c++17", *optimise, "-DFLOWGEN_EMULATOR", "-DFLOWGEN_HOST_UNIT", "-I.", "-c",
+                "-x", "c++", "program.cu", "-o", output, *_mpi_compile_flags(mpi)]
+    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", output, "-ldl", *mpi]
 
 
-def _host_build_key(target: str, sanitize: str | None, mpi: list, out: Path) -> str:
-    """The host build's cache key: its command, the compiler and every file it reads (program.cu,
+def _kernel_optimisation(sanitize: str | None) -> list | None:
+    """The cpu program's kernel flags besides cpu_compiler.kernel_flags' own: None keeps the
+    emulator's level (so the objects a graph's run compiled are reused), a sanitized build its
+    sanitizers (kernels included: they index the buffers the files fill)."""
+    return _sanitizer_flags(sanitize) if sanitize else None
+
+
+def _kernels_command(sanitize: str | None) -> list:
+    """g++ compiling the kernel half of program.cu into one object: what `build` does in chunks."""
+    return ["g++", *kernel_flags(_kernel_optimisation(sanitize)), "-DFLOWGEN_DEVICE_PASS", "-I.", "-include",
+            "flowgen_emu.h", "-c", "-x", "c++", "program.cu", "-o", "program_kernels.o"]
+
+
+def _link_command(binary: str, objects: list, sanitize: str | None, mpi: list) -> list:
+    sanitizers = [f"-fsanitize={sanitize}"] if sanitize else []
+    return ["g++", "-fopenmp", *sanitizers, *objects, "-o", binary,
+            *[flag for flag in mpi if flag not in _mpi_compile_flags(mpi)]]
+
+
+def _host_build_key(command: list, out: Path) -> str:
+    """A host build's cache key: its command, the compiler and every file it reads (program.cu,
     the .inc files it includes, the runtime headers) -- not the graph's or binary's name."""
-    digest = hashlib.sha256("\0".join([*_host_command(target, "program", sanitize, mpi),
-                                       compiler_version()]).encode())
+    digest = hashlib.sha256("\0".join([*command, compiler_version()]).encode())
     for path in sorted(p for p in out.iterdir() if p.suffix in (".cu", ".h", ".inc")):
         digest.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:32]
@@ -547,6 +604,59 @@ def _run_compiler(command: list, cwd: Path, what: str, source_text: str) -> None
     _write(cwd / f"{what.replace(' ', '_')}.log", log)
     if result.returncode != 0:
         raise CompileError(command[0], log, source_text, cwd / "program.cu")
+
+
+def _build_cuda_host(out: Path, binary: str, sanitize: str | None, mpi: list, text: str) -> bool:
+    """Compile the cuda program's host code (program.cu with the embedded cubin) into OUT/binary
+    through `<cache>/host/<key>/program`; True when the cache had it."""
+    partial = f".{binary}.partial"
+    cached = cache_dir() / "host" / _host_build_key(_host_command("cuda", "program", sanitize, mpi), out) / "program"
+    hit = cached.is_file()
+    if hit:
+        copy_file_atomically(cached, out / partial)
+    else:
+        _run_compiler(_host_command("cuda", partial, sanitize, mpi), out, "compile host code", text)
+        copy_file_atomically(out / partial, cached)
+    os.replace(out / partial, out / binary)
+    return hit
+
+
+def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, text: str, kernels) -> bool:
+    """Compile the cpu program's host unit into `<cache>/host/<key>/program_host.o` and link it
+    with the kernel objects (`kernels`: cpu_compiler.compile_kernel_objects) into OUT/binary;
+    the linked program is cached too. True when both were in the cache."""
+    host_object = cache_dir() / "host" / _host_build_key(_host_command("cpu", "program_host.o", sanitize, mpi),
+                                                         out) / "program_host.o"
+    hit = host_object.is_file()
+    if not hit:
+        host_object.parent.mkdir(parents=True, exist_ok=True)
+        partial_object = host_object.parent / f".program_host.{os.getpid()}.o"
+        _run_compiler(_host_command("cpu", str(partial_object), sanitize, mpi), out, "compile host code", text)
+        os.replace(partial_object, host_object)
+    # The kernel objects name each kernel's entry by its body's hash (shared between graphs, and
+    # with the emulator's libraries); a linker script defines the program's names as those.
+    symbol_map = "".join(f"flowgen_launch_{name} = flowgen_launch_{symbol};\n"
+                         for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol)
+    # The same body compiled by two concurrent processes may sit in two chunks, and every chunk
+    # defines the index-error record: muldefs keeps one copy of each (the same code, or a zeroed record).
+    objects = [str(host_object), *map(str, kernels.artifacts)]
+    link_flags = ["-Wl,-z,muldefs"]
+    key = hashlib.sha256("\0".join([*_link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
+                                                   sanitize, mpi), compiler_version(), symbol_map]).encode())
+    link_dir = cache_dir() / "host" / key.hexdigest()[:32]
+    if not (link_dir / "program").is_file():
+        hit = False
+        link_dir.mkdir(parents=True, exist_ok=True)
+        _write(link_dir / "kernel_symbols.ld", symbol_map)
+        partial = link_dir / f".program.{os.getpid()}"
+        command = _link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), *link_flags],
+                                sanitize, mpi)
+        _run_compiler(command, out, "link", text)
+        os.replace(partial, link_dir / "program")
+    partial = f".{binary}.partial"
+    copy_file_atomically(link_dir / "program", out / partial)
+    os.replace(out / partial, out / binary)
+    return hit
 
 
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
@@ -623,7 +733,6 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     binary = safe_tag(saved.name)
     world_size = saved.data_parallel["world_size"] if saved.data_parallel else 1
     mpi = mpi_flags() if world_size > 1 else []
-    host_cmd = _host_command(target, binary, sanitize, mpi)
     commands = []
     if target == "cuda":
         # Imported here, not at the top: cuda-python's NVRTC bindings load only when a build targets CUDA.
@@ -634,9 +743,13 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
                       else f"NVRTC --gpu-architecture={device_arch} -std=c++17 -I<runtime_cpp> -I<CUDA include> "
                            f"program.cu -> cubin")
         commands += [f"device: {device_cmd} (written as program_cubin.inc)"]
-        commands += [f"host:   {' '.join(host_cmd)}"]
+        commands += [f"host:   {' '.join(_host_command(target, binary, sanitize, mpi))}"]
     else:
-        commands += [" ".join(host_cmd)]
+        commands += [f"kernels: {' '.join(_kernels_command(sanitize))}",
+                     "         (flowgen build compiles the kernels with these flags in parallel chunks, cached and",
+                     "         shared with the emulator's; each renamed by its body's hash, named back at the link)",
+                     f"host:    {' '.join(_host_command(target, 'program_host.o', sanitize, mpi))}",
+                     f"link:    {' '.join(_link_command(binary, ['program_kernels.o', 'program_host.o'], sanitize, mpi))}"]
     text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
                                          arch=device_arch if target == "cuda" else arch, build_commands=commands,
                                          data_parallel=saved.data_parallel)
@@ -662,21 +775,19 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
             cubin = (out / "program.cubin").read_bytes()
         _write(out / "program_cubin.inc", _cubin_inc(cubin, device_arch))
         stage("compile device code", f"{compiler} -> {device_arch} cubin, {len(cubin)} bytes, embedded", start)
+        start = begin("compile host code")
+        hit = _build_cuda_host(out, binary, sanitize, mpi, text)
+        what = "g++ (driver API via dlopen)" + (f", MPI for {world_size} ranks" if mpi else "")
     else:
-        log(f"  {'compile device code':<22} {'-':>7}     (cpu target: the kernels compile with the host code)")
-
-    start = begin("compile host code")
-    partial = f".{binary}.partial"
-    cached = cache_dir() / "host" / _host_build_key(target, sanitize, mpi, out) / "program"
-    hit = cached.is_file()
-    if hit:
-        copy_file_atomically(cached, out / partial)
-    else:
-        _run_compiler(_host_command(target, partial, sanitize, mpi), out, "compile host code", text)
-        copy_file_atomically(out / partial, cached)
-    os.replace(out / partial, out / binary)
-    what = "g++ + emulator (device and host code)" if target == "cpu" else "g++ (driver API via dlopen)"
-    what += f", MPI for {world_size} ranks" if mpi else ""
+        start = begin("compile device code")
+        kernels = compile_kernel_objects(program.source, _kernel_optimisation(sanitize))
+        counts = kernels.stats
+        stage("compile device code", f"g++ + emulator: {counts.kernels} kernels, {counts.distinct} distinct: "
+                                     f"{counts.cached} cached, {counts.compiled} compiled in {counts.chunks} "
+                                     f"chunk(s)", start)
+        start = begin("compile host code")
+        hit = _build_cpu_host(out, binary, sanitize, mpi, text, kernels)
+        what = "g++ host unit, linked with the kernels" + (f", MPI for {world_size} ranks" if mpi else "")
     stage("compile host code", f"{what} -> {out / binary}" + (f" [-fsanitize={sanitize}]" if sanitize else "")
           + (" (cached)" if hit else ""), start)
 

@@ -1,9 +1,10 @@
 """Build generated CUDA C++ for the CPU emulator (g++ plus runtime_cpp/flowgen_emu.h) and
 launch its kernels through ctypes, with the same argument convention as cuLaunchKernel.
 
-`build_cpu_library` compiles one source as one library; `build_kernel_library` compiles a
+`build_cpu_library` compiles one source as one library; `compile_kernel_objects` compiles a
 generated kernels.cu kernel by kernel through `kernel_cache` (each distinct body once, object
-files of several chunks by parallel g++ processes) and links the objects into one library."""
+files of several chunks by parallel g++ processes), which `build_kernel_library` links into one
+library and `flowgen build --target cpu` (codegen/aot.py) into the standalone program."""
 
 from __future__ import annotations
 
@@ -48,17 +49,25 @@ _FMA_FLAGS = ("-mfma", "-ffp-contract=off") if _host_has_fma() else ()
 _OPT_LEVELS = ("0", "1", "2")
 
 
-def _flags() -> tuple:
-    """g++ flags of emulator libraries. `$FLOWGEN_EMULATOR_OPT` (0, 1 or 2; default 2) is the
-    optimisation level: 0 compiles kernels about 3x faster and runs them slower, for many small
-    graphs (tests, fuzzing). No level enables fast-math, and on x86-64 g++ fuses no a * b + c of
-    its own (no -mfma, or -ffp-contract=off with it), so every level computes the same IEEE
+def emulator_optimisation() -> tuple:
+    """The emulator's g++ optimisation flags: `$FLOWGEN_EMULATOR_OPT` (0, 1 or 2; default 2) is
+    the level: 0 compiles kernels about 3x faster and runs them slower, for many small graphs
+    (tests, fuzzing). No level enables fast-math, and on x86-64 g++ fuses no a * b + c of its
+    own (no -mfma, or -ffp-contract=off with it), so every level computes the same IEEE
     operations in the same order: the same numbers."""
     level = os.environ.get("FLOWGEN_EMULATOR_OPT", "2").strip() or "2"
     if level not in _OPT_LEVELS:
         raise ValueError(f"FLOWGEN_EMULATOR_OPT={level!r}: the emulator's g++ optimisation level must be one of "
                          f"{', '.join(_OPT_LEVELS)}")
-    return ("-std=c++17", f"-O{level}", "-fopenmp", "-shared", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS)
+    return (f"-O{level}",)
+
+
+def kernel_flags(optimisation: Sequence[str] | None = None) -> list:
+    """g++ flags of emulated kernels (objects or libraries, position-independent, so an object
+    links into a library or a program alike): `optimisation` replaces emulator_optimisation()
+    (a sanitized program's kernels: -O0 -g -fsanitize=...)."""
+    opt = emulator_optimisation() if optimisation is None else tuple(optimisation)
+    return ["-std=c++17", *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS]
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,12 +85,11 @@ def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
     return digest.hexdigest()
 
 
-def _object_flags(runtime: Path, header: Path) -> list:
-    flags = [flag for flag in _flags() if flag != "-shared"]
+def _object_flags(flags: list, runtime: Path, header: Path) -> list:
     return [*flags, "-c", f"-I{runtime}", "-include", str(header)]
 
 
-def _precompiled_header(runtime: Path, salt: str) -> Path:
+def _precompiled_header(runtime: Path, flags: list, salt: str) -> Path:
     """flowgen_emu.h with a precompiled `.gch` beside it, built once per compiler, flags and
     headers (`<cache>/cpu-pch/<salt>/`): each g++ call then loads it in ~0.4 s of CPU instead of
     parsing it and the standard headers in ~0.8 s. The copy keeps the original's size and
@@ -91,14 +99,13 @@ def _precompiled_header(runtime: Path, salt: str) -> Path:
     header = pch_dir / "flowgen_emu.h"
     with _pch_lock:   # chunks compile in parallel threads; one builds the header
         if not (pch_dir / "flowgen_emu.h.gch").is_file():
-            _build_precompiled_header(runtime, header)
+            _build_precompiled_header(runtime, flags, header)
     return header
 
 
-def _build_precompiled_header(runtime: Path, header: Path) -> None:
+def _build_precompiled_header(runtime: Path, flags: list, header: Path) -> None:
     pch_dir = header.parent
     copy_file_atomically(runtime / "flowgen_emu.h", header)
-    flags = [flag for flag in _flags() if flag != "-shared"]
     fd, partial = tempfile.mkstemp(dir=pch_dir, prefix=".flowgen_emu.h.", suffix=".gch")
     os.close(fd)
     command = [_CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
@@ -115,21 +122,31 @@ _pch_lock = threading.Lock()
 _MIN_CHUNK_CHARS = 50_000
 
 
+def compile_kernel_objects(source: str, optimisation: Sequence[str] | None = None) -> KernelBuild:
+    """The kernels of a generated kernels.cu as object files, compiled with
+    kernel_flags(optimisation) kernel by kernel through the kernel cache (`<cache>/cpu-kernels`;
+    the flags are part of every key, so a sanitized build's objects are its own). Each kernel's
+    entry point in them is `flowgen_launch_<symbols[kernel name][1]>`."""
+    runtime = runtime_cpp_dir()
+    flags = kernel_flags(optimisation)
+    salt = _build_key("", _object_flags(flags, runtime, runtime / "flowgen_emu.h"), runtime)
+
+    def compile_chunk(text: str, build_dir: Path) -> None:
+        _run_gxx(_object_flags(flags, runtime, _precompiled_header(runtime, flags, salt)), text, build_dir,
+                 "kernels.o")
+
+    return build_kernels(source, root=cache_dir() / "cpu-kernels", salt=salt, artifact="kernels.o",
+                         compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS, compile_chunk=compile_chunk)
+
+
 def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     """A library with every kernel of a generated kernels.cu, and the build's name map
     (`symbols[kernel name][1]` is the function's name in the library).
 
-    Objects live in the kernel cache (`<cache>/cpu-kernels`); the linked library in
+    Objects come from compile_kernel_objects; the linked library lives in
     `<cache>/cpu-libs/<hash of its objects>/kernels.so`.
     """
-    runtime = runtime_cpp_dir()
-    salt = _build_key("", _object_flags(runtime, runtime / "flowgen_emu.h"), runtime)
-
-    def compile_chunk(text: str, build_dir: Path) -> None:
-        _run_gxx(_object_flags(runtime, _precompiled_header(runtime, salt)), text, build_dir, "kernels.o")
-
-    build = build_kernels(source, root=cache_dir() / "cpu-kernels", salt=salt, artifact="kernels.o",
-                          compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS, compile_chunk=compile_chunk)
+    build = compile_kernel_objects(source)
     link_flags = ["-shared", "-fopenmp", "-Wl,-z,muldefs"]
     key = hashlib.sha256("\0".join([compiler_version(), *link_flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
@@ -181,7 +198,7 @@ def build_cpu_library(source: str, tag: str) -> Path:
     runtime = runtime_cpp_dir()
     # The prelude, as NVRTC gets it (runtime/nvrtc.py): with -DFLOWGEN_EMULATOR it pulls in the
     # emulator, and it declares what kernels share (the index-error record, Philox).
-    flags = [*_flags(), f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
+    flags = [*kernel_flags(), "-shared", f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
     build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, flags, runtime)[:20]}"
     library = build_dir / "kernels.so"
     if library.is_file():
