@@ -12,15 +12,9 @@ import flowgen as flow
 PACKAGE = Path(flow.__file__).resolve().parent
 REASON = "Imported here, not at the top:"
 
-# codegen/fused.py and codegen/families.py import each other (families: block_segments and
-# reduce_block; fused: gemm_kernel and _conv2d). Moving the two block helpers below both
-# (codegen/target.py) lets fused import families at module level; families.py is being changed
-# elsewhere, so this waits for that change.
-PENDING = {("codegen/fused.py", "gemm_kernel"), ("codegen/fused.py", "_conv2d")}
-
 
 def _function_local_imports():
-    """(file, line number, imported names, source line, the line above its block of imports) of
+    """(file, line number, source line, the line above its block of imports) of
     every flowgen import inside a function."""
     for path in sorted(PACKAGE.rglob("*.py")):
         lines = path.read_text().splitlines()
@@ -34,15 +28,14 @@ def _function_local_imports():
                     above = node.lineno - 2   # the comment may head a block of imports
                     while lines[above].lstrip().startswith(("from ", "import ")):
                         above -= 1
-                    yield (path.relative_to(PACKAGE).as_posix(), node.lineno, {a.name for a in node.names},
+                    yield (path.relative_to(PACKAGE).as_posix(), node.lineno,
                            lines[node.lineno - 1], lines[above])
 
 
 def test_every_function_local_import_says_why_it_is_not_at_the_top():
     unexplained = [f"{name}:{number}: {line.strip()}"
-                   for name, number, names, line, above in _function_local_imports()
-                   if REASON not in above and REASON not in line
-                   and not all((name, n) in PENDING for n in names)]
+                   for name, number, line, above in _function_local_imports()
+                   if REASON not in above and REASON not in line]
     assert not unexplained, "function-local imports without a reason:\n" + "\n".join(unexplained)
 
 

@@ -95,9 +95,8 @@ from __future__ import annotations
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.fused import block_segments, reduce_block
 from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
-from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks, warpgroup_mma
+from flowgen.codegen.target import allow_tf32, block_segments, reduce_block, serial_blocks, target_blocks, warpgroup_mma
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.ops.lowering import cpp_literal
@@ -1520,7 +1519,7 @@ def conv_tile_candidates(node, count: int = 4) -> list:
     return ranked_tiles(GM, GN, geo["G"], acc)[:count]
 
 
-def _conv2d(node, kernel_name, fusion=None):
+def conv2d_kernels(node, kernel_name, fusion=None):
     """Conv kernels. `fusion` (forward only) gives the fused node's params/args, the epilogue
     statements (run per output with `val` and its flat index `i`) and the fused op names."""
     kernels = _conv2d_kernels(node, kernel_name, fusion)
@@ -1849,7 +1848,7 @@ _FAMILIES = {
     "nonfinite": _nonfinite,
     "pool2d": _pool2d,
     "upsample": _upsample,
-    "conv2d": _conv2d,
+    "conv2d": conv2d_kernels,
     "randperm": _randperm,
     "attention": _attention,
     "layer_norm": _layer_norm,

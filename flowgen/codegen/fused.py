@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.codegen.families import conv2d_kernels, gemm_kernel
 from flowgen.codegen.kernel import BufferArg, Kernel
-from flowgen.codegen.target import serial_blocks, target_blocks
+from flowgen.codegen.target import block_segments, reduce_block, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.ops.lowering import Reduction, View, cpp_literal
@@ -220,22 +221,7 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
                   pointwise_reads=frozenset(v for v in node.inputs if v.numel == numel))
 
 
-REDUCE_ELEMS_PER_THREAD = 8
 REDUCE_SPLIT_MIN_PER_THREAD = 32   # a split reduction's blocks still reduce this many elements per thread
-SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
-
-
-def block_segments(segments: list, block: int = 256) -> int:
-    """Give each segment dict (with "numel") its own range of blocks, "first_block" up to
-    "end_block" (one thread per element, at most SEGMENT_MAX_BLOCKS blocks); the grid size. With
-    one-thread blocks (the cpu target) each segment is one block: its thread walks the segment's
-    elements in order, a plain loop."""
-    first = 0
-    for seg in segments:
-        blocks = 1 if block == 1 else max(1, min(-(-seg["numel"] // block), SEGMENT_MAX_BLOCKS))
-        seg.update(first_block=first, end_block=first + blocks)
-        first += blocks
-    return first
 
 
 def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
@@ -322,15 +308,6 @@ def _loop_values_read_after(loop, epilogue, numel: int) -> list:
         needed.add(id(b))
         todo.extend(b.inputs)
     return [b for b in loop if id(b) in needed]
-
-
-def reduce_block(size: int) -> int:
-    """Threads per block: a power of two in [32, 256] giving each thread at least
-    REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block)."""
-    block = 32
-    while block < 256 and block * 2 * REDUCE_ELEMS_PER_THREAD <= size:
-        block *= 2
-    return block
 
 
 def reduce_splits(outputs: int, reduce_size: int, block: int) -> int:
@@ -484,8 +461,6 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
 
 def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
     """A matmul with transposes folded into its loads and an elementwise epilogue."""
-    from flowgen.codegen.families import gemm_kernel
-
     body = node.body
     mm_at = next(k for k, b in enumerate(body) if b.op == "matmul")
     mm, prologue, epilogue = body[mm_at], body[:mm_at], body[mm_at + 1:]
@@ -533,8 +508,6 @@ def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
 def render_conv(node, index: int, producers, stream_values=None) -> list:
     """A forward conv with its elementwise consumers (bias, folded BatchNorm shift, activation,
     residual add) evaluated in the conv kernel's epilogue."""
-    from flowgen.codegen.families import _conv2d
-
     body = node.body
     conv, epilogue = body[0], body[1:]
     x, w = conv.inputs
@@ -542,7 +515,7 @@ def render_conv(node, index: int, producers, stream_values=None) -> list:
     lines, pointwise = _epilogue(em, epilogue, conv.output, tuple(conv.output.shape), producers, None)
     ops = [b.op for b in body]
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
-    kernels = _conv2d(conv, kernel_name(index, node, ops),
+    kernels = conv2d_kernels(conv, kernel_name(index, node, ops),
                       fusion=dict(params=em.params, args=em.args, epilogue_lines=lines, ops=ops, what_extra=extra))
     kernels[-1].pointwise_reads = pointwise - {x, w}
     return kernels

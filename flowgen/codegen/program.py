@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from flowgen.codegen import fused
 from flowgen.codegen.kernel import BufferArg, Kernel
 from flowgen.codegen.target import rendering_for
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
@@ -57,7 +56,8 @@ class Program:
 
 def render_kernels(graph):
     """Kernels in schedule order, plus the view aliases and constants they rely on."""
-    # Imported here, not at the top: the kernel families (~0.2 s to load) wait for the first render.
+    # Imported here, not at the top: the kernel renderers (~0.1 s to load) wait for the first render.
+    from flowgen.codegen import fused
     from flowgen.codegen.families import render_node
 
     producers = graph.producers()

@@ -1,5 +1,6 @@
 """What a program is rendered for: the target's block count, the cpu target's one-thread blocks,
-and the GPU architecture the CUDA program is for (which tensor-core instructions it may use).
+and the GPU architecture the CUDA program is for (which tensor-core instructions it may use); and
+the launch shapes every kernel renderer derives from them (`block_segments`, `reduce_block`).
 
 `rendering_for(target)` sets these while a program is built (codegen/program.py); the kernel
 renderers (codegen/families.py, codegen/fused.py) read them.
@@ -28,6 +29,8 @@ _serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
 # emulator runs both.
 _cuda_arch = contextvars.ContextVar("cuda_arch", default=None)
 
+REDUCE_ELEMS_PER_THREAD = 8
+SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
 
 def target_blocks() -> int:
     return _target_blocks.get()
@@ -66,3 +69,25 @@ def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = N
         _serial_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)
+
+
+def block_segments(segments: list, block: int = 256) -> int:
+    """Give each segment dict (with "numel") its own range of blocks, "first_block" up to
+    "end_block" (one thread per element, at most SEGMENT_MAX_BLOCKS blocks); the grid size. With
+    one-thread blocks (the cpu target) each segment is one block: its thread walks the segment's
+    elements in order, a plain loop."""
+    first = 0
+    for seg in segments:
+        blocks = 1 if block == 1 else max(1, min(-(-seg["numel"] // block), SEGMENT_MAX_BLOCKS))
+        seg.update(first_block=first, end_block=first + blocks)
+        first += blocks
+    return first
+
+
+def reduce_block(size: int) -> int:
+    """Threads per block: a power of two in [32, 256] giving each thread at least
+    REDUCE_ELEMS_PER_THREAD elements (fewer idle threads and barriers per block)."""
+    block = 32
+    while block < 256 and block * 2 * REDUCE_ELEMS_PER_THREAD <= size:
+        block *= 2
+    return block
