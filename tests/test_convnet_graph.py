@@ -15,7 +15,6 @@
 import importlib.util
 import os
 import re
-import time
 
 import numpy as np
 import pytest
@@ -51,21 +50,16 @@ def train_graph_and_eager(dtype, steps=3, device="cpu"):
     opt_g, opt_e = make_opt(model.parameters()), make_opt(eager.parameters())
     loss_fn = nn.CrossEntropyLoss()
     graph = TrainGraph(model, loss_fn, opt_g)
-    graph_losses, eager_losses, graph_times, eager_times = [], [], [], []
+    graph_losses, eager_losses = [], []
     for x, y in _batches(steps):
         x = x.to(dtype)
-        start = time.perf_counter()
         graph_losses.append(float(graph(x.to(device), y.to(device)).numpy()))
-        graph_times.append(time.perf_counter() - start)
-        start = time.perf_counter()
         le = loss_fn(eager(x), y)
         opt_e.zero_grad()
         le.backward()
         opt_e.step()
-        eager_times.append(time.perf_counter() - start)
         eager_losses.append(float(le.numpy()))
-    return dict(model=model, eager=eager, graph=graph, graph_losses=graph_losses, eager_losses=eager_losses,
-                graph_times=graph_times, eager_times=eager_times)
+    return dict(model=model, eager=eager, graph=graph, graph_losses=graph_losses, eager_losses=eager_losses)
 
 
 @pytest.fixture(scope="module")
@@ -88,10 +82,6 @@ def test_tiny_mobilenet_has_the_pieces():
 
 def test_training_losses_equal_eager(trained):
     np.testing.assert_allclose(trained["graph_losses"], trained["eager_losses"], rtol=2e-4)
-    print(f"\ntiny MobileNetV2, batch {BATCH}, 32x32: graph steps "
-          f"{', '.join(f'{t:.2f}' for t in trained['graph_times'])} s (first includes compile "
-          f"{sum(trained['graph'].compiled.timings.values()):.1f} s); eager steps "
-          f"{', '.join(f'{t:.3f}' for t in trained['eager_times'])} s")
 
 
 def test_parameters_and_running_stats_equal_eager(trained64):
@@ -132,13 +122,6 @@ def test_eval_inference_graph_equals_eager_eval(trained):
         assert int(model.features[0][1].num_batches_tracked.item()) == 3   # eval leaves the statistics alone
     finally:
         model.train()
-
-
-def test_training_step_time_on_emulator(trained):
-    steady = min(trained["graph_times"][1:])
-    print(f"\none graph training step (tiny MobileNetV2, batch {BATCH}): {steady:.3f} s; "
-          f"eager: {min(trained['eager_times']):.3f} s")
-    assert steady < 20.0   # target < 2 s; loose bound so a loaded machine does not fail it
 
 
 # ------------------------------------------------------------------ conv configurations
