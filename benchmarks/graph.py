@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import math
 import os
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
+from fair_common import git_commit  # noqa: E402  (benchmarks/fair_common.py)
 from graphs import InferGraph, TrainGraph  # noqa: E402  (tests/graphs.py)
 
 
@@ -281,7 +283,9 @@ def main():
             print(r["graph"], json.dumps(extra))
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"graph_{device.type}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    payload = {"machine": platform.node(), "python": platform.python_version(), "rows": rows,
+    payload = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "flowgen_commit": git_commit(), "machine": platform.node(), "cores": os.cpu_count(),
+               "load_average_after": os.getloadavg(), "python": platform.python_version(), "rows": rows,
                "launches": launches}
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
