@@ -164,19 +164,20 @@ def test_conv_batchnorm_bf16_amp_graph_matches_torch_autocast():
     assert "bf16[4,8,8,8]" in ir        # the conv and BatchNorm outputs
 
 
-def gpt_config(dropout=0.0):
-    return gpt_char.GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=dropout)
+def gpt_pair(torch):
+    """(config, corpus, flowgen GPT, torch GPT with the same weights) of the small GPT."""
+    config = gpt_char.GPTConfig(block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+    corpus = gpt_char.Corpus()
+    config.vocab_size = corpus.vocab_size
+    flow.manual_seed(0)
+    ours = gpt_char.define(flow)(config)
+    return config, corpus, ours, torch_copy(torch, ours, gpt_char.define(torch)(config))
 
 
 @pytest.mark.slow
 def test_gpt_bf16_amp_graph_matches_torch_autocast():
     torch = get_torch()
-    config = gpt_config()
-    corpus = gpt_char.Corpus()
-    config.vocab_size = corpus.vocab_size
-    flow.manual_seed(0)
-    ours = gpt_char.define(flow)(config)
-    theirs = torch_copy(torch, ours, gpt_char.define(torch)(config))
+    config, corpus, ours, theirs = gpt_pair(torch)
     # SGD: a parameter's difference is lr times its gradients' (AdamW would turn the rounding noise
     # of near-zero gradients into whole lr-sized steps, hiding the comparison)
     opt_f = flow.optim.SGD(ours.parameters(), lr=0.5)
@@ -272,12 +273,7 @@ def test_gpt_eager_autocast_matches_torch_autocast():
     and flowgen's NumPy references both compute in float32 and round each op's result to bf16, so
     logits differ by about one rounding (u relative to the largest logit), losses by less."""
     torch = get_torch()
-    config = gpt_config()
-    corpus = gpt_char.Corpus()
-    config.vocab_size = corpus.vocab_size
-    flow.manual_seed(0)
-    ours = gpt_char.define(flow)(config)
-    theirs = torch_copy(torch, ours, gpt_char.define(torch)(config))
+    config, corpus, ours, theirs = gpt_pair(torch)
     opt_f = flow.optim.SGD(ours.parameters(), lr=0.5)
     opt_t = torch.optim.SGD(theirs.parameters(), lr=0.5)
     for x, y in corpus.batches(2, 2, config.block_size):

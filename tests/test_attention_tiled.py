@@ -23,7 +23,7 @@ from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, apply, get_op
 from flowgen.runtime import cuda_driver, nvrtc
-from torch_oracle import get_torch
+from test_attention import WeightedSumStep   # loss = sum(attention * w), one SGD step with lr 1
 
 RNG = np.random.default_rng(11)
 U_HALF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -48,18 +48,6 @@ class QKV(nn.Module):
     def forward(self, *mask):
         q, k, v = (p.to(self.dtype) for p in (self.q, self.k, self.v))
         return nn.functional.scaled_dot_product_attention(q, k, v, *mask, **self.sdpa).to(flow.float32)
-
-
-class WeightedSumStep(nn.Graph):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-        self.add_optimizer(flow.optim.SGD(model.parameters(), lr=1.0))
-
-    def build(self, w, *mask):
-        out = self.model(*mask)
-        (out * w).sum().backward()
-        return out
 
 
 CASES = [  # (id, dtype, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask shape)
