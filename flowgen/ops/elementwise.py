@@ -166,18 +166,14 @@ def _relu_ref(a):
 _unary("relu", _relu_ref, "(({0}) < 0 ? 0 : ({0}))", infer=_unary_infer,
        grad=lambda ctx, g: (F.where(ctx.outputs[0] > 0, g, 0),))
 
-# ---- erf for the gelu reference. float64 inputs use math.erf (exact); other dtypes use
-# Abramowitz & Stegun 7.1.26 evaluated in float64 (|error| < 1.5e-7, float32 resolution).
+# ---- erf/erfc in float64 (math.erf, math.erfc: exact): the gelu references and erfinv's Newton steps.
 _erf_exact = np.frompyfunc(math.erf, 1, 1)
+_erfc_exact = np.frompyfunc(math.erfc, 1, 1)
 
 
-def _erf(x: np.ndarray) -> np.ndarray:
-    if x.dtype == np.float64:
-        return np.asarray(_erf_exact(x), dtype=np.float64)   # frompyfunc gives a Python float for 0-d input
-    z = np.abs(x.astype(np.float64))
-    t = 1.0 / (1.0 + 0.3275911 * z)
-    poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
-    return np.sign(x) * (1.0 - poly * np.exp(-z * z))
+def _erfc(x: np.ndarray) -> np.ndarray:
+    """erfc of a float64 array (no cancellation for large arguments, unlike 1 - erf)."""
+    return np.asarray(_erfc_exact(x), dtype=np.float64)   # frompyfunc gives a Python float for 0-d input
 
 
 _SQRT1_2 = 0.70710678118654752
@@ -188,21 +184,23 @@ _GELU_C = 0.044715
 
 def _gelu_ref(a, approximate="none"):
     x = a.astype(np.float64) if a.dtype != np.float64 else a
-    if approximate == "tanh":
-        y = 0.5 * x * (1 + np.tanh(_GELU_K * (x + _GELU_C * x ** 3)))
-    else:
-        y = 0.5 * x * (1 + _erf(x * _SQRT1_2))
+    with np.errstate(over="ignore"):
+        if approximate == "tanh":       # x * 0.5 * (1 + tanh(u)) = x * sigmoid(2u): no cancellation for x << 0
+            y = x / (1 + np.exp(-2 * _GELU_K * (x + _GELU_C * x ** 3)))
+        else:                           # 0.5 * (1 + erf(z)) = 0.5 * erfc(-z), likewise
+            y = 0.5 * x * _erfc(-x * _SQRT1_2)
     return y.astype(a.dtype if a.dtype.kind == "f" or a.dtype.kind == "V" else np.float32)
 
 
 def _gelu_grad_ref(g, a, approximate="none"):
     x = a.astype(np.float64)
-    if approximate == "tanh":
-        inner = _GELU_K * (x + _GELU_C * x ** 3)
-        t = np.tanh(inner)
-        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * _GELU_K * (1 + 3 * _GELU_C * x * x)
-    else:
-        d = 0.5 * (1 + _erf(x * _SQRT1_2)) + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)
+    with np.errstate(over="ignore"):
+        if approximate == "tanh":       # s = sigmoid(2u) = (1 + tanh u) / 2, 1 - s = (1 - tanh u) / 2
+            u2 = 2 * _GELU_K * (x + _GELU_C * x ** 3)
+            s, s_minus = 1 / (1 + np.exp(-u2)), 1 / (1 + np.exp(u2))
+            d = s + 2 * _GELU_K * x * s * s_minus * (1 + 3 * _GELU_C * x * x)
+        else:
+            d = 0.5 * _erfc(-x * _SQRT1_2) + x * _INV_SQRT_2PI * np.exp(-0.5 * x * x)
     return g.astype(np.float64) * d
 
 
@@ -222,15 +220,18 @@ def _gelu_grad_infer(g, a, approximate="none"):
     return TensorMeta(broadcast_shapes(g.shape, a.shape, op="gelu_grad"), out if out.is_floating else dt.float32)
 
 
-_GELU_ERF = "(0.5f * ({0}) * (1.0f + erff(({0}) * 0.70710678118654752f)))"
-_GELU_TANH = ("(0.5f * ({0}) * (1.0f + tanhf(0.79788456080286536f * "
-              "(({0}) + 0.044715f * ({0}) * ({0}) * ({0})))))")
-_TANH_INNER = "tanhf(0.79788456080286536f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1})))"
-_GELU_GRAD_ERF = ("(({0}) * (0.5f * (1.0f + erff(({1}) * 0.70710678118654752f)) + "
+# gelu's 0.5 * (1 + erf(z)) and 0.5 * (1 + tanh(u)) written as 0.5 * erfc(-z) and sigmoid(2u):
+# for x << 0 the sum with 1 cancels in float (gelu_tanh(-5) came out 0 or 2x off, and Adam turns
+# the sign of such a gradient into a whole step); these forms keep every bit.
+_GELU_ERF = "(0.5f * ({0}) * erfcf(-({0}) * 0.70710678118654752f))"
+_GELU_U2 = "1.5957691216057308f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1}))"   # 2u = 2 sqrt(2/pi) (x + c x^3)
+_GELU_TANH = "(({0}) / (1.0f + expf(-" + _GELU_U2.replace("{1}", "{0}") + ")))"
+_GELU_GRAD_ERF = ("(({0}) * (0.5f * erfcf(-({1}) * 0.70710678118654752f) + "
                   "({1}) * 0.39894228040143268f * expf(-0.5f * ({1}) * ({1}))))")
-_GELU_GRAD_TANH = (f"(({{0}}) * (0.5f * (1.0f + {_TANH_INNER}) + 0.5f * ({{1}}) * "
-                   f"(1.0f - {_TANH_INNER} * {_TANH_INNER}) * 0.79788456080286536f * "
-                   f"(1.0f + 0.134145f * ({{1}}) * ({{1}}))))")
+_SIGMOID_2U = f"(1.0f / (1.0f + expf(-{_GELU_U2})))"
+_SIGMOID_MINUS_2U = f"(1.0f / (1.0f + expf({_GELU_U2})))"
+_GELU_GRAD_TANH = (f"(({{0}}) * ({_SIGMOID_2U} + 1.5957691216057308f * ({{1}}) * {_SIGMOID_2U} * "
+                   f"{_SIGMOID_MINUS_2U} * (1.0f + 0.134145f * ({{1}}) * ({{1}}))))")
 
 
 def _by_approximate(erf_expr, tanh_expr):
