@@ -18,17 +18,18 @@ Tasks, each row of each task in its own process (a time box per row: --row-timeo
           and its greedy (argmax) token: the latency of one generated token without a KV cache
           (the model has none, on either side).
 
-Rows:
+Rows (run in this order):
 
   flowgen                        the compiled nn.Graph; its step (one CUDA-graph replay) is timed
                                  alone (Executor.launch_step: no host copies of inputs or outputs)
   torch_eager                    F.scaled_dot_product_attention (the model's), AdamW(fused=True)
-  torch_compile                  torch.compile(model), default mode (train only)
-  torch_compile_reduce_overhead  mode="reduce-overhead" (CUDA graphs through Inductor)
-  torch_compile_max_autotune     mode="max-autotune" (not in the default rows: compiles for minutes)
   torch_cuda_graph               the eager step captured whole with torch.cuda.graph on static
                                  inputs and replayed (train: forward, backward, clipping and
                                  AdamW(fused, capturable); decode: the forward)
+  torch_compile_reduce_overhead  torch.compile(model, mode="reduce-overhead") (CUDA graphs through
+                                 Inductor)
+  torch_compile                  torch.compile(model), default mode (train only)
+  torch_compile_max_autotune     mode="max-autotune" (not in the default rows: compiles for minutes)
 
 Precisions, the same on both sides (fair_convnets.torch_precision): bf16 (flowgen
 enable_amp(True, flow.bfloat16); torch autocast bfloat16), tf32, fp32.
@@ -55,7 +56,7 @@ precision: flowgen's step time over the fastest agreeing PyTorch row's (with the
 min over torch's max to flowgen's max over torch's min), the tokens/s ratio, and flowgen's memory
 over that row's and over the least any PyTorch row needed.
 
-Prints a table last and writes JSON (default benchmarks/results/fair_gpt_<device>.json; with
+Prints a table last and writes JSON, rewritten after every row (default benchmarks/results/fair_gpt_<device>.json; with
 --smoke, a file in the temporary directory) with the device, date, flowgen commit and versions.
 """
 from __future__ import annotations
@@ -84,8 +85,9 @@ import gpt_char  # noqa: E402  (examples/gpt_char.py)
 from fair_common import environment, fmt, log, print_table, rel_err, write_json  # noqa: E402
 from fair_convnets import COMPILE_MODES, capture, make_timer, status, torch_precision  # noqa: E402
 
-ROWS = ["flowgen", "torch_eager", "torch_compile", "torch_compile_reduce_overhead", "torch_compile_max_autotune",
-        "torch_cuda_graph"]
+# In the order they run: the cheap rows first, so a run cut short by its time limit still has them.
+ROWS = ["flowgen", "torch_eager", "torch_cuda_graph", "torch_compile_reduce_overhead", "torch_compile",
+        "torch_compile_max_autotune"]
 DEFAULT_ROWS = [r for r in ROWS if r != "torch_compile_max_autotune"]
 # On a CPU, torch.compile of even the tiny GPT costs tens of seconds per row (Inductor's C++ builds)
 SMOKE_ROWS = ["flowgen", "torch_eager"]
@@ -377,6 +379,19 @@ def headline(table: list) -> list:
     return heads
 
 
+def write_results(out, env, args, config, table) -> list:
+    """The JSON file as it stands (rewritten after every row, so a run cut short keeps what it
+    measured); returns the headline."""
+    heads = headline(table)
+    write_json(out, {"benchmark": "fair_gpt", "environment": env, "smoke": args.smoke,
+                     "settings": {"config": vars(config), "batch": args.batch, "decode_context": args.decode_context,
+                                  "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
+                                  "row_timeout_s": args.row_timeout, "lr": LR, "betas": BETAS,
+                                  "weight_decay": WEIGHT_DECAY, "clip": CLIP},
+                     "rows": [{k: v for k, v in r.items() if k != "output"} for r in table], "headline": heads})
+    return heads
+
+
 def mib(value) -> str:
     return "-" if value is None else f"{value / 2 ** 20:.1f}"
 
@@ -421,21 +436,16 @@ def main(argv=None):
     env = environment(torch, device)
     log(f"fair_gpt on {env['device']} ({device}), flowgen {env['flowgen_commit']}, torch {env['torch']}: "
         f"{args.tasks} x {args.precisions} x {rows}")
-    table = []
+    table, heads = [], []
     for task in args.tasks:
         tokens_per_step = args.batch * config.block_size if task == "train" else 1
         for precision in args.precisions:
-            results = {row: run_row(task, precision, row, args) for row in rows if row in TASK_ROWS[task]}
+            results = {}
+            for row in (r for r in rows if r in TASK_ROWS[task]):
+                results[row] = run_row(task, precision, row, args)
+                heads = write_results(out, env, args, config, table + summarize(task, precision, results,
+                                                                                 tokens_per_step))
             table += summarize(task, precision, results, tokens_per_step)
-    heads = headline(table)
-    for r in table:
-        r.pop("output", None)
-    write_json(out, {"benchmark": "fair_gpt", "environment": env, "smoke": args.smoke,
-                     "settings": {"config": vars(config), "batch": args.batch, "decode_context": args.decode_context,
-                                  "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-                                  "row_timeout_s": args.row_timeout, "lr": LR, "betas": BETAS,
-                                  "weight_decay": WEIGHT_DECAY, "clip": CLIP},
-                     "rows": table, "headline": heads})
     print_table(table, [
         ("task", lambda r: r["task"]), ("prec", lambda r: r["precision"]), ("row", lambda r: r["row"]),
         ("status", status), ("ms", lambda r: fmt(r.get("median_ms"), ".4g")),
