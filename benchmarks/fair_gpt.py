@@ -83,7 +83,7 @@ import torch  # noqa: E402
 import flowgen as flow  # noqa: E402
 import gpt_char  # noqa: E402  (examples/gpt_char.py)
 from fair_common import environment, fmt, log, print_table, rel_err, write_json  # noqa: E402
-from fair_convnets import COMPILE_MODES, capture, make_timer, status, torch_precision  # noqa: E402
+from fair_convnets import COMPILE_MODES, capture, make_timer, measure, status, torch_precision  # noqa: E402
 
 # In the order they run: the cheap rows first, so a run cut short by its time limit still has them.
 ROWS = ["flowgen", "torch_eager", "torch_cuda_graph", "torch_compile_reduce_overhead", "torch_compile",
@@ -112,8 +112,6 @@ def gpt_config(smoke: bool):
 def make_data(config, batch: int, context: int) -> dict:
     """Random token ids: a training batch of (batch, block) inputs and next-token targets, and a
     decoding context of (1, context)."""
-    if context > config.block_size:
-        raise ValueError(f"--decode-context {context} exceeds the model's block size {config.block_size}")
     rng = np.random.default_rng(0)
     ids = lambda shape: rng.integers(0, config.vocab_size, shape).astype(np.int64)  # noqa: E731
     return {"x": ids((batch, config.block_size)), "y": ids((batch, config.block_size)), "context": ids((1, context))}
@@ -122,11 +120,6 @@ def make_data(config, batch: int, context: int) -> dict:
 def flow_model(config):
     flow.manual_seed(0)
     return gpt_char.define(flow)(config)
-
-
-def measure(timer, run, args, task: str) -> dict:
-    iters = args.iters if task == "train" else args.iters * 4
-    return timer.measure(run, lambda i: None, warmup=args.warmup, iters=iters, repeats=args.repeats)
 
 
 # ---- flowgen ----
@@ -286,9 +279,8 @@ def torch_task(task, row, config, data, precision, device, args) -> dict:
 
 # ---- one row in this process ----
 
-def worker(args) -> None:
+def worker(args, config) -> None:
     device = "cpu" if args.smoke else "cuda"
-    config = gpt_config(args.smoke)
     data = make_data(config, args.batch, args.decode_context)
     log(f"{args.task} {args.precision} {args.row}")
     try:
@@ -420,8 +412,11 @@ def main(argv=None):
     args.iters = args.iters or (2 if args.smoke else 5)
     args.batch = args.batch or (2 if args.smoke else 8)
     args.decode_context = args.decode_context or (16 if args.smoke else 128)
+    config = gpt_config(args.smoke)
+    if not 0 < args.decode_context <= config.block_size:
+        parser.error(f"--decode-context must be 1..{config.block_size} (the model's block size)")
     if args.worker:
-        return worker(args)
+        return worker(args, config)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --smoke on a machine without a GPU")
@@ -431,7 +426,6 @@ def main(argv=None):
     args.row_timeout = args.row_timeout or (300.0 if args.smoke else 240.0)
     out = args.out or (os.path.join(tempfile.gettempdir(), "fair_gpt_smoke.json") if args.smoke
                        else os.path.join(HERE, "results", f"fair_gpt_{device}.json"))
-    config = gpt_config(args.smoke)
 
     env = environment(torch, device)
     log(f"fair_gpt on {env['device']} ({device}), flowgen {env['flowgen_commit']}, torch {env['torch']}: "
