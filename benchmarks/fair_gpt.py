@@ -1,7 +1,8 @@
 """GPT-2 124M training and batch-1 decoding: flowgen's nn.Graph vs PyTorch's best settings.
 
     python benchmarks/fair_gpt.py [--tasks train decode] [--precisions bf16 tf32 fp32] [--rows ROW ...]
-                                  [--batch 8] [--decode-context 128] [--row-timeout S] [--out FILE]
+                                  [--batch 8] [--decode-context 128] [--row-timeout S] [--budget S]
+                                  [--out FILE]
     python benchmarks/fair_gpt.py --smoke      # no GPU: a tiny GPT, cpu target vs torch CPU
 
 Model: examples/gpt_char.py's nanoGPT-style GPT (`define(flow)` / `define(torch)`) at GPT-2 124M's
@@ -9,7 +10,8 @@ size: 12 layers, 12 heads, 768 wide, block 1024, vocabulary 50304, bias, dropout
 layer tied to the token embedding. Same weights on both sides (the flowgen model's state_dict,
 from flow.manual_seed(0), loaded into the PyTorch twin); token ids from a seeded NumPy generator.
 
-Tasks, each row of each task in its own process (a time box per row: --row-timeout):
+Tasks, each row of each task in its own process (a time box per row: --row-timeout, and none
+past --budget seconds from the start; a row with too little left is not started):
 
   train   one step on (batch, 1024) tokens: forward, cross entropy, backward,
           clip_grad_norm_(1.0), AdamW (the model's configure_optimizer: weight decay 0.1 on the
@@ -101,6 +103,7 @@ LOGITS_AGREE_LIMIT = {"fp32": 1e-3, "tf32": 3e-2, "bf16": 1e-1}
 LOSS_AGREE_LIMIT = {"fp32": 1e-4, "tf32": 1e-3, "bf16": 1e-2}
 LR, BETAS, WEIGHT_DECAY, CLIP = 6e-4, (0.9, 0.95), 0.1, 1.0
 RECORDED_LOSSES = 3
+MIN_ROW_S = 15   # a row given less than this (of --budget) is not started
 
 
 def gpt_config(smoke: bool):
@@ -295,9 +298,14 @@ def worker(args, config) -> None:
         json.dump(result, f)
 
 
-def run_row(task, precision, row, args) -> dict:
+def run_row(task, precision, row, args, deadline: float) -> dict:
     """Run one row of one task in a child process (its own session, so a time-out kills its
-    compiler workers too)."""
+    compiler workers too), for at most --row-timeout seconds and never past `deadline` (the
+    perf_counter time at which --budget runs out): a caller that kills this process at its own
+    limit leaves no row running on."""
+    timeout = min(args.row_timeout, deadline - time.perf_counter())
+    if timeout < MIN_ROW_S:
+        return {"error": f"timed out: less than {MIN_ROW_S} s of --budget {args.budget:.0f} s left, not started"}
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result_path = f.name
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--task", task, "--precision", precision,
@@ -307,12 +315,12 @@ def run_row(task, precision, row, args) -> dict:
     start = time.perf_counter()
     child = subprocess.Popen(command, start_new_session=True)
     try:
-        child.wait(timeout=args.row_timeout)
+        child.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
         os.unlink(result_path)
-        return {"error": f"timed out after {args.row_timeout:.0f} s"}
+        return {"error": f"timed out after {timeout:.0f} s"}
     try:
         with open(result_path) as f:
             result = json.load(f)
@@ -378,7 +386,7 @@ def write_results(out, env, args, config, table) -> list:
     write_json(out, {"benchmark": "fair_gpt", "environment": env, "smoke": args.smoke,
                      "settings": {"config": vars(config), "batch": args.batch, "decode_context": args.decode_context,
                                   "warmup": args.warmup, "iters": args.iters, "repeats": args.repeats,
-                                  "row_timeout_s": args.row_timeout, "lr": LR, "betas": BETAS,
+                                  "row_timeout_s": args.row_timeout, "budget_s": args.budget, "lr": LR, "betas": BETAS,
                                   "weight_decay": WEIGHT_DECAY, "clip": CLIP},
                      "rows": [{k: v for k, v in r.items() if k != "output"} for r in table], "headline": heads})
     return heads
@@ -397,6 +405,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=None, help="training batch (default 8; --smoke 2)")
     parser.add_argument("--decode-context", type=int, default=None, help="decoding context (default 128; --smoke 16)")
     parser.add_argument("--row-timeout", type=float, default=None, help="seconds per row (its own process)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole run: a row gets at most what is left (default: no limit)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=None, help="timed training steps per repeat (decode: 4x)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -431,12 +441,13 @@ def main(argv=None):
     log(f"fair_gpt on {env['device']} ({device}), flowgen {env['flowgen_commit']}, torch {env['torch']}: "
         f"{args.tasks} x {args.precisions} x {rows}")
     table, heads = [], []
+    deadline = time.perf_counter() + (args.budget or float("inf"))
     for task in args.tasks:
         tokens_per_step = args.batch * config.block_size if task == "train" else 1
         for precision in args.precisions:
             results = {}
             for row in (r for r in rows if r in TASK_ROWS[task]):
-                results[row] = run_row(task, precision, row, args)
+                results[row] = run_row(task, precision, row, args, deadline)
                 heads = write_results(out, env, args, config, table + summarize(task, precision, results,
                                                                                  tokens_per_step))
             table += summarize(task, precision, results, tokens_per_step)
