@@ -9,7 +9,10 @@ Phases (each sized to fit one 10-minute device command; run them in this order):
   bench     fair_gemm.py, graph.py --device cuda, mobilenet.py --device cuda, fair_convnets.py on
             mobilenet_v2 (the default rows)
   convnets  fair_convnets.py on resnet50 (the default rows)
+  gpt       fair_gpt.py: GPT-2 124M bf16 training (the default rows), then batch-1 decoding
   autotune  fair_convnets.py's torch_compile_max_autotune rows for both models (if time is left)
+  gpt_autotune  fair_gpt.py's torch_compile_max_autotune training row beside flowgen's (if time
+                is left)
 
 Every step runs in its own process session under a time limit: the smaller of its own and what
 is left of the phase's budget (--budget, default 560 s per phase), so a phase ends inside the
@@ -43,6 +46,7 @@ sys.path.insert(0, HERE)
 from fair_common import git_commit  # noqa: E402
 
 PYTHON = sys.executable
+PHASES = ["tests", "bench", "convnets", "gpt", "autotune", "gpt_autotune"]
 GPU_TESTS = [PYTHON, "-m", "pytest", "-m", "gpu", "-q", "-rfE", "-p", "no:cacheprovider", "tests/"]
 
 
@@ -95,12 +99,24 @@ def steps_for(phase: str, results: str, work: str) -> list:
         return [("fair_convnets_resnet50", [PYTHON, "benchmarks/fair_convnets.py", "--models", "resnet50",
                                             "--row-timeout", "105", "--out", r("fair_convnets_resnet50.json")],
                  560, r("fair_convnets_resnet50.json"), summarize_convnets)]
+    if phase == "gpt":   # fair_gpt's --budget ends its rows inside the step's limit; its JSON keeps finished rows
+        return [("fair_gpt_train", [PYTHON, "benchmarks/fair_gpt.py", "--tasks", "train", "--row-timeout", "150",
+                                    "--budget", "345", "--out", r("fair_gpt_train.json")], 370,
+                 r("fair_gpt_train.json"), summarize_gpt),
+                ("fair_gpt_decode", [PYTHON, "benchmarks/fair_gpt.py", "--tasks", "decode", "--row-timeout", "90",
+                                     "--budget", "160", "--out", r("fair_gpt_decode.json")], 180,
+                 r("fair_gpt_decode.json"), summarize_gpt)]
+    if phase == "gpt_autotune":
+        return [("fair_gpt_max_autotune", [PYTHON, "benchmarks/fair_gpt.py", "--tasks", "train", "--rows", "flowgen",
+                                           "torch_compile_max_autotune", "--row-timeout", "270", "--budget", "530",
+                                           "--out", r("fair_gpt_max_autotune.json")],
+                 560, r("fair_gpt_max_autotune.json"), summarize_gpt)]
     if phase == "autotune":
         return [("fair_convnets_max_autotune", [PYTHON, "benchmarks/fair_convnets.py", "--models", "mobilenet_v2",
                                                 "resnet50", "--rows", "flowgen", "torch_compile_max_autotune",
                                                 "--row-timeout", "250", "--out", r("fair_convnets_max_autotune.json")],
                  560, r("fair_convnets_max_autotune.json"), summarize_convnets)]
-    raise SystemExit(f"unknown phase {phase!r}: choose from tests, bench, convnets, autotune")
+    raise SystemExit(f"unknown phase {phase!r}: choose from {', '.join(PHASES)}")
 
 
 def summarize_junit(path):
@@ -147,6 +163,14 @@ def summarize_convnets(output: str, result_file: str) -> str:
                      f"{h['best_torch_row']}" for h in heads) or "no headline (see the log)"
 
 
+def summarize_gpt(output: str, result_file: str) -> str:
+    heads = json.load(open(result_file))["headline"]
+    return "; ".join(f"{h['task']} {h['precision']}: time {h['flowgen_time_over_best_torch']:.2f}x "
+                     f"{h['best_torch_row']}'s" + (f", memory {h['flowgen_mem_over_best_torch']:.2f}x"
+                                                   if "flowgen_mem_over_best_torch" in h else "")
+                     for h in heads) or "no headline (see the log)"
+
+
 def device_info() -> dict:
     info = {"flowgen_commit": git_commit(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
@@ -181,7 +205,7 @@ def run_step(argv, limit: float, log, work: str) -> tuple:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("phases", nargs="+", choices=["tests", "bench", "convnets", "autotune"])
+    parser.add_argument("phases", nargs="+", choices=PHASES)
     parser.add_argument("--out", default=os.environ.get("OUT") or os.path.join(HERE, "results", "session"))
     parser.add_argument("--budget", type=float, default=560.0, help="seconds per phase")
     args = parser.parse_args()
@@ -230,7 +254,7 @@ def main():
         table += [dict(r, phase=phase) for r in records]
     print()
     for r in table:
-        print(f"{r['phase']:<9} {r['step']:<27} {r['status']:<18} {r['seconds']:>6} s  {r['summary']}")
+        print(f"{r['phase']:<12} {r['step']:<27} {r['status']:<18} {r['seconds']:>6} s  {r['summary']}")
 
 
 if __name__ == "__main__":

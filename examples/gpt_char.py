@@ -114,7 +114,7 @@ def define(torch):
 
         def forward(self, idx, targets=None):
             _, t = idx.size()
-            pos = torch.arange(0, t, dtype=torch.long)
+            pos = torch.arange(0, t, dtype=torch.long, device=idx.device)
             x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
             for block in self.transformer.h:
                 x = block(x)
@@ -123,11 +123,12 @@ def define(torch):
                 return logits, None
             return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
-        def configure_optimizer(self, weight_decay, learning_rate, betas):
+        def configure_optimizer(self, weight_decay, learning_rate, betas, **options):
+            """AdamW with weight decay on the matrices only; `options` go to AdamW (PyTorch: fused=True)."""
             params = [p for _, p in self.named_parameters() if p.requires_grad]
             groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
                       {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-            return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)
+            return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **options)
 
         @torch.no_grad()
         def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None):

@@ -68,3 +68,27 @@ def test_fair_convnets_smoke(tmp_path):
     assert rows[("infer", "flowgen")]["rel_diff_vs_torch_eager"] < 1e-4
     assert {(h["model"], h["task"]) for h in result["headline"]} == {("mobilenet_v2", "train"),
                                                                       ("mobilenet_v2", "infer")}
+
+
+@pytest.mark.slow
+def test_fair_gpt_smoke(tmp_path):
+    result = run_benchmark("fair_gpt.py", tmp_path / "gpt.json", "--precisions", "fp32", "bf16")
+    check_environment(result["environment"])
+    rows = {(r["task"], r["precision"], r["row"]): r for r in result["rows"]}
+    assert set(rows) == {(t, p, r) for t in ("train", "decode") for p in ("fp32", "bf16")
+                         for r in ("flowgen", "torch_eager")}
+    for (task, precision, name), row in rows.items():
+        assert "error" not in row, row
+        check_timing(row)
+        assert row["first_call_s"] > 0 and row["tokens_per_s"] > 0
+        assert row["agrees"], row   # first three losses / last logits within the limit of torch eager's
+    for task in ("train", "decode"):
+        flowgen = rows[(task, "fp32", "flowgen")]
+        assert flowgen["rel_diff_vs_torch_eager"] < 1e-4
+        assert flowgen["peak_mem_bytes"] >= flowgen["arena_bytes"] > 0
+    assert rows[("decode", "fp32", "flowgen")]["token"] == rows[("decode", "fp32", "torch_eager")]["token"]
+    assert {(h["task"], h["precision"]) for h in result["headline"]} == {(t, p) for t in ("train", "decode")
+                                                                         for p in ("fp32", "bf16")}
+    for head in result["headline"]:
+        low, high = head["flowgen_time_over_best_torch_range"]
+        assert 0 < low <= head["flowgen_time_over_best_torch"] <= high

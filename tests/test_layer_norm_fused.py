@@ -236,3 +236,44 @@ def test_layer_norm_in_an_amp_graph_stays_float32():
     assert {n.op for n in nodes} == {"layer_norm", "layer_norm_backward"}
     assert all(v.dtype == flow.float32 for n in nodes for v in n.inputs + n.outputs)
     assert "bf16[" in str(amp.compiled.ir)
+
+
+def test_many_layer_norms_gradients_share_kernels_within_shared_memory(monkeypatch):
+    """20 LayerNorms in a chain: their 40 weight and bias gradients are sibling column sums over the
+    same rows, computed together, at most fusion.SIBLING_MAX_REDUCTIONS per kernel: each keeps a
+    block-wide array of 8-byte accumulators in static shared memory, 48 KB at most per kernel on a
+    GPU (GPT-2's 25 LayerNorms in one kernel needed 100 KB: ptxas refused it). One SGD step equals
+    eager on the emulator (or the GPU), and NVRTC compiles the program for sm_90."""
+    from flowgen.passes.fusion import SIBLING_MAX_REDUCTIONS
+    from flowgen.runtime import nvrtc
+
+    if not cuda_driver.available():
+        monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    flow.manual_seed(0)
+    model = nn.Sequential(*[nn.LayerNorm(32) for _ in range(20)])
+    eager = copy.deepcopy(model)
+    x = flow.randn(64, 32)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model.to("cuda")
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.5))
+
+        def build(self, x):
+            loss = (self.model(x) * x).sum()
+            loss.backward()
+            return loss
+
+    graph = Step()
+    got = graph(x.to("cuda")).numpy()
+    loss = (eager(x) * x).sum()
+    loss.backward()
+    flow.optim.SGD(eager.parameters(), lr=0.5).step()
+    np.testing.assert_allclose(got, loss.numpy(), rtol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), q.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    source = graph.compiled.sources["kernels.cu"]
+    shared = [k.source.count("__shared__ double partial") for k in graph.compiled.program.kernels]
+    assert max(shared) == SIBLING_MAX_REDUCTIONS and sum(shared) >= 40, shared
+    assert len(nvrtc.compile_cuda(source, "sm_90")) > 0

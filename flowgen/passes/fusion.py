@@ -91,6 +91,10 @@ def _transposes_gemm_result(node, group, producer_index, users, live_out) -> boo
 HORIZONTAL_MAX_NUMEL = 1
 # Buffers one multi-tensor update kernel may take (8-byte pointers within CUDA's 4 KB of parameters).
 MULTI_MAX_POINTERS = 400
+# Sibling reductions one kernel computes: on a GPU each keeps a block-wide array of accumulators in
+# static shared memory (up to 256 threads x 8 bytes: 2 KB), and a kernel may declare 48 KB. A GPT's
+# LayerNorm weight and bias gradients (2 per LayerNorm, 25 LayerNorms in GPT-2) are such siblings.
+SIBLING_MAX_REDUCTIONS = 16
 
 
 class _Group:
@@ -187,6 +191,8 @@ def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: 
                 continue
             if any(v in h.produced for m in g.members for v in nodes[m].inputs):
                 continue   # depends on it (a variance reading its mean)
+            if sum(_kind(nodes[m]) == "reduction" for m in h.members) >= SIBLING_MAX_REDUCTIONS:
+                continue   # full
             # nothing outside the two groups may read h's results before the merged kernel runs
             if not any(group_of.get(b) not in (g, h) and any(v in h.produced for v in nodes[b].inputs)
                        for b in range(h.first, i)):
