@@ -11,7 +11,8 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 import flowgen.nn.functional as F
-from flowgen.runtime import cuda_driver
+from flowgen.passes.fusion import SIBLING_MAX_REDUCTIONS
+from flowgen.runtime import cuda_driver, nvrtc
 from graphs import InferGraph
 from torch_oracle import get_torch
 
@@ -244,9 +245,6 @@ def test_many_layer_norms_gradients_share_kernels_within_shared_memory(monkeypat
     block-wide array of 8-byte accumulators in static shared memory, 48 KB at most per kernel on a
     GPU (GPT-2's 25 LayerNorms in one kernel needed 100 KB: ptxas refused it). One SGD step equals
     eager on the emulator (or the GPU), and NVRTC compiles the program for sm_90."""
-    from flowgen.passes.fusion import SIBLING_MAX_REDUCTIONS
-    from flowgen.runtime import nvrtc
-
     if not cuda_driver.available():
         monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
     flow.manual_seed(0)
