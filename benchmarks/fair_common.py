@@ -10,6 +10,7 @@ ones: the median of each group, then the median of those and their min and max (
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import math
@@ -100,6 +101,32 @@ class CudaEventTimer:
 def summarize(medians: list, iters: int) -> dict:
     return {"median_ms": statistics.median(medians), "min_ms": min(medians), "max_ms": max(medians),
             "repeat_medians_ms": medians, "iters_per_repeat": iters}
+
+
+def add_row_arguments(parser, precisions: list, rows: list, iters_help: str) -> None:
+    """The options every fair benchmark shares: which precisions and rows, the time box of a row
+    (its own process), warm-up, timed iterations and repeats, the JSON path, and the hidden flags
+    the parent passes to a row's worker process."""
+    parser.add_argument("--precisions", nargs="*", default=["bf16"], choices=precisions)
+    parser.add_argument("--rows", nargs="*", default=None, choices=rows)
+    parser.add_argument("--row-timeout", type=float, default=None, help="seconds per row (its own process)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=None, help=iters_help)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for hidden in ("--precision", "--row", "--result"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+
+
+def parse_row_arguments(parser, argv):
+    """`parser.parse_args(argv)` with the shared checks: at least 3 repeats (the spread needs several
+    groups); --iters defaults to 2 timed steps per repeat with --smoke, else 5."""
+    args = parser.parse_args(argv)
+    if args.repeats < 3:
+        parser.error("--repeats must be at least 3 (the spread needs several groups)")
+    args.iters = args.iters or (2 if args.smoke else 5)
+    return args
 
 
 def git_commit() -> str:

@@ -66,8 +66,8 @@ import torch  # noqa: E402
 
 import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
-from fair_common import (CudaEventTimer, HostTimer, environment, fmt, log, print_table, rel_err,  # noqa: E402
-                         write_json)
+from fair_common import (CudaEventTimer, HostTimer, add_row_arguments, environment, fmt, log,  # noqa: E402
+                         parse_row_arguments, print_table, rel_err, write_json)
 from flowgen.models import mobilenet_v2, resnet50  # noqa: E402
 from graphs import InferGraph, TrainGraph  # noqa: E402  (tests/graphs.py)
 from torch_vision_models import copy_into_torch, torch_mobilenet_v2  # noqa: E402  (tests/)
@@ -381,22 +381,9 @@ def main(argv=None):
     parser.add_argument("--smoke", action="store_true", help="tiny models on the cpu target vs torch CPU")
     parser.add_argument("--models", nargs="*", default=["mobilenet_v2", "resnet50"],
                         choices=["mobilenet_v2", "resnet50"])
-    parser.add_argument("--precisions", nargs="*", default=["bf16"], choices=PRECISIONS)
-    parser.add_argument("--rows", nargs="*", default=None, choices=ROWS)
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds per row (its own process)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=None, help="timed training steps per repeat (inference: 4x)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    add_row_arguments(parser, PRECISIONS, ROWS, "timed training steps per repeat (inference: 4x)")
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--precision", help=argparse.SUPPRESS)
-    parser.add_argument("--row", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.repeats < 3:
-        parser.error("--repeats must be at least 3 (the spread needs several groups)")
-    args.iters = args.iters or (2 if args.smoke else 5)
+    args = parse_row_arguments(parser, argv)
     if args.worker:
         return worker(args)
     device = "cpu" if args.smoke else "cuda"

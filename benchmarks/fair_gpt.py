@@ -84,7 +84,8 @@ import torch  # noqa: E402
 
 import flowgen as flow  # noqa: E402
 import gpt_char  # noqa: E402  (examples/gpt_char.py)
-from fair_common import environment, fmt, log, print_table, rel_err, write_json  # noqa: E402
+from fair_common import (add_row_arguments, environment, fmt, log, parse_row_arguments, print_table,  # noqa: E402
+                         rel_err, write_json)
 from fair_convnets import COMPILE_MODES, capture, make_timer, measure, status, torch_precision  # noqa: E402
 
 # In the order they run: the cheap rows first, so a run cut short by its time limit still has them.
@@ -400,26 +401,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a tiny GPT on the cpu target vs torch CPU")
     parser.add_argument("--tasks", nargs="*", default=TASKS, choices=TASKS)
-    parser.add_argument("--precisions", nargs="*", default=["bf16"], choices=PRECISIONS)
-    parser.add_argument("--rows", nargs="*", default=None, choices=ROWS)
+    add_row_arguments(parser, PRECISIONS, ROWS, "timed training steps per repeat (decode: 4x)")
     parser.add_argument("--batch", type=int, default=None, help="training batch (default 8; --smoke 2)")
     parser.add_argument("--decode-context", type=int, default=None, help="decoding context (default 128; --smoke 16)")
-    parser.add_argument("--row-timeout", type=float, default=None, help="seconds per row (its own process)")
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole run: a row gets at most what is left (default: no limit)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=None, help="timed training steps per repeat (decode: 4x)")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--task", help=argparse.SUPPRESS)
-    parser.add_argument("--precision", help=argparse.SUPPRESS)
-    parser.add_argument("--row", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.repeats < 3:
-        parser.error("--repeats must be at least 3 (the spread needs several groups)")
-    args.iters = args.iters or (2 if args.smoke else 5)
+    args = parse_row_arguments(parser, argv)
     args.batch = args.batch or (2 if args.smoke else 8)
     args.decode_context = args.decode_context or (16 if args.smoke else 128)
     config = gpt_config(args.smoke)
