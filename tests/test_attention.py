@@ -150,15 +150,15 @@ class WeightedSumStep(nn.Graph):
         return out
 
 
-def _mask(kind, shape):
+def _mask(kind, shape, rng=RNG):
     """A bool mask (True = attend) or an additive float one (with -inf entries), with query row 1
-    fully masked when `kind` ends in "_row"."""
-    keep = RNG.random(shape) < 0.7
+    fully masked when `kind` ends in "_row"; drawn from `rng`."""
+    keep = rng.random(shape) < 0.7
     if kind.endswith("_row"):
         keep[..., 1, :] = False
     if kind.startswith("bool"):
         return keep
-    return np.where(keep, RNG.standard_normal(shape), -np.inf).astype(np.float32)
+    return np.where(keep, rng.standard_normal(shape), -np.inf).astype(np.float32)
 
 
 TRAIN_CASES = [  # (id, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask shape)

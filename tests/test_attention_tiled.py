@@ -23,7 +23,7 @@ from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, apply, get_op
 from flowgen.runtime import cuda_driver, nvrtc
-from test_attention import WeightedSumStep   # loss = sum(attention * w), one SGD step with lr 1
+from test_attention import WeightedSumStep, _mask   # attention * w summed, one SGD step with lr 1; masks
 
 RNG = np.random.default_rng(11)
 U_HALF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
@@ -67,17 +67,6 @@ CASES = [  # (id, dtype, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask sha
 ]
 
 
-def _mask(kind, shape):
-    """bool (True = attend) or additive float (-inf where masked); query row 1 fully masked for
-    kinds ending in "_row"."""
-    keep = RNG.random(shape) < 0.7
-    if kind.endswith("_row"):
-        keep[..., 1, :] = False
-    if kind.startswith("bool"):
-        return keep
-    return np.where(keep, RNG.standard_normal(shape), -np.inf).astype(np.float32)
-
-
 def _reference(q, k, v, w, mask, causal, scale, keep, keep_scale):
     """float64 forward and gradients (P, dP, dS built whole), plus the magnitude of each result's
     sum (the same sums over absolute values) for rounding bounds."""
@@ -112,7 +101,7 @@ def _run_case(case):
     q, k, v = (RNG.standard_normal(s).astype(np.float32) for s in ((B, H, L, E), (B, H, S, E), (B, H, S, Ev)))
     q, k, v = (flow.tensor(a).to(fdtype).to(flow.float32).numpy() for a in (q, k, v))   # representable
     w = flow.tensor(RNG.standard_normal((B, H, L, Ev)).astype(np.float32)).to(fdtype).to(flow.float32).numpy()
-    mask = None if kind is None else _mask(kind, mask_shape)
+    mask = None if kind is None else _mask(kind, mask_shape, RNG)
     masks = () if mask is None else (flow.tensor(mask if kind.startswith("bool") else mask.astype(fdtype.np_dtype)),)
 
     flow.manual_seed(7)
