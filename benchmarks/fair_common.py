@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 
 import numpy as np
@@ -127,6 +128,22 @@ def parse_row_arguments(parser, argv):
         parser.error("--repeats must be at least 3 (the spread needs several groups)")
     args.iters = args.iters or (2 if args.smoke else 5)
     return args
+
+
+def plan_rows(parser, args, torch, name: str, smoke_rows: list, default_rows: list, smoke_timeout: float):
+    """(device, rows, JSON path) of a fair benchmark's run: the cpu target with --smoke (its JSON in
+    the temporary directory), else 'cuda' (benchmarks/results/<name>_cuda.json); refuses what the
+    machine cannot run, and sets the rows' default time box (--smoke: `smoke_timeout`, else 240 s)."""
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --smoke on a machine without a GPU")
+    rows = args.rows or (smoke_rows if args.smoke else default_rows)
+    if device == "cpu" and "torch_cuda_graph" in rows:
+        parser.error("torch_cuda_graph needs a GPU")
+    args.row_timeout = args.row_timeout or (smoke_timeout if args.smoke else 240.0)
+    out = args.out or (os.path.join(tempfile.gettempdir(), f"{name}_smoke.json") if args.smoke
+                       else os.path.join(ROOT, "benchmarks", "results", f"{name}_{device}.json"))
+    return device, rows, out
 
 
 def git_commit() -> str:

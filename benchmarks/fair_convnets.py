@@ -67,7 +67,7 @@ import torch  # noqa: E402
 import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
 from fair_common import (CudaEventTimer, HostTimer, add_row_arguments, environment, fmt, log,  # noqa: E402
-                         parse_row_arguments, print_table, rel_err, write_json)
+                         parse_row_arguments, plan_rows, print_table, rel_err, write_json)
 from flowgen.models import mobilenet_v2, resnet50  # noqa: E402
 from graphs import InferGraph, TrainGraph  # noqa: E402  (tests/graphs.py)
 from torch_vision_models import copy_into_torch, torch_mobilenet_v2  # noqa: E402  (tests/)
@@ -386,15 +386,7 @@ def main(argv=None):
     args = parse_row_arguments(parser, argv)
     if args.worker:
         return worker(args)
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: run with --smoke on a machine without a GPU")
-    rows = args.rows or (SMOKE_ROWS if args.smoke else DEFAULT_ROWS)
-    if device == "cpu" and "torch_cuda_graph" in rows:
-        parser.error("torch_cuda_graph needs a GPU")
-    args.row_timeout = args.row_timeout or (900.0 if args.smoke else 240.0)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "fair_convnets_smoke.json") if args.smoke
-                       else os.path.join(HERE, "results", f"fair_convnets_{device}.json"))
+    device, rows, out = plan_rows(parser, args, torch, "fair_convnets", SMOKE_ROWS, DEFAULT_ROWS, smoke_timeout=900.0)
 
     env = environment(torch, device)
     log(f"fair_convnets on {env['device']} ({device}), flowgen {env['flowgen_commit']}, torch {env['torch']}: "

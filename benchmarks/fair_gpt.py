@@ -84,8 +84,8 @@ import torch  # noqa: E402
 
 import flowgen as flow  # noqa: E402
 import gpt_char  # noqa: E402  (examples/gpt_char.py)
-from fair_common import (add_row_arguments, environment, fmt, log, parse_row_arguments, print_table,  # noqa: E402
-                         rel_err, write_json)
+from fair_common import (add_row_arguments, environment, fmt, log, parse_row_arguments, plan_rows,  # noqa: E402
+                         print_table, rel_err, write_json)
 from fair_convnets import COMPILE_MODES, capture, make_timer, measure, status, torch_precision  # noqa: E402
 
 # In the order they run: the cheap rows first, so a run cut short by its time limit still has them.
@@ -415,15 +415,7 @@ def main(argv=None):
         parser.error(f"--decode-context must be 1..{config.block_size} (the model's block size)")
     if args.worker:
         return worker(args, config)
-    device = "cpu" if args.smoke else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        parser.error("no CUDA device: run with --smoke on a machine without a GPU")
-    rows = args.rows or (SMOKE_ROWS if args.smoke else DEFAULT_ROWS)
-    if device == "cpu" and "torch_cuda_graph" in rows:
-        parser.error("torch_cuda_graph needs a GPU")
-    args.row_timeout = args.row_timeout or (300.0 if args.smoke else 240.0)
-    out = args.out or (os.path.join(tempfile.gettempdir(), "fair_gpt_smoke.json") if args.smoke
-                       else os.path.join(HERE, "results", f"fair_gpt_{device}.json"))
+    device, rows, out = plan_rows(parser, args, torch, "fair_gpt", SMOKE_ROWS, DEFAULT_ROWS, smoke_timeout=300.0)
 
     env = environment(torch, device)
     log(f"fair_gpt on {env['device']} ({device}), flowgen {env['flowgen_commit']}, torch {env['torch']}: "

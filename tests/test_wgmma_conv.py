@@ -29,7 +29,7 @@ from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from graphs import InferGraph, TrainGraph
 from test_tensor_cores import (CUOBJDUMP, KINDS, NVDISASM, RESNET_WGRAD, SPLIT_GEOMETRY, U_BF16, U_FP32, U_OUT,
                                U_TF32, assert_no_spills, build_with_ptxas_report, conv_node, disassemble, ptr,
-                               split_k_bound, split_k_grid_checks, split_k_layout, tf32_round)
+                               run_conv, split_k_bound, split_k_grid_checks, split_k_layout, tf32_round)
 
 # The graph tests render for sm_90 through FLOWGEN_EMULATE_CUDA_ARCH, which applies without a GPU only.
 emulated_cuda_only = pytest.mark.skipif(cuda_driver.available(), reason="a GPU renders for its own architecture")
@@ -57,13 +57,7 @@ class ConvCase:
         self.kernel = self.kernels[0]
 
     def run(self, module, kernels, arrays):
-        out = np.full(self.out.shape, 123, self.out.dtype.np_dtype)   # poison: a skipped output shows up
-        buffers = {v: x for v, x in zip(self.node.inputs, arrays)} | {self.out: out}
-        for k in kernels:   # scratch arguments (split-k partials) get buffers of their own
-            buffers.update({a.value: np.zeros(a.value.shape, a.value.dtype.np_dtype) for a in k.args
-                            if a.value not in buffers})
-            module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
-        return out
+        return run_conv(self, module, kernels, arrays)
 
 
 GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, groups): ragged channels and pixels
