@@ -222,7 +222,7 @@ def _gelu_grad_infer(g, a, approximate="none"):
 
 # gelu's 0.5 * (1 + erf(z)) and 0.5 * (1 + tanh(u)) written as 0.5 * erfc(-z) and sigmoid(2u):
 # for x << 0 the sum with 1 cancels in float (gelu_tanh(-5) came out 0 or 2x off, and Adam turns
-# the sign of such a gradient into a whole step); these forms keep every bit.
+# the sign of such a gradient into a whole step); these forms keep float32's relative precision.
 _GELU_ERF = "(0.5f * ({0}) * erfcf(-({0}) * 0.70710678118654752f))"
 _GELU_U2 = "1.5957691216057308f * (({1}) + 0.044715f * ({1}) * ({1}) * ({1}))"   # 2u = 2 sqrt(2/pi) (x + c x^3)
 _GELU_TANH = "(({0}) / (1.0f + expf(-" + _GELU_U2.replace("{1}", "{0}") + ")))"
