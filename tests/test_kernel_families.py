@@ -209,6 +209,12 @@ def _upsample_cases():
                               lambda r: [_rand(r, x_shape)], size=size, align_corners=ac, scales=scales))
             cases.append(Case(f"upsample_bilinear2d_grad_{tag}_ac{int(ac)}", "upsample_bilinear2d_grad", g,
                               input_shape=x_shape, size=size, align_corners=ac, scales=scales))
+    for ac in (False, True):   # float64: source coordinates in double, as the reference and PyTorch
+        cases.append(Case(f"upsample_bilinear2d_f64_13x9_ac{int(ac)}", "upsample_bilinear2d",
+                          lambda r: [_rand(r, x_shape, np.float64)], size=(13, 9), align_corners=ac, scales=None))
+        cases.append(Case(f"upsample_bilinear2d_grad_f64_13x9_ac{int(ac)}", "upsample_bilinear2d_grad",
+                          lambda r: [_rand(r, x_shape[:2] + (13, 9), np.float64)], input_shape=x_shape, size=(13, 9),
+                          align_corners=ac, scales=None))
     return cases
 
 

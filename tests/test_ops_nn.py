@@ -475,6 +475,17 @@ def test_interpolate_vs_torch(kwargs):
                   rtol=1e-5, atol=1e-6)
 
 
+@needs_torch
+@pytest.mark.parametrize("kwargs", [dict(size=(7, 3), mode="bilinear", align_corners=True),
+                                    dict(scale_factor=1.5, mode="bilinear", align_corners=False)])
+def test_bilinear_float64_uses_float64_source_coordinates_like_torch(kwargs):
+    """PyTorch computes linear source coordinates in the accumulation type: float64 inputs agree
+    to float64 rounding (float32 coordinates were 1e-7 off)."""
+    x = randn(2, 3, 5, 4)
+    compare_torch(lambda t: F.interpolate(t, **kwargs), lambda t: TF.interpolate(t, **kwargs), [x], wrt=(0,),
+                  rtol=1e-13, atol=1e-14)
+
+
 def test_upsample_nearest_forward_loop_and_grads():
     x = randn(1, 2, 3, 4)
     out = F.interpolate(ft(x), scale_factor=2).numpy()

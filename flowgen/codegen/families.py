@@ -1407,9 +1407,18 @@ def _f32_literal(value) -> str:
     return f"{float(np.float32(value))!r}f"
 
 
-def _upsample_dim(in_size: int, out_size: int, scale, linear: bool, align_corners: bool, dst: str, src: str) -> dict:
+def _coord_literal(value, coord: str) -> str:
+    """`value` in the coordinate type (`float` or `double`) as a C++ literal that parses back to
+    exactly that value."""
+    return _f32_literal(value) if coord == "float" else repr(float(value))
+
+
+def _upsample_dim(in_size: int, out_size: int, scale, linear: bool, align_corners: bool, dst: str, src: str,
+                  coord: str) -> dict:
     """How output coordinate `dst` maps to the input along one dim, and (for the gradients) the
-    inclusive window [lo, hi] of outputs that can read input coordinate `src`."""
+    inclusive window [lo, hi] of outputs that can read input coordinate `src`. Nearest source
+    indices are computed in float32 for every dtype, linear ones in `coord` (the accumulation
+    type), as PyTorch does."""
     last_out = out_size - 1
     if not linear:
         if out_size == in_size:
@@ -1422,11 +1431,11 @@ def _upsample_dim(in_size: int, out_size: int, scale, linear: bool, align_corner
         lo = f"max(0, (int)((float){src} * {inv!r}f) - 2)"
         hi = f"({src} == {in_size - 1} ? {last_out} : min({last_out}, (int)((float)({src} + 1) * {inv!r}f) + 2))"
         return dict(mode="float", dst=dst, size=in_size, factor=_f32_literal(factor), lo=lo, hi=hi)
+    t = np.float32 if coord == "float" else np.float64
     if align_corners:
-        factor = np.float32(in_size - 1) / np.float32(out_size - 1) if out_size > 1 else np.float32(0)
+        factor = t(in_size - 1) / t(out_size - 1) if out_size > 1 else t(0)
     else:
-        factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else \
-            np.float32(in_size) / np.float32(out_size)
+        factor = t(1.0 / scale) if scale is not None and scale > 0 else t(in_size) / t(out_size)
     if float(factor) == 0.0:
         lo, hi = "0", str(last_out)
     else:
@@ -1435,8 +1444,9 @@ def _upsample_dim(in_size: int, out_size: int, scale, linear: bool, align_corner
         shift = "" if align_corners else " + 0.5f"
         lo = f"max(0, (int)floorf(((float){src} - 1.0f{shift}) * {inv!r}f) - 2)"
         hi = f"min({last_out}, (int)ceilf(((float){src} + 1.0f{shift}) * {inv!r}f) + 2)"
-    return dict(mode="linear", dst=dst, size=in_size, factor=_f32_literal(factor), align_corners=bool(align_corners),
-                lo=lo, hi=hi)
+    return dict(mode="linear", dst=dst, size=in_size, factor=_coord_literal(factor, coord),
+                align_corners=bool(align_corners), lo=lo, hi=hi, t=coord, f="f" if coord == "float" else "",
+                mul="FLOWGEN_MUL_RN" if coord == "float" else "FLOWGEN_DMUL_RN", max="fmaxf" if coord == "float" else "fmax")
 
 
 def _upsample(node, kernel_name):
@@ -1449,10 +1459,10 @@ def _upsample(node, kernel_name):
     linear = "bilinear" in op
     align = bool(a.get("align_corners") or False)
     scales = a.get("scales") or (None, None)
-    rows = _upsample_dim(H, OH, scales[0], linear, align, "oh", "h")
-    cols = _upsample_dim(W, OW, scales[1], linear, align, "ow", "w")
     src = node.inputs[0]
     acc = _acc_type(src.dtype, out.dtype)
+    rows = _upsample_dim(H, OH, scales[0], linear, align, "oh", "h", acc)
+    cols = _upsample_dim(W, OW, scales[1], linear, align, "ow", "w", acc)
     ctx = dict(name=kernel_name, N=N, C=C, H=H, W=W, OH=OH, OW=OW, rows=rows, cols=cols, numel=out.numel,
                idx_t=_idx_type(out.numel, src.numel), acc=acc, out_t=out.dtype.ctype, store=_storer(out.dtype, acc))
     if grad:

@@ -852,21 +852,22 @@ def nearest_source_index(in_size, out_size, scale):
     return np.minimum(src, in_size - 1)
 
 
-def linear_source_weights(in_size, out_size, align_corners, scale):
-    """(i0, i1, w0, w1) per output index for linear interpolation (PyTorch's float32 arithmetic)."""
-    dst = np.arange(out_size).astype(np.float32)
+def linear_source_weights(in_size, out_size, align_corners, scale, coord=np.float32):
+    """(i0, i1, w0, w1) per output index for linear interpolation, in PyTorch's arithmetic: the
+    source coordinates and weights in `coord`, the input's accumulation type (float32 for
+    float32 and 16-bit inputs, float64 for float64)."""
+    dst = np.arange(out_size).astype(coord)
     if align_corners:
-        factor = np.float32(in_size - 1) / np.float32(out_size - 1) if out_size > 1 else np.float32(0)
+        factor = coord(in_size - 1) / coord(out_size - 1) if out_size > 1 else coord(0)
         src = factor * dst
     else:
-        factor = np.float32(1.0 / scale) if scale is not None and scale > 0 else \
-            np.float32(in_size) / np.float32(out_size)
-        src = factor * (dst + np.float32(0.5)) - np.float32(0.5)
-        src = np.maximum(src, np.float32(0))
+        factor = coord(1.0 / scale) if scale is not None and scale > 0 else coord(in_size) / coord(out_size)
+        src = factor * (dst + coord(0.5)) - coord(0.5)
+        src = np.maximum(src, coord(0))
     i0 = src.astype(np.int64)
     i1 = i0 + (i0 < in_size - 1)
-    w1 = src - i0.astype(np.float32)
-    w0 = np.float32(1) - w1
+    w1 = src - i0.astype(coord)
+    w0 = coord(1) - w1
     return i0, i1, w0, w1
 
 
@@ -876,7 +877,7 @@ def _interp_matrix(in_size, out_size, mode, align_corners, scale, ct):
     if mode == "nearest":
         A[rows, nearest_source_index(in_size, out_size, scale)] = 1
     else:
-        i0, i1, w0, w1 = linear_source_weights(in_size, out_size, align_corners, scale)
+        i0, i1, w0, w1 = linear_source_weights(in_size, out_size, align_corners, scale, ct)
         np.add.at(A, (rows, i0), w0.astype(ct))
         np.add.at(A, (rows, i1), w1.astype(ct))
     return A
@@ -937,7 +938,8 @@ defop("upsample_bilinear2d", infer=_upsample_infer,
       grad=lambda ctx, g: (apply("upsample_bilinear2d_grad", g, input_shape=tuple(ctx.inputs[0].shape),
                                  **ctx.attrs),),
       lowering=Template("upsample"),
-      doc="upsample_bilinear2d(x, size, align_corners, scales): PyTorch source-index rules in float32")
+      doc="upsample_bilinear2d(x, size, align_corners, scales): PyTorch source-index rules, coordinates in "
+          "the accumulation type (float64 for float64, float32 otherwise)")
 defop("upsample_bilinear2d_grad", infer=_upsample_grad_infer,
       ref=lambda g, input_shape, size, align_corners=False, scales=None:
           _upsample_adjoint(g, input_shape, size, "linear", align_corners, scales),
