@@ -390,8 +390,7 @@ def prod(x, dim=None, keepdim=False, dtype=None):
     elif not x.dtype.is_floating:
         x = cast(x, dt.int64)
     if dim is None:
-        flat = reshape(x, -1)
-        return squeeze(prod(flat, 0, keepdim=False), 0) if flat.ndim else flat
+        return prod(reshape(x, -1), 0)
     if x.ndim == 0:
         normalize_dim(dim, 0, op="prod")
         return x
@@ -923,7 +922,7 @@ def index_select(x, dim, index):
 def index_add(input, dim, index, source, alpha=1):
     """`input` with `alpha * source` slices added at rows `index` along `dim` (repeated indices
     accumulate), as torch.index_add: the index_add op (zeros with the slices added) plus input."""
-    d = normalize_dim(dim, max(input.ndim, 1), op="index_add")
+    d = normalize_dim(dim, _bmax(input.ndim, 1), op="index_add")
     added = apply("index_add", index, source, shape=tuple(input.shape), dim=d)
     return add(input, added if alpha == 1 else mul(added, alpha))
 
@@ -931,7 +930,7 @@ def index_add(input, dim, index, source, alpha=1):
 def scatter_add(input, dim, index, src):
     """`input` with src[i..] added at the position index[i..] names along `dim`, as
     torch.scatter_add; only the leading index.shape part of `src` is read."""
-    d = normalize_dim(dim, max(input.ndim, 1), op="scatter_add")
+    d = normalize_dim(dim, _bmax(input.ndim, 1), op="scatter_add")
     if src.ndim != index.ndim or builtins.any(i > s for i, s in zip(index.shape, src.shape)):
         raise RuntimeError(f"scatter_add: index {tuple(index.shape)} must have the dims of src "
                            f"{tuple(src.shape)} and be no larger in any of them")
@@ -1417,9 +1416,12 @@ def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
         close = logical_or(close, logical_and(isnan(a), isnan(b)))
     if a.dtype == dt.bool_ or (rtol == 0 and atol == 0):
         return close
-    error = abs(sub(_to_float(a), _to_float(b)))
-    allowed = add(mul(abs(_to_float(b)), rtol), atol)
-    return logical_or(close, logical_and(isfinite(error), le(error, allowed)))
+    a, b = _to_float(a), _to_float(b)
+    finite = logical_and(isfinite(a), isfinite(b))          # inf - inf is never computed
+    a, b = where(finite, a, 0.0), where(finite, b, 0.0)
+    error = abs(sub(a, b))
+    allowed = add(mul(abs(b), rtol), atol)
+    return logical_or(close, logical_and(finite, le(error, allowed)))
 
 
 def equal(a, b) -> bool:
