@@ -275,17 +275,17 @@ class _Extras(nn.Module):
                                   nn.ConstantPad2d((0, 1, 1, 0), 0.5))
         self.conv = nn.Conv2d(2, 4, 3)
         self.prelu = nn.PReLU(4, init=0.2)
-        self.pool = nn.AdaptiveMaxPool2d((3, 5))
-        self.norm = nn.RMSNorm(30)
-        self.fc = nn.Linear(30, 8)
+        self.pool = nn.AdaptiveMaxPool2d((4, 3))        # uneven windows over 9 x 10
+        self.norm = nn.RMSNorm(24)
+        self.fc = nn.Linear(24, 8)
         self.glu = nn.GLU()
         self.table = nn.Parameter(flow.randn(6, 4) * 0.1)
 
     def forward(self, x):
-        h = self.pool(self.conv(self.pads(x)))                                 # (N, 4, 9, 10) -> (N, 4, 3, 5)
+        h = self.pool(self.conv(self.pads(x)))                                 # (N, 4, 9, 10) -> (N, 4, 4, 3)
         h = self.prelu(h - h.mean())                                           # negative inputs too
         h = F.celu(h, 0.8) + F.selu(h) * 0.5 + F.logsigmoid(h) + F.softshrink(h, 0.2)
-        pooled = flow.reshape(h, (-1, 30)) % 2.5                               # (2N, 30)
+        pooled = flow.reshape(h, (-1, 24)) % 2.5                               # (2N, 24)
         g = self.glu(self.fc(self.norm(pooled)))                               # (2N, 4)
         rows = flow.index_add(self.table, 0, flow.tensor(np.array([1, 4, 1, 5])), g) + 1.0    # (6, 4)
         # exact zeros (one or two in a row) whose gradient is 1, so prod's gradient at them counts
