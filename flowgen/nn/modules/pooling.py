@@ -104,4 +104,5 @@ class AdaptiveAvgPool1d(_AdaptiveAvgPool):
     pool = staticmethod(NF.adaptive_avg_pool1d)
 
 
-__all__ = ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "MaxPool1d", "AvgPool1d", "AdaptiveAvgPool1d"]
+__all__ = ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "MaxPool1d", "AvgPool1d",
+           "AdaptiveAvgPool1d"]
