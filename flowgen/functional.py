@@ -112,7 +112,9 @@ true_divide = divide = div
 
 
 def floor_divide(a, b):
-    return div(a, b, rounding_mode="floor")
+    """floor(a / b). Not differentiable (PyTorch raises on a backward through it): the result does
+    not require grad, so a loss built on it says so instead of training on zero gradients."""
+    return detach(div(a, b, rounding_mode="floor"))
 
 
 def pow(a, b):  # noqa: A001
@@ -377,6 +379,26 @@ def var(x, dim=None, unbiased=True, keepdim=False, correction=None):
 
 def std(x, dim=None, unbiased=True, keepdim=False, correction=None):
     return sqrt(var(x, dim, unbiased=unbiased, keepdim=keepdim, correction=correction))
+
+
+def prod(x, dim=None, keepdim=False, dtype=None):
+    """The product over `dim` (all elements when None). Integer and bool inputs give int64, as
+    PyTorch. It is the last element of a cumulative product, so the gradient is cumprod's, exact with
+    zeros in the input (the product of the other elements, not prod / x)."""
+    if dtype is not None:
+        x = cast(x, dtype)
+    elif not x.dtype.is_floating:
+        x = cast(x, dt.int64)
+    if dim is None:
+        return prod(reshape(x, -1), 0)
+    if x.ndim == 0:
+        normalize_dim(dim, 0, op="prod")
+        return x
+    d = normalize_dim(dim, x.ndim, op="prod")
+    if x.shape[d] == 0:     # the empty product: ones of the reduced shape
+        return add(mul(sum(x, d, keepdim=keepdim), 0), 1)
+    last = narrow(apply("cumprod", x, dim=d, reverse=False), d, x.shape[d] - 1, 1)
+    return last if keepdim else squeeze(last, d)
 
 
 def _extremum(x, dim, keepdim, op, arg_op, binary):
@@ -837,6 +859,45 @@ def dot(a, b):
     return matmul(a, b)
 
 
+def mv(input, vec):
+    """Matrix (n, m) times vector (m,) -> (n,)."""
+    if input.ndim != 2 or vec.ndim != 1:
+        raise ValueError(f"mv: expects a 2-D matrix and a 1-D vector, got shapes {tuple(input.shape)} and "
+                         f"{tuple(vec.shape)}")
+    return matmul(input, vec)
+
+
+def tensordot(a, b, dims=2):
+    """Sum of products over `dims`: an int n (the last n dims of `a` with the first n of `b`) or a
+    pair of dim lists, as torch.tensordot; a permute + reshape + one matmul."""
+    if isinstance(dims, numbers.Integral):
+        n = int(dims)
+        if n < 0 or n > a.ndim or n > b.ndim:
+            raise RuntimeError(f"tensordot: dims={n} must be non-negative and at most the dims of both "
+                               f"operands ({a.ndim} and {b.ndim})")
+        dims_a, dims_b = list(range(a.ndim - n, a.ndim)), list(range(n))
+    elif _is_tensor(dims):
+        return tensordot(a, b, dims.tolist())
+    else:
+        if len(dims) != 2:
+            raise RuntimeError(f"tensordot: dims must be an int or a pair of dim lists, got {dims!r}")
+        dims_a, dims_b = ([d] if isinstance(d, numbers.Integral) else list(d) for d in dims)
+    dims_a = [normalize_dim(d, a.ndim, op="tensordot") for d in dims_a]
+    dims_b = [normalize_dim(d, b.ndim, op="tensordot") for d in dims_b]
+    if len(dims_a) != len(dims_b):
+        raise RuntimeError(f"tensordot: both dim lists must have the same length, got {dims_a} and {dims_b}")
+    for da, db in zip(dims_a, dims_b):
+        if a.shape[da] != b.shape[db]:
+            raise RuntimeError(f"tensordot: contracted dimensions need to match, but first has size "
+                               f"{a.shape[da]} in dim {da} and second has size {b.shape[db]} in dim {db}")
+    free_a = [d for d in range(a.ndim) if d not in dims_a]
+    free_b = [d for d in range(b.ndim) if d not in dims_b]
+    k = _prod(a.shape[d] for d in dims_a)
+    a2 = reshape(permute(a, free_a + dims_a), (_prod(a.shape[d] for d in free_a), k))
+    b2 = reshape(permute(b, dims_b + free_b), (k, _prod(b.shape[d] for d in free_b)))
+    return reshape(matmul(a2, b2), tuple(a.shape[d] for d in free_a) + tuple(b.shape[d] for d in free_b))
+
+
 # =================================================================== nn-op front ends
 # These ops are defined in flowgen/ops/nn_ops.py; the functions are here so Tensor
 # methods (x.softmax(-1), x.gather(1, idx), x.index_select(0, idx)) reach them.
@@ -856,6 +917,30 @@ def index_select(x, dim, index):
     if not _is_tensor(index):
         index = _index_tensor(index)
     return apply("index_select", x, index, dim=normalize_dim(dim, x.ndim, op="index_select"))
+
+
+def index_add(input, dim, index, source, alpha=1):
+    """`input` with `alpha * source` slices added at rows `index` along `dim` (repeated indices
+    accumulate), as torch.index_add: the index_add op (zeros with the slices added) plus input."""
+    d = normalize_dim(dim, _bmax(input.ndim, 1), op="index_add")
+    added = apply("index_add", index, source, shape=tuple(input.shape), dim=d)
+    return add(input, added if alpha == 1 else mul(added, alpha))
+
+
+def scatter_add(input, dim, index, src):
+    """`input` with src[i..] added at the position index[i..] names along `dim`, as
+    torch.scatter_add; only the leading index.shape part of `src` is read."""
+    d = normalize_dim(dim, _bmax(input.ndim, 1), op="scatter_add")
+    if src.ndim != index.ndim or builtins.any(i > s for i, s in zip(index.shape, src.shape)):
+        raise RuntimeError(f"scatter_add: index {tuple(index.shape)} must have the dims of src "
+                           f"{tuple(src.shape)} and be no larger in any of them")
+    for i, (si, sx) in enumerate(zip(index.shape, input.shape)):
+        if i != d and si > sx:
+            raise RuntimeError(f"scatter_add: size of dimension {i} of index ({si}) is larger than that of "
+                               f"input ({sx})")
+    if tuple(src.shape) != tuple(index.shape):
+        src = _slice(src, [0] * src.ndim, list(index.shape), [1] * src.ndim)
+    return add(input, apply("scatter_add", index, src, shape=tuple(input.shape), dim=d))
 
 
 # =================================================================== more math
@@ -1315,6 +1400,28 @@ def allclose(a, b, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     """A Python bool: reads the data, so it is eager only."""
     return builtins.bool(np.allclose(_eager_array(a, "allclose"), _eager_array(b, "allclose"), rtol=rtol,
                                      atol=atol, equal_nan=equal_nan))
+
+
+def isclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    """Elementwise a == b or |a - b| <= atol + rtol * |b| with a finite |a - b| (a bool tensor; NaN
+    is close to NaN only with equal_nan), torch.isclose's formula. No gradient."""
+    if rtol < 0 or atol < 0:
+        raise RuntimeError(f"isclose: rtol ({rtol}) and atol ({atol}) must be non-negative")
+    a = detach(input)
+    b = detach(as_tensor_like(other, a))
+    if a.dtype != b.dtype:
+        raise RuntimeError(f"isclose: {a.dtype} did not match {b.dtype} (both operands need the same dtype)")
+    close = eq(a, b)
+    if equal_nan and a.dtype.is_floating:
+        close = logical_or(close, logical_and(isnan(a), isnan(b)))
+    if a.dtype == dt.bool_ or (rtol == 0 and atol == 0):
+        return close
+    a, b = _to_float(a), _to_float(b)
+    finite = logical_and(isfinite(a), isfinite(b))          # inf - inf is never computed
+    a, b = where(finite, a, 0.0), where(finite, b, 0.0)
+    error = abs(sub(a, b))
+    allowed = add(mul(abs(b), rtol), atol)
+    return logical_or(close, logical_and(finite, le(error, allowed)))
 
 
 def equal(a, b) -> bool:

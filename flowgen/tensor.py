@@ -511,6 +511,8 @@ class Tensor:
     def __rtruediv__(self, o): return F.div(o, self)
     def __floordiv__(self, o): return F.floor_divide(self, o)
     def __rfloordiv__(self, o): return F.floor_divide(o, self)
+    def __mod__(self, o): return F.remainder(self, o)
+    def __rmod__(self, o): return F.remainder(o, self)
     def __pow__(self, o): return F.pow(self, o)
     def __rpow__(self, o): return F.pow(o, self)
     def __matmul__(self, o): return F.matmul(self, o)
@@ -586,6 +588,20 @@ class Tensor:
     def T(self):
         return F.permute(self, *reversed(range(self.ndim)))
 
+    @property
+    def mT(self):
+        """The last two dims swapped (a batch of matrices transposed)."""
+        if self.ndim < 2:
+            raise RuntimeError(f"tensor.mT is only supported on matrices or batches of matrices. Got "
+                               f"{self.ndim}-D tensor.")
+        return F.transpose(self, -2, -1)
+
+    def sum_to_size(self, *size):
+        """Summed down to `size`, which must broadcast to this tensor's shape (torch.Tensor.sum_to_size)."""
+        if len(size) == 1 and isinstance(size[0], (tuple, list)):
+            size = tuple(size[0])
+        return F.sum_to(self, tuple(int(s) for s in size))
+
 
 _OPERANDS = _OPERANDS + (Tensor,)
 
@@ -602,6 +618,7 @@ add sub mul div floor_divide maximum minimum
 erf erfinv log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
 lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
 trace diagonal diag sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
+prod mv isclose index_add scatter_add
 """.split())
 
 

@@ -244,6 +244,91 @@ def mish(input, inplace=False):
     return _result(input, input * _F.tanh(softplus(input)), inplace)
 
 
+def logsigmoid(input):
+    """log(sigmoid(x)) = -(relu(-x) + log1p(exp(-|x|))), finite for any x; |x| as where(x >= 0, x, -x)
+    so that the gradient at 0 is exactly 1/2."""
+    abs_x = _F.where(input >= 0, input, -input)
+    return -(_F.relu(-input) + _F.log1p(_F.exp(-abs_x)))
+
+
+def softsign(input):
+    return input / (_F.abs(input) + 1.0)
+
+
+def celu(input, alpha=1.0, inplace=False):
+    """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
+    if alpha == 0:
+        raise ValueError("celu: alpha must not be 0 (ZeroDivisionError in the formula exp(x / alpha))")
+    negative = (_F.exp(_F.clamp(input, None, 0.0) * (1.0 / alpha)) - 1.0) * alpha
+    return _result(input, _F.where(input > 0, input, negative), inplace)
+
+
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def selu(input, inplace=False):
+    """scale * elu(x, alpha) with the self-normalising constants (Klambauer et al.; PyTorch's values)."""
+    negative = (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * (_SELU_ALPHA * _SELU_SCALE)
+    return _result(input, _F.where(input > 0, input * _SELU_SCALE, negative), inplace)
+
+
+def tanhshrink(input):
+    return input - _F.tanh(input)
+
+
+def _check_lambd(lambd, name):
+    if lambd < 0:
+        raise RuntimeError(f"{name}: lambda must be greater or equal to 0, but found to be {lambd}.")
+
+
+def softshrink(input, lambd=0.5):
+    """x - lambd above lambd, x + lambd below -lambd, 0 between (gradient 0 at +-lambd, as torch)."""
+    _check_lambd(lambd, "softshrink")
+    return _F.where(input > lambd, input - lambd, _F.where(input < -lambd, input + lambd, 0.0))
+
+
+def hardshrink(input, lambd=0.5):
+    """x where |x| > lambd, else 0."""
+    return _F.where(_F.logical_or(input > lambd, input < -lambd), input, 0.0)
+
+
+def threshold(input, threshold, value, inplace=False):
+    """x where x > threshold, else `value`."""
+    return _result(input, _F.where(input > threshold, input, value), inplace)
+
+
+def glu(input, dim=-1):
+    """a * sigmoid(b), with a and b the two halves of `input` along `dim`."""
+    if input.ndim == 0:
+        raise RuntimeError("glu does not support scalars because halving size must be even")
+    d = normalize_dim(dim, input.ndim, "glu")
+    if input.shape[d] % 2:
+        raise RuntimeError(f"Halving dimension must be even, but dimension {d} is size {input.shape[d]}")
+    a, b = _F.chunk(input, 2, d)
+    return a * _F.sigmoid(b)
+
+
+def softmin(input, dim=None, _stacklevel=3, dtype=None):
+    """softmax(-x) over `dim` (None: PyTorch's legacy choice of dim)."""
+    return softmax(-input if dtype is None else -_F.cast(input, dt.get(dtype)), dim)
+
+
+def prelu(input, weight):
+    """x where x > 0, else weight * x; weight has 1 element or one per channel (dim 1; no channel dim
+    below 2-D input)."""
+    count = weight.numel()
+    if count == 1:
+        slope = _F.reshape(weight, ())
+    else:
+        channels = input.shape[1] if input.ndim >= 2 else 1
+        if weight.ndim != 1 or count != channels:
+            raise RuntimeError(f"prelu: mismatch of parameter numbers and input channel size. Found parameter "
+                               f"numbers = {count} and channel size = {channels}.")
+        slope = _F.reshape(weight, _channel_shape(input))
+    return _F.where(input > 0, input, input * slope)
+
+
 def _legacy_softmax_dim(ndim):
     return 0 if ndim in (0, 1, 3) else 1
 
@@ -352,6 +437,24 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     return out
 
 
+def rms_norm(input, normalized_shape, weight=None, eps=None):
+    """x / sqrt(mean(x^2 over the last len(normalized_shape) dims) + eps) * weight; eps None is the
+    machine epsilon of the input's dtype (torch.finfo(dtype).eps), as PyTorch."""
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = tuple(int(s) for s in normalized_shape)
+    k = len(normalized_shape)
+    if k == 0 or tuple(input.shape[input.ndim - k:]) != normalized_shape:
+        raise RuntimeError(f"rms_norm: given normalized_shape={list(normalized_shape)}, expected input with "
+                           f"shape [*, {', '.join(map(str, normalized_shape))}], but got input of size "
+                           f"{list(input.shape)}")
+    if eps is None:
+        eps = float(np.finfo(input.dtype.np_dtype).eps)
+    dims = tuple(range(input.ndim - k, input.ndim))
+    out = input * _F.rsqrt(_F.mean(input * input, dims, keepdim=True) + eps)
+    return out * weight if weight is not None else out
+
+
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if input.ndim < 2:
         raise ValueError(f"group_norm: expected an input with at least 2 dims, got {tuple(input.shape)}")
@@ -445,6 +548,46 @@ def adaptive_avg_pool2d(input, output_size):
         return apply("adaptive_avg_pool2d", x, output_size=(oh, ow))
 
     return _batched_2d(run, input)
+
+
+def _adaptive_windows(size, out):
+    """PyTorch's adaptive pooling windows: [floor(i * size / out), ceil((i + 1) * size / out))."""
+    return [(i * size // out, -(-(i + 1) * size // out)) for i in range(out)]
+
+
+def adaptive_max_pool2d(input, output_size, return_indices=False):
+    """Max over PyTorch's adaptive windows; with return_indices=True also the int64 flat index
+    (h * W + w) of each maximum in its (n, c) plane (the first in row-major order among ties)."""
+    def run(x):
+        H, W = x.shape[2:]
+        oh, ow = output_size if isinstance(output_size, (tuple, list)) else (output_size, output_size)
+        oh, ow = H if oh is None else int(oh), W if ow is None else int(ow)
+        if H % oh == 0 and W % ow == 0:     # equal windows: one max_pool2d
+            return max_pool2d(x, (H // oh, W // ow), return_indices=return_indices)
+        return _adaptive_max_windows(x, oh, ow, return_indices)
+
+    return _batched_2d(run, input)
+
+
+def _adaptive_max_windows(x, oh, ow, return_indices):
+    """Uneven windows: the max over each column window of every row, then over each row window of
+    those (the first maximum along w, then along h: row-major first, as PyTorch's kernel)."""
+    H, W = x.shape[2:]
+    col_max, col_arg = [], []
+    for start, stop in _adaptive_windows(W, ow):
+        values, indices = _F.max(x[:, :, :, start:stop], 3, keepdim=True)
+        col_max.append(values)
+        col_arg.append(indices + start)
+    col_max, col_arg = _F.cat(col_max, 3), _F.cat(col_arg, 3)                     # (N, C, H, ow)
+    out, flat = [], []
+    for start, stop in _adaptive_windows(H, oh):
+        values, rows = _F.max(col_max[:, :, start:stop], 2, keepdim=True)         # (N, C, 1, ow)
+        out.append(values)
+        if return_indices:
+            cols = _F.gather(col_arg[:, :, start:stop], 2, rows)
+            flat.append((rows + start) * W + cols)
+    out = _F.cat(out, 2)
+    return (out, _F.cat(flat, 2)) if return_indices else out
 
 
 def interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
@@ -1126,3 +1269,7 @@ def fold(input, output_size, kernel_size, dilation=1, padding=0, stride=1):
 
 
 __all__ += ["unfold", "fold"]
+
+
+__all__ += ["logsigmoid", "softsign", "celu", "selu", "tanhshrink", "softshrink", "hardshrink", "threshold", "glu",
+            "softmin", "prelu", "rms_norm", "adaptive_max_pool2d"]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from flowgen import functional as F
 from flowgen.nn import functional as NF
+from flowgen.nn import init as nn_init
 from flowgen.nn.module import Module
+from flowgen.nn.modules._utils import new_parameter
 
 
 class _InplaceActivation(Module):
@@ -140,5 +142,112 @@ class LogSoftmax(Softmax):
         return NF.log_softmax(x, self.dim if self.dim is not None else _default_softmax_dim(x.ndim))
 
 
-__all__ = ["ReLU", "ReLU6", "SiLU", "Hardswish", "Hardsigmoid", "Mish", "LeakyReLU", "ELU", "Hardtanh", "Softplus",
+class LogSigmoid(Module):
+    def forward(self, x):
+        return NF.logsigmoid(x)
+
+
+class Softsign(Module):
+    def forward(self, x):
+        return NF.softsign(x)
+
+
+class Tanhshrink(Module):
+    def forward(self, x):
+        return NF.tanhshrink(x)
+
+
+class SELU(_InplaceActivation):
+    def forward(self, x):
+        return NF.selu(x, self.inplace)
+
+
+class CELU(Module):
+    def __init__(self, alpha: float = 1.0, inplace: bool = False):
+        super().__init__()
+        self.alpha, self.inplace = alpha, inplace
+
+    def forward(self, x):
+        return NF.celu(x, self.alpha, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}" + (", inplace=True" if self.inplace else "")
+
+
+class Softshrink(Module):
+    def __init__(self, lambd: float = 0.5):
+        super().__init__()
+        self.lambd = lambd
+
+    def forward(self, x):
+        return NF.softshrink(x, self.lambd)
+
+    def extra_repr(self) -> str:
+        return str(self.lambd)
+
+
+class Hardshrink(Softshrink):
+    def forward(self, x):
+        return NF.hardshrink(x, self.lambd)
+
+
+class Threshold(Module):
+    def __init__(self, threshold: float, value: float, inplace: bool = False):
+        super().__init__()
+        self.threshold, self.value, self.inplace = threshold, value, inplace
+
+    def forward(self, x):
+        return NF.threshold(x, self.threshold, self.value, self.inplace)
+
+    def extra_repr(self) -> str:
+        return f"threshold={self.threshold}, value={self.value}" + (", inplace=True" if self.inplace else "")
+
+
+class GLU(Module):
+    def __init__(self, dim: int = -1):
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x):
+        return NF.glu(x, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}"
+
+
+class Softmin(Softmax):
+    def forward(self, x):
+        return NF.softmin(x, self.dim)
+
+
+class Softmax2d(Module):
+    """Softmax over the channels of a (N, C, H, W) or (C, H, W) input."""
+
+    def forward(self, x):
+        if x.ndim not in (3, 4):
+            raise ValueError(f"Softmax2d: expected input with 3 or 4 dims, got shape {tuple(x.shape)}")
+        return NF.softmax(x, -3)
+
+
+class PReLU(Module):
+    """x where x > 0, else a * x with a learned slope `a`: one, or one per channel (num_parameters)."""
+
+    def __init__(self, num_parameters: int = 1, init: float = 0.25, device=None, dtype=None):
+        super().__init__()
+        self.num_parameters, self.init = num_parameters, init
+        self.weight = new_parameter((num_parameters,), init, dtype, device)
+
+    def reset_parameters(self) -> None:
+        nn_init.constant_(self.weight, self.init)
+
+    def forward(self, x):
+        return NF.prelu(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"num_parameters={self.num_parameters}"
+
+
+__all__ = ["LogSigmoid", "Softsign", "Tanhshrink", "SELU", "CELU", "Softshrink", "Hardshrink", "Threshold", "GLU",
+           "Softmin", "Softmax2d", "PReLU",
+           "ReLU", "ReLU6", "SiLU", "Hardswish", "Hardsigmoid", "Mish", "LeakyReLU", "ELU", "Hardtanh", "Softplus",
            "GELU", "Sigmoid", "Tanh", "Softmax", "LogSoftmax"]

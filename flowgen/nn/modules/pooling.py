@@ -70,6 +70,18 @@ class AdaptiveAvgPool2d(_AdaptiveAvgPool):
     pool = staticmethod(NF.adaptive_avg_pool2d)
 
 
+class AdaptiveMaxPool2d(Module):
+    def __init__(self, output_size, return_indices: bool = False):
+        super().__init__()
+        self.output_size, self.return_indices = output_size, return_indices
+
+    def forward(self, x):
+        return NF.adaptive_max_pool2d(x, self.output_size, self.return_indices)
+
+    def extra_repr(self) -> str:
+        return f"output_size={self.output_size}"
+
+
 class MaxPool1d(_MaxPool):
     pool = staticmethod(NF.max_pool1d)
 
@@ -92,4 +104,5 @@ class AdaptiveAvgPool1d(_AdaptiveAvgPool):
     pool = staticmethod(NF.adaptive_avg_pool1d)
 
 
-__all__ = ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "MaxPool1d", "AvgPool1d", "AdaptiveAvgPool1d"]
+__all__ = ["MaxPool2d", "AvgPool2d", "AdaptiveAvgPool2d", "AdaptiveMaxPool2d", "MaxPool1d", "AvgPool1d",
+           "AdaptiveAvgPool1d"]
