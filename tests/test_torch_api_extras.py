@@ -178,6 +178,36 @@ def test_modules_like_torch(name, make):
     _compare(make(nn), make(torch.nn), x[0])        # unbatched (C, H, W)
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate", "circular"])
+@pytest.mark.parametrize("dims, kwargs", [(1, dict(padding=2, dilation=2)), (1, dict(padding="same", kernel_size=4)),
+                                          (2, dict(padding=(1, 2), stride=2)), (2, dict(padding="same", dilation=2)),
+                                          (2, dict(padding="valid")), (3, dict(padding=1, groups=2))])
+def test_conv_padding_modes_like_torch(mode, dims, kwargs):
+    kwargs = dict(kwargs)
+    kernel = kwargs.pop("kernel_size", 3)
+    name = f"Conv{dims}d"
+    torch.manual_seed(0)
+    theirs = getattr(torch.nn, name)(4, 2, kernel, padding_mode=mode, **kwargs).double()
+    ours = getattr(nn, name)(4, 2, kernel, padding_mode=mode, **kwargs)
+    ours.load_state_dict({k: flow.tensor(v.detach().numpy()) for k, v in theirs.state_dict().items()})
+    _compare(lambda x, w, b: _with_params(ours, w, b)(x), lambda x, w, b: _with_params(theirs, w, b)(x),
+             _x(2, 4, *[5, 6, 4][:dims]), theirs.weight.detach().numpy(), theirs.bias.detach().numpy())
+
+
+def _with_params(conv, weight, bias):
+    """`conv` whose weight and bias are the given tensors (so their gradients are compared too)."""
+    del conv.weight, conv.bias
+    conv.weight, conv.bias = weight, bias
+    return conv
+
+
+def test_conv_padding_mode_errors():
+    with pytest.raises(ValueError, match="padding_mode must be one of"):
+        nn.Conv2d(2, 2, 3, padding_mode="mirror")
+    with pytest.raises(ValueError, match="ConvTranspose2d: only 'zeros' padding mode"):
+        nn.ConvTranspose2d(2, 2, 3, padding_mode="reflect")
+
+
 def test_adaptive_max_pool_ties_follow_torch():
     """Plateaus of equal values: the gradient goes to the first maximum in row-major order."""
     x = np.zeros((1, 2, 5, 7))
@@ -266,14 +296,14 @@ def test_errors_name_the_problem():
 # ------------------------------------------------------------------ training in one graph
 
 class _Extras(nn.Module):
-    """One model through the additions: padding layers, PReLU, CELU/SELU/logsigmoid/softshrink,
+    """One model through the additions: padding layers, a circular-padded conv, PReLU, CELU/SELU/logsigmoid/softshrink,
     GLU, RMSNorm, adaptive max pooling, index_add, prod (with zeros in its input) and %."""
 
     def __init__(self):
         super().__init__()
         self.pads = nn.Sequential(nn.ReflectionPad2d(1), nn.ReplicationPad2d((1, 0, 0, 1)), nn.ZeroPad2d(1),
                                   nn.ConstantPad2d((0, 1, 1, 0), 0.5))
-        self.conv = nn.Conv2d(2, 4, 3)
+        self.conv = nn.Conv2d(2, 4, 3, padding=(1, 2), padding_mode="circular")
         self.prelu = nn.PReLU(4, init=0.2)
         self.pool = nn.AdaptiveMaxPool2d((4, 3))        # uneven windows over 9 x 10
         self.norm = nn.RMSNorm(24)
@@ -282,7 +312,7 @@ class _Extras(nn.Module):
         self.table = nn.Parameter(flow.randn(6, 4) * 0.1)
 
     def forward(self, x):
-        h = self.pool(self.conv(self.pads(x)))                                 # (N, 4, 9, 10) -> (N, 4, 4, 3)
+        h = self.pool(self.conv(self.pads(x)))                                 # (N, 4, 10, 13) -> (N, 4, 4, 3)
         h = self.prelu(h - h.mean())                                           # negative inputs too
         h = F.celu(h, 0.8) + F.selu(h) * 0.5 + F.logsigmoid(h) + F.softshrink(h, 0.2)
         pooled = flow.reshape(h, (-1, 24)) % 2.5                               # (2N, 24)

@@ -1,4 +1,6 @@
-"""Convolutions: `nn.Conv1d/2d/3d` and `nn.ConvTranspose1d/2d` (zero padding; stride, dilation, groups).
+"""Convolutions: `nn.Conv1d/2d/3d` and `nn.ConvTranspose1d/2d` (stride, dilation, groups, and
+PyTorch's padding modes: 'zeros', or 'reflect'/'replicate'/'circular' as an `F.pad` before an
+unpadded conv; the transposed ones take 'zeros' only, as in PyTorch).
 
 Conv1d, Conv3d and the transposed ones are built on the 2-d conv ops (see nn.functional).
 """
@@ -12,6 +14,37 @@ from flowgen.nn.module import Module
 from flowgen.nn.modules._utils import new_parameter, pair
 
 
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _check_padding_mode(name: str, padding_mode: str, transposed: bool) -> None:
+    if padding_mode not in PADDING_MODES:
+        raise ValueError(f"{name}: padding_mode must be one of {list(PADDING_MODES)}, got {padding_mode!r}")
+    if transposed and padding_mode != "zeros":
+        raise ValueError(f"{name}: only 'zeros' padding mode is supported (got {padding_mode!r}), as in PyTorch")
+
+
+def _mode_padding(padding, kernel_size, dilation) -> tuple:
+    """F.pad's list (last dim first, left then right) for a conv's padding in a non-zeros mode;
+    'same' puts the odd element on the right, as PyTorch."""
+    pads = []
+    for d in reversed(range(len(kernel_size))):
+        if padding == "valid":
+            left = right = 0
+        elif padding == "same":
+            total = dilation[d] * (kernel_size[d] - 1)
+            left, right = total // 2, total - total // 2
+        else:
+            left = right = padding[d]
+        pads += [left, right]
+    return tuple(pads)
+
+
+def _padded_input(module, x):
+    """`x` padded in the module's non-zeros padding mode (the conv then runs with padding 0)."""
+    return NF.pad(x, _mode_padding(module.padding, module.kernel_size, module.dilation), mode=module.padding_mode)
+
+
 class Conv2d(Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
@@ -19,8 +52,7 @@ class Conv2d(Module):
         if groups <= 0 or in_channels % groups or out_channels % groups:
             raise ValueError(f"Conv2d: in_channels ({in_channels}) and out_channels ({out_channels}) must both "
                              f"be divisible by groups ({groups})")
-        if padding_mode != "zeros":
-            raise NotImplementedError(f"Conv2d: padding_mode={padding_mode!r} is not supported; only 'zeros'")
+        _check_padding_mode("Conv2d", padding_mode, False)
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size = pair(kernel_size, "kernel_size")
         self.stride = pair(stride, "stride")
@@ -52,6 +84,9 @@ class Conv2d(Module):
                 init.uniform_(self.bias, -bound, bound)
 
     def forward(self, x):
+        if self.padding_mode != "zeros":
+            return NF.conv2d(_padded_input(self, x), self.weight, self.bias, stride=self.stride, padding=0,
+                             dilation=self.dilation, groups=self.groups)
         return NF.conv2d(x, self.weight, self.bias, stride=self.stride, padding=self.padding,
                          dilation=self.dilation, groups=self.groups)
 
@@ -78,8 +113,7 @@ class _ConvNd(Module):
         if groups <= 0 or in_channels % groups or out_channels % groups:
             raise ValueError(f"{name}: in_channels ({in_channels}) and out_channels ({out_channels}) must both "
                              f"be divisible by groups ({groups})")
-        if padding_mode != "zeros":
-            raise NotImplementedError(f"{name}: padding_mode={padding_mode!r} is not supported; only 'zeros'")
+        _check_padding_mode(name, padding_mode, transposed)
 
         def tup(v):
             return tuple(int(x) for x in v) if isinstance(v, (tuple, list)) else (int(v),) * dims
@@ -121,6 +155,9 @@ class Conv1d(_ConvNd):
                          bias, padding_mode, False, device=device, dtype=dtype)
 
     def forward(self, x):
+        if self.padding_mode != "zeros":
+            return NF.conv1d(_padded_input(self, x), self.weight, self.bias, self.stride[0], 0, self.dilation[0],
+                             self.groups)
         padding = self.padding if isinstance(self.padding, str) else self.padding[0]
         return NF.conv1d(x, self.weight, self.bias, self.stride[0], padding, self.dilation[0], self.groups)
 
@@ -134,6 +171,9 @@ class Conv3d(_ConvNd):
                          bias, padding_mode, False, device=device, dtype=dtype)
 
     def forward(self, x):
+        if self.padding_mode != "zeros":
+            return NF.conv3d(_padded_input(self, x), self.weight, self.bias, self.stride, 0, self.dilation,
+                             self.groups)
         return NF.conv3d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
