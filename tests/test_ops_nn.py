@@ -656,6 +656,59 @@ def test_regression_losses_vs_torch(reduction):
                   rtol=1e-5, atol=1e-6)
 
 
+# fuzz seed 901847: sigmoid saturates to exactly 1 (or 0), and the derivative of the clamped
+# forward is inf * 0 = nan there (and 0.7 instead of torch's 0.065 near it); PyTorch's backward
+# divides by max(x (1 - x), 1e-12)
+SATURATED_LOGITS = np.array([[30.0, 40.0, 0.5, -40.0], [-800.0, 17.0, -17.0, 3.0]])
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_binary_cross_entropy_of_saturated_sigmoid_like_torch(dtype):
+    t = np.array([[0.3, 1.0, 0.0, 0.3], [1.0, 0.0, 0.3, 1.0]], dtype)
+    w = np.array([0.5, 1.0, 2.0, 1.5], dtype)
+    # near saturation 1 - x cancels: an ulp of difference between two sigmoids moves the result by ~1e-9
+    tol = dict(rtol=1e-7, atol=1e-300) if dtype == np.float64 else dict(rtol=1e-6, atol=1e-30)
+    compare_torch(lambda a, b, c: F.binary_cross_entropy(flow.sigmoid(a), b, c),
+                  lambda a, b, c: TF.binary_cross_entropy(torch.sigmoid(a), b, c),
+                  [SATURATED_LOGITS.astype(dtype), t, w], wrt=(0, 1), **tol)
+
+
+def test_binary_cross_entropy_op_gradients_finite_differences():
+    x = RNG.uniform(0.05, 0.95, (3, 4))
+    t = RNG.uniform(0, 1, (3, 4))
+    check_grad(lambda a, b: apply("binary_cross_entropy", a, b), x, t)
+    check_grad(lambda g, a, b: apply("binary_cross_entropy_grad", g, a, b), RNG.standard_normal((3, 4)), x, t)
+
+
+@needs_torch
+def test_binary_cross_entropy_of_saturated_sigmoid_in_a_graph_like_torch():
+    """The graph's kernels (forward and PyTorch's backward) give torch's float32 gradient, not nan."""
+    x = SATURATED_LOGITS.astype(np.float32)
+    t = np.array([[0.3, 1.0, 0.0, 0.3], [1.0, 0.0, 0.3, 1.0]], np.float32)
+    model = flow.nn.Module()
+    model.scale = flow.nn.Parameter(flow.ones(4))
+
+    class Step(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=1.0))
+
+        def build(self, a, b):
+            loss = F.binary_cross_entropy(flow.sigmoid(a * self.model.scale), b, reduction="sum")
+            loss.backward()
+            return loss
+
+    loss = Step()(ft(x), ft(t))
+    grad = 1.0 - model.scale.numpy()
+    theirs = torch.ones(4, requires_grad=True)
+    their_loss = TF.binary_cross_entropy(torch.sigmoid(torch.tensor(x) * theirs), torch.tensor(t), reduction="sum")
+    their_loss.backward()
+    np.testing.assert_allclose(loss.numpy(), their_loss.item(), rtol=1e-6)
+    np.testing.assert_allclose(grad, theirs.grad.numpy(), rtol=1e-5, atol=1e-30)
+
+
 def test_cross_entropy_grad_finite_differences():
     x, target = _loss_inputs((4, 3))
     target[0] = -100

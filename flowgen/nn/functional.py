@@ -893,11 +893,13 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 
 
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
-    """-(t log x + (1 - t) log(1 - x)), logs clamped at -100 as PyTorch."""
+    """-(t log x + (1 - t) log(1 - x)), logs clamped at -100, and PyTorch's gradient (the
+    `binary_cross_entropy` op)."""
     _check_reduction(reduction, "binary_cross_entropy")
-    log_x = _F.clamp(_F.log(input), -100.0, None)
-    log_1mx = _F.clamp(_F.log(1.0 - input), -100.0, None)
-    loss = -(target * log_x + (1.0 - target) * log_1mx)
+    if tuple(target.shape) != tuple(input.shape):
+        raise ValueError(f"binary_cross_entropy: target size ({list(target.shape)}) must be the same as input size "
+                         f"({list(input.shape)})")
+    loss = apply("binary_cross_entropy", input, _F.cast(target, input.dtype))
     if weight is not None:
         loss = loss * weight
     return _reduce(loss, reduction, "binary_cross_entropy")

@@ -208,6 +208,60 @@ defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_re
 
 
 # --------------------------------------------------------------------------
+# binary cross-entropy on probabilities (elementwise): PyTorch's clamped logs forward, and its
+# backward, which divides by max(x (1 - x), 1e-12) -- not the derivative of the clamped forward:
+# where sigmoid saturates (x rounds to 1) that derivative is inf * 0 = nan and PyTorch's is finite.
+
+_BCE_EPS = 1e-12
+
+
+def _bce_infer(x, target):
+    if not x.dtype.is_floating or x.dtype != target.dtype or tuple(x.shape) != tuple(target.shape):
+        raise RuntimeError(f"binary_cross_entropy: input {x.dtype} {tuple(x.shape)} and target {target.dtype} "
+                           f"{tuple(target.shape)} need the same floating dtype and shape")
+    return x
+
+
+def _bce_ref(x, target):
+    ct = _ctype(x)
+    x, t = _f(x, ct), _f(target, ct)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return ((t - 1) * np.maximum(np.log1p(-x), ct(-100)) - t * np.maximum(np.log(x), ct(-100))).astype(ct)
+
+
+def _bce_grad(ctx, g):
+    x, target = ctx.inputs
+    d_x = apply("binary_cross_entropy_grad", g, x, target) if wants_grad(x) else None
+    d_t = g * (F.log1p(-x) - F.log(x)) if wants_grad(target) else None     # -logit(x), unclamped as PyTorch
+    return d_x, d_t
+
+
+def _bce_grad_ref(g, x, target):
+    ct = _ctype(g, x)
+    x = _f(x, ct)
+    return (_f(g, ct) * (x - _f(target, ct)) / np.maximum((1 - x) * x, ct(_BCE_EPS))).astype(ct)
+
+
+def _bce_grad_grad(ctx, gg):
+    """Derivatives of g (x - t) / d, d = max(x (1 - x), eps) (for a second derivative)."""
+    g, x, target = ctx.inputs
+    product = x * (1.0 - x)
+    d = F.clamp(product, min=_BCE_EPS)
+    diff = x - target
+    # d/dx of (x - t) / d: (d - (x - t)(1 - 2x)) / d^2, and 1 / eps where d is clamped
+    slope = F.where(product > _BCE_EPS, (d - diff * (1.0 - 2.0 * x)) / (d * d), 1.0 / _BCE_EPS)
+    return gg * diff / d, gg * g * slope, -gg * g / d
+
+
+defop("binary_cross_entropy", infer=_bce_infer, ref=_bce_ref, grad=_bce_grad,
+      lowering=Elementwise("((({1}) - 1.0f) * fmaxf(log1pf(-({0})), -100.0f) - ({1}) * fmaxf(logf({0}), -100.0f))"),
+      doc="binary_cross_entropy(x, target): elementwise (t - 1) max(log1p(-x), -100) - t max(log x, -100)")
+defop("binary_cross_entropy_grad", infer=lambda g, x, target: x, ref=_bce_grad_ref, grad=_bce_grad_grad,
+      lowering=Elementwise("(({0}) * (({1}) - ({2})) / fmaxf((1.0f - ({1})) * ({1}), 1.0e-12f))"),
+      doc="binary_cross_entropy_grad(g, x, target): g (x - t) / max(x (1 - x), 1e-12), PyTorch's backward")
+
+
+# --------------------------------------------------------------------------
 # gather family (Template "gather") and its scatter adjoints (Template "scatter")
 
 def _gather_infer(x, index, dim):
