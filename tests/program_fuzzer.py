@@ -2,13 +2,19 @@
 
 A seeded generator writes a random model as Python source over the public API (`lib` is
 `flowgen` or `torch`, `F` their functional modules, `nn` their module namespaces): elementwise
-unary/binary ops with broadcasting, reductions, Linear/matmul, conv2d, BatchNorm/LayerNorm,
-softmax/log_softmax, scaled_dot_product_attention, reshape/transpose/flatten, where/masked_fill,
-cumsum, sort/topk values, index_select with repeated indices, residual adds and a loss.
-Each program runs
+unary/binary ops with broadcasting, reductions (sum/mean/amax/amin/var/std/norm/logsumexp/max/
+min), Linear/matmul/einsum, conv1d/conv2d (grouped, dilated, 'same', transposed), BatchNorm/
+LayerNorm/GroupNorm/InstanceNorm, softmax/log_softmax/normalize/cosine_similarity,
+scaled_dot_product_attention, MultiheadAttention, TransformerEncoderLayer, LSTM/GRU/RNN,
+pooling (max/avg with padding and ceil_mode, adaptive), interpolate (nearest/bilinear), pad
+(constant/reflect/replicate), reshape/transpose/permute/flatten/slicing/stack/expand/repeat/
+flip/roll/tril/triu, where/masked_fill, cumsum/cumprod, sort/topk values, index_select/gather/
+Embedding with repeated indices, residual adds and a loss (regression, BCE, KL, cross-entropy
+with label smoothing or class weights). Each program runs
 
 * as an inference graph (eval mode) and
-* as 3 training steps (SGD with momentum, or Adam) in an `nn.Graph`,
+* as 3 training steps (SGD with momentum or Nesterov, Adam, AdamW, AMSGrad, RMSprop, Adagrad)
+  in an `nn.Graph`,
 
 compared with the same model in eager float32 and eager float64. The tolerance is stated in
 float32 rounding units against the float64 eager result: the graph's error may be at most
@@ -79,7 +85,7 @@ class Program:
     loss: str
     target: str            # "float", "unit" (in [0, 1]) or "labels:<classes>"
     target_shape: tuple
-    optimizer: str         # "sgd" or "adam"
+    optimizer: str         # a key of OPTIMIZERS
 
     def source(self) -> str:
         lines = [f"# fuzz program, seed {self.seed}: x {list(self.input_shape)}, target {self.target} "
@@ -127,7 +133,10 @@ UNARY = ["F.relu({})", "lib.sigmoid({})", "lib.tanh({})", "F.gelu({})", "F.silu(
          "F.elu({})", "F.softplus({})", "F.hardtanh({})", "F.relu6({} * 3.0)", "-{}", "lib.abs({})", "{} * {}",
          "lib.exp(-lib.abs({}))", "lib.log(lib.abs({}) + 1.0)", "lib.sqrt(lib.abs({}) + 0.1)", "lib.sin({})",
          "lib.cos({})", "lib.square({})", "lib.pow({}, 3)", "lib.clamp({}, min=-0.5, max=0.8)", "F.mish({})",
-         "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)", "F.gelu({}, approximate='tanh')"]
+         "F.hardswish({})", "lib.rsqrt(lib.abs({}) + 0.5)", "F.gelu({}, approximate='tanh')", "lib.erf({})",
+         "lib.expm1(-lib.abs({}))", "lib.log1p(lib.abs({}))", "lib.atan2({}, lib.abs({}) + 0.5)", "F.hardsigmoid({})",
+         "lib.reciprocal(lib.abs({}) + 0.5)", "lib.pow(lib.abs({}) + 0.5, {})", "F.softplus({}, beta=2.0, threshold=1.0)",
+         "F.elu({}, alpha=0.5)", "lib.sign({}) * {}", "lib.floor({}) + {}", "lib.remainder({}, 0.7)"]
 BINARY = ["{a} + {b}", "{a} - {b}", "{a} * {b}", "{a} / (lib.abs({b}) + 1.0)", "lib.maximum({a}, {b})",
           "lib.minimum({a}, {b})"]
 SCALAR_BINARY = ["{a} + {c}", "{a} - {c}", "{c} - {a}", "{a} * {c}", "{a} / {c}", "lib.clamp({a}, min={c})"]
@@ -148,19 +157,23 @@ def _statement(g: _Gen, pool: list) -> tuple:
     rank = len(shape)
     same = [v for v, s in pool if s == shape and v != var]
     choices = ["unary", "unary", "binary", "binary", "reduce_back", "reduce", "where", "masked_fill", "reshape",
-               "cat", "chunk", "cumsum", "sort", "index_select"]
+               "cat", "chunk", "cumsum", "sort", "index_select"] + MORE_ANY
     if rank >= 2:
-        choices += ["softmax", "transpose", "topk"]
+        choices += ["softmax", "transpose", "topk"] + MORE_2_UP
+    if rank <= 3:
+        choices += ["stack"]
     if rank >= 3:
         choices += ["permute"]
     if rank == 2:
         choices += ["linear", "linear", "matmul", "layernorm"] + (["batchnorm1d"] if shape[0] > 1 else [])
     if rank == 3:
-        choices += ["linear", "layernorm", "attention", "sdpa", "flatten"]
+        choices += ["linear", "layernorm", "attention", "sdpa", "flatten"] + MORE_3
     if rank == 4:
         choices += ["conv", "conv", "conv_residual", "conv_where", "groupnorm", "pool", "flatten",
-                    "reduce_spatial"] + (["batchnorm2d"] if shape[0] * shape[2] * shape[3] > 1 else [])
+                    "reduce_spatial"] + (["batchnorm2d"] if shape[0] * shape[2] * shape[3] > 1 else []) + MORE_4
     kind = rng.choice(choices)
+    if kind in MORE_KINDS:
+        return MORE_KINDS[kind](g, var, shape, same)
     if kind == "unary":
         return g.emit(rng.choice(UNARY).format(var, var), shape)
     if kind == "binary":
@@ -309,9 +322,229 @@ def _statement(g: _Gen, pool: list) -> tuple:
     raise AssertionError(kind)
 
 
+# Statements of the wider op set (indexing, padding, resampling, recurrent and transformer
+# modules, ...): each reads `var` of `shape` (`same`: other values of that shape) and returns the
+# new (variable, shape). `_statement` picks them by rank through MORE_ANY ... MORE_4.
+
+def _index_list(rng, shape, high) -> str:
+    """A nested list of `shape` of random indices below `high` (constant index tensors)."""
+    if not shape:
+        return str(rng.randrange(high))
+    return "[" + ", ".join(_index_list(rng, shape[1:], high) for _ in range(shape[0])) + "]"
+
+
+def _other(g, var, shape, same) -> str:
+    return g.rng.choice(same) if same else f"lib.tanh({var})"
+
+
+def _slice(g, var, shape, same):
+    rng, rank = g.rng, len(shape)
+    dims = [d for d in range(rank) if shape[d] >= 2]
+    if not dims:
+        return g.emit(f"lib.sin({var})", shape)
+    d = rng.choice(dims)
+    n = shape[d]
+    if rank >= 2 and rng.random() < 0.25:      # an integer index drops the dim
+        k = rng.randrange(-n, n)
+        return g.emit(f"{var}[{', '.join([':'] * d + [str(k)])}]", shape[:d] + shape[d + 1:])
+    start = rng.randrange(n)
+    stop = rng.randint(start + 1, n)
+    step = rng.choice([1, 1, 2])
+    text = f"{start - n if rng.random() < 0.3 else start}:{stop}" + (f":{step}" if step > 1 else "")
+    prefix = "..., " if d == rank - 1 and rank > 1 and rng.random() < 0.5 else ", ".join([":"] * d + [""])
+    return g.emit(f"{var}[{prefix}{text}]", shape[:d] + (len(range(start, stop, step)),) + shape[d + 1:])
+
+
+def _stack(g, var, shape, same):
+    d = g.rng.randrange(len(shape) + 1)
+    return g.emit(f"lib.stack([{var}, {_other(g, var, shape, same)}], dim={d})", shape[:d] + (2,) + shape[d:])
+
+
+def _expand(g, var, shape, same):
+    d = g.rng.randrange(len(shape))
+    k = g.rng.randrange(shape[d])
+    return g.emit(f"lib.narrow({var}, {d}, {k}, 1).expand({', '.join(map(str, shape))})", shape)
+
+
+def _repeat(g, var, shape, same):
+    reps = [g.rng.choice([1, 1, 2]) for _ in shape]
+    if int(np.prod(shape)) * int(np.prod(reps)) > 400:
+        reps = [1] * len(shape)
+    return g.emit(f"{var}.repeat({', '.join(map(str, reps))})", tuple(s * r for s, r in zip(shape, reps)))
+
+
+def _flip_roll(g, var, shape, same):
+    rng, rank = g.rng, len(shape)
+    dims = rng.sample(range(rank), rng.randint(1, min(2, rank)))
+    if rng.random() < 0.5:
+        return g.emit(f"lib.flip({var}, {dims})", shape)
+    shifts = tuple(rng.randint(-3, 3) for _ in dims)
+    return g.emit(f"lib.roll({var}, {shifts}, {tuple(dims)})", shape)
+
+
+def _pad(g, var, shape, same):
+    rng, rank = g.rng, len(shape)
+    last = shape[-1]
+    if rank >= 3 and rng.random() < 0.5:
+        mode = rng.choice(["reflect", "replicate"])
+        dims = 2 if rank == 4 else 1
+        limit = [s - 1 if mode == "reflect" else 2 for s in shape[-dims:]]
+        pads = [rng.randint(0, min(2, lim)) for lim in limit for _ in (0, 1)]   # (dim, left/right) pairs
+        flat = []
+        for k in reversed(range(dims)):   # F.pad lists the last dim first
+            flat += pads[2 * k:2 * k + 2]
+        new = list(shape)
+        for k in range(dims):
+            new[rank - dims + k] += pads[2 * k] + pads[2 * k + 1]
+        return g.emit(f"F.pad({var}, {tuple(flat)}, mode='{mode}')", tuple(new))
+    left, right = rng.randint(0, 2), rng.randint(-1 if last > 1 else 0, 2)
+    value = rng.choice([0.0, 0.3, -1.2])
+    return g.emit(f"F.pad({var}, ({left}, {right}), value={value})", shape[:-1] + (last + left + right,))
+
+
+def _gather(g, var, shape, same):
+    d = g.rng.randrange(len(shape))
+    index_shape = shape[:d] + (g.rng.randint(1, shape[d] + 1),) + shape[d + 1:]
+    return g.emit(f"lib.gather({var}, {d}, lib.tensor({_index_list(g.rng, index_shape, shape[d])}))", index_shape)
+
+
+def _embedding(g, var, shape, same):
+    rows = g.rng.randint(2, 7)
+    m = g.module(f"nn.Embedding({rows}, {shape[-1]})")
+    return g.emit(f"{var} + {m}(lib.tensor({_index_list(g.rng, shape[:-1], rows)}))", shape)
+
+
+def _extra_reduce(g, var, shape, same):
+    rng, rank = g.rng, len(shape)
+    d = rng.randrange(rank)
+    keep = rank == 1 or rng.random() < 0.5   # no 0-d values
+    out = shape[:d] + ((1,) if keep else ()) + shape[d + 1:]
+    op = rng.choice(["logsumexp", "std", "norm", "max", "min", "normalize", "cumprod"]
+                    + (["cos_sim"] if rank >= 2 else []))
+    if op == "std":
+        return g.emit(f"lib.std({var}, dim={d}, unbiased=False, keepdim={keep})", out)
+    if op in ("max", "min"):
+        return g.emit(f"lib.{op}({var}, dim={d}, keepdim={keep})[0]", out)
+    if op == "normalize":
+        return g.emit(f"F.normalize({var}, dim={d})", shape)
+    if op == "cumprod":
+        return g.emit(f"lib.cumprod({var}, dim={d})", shape)
+    if op == "cos_sim":
+        return g.emit(f"F.cosine_similarity({var}, {_other(g, var, shape, same)}, dim={d})", shape[:d] + shape[d + 1:])
+    return g.emit(f"lib.{op}({var}, dim={d}, keepdim={keep})", out)
+
+
+def _triangle(g, var, shape, same):
+    return g.emit(f"lib.{g.rng.choice(['tril', 'triu'])}({var}, {g.rng.randint(-1, 1)})", shape)
+
+
+def _recurrent(g, var, shape, same):
+    rng = g.rng
+    cell = rng.choice(["LSTM", "GRU", "RNN"])
+    hidden, directions = rng.choice([2, 3, 4]), rng.choice([1, 2])
+    layers = rng.choice([1, 1, 2])
+    m = g.module(f"nn.{cell}({shape[-1]}, {hidden}, num_layers={layers}, batch_first=True, "
+                 f"bidirectional={directions == 2})")
+    return g.emit(f"{m}({var})[0]", shape[:-1] + (hidden * directions,))
+
+
+def _transformer(g, var, shape, same):
+    rng = g.rng
+    width = shape[-1]
+    heads = rng.choice([h for h in (1, 2) if width % h == 0])
+    if rng.random() < 0.5:
+        m = g.module(f"nn.MultiheadAttention({width}, {heads}, batch_first=True, bias={rng.random() < 0.7})")
+        return g.emit(f"{m}({var}, {var}, {var})[0]", shape)
+    m = g.module(f"nn.TransformerEncoderLayer({width}, {heads}, dim_feedforward=8, dropout=0.0, batch_first=True, "
+                 f"norm_first={rng.random() < 0.5}, activation='{rng.choice(['relu', 'gelu'])}')")
+    return g.emit(f"{m}({var})", shape)
+
+
+def _conv1d(g, var, shape, same):
+    n, c, length = shape
+    k = g.rng.choice([1, 2, 3])
+    pad = g.rng.randint(max(0, -(-(k - length) // 2)), k - 1) if k > 1 else 0   # at least one output
+    out_c = g.rng.choice([2, 3])
+    m = g.module(f"nn.Conv1d({c}, {out_c}, {k}, padding={pad})")
+    return g.emit(f"{m}({var})", (n, out_c, length + 2 * pad - k + 1))
+
+
+def _einsum(g, var, shape, same):
+    return g.emit(f"lib.einsum('bij,bkj->bik', {var}, {_other(g, var, shape, same)})", shape[:2] + (shape[1],))
+
+
+def _upsample(g, var, shape, same):
+    rng = g.rng
+    n, c, h, w = shape
+    mode = rng.choice(["nearest", "bilinear"])
+    corners = f", align_corners={rng.random() < 0.5}" if mode == "bilinear" else ""
+    if rng.random() < 0.5:
+        return g.emit(f"F.interpolate({var}, scale_factor=2, mode='{mode}'{corners})", (n, c, 2 * h, 2 * w))
+    size = (rng.randint(1, 8), rng.randint(1, 8))
+    return g.emit(f"F.interpolate({var}, size={size}, mode='{mode}'{corners})", (n, c) + size)
+
+
+def _pool_more(g, var, shape, same):
+    rng = g.rng
+    n, c, h, w = shape
+    kind = rng.choice(["max3", "avg3", "ceil", "adaptive"])
+    if kind == "max3":
+        return g.emit(f"F.max_pool2d({var}, 3, stride=2, padding=1)", (n, c, (h - 1) // 2 + 1, (w - 1) // 2 + 1))
+    if kind == "avg3":
+        return g.emit(f"F.avg_pool2d({var}, 3, stride=1, padding=1, count_include_pad={rng.random() < 0.5})", shape)
+    if kind == "ceil" and h >= 2 and w >= 2:
+        op = rng.choice(["max_pool2d", "avg_pool2d"])
+        return g.emit(f"F.{op}({var}, 2, ceil_mode=True)", (n, c, -(-h // 2), -(-w // 2)))
+    size = (rng.randint(1, 3), rng.randint(1, 3))
+    return g.emit(f"F.adaptive_avg_pool2d({var}, {size})", (n, c) + size)
+
+
+def _conv_more(g, var, shape, same):
+    rng = g.rng
+    n, c, h, w = shape
+    out_c = rng.choice([2, 3])
+    bias = rng.random() < 0.7
+    if rng.random() < 0.5:
+        k, stride = rng.choice([2, 3]), rng.choice([1, 2])
+        pad, extra = rng.randint(0, k - 1), rng.randint(0, stride - 1)
+        oh, ow = (h - 1) * stride - 2 * pad + k + extra, (w - 1) * stride - 2 * pad + k + extra
+        if oh < 1 or ow < 1:
+            return g.emit(f"lib.cos({var})", shape)
+        m = g.module(f"nn.ConvTranspose2d({c}, {out_c}, {k}, stride={stride}, padding={pad}, output_padding={extra}, "
+                     f"bias={bias})")
+        return g.emit(f"{m}({var})", (n, out_c, oh, ow))
+    padding = rng.choice(["2, dilation=2", "'same'"])
+    m = g.module(f"nn.Conv2d({c}, {out_c}, 3, padding={padding}, bias={bias})")
+    return g.emit(f"{m}({var})", (n, out_c, h, w))
+
+
+def _instance_norm(g, var, shape, same):
+    if shape[2] * shape[3] < 2:   # one value per channel: torch raises in training
+        return g.emit(f"lib.tanh({var})", shape)
+    m = g.module(f"nn.InstanceNorm2d({shape[1]}, affine=True)")   # (a parameter: `emit` counts it trainable)
+    return g.emit(f"{m}({var})", shape)
+
+
+MORE_KINDS = {"slice": _slice, "stack": _stack, "expand": _expand, "repeat": _repeat, "flip_roll": _flip_roll,
+              "pad": _pad, "gather": _gather, "embedding": _embedding, "extra_reduce": _extra_reduce,
+              "triangle": _triangle, "recurrent": _recurrent, "transformer": _transformer, "conv1d": _conv1d,
+              "einsum": _einsum, "upsample": _upsample, "pool_more": _pool_more, "conv_more": _conv_more,
+              "instance_norm": _instance_norm}
+MORE_ANY = ["slice", "expand", "repeat", "flip_roll", "pad", "gather", "extra_reduce"]
+MORE_2_UP = ["embedding", "triangle"]
+MORE_3 = ["recurrent", "transformer", "conv1d", "einsum"]
+MORE_4 = ["upsample", "pool_more", "conv_more", "instance_norm"]
+
+
 INPUT_SHAPES = [(2, 3, 5, 5), (2, 2, 4, 6), (4, 6), (3, 5), (5, 8), (2, 3, 4), (2, 4, 5)]
 LOSSES = ["F.mse_loss(out, target)", "F.l1_loss(out, target)", "F.smooth_l1_loss(out, target)",
-          "F.binary_cross_entropy_with_logits(out, target)", "lib.mean(out * out)", "lib.sum(out * target)"]
+          "F.binary_cross_entropy_with_logits(out, target)", "lib.mean(out * out)", "lib.sum(out * target)",
+          "F.mse_loss(out, target, reduction='sum')", "F.huber_loss(out, target, delta=0.5)",
+          "F.smooth_l1_loss(out, target, beta=0.5)", "F.binary_cross_entropy(lib.sigmoid(out), target)",
+          "F.kl_div(lib.log_softmax(out, dim=-1), lib.softmax(target, dim=-1), reduction='batchmean')"]
+LABEL_LOSSES = ["F.cross_entropy(out, target)", "F.nll_loss(lib.log_softmax(out, dim=1), target)",
+                "F.cross_entropy(out, target, label_smoothing=0.1)", "F.cross_entropy(out, target, reduction='sum')",
+                "F.cross_entropy(out, target, weight=lib.linspace(0.5, 2.0, out.shape[1], dtype=out.dtype))"]
 
 
 def generate(seed: int) -> Program:
@@ -327,13 +560,13 @@ def generate(seed: int) -> Program:
         var, shape = g.emit(f"{var} * {g.param(_broadcast_shape(rng, shape))}", shape)
     g.body.append(f"out = {var}")
     if len(shape) == 2 and shape[1] >= 2 and rng.random() < 0.3:
-        loss = rng.choice(["F.cross_entropy(out, target)", "F.nll_loss(lib.log_softmax(out, dim=1), target)"])
+        loss = rng.choice(LABEL_LOSSES)
         target, target_shape = f"labels:{shape[1]}", (shape[0],)
     else:
         loss = rng.choice(LOSSES)
-        target = "unit" if "binary" in loss else "float"
+        target = "unit" if "binary_cross" in loss else "float"
         target_shape = shape
-    return Program(seed, input_shape, g.init, g.body, loss, target, target_shape, rng.choice(["sgd", "adam"]))
+    return Program(seed, input_shape, g.init, g.body, loss, target, target_shape, rng.choice(sorted(OPTIMIZERS)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,10 +644,19 @@ def _tensor(a, dtype):
     return flow.tensor(a, dtype=dtype) if a.dtype.kind == "f" else flow.tensor(a)
 
 
+OPTIMIZERS = {   # the program's optimizer: its name -> the constructor
+    "sgd": lambda params: flow.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adam": lambda params: flow.optim.Adam(params, lr=0.01),
+    "adamw": lambda params: flow.optim.AdamW(params, lr=0.01, betas=(0.8, 0.95), weight_decay=0.1),
+    "amsgrad": lambda params: flow.optim.Adam(params, lr=0.01, amsgrad=True, weight_decay=0.01),
+    "nesterov": lambda params: flow.optim.SGD(params, lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01),
+    "rmsprop": lambda params: flow.optim.RMSprop(params, lr=0.01, momentum=0.5, centered=True),
+    "adagrad": lambda params: flow.optim.Adagrad(params, lr=0.05),
+}
+
+
 def _optimizer(program: Program, params):
-    if program.optimizer == "adam":
-        return flow.optim.Adam(params, lr=0.01)
-    return flow.optim.SGD(params, lr=0.05, momentum=0.9)
+    return OPTIMIZERS[program.optimizer](params)
 
 
 class _Batch(flow_nn.Module):
