@@ -1005,7 +1005,9 @@ def nan_to_num(x, nan=0.0, posinf=None, neginf=None):
     posinf = float(info.max) if posinf is None else posinf
     neginf = float(info.min) if neginf is None else neginf
     y = where(isnan(x), nan, x)
-    return where(isinf(y), where(gt(y, 0), posinf, neginf), y)
+    # the replacements as tensors of x's dtype: float64's largest value as a bare Python float
+    # would become a float32 scalar here, which is inf again
+    return where(isinf(y), where(gt(y, 0), full_like(y, posinf), full_like(y, neginf)), y)
 
 
 def atan2(a, b):

@@ -826,6 +826,34 @@ def test_activations_vs_torch():
         compare_torch(fl, tl, [x], wrt=(0,), rtol=1e-5, atol=1e-6)
 
 
+class _EdgeValues(flow.nn.Graph):
+    """softplus (two betas), mish, the shrink functions, threshold, sign and nan_to_num in one graph."""
+
+    def build(self, x):
+        return (F.softplus(x), F.softplus(x, 2.0, 5.0), F.mish(x), F.softshrink(x, 0.5), F.hardshrink(x, 0.5),
+                F.threshold(x, 0.1, 20.0), flow.sign(x), flow.nan_to_num(x))
+
+
+EDGE_VALUES = [-np.inf, -1e30, -100.0, -20.0, -3.0, -0.5, -0.0, 0.0, 0.5, 3.0, 20.0, 1e30, np.inf, np.nan]
+
+
+@needs_torch
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_activations_at_edge_values_like_torch_in_eager_and_graphs(dtype):
+    """softplus(-20) was 0 in float32 (log(1 + e^-20) rounds 1 + e^-20 to 1; now log1p), its float64
+    result 3e-8 off; softshrink/hardshrink/threshold turned NaN into numbers; sign(NaN) was NaN in
+    eager and 0 in kernels; nan_to_num left float64 infinities (its replacement became a float32 inf)."""
+    x = np.array(EDGE_VALUES, dtype)
+    t = torch.tensor(x)
+    want = [TF.softplus(t), TF.softplus(t, 2.0, 5.0), TF.mish(t), TF.softshrink(t, 0.5), TF.hardshrink(t, 0.5),
+            TF.threshold(t, 0.1, 20.0), torch.sign(t), torch.nan_to_num(t)]
+    tiny = np.finfo(dtype).tiny     # below it (denormals) the libraries' exp/log1p round differently
+    for name, results in (("eager", _EdgeValues.build(None, ft(x))), ("graph", _EdgeValues()(ft(x)))):
+        for k, (got, exact) in enumerate(zip(results, want)):
+            np.testing.assert_allclose(got.numpy(), exact.numpy(), rtol=4 * np.finfo(dtype).eps, atol=tiny,
+                                       err_msg=f"{name} output {k}")
+
+
 @needs_torch
 @pytest.mark.parametrize("mode", ["constant", "reflect", "replicate", "circular"])
 def test_pad_vs_torch(mode):

@@ -234,9 +234,13 @@ def hardswish(input, inplace=False):
 
 
 def softplus(input, beta=1.0, threshold=20.0):
+    """log(1 + exp(s)) / beta with s = beta x, and x where s > threshold, as PyTorch. Computed as
+    relu(s) + log1p(exp(-|s|)), which keeps the relative precision for s << 0 (1 + exp(s) rounds
+    to 1 there: softplus(-20) came out 0 in float32); |s| as where(s > 0, s, -s), whose derivative
+    at 0 (-1) with relu'(0) = 0 gives the gradient 1/2 there."""
     scaled = input * beta
-    safe = _F.clamp(scaled, None, float(threshold))
-    soft = _F.log(_F.exp(safe) + 1.0) * (1.0 / beta)
+    abs_scaled = _F.where(scaled > 0, scaled, -scaled)
+    soft = (_F.relu(scaled) + _F.log1p(_F.exp(-abs_scaled))) * (1.0 / beta)
     return _F.where(scaled > threshold, input, soft)
 
 
@@ -283,19 +287,20 @@ def _check_lambd(lambd, name):
 
 
 def softshrink(input, lambd=0.5):
-    """x - lambd above lambd, x + lambd below -lambd, 0 between (gradient 0 at +-lambd, as torch)."""
+    """x - lambd above lambd, x + lambd below -lambd, 0 between (gradient 0 at +-lambd, as torch);
+    NaN stays NaN (x * 0 in the middle branch)."""
     _check_lambd(lambd, "softshrink")
-    return _F.where(input > lambd, input - lambd, _F.where(input < -lambd, input + lambd, 0.0))
+    return _F.where(input > lambd, input - lambd, _F.where(input < -lambd, input + lambd, input * 0.0))
 
 
 def hardshrink(input, lambd=0.5):
-    """x where |x| > lambd, else 0."""
-    return _F.where(_F.logical_or(input > lambd, input < -lambd), input, 0.0)
+    """0 where -lambd <= x <= lambd, else x (so NaN stays NaN, as torch)."""
+    return _F.where(_F.logical_and(input >= -lambd, input <= lambd), 0.0, input)
 
 
 def threshold(input, threshold, value, inplace=False):
-    """x where x > threshold, else `value`."""
-    return _result(input, _F.where(input > threshold, input, value), inplace)
+    """`value` where x <= threshold, else x (so NaN stays NaN, as torch)."""
+    return _result(input, _F.where(input <= threshold, value, input), inplace)
 
 
 def glu(input, dim=-1):

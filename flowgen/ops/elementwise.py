@@ -256,7 +256,9 @@ def _silu_grad(ctx, g):
 
 
 _unary("silu", _float_ref(lambda a: a * _sigmoid_ref(a)), "(({0}) / (1.0f + expf(-({0}))))", grad=_silu_grad)
-_unary("sign", np.sign, "((({0}) > 0) - (({0}) < 0))", infer=_unary_infer, grad=lambda ctx, g: (None,))
+_unary("sign", lambda a: np.sign(a) if a.dtype.kind != "f" else np.where(np.isnan(a), a.dtype.type(0), np.sign(a)),
+       "((({0}) > 0) - (({0}) < 0))", infer=_unary_infer, grad=lambda ctx, g: (None,),
+       doc="-1, 0 or 1; 0 for NaN (the kernel's comparisons, and PyTorch)")
 _unary("floor", np.floor, "floorf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
 _unary("reciprocal", _float_ref(lambda a: 1 / a), "(1.0f / ({0}))",
        grad=lambda ctx, g: (-(g * ctx.outputs[0] * ctx.outputs[0]),))
