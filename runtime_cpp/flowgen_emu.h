@@ -171,11 +171,11 @@ inline float __logf(float x) { return logf(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __saturatef(float x) { return fminf(fmaxf(x, 0.0f), 1.0f); }
-// erfinvf: Giles' single-precision approximation in double, then two Newton steps on
-// erf(y) = x (the eager reference, flowgen/ops/elementwise.py, takes the same steps).
-inline float erfinvf(float xf) {
-  const double x = xf;
-  if (!(fabs(x) < 1.0)) return fabs(x) == 1.0 ? copysignf(INFINITY, xf) : NAN;
+// erfinv / erfinvf: Giles' single-precision approximation in double, then two Newton steps on
+// erf(y) = x (the eager reference, flowgen/ops/elementwise.py, takes the same steps; from its
+// ~1e-7 start they reach double precision). CUDA has both built in.
+inline double erfinv(double x) {
+  if (!(fabs(x) < 1.0)) return fabs(x) == 1.0 ? copysign(INFINITY, x) : NAN;
   double w = -log((1.0 - x) * (1.0 + x)), p;
   if (w < 5.0) {
     w -= 2.5;
@@ -190,8 +190,9 @@ inline float erfinvf(float xf) {
   }
   double y = p * x;
   for (int i = 0; i < 2; ++i) y -= (erf(y) - x) / (1.1283791670955126 * exp(-y * y));
-  return (float)y;
+  return y;
 }
+inline float erfinvf(float x) { return (float)erfinv((double)x); }
 template <class T> inline T __ldg(const T* p) { return *p; }
 
 // CUDA's max/min are same-type overloads (mixed int/float calls are ambiguous on the GPU too).

@@ -9,6 +9,7 @@ evaluated against the NumPy references.
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 
@@ -153,6 +154,54 @@ def test_gelu_keeps_its_relative_precision_far_below_zero_in_eager_and_graphs(ap
     y, grad = _GeluAndGrad(approximate)(flow.ones(25), flow.tensor(x))
     for got, exact in ((eager, want), (a.grad, want_grad), (y, want), (grad, want_grad)):
         np.testing.assert_allclose(got.numpy().astype(np.float64), exact, rtol=2e-5, atol=0)
+
+
+def _elementwise_expressions():
+    """(op name, expression) of every Elementwise lowering, callable ones under each attribute
+    value that changes them."""
+    variants = [{"approximate": "none"}, {"approximate": "tanh"}, {"mean": 0.0, "std": 1.0, "low": 0.0, "high": 1.0},
+                {"dtype": "float16"}, {"dtype": "bfloat16"}, {"dtype": "float32"}]
+    for name, op in sorted(REGISTRY.items()):
+        if isinstance(op.lowering, lowering.Elementwise):
+            exprs = [op.lowering.expr] if not callable(op.lowering.expr) else \
+                [op.lowering.expr(v) for v in variants if _resolves(op.lowering.expr, v)]
+            assert exprs, name
+            yield from ((name, e) for e in exprs)
+
+
+def _resolves(expr, attrs) -> bool:
+    try:
+        expr(attrs)
+        return True
+    except KeyError:
+        return False
+
+
+C_MATH = ["exp", "exp2", "exp10", "expm1", "log", "log2", "log10", "log1p", "logb", "sqrt", "rsqrt", "cbrt", "sin",
+          "cos", "tan", "sinh", "cosh", "tanh", "asin", "acos", "atan", "atan2", "asinh", "acosh", "atanh", "erf",
+          "erfc", "erfinv", "erfcinv", "lgamma", "tgamma", "pow", "hypot", "floor", "ceil", "round", "rint", "trunc",
+          "nearbyint", "fabs", "fmin", "fmax", "fmod", "remainder", "copysign", "fma", "fdim", "ldexp", "nextafter"]
+
+
+def test_float64_kernels_call_no_float_math_function():
+    """A float64 kernel's expression is the float one through `as_double`: every float math
+    function it names must become the double one (erfcf and erfinvf did not, so float64 gelu and
+    erfinv graphs computed in float32)."""
+    for name, expr in _elementwise_expressions():
+        left = re.findall(rf"\b(?:{'|'.join(C_MATH)})f\(", lowering.as_double(expr))
+        assert not left, f"{name}: {left} in the float64 expression {lowering.as_double(expr)}"
+
+
+class _Float64Math(flow.nn.Graph):
+    def build(self, x, p):
+        return flow.gelu(x), flow.gelu(x, approximate="tanh"), flow.erf(x), flow.erfinv(p), flow.sigmoid(x)
+
+
+def test_float64_graph_math_keeps_float64_precision():
+    x = flow.tensor(np.linspace(-9, 4, 27))
+    p = flow.tensor(np.linspace(-0.999, 0.999, 27))
+    for k, (got, want) in enumerate(zip(_Float64Math()(x, p), _Float64Math.build(None, x, p))):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-13, atol=1e-300, err_msg=f"output {k}")
 
 
 def test_unary_int_inputs_become_float():
