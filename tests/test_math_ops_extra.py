@@ -3,12 +3,16 @@ sinc, logit, deg2rad/rad2deg, xlogy, hypot, logaddexp, copysign): eager forward 
 PyTorch in float64 and float32 on edge values (0, -0, +-1, tiny, huge, +-inf, NaN, values outside the
 domain), NaN-aware; one nn.Graph training step (CPU emulator) using all of them against eager flowgen,
 whose kernels also compile with NVRTC."""
+import re
+
 import numpy as np
 import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import mixed_precision
+from flowgen.ops import lowering
+from flowgen.ops.registry import REGISTRY
 from flowgen.runtime import nvrtc
 from torch_oracle import get_torch
 
@@ -174,3 +178,20 @@ def test_graph_step_with_all_functions_equals_eager(dtype):
     for fn in ("log2", "exp2", "asinh", "hypot", "copysign"):   # the double functions in float64 kernels
         assert (f"{fn}f(" in source) == (dtype == "float32"), fn
     assert len(nvrtc.compile_cuda(source, "sm_80")) > 0
+
+
+def test_float64_kernels_use_the_double_math_functions():
+    """Every float math function of an elementwise expression becomes its double form in float64 kernels
+    (a float function there would round to float32: gelu's erfcf did); erfinvf is the exception: the
+    emulator and CUDA have only its float form in flowgen's expressions, so float64 erfinv is float-accurate."""
+    attr_choices = {"gelu": [{"approximate": "none"}, {"approximate": "tanh"}], "logit": [{"eps": None}, {"eps": 0.25}]}
+    attr_choices["gelu_grad"], attr_choices["logit_grad"] = attr_choices["gelu"], attr_choices["logit"]
+    for name, op in REGISTRY.items():
+        if not isinstance(op.lowering, lowering.Elementwise) or name == "erfinv":
+            continue
+        if callable(op.lowering.expr) and name not in attr_choices:   # cast, random fills: no float math
+            continue
+        for attrs in attr_choices.get(name, [{}]):
+            text = lowering.as_double(op.lowering.expression(attrs))
+            float_calls = set(re.findall(r"\b([a-z0-9]+f)\(", text)) - {"erf", "isinf"}   # those two are double too
+            assert not float_calls, (name, text)

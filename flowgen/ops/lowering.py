@@ -51,7 +51,7 @@ class Elementwise:
 
 
 _FLOAT_MATH = re.compile(r"\b(exp|exp2|log|log2|log10|log1p|expm1|sqrt|rsqrt|sin|cos|tan|asin|acos|atan|sinh|cosh|"
-                         r"tanh|asinh|acosh|atanh|erf|pow|floor|ceil|fabs|fmin|fmax|round|rint|trunc|fmod|atan2|"
+                         r"tanh|asinh|acosh|atanh|erf|erfc|pow|floor|ceil|fabs|fmin|fmax|round|rint|trunc|fmod|atan2|"
                          r"hypot|copysign)f\(")
 _FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
 
