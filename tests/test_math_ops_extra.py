@@ -66,7 +66,7 @@ def _against_torch(flow_fn, torch_fn, arrays, dtype, rtol):
     f_out, t_out = flow_fn(*f_in), torch_fn(*t_in)
     assert f_out.dtype.name == str(t_out.dtype).replace("torch.", "")
     _same(f_out.numpy(), t_out.detach().numpy(), rtol, "forward")
-    g = _upstream(arrays[0].size).astype(dtype)
+    g = _upstream(t_out.numel()).reshape(tuple(t_out.shape)).astype(dtype)
     (f_out * flow.tensor(g)).sum().backward()
     t_out.backward(torch.from_numpy(g))
     for k, (fi, ti) in enumerate(zip(f_in, t_in)):
@@ -88,6 +88,14 @@ def test_binary_like_torch(name, dtype):
     a, b = (v.ravel() for v in np.meshgrid(PAIR_VALUES, PAIR_VALUES))
     flow_fn, torch_fn = BINARY[name]
     _against_torch(flow_fn, torch_fn, [a, b], *DTYPES[dtype])
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_binary_broadcasts_and_reduces_gradients_like_torch(name):
+    rng = np.random.default_rng(3)
+    a, b = np.abs(rng.standard_normal((3, 1))) + 0.1, rng.standard_normal(4) * 2
+    a[0, 0] = 0.0
+    _against_torch(*BINARY[name], [a, b], *DTYPES["float64"])
 
 
 def test_exact_values_and_methods():

@@ -399,6 +399,9 @@ def _logit_grad_expr(attrs) -> str:
 
 
 def _logit_infer(a, eps=None):
+    if eps is not None and not eps >= 0:
+        raise ValueError(f"logit: eps must be None or a number >= 0 (the functional layer maps a negative eps "
+                         f"to None, as PyTorch), got {eps!r}")
     return _float_unary_infer(a)
 
 
@@ -641,8 +644,7 @@ def _xlogy_ref(a, b):
 def _xlogy_grad(ctx, g):
     """PyTorch's: d/dx = xlogy(g, y), 0 where x == 0 and y <= 0; d/dy = g x / y."""
     a, b = ctx.inputs
-    ga = F.where(F.logical_and(a == 0, b <= 0), 0, F.xlogy(g, b)) if _needs(a) else None
-    return (F.sum_to(ga, a.shape) if ga is not None else None,
+    return (F.sum_to(F.where(F.logical_and(a == 0, b <= 0), 0, F.xlogy(g, b)), a.shape) if _needs(a) else None,
             F.sum_to(g * a / b, b.shape) if _needs(b) else None)
 
 
