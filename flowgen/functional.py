@@ -960,6 +960,100 @@ def expm1(x):
     return apply("expm1", _to_float(x))
 
 
+def tan(x):
+    return apply("tan", _to_float(x))
+
+
+def asin(x):
+    return apply("asin", _to_float(x))
+
+
+def acos(x):
+    return apply("acos", _to_float(x))
+
+
+def atan(x):
+    return apply("atan", _to_float(x))
+
+
+def sinh(x):
+    return apply("sinh", _to_float(x))
+
+
+def cosh(x):
+    return apply("cosh", _to_float(x))
+
+
+def asinh(x):
+    return apply("asinh", _to_float(x))
+
+
+def acosh(x):
+    return apply("acosh", _to_float(x))
+
+
+def atanh(x):
+    return apply("atanh", _to_float(x))
+
+
+arcsin, arccos, arctan, arcsinh, arccosh, arctanh = asin, acos, atan, asinh, acosh, atanh
+
+
+def log2(x):
+    return apply("log2", _to_float(x))
+
+
+def log10(x):
+    return apply("log10", _to_float(x))
+
+
+def exp2(x):
+    return apply("exp2", _to_float(x))
+
+
+def sinc(x):
+    """sin(pi x) / (pi x), 1 at 0 (torch.sinc)."""
+    return apply("sinc", _to_float(x))
+
+
+def logit(x, eps=None):
+    """log(z / (1 - z)), z = x clamped to [eps, 1 - eps]; eps None (or negative, as PyTorch) clamps nothing."""
+    return apply("logit", _to_float(x), eps=None if eps is None or eps < 0 else float(eps))
+
+
+def logit_grad(g, x, eps=None):
+    return apply("logit_grad", g, x, eps=eps)
+
+
+def deg2rad(x):
+    """x * (pi / 180), the constant rounded to x's dtype (as torch)."""
+    return mul(_to_float(x), 0.017453292519943295)
+
+
+def rad2deg(x):
+    """x * (180 / pi), the constant rounded to x's dtype (as torch)."""
+    return mul(_to_float(x), 57.29577951308232)
+
+
+def xlogy(x, y):
+    """x * log(y); 0 where x == 0 unless y is NaN (torch.xlogy)."""
+    return apply("xlogy", _to_float(x), _to_float(y))
+
+
+def hypot(a, b):
+    return apply("hypot", _to_float(a), _to_float(b))
+
+
+def logaddexp(a, b):
+    """log(exp(a) + exp(b)), computed without overflow."""
+    return apply("logaddexp", _to_float(a), _to_float(b))
+
+
+def copysign(a, b):
+    """|a| with the sign of b (the sign bit: -0.0 counts as negative)."""
+    return apply("copysign", _to_float(a), _to_float(b))
+
+
 def ceil(x):
     return apply("ceil", x) if x.dtype.is_floating else x
 
@@ -1445,5 +1539,5 @@ __all__ = [name for name, value in list(globals().items())
            if not name.startswith("_") and callable(value)
            and getattr(value, "__module__", None) in (__name__, "flowgen.creation")
            and name not in {"Tensor", "as_tensor_like", "apply", "normalize_dim", "normalize_dims", "namedtuple",
-                            "gelu_grad", "getitem", "view", "view_as", "reshape_as", "contiguous", "keyword_sizes",
+                            "gelu_grad", "logit_grad", "getitem", "view", "view_as", "reshape_as", "contiguous", "keyword_sizes",
                             "hardtanh"}]

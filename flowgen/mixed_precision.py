@@ -33,8 +33,8 @@ from flowgen import dtype as dt
 
 LOWER_PRECISION = frozenset({"matmul", "conv2d", "conv2d_grad_input", "attention", "attention_dropout"})
 FLOAT32 = frozenset({"softmax", "log_softmax", "cross_entropy_rows", "binary_cross_entropy", "layer_norm", "exp",
-                     "expm1", "log", "log1p", "pow", "reciprocal", "rsqrt", "erfinv", "sum", "mean", "cumsum",
-                     "cumprod"})
+                     "expm1", "log", "log1p", "log2", "log10", "pow", "reciprocal", "rsqrt", "erfinv", "tan", "asin",
+                     "acos", "sinh", "cosh", "sum", "mean", "cumsum", "cumprod"})
 
 LOW_DTYPES = (dt.float16, dt.bfloat16)
 

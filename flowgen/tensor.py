@@ -616,6 +616,8 @@ matmul mm bmm masked_fill gather index_select where
 eq ne lt le gt ge logical_and logical_or logical_not logical_xor
 add sub mul div floor_divide maximum minimum
 erf erfinv log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
+tan asin acos atan sinh cosh asinh acosh atanh arcsin arccos arctan arcsinh arccosh arctanh log2 log10 exp2 sinc logit
+deg2rad rad2deg xlogy hypot logaddexp copysign
 lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
 trace diagonal diag sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
 prod mv isclose index_add scatter_add

@@ -160,7 +160,7 @@ def _elementwise_expressions():
     """(op name, expression) of every Elementwise lowering, callable ones under each attribute
     value that changes them."""
     variants = [{"approximate": "none"}, {"approximate": "tanh"}, {"mean": 0.0, "std": 1.0, "low": 0.0, "high": 1.0},
-                {"dtype": "float16"}, {"dtype": "bfloat16"}, {"dtype": "float32"}]
+                {"dtype": "float16"}, {"dtype": "bfloat16"}, {"dtype": "float32"}, {"eps": None}, {"eps": 0.25}]
     for name, op in sorted(REGISTRY.items()):
         if isinstance(op.lowering, lowering.Elementwise):
             exprs = [op.lowering.expr] if not callable(op.lowering.expr) else \

@@ -305,6 +305,120 @@ _unary("log1p", _float_ref(np.log1p), "log1pf({0})",
        grad=lambda ctx, g: (g / (ctx.inputs[0] + 1),))
 _unary("expm1", _float_ref(np.expm1), "expm1f({0})",
        grad=lambda ctx, g: (g * (ctx.outputs[0] + 1),))
+# ---- trigonometric and hyperbolic functions, log2/log10/exp2: each its own C function (log2f(8) is
+# exactly 3, sinhf keeps its relative precision near 0), float32 list of autocast for the ones PyTorch
+# lists. The gradients are PyTorch's formulas, op for op, so edge values agree (asin'(1) = inf,
+# acosh'(x) = 0 where x * x overflows, NaN outside the domain).
+_LN2 = 0.6931471805599453
+_LN10 = 2.3025850929940456
+
+_unary("tan", _float_ref(np.tan), "tanf({0})",
+       grad=lambda ctx, g: (g * (ctx.outputs[0] * ctx.outputs[0] + 1),))
+_unary("asin", _float_ref(np.arcsin), "asinf({0})",
+       grad=lambda ctx, g: (g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0]),))
+_unary("acos", _float_ref(np.arccos), "acosf({0})",
+       grad=lambda ctx, g: (-(g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0])),))
+_unary("atan", _float_ref(np.arctan), "atanf({0})",
+       grad=lambda ctx, g: (g / (ctx.inputs[0] * ctx.inputs[0] + 1),))
+_unary("sinh", _float_ref(np.sinh), "sinhf({0})",
+       grad=lambda ctx, g: (g * F.cosh(ctx.inputs[0]),))
+_unary("cosh", _float_ref(np.cosh), "coshf({0})",
+       grad=lambda ctx, g: (g * F.sinh(ctx.inputs[0]),))
+_unary("asinh", _float_ref(np.arcsinh), "asinhf({0})",
+       grad=lambda ctx, g: (g * F.rsqrt(ctx.inputs[0] * ctx.inputs[0] + 1),))
+_unary("acosh", _float_ref(np.arccosh), "acoshf({0})",
+       grad=lambda ctx, g: (g * F.rsqrt(ctx.inputs[0] * ctx.inputs[0] - 1),))
+_unary("atanh", _float_ref(np.arctanh), "atanhf({0})",
+       grad=lambda ctx, g: (g / (1 - ctx.inputs[0] * ctx.inputs[0]),))
+_unary("log2", _float_ref(np.log2), "log2f({0})",
+       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN2),))
+_unary("log10", _float_ref(np.log10), "log10f({0})",
+       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN10),))
+_unary("exp2", _float_ref(np.exp2), "exp2f({0})",
+       grad=lambda ctx, g: (g * ctx.outputs[0] * _LN2,))
+
+
+def _sinc_ref(a):
+    """sin(pi x) / (pi x) with pi x rounded to x's dtype (as torch), 1 at 0."""
+    product = a * a.dtype.type(math.pi)
+    return np.where(a == 0, a.dtype.type(1), np.sin(product) / product).astype(a.dtype, copy=False)
+
+
+def _sinc_grad(ctx, g):
+    """PyTorch's sinc_backward: (pi x cos(pi x) - sin(pi x)) / (pi x^2), 0 where pi x^2 is 0."""
+    x = ctx.inputs[0]
+    x_pi = x * math.pi
+    x_squared_pi = x * x * math.pi
+    return (F.where(x_squared_pi == 0, 0, g * (x_pi * F.cos(x_pi) - F.sin(x_pi)) / x_squared_pi),)
+
+
+_unary("sinc", _float_ref(_sinc_ref),
+       "(({0}) == 0 ? 1.0f : sinf(3.14159265358979323846f * ({0})) / (3.14159265358979323846f * ({0})))",
+       grad=_sinc_grad, doc="normalized sinc: sin(pi x) / (pi x), 1 at x = 0")
+
+
+# ---- logit(x, eps): log(z / (1 - z)) with z = x clamped to [eps, 1 - eps] (eps None: z = x); its
+# gradient is one op with PyTorch's logit_backward: 0 outside [eps, 1 - eps] (NaN outside [0, 1] with
+# no eps), g / (x (1 - x)) inside (+-inf or NaN at 0 and 1).
+def _logit_clamped(x, eps):
+    if eps is None:
+        return x
+    lo = x.dtype.type(eps)
+    hi = x.dtype.type(1) - lo
+    return np.where(x < lo, lo, np.where(x > hi, hi, x))
+
+
+def _logit_ref(a, eps=None):
+    z = _logit_clamped(a, eps)
+    return np.log(z / (1 - z)).astype(a.dtype, copy=False)
+
+
+def _logit_grad_ref(g, a, eps=None):
+    g, x = _same_type(g, a)
+    if eps is None:
+        outside, fill = (x < 0) | (x > 1), np.nan
+    else:
+        lo = x.dtype.type(eps)
+        outside, fill = (x < lo) | (x > x.dtype.type(1) - lo), 0
+    return np.where(outside, x.dtype.type(fill), g / (x * (1 - x))).astype(x.dtype, copy=False)
+
+
+def _logit_z(attrs) -> str:
+    if attrs.get("eps") is None:
+        return "({0})"
+    return "(({0}) < {eps} ? {eps} : (({0}) > (1.0f - {eps}) ? (1.0f - {eps}) : ({0})))"
+
+
+def _logit_expr(attrs) -> str:
+    z = _logit_z(attrs)
+    return f"logf({z} / (1.0f - {z}))"
+
+
+def _logit_grad_expr(attrs) -> str:
+    if attrs.get("eps") is None:
+        return "((({1}) < 0.0f || ({1}) > 1.0f) ? NAN : ({0}) / (({1}) * (1.0f - ({1}))))"
+    return "((({1}) < {eps} || ({1}) > (1.0f - {eps})) ? 0.0f : ({0}) / (({1}) * (1.0f - ({1}))))"
+
+
+def _logit_infer(a, eps=None):
+    if eps is not None and not eps >= 0:
+        raise ValueError(f"logit: eps must be None or a number >= 0 (the functional layer maps a negative eps "
+                         f"to None, as PyTorch), got {eps!r}")
+    return _float_unary_infer(a)
+
+
+def _logit_grad_infer(g, a, eps=None):
+    return _float_binary_infer("logit_grad")(g, a)
+
+
+defop("logit", infer=_logit_infer, ref=_quiet(_logit_ref),
+      grad=lambda ctx, g: (F.logit_grad(g, ctx.inputs[0], ctx.attrs.get("eps")),),
+      lowering=Elementwise(_logit_expr),
+      doc="logit(x, eps=None|float >= 0): log(z / (1 - z)), z = x clamped to [eps, 1 - eps] when eps is given")
+defop("logit_grad", infer=_logit_grad_infer, ref=_quiet(_logit_grad_ref), lowering=Elementwise(_logit_grad_expr),
+      doc="logit_grad(grad_out, x, eps): PyTorch's logit_backward")
+
+
 # Rounding: piecewise constant, so no gradient flows (as torch: zeros).
 _unary("ceil", np.ceil, "ceilf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
 _unary("trunc", np.trunc, "truncf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
@@ -522,6 +636,59 @@ defop("remainder", infer=_float_only_binary_infer("remainder"), ref=_quiet(_bina
       grad=_modulo_grad("floor"),
       lowering=Elementwise("(({0}) - floorf(({0}) / ({1})) * ({1}))"),
       doc="Python modulo: the result takes the sign of the divisor (torch.remainder); floating inputs")
+
+def _xlogy_ref(a, b):
+    """x * log(y), 0 where x == 0, NaN where y is NaN (torch.xlogy)."""
+    out = np.where(a == 0, np.zeros((), a.dtype), a * np.log(b))
+    return np.where(np.isnan(b), b, out)
+
+
+def _xlogy_grad(ctx, g):
+    """PyTorch's: d/dx = xlogy(g, y), 0 where x == 0 and y <= 0; d/dy = g x / y."""
+    a, b = ctx.inputs
+    return (F.sum_to(F.where(F.logical_and(a == 0, b <= 0), 0, F.xlogy(g, b)), a.shape) if _needs(a) else None,
+            F.sum_to(g * a / b, b.shape) if _needs(b) else None)
+
+
+def _hypot_grad(ctx, g):
+    a, b = ctx.inputs
+    out = ctx.outputs[0]
+    return (F.sum_to(g * a / out, a.shape) if _needs(a) else None,
+            F.sum_to(g * b / out, b.shape) if _needs(b) else None)
+
+
+def _logaddexp_ref(a, b):
+    """max(a, b) + log1p(exp(-|a - b|)), and a where a == b is infinite (torch.logaddexp)."""
+    out = np.maximum(a, b) + np.log1p(np.exp(-np.abs(a - b)))
+    return np.where(np.isinf(a) & (a == b), a, out)
+
+
+def _logaddexp_grad(ctx, g):
+    a, b = ctx.inputs
+    return (F.sum_to(g / (F.exp(b - a) + 1), a.shape) if _needs(a) else None,
+            F.sum_to(g / (F.exp(a - b) + 1), b.shape) if _needs(b) else None)
+
+
+def _copysign_grad(ctx, g):
+    """PyTorch's: g * out / x, 0 where x == 0; none for the sign's source."""
+    a, b = ctx.inputs
+    return (F.sum_to(g * F.where(a == 0, 0, ctx.outputs[0] / a), a.shape) if _needs(a) else None, None)
+
+
+defop("xlogy", infer=_float_binary_infer("xlogy"), ref=_quiet(_binary_ref(_xlogy_ref)), grad=_xlogy_grad,
+      lowering=Elementwise("((({1}) != ({1})) ? ({1}) : (({0}) == 0 ? 0.0f : ({0}) * logf({1})))"),
+      doc="x * log(y); 0 where x == 0 unless y is NaN")
+defop("hypot", infer=_float_binary_infer("hypot"), ref=_quiet(_binary_ref(np.hypot)), grad=_hypot_grad,
+      lowering=Elementwise("hypotf({0}, {1})"))
+defop("logaddexp", infer=_float_binary_infer("logaddexp"), ref=_quiet(_binary_ref(_logaddexp_ref)),
+      grad=_logaddexp_grad,
+      lowering=Elementwise("((isinf({0}) && ({0}) == ({1})) ? ({0}) : "
+                           "((({0}) < ({1}) ? ({1}) : ({0})) + log1pf(expf(-fabsf(({0}) - ({1}))))))"),
+      doc="log(exp(a) + exp(b)) without overflow; a where a == b = +-inf")
+defop("copysign", infer=_float_binary_infer("copysign"), ref=_quiet(_binary_ref(np.copysign)), grad=_copysign_grad,
+      lowering=Elementwise("copysignf({0}, {1})"),
+      doc="|a| with the sign bit of b (-0.0 and NaN signs count)")
+
 
 for _name, _fn, _sym in (("eq", np.equal, "=="), ("ne", np.not_equal, "!="), ("lt", np.less, "<"),
                          ("le", np.less_equal, "<="), ("gt", np.greater, ">"), ("ge", np.greater_equal, ">=")):

@@ -50,8 +50,9 @@ class Elementwise:
         return as_double(text) if double else text
 
 
-_FLOAT_MATH = re.compile(r"\b(exp|log|log1p|expm1|sqrt|rsqrt|sin|cos|tan|tanh|erf|erfc|erfinv|pow|floor|ceil|fabs|"
-                         r"fmin|fmax|round|rint|trunc|fmod|atan2)f\(")
+_FLOAT_MATH = re.compile(r"\b(exp|exp2|log|log2|log10|log1p|expm1|sqrt|rsqrt|sin|cos|tan|asin|acos|atan|sinh|cosh|"
+                         r"tanh|asinh|acosh|atanh|erf|erfc|erfinv|pow|floor|ceil|fabs|fmin|fmax|round|rint|trunc|fmod|"
+                         r"atan2|hypot|copysign)f\(")
 _FLOAT_LITERAL = re.compile(r"(\b\d+\.\d*(?:e[-+]?\d+)?)f\b")
 
 
