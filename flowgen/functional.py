@@ -87,25 +87,35 @@ multiply = mul
 
 
 def div(a, b, rounding_mode=None):
-    """True division (integer inputs give float32); ``rounding_mode`` "floor" / "trunc" round the quotient."""
-    if not _dtype_of(a).is_floating and not _dtype_of(b).is_floating:
-        if _is_tensor(a):
-            a = apply("cast", a, dtype=dt.float32)
-        else:
-            b = apply("cast", b, dtype=dt.float32)
-        int_result = rounding_mode is not None
-    else:
-        int_result = False
-    q = apply("div", a, b)
-    if rounding_mode is None:
-        return q
-    if rounding_mode == "floor":
-        q = floor(q)
-    elif rounding_mode == "trunc":
-        q = sign(q) * floor(abs(q))
-    else:
+    """True division (integer inputs give float32); ``rounding_mode`` "floor" / "trunc" round the
+    quotient ("floor": of the exact quotient, as PyTorch). Integers divided with a rounding mode
+    give int64, computed in float64 (exact below 2**53; float32 rounds above 2**24)."""
+    if rounding_mode not in (None, "floor", "trunc"):
         raise ValueError(f"div: rounding_mode must be None, 'floor' or 'trunc', got {rounding_mode!r}")
-    return cast(q, dt.int64) if int_result else q
+    int_result = not _dtype_of(a).is_floating and not _dtype_of(b).is_floating
+    if int_result:
+        to = dt.float32 if rounding_mode is None else dt.float64
+        if _is_tensor(a):
+            a = apply("cast", a, dtype=to)
+        else:
+            b = apply("cast", b, dtype=to)
+    if rounding_mode == "floor":
+        q = apply("floor_divide", *_floating_pair(a, b))
+    else:
+        q = apply("div", a, b)
+        if rounding_mode == "trunc":
+            q = sign(q) * floor(abs(q))
+    return cast(q, dt.int64) if int_result and rounding_mode is not None else q
+
+
+def _floating_pair(a, b):
+    """a and b with a Python number or integer tensor operand cast to the other's floating dtype."""
+    ta, tb = _dtype_of(a), _dtype_of(b)
+    if not ta.is_floating:
+        a = apply("cast", a, dtype=tb) if _is_tensor(a) else float(a)
+    if not tb.is_floating:
+        b = apply("cast", b, dtype=ta) if _is_tensor(b) else float(b)
+    return a, b
 
 
 true_divide = divide = div

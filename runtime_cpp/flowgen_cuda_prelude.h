@@ -219,6 +219,26 @@ FLOWGEN_WGMMA_SS_TF32(wgmma_m64n256k8_tf32, 256, "%0, %1, %2, %3, %4, %5, %6, %7
 // Device functions shared by generated kernels on both targets.
 #include "flowgen_philox.h"
 
+// max / min of two floating values that propagate NaN, as PyTorch's max/min reductions do
+// (fmaxf/fminf return the other operand when one is NaN, which hid a NaN from amax's result).
+__device__ __forceinline__ float flowgen_max(float a, float b) { return (a > b || a != a) ? a : b; }
+__device__ __forceinline__ float flowgen_min(float a, float b) { return (a < b || a != a) ? a : b; }
+__device__ __forceinline__ double flowgen_max(double a, double b) { return (a > b || a != a) ? a : b; }
+__device__ __forceinline__ double flowgen_min(double a, double b) { return (a < b || a != a) ? a : b; }
+
+// Floor division as PyTorch (and Python, NumPy): the floor of the exact quotient a / b, from
+// fmod, not floor of the rounded a / b (2.0999999f // 0.69999999f is 2, floorf(a / b) is 3).
+template <class T> __device__ __forceinline__ T flowgen_floor_divide(T a, T b) {
+  if (b == T(0)) return a / b;
+  const T mod = fmod(a, b);
+  T div = (a - mod) / b;
+  if (mod != T(0) && ((b < T(0)) != (mod < T(0)))) div -= T(1);
+  if (div == T(0)) return copysign(T(0), a / b);
+  T floordiv = floor(div);
+  if (div - floordiv > T(0.5)) floordiv += T(1);
+  return floordiv;
+}
+
 // ---------------------------------------------------------------------------------------
 // The program's index-error record. A kernel that reads a tensor as indices (cross-entropy
 // labels, gather / index_select / embedding / scatter indices) checks each index; one out of

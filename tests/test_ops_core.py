@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import flowgen as flow
 from flowgen.ops import lowering
 from flowgen.ops.registry import REGISTRY, apply
+from flowgen.runtime import nvrtc
 from gradcheck import check_grad
 from graphs import TrainGraph
 from torch_oracle import compare_with_torch
@@ -202,6 +203,40 @@ def test_float64_graph_math_keeps_float64_precision():
     p = flow.tensor(np.linspace(-0.999, 0.999, 27))
     for k, (got, want) in enumerate(zip(_Float64Math()(x, p), _Float64Math.build(None, x, p))):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-13, atol=1e-300, err_msg=f"output {k}")
+
+
+class _NanAndDivision(flow.nn.Graph):
+    def build(self, rows, a, b):
+        return (flow.amax(rows, 1), flow.amin(rows, 1), flow.max(rows, 1)[0], flow.max(rows), flow.min(rows),
+                flow.remainder(a, b), flow.div(a, b, rounding_mode="floor"), a // 0.7, a % 0.7)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_reductions_remainder_and_floor_division_like_torch_in_graphs(dtype):
+    """Max/min reductions propagate NaN (the kernels' fmaxf dropped it: amax([nan, 1, 2]) was 2);
+    remainder and floor division work from fmod, as PyTorch (floorf(a / b) rounds the quotient
+    first: 2.0999999f // 0.69999999f gave 3, remainder(-1e30, 0.7) in float64 -1.4e14)."""
+    torch = pytest.importorskip("torch")
+    rows = np.array([[np.nan, 1.0, 2.0], [1.0, np.nan, -np.inf], [3.0, -1.0, 2.0]], dtype)
+    a = np.array([2.0999999, -2.0999999, 1e30, -1e30, 20.0, 100.0, 5.0, -7.5, 0.0, 1.0], dtype)
+    b = np.array([0.69999999, 0.69999999, 0.7, 0.7, 0.7, 0.7, -2.0, 2.0, 3.0, 0.0], dtype)
+    ta, tb, tr = (torch.tensor(v) for v in (a, b, rows))
+    want = (torch.amax(tr, 1), torch.amin(tr, 1), torch.max(tr, 1)[0], torch.max(tr), torch.min(tr),
+            torch.remainder(ta, tb), torch.div(ta, tb, rounding_mode="floor"), ta // 0.7, ta % 0.7)
+    step = _NanAndDivision()
+    with np.errstate(all="ignore"):
+        graph = step(*(flow.tensor(v) for v in (rows, a, b)))
+        eager = _NanAndDivision.build(None, *(flow.tensor(v) for v in (rows, a, b)))
+    for k, (g, e, w) in enumerate(zip(graph, eager, want)):
+        np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"graph output {k}")
+        np.testing.assert_array_equal(e.numpy(), w.numpy(), err_msg=f"eager output {k}")
+    assert nvrtc.compile_cuda(step.compiled.sources["kernels.cu"], "sm_80")     # the device helpers, on the GPU
+
+
+def test_integer_floor_division_is_exact_above_float32_precision():
+    x = flow.tensor([100000001, -7, 2 ** 40 + 1])
+    assert (x // 3).tolist() == [33333333, -3, (2 ** 40 + 1) // 3]
+    assert flow.div(x, -2, rounding_mode="floor").tolist() == [-50000001, 3, -(2 ** 39) - 1]
 
 
 def test_unary_int_inputs_become_float():

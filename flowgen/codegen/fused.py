@@ -266,10 +266,11 @@ def _reduce_geometry(red):
 
 
 def _combine_fn(combine: str, acc_type: str) -> str:
-    """How two partial results combine in the kernel (_common.j2's `combine`): "+" or a function."""
+    """How two partial results combine in the kernel (_common.j2's `combine`): "+" or a function;
+    floating max/min propagate NaN (flowgen_max/flowgen_min, runtime_cpp/flowgen_cuda_prelude.h)."""
     if combine == "sum":
         return "+"
-    return ("fmaxf" if combine == "max" else "fminf") if acc_type == "float" else combine
+    return f"flowgen_{combine}" if acc_type in ("float", "double") else combine
 
 
 def _split_reduction_body(body):
