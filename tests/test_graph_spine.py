@@ -8,7 +8,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.ir.trace import TraceError
 from flowgen.ir.interpret import interpret
-from flowgen.ir.verify import verify
+from flowgen.ir.verify import IRError, verify
 from flowgen.passes.pipeline import default_passes, run_passes
 from graphs import InferGraph, TrainGraph, train_like_eager
 
@@ -82,6 +82,26 @@ def test_every_pass_verifies_and_preserves_numbers():
     np.testing.assert_allclose(out_a[0], out_b[0], rtol=1e-6)
     for name in state:
         np.testing.assert_allclose(st_a[name], st_b[name], rtol=1e-6)
+
+
+def test_a_pass_that_breaks_the_ir_contract_raises_after_the_pipeline():
+    """Without `check`, the pipeline still verifies its result once: a pass that leaves an update
+    of the wrong dtype raises IRError naming it, instead of compiling into a wrong buffer write."""
+    model = _mlp()
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
+    graph(flow.randn(8, 5), flow.randn(8, 3))
+    ir = graph.compiled.ir
+
+    def retype_first_update(g):
+        broken = copy.copy(g)
+        name, value = g.updates[0]
+        wrong = copy.copy(value)
+        wrong.dtype = flow.float64
+        broken.updates = [(name, wrong)] + list(g.updates[1:])
+        return broken
+
+    with pytest.raises(IRError, match="does not match"):
+        run_passes(ir, [("retype", retype_first_update)])
 
 
 def test_parameters_are_shared_with_eager():

@@ -36,7 +36,9 @@ def _hoistable(node) -> bool:
 
 
 def run_passes(graph, passes, log=None, check: bool = False):
-    """Apply `passes` in order; verify after each when `check`; report timings to `log`."""
+    """Apply `passes` in order; verify after each when `check`, else once after the last (a pass
+    that broke the IR's contract -- an update whose value no longer matches its state's type --
+    raises IRError here instead of compiling into wrong numbers); report timings to `log`."""
     timings = {}
     for name, fn in passes:
         start = time.perf_counter()
@@ -47,4 +49,6 @@ def run_passes(graph, passes, log=None, check: bool = False):
         if log is not None:
             log(1, f"(PASS:{name}) {len(graph.nodes)} nodes, {timings[name] * 1e3:.1f} ms")
             log(2, str(graph))
+    if not check:
+        verify(graph)
     return graph, timings
