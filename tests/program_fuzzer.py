@@ -385,7 +385,7 @@ def _flip_roll(g, var, shape, same):
 def _pad(g, var, shape, same):
     rng, rank = g.rng, len(shape)
     last = shape[-1]
-    if rank >= 3 and rng.random() < 0.5:
+    if rank in (3, 4) and rng.random() < 0.5:     # torch pads the last dim of 3-D, the last two of 4-D
         mode = rng.choice(["reflect", "replicate"])
         dims = 2 if rank == 4 else 1
         limit = [s - 1 if mode == "reflect" else 2 for s in shape[-dims:]]
