@@ -301,6 +301,22 @@ def logical_not(x):
     return apply("logical_not", x)
 
 
+def bitwise_and(a, b):
+    return apply("bitwise_and", a, b)
+
+
+def bitwise_or(a, b):
+    return apply("bitwise_or", a, b)
+
+
+def bitwise_xor(a, b):
+    return apply("bitwise_xor", a, b)
+
+
+def bitwise_not(x):
+    return apply("bitwise_not", x)
+
+
 def logical_xor(a, b):
     return apply("ne", apply("cast", a, dtype=dt.bool_) if _is_tensor(a) else bool(a),
                  apply("cast", b, dtype=dt.bool_) if _is_tensor(b) else bool(b))

@@ -525,9 +525,14 @@ class Tensor:
     def __le__(self, o): return F.le(self, o)
     def __gt__(self, o): return F.gt(self, o)
     def __ge__(self, o): return F.ge(self, o)
-    def __and__(self, o): return F.logical_and(self, o)
-    def __or__(self, o): return F.logical_or(self, o)
-    def __invert__(self): return F.logical_not(self)
+    # bitwise, as PyTorch (on bools: the logical ops); `&` of integers was a logical and
+    def __and__(self, o): return F.bitwise_and(self, o)
+    def __or__(self, o): return F.bitwise_or(self, o)
+    def __xor__(self, o): return F.bitwise_xor(self, o)
+    def __rand__(self, o): return F.bitwise_and(o, self)
+    def __ror__(self, o): return F.bitwise_or(o, self)
+    def __rxor__(self, o): return F.bitwise_xor(o, self)
+    def __invert__(self): return F.bitwise_not(self)
     def __getitem__(self, key): return F.getitem(self, key)
 
     # -------------------------------------------------------------- methods
@@ -613,7 +618,7 @@ sum mean max min amax amin argmax argmin var std all any
 pow exp log sqrt rsqrt abs neg clamp clip clamp_min clamp_max sign floor reciprocal square
 relu sigmoid tanh gelu silu softmax log_softmax sin cos
 matmul mm bmm masked_fill gather index_select where
-eq ne lt le gt ge logical_and logical_or logical_not logical_xor
+eq ne lt le gt ge logical_and logical_or logical_not logical_xor bitwise_and bitwise_or bitwise_xor bitwise_not
 add sub mul div floor_divide maximum minimum
 erf erfinv log1p expm1 ceil trunc fix round frac isnan isinf isfinite nan_to_num atan2 arctan2 fmod remainder
 tan asin acos atan sinh cosh asinh acosh atanh arcsin arccos arctan arcsinh arccosh arctanh log2 log10 exp2 sinc logit

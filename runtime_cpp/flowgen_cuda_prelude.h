@@ -226,6 +226,27 @@ __device__ __forceinline__ float flowgen_min(float a, float b) { return (a < b |
 __device__ __forceinline__ double flowgen_max(double a, double b) { return (a > b || a != a) ? a : b; }
 __device__ __forceinline__ double flowgen_min(double a, double b) { return (a < b || a != a) ? a : b; }
 
+// pow by the operands' type: float/double math for floating values; for integers, exact
+// repeated squaring that wraps around on overflow as PyTorch's integer pow does (powf rounded
+// 5000001 ** 2 to 25000010579968). A negative integer exponent gives what PyTorch's integer pow
+// kernel gives: 1 / a truncated (1 for a == 1, +-1 for a == -1, else 0).
+__device__ __forceinline__ float flowgen_pow_same(float a, float b) { return powf(a, b); }
+__device__ __forceinline__ double flowgen_pow_same(double a, double b) { return pow(a, b); }
+template <class T> __device__ __forceinline__ T flowgen_pow_same(T a, T b) {
+  if (b < 0) return a == 1 ? T(1) : (a == -1 ? ((b & 1) ? T(-1) : T(1)) : T(0));
+  unsigned long long base = (unsigned long long)a, result = 1, e = (unsigned long long)b;
+  for (; e; e >>= 1, base *= base) if (e & 1) result *= base;
+  return (T)result;
+}
+// (the operands in their common type: a literal exponent is an int)
+template <class A, class B> __device__ __forceinline__ auto flowgen_pow(A a, B b) -> decltype(a + b) {
+  return flowgen_pow_same((decltype(a + b))a, (decltype(a + b))b);
+}
+
+// ~a of integer and bool values (bitwise_not): C++'s ~ turns true into -2, which is true again.
+__device__ __forceinline__ bool flowgen_bitwise_not(bool a) { return !a; }
+template <class T> __device__ __forceinline__ T flowgen_bitwise_not(T a) { return ~a; }
+
 // Floor division as PyTorch (and Python, NumPy): the floor of the exact quotient a / b, from
 // fmod, not floor of the rounded a / b (2.0999999f // 0.69999999f is 2, floorf(a / b) is 3).
 template <class T> __device__ __forceinline__ T flowgen_floor_divide(T a, T b) {

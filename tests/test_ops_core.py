@@ -22,6 +22,7 @@ import flowgen as flow
 from flowgen.ops import lowering
 from flowgen.ops.registry import REGISTRY, apply
 from flowgen.runtime import nvrtc
+from flowgen.runtime.toolchain import runtime_cpp_dir
 from gradcheck import check_grad
 from graphs import TrainGraph
 from torch_oracle import compare_with_torch
@@ -231,6 +232,33 @@ def test_nan_reductions_remainder_and_floor_division_like_torch_in_graphs(dtype)
         np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"graph output {k}")
         np.testing.assert_array_equal(e.numpy(), w.numpy(), err_msg=f"eager output {k}")
     assert nvrtc.compile_cuda(step.compiled.sources["kernels.cu"], "sm_80")     # the device helpers, on the GPU
+
+
+class _IntegerOps(flow.nn.Graph):
+    def build(self, a, b, m):
+        return a ** 2, a ** 3, a & b, a | b, a ^ b, ~a, m & (a > 0), ~m, m ^ True
+
+
+def test_integer_pow_and_bitwise_ops_like_torch_in_graphs():
+    """Integer pow is exact and wraps like PyTorch's (the kernel's powf made 5000001 ** 2
+    25000010579968); `&`, `|`, `^`, `~` of integers are bitwise (they were logical: 6 & 3 gave
+    True), of bools logical; floating operands raise."""
+    torch = pytest.importorskip("torch")
+    a = np.array([5000001, 6, -7, 2 ** 40 + 3, 0, -1])
+    b = np.array([3, 3, 12, -5, 9, 7])
+    m = np.array([True, False, True, True, False, False])
+    ta, tb, tm = torch.tensor(a), torch.tensor(b), torch.tensor(m)
+    want = (ta ** 2, ta ** 3, ta & tb, ta | tb, ta ^ tb, ~ta, tm & (ta > 0), ~tm, tm ^ True)
+    step = _IntegerOps()
+    graph = step(*(flow.tensor(v) for v in (a, b, m)))
+    assert nvrtc.compile_cuda(step.compiled.sources["kernels.cu"], "sm_80")
+    eager = _IntegerOps.build(None, *(flow.tensor(v) for v in (a, b, m)))
+    for k, (g, e, w) in enumerate(zip(graph, eager, want)):
+        assert g.dtype.name == e.dtype.name == str(w.dtype).replace("torch.", ""), k
+        np.testing.assert_array_equal(g.numpy(), w.numpy(), err_msg=f"graph output {k}")
+        np.testing.assert_array_equal(e.numpy(), w.numpy(), err_msg=f"eager output {k}")
+    with pytest.raises(TypeError, match="bitwise_and: only integer and bool"):
+        flow.ones(2) & flow.ones(2)
 
 
 def test_integer_floor_division_is_exact_above_float32_precision():
@@ -802,11 +830,12 @@ def test_broadcast_error_names_shapes():
 
 
 # ============================================================== the C++ expressions
+# the kernels' own headers (the emulator's side): expressions call their device helpers
 _CPP_PRELUDE = r"""
-#include <cmath>
+#include "flowgen_cuda_prelude.h"
 #include <cstdio>
-static inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 """
+
 
 
 def _elementwise_cases():
@@ -861,8 +890,8 @@ def test_elementwise_cpp_expressions_match_references(tmp_path):
         loops.append(f'printf("%.9g\\n", (double)(float)({lw.render(literals, attrs)}));')
     src = _CPP_PRELUDE + "\n".join(decls) + "\nint main() {\n" + "\n".join(loops) + "\nreturn 0; }\n"
     (tmp_path / "e.cpp").write_text(src)
-    build = subprocess.run(["g++", "-O1", "-o", str(tmp_path / "e"), str(tmp_path / "e.cpp")],
-                           capture_output=True, text=True)
+    build = subprocess.run(["g++", "-std=c++17", "-O1", "-fopenmp", "-DFLOWGEN_EMULATOR", f"-I{runtime_cpp_dir()}", "-o",
+                            str(tmp_path / "e"), str(tmp_path / "e.cpp")], capture_output=True, text=True)
     assert build.returncode == 0, build.stderr + "\n" + src
     values = np.array([float(v) for v in subprocess.run([str(tmp_path / "e")], capture_output=True, text=True,
                                                          check=True).stdout.split()]).reshape(len(cases), 8)

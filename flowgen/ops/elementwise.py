@@ -592,7 +592,8 @@ defop("div", infer=_float_binary_infer("div"), ref=_quiet(_binary_ref(np.true_di
       lowering=Elementwise("({0} / {1})"),
       doc="true division; integer inputs give float32 (the functional layer casts them first)")
 defop("pow", infer=_binary_infer("pow"), ref=_quiet(_binary_ref(np.power)), grad=_pow_grad,
-      lowering=Elementwise("powf({0}, {1})"))
+      lowering=Elementwise("flowgen_pow({0}, {1})"),
+      doc="a ** b; integers exactly, wrapping on overflow as PyTorch (runtime_cpp/flowgen_cuda_prelude.h)")
 defop("maximum", infer=_binary_infer("maximum"), ref=_binary_ref(np.maximum),
       grad=_minmax_grad(lambda a, b: a > b),
       lowering=Elementwise("(((({0}) != ({0})) || ({0}) > ({1})) ? ({0}) : ({1}))"))
@@ -705,6 +706,27 @@ defop("logical_and", infer=_compare_infer("logical_and"), ref=np.logical_and,
       lowering=Elementwise("(({0}) && ({1}))"))
 defop("logical_or", infer=_compare_infer("logical_or"), ref=np.logical_or,
       lowering=Elementwise("(({0}) || ({1}))"))
+
+
+# Bitwise ops on integer and bool tensors (`&`, `|`, `^`, `~`, as PyTorch; on bools they are the
+# logical ops). Floating operands raise, as in PyTorch.
+def _bitwise_infer(name):
+    def infer(*operands):
+        for t in operands:
+            if t.dtype.is_floating:
+                raise TypeError(f"{name}: only integer and bool tensors are supported, got {t.dtype} "
+                                f"(PyTorch refuses floating operands too)")
+        return _binary_infer(name)(*operands) if len(operands) == 2 else operands[0]
+    return infer
+
+
+for _name, _fn, _sym in (("bitwise_and", np.bitwise_and, "&"), ("bitwise_or", np.bitwise_or, "|"),
+                         ("bitwise_xor", np.bitwise_xor, "^")):
+    defop(_name, infer=_bitwise_infer(_name), ref=_binary_ref(_fn), lowering=Elementwise(f"(({{0}}) {_sym} ({{1}}))"),
+          doc=f"a {_sym} b on integer or bool tensors")
+# ~ of a bool is `!` (C++'s ~true is -2, which is true again as a bool)
+defop("bitwise_not", infer=_bitwise_infer("bitwise_not"), ref=np.invert, lowering=Elementwise("flowgen_bitwise_not({0})"),
+      doc="~a: the bits inverted, for bools the logical not")
 
 
 # ======================================================================== ternary
