@@ -8,6 +8,7 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from graphs import train_like_eager
 from torch_oracle import get_torch
 
 torch = get_torch()
@@ -99,6 +100,71 @@ def test_legacy_size_average_and_reduce_set_the_reduction(name, arrays, legacy):
     """The deprecated size_average= / reduce= flags override reduction= as in PyTorch (they were
     ignored: mse_loss(size_average=False) returned the mean, 1.43 instead of the sum 28.6)."""
     _functional_pair(name, legacy, arrays)
+
+
+# ---------------------------------------------------------------------- norms of zero vectors, cosine similarity
+
+def _zero_row(a):
+    a = a.copy()
+    a[1] = 0.0
+    return a
+
+
+@pytest.mark.parametrize("flow_fn, torch_fn", [
+    (lambda a, b: nn.functional.normalize(a, dim=1), lambda a, b: torch.nn.functional.normalize(a, dim=1)),
+    (lambda a, b: nn.functional.normalize(a, p=3, dim=1), lambda a, b: torch.nn.functional.normalize(a, p=3, dim=1)),
+    (lambda a, b: flow.norm(a, dim=1) + flow.norm(b, p=1.5, dim=0).sum(),
+     lambda a, b: torch.norm(a, dim=1) + torch.norm(b, p=1.5, dim=0).sum()),
+    (lambda a, b: nn.functional.cosine_similarity(a, b), lambda a, b: torch.nn.functional.cosine_similarity(a, b)),
+    (lambda a, b: nn.functional.cosine_similarity(a * 1e-5, b * 1e-5),
+     lambda a, b: torch.nn.functional.cosine_similarity(a * 1e-5, b * 1e-5)),
+    (lambda a, b: nn.functional.cosine_similarity(a * 1e-5, b, eps=1e-3),
+     lambda a, b: torch.nn.functional.cosine_similarity(a * 1e-5, b, eps=1e-3)),
+    (lambda a, b: nn.functional.pairwise_distance(a, a * 1.0, eps=0.0),
+     lambda a, b: torch.nn.functional.pairwise_distance(a, a * 1.0, eps=0.0)),
+], ids=["normalize", "normalize_p3", "norm", "cosine", "cosine_small_norms", "cosine_eps", "pairwise_zero"])
+def test_norms_of_zero_vectors_and_cosine_similarity(flow_fn, torch_fn):
+    """A zero vector's 2-/p-norm has gradient 0, as PyTorch (sqrt'(0) = inf made normalize's and
+    norm's gradients NaN); cosine_similarity clamps each norm at eps (it clamped their product:
+    0.023 for torch's 0.53 at norms 2e-5)."""
+    rng = np.random.default_rng(6)
+    a, b = _zero_row(rng.standard_normal((3, 4))), rng.standard_normal((3, 4))
+    t_in = [torch.tensor(v, requires_grad=True) for v in (a, b)]
+    f_in = [flow.tensor(v, dtype=flow.float64, requires_grad=True) for v in (a, b)]
+    t_out, f_out = torch_fn(*t_in), flow_fn(*f_in)
+    _assert_close(f_out.numpy(), t_out.detach().numpy(), "value")
+    r = rng.standard_normal(tuple(t_out.shape))
+    (t_out * torch.tensor(r)).sum().backward()
+    (f_out * flow.tensor(r)).sum().backward()
+    for i, (t, f) in enumerate(zip(t_in, f_in)):
+        _assert_close(_grad(f), _grad(t), f"gradient of input {i}")
+
+
+class _UnitRows(nn.Module):
+    """A linear layer whose rows, some of them zero (a ReLU of negative inputs), are normalised."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = nn.functional.relu(self.linear(x))
+        return nn.functional.normalize(h, dim=1) + nn.functional.cosine_similarity(h, h.flip(0) + 0.5)[:, None]
+
+
+def test_zero_norm_gradient_in_a_graph_step_equals_eager():
+    """The same composite in a graph training step (emulator): graph == eager, no NaN."""
+    flow.manual_seed(0)
+    x = np.random.default_rng(7).standard_normal((6, 4)).astype(np.float32)
+    x[2] = -10.0    # with positive weights and a zero bias, every pre-activation of this row is negative
+    model = _UnitRows()
+    with flow.no_grad():
+        model.linear.weight.copy_(flow.abs(model.linear.weight))
+        model.linear.bias.copy_(flow.zeros(3))
+    assert (nn.functional.relu(model.linear(flow.tensor(x))).numpy()[2] == 0).all()
+    train_like_eager(model, lambda ps: flow.optim.SGD(ps, lr=0.1), [(flow.tensor(x), flow.zeros(6, 3))] * 2,
+                     loss_fn=nn.MSELoss())
+    assert all(np.isfinite(p.numpy()).all() for p in model.parameters())
 
 
 # ---------------------------------------------------------------------- normalisation

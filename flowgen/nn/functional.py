@@ -967,10 +967,14 @@ def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, r
 
 
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
-    """x1 . x2 / max(|x1| |x2|, eps) along `dim` (PyTorch's formula: the product of norms is clamped)."""
-    dot = _F.sum(x1 * x2, dim)
-    norms = _F.sqrt(_F.sum(x1 * x1, dim) * _F.sum(x2 * x2, dim))
-    return dot / _F.clamp_min(norms, eps)
+    """sum((x1 / max(|x1|, eps)) * (x2 / max(|x2|, eps))) along `dim`, PyTorch's formula: each norm is
+    clamped on its own, and the clamp passes the norm's gradient through unchanged (PyTorch clamps
+    without autograd)."""
+    def unit(x):
+        norm = _F.norm(x, 2, dim, keepdim=True)
+        return x / (norm + _F.detach(_F.clamp_min(norm, eps) - norm))
+
+    return _F.sum(unit(x1) * unit(x2), dim)
 
 
 def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
