@@ -102,6 +102,18 @@ def test_legacy_size_average_and_reduce_set_the_reduction(name, arrays, legacy):
     _functional_pair(name, legacy, arrays)
 
 
+@pytest.mark.parametrize("make, message", [
+    (lambda: nn.HuberLoss(delta=0.0), r"huber_loss: delta must be > 0 .* got 0.0"),
+    (lambda: nn.HuberLoss(delta=-1.0), r"huber_loss: delta must be > 0 .* got -1.0"),
+    (lambda: nn.SmoothL1Loss(beta=-0.5), r"smooth_l1_loss: beta must be >= 0 .* got -0.5"),
+])
+def test_huber_and_smooth_l1_refuse_what_torch_refuses(make, message):
+    """delta <= 0 / beta < 0 raise, naming the loss and value (they returned 0 and a negative loss)."""
+    x = flow.tensor(np.ones(3))
+    with pytest.raises(ValueError, match=message):
+        make()(x, flow.zeros(3))
+
+
 # ---------------------------------------------------------------------- norms of zero vectors, cosine similarity
 
 def _zero_row(a):

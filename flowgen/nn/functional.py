@@ -779,6 +779,8 @@ def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
 
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
     reduction = _legacy_reduction(size_average, reduce, reduction, "smooth_l1_loss")
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be >= 0 (PyTorch refuses negative values), got {beta}")
     diff = input - target
     if beta == 0.0:
         return _reduce(_F.abs(diff), reduction, "smooth_l1_loss")
@@ -789,6 +791,8 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
 
 def huber_loss(input, target, reduction="mean", delta=1.0):
     _check_reduction(reduction, "huber_loss")
+    if not delta > 0:
+        raise ValueError(f"huber_loss: delta must be > 0 (PyTorch refuses non-positive values), got {delta}")
     diff = input - target
     ad = _F.abs(diff)
     loss = _F.where(ad < delta, diff * diff * 0.5, (ad - 0.5 * delta) * delta)
