@@ -1173,7 +1173,7 @@ def norm(x, p="fro", dim=None, keepdim=False, dtype=None):
     x = cast(x, dtype) if dtype is not None else _to_float(x)
     dims = _dims(x, dim, "norm")
     if p in ("fro", 2, 2.0):
-        return sqrt(sum(mul(x, x), dims, keepdim))
+        return _root(sum(mul(x, x), dims, keepdim), sqrt)
     if p in (float("inf"), "inf"):
         return amax(abs(x), dims, keepdim)
     if p in (float("-inf"), "-inf"):
@@ -1183,8 +1183,16 @@ def norm(x, p="fro", dim=None, keepdim=False, dtype=None):
     if p == 0:
         return sum(cast(ne(x, 0), x.dtype), dims, keepdim)
     if isinstance(p, numbers.Real):
-        return pow(sum(pow(abs(x), float(p)), dims, keepdim), 1.0 / float(p))
+        return _root(sum(pow(abs(x), float(p)), dims, keepdim), lambda s: pow(s, 1.0 / float(p)))
     raise ValueError(f"norm: unsupported norm type p={p!r} (a number, 'fro', inf or -inf)")
+
+
+def _root(powered_sum, root):
+    """root(powered_sum) whose gradient is 0 where the sum is 0, as PyTorch's norm backward (the
+    root's derivative is inf at 0, and inf * 0 would make a zero vector's gradient NaN). The
+    inner where keeps the root off 0; NaN sums still propagate (NaN != 0)."""
+    nonzero = ne(powered_sum, 0)
+    return where(nonzero, root(where(nonzero, powered_sum, 1.0)), 0.0)
 
 
 # =================================================================== more shape ops

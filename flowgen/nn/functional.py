@@ -86,6 +86,18 @@ def _check_reduction(reduction, name):
         raise ValueError(f"{name}: {reduction!r} is not a valid value for reduction (expected one of {_REDUCTIONS})")
 
 
+def _legacy_reduction(size_average, reduce, reduction, name):
+    """The reduction a loss applies: PyTorch's deprecated `size_average` / `reduce` flags, when either
+    is given, override `reduction` (reduce=False: 'none'; size_average=False: 'sum'; else 'mean')."""
+    if size_average is not None or reduce is not None:
+        if reduce is False:
+            reduction = "none"
+        else:
+            reduction = "sum" if size_average is False else "mean"
+    _check_reduction(reduction, name)
+    return reduction
+
+
 def _channel_shape(x, channel_dim=1):
     """(1, C, 1, ...) — the broadcast shape of a per-channel vector for `x`."""
     shape = [1] * x.ndim
@@ -755,18 +767,20 @@ def pad(input, pad, mode="constant", value=None):
 # losses
 
 def mse_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    _check_reduction(reduction, "mse_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "mse_loss")
     diff = input - target
     return _reduce(diff * diff, reduction, "mse_loss")
 
 
 def l1_loss(input, target, size_average=None, reduce=None, reduction="mean"):
-    _check_reduction(reduction, "l1_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "l1_loss")
     return _reduce(_F.abs(input - target), reduction, "l1_loss")
 
 
 def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
-    _check_reduction(reduction, "smooth_l1_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "smooth_l1_loss")
+    if beta < 0:
+        raise ValueError(f"smooth_l1_loss: beta must be >= 0 (PyTorch refuses negative values), got {beta}")
     diff = input - target
     if beta == 0.0:
         return _reduce(_F.abs(diff), reduction, "smooth_l1_loss")
@@ -777,6 +791,8 @@ def smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mea
 
 def huber_loss(input, target, reduction="mean", delta=1.0):
     _check_reduction(reduction, "huber_loss")
+    if not delta > 0:
+        raise ValueError(f"huber_loss: delta must be > 0 (PyTorch refuses non-positive values), got {delta}")
     diff = input - target
     ad = _F.abs(diff)
     loss = _F.where(ad < delta, diff * diff * 0.5, (ad - 0.5 * delta) * delta)
@@ -824,7 +840,7 @@ def _unbatched(input, target):
 
 
 def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
-    _check_reduction(reduction, "nll_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "nll_loss")
     input, target, unbatched = _unbatched(input, target)
     loss, w, _ = _nll_parts(input, target, weight, ignore_index)
     if reduction == "none":
@@ -837,7 +853,7 @@ def nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, r
 def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean",
                   label_smoothing=0.0):
     """log_softmax over dim 1 (dim 0 for a (C,) input) then NLL; class-index or probability targets."""
-    _check_reduction(reduction, "cross_entropy")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "cross_entropy")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"cross_entropy: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
     if (input.ndim == 2 and not target.dtype.is_floating and weight is None and label_smoothing == 0
@@ -900,7 +916,7 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """-(t log x + (1 - t) log(1 - x)), logs clamped at -100, and PyTorch's gradient (the
     `binary_cross_entropy` op)."""
-    _check_reduction(reduction, "binary_cross_entropy")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "binary_cross_entropy")
     if tuple(target.shape) != tuple(input.shape):
         raise ValueError(f"binary_cross_entropy: target size ({list(target.shape)}) must be the same as input size "
                          f"({list(input.shape)})")
@@ -913,7 +929,7 @@ def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=N
 def binary_cross_entropy_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean",
                                      pos_weight=None):
     """(1 - t) x + lw * softplus(-x), lw = 1 + (pos_weight - 1) t; softplus(-x) = relu(-x) + log(1 + e^-|x|)."""
-    _check_reduction(reduction, "binary_cross_entropy_with_logits")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "binary_cross_entropy_with_logits")
     if tuple(target.shape) != tuple(input.shape):
         raise ValueError(f"Target size ({list(target.shape)}) must be the same as input size ({list(input.shape)})")
     # |x| as where(x >= 0, x, -x): at x == 0 its derivative (1) combines with relu'(0) = 0 to give
@@ -933,6 +949,8 @@ def binary_cross_entropy_with_logits(input, target, weight=None, size_average=No
 def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     """KL(target || exp(input)) pointwise: target * (log target - input), 0 where target == 0
     (`log_target`: target holds log-probabilities). "batchmean" divides the sum by the batch size."""
+    if size_average is not None or reduce is not None:
+        reduction = _legacy_reduction(size_average, reduce, reduction, "kl_div")
     if reduction not in _REDUCTIONS + ("batchmean",):
         raise ValueError(f"kl_div: {reduction!r} is not a valid value for reduction "
                          f"(expected one of {_REDUCTIONS + ('batchmean',)})")
@@ -948,15 +966,19 @@ def kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_
 
 def margin_ranking_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
     """max(0, -target * (input1 - input2) + margin)."""
-    _check_reduction(reduction, "margin_ranking_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "margin_ranking_loss")
     return _reduce(_F.clamp_min(-target * (input1 - input2) + margin, 0.0), reduction, "margin_ranking_loss")
 
 
 def cosine_similarity(x1, x2, dim=1, eps=1e-8):
-    """x1 . x2 / max(|x1| |x2|, eps) along `dim` (PyTorch's formula: the product of norms is clamped)."""
-    dot = _F.sum(x1 * x2, dim)
-    norms = _F.sqrt(_F.sum(x1 * x1, dim) * _F.sum(x2 * x2, dim))
-    return dot / _F.clamp_min(norms, eps)
+    """sum((x1 / max(|x1|, eps)) * (x2 / max(|x2|, eps))) along `dim`, PyTorch's formula: each norm is
+    clamped on its own, and the clamp passes the norm's gradient through unchanged (PyTorch clamps
+    without autograd)."""
+    def unit(x):
+        norm = _F.norm(x, 2, dim, keepdim=True)
+        return x / (norm + _F.detach(_F.clamp_min(norm, eps) - norm))
+
+    return _F.sum(unit(x1) * unit(x2), dim)
 
 
 def pairwise_distance(x1, x2, p=2.0, eps=1e-6, keepdim=False):
@@ -973,7 +995,7 @@ def normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
 
 def cosine_embedding_loss(input1, input2, target, margin=0.0, size_average=None, reduce=None, reduction="mean"):
     """1 - cos(x1, x2) where target == 1, max(0, cos(x1, x2) - margin) where target == -1."""
-    _check_reduction(reduction, "cosine_embedding_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "cosine_embedding_loss")
     # PyTorch's own eps placement: 1e-12 added to each squared norm before the product.
     dim = input1.ndim - 1
     dot = _F.sum(input1 * input2, dim)
@@ -986,7 +1008,7 @@ def triplet_margin_loss(anchor, positive, negative, margin=1.0, p=2.0, eps=1e-6,
                         reduce=None, reduction="mean"):
     """max(d(a, p) - d(a, n) + margin, 0) with d the pairwise p-distance (`swap`: d(a, n) becomes
     min(d(a, n), d(p, n)), the distance swap of Balntas et al.)."""
-    _check_reduction(reduction, "triplet_margin_loss")
+    reduction = _legacy_reduction(size_average, reduce, reduction, "triplet_margin_loss")
     d_pos = pairwise_distance(anchor, positive, p, eps)
     d_neg = pairwise_distance(anchor, negative, p, eps)
     if swap:

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops import registry
 from flowgen.ops.registry import apply
@@ -47,14 +48,19 @@ def _total_norm(grads: list, norm_type: float, pieces: list = (), world_size: in
     pieces (ZeRO-2/3, this rank's) are `pieces`: their powered sums are added over the ranks."""
     if math.isinf(norm_type):
         if pieces:
-            raise NotImplementedError("nn.utils.clip_grad_norm_(norm_type=inf) inside build() with "
-                                      "enable_zero(stage=2|3): the maximum over the ranks' gradient pieces is not "
+            raise NotImplementedError(f"nn.utils.clip_grad_norm_(norm_type={norm_type}) inside build() with "
+                                      "enable_zero(stage=2|3): the extremum over the ranks' gradient pieces is not "
                                       "supported; use a finite norm_type or stage=1")
-        per_grad = [F.amax(F.abs(g)) for g in grads]
+        # inf: the largest |g|; -inf: the smallest (PyTorch's vector_norm). NaN propagates.
+        extremum, pick = (F.amax, F.maximum) if norm_type > 0 else (F.amin, F.minimum)
+        per_grad = [extremum(F.abs(g)) for g in grads]
         total = per_grad[0]
         for part in per_grad[1:]:
-            total = F.maximum(total, part)
+            total = pick(total, part)
         return total
+    if norm_type == 0:
+        raise NotImplementedError("nn.utils.clip_grad_norm_(norm_type=0) (a count of non-zero entries) is not "
+                                  "supported in a graph; use a positive norm_type")
     parts = [_powered_sum(grads, norm_type)] if grads else []
     if pieces:
         parts.append(apply("all_reduce", _powered_sum(pieces, norm_type), op="sum", world_size=world_size))
@@ -112,7 +118,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
                     foreach=None) -> Tensor:
     """Scale all gradients together so that their joint `norm_type`-norm is at most `max_norm`.
 
-    Returns the total norm before clipping (a 0-d float32 tensor), as PyTorch. Inside
+    Returns the total norm before clipping (a 0-d tensor, float64 when a gradient is, else float32),
+    as PyTorch. Inside
     `nn.Graph.build()` it clips the step's gradients and returns the norm as a lazy tensor.
     """
     parameters = _parameter_list(parameters)
@@ -135,21 +142,21 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     if not grads:
         return Tensor(np.float32(0.0))
     norm_type = float(norm_type)
-    arrays = [g.numpy_view().astype(np.float32, copy=False).ravel() for g in grads]
-    if math.isinf(norm_type):
-        per_grad = [np.abs(a).max() if a.size else np.float32(0) for a in arrays]
-        total = np.float32(max(per_grad))
-    else:
-        per_grad = np.array([np.linalg.norm(a, norm_type) if a.size else 0.0 for a in arrays], np.float32)
-        total = np.float32(np.linalg.norm(per_grad, norm_type))
+    # As PyTorch: each gradient's norm, then the norm of those norms (np.linalg.norm: inf is the max,
+    # -inf the min, 0 the count of non-zeros; NaN propagates), in float64 when a gradient is float64.
+    norm_dtype = dt.float64 if any(g.dtype == dt.float64 for g in grads) else dt.float32
+    real = norm_dtype.np_dtype.type
+    arrays = [g.numpy_view().astype(real, copy=False).ravel() for g in grads]
+    per_grad = np.array([np.linalg.norm(a, norm_type) if a.size else 0.0 for a in arrays], real)
+    total = real(np.linalg.norm(per_grad, norm_type))
     if error_if_nonfinite and not np.isfinite(total):
         raise RuntimeError(f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
                            f"so it cannot be clipped. To disable this error and scale the gradients by the "
                            f"non-finite norm anyway, set `error_if_nonfinite=False`")
-    coef = np.float32(min(np.float32(max_norm) / (total + np.float32(1e-6)), np.float32(1.0)))
+    coef = np.minimum(real(max_norm) / (total + real(1e-6)), real(1.0))
     for g in grads:
         _replace(g, g.numpy_view() * coef)
-    return Tensor(np.asarray(total, np.float32))
+    return Tensor(np.asarray(total, real), dtype=norm_dtype)
 
 
 def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:

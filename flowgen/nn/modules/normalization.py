@@ -200,7 +200,9 @@ class _InstanceNorm(_NormBase):
                              f"input of shape {tuple(x.shape)})")
         if x.ndim == batched - 1:
             return self.forward(x.unsqueeze(0)).squeeze(0)
-        momentum = 0.1 if self.momentum is None else self.momentum
+        # momentum=None is 0 here, as PyTorch's InstanceNorm (not BatchNorm's cumulative average): the
+        # running statistics then keep their initial values.
+        momentum = 0.0 if self.momentum is None else self.momentum
         return NF.instance_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                 use_input_stats=self.training or not self.track_running_stats,
                                 momentum=momentum, eps=self.eps)
