@@ -438,15 +438,19 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     return _F.cast(out, input.dtype) if input.dtype in (dt.float16, dt.bfloat16) else out
 
 
+def _normalized_dims(input, normalized_shape, op: str) -> int:
+    """How many trailing dims `normalized_shape` (an int or a sequence) names; they must be the
+    input's last dims (PyTorch's message)."""
+    shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
+    k = len(shape)
+    if k == 0 or tuple(input.shape[input.ndim - k:]) != shape:
+        raise RuntimeError(f"{op}: given normalized_shape={list(shape)}, expected input with shape "
+                           f"[*, {', '.join(map(str, shape))}], but got input of size {list(input.shape)}")
+    return k
+
+
 def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    normalized_shape = tuple(int(s) for s in normalized_shape)
-    k = len(normalized_shape)
-    if k == 0 or tuple(input.shape[input.ndim - k:]) != normalized_shape:
-        raise RuntimeError(f"layer_norm: given normalized_shape={list(normalized_shape)}, expected input with "
-                           f"shape [*, {', '.join(map(str, normalized_shape))}], but got input of size "
-                           f"{list(input.shape)}")
+    k = _normalized_dims(input, normalized_shape, "layer_norm")
     # one op (ops/norm_ops.py): a row kernel forward, the closed form backward
     affine = [t for t in (weight, bias) if t is not None]
     out, _, _ = apply("layer_norm", input, *affine, normalized_ndim=k, eps=float(eps),
@@ -457,14 +461,7 @@ def layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 def rms_norm(input, normalized_shape, weight=None, eps=None):
     """x / sqrt(mean(x^2 over the last len(normalized_shape) dims) + eps) * weight; eps None is the
     machine epsilon of the input's dtype (torch.finfo(dtype).eps), as PyTorch."""
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    normalized_shape = tuple(int(s) for s in normalized_shape)
-    k = len(normalized_shape)
-    if k == 0 or tuple(input.shape[input.ndim - k:]) != normalized_shape:
-        raise RuntimeError(f"rms_norm: given normalized_shape={list(normalized_shape)}, expected input with "
-                           f"shape [*, {', '.join(map(str, normalized_shape))}], but got input of size "
-                           f"{list(input.shape)}")
+    k = _normalized_dims(input, normalized_shape, "rms_norm")
     if eps is None:
         eps = float(np.finfo(input.dtype.np_dtype).eps)
     dims = tuple(range(input.ndim - k, input.ndim))
