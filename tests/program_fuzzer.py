@@ -832,7 +832,7 @@ def run_torch(program, state) -> tuple:
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
     model = model.double()
     for module in model.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
             module.register_forward_pre_hook(_contiguous_inputs)
             module.register_forward_hook(_contiguous_output_gradient)
     model.eval()
@@ -847,10 +847,11 @@ def run_torch(program, state) -> tuple:
 
 
 def _contiguous_inputs(module, inputs):
-    """Torch BatchNorm's inputs made contiguous (same values): torch 2.13's CPU BatchNorm2d
-    backward is wrong where the input or the output's gradient has strides that also read as
-    channels_last (a transposed [N, C, H, 1]) and the other does not -- the bias gradient is
-    not the sum of the output gradient (fuzz seeds 730247, 702446)."""
+    """Torch BatchNorm's and InstanceNorm's inputs made contiguous (same values): torch 2.13's CPU
+    BatchNorm2d backward is wrong where the input or the output's gradient has strides that also
+    read as channels_last (a transposed [N, C, H, 1]) and the other does not -- the bias gradient
+    is not the sum of the output gradient (fuzz seeds 730247, 702446; InstanceNorm2d, which runs
+    batch_norm, with a permuted output: 931347)."""
     return tuple(t.contiguous() for t in inputs)
 
 

@@ -171,6 +171,13 @@ REGRESSIONS = {
         702446, (2, 4, 5), ["self.m7 = nn.BatchNorm2d(4)"],
         ["h1 = lib.unsqueeze(x, 2)", "h8 = self.m7(h1)", "h9 = lib.transpose(h8, 1, 3)", "h10 = lib.cumsum(h9, dim=2)"],
         loss="F.l1_loss(out, target)", optimizer="adam", target_shape=(2, 5, 1, 4)),
+    # fuzz seed 931347: the same torch fault through InstanceNorm2d (it runs batch_norm) with its
+    # output permuted: the bias gradient was 0.05 off while the loss agreed
+    "instance_norm_gradient_through_a_permute": _regression(
+        931347, (5, 8), ["self.m7 = nn.InstanceNorm2d(8, affine=True)"],
+        ["h2 = lib.stack([x, x], dim=2)", "h6 = lib.unsqueeze(h2, 2)", "h8 = self.m7(h6)",
+         "h9 = lib.permute(h8, (3, 0, 1, 2))"],
+        loss="F.huber_loss(out, target, delta=0.5)", optimizer="adam", target_shape=(2, 5, 8, 1)),
     # fuzz seed 702616: the oracle's fault: topk(4 of 5) of LayerNorm rows with ties (the
     # masked_fill value); torch's CPU topk takes the last tied elements, flowgen the first (its
     # documented stable order), so the LayerNorm weight gradient reached other features.
