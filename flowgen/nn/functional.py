@@ -438,10 +438,15 @@ def batch_norm(input, running_mean, running_var, weight=None, bias=None, trainin
     return _F.cast(out, input.dtype) if input.dtype in (dt.float16, dt.bfloat16) else out
 
 
+def normalized_shape_tuple(normalized_shape) -> tuple:
+    """LayerNorm/RMSNorm's `normalized_shape` (an int or a sequence) as a tuple of ints."""
+    return (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
+
+
 def _normalized_dims(input, normalized_shape, op: str) -> int:
-    """How many trailing dims `normalized_shape` (an int or a sequence) names; they must be the
-    input's last dims (PyTorch's message)."""
-    shape = (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
+    """How many trailing dims `normalized_shape` names; they must be the input's last dims
+    (PyTorch's message)."""
+    shape = normalized_shape_tuple(normalized_shape)
     k = len(shape)
     if k == 0 or tuple(input.shape[input.ndim - k:]) != shape:
         raise RuntimeError(f"{op}: given normalized_shape={list(shape)}, expected input with shape "

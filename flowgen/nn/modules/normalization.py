@@ -220,15 +220,11 @@ class InstanceNorm3d(_InstanceNorm):
     spatial_dims = 3
 
 
-def _shape_tuple(normalized_shape) -> tuple:
-    return (int(normalized_shape),) if isinstance(normalized_shape, int) else tuple(int(s) for s in normalized_shape)
-
-
 class LayerNorm(Module):
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None):
         super().__init__()
-        self.normalized_shape = _shape_tuple(normalized_shape)
+        self.normalized_shape = NF.normalized_shape_tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
@@ -261,7 +257,7 @@ class RMSNorm(Module):
     def __init__(self, normalized_shape, eps: float | None = None, elementwise_affine: bool = True, device=None,
                  dtype=None):
         super().__init__()
-        self.normalized_shape = _shape_tuple(normalized_shape)
+        self.normalized_shape = NF.normalized_shape_tuple(normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:
