@@ -567,19 +567,33 @@ def test_kernels_on_gpu(rendered):
         for k in r.kernels:
             module.launch(k.name, k.grid, k.block, k.smem, [ctypes.c_void_p(pointers[a.value]) for a in k.args])
         ctx.synchronize()
-        ok = True
         for out, want in zip(node.outputs, _refs(case, r.arrays)):
             got = np.empty(out.shape, out.dtype.np_dtype)
             ctx.memcpy_dtoh(got, pointers[out])
             want = np.asarray(want).astype(out.dtype.np_dtype)
-            ok = ok and (np.array_equal(got, want) if not out.dtype.is_floating else np.allclose(
-                got.astype(np.float64), want.astype(np.float64), rtol=case.rtol, atol=case.atol, equal_nan=True))
+            try:   # the emulator's criterion (atol scaled by the output's magnitude), on both targets
+                _compare(case, out, got, want)
+            except AssertionError as exc:
+                failures.append(f"{case.id} ({', '.join(k.name for k in r.kernels)}): {_mismatch(got, want)}; "
+                                f"{str(exc).strip().splitlines()[0]}")
         for p in pointers.values():
             ctx.free(p)
-        if not ok:
-            failures.append(case.id)
     module.close()
-    assert not failures, f"kernels that disagree with the reference on the GPU: {failures}"
+    assert not failures, "kernels that disagree with the reference on the GPU:\n" + "\n".join(failures)
+
+
+def _mismatch(got, want) -> str:
+    """The largest error and the first differing index of an output."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    error = np.abs(got - want)
+    error[np.isnan(got) & np.isnan(want)] = 0.0
+    error[np.isnan(error)] = np.inf
+    if not error.any():
+        return "no element differs"
+    worst = np.unravel_index(int(np.argmax(error)), error.shape)
+    first = np.unravel_index(int(np.flatnonzero(error)[0]), error.shape)
+    return (f"largest error {error[worst]:.3g} at {tuple(map(int, worst))} (got {got[worst]!r}, want "
+            f"{want[worst]!r}), first differing index {tuple(map(int, first))}")
 
 
 def test_every_gemm_tile_configuration(monkeypatch):

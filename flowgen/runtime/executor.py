@@ -7,7 +7,7 @@ constants and the arena — and then each call is: copy inputs in, launch the
 kernels in order, write state updates back, copy outputs out.
 
 Index errors: kernels that read a tensor as indices report an out-of-range one into the
-module's error record (`flowgen_index_error`, runtime_cpp/flowgen_cuda_prelude.h) instead of
+module's error record (`flowgen_index_error`; one per cubin on CUDA, runtime_cpp/flowgen_cuda_prelude.h) instead of
 using it. `run` reads the record (16 bytes) after every step and keeps what it found;
 `raise_index_error` then clears it and raises IndexError naming the op, the module path, the
 value and the valid range. The step itself has completed by then: its outputs are computed
@@ -64,8 +64,9 @@ class CpuBackend:
         self._keep.append((args, params))
         return lambda: launcher(grid, block, kernel.smem, params)
 
-    def global_address(self, name: str) -> int:
-        return self.module.global_address(name)
+    def global_addresses(self, name: str) -> list:
+        """The address of `name` in the one linked library (every chunk shares it)."""
+        return [self.module.global_address(name)]
 
     def synchronize(self):
         pass
@@ -128,8 +129,10 @@ class CudaBackend:
         return lambda: module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
                                      self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
 
-    def global_address(self, name: str) -> int:
-        return self.module.global_address(name)
+    def global_addresses(self, name: str) -> list:
+        """The address of `name` in every module: NVRTC compiles the kernels in chunks, one cubin
+        each, and each cubin holds its own copy of a `__device__` variable of the prelude."""
+        return [module.global_address(name) for module in self.modules]
 
     def synchronize(self):
         self.ctx.synchronize(self.stream)
@@ -149,7 +152,8 @@ class Executor:
         self.graph_exec = None     # CUDA graph of one step, captured on the second call
         self.index_checks = program.index_checks
         self.index_error = np.zeros((), _INDEX_ERROR_RECORD)   # the record as the last step left it
-        self.index_error_address = backend.global_address("flowgen_index_error") if self.index_checks else None
+        # One record per loaded module (the CUDA backend loads one cubin per NVRTC chunk).
+        self.index_error_addresses = backend.global_addresses("flowgen_index_error") if self.index_checks else []
         self.arena = backend.alloc(program.plan.arena_bytes)
         for v in graph.inputs:
             self.address[v] = backend.alloc(v.nbytes)
@@ -241,8 +245,10 @@ class Executor:
                 launch()
         self.launch_step()
         self.backend.synchronize()
-        if self.index_error_address is not None:
-            self.backend.download(self.index_error, self.index_error_address)
+        for address in self.index_error_addresses:   # the first module whose kernels found a bad index
+            self.backend.download(self.index_error, address)
+            if self.index_error["check"]:
+                break
         return [self.read_value(v) for v in self.program.graph.outputs]
 
     def raise_index_error(self):
@@ -251,5 +257,6 @@ class Executor:
         if check_id == 0:
             return
         self.index_error = np.zeros((), _INDEX_ERROR_RECORD)
-        self.backend.upload(self.index_error_address, self.index_error)
+        for address in self.index_error_addresses:
+            self.backend.upload(address, self.index_error)
         raise IndexError(self.index_checks[check_id].message(value))

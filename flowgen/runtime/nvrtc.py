@@ -7,6 +7,7 @@ in parallel threads: NVRTC releases the GIL), giving several cubins and a name m
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def _arch_number(arch: str) -> str:
 
 
 # A call of a Hopper warpgroup MMA (flowgen_cuda_prelude.h): the source needs sm_90a.
-_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k\d+_\w+\s*<")
+_WGMMA_CALL = re.compile(r"\bwgmma_m64n\d+k\d+_[a-z0-9]+")
 
 
 def _arch_number_for(source: str, arch: str) -> str:
@@ -78,8 +79,11 @@ def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes
 
 def _options(target: str) -> list[str]:
     # No --use_fast_math: kernels opt into fast intrinsics (__expf, ...) explicitly.
+    # FLOWGEN_NVRTC_LINEINFO=1 adds source lines to the cubins, so compute-sanitizer and Nsight
+    # Compute name the line of kernels.cu (in the NVRTC build folder) behind each report.
     includes = [runtime_cpp_dir(), *cuda_include_dirs()]
-    return [f"--gpu-architecture={target}", "-std=c++17", "-DFLOWGEN_CUDA"] + [
+    lineinfo = ["-lineinfo"] if os.environ.get("FLOWGEN_NVRTC_LINEINFO") == "1" else []
+    return [f"--gpu-architecture={target}", "-std=c++17", "-DFLOWGEN_CUDA", *lineinfo] + [
         f"-I{d}" for d in includes
     ]
 
