@@ -58,15 +58,26 @@ class GradNode:
         self.op = op
         self.ctx = ctx
         self.inputs = inputs
-        self.versions = tuple(t._version for t in inputs)   # backward() refuses inputs written since
+        self.versions = tuple(version_of(t) for t in inputs)   # backward() refuses inputs written since
         self.name = f"{op.name}_backward"
 
 
-def rebase_history(target, new):
+def version_of(tensor) -> int:
+    """A tensor's write count; for a view, plus its root's writes since the view last matched it
+    (a view shares its base's counter in PyTorch: a write to either is a write to both). Reading a
+    stale view recomputes it (bumping its own count), and a write through a view leaves it
+    matching its root, so the ops that read it after its own write stay valid."""
+    view = tensor._view
+    return tensor._version if view is None else tensor._version + view[0]._version - view[2]
+
+
+def rebase_history(target, new, walk_all: bool = False):
     """Autograd side of an in-place write of `new` (computed from `target`) into `target`
     (`F.relu(x, inplace=True)`, `x.copy_(y)`): `target` takes `new`'s history, and the nodes that
     read target's old value (its producer, and the ops computing `new`) read a stand-in holding it.
-    Other ops that read the old value are refused at backward() (GradNode.versions)."""
+    Other ops that read the old value are refused at backward() (GradNode.versions). `walk_all`:
+    `new` may reach ops that read `target` through tensors older than it (a view recomputed from
+    its root, Tensor._refresh_view), so the whole history of `new` is walked."""
     if target.requires_grad and target.grad_fn is None:
         raise RuntimeError("a leaf tensor that requires grad is being used in an in-place operation; "
                            "write into it under flow.no_grad(), or use the out-of-place form")
@@ -84,7 +95,7 @@ def rebase_history(target, new):
         if any(i is target for i in node.inputs):
             node.inputs = tuple(old if i is target else i for i in node.inputs)
             node.ctx.inputs = tuple(old if i is target else i for i in node.ctx.inputs)
-        stack.extend(i for i in node.inputs if i is not old and i._serial > target._serial)
+        stack.extend(i for i in node.inputs if i is not old and (walk_all or i._serial > target._serial))
     node = new.grad_fn
     node.ctx.outputs = tuple(target if o is new else o for o in node.ctx.outputs)
     target.grad_fn, target.requires_grad = node, True
@@ -218,7 +229,8 @@ def backward(root, gradient=None):
             for inp, ig, version in zip(node.inputs, in_grads, node.versions):
                 if ig is None or not inp.requires_grad:
                     continue
-                if inp._version != version and inp.grad_fn is not None:
+                if version_of(inp) != version and inp.grad_fn is not None and \
+                        node.op.extra.get("grad_reads_inputs", True):
                     raise RuntimeError(f"backward(): an input of {node.op.name} was modified by an in-place "
                                        f"operation after {node.op.name} used it; use the out-of-place form "
                                        f"(inplace=False) or clone() before writing")

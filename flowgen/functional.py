@@ -835,6 +835,54 @@ def getitem(x, key):
     return result
 
 
+def scatter_positions(x, positions, values):
+    """`x` with the elements at `positions` (int64 indices into x.reshape(-1), an array shaped like
+    `values`) replaced by `values`; of repeated positions the last wins (NumPy's assignment). What an
+    in-place write to a view or ``x[key] = value`` does to the tensor written, as ops: an
+    index_select of the values and a where, so gradients flow to both and graphs compile it."""
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    if tuple(values.shape) != tuple(np.shape(positions)):
+        values = expand(values, tuple(np.shape(positions)))
+    if values.dtype != x.dtype:
+        values = apply("cast", values, dtype=x.dtype)
+    n = x.numel()
+    if pos.size == 0:
+        return x
+    flat = reshape(values, (pos.size,))
+    if pos.size == n and np.array_equal(pos, np.arange(n)):
+        return reshape(flat, tuple(x.shape))
+    inverse = np.zeros(n, np.int64)
+    inverse[pos] = np.arange(pos.size)
+    mask = np.zeros(n, bool)
+    mask[pos] = True
+    gathered = apply("index_select", flat, Tensor(inverse, dtype=dt.int64, device=x.device), dim=0)
+    return where(Tensor(mask.reshape(tuple(x.shape)), device=x.device), reshape(gathered, tuple(x.shape)), x)
+
+
+def setitem_value(x, key, value):
+    """What ``x[key] = value`` makes of `x` (Tensor.__setitem__ writes it in place). Any index
+    of constant (eager) tensors, lists, ints, slices, None and Ellipsis works, eagerly and in
+    graphs; an index computed in a graph must be one boolean mask over x's leading dims."""
+    if not _is_tensor(value):
+        value = Tensor(np.array(value, dtype=x.dtype.np_dtype), dtype=x.dtype, device=x.device)
+    items = key if isinstance(key, tuple) else (key,)
+    lazy = [k for k in items if _is_tensor(k) and k.is_lazy]
+    if not lazy:
+        positions = getitem(Tensor(np.arange(x.numel(), dtype=np.int64).reshape(tuple(x.shape)), dtype=dt.int64,
+                                   device=x.device), key)
+        return scatter_positions(x, positions.numpy_view(), value)
+    mask = lazy[0]
+    if len(items) != 1 or mask.dtype != dt.bool_ or tuple(mask.shape) != tuple(x.shape)[:mask.ndim]:
+        raise NotImplementedError(
+            f"x[index] = value inside nn.Graph.build() with an index computed in the graph ({key!r}): only one "
+            f"boolean mask over the leading dims of x (shape {tuple(x.shape)}) is supported; the positions of "
+            f"any other must be known when the graph is traced (use index_add/scatter_add, or a mask)")
+    cond = reshape(mask, tuple(mask.shape) + (1,) * (x.ndim - mask.ndim))
+    if value.dtype != x.dtype:
+        value = apply("cast", value, dtype=x.dtype)
+    return where(cond, value, x)
+
+
 # =================================================================== linear algebra
 def matmul(a, b):
     """torch.matmul semantics: 1-D operands are promoted (and the added dim removed), batch dims broadcast."""

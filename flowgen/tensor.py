@@ -42,6 +42,11 @@ class Tensor:
     # flowgen stores every tensor dense and row-major (a permute is a copy), so this is layout
     # metadata for is_contiguous()/stride()/contiguous(), not a description of the NumPy buffer.
     _view_strides = None
+    # (root, replay, root's version when this was computed) for the result of a view op (reshape,
+    # permute, slice, expand, detach: registry._record_view), else None. flowgen's tensors own their
+    # data, so PyTorch's aliasing of views is carried by this record: see _write_through and
+    # _refresh_view.
+    _view = None
 
     def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
         """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
@@ -121,6 +126,8 @@ class Tensor:
             return Size(self._value.shape)
         if self._global is not None:
             return Size(self._global.shape)
+        if self._data is not None:   # (a stale view's shape without recomputing it)
+            return Size(self._data.shape)
         return Size(self.numpy_view().shape)
 
     @property
@@ -176,6 +183,8 @@ class Tensor:
         if self._sync_from_device is not None:
             sync, self._sync_from_device = self._sync_from_device, None
             sync(self)
+        if self._view is not None and self._view[0]._version != self._view[2]:
+            self._refresh_view()
         return self._data
 
     def numpy(self) -> np.ndarray:
@@ -254,7 +263,7 @@ class Tensor:
     # ---------------------------------------------------------------- autograd
     def backward(self, gradient=None, retain_graph=False):
         if self.is_lazy:  # inside nn.Graph.build(): mark the loss for the autodiff pass
-            return registry._tracer_hook.mark_backward(self)
+            return registry._tracer_hook.mark_backward(self, gradient)
 
         autograd.backward(self, gradient)
 
@@ -417,16 +426,50 @@ class Tensor:
     # ------------------------------------------------------------- in-place
     def _assign(self, new: "Tensor") -> "Tensor":
         """Write `new` into this tensor (eager: same buffer; traced: a state update, or a new
-        value of a free eager tensor for the rest of the call, ir/trace.py)."""
+        value of a free eager tensor for the rest of the call, ir/trace.py); a view writes
+        through to the tensor it views (`_write_through`)."""
         tracer = registry._tracer_hook
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
-            return tracer.assign(self, new) if tracer else None
-        if new.grad_fn is not None and new is not self:
-            autograd.rebase_history(self, new)
-        value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
-        self.numpy_view()[...] = value
+            if tracer is None:
+                raise RuntimeError("an in-place op on a lazy (graph) tensor outside nn.Graph.build()")
+            if self._view is not None:
+                self._refresh_view()
+            tracer.assign(self, new)
+        else:
+            if new.grad_fn is not None and new is not self:
+                autograd.rebase_history(self, new)
+            value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
+            self.numpy_view()[...] = value
         self._version += 1
+        if self._view is not None:
+            self._write_through()
         return self
+
+    def _write_through(self):
+        """After an in-place write to this view: write its new value into the root it views."""
+        root, replay, _ = self._view
+        positions = replay(Tensor(np.arange(root.numel(), dtype=np.int64).reshape(root.shape), dtype=dt.int64))
+        positions = positions.numpy_view()
+        if np.unique(positions).size != positions.size:
+            raise RuntimeError(f"unsupported operation: an in-place write to a view of shape {tuple(self.shape)} "
+                               f"whose elements refer to the same element of its base (an expand()ed view, as "
+                               f"PyTorch refuses); clone() it before writing")
+        root._assign(F.scatter_positions(root, positions, self))
+        self._view = (root, replay, root._version)
+
+    def _refresh_view(self):
+        """Recompute this view from its root, which was written in place since it was computed."""
+        root, replay, _ = self._view
+        self._view = None   # replaying reads only the root
+        new = replay(root)
+        if new.is_lazy:
+            self._value, self.requires_grad = new._value, new.requires_grad
+        else:
+            if new.grad_fn is not None:
+                autograd.rebase_history(self, new, walk_all=True)
+            self._data = new.numpy_view()
+        self._version += 1  # ops that read the old value are refused at backward(), as PyTorch's shared counter
+        self._view = (root, replay, root._version)
 
     def copy_(self, src):
         return self._assign(src if isinstance(src, Tensor) else as_tensor_like(src, self))
@@ -478,10 +521,8 @@ class Tensor:
         return creation.bernoulli(self, p)
 
     def _inplace(self, new: "Tensor") -> "Tensor":
-        # `x += y`: in place (same buffer) unless autograd is recording it, where the result is
-        # a new tensor (as if `x = x + y`) so the gradient stays correct.
-        if new.requires_grad and not self.is_lazy:
-            return new
+        # `x += y`: in place, as PyTorch (aliases and views of x see it); autograd takes the new
+        # value's history (rebase_history).
         return self._assign(new)
 
     def __iadd__(self, o): return self._inplace(F.add(self, o))
@@ -490,15 +531,9 @@ class Tensor:
     def __itruediv__(self, o): return self._inplace(F.div(self, o))
 
     def __setitem__(self, key, value):
-        if self.is_lazy:
-            raise RuntimeError("item assignment on a lazy tensor inside nn.Graph.build() is not supported; "
-                               "use flow.where or masked_fill")
-        if isinstance(key, tuple):
-            key = tuple(k.numpy_view() if isinstance(k, Tensor) else k for k in key)
-        elif isinstance(key, Tensor):
-            key = key.numpy_view()
-        self.numpy_view()[key] = value.numpy_view() if isinstance(value, Tensor) else value
-        self._version += 1
+        """``x[key] = value`` writes in place, as PyTorch: through views, with autograd, and in
+        graphs (functional.setitem_value says which indices)."""
+        self._assign(F.setitem_value(self, key, value))
 
     # ------------------------------------------------------------ operators
     def __add__(self, o): return F.add(self, o)

@@ -69,7 +69,7 @@ class Tracer:
         self.scopes: list = []
         self.state_of: dict = {}      # id(tensor) -> StateVar
         self.state_tensors: list = []  # the eager tensors bound to state, in order
-        self.constants: dict = {}     # id(tensor) -> (tensor, Value): one node per captured tensor
+        self.constants: dict = {}     # id(tensor) -> (tensor, Value, version): a node per captured version
         self.backward_roots: list = []   # losses whose backward() is pending
         self.losses: list = []           # every loss backward() was called on, in order (micro-batches)
         self.differentiate = None     # set by nn.Graph: (in_build) -> backward of the marked loss, {state name: grad}
@@ -144,16 +144,21 @@ class Tracer:
         return var.value
 
     def value_of(self, tensor) -> Value:
+        if tensor._view is not None and tensor._view[0]._version != tensor._view[2]:
+            tensor._refresh_view()   # its root was written in place since (Tensor._refresh_view)
         if tensor.is_lazy:
             return tensor._value
         if self.is_free(tensor):
             return self.free_value(tensor)
         cached = self.constants.get(id(tensor))
-        if cached is not None:
+        if cached is not None and cached[2] == tensor._version:
             return cached[1]
+        # A tensor build() made is a constant of the graph, as its data is now: an eager in-place
+        # op on it since (`label.fill_(0)` after a read, DCGAN) bumped its version, so later reads
+        # take a new constant, the value eager code would read there.
         self._check_device(tensor)
         node = self.emit("constant", [], {"value": np.array(tensor.numpy_view())})
-        self.constants[id(tensor)] = (tensor, node.output)
+        self.constants[id(tensor)] = (tensor, node.output, tensor._version)
         return node.output
 
     def emit(self, op_name: str, inputs: list, attrs: dict) -> Node:
@@ -205,17 +210,40 @@ class Tracer:
         target._value = new_value
         return target
 
-    def mark_backward(self, loss):
-        if loss.numel() != 1:
-            raise TraceError(f"loss.backward() in build() needs a scalar loss, got shape {tuple(loss.shape)}")
-        self.backward_roots.append(loss._value)
+    def mark_backward(self, loss, gradient=None):
+        """`loss.backward(gradient)` in build(): the loss joins the pending roots. Several
+        backward() calls before the optimizer step accumulate their gradients, as in eager mode
+        (the roots are differentiated together, as their sum); `gradient` weighs a non-scalar
+        loss (the vector-Jacobian product: the gradients of sum(loss * gradient))."""
+        if gradient is None:
+            if loss.numel() != 1:
+                raise TraceError(f"loss.backward() in build() needs a scalar loss, got shape {tuple(loss.shape)} "
+                                 f"(in {self.scope or 'build()'} at {user_location()}); pass gradient=")
+            root = loss
+        else:
+            gradient = gradient if isinstance(gradient, Tensor) else Tensor(gradient, dtype=loss.dtype)
+            if tuple(gradient.shape) != tuple(loss.shape):
+                raise TraceError(f"loss.backward(gradient) in build(): gradient shape {tuple(gradient.shape)} does not "
+                                 f"match the loss shape {tuple(loss.shape)} (in {self.scope or 'build()'} at "
+                                 f"{user_location()})")
+            root = (loss * gradient.detach()).sum()
+        self.backward_roots.append(root._value)
         self.losses.append(loss._value)
+
+    def _accumulate(self, grads: dict) -> dict:
+        """The step's gradients after another backward: added to those build() already read."""
+        if self.grads is None:
+            return grads
+        out = dict(self.grads)
+        for name, g in grads.items():
+            out[name] = g if name not in out else (self.lazy(out[name]) + self.lazy(g))._value
+        return out
 
     def step_gradients(self, caller: str) -> dict:
         """{state name: gradient Value} of the step being traced; differentiates a pending
         `loss.backward()` now, so code after it in build() (gradient clipping) can use them."""
         if self.backward_roots:
-            self.grads = self.differentiate(True)
+            self.grads = self._accumulate(self.differentiate(True))
         if self.grads is None:
             raise TraceError(f"{caller} in build() needs the gradients: call loss.backward() before it")
         return self.grads
@@ -226,7 +254,7 @@ class Tracer:
     def take_step_gradients(self):
         """After build(): the step's gradients (None without loss.backward()); resets for the next micro-batch."""
         if self.backward_roots:
-            self.grads = self.differentiate(False)
+            self.grads = self._accumulate(self.differentiate(False))
         grads, self.grads = self.grads, None
         return grads
 

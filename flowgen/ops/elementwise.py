@@ -459,10 +459,10 @@ def _cast_expr(attrs) -> str:
 
 
 defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elementwise(_cast_expr),
-      doc="cast(x, dtype=DType); float -> int truncates toward zero")
+      doc="cast(x, dtype=DType); float -> int truncates toward zero", grad_reads_inputs=False)
 
 defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),
-      doc="identity that stops gradients (Tensor.detach on lazy tensors)")
+      view=True, doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False)
 
 
 def _clamp_infer(a, min=None, max=None, exclusive=False):
@@ -518,7 +518,7 @@ def _expand_infer(a, shape):
 defop("expand", infer=_expand_infer, ref=lambda a, shape: np.broadcast_to(a, shape),
       grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape),),
       lowering=Elementwise("({0})"),
-      doc="expand(x, shape): broadcast to `shape` (explicit, no -1)")
+      view=True, doc="expand(x, shape): broadcast to `shape` (explicit, no -1)", grad_reads_inputs=False)
 
 
 # ======================================================================== binary
@@ -583,9 +583,9 @@ def _minmax_grad(pick):
 
 
 defop("add", infer=_binary_infer("add"), ref=_binary_ref(np.add), grad=_add_grad,
-      lowering=Elementwise("({0} + {1})"))
+      lowering=Elementwise("({0} + {1})"), grad_reads_inputs=False)
 defop("sub", infer=_binary_infer("sub"), ref=_binary_ref(np.subtract), grad=_sub_grad,
-      lowering=Elementwise("({0} - {1})"))
+      lowering=Elementwise("({0} - {1})"), grad_reads_inputs=False)
 defop("mul", infer=_binary_infer("mul"), ref=_binary_ref(np.multiply), grad=_mul_grad,
       lowering=Elementwise("({0} * {1})"))
 defop("div", infer=_float_binary_infer("div"), ref=_quiet(_binary_ref(np.true_divide)), grad=_div_grad,
@@ -750,4 +750,4 @@ def _where_grad(ctx, g):
 
 defop("where", infer=_where_infer, ref=_where_ref, grad=_where_grad,
       lowering=Elementwise("(({0}) ? ({1}) : ({2}))"),
-      doc="where(cond, a, b); cond is any dtype (nonzero = true)")
+      doc="where(cond, a, b); cond is any dtype (nonzero = true)", grad_reads_inputs=False)

@@ -340,10 +340,10 @@ def _scatter_add_grad(ctx, g):
 
 
 defop("gather", infer=_gather_infer, ref=_gather_ref, grad=_gather_grad, lowering=Template("gather"),
-      doc="gather(input, index, dim): out[i..] = input[i.. with index[i..] at dim] (torch.gather)")
+      doc="gather(input, index, dim): out[i..] = input[i.. with index[i..] at dim] (torch.gather)", grad_reads_inputs=False)
 defop("scatter_add", infer=_scatter_add_infer, ref=_scatter_add_ref, grad=_scatter_add_grad,
       lowering=Template("scatter"),
-      doc="scatter_add(index, src, shape, dim): zeros(shape) with src added at index along dim")
+      doc="scatter_add(index, src, shape, dim): zeros(shape) with src added at index along dim", grad_reads_inputs=False)
 
 
 def _selected(index, size, op, dim, wrap_negative):
@@ -413,11 +413,11 @@ def _index_add_grad(ctx, g):
 defop("index_select", infer=_index_select_infer, ref=_index_select_ref, grad=_index_select_grad,
       lowering=Template("gather"),
       doc="index_select(input, index, dim, wrap_negative): input rows `index` along dim (negative indices "
-          "count from the end if wrap_negative)")
+          "count from the end if wrap_negative)", grad_reads_inputs=False)
 defop("index_add", infer=_index_add_infer, ref=_index_add_ref, grad=_index_add_grad,
       lowering=Template("scatter"),
       doc="index_add(index, src, shape, dim, wrap_negative): zeros(shape) with src slices added at index along "
-          "dim (negative indices count from the end if wrap_negative)")
+          "dim (negative indices count from the end if wrap_negative)", grad_reads_inputs=False)
 
 
 def _embedding_infer(weight, indices, padding_idx=-1, scale_grad_by_freq=False):
@@ -475,7 +475,7 @@ def _embedding_backward_grad(ctx, gg):
 
 defop("embedding", infer=_embedding_infer, ref=_embedding_ref, grad=_embedding_grad, lowering=Template("gather"),
       doc="embedding(weight, indices, padding_idx, scale_grad_by_freq): weight[indices]; padding_idx (-1: none) "
-          "and scale_grad_by_freq (each index's gradient divided by its count in indices) only affect grad")
+          "and scale_grad_by_freq (each index's gradient divided by its count in indices) only affect grad", grad_reads_inputs=False)
 defop("embedding_backward", infer=_embedding_backward_infer, ref=_embedding_backward_ref,
       grad=_embedding_backward_grad, lowering=Template("scatter"),
       doc="embedding_backward(grad, indices, num_weights, padding_idx): rows of grad summed per index; "

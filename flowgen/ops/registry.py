@@ -54,6 +54,10 @@ REGISTRY: dict[str, OpDef] = {}
 
 
 def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "", **extra) -> OpDef:
+    """Register op `name`. `extra` holds its properties, among them: ``view=True`` (PyTorch returns
+    a view of the first input: _record_view), ``grad_reads_inputs=False`` (the gradient reads only
+    the inputs' shapes and integer indices, so an in-place write to an input after the op does not
+    invalidate it: autograd.backward's check), ``random=True`` (draws on every call)."""
     if name in REGISTRY:
         raise ValueError(f"op {name!r} is defined twice")
     op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, extra)
@@ -173,14 +177,36 @@ def apply(name: str, *inputs, **attrs):
         if op.lowering is None:
             raise NotImplementedError(f"{name} runs in eager mode only: nn.Graph has no kernel for it yet "
                                       f"(call it outside build(), or on eager tensors)")
-        return _tracer_hook(op, list(tensors), attrs)
-    if lazy:
-        raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
-    arrays = [t.numpy_view() for t in tensors]
-    # infer raises readable shape/dtype errors before NumPy sees the data
-    metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
-    result = op.ref(*arrays, **attrs)
-    return _eager.wrap_outputs(op, tensors, attrs, result, metas)
+        out = _tracer_hook(op, list(tensors), attrs)
+    else:
+        if lazy:
+            raise RuntimeError(f"{name}: a lazy (graph) tensor was used outside nn.Graph.build()")
+        arrays = [t.numpy_view() for t in tensors]
+        # infer raises readable shape/dtype errors before NumPy sees the data
+        metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
+        result = op.ref(*arrays, **attrs)
+        out = _eager.wrap_outputs(op, tensors, attrs, result, metas)
+    if op.extra.get("view"):
+        _record_view(out, tensors[0], name, attrs)
+    return out
+
+
+def _record_view(out, base, name: str, attrs: dict) -> None:
+    """`out` is a view of `base` (an op defined with ``view=True``: PyTorch returns one sharing
+    base's memory): it keeps (root, replay, root version), where `replay(root)` recomputes it from
+    the tensor at the bottom of its chain of views. flowgen's tensors own their data (a permute is
+    a copy), so aliasing is carried by this record instead: an in-place write to `out` is written
+    back into the root (Tensor._write_through), and a read of `out` after the root was written
+    recomputes it (Tensor._refresh_view), in eager mode and while tracing alike. A reshape of a
+    permuted (non-contiguous) tensor is a copy in PyTorch, so it is not recorded."""
+    if name == "reshape" and not base.is_contiguous():
+        return
+    if base._view is not None:
+        root, base_replay, _ = base._view
+        replay = lambda r: apply(name, base_replay(r), **attrs)   # noqa: E731
+    else:
+        root, replay = base, (lambda r: apply(name, r, **attrs))
+    out._view = (root, replay, root._version)
 
 
 class _EagerRuntime:

@@ -43,7 +43,7 @@ def _reshape_infer(a, shape):
 
 defop("reshape", infer=_reshape_infer, ref=lambda a, shape: a.reshape(shape),
       grad=lambda ctx, g: (F.reshape(g, ctx.inputs[0].shape),),
-      lowering=View(), doc="reshape(x, shape): explicit target shape; a view of contiguous memory")
+      lowering=View(), view=True, doc="reshape(x, shape): explicit target shape; a view of contiguous memory", grad_reads_inputs=False)
 
 
 # ---------------------------------------------------------------------- depend
@@ -70,7 +70,7 @@ def _permute_grad(ctx, g):
 
 
 defop("permute", infer=_permute_infer, ref=lambda a, dims: np.transpose(a, tuple(dims)),
-      grad=_permute_grad, lowering=Template("copy"), doc="permute(x, dims)")
+      grad=_permute_grad, lowering=Template("copy"), view=True, doc="permute(x, dims)", grad_reads_inputs=False)
 
 
 # ---------------------------------------------------------------------- slice
@@ -98,7 +98,7 @@ def _slice_infer(a, starts, stops, steps):
 
 defop("slice", infer=_slice_infer, ref=lambda a, starts, stops, steps: a[_slices(starts, stops, steps)],
       grad=lambda ctx, g: (F.apply("slice_backward", g, shape=tuple(ctx.inputs[0].shape), **ctx.attrs),),
-      lowering=Template("copy"), doc="slice(x, starts, stops, steps): one entry per dim")
+      lowering=Template("copy"), view=True, doc="slice(x, starts, stops, steps): one entry per dim", grad_reads_inputs=False)
 
 
 def _slice_backward_infer(g, shape, starts, stops, steps):
@@ -121,7 +121,7 @@ def _slice_backward_grad(ctx, gg):
 
 
 defop("slice_backward", infer=_slice_backward_infer, ref=_slice_backward_ref, grad=_slice_backward_grad,
-      lowering=Template("copy"), doc="slice_backward(g, shape, starts, stops, steps)")
+      lowering=Template("copy"), doc="slice_backward(g, shape, starts, stops, steps)", grad_reads_inputs=False)
 
 
 # ---------------------------------------------------------------------- cat
@@ -167,4 +167,4 @@ def _cat_grad(ctx, g):
 
 
 defop("cat", infer=_cat_infer, ref=_cat_ref, grad=_cat_grad, lowering=Template("copy"),
-      doc="cat(*xs, dim)")
+      doc="cat(*xs, dim)", grad_reads_inputs=False)

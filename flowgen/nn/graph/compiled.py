@@ -271,14 +271,17 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
         raise TraceError(f"{graph.name}: loss.backward() was called in build() but no optimizer was added; "
                          f"call self.add_optimizer(optimizer) in __init__")
     optimized = {id(p): p for opt, _ in graph._optimizers for g in opt.param_groups for p in g["params"]}
-    for tensor in [t for t, _value in tracer.constants.values()] + tracer.free_tensors:
+    for tensor in [entry[0] for entry in tracer.constants.values()] + tracer.free_tensors:
         if id(tensor) in optimized and tensor.requires_grad:
             raise TraceError(f"{graph.name}: build() used a parameter of shape {tuple(tensor.shape)} that the "
                              f"optimizer trains but that belongs to no module of this graph, so the graph "
                              f"would treat it as a constant; assign the module that owns it in __init__ "
                              f"(self.model = model)")
-    root = tracer.backward_roots.pop()
+    roots = list(tracer.backward_roots)
     tracer.backward_roots.clear()
+    root = roots[0]
+    for other in roots[1:]:   # several backward() calls: their gradients add up, as in eager mode
+        root = (tracer.lazy(root) + tracer.lazy(other))._value
     ir, grads = autodiff(tracer.graph, root, wrt, device, loss_scale=scale)
     tracer.graph, tracer.new_name = ir, NameGen(start=next_value_index(ir))
     return grads
@@ -340,6 +343,11 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                              f"GradScaler or gradient accumulation is not supported yet; give the optimizer's "
                              f"parameter groups clip_grad_max_norm and clip_grad_norm_type instead (they clip the "
                              f"unscaled, accumulated gradients inside the step)")
+        if data_parallel is not None and (len(tracer.backward_roots) > 1 or tracer.grads is not None):
+            raise NotImplementedError(f"{graph.name}: a data-parallel graph whose build() calls backward() more "
+                                      f"than once before the optimizer step is not supported yet (each loss would "
+                                      f"need its own reduction over the ranks); add the losses and call backward() "
+                                      f"once")
         if data_parallel is not None and data_parallel.contract == "global":
             divide_ratio_loss_by_global_count(tracer, data_parallel.world_size)
         grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
