@@ -1,0 +1,255 @@
+"""In-place ops, views and several backward() calls: eager flowgen equals PyTorch, and a graph
+equals eager (issue 24: DCGAN's `label.fill_` after a read, `errD_real.backward();
+errD_fake.backward()`)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flowgen as flow
+from flowgen import nn
+
+
+class FnGraph(nn.Graph):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def build(self, *args):
+        return self.fn(*args)
+
+
+def _label_program(x):
+    label = flow.full((4,), 1.0)
+    first = (label * x).sum()
+    label.fill_(0.0)
+    second = (label + x).sum()
+    label.mul_(3.0).add_(2.0)
+    third = (label * x).sum()
+    return flow.stack([first, second, third])
+
+
+def test_inplace_on_a_tensor_build_made_after_a_read():
+    x = flow.arange(4).float()
+    np.testing.assert_array_equal(_label_program(x).numpy(), [6, 6, 12])
+    np.testing.assert_array_equal(FnGraph(_label_program)(x).numpy(), [6, 6, 12])
+
+
+def _views_program(x):
+    h = x * 1.0
+    h[0].fill_(1)
+    h.view(-1)[3:5].add_(10)
+    h[:, 1:] *= 2
+    h.t()[0].mul_(-1)
+    row = h[1]
+    h[1, 0] = 7.0
+    seen = row * 1          # the row sees the write made through its base
+    h[h > 5] = 0.5
+    h[[0, 2]] = h[[0, 2]] + 100
+    h.transpose(0, 1).reshape(-1).fill_(0)   # reshape of a permuted tensor is a copy: h unchanged
+    h.unsqueeze(0).expand(2, 3, 4).sum().neg()   # reading an expanded view is fine
+    return h.sum(0) + seen.sum() * 0.001, h
+
+
+def test_views_see_writes_eager_and_graph_like_torch():
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    want = [t.numpy() for t in _views_program(torch.tensor(x))]
+    for got in (_views_program(flow.tensor(x)), FnGraph(_views_program)(flow.tensor(x))):
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g.numpy(), w, rtol=1e-6)
+
+
+def _grad_programs():
+    def setitem(w, y):
+        h = w * 2
+        h[0] = y.sum() * 3
+        h[:, 1].mul_(y[0])
+        v = h.view(-1)
+        v[2:4] += y[1:3]
+        return (h * h).sum() + (v ** 3).sum()
+
+    def refreshed_view(w, y):
+        h = w * 2
+        v = h.view(-1)
+        v[2:4].add_(y[1:3])
+        return (v ** 3).sum() + (h[1] * y).sum()
+
+    def alias_iadd(w, y):
+        h = w * 1.5
+        alias = h
+        h += y        # in place: the alias sees it (it did not under autograd)
+        return (alias ** 2).sum()
+    return [setitem, refreshed_view, alias_iadd]
+
+
+@pytest.mark.parametrize("program", _grad_programs(), ids=lambda f: f.__name__)
+def test_gradients_through_inplace_writes_to_views_match_torch(program):
+    rng = np.random.default_rng(0)
+    w0, y0 = rng.standard_normal((3, 4)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    tw, ty = torch.tensor(w0, requires_grad=True), torch.tensor(y0, requires_grad=True)
+    program(tw, ty).backward()
+    fw, fy = flow.tensor(w0, requires_grad=True), flow.tensor(y0, requires_grad=True)
+    loss = program(fw, fy)
+    loss.backward()
+    np.testing.assert_allclose(fw.grad.numpy(), tw.grad.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fy.grad.numpy(), ty.grad.numpy(), rtol=1e-5, atol=1e-4)
+
+
+def test_inplace_errors_are_torchs():
+    with pytest.raises(RuntimeError, match="same element of its base"):
+        flow.zeros(3).expand(2, 3).add_(1)
+    a = flow.ones(2, 3, requires_grad=True) * 1
+    row = a[0]
+    loss = (row * row).sum()
+    a.mul_(2)                       # row (saved by mul) shares a's version
+    with pytest.raises(RuntimeError, match="modified by an in-place operation"):
+        loss.backward()
+    p = flow.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        p[0] = 2.0
+
+
+def test_graph_setitem_with_a_mask_computed_in_the_graph():
+    def masked(x):
+        y = x * 2
+        y[y > 3] = 0.0
+        return y
+    x = flow.tensor(np.arange(6, dtype=np.float32).reshape(2, 3))
+    np.testing.assert_array_equal(FnGraph(masked)(x).numpy(), masked(x).numpy())
+
+    def integer_index(x):
+        y = x * 1
+        y[x.argmax(1)] = 1.0
+        return y
+    with pytest.raises(NotImplementedError, match="index computed in the graph"):
+        FnGraph(integer_index)(x)
+
+
+class _TwoLosses(nn.Graph):
+    def __init__(self, model, opt, weight=None):
+        super().__init__()
+        self.model, self.weight = model, weight
+        self.add_optimizer(opt)
+
+    def build(self, x, y):
+        first = ((self.model(x) - y) ** 2).mean()
+        first.backward()
+        out = self.model(x * 2)
+        if self.weight is None:
+            out.sum().backward()
+        else:
+            out.backward(self.weight)
+        return first
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_several_backward_calls_in_build_accumulate_like_eager(weighted):
+    rng = np.random.default_rng(1)
+    x, y = flow.tensor(rng.standard_normal((5, 4)).astype(np.float32)), flow.tensor(
+        rng.standard_normal((5, 3)).astype(np.float32))
+    weight = flow.tensor(rng.standard_normal((5, 3)).astype(np.float32)) if weighted else None
+
+    def make():
+        flow.manual_seed(0)
+        model = nn.Linear(4, 3)
+        return model, flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = make()
+    for _ in range(3):
+        ((model(x) - y) ** 2).mean().backward()
+        out = model(x * 2)
+        out.backward(weight) if weighted else out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    graph_model, graph_opt = make()
+    graph = _TwoLosses(graph_model, graph_opt, weight)
+    for _ in range(3):
+        graph(x, y)
+    for p, q in zip(model.parameters(), graph_model.parameters()):
+        np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _Discriminator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(6, 8), nn.LeakyReLU(0.2), nn.Linear(8, 1), nn.Sigmoid())
+
+    def forward(self, x):
+        return self.main(x).view(-1)
+
+
+class _Generator(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.main = nn.Sequential(nn.Linear(3, 8), nn.ReLU(), nn.Linear(8, 6), nn.Tanh())
+
+    def forward(self, z):
+        return self.main(z)
+
+
+class _DStep(nn.Graph):
+    def __init__(self, netD, netG, opt, criterion):
+        super().__init__()
+        self.netD, self.netG, self.criterion = netD, netG, criterion
+        self.add_optimizer(opt)
+
+    def build(self, real, noise):
+        label = flow.full((real.shape[0],), 1.0)
+        errD_real = self.criterion(self.netD(real), label)
+        errD_real.backward()
+        fake = self.netG(noise)
+        label.fill_(0.0)
+        errD_fake = self.criterion(self.netD(fake.detach()), label)
+        errD_fake.backward()
+        return errD_real + errD_fake
+
+
+class _GStep(nn.Graph):
+    def __init__(self, netD, netG, opt, criterion):
+        super().__init__()
+        self.netD, self.netG, self.criterion = netD, netG, criterion
+        self.add_optimizer(opt)
+
+    def build(self, noise):
+        label = flow.full((noise.shape[0],), 0.0)
+        label.fill_(1.0)
+        errG = self.criterion(self.netD(self.netG(noise)), label)
+        errG.backward()
+        return errG
+
+
+def test_dcgan_training_loop_in_two_graphs_equals_eager():
+    rng = np.random.default_rng(2)
+    reals = [flow.tensor(rng.standard_normal((4, 6)).astype(np.float32)) for _ in range(3)]
+    noises = [flow.tensor(rng.standard_normal((4, 3)).astype(np.float32)) for _ in range(3)]
+
+    def make():
+        flow.manual_seed(3)
+        netD, netG = _Discriminator(), _Generator()
+        return (netD, netG, flow.optim.Adam(netD.parameters(), lr=0.01, betas=(0.5, 0.999)),
+                flow.optim.Adam(netG.parameters(), lr=0.01, betas=(0.5, 0.999)))
+    criterion = nn.BCELoss()
+    netD, netG, optD, optG = make()
+    for real, noise in zip(reals, noises):      # the DCGAN example's loop, as published
+        netD.zero_grad()
+        label = flow.full((4,), 1.0)
+        errD_real = criterion(netD(real), label)
+        errD_real.backward()
+        fake = netG(noise)
+        label.fill_(0.0)
+        errD_fake = criterion(netD(fake.detach()), label)
+        errD_fake.backward()
+        optD.step()
+        netG.zero_grad()
+        label.fill_(1.0)
+        errG = criterion(netD(fake), label)
+        errG.backward()
+        optG.step()
+    gD, gG, gOptD, gOptG = make()
+    d_step, g_step = _DStep(gD, gG, gOptD, criterion), _GStep(gD, gG, gOptG, criterion)
+    for real, noise in zip(reals, noises):
+        d_step(real, noise)
+        g_step(noise)
+    for eager_net, graph_net in ((netD, gD), (netG, gG)):
+        for p, q in zip(eager_net.parameters(), graph_net.parameters()):
+            np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-4, atol=1e-5)
