@@ -6,6 +6,7 @@ them with flowgen ops, which is what lets the graph autodiff pass reuse them.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 
 import numpy as np
@@ -52,7 +53,7 @@ class enable_grad(no_grad):  # noqa: N801
 class GradNode:
     """One recorded op: enough to call its gradient function later."""
 
-    __slots__ = ("op", "ctx", "inputs", "versions", "output_index", "name")
+    __slots__ = ("op", "ctx", "inputs", "versions", "output_index", "name", "freed")
 
     def __init__(self, op, ctx, inputs):
         self.op = op
@@ -60,6 +61,7 @@ class GradNode:
         self.inputs = inputs
         self.versions = tuple(version_of(t) for t in inputs)   # backward() refuses inputs written since
         self.name = f"{op.name}_backward"
+        self.freed = 0   # the backward() call, if any, that went through it without retain_graph
 
 
 def version_of(tensor) -> int:
@@ -186,7 +188,26 @@ def _accumulate_global_grad(t, g) -> None:
         hook(t)
 
 
-def backward(root, gradient=None):
+def freed_message(op: str) -> str:
+    """PyTorch's words for a second backward() through a graph the first one freed."""
+    return (f"Trying to backward through the graph a second time (or directly access saved tensors after they "
+            f"have already been freed): {op} was differentiated by an earlier backward() without "
+            f"retain_graph=True. Specify retain_graph=True on the first backward() if you need to backward "
+            f"through the graph again")
+
+
+_backward_calls = itertools.count(1)
+
+
+def backward(root, gradient=None, retain_graph=None, create_graph=False):
+    """PyTorch's Tensor.backward: `retain_graph` (default `create_graph`) keeps the graph for
+    another backward(); without it, a later backward() through an op whose gradient reads saved
+    values raises, as PyTorch does."""
+    if create_graph:
+        raise NotImplementedError("backward(create_graph=True): flowgen's eager autograd does not record the "
+                                  "backward pass itself (no higher-order gradients)")
+    retain_graph = create_graph if retain_graph is None else bool(retain_graph)
+    call = next(_backward_calls)
     if not root.requires_grad:
         raise RuntimeError("backward(): the tensor does not require grad and has no grad_fn")
     if gradient is None:
@@ -221,6 +242,11 @@ def backward(root, gradient=None):
             node = t.grad_fn
             if node is None:
                 continue
+            reads_saved = node.op.extra.get("grad_reads_inputs", True)
+            if node.freed and node.freed != call and reads_saved:
+                raise RuntimeError(freed_message(node.name))
+            if reads_saved and not retain_graph and not node.freed:
+                node.freed = call
             # Multi-output nodes: pass zeros for the outputs that got no gradient.
             gouts = [g if o is t else None for o in node.ctx.outputs]
             in_grads = node.op.grad(node.ctx, *gouts) if len(gouts) > 1 else node.op.grad(node.ctx, g)

@@ -42,7 +42,7 @@ class Tensor:
     # flowgen stores every tensor dense and row-major (a permute is a copy), so this is layout
     # metadata for is_contiguous()/stride()/contiguous(), not a description of the NumPy buffer.
     _view_strides = None
-    # (root, replay, root's version when this was computed) for the result of a view op (reshape,
+    # (root, replay, root's version when this was computed, whole) for the result of a view op (reshape,
     # permute, slice, expand, detach: registry._record_view), else None. flowgen's tensors own their
     # data, so PyTorch's aliasing of views is carried by this record: see _write_through and
     # _refresh_view.
@@ -261,11 +261,16 @@ class Tensor:
         return f"tensor({body}, {', '.join(extras)})"
 
     # ---------------------------------------------------------------- autograd
-    def backward(self, gradient=None, retain_graph=False):
+    def backward(self, gradient=None, retain_graph=None, create_graph=False, inputs=None):
+        if inputs is not None:
+            raise NotImplementedError("backward(inputs=...): flowgen accumulates into every leaf that requires "
+                                      "grad; select gradients by requires_grad_(False) instead")
         if self.is_lazy:  # inside nn.Graph.build(): mark the loss for the autodiff pass
-            return registry._tracer_hook.mark_backward(self, gradient)
-
-        autograd.backward(self, gradient)
+            if create_graph:
+                raise NotImplementedError("backward(create_graph=True) in nn.Graph.build(): higher-order "
+                                          "gradients are not supported")
+            return registry._tracer_hook.mark_backward(self, gradient, retain_graph)
+        autograd.backward(self, gradient, retain_graph, create_graph)
 
     def detach(self) -> "Tensor":
         if self.is_lazy:
@@ -276,6 +281,12 @@ class Tensor:
         out = Tensor.__new__(Tensor)
         Tensor.__init__(out, None, device=self.device)
         out._data, out._dtype = self.numpy_view(), self._dtype
+        # The same memory, and a view for writes (`p.data.mul_(0.5)` bumps p's version: graphs upload it).
+        if self._view is not None:
+            root, replay, seen, whole = self._view
+            out._view = (root, lambda r: replay(r).detach(), seen, whole)
+        else:
+            out._view = (self, Tensor.detach, self._version, True)
         return out
 
     def requires_grad_(self, requires_grad=True) -> "Tensor":
@@ -447,19 +458,22 @@ class Tensor:
 
     def _write_through(self):
         """After an in-place write to this view: write its new value into the root it views."""
-        root, replay, _ = self._view
-        positions = replay(Tensor(np.arange(root.numel(), dtype=np.int64).reshape(root.shape), dtype=dt.int64))
-        positions = positions.numpy_view()
-        if np.unique(positions).size != positions.size:
-            raise RuntimeError(f"unsupported operation: an in-place write to a view of shape {tuple(self.shape)} "
-                               f"whose elements refer to the same element of its base (an expand()ed view, as "
-                               f"PyTorch refuses); clone() it before writing")
-        root._assign(F.scatter_positions(root, positions, self))
-        self._view = (root, replay, root._version)
+        root, replay, _, whole = self._view
+        if whole:
+            root._assign(F.reshape(self, tuple(root.shape)))
+        else:
+            positions = replay(Tensor(np.arange(root.numel(), dtype=np.int64).reshape(root.shape), dtype=dt.int64))
+            positions = positions.numpy_view()
+            if np.unique(positions).size != positions.size:
+                raise RuntimeError(f"unsupported operation: an in-place write to a view of shape "
+                                   f"{tuple(self.shape)} whose elements refer to the same element of its base (an "
+                                   f"expand()ed view, as PyTorch refuses); clone() it before writing")
+            root._assign(F.scatter_positions(root, positions, self))
+        self._view = (root, replay, root._version, whole)
 
     def _refresh_view(self):
         """Recompute this view from its root, which was written in place since it was computed."""
-        root, replay, _ = self._view
+        root, replay, _, whole = self._view
         self._view = None   # replaying reads only the root
         new = replay(root)
         if new.is_lazy:
@@ -469,7 +483,7 @@ class Tensor:
                 autograd.rebase_history(self, new, walk_all=True)
             self._data = new.numpy_view()
         self._version += 1  # ops that read the old value are refused at backward(), as PyTorch's shared counter
-        self._view = (root, replay, root._version)
+        self._view = (root, replay, root._version, whole)
 
     def copy_(self, src):
         return self._assign(src if isinstance(src, Tensor) else as_tensor_like(src, self))

@@ -253,3 +253,75 @@ def test_dcgan_training_loop_in_two_graphs_equals_eager():
     for eager_net, graph_net in ((netD, gD), (netG, gG)):
         for p, q in zip(eager_net.parameters(), graph_net.parameters()):
             np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("make_loss, raises", [
+    (lambda lib, w: (w * 2).sum(), True), (lambda lib, w: lib.tanh(w).sum(), True),
+    (lambda lib, w: (w + 1).sum(), False), (lambda lib, w: w.mean(), False)], ids=["mul", "tanh", "add", "mean"])
+def test_second_backward_without_retain_graph_raises_where_torch_does(make_loss, raises):
+    grads = []
+    for lib in (torch, flow):
+        w = lib.ones(3, requires_grad=True)
+        loss = make_loss(lib, w)
+        loss.backward()
+        if raises:
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                loss.backward()
+        else:
+            loss.backward()
+        w2 = lib.ones(3, requires_grad=True)
+        loss = make_loss(lib, w2)
+        loss.backward(retain_graph=True)
+        loss.backward()                 # retained: the gradient accumulates twice
+        grads.append((np.array(w.grad.tolist()), np.array(w2.grad.tolist())))
+    for want, got in zip(*grads):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+class _Twice(nn.Graph):
+    def __init__(self, model, opt, retain):
+        super().__init__()
+        self.model, self.retain = model, retain
+        self.add_optimizer(opt)
+
+    def build(self, x):
+        loss = flow.tanh(self.model(x)).sum()
+        loss.backward(retain_graph=self.retain)
+        loss.backward()
+        return loss
+
+
+def test_graph_second_backward_needs_retain_graph_as_eager():
+    x = flow.tensor(np.random.default_rng(4).standard_normal((2, 3)).astype(np.float32))
+    flow.manual_seed(0)
+    model = nn.Linear(3, 1)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        _Twice(model, flow.optim.SGD(model.parameters(), lr=0.1), retain=False)(x)
+    flow.manual_seed(0)
+    eager = nn.Linear(3, 1)
+    opt = flow.optim.SGD(eager.parameters(), lr=0.1)
+    loss = flow.tanh(eager(x)).sum()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    opt.step()
+    flow.manual_seed(0)
+    graph_model = nn.Linear(3, 1)
+    _Twice(graph_model, flow.optim.SGD(graph_model.parameters(), lr=0.1), retain=True)(x)
+    np.testing.assert_allclose(graph_model.weight.numpy(), eager.weight.numpy(), rtol=1e-6)
+
+
+def test_writes_through_data_and_detach_reach_a_compiled_graph():
+    """`p.data.mul_()` / `p.detach().zero_()` between graph calls: the graph and eager mode both
+    see them (the write was lost: p's version did not change, so the graph neither uploaded it nor
+    kept it, and its device copy overwrote the eager write)."""
+    flow.manual_seed(0)
+    model = nn.Linear(3, 2)
+    graph = FnGraph(model)
+    x = flow.ones(1, 3)
+    before = graph(x).numpy().copy()
+    assert np.abs(before).max() > 0
+    model.weight.data.mul_(0.5)
+    model.bias.detach().zero_()
+    want = x.numpy() @ model.weight.numpy().T
+    np.testing.assert_allclose(model(x).numpy(), want, rtol=1e-6)
+    np.testing.assert_allclose(graph(x).numpy(), want, rtol=1e-6)

@@ -27,6 +27,7 @@ import sys
 import numpy as np
 
 from flowgen import mixed_precision
+from flowgen.autograd import freed_message
 from flowgen import tensor as tensor_module
 from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
 from flowgen.ops import registry
@@ -83,6 +84,7 @@ class Tracer:
         self.free_tensors: list = []  # free eager tensors bound as state, in order
         self.free_values: dict = {}   # id(free tensor) -> its value now (in-place ops in build() rebind it)
         self.rebound: list = []       # eager tensors build() created and then wrote in place
+        self.spent_nodes: set = set()  # ids of nodes a backward() without retain_graph went through
 
     # ------------------------------------------------------------------ state
     def add_state(self, name: str, tensor, kind: str) -> StateVar:
@@ -210,7 +212,7 @@ class Tracer:
         target._value = new_value
         return target
 
-    def mark_backward(self, loss, gradient=None):
+    def mark_backward(self, loss, gradient=None, retain_graph=None):
         """`loss.backward(gradient)` in build(): the loss joins the pending roots. Several
         backward() calls before the optimizer step accumulate their gradients, as in eager mode
         (the roots are differentiated together, as their sum); `gradient` weighs a non-scalar
@@ -227,8 +229,39 @@ class Tracer:
                                  f"match the loss shape {tuple(loss.shape)} (in {self.scope or 'build()'} at "
                                  f"{user_location()})")
             root = (loss * gradient.detach()).sum()
+        # As eager (autograd.backward): a backward() through ops an earlier backward() without
+        # retain_graph already differentiated raises.
+        reached = self._differentiable_ancestors(loss._value)
+        if reached & self.spent_nodes:
+            op = next(n.op for n in self.graph.nodes if id(n) in reached & self.spent_nodes)
+            raise RuntimeError(freed_message(op) + f" (in {self.scope or 'build()'} at {user_location()})")
+        if not retain_graph:
+            self.spent_nodes |= reached
         self.backward_roots.append(root._value)
         self.losses.append(loss._value)
+
+    def _differentiable_ancestors(self, value) -> set:
+        """ids of the nodes `value` is computed from whose gradient reads saved values and that
+        a parameter reaches (what eager's backward() would differentiate and free)."""
+        params = {var.value for var in self.graph.state if var.kind == "param"}
+        trained, producer = set(params), {}
+        for node in self.graph.nodes:
+            for out in node.outputs:
+                producer[out] = node
+            if any(v in trained for v in node.inputs):
+                trained.update(node.outputs)
+        found, stack, seen = set(), [value], set()
+        while stack:
+            node = producer.get(stack.pop())
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            op = registry.get_op(node.op)
+            if op.grad is not None and op.extra.get("grad_reads_inputs", True) and \
+                    any(v in trained for v in node.inputs):
+                found.add(id(node))
+            stack.extend(node.inputs)
+        return found
 
     def _accumulate(self, grads: dict) -> dict:
         """The step's gradients after another backward: added to those build() already read."""

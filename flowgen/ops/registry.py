@@ -193,20 +193,24 @@ def apply(name: str, *inputs, **attrs):
 
 def _record_view(out, base, name: str, attrs: dict) -> None:
     """`out` is a view of `base` (an op defined with ``view=True``: PyTorch returns one sharing
-    base's memory): it keeps (root, replay, root version), where `replay(root)` recomputes it from
+    base's memory): it keeps (root, replay, root version, whole), where `replay(root)` recomputes it from
     the tensor at the bottom of its chain of views. flowgen's tensors own their data (a permute is
     a copy), so aliasing is carried by this record instead: an in-place write to `out` is written
     back into the root (Tensor._write_through), and a read of `out` after the root was written
     recomputes it (Tensor._refresh_view), in eager mode and while tracing alike. A reshape of a
-    permuted (non-contiguous) tensor is a copy in PyTorch, so it is not recorded."""
+    permuted (non-contiguous) tensor is a copy in PyTorch, so it is not recorded. `whole`: the
+    view holds all of the root's elements in their order (reshapes and detach), so a write to it
+    is the root's new value reshaped."""
     if name == "reshape" and not base.is_contiguous():
         return
+    in_order = name in ("reshape", "detach")   # the view lists the root's elements in their order
     if base._view is not None:
-        root, base_replay, _ = base._view
+        root, base_replay, _, base_in_order = base._view
         replay = lambda r: apply(name, base_replay(r), **attrs)   # noqa: E731
+        in_order = in_order and base_in_order
     else:
         root, replay = base, (lambda r: apply(name, r, **attrs))
-    out._view = (root, replay, root._version)
+    out._view = (root, replay, root._version, in_order and out.numel() == root.numel())
 
 
 class _EagerRuntime:
