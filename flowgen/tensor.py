@@ -703,9 +703,12 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
             target = dt.int64
         return Tensor._wrap(np.array(value, dtype=target.np_dtype), target, like.device)
     arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    device = like.device if like is not None else None
+    if arr.dtype == np.float64 and like is not None and like._dtype == dt.float64:
+        return Tensor(arr, dtype=dt.float64, device=device)   # beside a float64 tensor it stays exact
     if arr.dtype == np.float64:
-        arr = arr.astype(np.float32)
-    return Tensor(arr, device=like.device if like is not None else None)
+        arr = arr.astype(np.float32)   # flowgen's default float
+    return Tensor(arr, device=device)
 
 
 # Below the class: these modules import Tensor (the op registry through its op definitions).
