@@ -1,10 +1,13 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
-    flowgen build DIR -o OUT [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
+    flowgen build SAVED_DIR -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
                   [--sanitize address|undefined|address,undefined]
-    flowgen run OUT INPUT.npy... -o RESDIR [--steps N] [--nproc N]
-    flowgen inspect DIR|OUT [--source] [--ir] [--memory]
-    flowgen bench OUT INPUT.npy... [--steps N] [--json FILE]
+    flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
+    flowgen inspect SAVED_DIR|BUILD_DIR [--source] [--ir] [--memory]
+    flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
+
+SAVED_DIR is what `flow.save(graph, dir)` wrote, BUILD_DIR what `flowgen build` wrote (the
+program), RESULTS_DIR where `flowgen run` writes outputs and trained weights.
 """
 from __future__ import annotations
 
@@ -92,15 +95,15 @@ def _print_version(ctx, param, value):
 def cli():
     """flowgen: an ahead-of-time compiler for neural networks that emits readable CUDA C++.
 
-    Save a graph with `flow.save(graph, DIR)` after calling it once, then build it into a
+    Save a graph with `flow.save(graph, SAVED_DIR)` after calling it once, then build it into a
     standalone program, run it, or look inside.
     """
 
 
 @cli.command()
-@click.argument("saved_dir", metavar="DIR", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Output directory: program.cu, the binary, weights.safetensors, manifest.json.")
+@click.argument("saved_dir", metavar="SAVED_DIR", type=click.Path(exists=True, file_okay=False))
+@click.option("-o", "--out", "out_dir", metavar="BUILD_DIR", required=True, type=click.Path(file_okay=False),
+              help="Where the program goes: program.cu, the binary, weights.safetensors, manifest.json.")
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
               help="cuda: GPU binary (builds without a GPU); cpu: the CPU emulator, runs anywhere.")
 @click.option("--arch", default="sm_90", show_default=True,
@@ -112,10 +115,10 @@ def cli():
               help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O0 -g, every report "
                    "fatal): for testing the program against hostile input files.")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize):
-    """Build the standalone program for the saved graph in DIR.
+    """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`).
 
-    Renders OUT/program.cu (kernels + host code), compiles it to OUT/<graph name>, and writes
-    OUT/weights.safetensors and OUT/manifest.json.
+    Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<graph name>, and
+    writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json.
     """
     flowgen = _flowgen()
     BuildError, build_program = flowgen.codegen.aot.BuildError, flowgen.codegen.aot.build
@@ -136,26 +139,27 @@ def build(saved_dir, out_dir, target, arch, compiler, sanitize):
 
 
 @cli.command()
-@click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", metavar="BUILD_DIR", type=click.Path(exists=True, file_okay=False))
 @click.argument("inputs", metavar="INPUT.npy...", nargs=-1, type=click.Path())
-@click.option("-o", "--out", "result_dir", required=True, type=click.Path(file_okay=False),
+@click.option("-o", "--out", "result_dir", metavar="RESULTS_DIR", required=True, type=click.Path(file_okay=False),
               help="Where results go: output_<i>.npy; for training also weights.safetensors and losses.npy.")
 @click.option("--steps", type=click.IntRange(min=1), default=None,
               help="Training: number of steps (default: one per input batch).")
 @click.option("--weights", type=click.Path(dir_okay=False), default=None,
-              help="State to start from (default: OUT/weights.safetensors).")
+              help="State to start from (default: BUILD_DIR/weights.safetensors).")
 @click.option("--log-every", type=click.IntRange(min=1), default=1, show_default=True,
               help="Training: print the loss every K steps.")
 @click.option("--nproc", type=click.IntRange(min=1), default=None,
               help="Ranks to start with mpiexec (default: the world size the graph was saved with; 1 runs the "
                    "program directly).")
 def run(out_dir, inputs, result_dir, steps, weights, log_every, nproc):
-    """Run the program built in OUT on the given .npy inputs (one per graph input, in order).
+    """Run the program `flowgen build` wrote to BUILD_DIR on the given .npy inputs (one per
+    graph input, in order), writing the results to RESULTS_DIR.
 
-    Inference graphs write each output as RESDIR/output_<i>.npy. Training graphs run --steps
+    Inference graphs write each output as RESULTS_DIR/output_<i>.npy. Training graphs run --steps
     steps; an input whose first dimension is k times the traced one holds k batches, used in
     order and wrapping. The loss is printed as the steps run, and the updated weights and
-    optimizer state are written to RESDIR/weights.safetensors. Momentum first steps, Adam's
+    optimizer state are written to RESULTS_DIR/weights.safetensors. Momentum first steps, Adam's
     bias corrections, dropout offsets and closed-form LR schedules advance per step as in
     Python (LambdaLR/SequentialLR keep the saved learning rate); a GradScaler skips steps whose
     gradients overflow and backs off or grows its scale.
@@ -203,14 +207,14 @@ def _launcher(world_size: int, nproc: int | None) -> list:
 
 
 @cli.command()
-@click.argument("out_dir", metavar="OUT", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", metavar="BUILD_DIR", type=click.Path(exists=True, file_okay=False))
 @click.argument("inputs", metavar="INPUT.npy...", nargs=-1, type=click.Path())
 @click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
               help="Steps to time in one run of the program (inference: the same step repeated).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the result as JSON to this file (atomically).")
 def bench(out_dir, inputs, steps, json_path):
-    """Time the program built in OUT: one process runs --steps steps on the given inputs and
+    """Time the program built in BUILD_DIR: one process runs --steps steps on the given inputs and
     reports its own clock (file I/O and start-up excluded), so the number is the step time."""
     manifest = _read_manifest(out_dir)
     binary = Path(out_dir) / manifest["binary"]
@@ -253,12 +257,12 @@ def _io_lines(entries) -> list:
 
 
 @cli.command()
-@click.argument("path", metavar="DIR|OUT", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", metavar="SAVED_DIR|BUILD_DIR", type=click.Path(exists=True, file_okay=False))
 @click.option("--source", is_flag=True, help="Print the generated source (program.cu of a build, else kernels.cu).")
 @click.option("--ir", is_flag=True, help="Print the optimised IR.")
 @click.option("--memory", is_flag=True, help="Print the arena layout: every intermediate value's offset and lifetime.")
 def inspect(path, source, ir, memory):
-    """Summarise a saved graph (DIR) or a build (OUT): inputs/outputs, kernels and what each
+    """Summarise a saved graph (SAVED_DIR) or a build (BUILD_DIR): inputs/outputs, kernels and what each
     fuses, launches per step, arena size against its lower bound."""
     manifest = None
     if (Path(path) / "manifest.json").is_file():

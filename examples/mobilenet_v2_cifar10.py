@@ -7,7 +7,8 @@ with `import flowgen as flow`:
 * graph: `GraphMobileNetV2` (an `nn.Graph` with `add_optimizer` and
   `loss.backward()` in `build`) compiled to CUDA C++ and run on the GPU, or on
   flowgen's CPU emulator when the model is on "cpu";
-* `print(graph)` before and after the first call, and the checkpoint of
+* with `--verbose`, `print(graph)` before and after the first call (the module
+  structure, about 1,900 lines for MobileNetV2), and the checkpoint of
   `graph.state_dict()` saved with `flow.save` and restored with `flow.load`.
 
 Data: `--data DIR` reads CIFAR-10 in its standard python-pickle layout
@@ -277,7 +278,8 @@ def parse_args(argv=None):
                    help="train a 10-way model.classifier instead of the reference script's model.classifer (sic)")
     p.add_argument("--synthetic-size", type=int, default=5000)
     p.add_argument("--checkpoint-dir", default="./GraphMobileNetV2")
-    p.add_argument("--no-print-graph", dest="print_graph", action="store_false")
+    p.add_argument("--verbose", dest="print_graph", action="store_true",
+                   help="print the graph's structure before and after its first call (about 1,900 lines)")
     p.add_argument("--debug", type=int, default=None, help="nn.Graph debug level (0-3)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--deploy-dir", default=None,

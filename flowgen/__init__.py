@@ -10,6 +10,7 @@ from flowgen.dtype import bool_ as bool  # noqa: A001 - flow.bool, as in OneFlow
 from flowgen.device import device
 from flowgen.tensor import Tensor, Size
 from flowgen.autograd import no_grad, enable_grad, is_grad_enabled
+from flowgen.inference import inference_mode, is_inference_mode_enabled
 from flowgen import ops as _ops  # noqa: F401  (registers every op)
 from flowgen.functional import *  # noqa: F401,F403
 from flowgen.creation import *  # noqa: F401,F403
@@ -23,7 +24,7 @@ char = int8
 int = int32  # noqa: A001
 
 __version__ = "0.1.0"
-from flowgen import nn, optim, utils, amp, models, one_embedding  # noqa: E402,F401
+from flowgen import nn, optim, utils, amp, models, one_embedding, backends  # noqa: E402,F401
 from flowgen.mixed_precision import autocast  # noqa: E402
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)
 from flowgen.serialization import save, load  # noqa: E402

@@ -214,11 +214,14 @@ def backward(root, gradient=None, retain_graph=None, create_graph=False):
         if root.numel() != 1:
             raise RuntimeError(f"backward(): grad can be implicitly created only for scalar outputs; "
                                f"this tensor has shape {tuple(root.shape)}, pass gradient=")
-        gradient = Tensor(np.ones(root.shape, root.dtype.np_dtype), device=root.device)
+        # In the root's dtype: Tensor() of a float64 array without dtype= would make it float32.
+        gradient = Tensor(np.ones(root.shape, root.dtype.np_dtype), dtype=root.dtype, device=root.device)
         if root.is_global:   # a logical 1 on every rank (a partial_sum root too: d(sum)/d(part) = 1)
             gradient = gradient.to_global(root.placement, broadcast)
     elif not isinstance(gradient, Tensor):
-        gradient = Tensor(gradient, dtype=root.dtype)
+        gradient = Tensor(gradient, dtype=root.dtype, device=root.device)
+    elif gradient.dtype != root.dtype:   # PyTorch's engine casts a given gradient to its tensor's dtype
+        gradient = apply("cast", gradient, dtype=root.dtype)
     if tuple(gradient.shape) != tuple(root.shape):
         raise RuntimeError(f"backward(): gradient shape {tuple(gradient.shape)} does not match "
                            f"tensor shape {tuple(root.shape)}")

@@ -470,7 +470,9 @@ class SavedGraph:
                 raise ValueError(f"{self.name}: input {i} ({v.name}) has shape {tuple(a.shape)}, expected "
                                  f"{tuple(v.shape)}")
             if a.dtype != v.dtype.np_dtype:
-                raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}")
+                convert = "ml_dtypes.bfloat16" if v.dtype.name == "bfloat16" else f"np.{np.dtype(v.dtype.np_dtype).name}"
+                raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}; "
+                                 f"convert it with x.astype({convert})")
             result.append(_contiguous(a))
         return result
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import threading
 
 import numpy as np
 
@@ -21,6 +22,15 @@ _OPERANDS = (int, float, bool, np.ndarray, np.generic, list, tuple)  # + Tensor,
 # Every tensor gets a creation number: a graph's tracer tells the eager tensors that existed before
 # build() ran (free eager tensors, bound as graph state) from those build() creates (constants).
 _creation_numbers = itertools.count()
+
+
+class _InferenceModeState(threading.local):
+    """Whether this thread is inside `flow.inference_mode()` (flowgen/inference.py): tensors made
+    there are inference tensors (`is_inference()`)."""
+    enabled = False
+
+
+inference_mode_state = _InferenceModeState()
 
 
 def creation_mark() -> int:
@@ -47,6 +57,10 @@ class Tensor:
     # data, so PyTorch's aliasing of views is carried by this record: see _write_through and
     # _refresh_view.
     _view = None
+    _inference = False                 # made inside flow.inference_mode(): see is_inference()
+    # Devices and layouts flowgen has no tensors on (PyTorch's predicates, which model files test).
+    is_xpu = is_mps = is_ipu = is_mtia = is_maia = is_xla = is_vulkan = is_meta = is_mkldnn = False
+    is_sparse = is_sparse_csr = is_quantized = is_nested = False
 
     def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
         """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
@@ -75,6 +89,8 @@ class Tensor:
         self._sync_from_device = None  # callable that refreshes _data from a graph's device copy
         self._serial = next(_creation_numbers)
         self._storage_shared = False  # .numpy() handed the storage out (graphs keep it in sync)
+        if inference_mode_state.enabled:
+            self._inference = True
         if _value is not None:
             self._dtype = _value.dtype
         elif data is not None:
@@ -97,6 +113,8 @@ class Tensor:
         t._sync_from_device = None
         t._serial = next(_creation_numbers)
         t._storage_shared = False
+        if inference_mode_state.enabled:
+            t._inference = True
         return t
 
     def _set_data(self, data, dtype=None):
@@ -160,6 +178,16 @@ class Tensor:
     @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.device.type == "cpu"
+
+    def is_inference(self) -> bool:
+        """True for a tensor made inside `flow.inference_mode()` (PyTorch's inference tensors).
+        A view of one made later, outside the mode, is an ordinary tensor in flowgen (PyTorch:
+        an inference tensor too)."""
+        return self._inference
 
     @property
     def data(self) -> "Tensor":
@@ -292,6 +320,10 @@ class Tensor:
     def requires_grad_(self, requires_grad=True) -> "Tensor":
         if not self.is_leaf and not requires_grad:
             raise RuntimeError("requires_grad_(False) is only allowed on leaf tensors; use detach()")
+        if requires_grad and self._inference and not inference_mode_state.enabled:
+            raise RuntimeError("Setting requires_grad=True on inference tensor outside InferenceMode is not allowed "
+                               "(the tensor was made inside flow.inference_mode()); clone() it outside the mode "
+                               "to get an ordinary tensor")
         self.requires_grad = requires_grad
         return self
 
@@ -703,9 +735,12 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
             target = dt.int64
         return Tensor._wrap(np.array(value, dtype=target.np_dtype), target, like.device)
     arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
+    device = like.device if like is not None else None
+    if arr.dtype == np.float64 and like is not None and like._dtype == dt.float64:
+        return Tensor(arr, dtype=dt.float64, device=device)   # beside a float64 tensor it stays exact
     if arr.dtype == np.float64:
-        arr = arr.astype(np.float32)
-    return Tensor(arr, device=like.device if like is not None else None)
+        arr = arr.astype(np.float32)   # flowgen's default float
+    return Tensor(arr, device=device)
 
 
 # Below the class: these modules import Tensor (the op registry through its op definitions).

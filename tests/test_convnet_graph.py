@@ -294,7 +294,7 @@ def test_example_script_trains_and_checkpoints(tmp_path, capsys):
     ckpt = tmp_path / "GraphMobileNetV2"
     results = example.main(["--mode", "both", "--steps", "6", "--batch-size", "8", "--width-mult", "0.25",
                             "--lr", "0.05", "--synthetic-size", "256", "--checkpoint-dir", str(ckpt),
-                            "--deploy-dir", str(tmp_path / "deploy")])
+                            "--deploy-dir", str(tmp_path / "deploy"), "--verbose"])
     # Seed 003's deployment: the standalone program's logits equal the inference graph's.
     np.testing.assert_allclose(results["deploy"]["program_logits"], results["deploy"]["graph_logits"],
                                rtol=1e-5, atol=1e-5)
@@ -336,7 +336,7 @@ def test_example_reads_cifar10_python_batches(tmp_path, capsys):
     assert tuple(x.shape) == (3, 32, 32) and 0.0 <= float(x.numpy().min()) and float(x.numpy().max()) <= 1.0
     assert len(example.load_cifar10(str(root), train=False)) == 4
     results = example.main(["--mode", "eager", "--data", str(tmp_path), "--batch-size", "4", "--width-mult", "0.25",
-                            "--steps", "2", "--no-print-graph"])
+                            "--steps", "2"])
     out = capsys.readouterr().out
     assert "SYNTHETIC" not in out and "CIFAR-10 from" in out and len(results["eager"]["losses"]) == 2
     with pytest.raises(FileNotFoundError, match="data_batch_1"):

@@ -276,7 +276,8 @@ def bad_inputs(x):
     good = _npy_bytes(x)
     return [
         ("wrong_shape.npy", _npy_bytes(x[:1]), ["shape", "[1,3,8,8]", "expected [2,3,8,8]"]),
-        ("wrong_dtype.npy", _npy_bytes(x.astype(np.float64)), ["dtype", "float64", "expected float32"]),
+        ("wrong_dtype.npy", _npy_bytes(x.astype(np.float64)), ["dtype", "float64", "expected float32",
+                                                                "astype(np.float32)"]),
         ("int_dtype.npy", _npy_bytes(x.astype(np.int64)), ["dtype", "int64", "expected float32"]),
         ("truncated.npy", good[:-7], ["truncated"]),
         ("header_only.npy", good[:40], ["truncated"]),

@@ -233,8 +233,10 @@ def leaky_relu(input, negative_slope=0.01, inplace=False):
 
 
 def elu(input, alpha=1.0, inplace=False):
-    # exp of the clamped value keeps the unused branch finite (and its gradient zero).
-    return _result(input, _F.where(input > 0, input, (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * alpha), inplace)
+    # expm1 of the clamped value keeps the unused branch finite (and its gradient zero); expm1, as
+    # PyTorch, keeps the relative precision near 0 (exp(x) - 1 is 0 for |x| < 3e-8 in float32) and
+    # the sign of -0.0.
+    return _result(input, _F.where(input > 0, input, _F.expm1(_F.clamp(input, None, 0.0)) * alpha), inplace)
 
 
 def hardsigmoid(input, inplace=False):
@@ -275,7 +277,7 @@ def celu(input, alpha=1.0, inplace=False):
     """max(0, x) + min(0, alpha * (exp(x / alpha) - 1))."""
     if alpha == 0:
         raise ValueError("celu: alpha must not be 0 (ZeroDivisionError in the formula exp(x / alpha))")
-    negative = (_F.exp(_F.clamp(input, None, 0.0) * (1.0 / alpha)) - 1.0) * alpha
+    negative = _F.expm1(_F.clamp(input, None, 0.0) * (1.0 / alpha)) * alpha
     return _result(input, _F.where(input > 0, input, negative), inplace)
 
 
@@ -285,7 +287,7 @@ _SELU_SCALE = 1.0507009873554804934193349852946
 
 def selu(input, inplace=False):
     """scale * elu(x, alpha) with the self-normalising constants (Klambauer et al.; PyTorch's values)."""
-    negative = (_F.exp(_F.clamp(input, None, 0.0)) - 1.0) * (_SELU_ALPHA * _SELU_SCALE)
+    negative = _F.expm1(_F.clamp(input, None, 0.0)) * (_SELU_ALPHA * _SELU_SCALE)
     return _result(input, _F.where(input > 0, input * _SELU_SCALE, negative), inplace)
 
 

@@ -129,7 +129,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
                                "compiled step cannot raise; return the total norm and check it after the call")
         grads, pieces = _traced_step_gradients(parameters, "clip_grad_norm_")
         if not grads:
-            return Tensor(np.float32(0.0))
+            return Tensor(np.float32(0.0), dtype=dt.float32)
         whole = {p: g for p, g in grads.items() if p not in pieces}
         world_size = len(next(iter(pieces.values()))[1]) if pieces else 1
         total = _total_norm(list(whole.values()), float(norm_type), [piece for piece, _ in pieces.values()],
@@ -139,8 +139,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
                                   {p: (piece * coef, sizes) for p, (piece, sizes) in pieces.items()})
         return total
     grads = _grads(parameters)
-    if not grads:
-        return Tensor(np.float32(0.0))
+    if not grads:   # PyTorch: torch.tensor(0.0), the default float
+        return Tensor(np.float32(0.0), dtype=dt.float32)
     norm_type = float(norm_type)
     # As PyTorch: each gradient's norm, then the norm of those norms (np.linalg.norm: inf is the max,
     # -inf the min, 0 the count of non-zeros; NaN propagates), in float64 when a gradient is float64.
@@ -174,7 +174,8 @@ def clip_grad_value_(parameters, clip_value: float, foreach=None) -> None:
 
 
 def parameters_to_vector(parameters) -> Tensor:
-    return Tensor(np.concatenate([p.numpy_view().ravel() for p in parameters]))
+    """The parameters flattened and concatenated, in their dtype (differentiable, as PyTorch's)."""
+    return F.cat([F.reshape(p, (-1,)) for p in _parameter_list(parameters)])
 
 
 def vector_to_parameters(vec: Tensor, parameters) -> None:

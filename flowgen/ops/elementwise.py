@@ -359,7 +359,8 @@ _unary("sinc", _float_ref(_sinc_ref),
 
 # ---- logit(x, eps): log(z / (1 - z)) with z = x clamped to [eps, 1 - eps] (eps None: z = x); its
 # gradient is one op with PyTorch's logit_backward: 0 outside [eps, 1 - eps] (NaN outside [0, 1] with
-# no eps), g / (x (1 - x)) inside (+-inf or NaN at 0 and 1).
+# no eps), g / (x (1 - x)) inside; with no eps, g * inf at 0 and 1 (PyTorch's scalar kernel: the sign is
+# g's, also at x = -0.0, where g / (x (1 - x)) would flip it; NaN where g is 0).
 def _logit_clamped(x, eps):
     if eps is None:
         return x
@@ -375,12 +376,14 @@ def _logit_ref(a, eps=None):
 
 def _logit_grad_ref(g, a, eps=None):
     g, x = _same_type(g, a)
+    inside = g / (x * (1 - x))
     if eps is None:
         outside, fill = (x < 0) | (x > 1), np.nan
+        inside = np.where((x == 0) | (x == 1), g * x.dtype.type(np.inf), inside)
     else:
         lo = x.dtype.type(eps)
         outside, fill = (x < lo) | (x > x.dtype.type(1) - lo), 0
-    return np.where(outside, x.dtype.type(fill), g / (x * (1 - x))).astype(x.dtype, copy=False)
+    return np.where(outside, x.dtype.type(fill), inside).astype(x.dtype, copy=False)
 
 
 def _logit_z(attrs) -> str:
@@ -396,7 +399,8 @@ def _logit_expr(attrs) -> str:
 
 def _logit_grad_expr(attrs) -> str:
     if attrs.get("eps") is None:
-        return "((({1}) < 0.0f || ({1}) > 1.0f) ? NAN : ({0}) / (({1}) * (1.0f - ({1}))))"
+        return ("((({1}) < 0.0f || ({1}) > 1.0f) ? NAN : (({1}) == 0.0f || ({1}) == 1.0f) ? ({0}) * INFINITY"
+                " : ({0}) / (({1}) * (1.0f - ({1}))))")
     return "((({1}) < {eps} || ({1}) > (1.0f - {eps})) ? 0.0f : ({0}) / (({1}) * (1.0f - ({1}))))"
 
 
@@ -472,11 +476,13 @@ def _clamp_infer(a, min=None, max=None, exclusive=False):
 
 
 def _clamp_ref(a, min=None, max=None, exclusive=False):
+    """x < min ? min : x, then > max ? max : x, as the kernel and PyTorch (std::max/std::min): a value
+    equal to a bound is kept, so clamp(-0.0, min=0) is -0.0 (np.maximum gave 0.0); NaN passes."""
     out = a
     if min is not None:
-        out = np.maximum(out, np.asarray(min, dtype=a.dtype))
+        out = np.where(out < min, np.asarray(min, dtype=a.dtype), out)
     if max is not None:
-        out = np.minimum(out, np.asarray(max, dtype=a.dtype))
+        out = np.where(out > max, np.asarray(max, dtype=a.dtype), out)
     return out
 
 
@@ -557,8 +563,9 @@ def _pow_grad(ctx, g):
     ga = gb = None
     if _needs(a):
         e = _constant_scalar(b)
-        if e is None:
-            ga = F.sum_to(g * b * F.pow(a, b - 1), a.shape)
+        if e is None or e == 0:
+            # PyTorch's pow_backward: 0 where the exponent is 0 (b * a^(b - 1) is NaN there at a = 0)
+            ga = F.sum_to(F.where(b == 0, 0, g * b * F.pow(a, b - 1)), a.shape)
         elif e == 2:
             ga = F.sum_to(g * a * 2, a.shape)
         elif e == 1:

@@ -1,6 +1,7 @@
 """Adadelta (PyTorch semantics; OneFlow's is the same)."""
 from __future__ import annotations
 
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -17,7 +18,8 @@ class Adadelta(RuleOptimizer):
     checkpoint_slot_names = {"square_avg": "square_avgs", "acc_delta": "acc_deltas"}
 
     def __init__(self, params, lr: float = 1.0, rho: float = 0.9, eps: float = 1e-6, weight_decay: float = 0.0, *,
-                 maximize: bool = False):
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         if lr < 0.0:
             raise ValueError(f"Adadelta: invalid learning rate: {lr}")
         if not 0.0 <= rho <= 1.0:
@@ -26,7 +28,8 @@ class Adadelta(RuleOptimizer):
             raise ValueError(f"Adadelta: invalid epsilon value: {eps}")
         if weight_decay < 0.0:
             raise ValueError(f"Adadelta: invalid weight_decay value: {weight_decay}")
-        super().__init__(params, dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize))
+        super().__init__(params, dict(lr=lr, rho=rho, eps=eps, weight_decay=weight_decay, maximize=maximize,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("square_avg", "acc_delta")

@@ -1,6 +1,7 @@
 """Adagrad (PyTorch semantics)."""
 from __future__ import annotations
 
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -15,7 +16,9 @@ class Adagrad(RuleOptimizer):
     checkpoint_slot_names = {"sum": "sum"}
 
     def __init__(self, params, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False):
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10, *, maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         for name, value in (("learning rate", lr), ("lr_decay value", lr_decay),
                             ("weight_decay value", weight_decay),
                             ("initial_accumulator_value", initial_accumulator_value), ("epsilon value", eps)):
@@ -23,7 +26,8 @@ class Adagrad(RuleOptimizer):
                 raise ValueError(f"Adagrad: invalid {name}: {value}")
         super().__init__(params, dict(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                                       initial_accumulator_value=initial_accumulator_value, eps=eps,
-                                      maximize=maximize))
+                                      maximize=maximize,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("sum",)

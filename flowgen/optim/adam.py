@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, write_back
+from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, implementation_hints, write_back
 
 
 def bias_corrections(group: dict, step: int) -> tuple[float, float]:
@@ -38,7 +38,9 @@ class Adam(Optimizer):
     counts_steps = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True):
+                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if eps < 0.0:
@@ -51,7 +53,8 @@ class Adam(Optimizer):
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       amsgrad=amsgrad, maximize=maximize,
-                                      do_bias_correction=do_bias_correction))
+                                      do_bias_correction=do_bias_correction,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def _update_group(self, group: dict) -> None:
         lr, (beta1, beta2), eps = group_lr(group), group["betas"], group["eps"]
@@ -96,6 +99,9 @@ class AdamW(Adam):
     _kind = "adamw"
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 1e-2,
-                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True):
+                 amsgrad: bool = False, *, maximize: bool = False, do_bias_correction: bool = True,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         do_bias_correction=do_bias_correction)
+                         do_bias_correction=do_bias_correction, foreach=foreach, fused=fused,
+                         capturable=capturable, differentiable=differentiable)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flowgen import functional as F
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -17,7 +18,8 @@ class FTRL(RuleOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.0, lr_power: float = -0.5,
                  initial_accumulator_value: float = 0.1, lambda1: float = 0.0, lambda2: float = 0.0,
-                 beta: float = 0.0):
+                 beta: float = 0.0, *, foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         if not lr > 0.0:
             raise ValueError(f"FTRL: lr must be > 0 (the update divides by it), got {lr}")
         if weight_decay < 0.0:
@@ -27,7 +29,8 @@ class FTRL(RuleOptimizer):
                              f"{initial_accumulator_value}")
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, lr_power=lr_power,
                                       initial_accumulator_value=initial_accumulator_value, lambda1=lambda1,
-                                      lambda2=lambda2, beta=beta))
+                                      lambda2=lambda2, beta=beta,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("accumulator_value", "z")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from flowgen import functional as F
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -28,7 +29,9 @@ class LAMB(RuleOptimizer):
     checkpoint_slot_names = {"exp_avg": "m", "exp_avg_sq": "v"}
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 adam_w_mode: bool = True, do_bias_correction: bool = True, amsgrad: bool = False):
+                 adam_w_mode: bool = True, do_bias_correction: bool = True, amsgrad: bool = False, *,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         if amsgrad:
             raise ValueError("LAMB: amsgrad=True is not supported (OneFlow's LAMB has no AMSGrad variant)")
         if lr < 0.0 or eps < 0.0 or weight_decay < 0.0:
@@ -37,7 +40,8 @@ class LAMB(RuleOptimizer):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"LAMB: invalid beta parameter at index {i}: {beta}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      adam_w_mode=adam_w_mode, do_bias_correction=do_bias_correction))
+                                      adam_w_mode=adam_w_mode, do_bias_correction=do_bias_correction,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("exp_avg", "exp_avg_sq")

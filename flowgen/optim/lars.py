@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from flowgen import functional as F
 from flowgen.optim.lamb import norm
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -17,13 +18,16 @@ class LARS(RuleOptimizer):
     checkpoint_slot_names = {"momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0,
-                 epsilon: float = 1e-8, trust_coefficient: float = 1e-3):
+                 epsilon: float = 1e-8, trust_coefficient: float = 1e-3, *,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
                             ("epsilon", epsilon), ("trust_coefficient", trust_coefficient)):
             if value < 0.0:
                 raise ValueError(f"LARS: {name} must be >= 0, got {value}")
         super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay, epsilon=epsilon,
-                                      trust_coefficient=trust_coefficient))
+                                      trust_coefficient=trust_coefficient,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("momentum_buffer",)

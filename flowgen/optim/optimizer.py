@@ -52,9 +52,43 @@ def write_back(dest: np.ndarray, values: np.ndarray) -> None:
 # Keys LR schedulers write into the groups (as PyTorch's do): their bookkeeping, not update options.
 SCHEDULER_KEYS = ("initial_lr", "max_lr", "min_lr", "max_momentum", "base_momentum")
 GROUP_KEYS = ("lr_scale", "clip_grad_max_norm", "clip_grad_norm_type", "param_names") + SCHEDULER_KEYS
-# Keys in PyTorch's saved groups that choose an implementation, not the math: loading skips them
-# while off (False/None); switched on they are refused like any unknown option.
-TORCH_IMPLEMENTATION_KEYS = ("foreach", "capturable", "differentiable", "fused")
+# PyTorch's implementation keywords. Every built-in optimizer takes them (PyTorch's defaults:
+# foreach=None, fused=None, capturable=False, differentiable=False) and keeps them in its groups
+# as PyTorch does. They choose how PyTorch runs the update, not the update, so flowgen's numbers
+# do not depend on them:
+#   foreach        PyTorch: one multi-tensor kernel per group instead of a loop over parameters.
+#                  flowgen: an eager step loops over NumPy arrays either way; a graph's updates
+#                  join their gradients' kernels or run as one multi-tensor kernel anyway.
+#   fused          PyTorch: the whole update in one kernel. flowgen: graphs fuse updates anyway
+#                  (graph.config.allow_fuse_model_update_ops, on by default). Not with foreach=True.
+#   capturable     PyTorch: keep the step count on the device so that a CUDA graph can capture
+#                  the step. flowgen: a graph's whole step, update included, is replayed as one
+#                  CUDA graph (runtime/executor.py); an eager step runs on the host.
+#   differentiable PyTorch: record the update on autograd (for differentiating through step()).
+#                  flowgen's steps write the parameters outside autograd: True is refused.
+# An optimizer written by a user, whose defaults lack these keys, loads a saved group holding them
+# while off (False/None) and refuses them switched on, like any unknown option.
+IMPLEMENTATION_HINTS = ("foreach", "fused", "capturable", "differentiable")
+
+
+def implementation_hints(foreach, fused, capturable, differentiable) -> dict:
+    """A built-in optimizer's implementation keywords as entries of its defaults (each group's
+    are checked by check_implementation_hints)."""
+    return {"foreach": foreach, "fused": fused, "capturable": capturable, "differentiable": differentiable}
+
+
+def check_implementation_hints(optimizer: str, options: dict, where: str) -> None:
+    """Refuse implementation keywords in `options` (a group) that flowgen cannot honour."""
+    for key in IMPLEMENTATION_HINTS:
+        value = options.get(key)
+        if value is not None and not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{optimizer}: {where}{key}={value!r}; expected True, False or None")
+    if options.get("differentiable"):
+        raise NotImplementedError(f"{optimizer}: {where}differentiable=True is not supported: flowgen's optimizer "
+                                  f"steps write the parameters outside autograd, so step() cannot be "
+                                  f"differentiated; use differentiable=False (the default)")
+    if options.get("foreach") and options.get("fused"):
+        raise RuntimeError(f"{optimizer}: {where}`fused` and `foreach` cannot be `True` together.")
 
 
 def group_lr(group: dict) -> float:
@@ -145,6 +179,8 @@ class Optimizer:
             missing = "clip_grad_norm_type" if given == "clip_grad_max_norm" else "clip_grad_max_norm"
             raise ValueError(f"{name}: parameter group {index} sets {given!r} without {missing!r}; gradient "
                              f"clipping needs both (OneFlow's rule)")
+        if any(key in group for key in IMPLEMENTATION_HINTS):
+            check_implementation_hints(name, group, f"parameter group {index}: " if index else "")
         clip = group_clip(group)
         if clip is not None and not clip[0] > 0:
             raise ValueError(f"{name}: parameter group {index} has clip_grad_max_norm = {clip[0]!r}; it must be > 0")
@@ -247,6 +283,7 @@ class Optimizer:
                 if unknown and not self._matches_without_storing(key, value):
                     raise ValueError(f"{type(self).__name__}.load_state_dict: parameter group {i} has option "
                                      f"{key!r} = {value!r}, which {type(self).__name__} does not have")
+            check_implementation_hints(type(self).__name__, saved, f"load_state_dict: parameter group {i}: ")
         id_to_param = {}
         for saved, group in zip(saved_groups, self.param_groups):
             for index, p in zip(saved["params"], group["params"]):
@@ -269,7 +306,7 @@ class Optimizer:
         implementation switch that is off, or Adam's `decoupled_weight_decay` (True for AdamW)."""
         if key == "decoupled_weight_decay":
             return bool(value) == getattr(self, "_decoupled_weight_decay", None)
-        return key in TORCH_IMPLEMENTATION_KEYS and not value
+        return key in IMPLEMENTATION_HINTS and key not in self.defaults and not value
 
     def _load_state_value(self, p: Tensor, name: str, value):
         if name == "step":

@@ -1,6 +1,7 @@
 """RMSprop (PyTorch semantics)."""
 from __future__ import annotations
 
+from flowgen.optim.optimizer import implementation_hints
 from flowgen.optim.rule import RuleOptimizer
 
 
@@ -19,13 +20,16 @@ class RMSprop(RuleOptimizer):
     checkpoint_slot_names = {"square_avg": "mean_square", "grad_avg": "mean_gradient", "momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, weight_decay: float = 0.0,
-                 momentum: float = 0.0, centered: bool = False, *, maximize: bool = False):
+                 momentum: float = 0.0, centered: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         for name, value in (("learning rate", lr), ("epsilon value", eps), ("momentum value", momentum),
                             ("weight_decay value", weight_decay), ("alpha value", alpha)):
             if value < 0.0:
                 raise ValueError(f"RMSprop: invalid {name}: {value}")
         super().__init__(params, dict(lr=lr, alpha=alpha, eps=eps, weight_decay=weight_decay, momentum=momentum,
-                                      centered=centered, maximize=maximize))
+                                      centered=centered, maximize=maximize,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def slot_names(self, group):
         return ("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ()) + \

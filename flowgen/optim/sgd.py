@@ -1,7 +1,7 @@
 """Stochastic gradient descent with momentum, dampening, Nesterov and weight decay (PyTorch semantics)."""
 from __future__ import annotations
 
-from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, required, write_back
+from flowgen.optim.optimizer import Optimizer, compute_view, group_lr, implementation_hints, required, write_back
 
 
 class SGD(Optimizer):
@@ -18,7 +18,9 @@ class SGD(Optimizer):
     checkpoint_slot_names = {"momentum_buffer": "momentum"}
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
-                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False):
+                 weight_decay: float = 0.0, nesterov: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None,
+                 capturable: bool = False, differentiable: bool = False):
         if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr}")
         if momentum < 0.0:
@@ -28,7 +30,8 @@ class SGD(Optimizer):
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
-                                      nesterov=nesterov, maximize=maximize))
+                                      nesterov=nesterov, maximize=maximize,
+                                      **implementation_hints(foreach, fused, capturable, differentiable)))
 
     def _update_group(self, group: dict) -> None:
         lr, momentum, dampening = group_lr(group), group["momentum"], group["dampening"]

@@ -503,12 +503,12 @@ def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, star
 
 def _program_cache_options(graph, device, data_parallel, stage_program) -> dict | None:
     """What besides the traced IR decides the compiled program (runtime/program_cache.py), or
-    None where it is not cached: conv tiles timed on the GPU, data-parallel graphs (whose ranks
-    already share rank 0's build through the kernel cache), pipeline stages (each rank's own
-    part, checked against its transfer plan), and graph.debug(1) or above, which logs each pass
-    as it runs."""
-    if (data_parallel is not None or stage_program is not None or graph.config.cudnn_conv_heuristic_search_algo
-            or graph._debug_level >= 1):
+    None where it is not cached: conv tiles timed on the GPU (a CPU graph has none to time),
+    data-parallel graphs (whose ranks already share rank 0's build through the kernel cache),
+    pipeline stages (each rank's own part, checked against its transfer plan), and
+    graph.debug(1) or above, which logs each pass as it runs."""
+    conv_search = graph.config.cudnn_conv_heuristic_search_algo and device.type == "cuda"
+    if data_parallel is not None or stage_program is not None or conv_search or graph._debug_level >= 1:
         return None
     return {"config": vars(graph.config), "module_configs": graph._module_configs, "target": device.type,
             "arch": _cuda_arch(device)}

@@ -18,6 +18,8 @@ Every option acts or says why it cannot:
   parameters too (each module's gathered just before its forward and again before its backward);
   set_stage runs each stage on its rank, the micro-batches of `set_gradient_accumulation_steps`
   in 1F1B order (distributed/pipeline.py).
+* `enable_cudnn_conv_heuristic_search_algo` times conv tile shapes on the GPU (runtime/autotune.py);
+  a new graph starts with it on when `flow.backends.cudnn.benchmark` is True (backends/cudnn.py).
 * `set_outputs_buffer_size(n)`: outputs are copied into fresh tensors after every call, so the
   outputs of every earlier call stay valid, which covers OneFlow's "the last n calls".
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import warnings
 
 from flowgen import dtype as dt
+from flowgen.backends import cudnn
 from flowgen.distributed import env
 
 
@@ -50,7 +53,8 @@ class GraphConfig:
         self.fuse_cast_scale = True
         self.multi_tensor_update = True
         self.gradient_accumulation_steps = 1
-        self.cudnn_conv_heuristic_search_algo = False
+        # flow.backends.cudnn.benchmark (and .enabled) when the graph is made: PyTorch's switch for it
+        self.cudnn_conv_heuristic_search_algo = cudnn.conv_search_for_new_graphs()
         self.straighten = False
         self.compress_memory = False
 
