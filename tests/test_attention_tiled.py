@@ -2,8 +2,9 @@
 runs: a block per tile of 64 query rows (forward, dQ) or key rows (dK/dV), K/V (resp. Q/dO) tiles in
 shared memory, an online softmax across key tiles, causal tiles above the diagonal skipped.
 float32/float64 on scalar loops ("SIMT"), float16/bfloat16 on tensor cores (mma.sync m16n8k16 with
-fp32 accumulation and softmax statistics). Graphs on 'cuda' run them on the GPU, or on the CPU
-emulator when there is none (FLOWGEN_EMULATE_CUDA=1); the cpu target keeps a thread per row.
+fp32 accumulation and softmax statistics). Graphs on 'cuda' run them on the GPU (marked `gpu`), or on
+the CPU emulator when there is none (FLOWGEN_EMULATE_CUDA=1): the `cuda_graph_target` fixture; the
+cpu target keeps a thread per row.
 
 Each case is a training step (SGD with lr 1 on q, k, v: the step's change is the gradient)
 against eager flowgen and a float64 NumPy reference: ragged L and S (not multiples of the tile),
@@ -18,22 +19,12 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from flowgen.codegen.families import render_node
-from flowgen.codegen.target import rendering_for
-from flowgen.ir.graph import Node, Value
-from flowgen.ops.registry import TensorMeta, apply, get_op
-from flowgen.runtime import cuda_driver, nvrtc
+from flowgen.ops.registry import apply, get_op
+from flowgen.runtime import nvrtc
+from first_contact_cases import U_HALF, AttentionCase
 from test_attention import WeightedSumStep, _mask   # attention * w summed, one SGD step with lr 1; masks
 
 RNG = np.random.default_rng(11)
-U_HALF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
-
-
-@pytest.fixture
-def on_gpu_target(monkeypatch):
-    """Graphs on 'cuda' render the GPU's kernels: on the GPU, or run by the CPU emulator."""
-    if not cuda_driver.available():
-        monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
 
 
 class QKV(nn.Module):
@@ -129,7 +120,7 @@ def _run_case(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_tiled_attention_training_step(case, on_gpu_target):
+def test_tiled_attention_training_step(case, cuda_graph_target):
     dtype = case[1]
     graph_results, eager_results, reference, magnitudes, graph = _run_case(case)
     kernels = [k for k in graph.compiled.program.kernels if any(op.startswith("attention") for op in k.ops)]
@@ -151,7 +142,7 @@ def test_tiled_attention_training_step(case, on_gpu_target):
         assert np.all(graph_results[0][..., 1, :] == 0) and np.all(graph_results[1][..., 1, :] == 0)
 
 
-def test_fully_masked_rows_have_minus_inf_logsumexp(on_gpu_target):
+def test_fully_masked_rows_have_minus_inf_logsumexp(cuda_graph_target):
     """The forward's lse output of a fully masked row is -inf and its output row 0."""
     q, k, v = (RNG.standard_normal(s).astype(np.float32) for s in ((1, 2, 70, 16), (1, 2, 90, 16), (1, 2, 90, 16)))
     mask = RNG.random((70, 90)) < 0.5
@@ -172,30 +163,13 @@ def test_fully_masked_rows_have_minus_inf_logsumexp(on_gpu_target):
 # --------------------------------------------------------------------------
 # the GPU's machine code: NVRTC for sm_80 and sm_90, tensor-core instructions, no spills
 
-def _render_for_gpu(op, dtype, L, S, E, Ev, mask=None, **attrs):
-    """The kernels of one attention-family node rendered for the GPU."""
-    q, k, v = Value("q", (2, 4, L, E), dtype), Value("k", (2, 4, S, E), dtype), Value("v", (2, 4, S, Ev), dtype)
-    inputs = [q, k, v]
-    attrs = dict(dict(scale=E ** -0.5, causal=False), **attrs)
-    if op.endswith("_backward"):
-        o, lse = (Value(n, tuple(m.shape), m.dtype) for n, m in zip(
-            ("o", "lse"), get_op("attention").infer(*(TensorMeta(x.shape, x.dtype) for x in inputs), **attrs)))
-        inputs += [o, Value("do", o.shape, dtype), lse]
-    if mask is not None:
-        inputs.append(Value("mask", mask, flow.bool))
-    metas = get_op(op).infer(*(TensorMeta(x.shape, x.dtype) for x in inputs), **attrs)
-    outputs = [Value(f"out{i}", tuple(m.shape), m.dtype) for i, m in enumerate(metas)]
-    with rendering_for("cuda"):
-        return render_node(Node(op, inputs, outputs, attrs, scope=f"test.{op}"), f"sass_{op}_{dtype.name}_{E}")
-
-
 GPU_KERNELS = [k for dtype in (flow.bfloat16, flow.float16) for E in (64, 128)
                for op in ("attention", "attention_backward")
-               for k in _render_for_gpu(op, dtype, 200, 200, E, E, causal=True)] + [
+               for k in AttentionCase(op, dtype, 2, 4, 200, 200, E, E, causal=True, prefix="sass").kernels] + [
     k for op in ("attention_dropout", "attention_dropout_backward")
-    for k in _render_for_gpu(op, flow.bfloat16, 70, 90, 80, 48, mask=(90,), dropout_p=0.1, seed=3, offset=0)] + [
+    for k in AttentionCase(op, flow.bfloat16, 2, 4, 70, 90, 80, 48, mask=(90,), dropout_p=0.1, prefix="sass").kernels] + [
     k for E in (64, 128) for op in ("attention", "attention_backward")
-    for k in _render_for_gpu(op, flow.float32, 200, 200, E, E)]
+    for k in AttentionCase(op, flow.float32, 2, 4, 200, 200, E, E, prefix="sass").kernels]
 MMA_KERNELS = [k for k in GPU_KERNELS if "tensor cores" in k.comment]
 
 
@@ -235,7 +209,7 @@ def test_tensor_core_kernels_have_hmma_and_no_spills_on_sm_90(tmp_path):
             assert "LDL" not in code and "STL" not in code, k.name
 
 
-def test_enable_amp_runs_attention_in_bfloat16_on_tensor_cores(on_gpu_target):
+def test_enable_amp_runs_attention_in_bfloat16_on_tensor_cores(cuda_graph_target):
     """Under enable_amp(bfloat16) the attention autocasts like matmul (PyTorch's SDPA under
     autocast): float32 q/k/v go in as bfloat16 (the bool mask stays bool), the kernels run on tensor
     cores, the output and gradients come back float32, near the float32 eager step."""

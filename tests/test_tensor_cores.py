@@ -4,9 +4,13 @@ implicit-GEMM conv kernels built on them, the precision switches that select the
 
 The primitive kernels below are plain CUDA C++ that call the named device functions of
 runtime_cpp/flowgen_cuda_prelude.h; the emulator runs them with the PTX ISA's per-lane
-fragment layouts and NVRTC compiles the same source for sm_80 and sm_90. Values are small
-integers wherever a test compares exactly, so every sum is exact in fp32 and only a layout
-mistake (a transposed or shifted fragment) can change a result.
+fragment layouts and NVRTC compiles the same source for sm_80 and sm_90. Every kernel test runs
+on the emulator and, marked `gpu` (pytest -m gpu), on the GPU when one is present (the
+`kernel_target` fixture; the cases come from benchmarks/first_contact_cases.py, which the
+first-contact GPU run shares); the public-API graph tests run on the cpu target and on a GPU
+(`graph_device`). Values are small integers wherever a test compares exactly, so every sum is
+exact in fp32 and only a layout mistake (a transposed or shifted fragment) can change a result;
+those comparisons hold on the hardware too.
 """
 
 import copy
@@ -27,14 +31,13 @@ from cuda.bindings import nvrtc as nvrtc_api
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import gemm_kernel, render_node
+from flowgen.codegen.families import render_node
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
-from flowgen.codegen.kernel import BufferArg
-from flowgen.ir.graph import Node, Value
-from flowgen.ops.registry import TensorMeta, get_op
+from flowgen.ops.registry import get_op
 from flowgen.runtime import nvrtc
-from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
 from flowgen.runtime.toolchain import cuda_include_dirs, runtime_cpp_dir
+from first_contact_cases import (KINDS, U_BF16, U_FP32, U_OUT, U_TF32, ConvCase, GemmCase, conv_node, gpu_arch,
+                                 make_launch, small_ints, tensor_core_family, tf32_round)
 from graphs import InferGraph, TrainGraph
 
 PRIMITIVES = r"""
@@ -157,20 +160,12 @@ FLOWGEN_EMU_KERNEL(async_copies, true)
 
 
 @pytest.fixture(scope="module")
-def primitives():
-    return CpuModule(build_cpu_library(PRIMITIVES, "test_tensor_cores"))
+def primitives(kernel_target):
+    return make_launch(PRIMITIVES, "test_tensor_cores", kernel_target)
 
 
-def ptr(array: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(array.ctypes.data)
-
-
-def small_ints(rng, shape, low=-4, high=5) -> np.ndarray:
-    return rng.integers(low, high, size=shape).astype(np.float32)
-
-
-def launch_warp(module, name, *args):
-    module.launch(name, (1, 1, 1), (32, 1, 1), 0, [a if isinstance(a, ctypes._SimpleCData) else ptr(a) for a in args])
+def launch_warp(launch, name, *args):
+    launch(name, (1, 1, 1), (32, 1, 1), 0, list(args))
 
 
 @pytest.mark.parametrize("kernel, np_dtype", [("mma_bf16", ml_dtypes.bfloat16), ("mma_f16", np.float16)])
@@ -193,12 +188,6 @@ def test_mma_m16n8k16_accumulates_in_fp32_from_bf16_inputs(primitives):
     # 16 fp32 additions of exact products: far closer than one bf16 rounding of the result
     np.testing.assert_allclose(d, exact, rtol=0, atol=16 * 2.0 ** -24 * np.abs(exact).max() + 1e-30)
     assert np.abs(d - exact).max() < np.abs(exact.astype(ml_dtypes.bfloat16).astype(np.float64) - exact).max()
-
-
-def tf32_round(x: np.ndarray) -> np.ndarray:
-    """cvt.rna.tf32.f32: keep 10 mantissa bits, round to nearest, ties away from zero."""
-    bits = x.astype(np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
 
 
 def test_mma_m16n8k8_tf32_fragments_follow_the_ptx_layout(primitives):
@@ -266,8 +255,10 @@ def test_cp_async_lands_groups_on_wait_and_zero_fills_past_src_size(primitives):
     expected[1::2, 28:44] = 0               # src-size 0: all zeros
     np.testing.assert_array_equal(final, expected)
     np.testing.assert_array_equal(after_one[:, :24], expected[:, :24])   # group 0 complete after wait_group 1
-    # The emulator lands copies only at a wait, so a kernel that skips one reads stale data.
-    assert (before == 0xAB).all()
+    if primitives.target == "emulator":
+        # The emulator lands copies only at a wait, so a kernel that skips one reads stale data
+        # (the hardware may land them any time between the copy and the wait).
+        assert (before == 0xAB).all()
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -281,98 +272,44 @@ def test_primitives_compile_with_nvrtc(arch):
 # the way the fused GEMM path calls it: operands possibly transposed (read in place), an
 # fp32 output written by the epilogue lines.
 
-KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "tf32": np.float32}
-
-
-def render_gemm_case(name, kind, a_shape, b_shape, a_trans, b_trans, out_dtype=dt.float32, epilogue=None):
-    """One GEMM kernel for c = op(a) @ op(b) (op transposes the last two dims when asked)."""
-    in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
-    a, b = Value("a", a_shape, in_dtype), Value("b", b_shape, in_dtype)
-    M = a_shape[-1] if a_trans else a_shape[-2]
-    N = b_shape[-2] if b_trans else b_shape[-1]
-    batch = np.broadcast_shapes(a_shape[:-2], b_shape[:-2])
-    c = Value("c", tuple(batch) + (M, N), out_dtype)
-    node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
-    args = [BufferArg(a, f"const {a.dtype.ctype}*"), BufferArg(b, f"const {b.dtype.ctype}*"),
-            BufferArg(c, f"{c.dtype.ctype}*")]
-    lines = epilogue or ["c[c_base + (long long)m * GN + n] = val;"]
-    with rendering_for("cpu", allow_tf32=kind == "tf32"):
-        return gemm_kernel(node, f"tc_{name}", a, b, c, params=None, args=args, epilogue_lines=lines,
-                           a_trans=a_trans, b_trans=b_trans)
-
-
-def stored(x: np.ndarray, trans: bool) -> np.ndarray:
-    """The buffer holding operand x: x itself, or x^T laid out contiguously (read transposed)."""
-    return np.ascontiguousarray(np.swapaxes(x, -1, -2)) if trans else x
-
-
-class GemmCase:
-    def __init__(self, kind, M, N, K, a_trans=False, b_trans=False, a_batch=(), b_batch=()):
-        self.kind, self.M, self.N, self.K, self.a_trans, self.b_trans = kind, M, N, K, a_trans, b_trans
-        self.a_shape = a_batch + ((K, M) if a_trans else (M, K))
-        self.b_shape = b_batch + ((N, K) if b_trans else (K, N))
-        self.out_shape = tuple(np.broadcast_shapes(a_batch, b_batch)) + (M, N)
-        self.id = (f"{kind}_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
-                   f"{'_batch' if a_batch or b_batch else ''}")
-        self.kernel = render_gemm_case(self.id, kind, self.a_shape, self.b_shape, a_trans, b_trans)
-        self.kernels = [self.kernel]
-
-    def operands(self, make):
-        """Logical A (.., M, K) and B (.., K, N) from `make(shape)`, rounded to the input precision."""
-        dtype = KINDS[self.kind]
-        a = make(self.a_shape[:-2] + (self.M, self.K)).astype(dtype)
-        b = make(self.b_shape[:-2] + (self.K, self.N)).astype(dtype)
-        return a, b
-
-    def run(self, module, a, b):
-        out = np.full(self.out_shape, 123, np.float32)   # poison: an output the kernel skips shows up
-        buffers = [stored(a, self.a_trans), stored(b, self.b_trans), out]
-        k = self.kernel
-        module.launch(k.name, k.grid, k.block, k.smem, [ptr(x) for x in buffers])
-        return out
-
-
 # Tails in every dim (K = 70: 4-byte copies for 16-bit A, plain loads for B's rows of 45),
 # 16-byte cp.async.cg copies, several blocks and a K shorter than one k tile, a broadcast batch.
-GEMM_CASES = [GemmCase(kind, 37, 45, 70, a_trans, b_trans) for kind in ("bf16", "f16", "tf32")
+# Rendered for the cpu target (its tile choice), as a CPU graph under AMP or allow_tf32 runs them.
+GEMM_CASES = [GemmCase(kind, 37, 45, 70, a_trans, b_trans, target="cpu") for kind in ("bf16", "f16", "tf32")
               for a_trans, b_trans in ((False, False), (True, True), (False, True))] + [
-    GemmCase("bf16", 72, 136, 24), GemmCase("bf16", 72, 136, 24, True, True),
-    GemmCase("tf32", 16, 64, 48, True, False),
-    GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,)),
+    GemmCase("bf16", 72, 136, 24, target="cpu"), GemmCase("bf16", 72, 136, 24, True, True, target="cpu"),
+    GemmCase("tf32", 16, 64, 48, True, False, target="cpu"),
+    GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), target="cpu"),
 ]
 
 
 @pytest.fixture(scope="module")
-def gemm_module():
-    source = "\n".join(case.kernel.source for case in GEMM_CASES)
-    return CpuModule(build_cpu_library(source, "test_tensor_cores_gemm"))
+def gemm_launch(kernel_target):
+    return make_launch("\n".join(case.kernel.source for case in GEMM_CASES), "test_tensor_cores_gemm", kernel_target)
 
 
 def test_gemm_cases_run_on_tensor_cores():
     for case in GEMM_CASES:
-        assert f"tensor-core GEMM" in case.kernel.comment and f"{case.kind} mma.sync" in case.kernel.comment
+        assert "tensor-core GEMM" in case.kernel.comment and f"{case.kind} mma.sync" in case.kernel.comment
         assert case.kernel.smem > 0 and case.kernel.block[0] % 128 == 0
 
 
 @pytest.mark.parametrize("case", GEMM_CASES, ids=[c.id for c in GEMM_CASES])
-def test_tensor_core_gemm_is_exact_on_integers(case, gemm_module):
+def test_tensor_core_gemm_is_exact_on_integers(case, gemm_launch):
     a, b = case.operands(lambda shape: small_ints(np.random.default_rng(case.M * case.K), shape))
-    got = case.run(gemm_module, a, b)
+    got = case.run(gemm_launch, a, b)
     np.testing.assert_array_equal(got, (a.astype(np.float32) @ b.astype(np.float32)))
 
 
 @pytest.mark.parametrize("case", [c for c in GEMM_CASES if not c.a_trans], ids=lambda c: c.id)
-def test_tensor_core_gemm_matches_the_reference_in_its_precision(case, gemm_module):
+def test_tensor_core_gemm_matches_the_reference_in_its_precision(case, gemm_launch):
     """Random values: inputs rounded to bf16/fp16 (tf32 by the kernel itself), products summed
     in fp32. The bound is fp32 summation error over K terms; a wrong precision (fp32 inputs on
     the tf32 path, or bf16 rounding of the accumulator) misses it by orders of magnitude."""
     rng = np.random.default_rng(case.N)
     a, b = case.operands(lambda shape: rng.standard_normal(shape))
-    if case.kind == "tf32":
-        want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
-    else:
-        want = a.astype(np.float64) @ b.astype(np.float64)
-    got = case.run(gemm_module, a, b)
+    want = case.reference(a, b)[0]
+    got = case.run(gemm_launch, a, b)
     magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
     np.testing.assert_array_less(np.abs(got - want), case.K * 2.0 ** -23 * magnitude + 1e-30)
 
@@ -390,48 +327,18 @@ CONV_GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation,
 ]
 
 
-def conv_node(kind, op, geometry, case_id):
-    """(input shapes, attrs, node) of one conv op (conv2d / conv2d_grad_input / conv2d_grad_weight)
-    on the `geometry` (name, N, C, H, W, O, kernel, stride, padding, dilation, groups) in `kind`'s
-    input dtype; the node's output is named "out"."""
-    name, N, C, H, W, O, k, stride, padding, dilation, groups = geometry
-    attrs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups)
-    x_shape, w_shape = (N, C, H, W), (O, C // groups) + k
-    in_dtype = dt.from_numpy(np.dtype(KINDS[kind]))
-    y_shape = get_op("conv2d").infer(TensorMeta(x_shape, in_dtype), TensorMeta(w_shape, in_dtype), **attrs).shape
-    if op == "conv2d":
-        shapes = (x_shape, w_shape)
-    elif op == "conv2d_grad_input":
-        shapes, attrs = (y_shape, w_shape), dict(attrs, input_shape=x_shape)
-    else:
-        shapes, attrs = (y_shape, x_shape), dict(attrs, weight_shape=w_shape)
-    inputs = [Value(f"in{i}", shape, in_dtype) for i, shape in enumerate(shapes)]
-    meta = get_op(op).infer(*(TensorMeta(v.shape, v.dtype) for v in inputs), **attrs)
-    out = Value("out", tuple(meta.shape), meta.dtype)
-    return shapes, attrs, Node(op, inputs, [out], attrs, scope=f"test.{case_id}")
-
-
-class ConvCase:
-    def __init__(self, kind, op, geometry, target="cpu"):
-        self.kind, self.op, self.id = kind, op, f"{kind}_{op}_{geometry[0]}_{target}"
-        self.shapes, self.attrs, self.node = conv_node(kind, op, geometry, self.id)
-        self.out = self.node.outputs[0]
-        with rendering_for(target, allow_tf32=kind == "tf32"):
-            self.kernels = render_node(self.node, f"tc_{self.id}")   # a combine kernel after when split-k
-        self.kernel = self.kernels[0]
-
-
 # bf16: forward and both gradients for each geometry; tf32 on the first; weight gradients
 # rendered for the GPU whose deep reductions (2 x 24 x 24 in bf16 and fp16, 2 x 14 x 14 in tf32)
 # are split across blocks (split-k: each split writes its float32 partial sums from the
 # tensor-core epilogue, a second kernel adds them in order and rounds once to the output dtype).
 SPLIT_GEOMETRY = ("3x3_24x24", 2, 4, 24, 24, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1)
-SPLIT_K_16BIT = [ConvCase(kind, "conv2d_grad_weight", SPLIT_GEOMETRY, "cuda") for kind in ("bf16", "f16")]
-CONV_CASES = [ConvCase("bf16", op, g) for g in CONV_GEOMETRIES
+SPLIT_K_16BIT = [ConvCase(kind, "conv2d_grad_weight", SPLIT_GEOMETRY) for kind in ("bf16", "f16")]
+CONV_CASES = [ConvCase("bf16", op, g, target="cpu") for g in CONV_GEOMETRIES
               for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + [
-    ConvCase("tf32", op, CONV_GEOMETRIES[0]) for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + \
+    ConvCase("tf32", op, CONV_GEOMETRIES[0], target="cpu")
+    for op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")] + \
     SPLIT_K_16BIT + [
-    ConvCase("tf32", "conv2d_grad_weight", ("3x3_14x14", 2, 4, 14, 14, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1), "cuda")]
+    ConvCase("tf32", "conv2d_grad_weight", ("3x3_14x14", 2, 4, 14, 14, 8, (3, 3), (1, 1), (1, 1), (1, 1), 1))]
 
 
 def test_deep_weight_gradient_splits_k_on_tensor_cores():
@@ -441,40 +348,25 @@ def test_deep_weight_gradient_splits_k_on_tensor_cores():
 
 
 @pytest.fixture(scope="module")
-def conv_module():
+def conv_launch(kernel_target):
     source = "\n".join(k.source for case in CONV_CASES for k in case.kernels)
-    return CpuModule(build_cpu_library(source, "test_tensor_cores_conv"))
-
-
-def run_conv(case, module, kernels, arrays) -> np.ndarray:
-    """The conv case's output from `kernels` (its own, or another rendering of its node) on `arrays`."""
-    out = np.full(case.out.shape, 123, case.out.dtype.np_dtype)   # poison: a skipped output shows up
-    buffers = {v: x for v, x in zip(case.node.inputs, arrays)} | {case.out: out}
-    for k in kernels:   # scratch arguments (split-k partials) get buffers of their own
-        buffers.update({a.value: np.zeros(a.value.shape, a.value.dtype.np_dtype) for a in k.args
-                        if a.value not in buffers})
-        module.launch(k.name, k.grid, k.block, k.smem, [ptr(buffers[a.value]) for a in k.args])
-    return out
+    return make_launch(source, "test_tensor_cores_conv", kernel_target)
 
 
 @pytest.mark.parametrize("case", CONV_CASES, ids=[c.id for c in CONV_CASES])
-def test_implicit_gemm_conv_on_tensor_cores_is_exact_on_integers(case, conv_module):
+def test_implicit_gemm_conv_on_tensor_cores_is_exact_on_integers(case, conv_launch):
     """Values in {-1, 0, 1}: every sum (at most 1152 terms, far below 256 in magnitude) is exact
     in fp32 and in the 16-bit output."""
     assert f"on tensor cores, {case.kind} mma.sync" in case.kernel.comment
     rng = np.random.default_rng(len(case.id))
     arrays = [rng.integers(-1, 2, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
-    np.testing.assert_array_equal(run_conv(case, conv_module, case.kernels, arrays).astype(np.float64), want)
+    np.testing.assert_array_equal(case.run(conv_launch, arrays).astype(np.float64), want)
 
 
 # ---------------------------------------------------------------------------------------
 # Precision switches through the public API: graph against eager float32, with bounds from
 # the unit roundoff u of the input format (inputs rounded once each, fp32 accumulation).
-
-U_TF32, U_BF16 = 2.0 ** -11, 2.0 ** -8   # 10 and 7 stored mantissa bits, round to nearest
-U_FP32 = 2.0 ** -24
-
 
 def gemm_error_bound(u: float, x: np.ndarray, w: np.ndarray) -> np.ndarray:
     """|x @ w^T| error when both operands are rounded with unit roundoff u and K products are
@@ -486,20 +378,27 @@ def tensor_core_kernels(graph) -> list:
     return [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
 
 
+def family_on(device: str) -> str:
+    """The tensor-core instructions a graph on `device` runs: mma.sync on the cpu target; on a GPU
+    its architecture's (warpgroup MMA on sm_90)."""
+    return tensor_core_family(gpu_arch() if device == "cuda" else None)
+
+
 @pytest.mark.parametrize("tf32", [True, False])
-def test_allow_tf32_runs_float32_linear_on_tensor_cores(tf32):
+def test_allow_tf32_runs_float32_linear_on_tensor_cores(tf32, graph_device):
     flow.manual_seed(0)
     model = nn.Linear(96, 40)
-    graph = InferGraph(model)
-    graph.config.allow_tf32(tf32)
     x = flow.randn(24, 96)
-    got, want = graph(x).numpy().astype(np.float64), model(x).numpy().astype(np.float64)
+    want = model(x).numpy().astype(np.float64)
+    graph = InferGraph(model.to(graph_device))
+    graph.config.allow_tf32(tf32)
+    got = graph(x.to(graph_device)).numpy().astype(np.float64)
     error = np.abs(got - want)
     w = model.weight.numpy()
     fp32_bound = gemm_error_bound(0.0, x.numpy(), w) + 2 * U_FP32 * np.abs(want)
     if tf32:
-        assert [k.comment.count("tf32 mma.sync") for k in tensor_core_kernels(graph)] == [1]
-        assert "mma_m16n8k8_tf32" in graph.compiled.sources["kernels.cu"]
+        assert [k.comment.count(f"tf32 {family_on(graph_device)}") for k in tensor_core_kernels(graph)] == [1]
+        assert "k8_tf32" in graph.compiled.sources["kernels.cu"]    # mma_m16n8k8_tf32 or wgmma_m64nNk8_tf32
         np.testing.assert_array_less(error, gemm_error_bound(U_TF32, x.numpy(), w) + 2 * U_FP32 * np.abs(want))
         assert (error > fp32_bound).any()      # TF32 rounding shows: the inputs were not used in fp32
     else:
@@ -507,17 +406,18 @@ def test_allow_tf32_runs_float32_linear_on_tensor_cores(tf32):
         np.testing.assert_array_less(error, fp32_bound + 1e-30)
 
 
-def test_bf16_amp_trains_with_fp32_master_weights_on_tensor_cores():
+def test_bf16_amp_trains_with_fp32_master_weights_on_tensor_cores(graph_device):
     flow.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 24))
     reference = copy.deepcopy(model)
     loss_fn = nn.MSELoss()
+    model.to(graph_device)
     amp = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.05))
     amp.config.enable_amp(True, dtype=flow.bfloat16)
     eager_opt = flow.optim.SGD(reference.parameters(), lr=0.05)
     x, y = flow.randn(64, 32), flow.randn(64, 24)
     for _ in range(3):
-        loss = float(amp(x, y))
+        loss = float(amp(x.to(graph_device), y.to(graph_device)))
         eager_opt.zero_grad()
         eager_loss = loss_fn(reference(x), y)
         eager_loss.backward()
@@ -528,21 +428,22 @@ def test_bf16_amp_trains_with_fp32_master_weights_on_tensor_cores():
     assert "bf16[" in ir
     # Forward and both gradients of the second layer, forward and weight gradient of the first.
     assert len(tensor_core_kernels(amp)) == 5
-    assert all("bf16 mma.sync" in k.comment for k in tensor_core_kernels(amp))
+    assert all(f"bf16 {family_on(graph_device)}" in k.comment for k in tensor_core_kernels(amp))
     for p, q in zip(model.parameters(), reference.parameters()):
         assert p.dtype == flow.float32     # master weights stay float32
         np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=0, atol=3 * 0.05 * 12 * U_BF16)
 
 
-def test_bf16_amp_conv_runs_on_tensor_cores_with_its_fused_epilogue():
+def test_bf16_amp_conv_runs_on_tensor_cores_with_its_fused_epilogue(graph_device):
     flow.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(6, 16, 3, padding=1), nn.ReLU())
-    graph = InferGraph(model)
-    graph.config.enable_amp(True, dtype=flow.bfloat16)
     x = flow.randn(2, 6, 9, 7)
-    got, want = graph(x).numpy().astype(np.float64), model(x).numpy().astype(np.float64)
+    want = model(x).numpy().astype(np.float64)
+    graph = InferGraph(model.to(graph_device))
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    got = graph(x.to(graph_device)).numpy().astype(np.float64)
     (conv,) = [k for k in graph.compiled.program.kernels if "conv2d" in k.ops]
-    assert "on tensor cores, bf16 mma.sync" in conv.comment and "relu" in conv.ops
+    assert f"on tensor cores, bf16 {family_on(graph_device)}" in conv.comment and "relu" in conv.ops
     # |conv(x, w)| summed term by term bounds the rounding: inputs (2u), the bf16 result (u), fp32 sums
     magnitude = nn.functional.conv2d(flow.tensor(np.abs(x.numpy())), flow.tensor(np.abs(model[0].weight.numpy())),
                                      padding=1).numpy().astype(np.float64)
@@ -561,9 +462,6 @@ def test_enable_amp_names_the_dtypes_it_accepts():
 # float32 and rounded once to bf16/fp16. Against the unsplit kernel only the grouping of the sum
 # changes, so the result is within fp32 summation error (chunk + splits terms deep) of the float64
 # sum, plus the one final rounding; exact wherever every partial sum is exact (integers).
-
-U_OUT = {"bf16": U_BF16, "f16": 2.0 ** -11}
-
 
 def split_k_layout(kernels) -> tuple:
     """(splits, chunk) of a split-k grad_weight rendering: its split count and its chunk of
@@ -597,7 +495,7 @@ def test_16bit_weight_gradients_split_k_into_float32_partials():
 
 
 @pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
-def test_split_k_16bit_weight_gradient_rounds_once(case, conv_module):
+def test_split_k_16bit_weight_gradient_rounds_once(case, conv_launch):
     """Integers in [0, 4): partial sums reach thousands, exact in fp32 but not in bf16 (fp16 holds
     them): rounding each split's partial, or the running sum, to 16 bits would show; rounding
     the exact fp32 total once gives the exact sum rounded to the output dtype."""
@@ -605,16 +503,16 @@ def test_split_k_16bit_weight_gradient_rounds_once(case, conv_module):
     arrays = [rng.integers(0, 4, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
     assert np.abs(want).max() > 1024
-    got = run_conv(case, conv_module, case.kernels, arrays)
+    got = case.run(conv_launch, arrays)
     np.testing.assert_array_equal(got, want.astype(KINDS[case.kind]))
 
 
 @pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
-def test_split_k_16bit_weight_gradient_is_within_its_rounding_bound(case, conv_module):
+def test_split_k_16bit_weight_gradient_is_within_its_rounding_bound(case, conv_launch):
     rng = np.random.default_rng(5)
     arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
-    got = run_conv(case, conv_module, case.kernels, arrays).astype(np.float64)
+    got = case.run(conv_launch, arrays).astype(np.float64)
     np.testing.assert_array_less(np.abs(got - want), split_k_bound(case, arrays, want, case.kernels) + 1e-30)
 
 
@@ -654,7 +552,7 @@ def test_resnet_sized_16bit_weight_gradient_fills_the_gpu_with_split_k(kind, geo
     assert split_k_grid_checks(kernels, geometry, 32) > 1
 
 
-def test_bf16_amp_conv_training_step_with_split_k_weight_gradients_matches_eager():
+def test_bf16_amp_conv_training_step_with_split_k_weight_gradients_matches_eager(graph_device):
     """A public-API AMP training step whose conv weight gradients (4 x 16 x 16 = 1024 positions,
     two chunks of 16 k tiles) run split-k on tensor cores; the block target is the GPU's (the cpu
     target's follows the machine's cores). Graph (bf16 convs) against eager float32."""
@@ -664,13 +562,14 @@ def test_bf16_amp_conv_training_step_with_split_k_weight_gradients_matches_eager
     reference = copy.deepcopy(model)
     initial = [p.numpy().copy() for p in model.parameters()]
     loss_fn = nn.MSELoss()
+    model.to(graph_device)
     amp = TrainGraph(model, loss_fn, flow.optim.SGD(model.parameters(), lr=0.01))
     amp.config.enable_amp(True, dtype=flow.bfloat16)
     eager_opt = flow.optim.SGD(reference.parameters(), lr=0.01)
     x, y = flow.randn(4, 4, 16, 16), flow.randn(4, 5)
     with mock.patch.dict(TARGET_BLOCKS, cpu=TARGET_BLOCKS["cuda"]):
         for _ in range(2):
-            loss = float(amp(x, y))
+            loss = float(amp(x.to(graph_device), y.to(graph_device)))
             eager_opt.zero_grad()
             eager_loss = loss_fn(reference(x), y)
             eager_loss.backward()
@@ -678,8 +577,11 @@ def test_bf16_amp_conv_training_step_with_split_k_weight_gradients_matches_eager
             # three bf16 GEMMs in a row, each off by a few u relative, through a squared error
             assert abs(loss - float(eager_loss)) <= 16 * U_BF16 * abs(float(eager_loss))
     wgrads = [k for k in amp.compiled.program.kernels if "conv2d_grad_weight" in k.ops]
-    assert [k.name.endswith("_combine") for k in wgrads] == [False, True] * 2   # each: partials, then combine
-    assert all("bf16 mma.sync" in k.comment and "split-k 2" in k.comment for k in wgrads[::2])
+    if family_on(graph_device) == "mma.sync":
+        assert [k.name.endswith("_combine") for k in wgrads] == [False, True] * 2   # each: partials, then combine
+        assert all("bf16 mma.sync" in k.comment and "split-k 2" in k.comment for k in wgrads[::2])
+    else:   # wgmma's k tiles are 64 wide: 1024 positions make one chunk of 16 (tests/test_wgmma_conv.py splits)
+        assert all("bf16 wgmma" in k.comment for k in wgrads)
     # the two steps' updates (gradients through three bf16 layers): within 16 u of their largest (seen: 8 u)
     for p, q, p0 in zip(model.parameters(), reference.parameters(), initial):
         update, want = p.numpy() - p0, q.numpy() - p0

@@ -8,15 +8,13 @@ result is compared with NumPy. The same kernels compile with NVRTC for sm_90a.
 
 The primitive and GEMM kernels run on the emulator, and with an sm_90 GPU (pytest -m gpu) on it
 too against the same NumPy products: the hardware check of the emulator's layouts and of the
-inline PTX.
+inline PTX. The graph tests run on an sm_90 GPU, or without a GPU on the emulator.
 
 Values are small integers, so every sum is exact in fp32 and only a layout mistake (a wrong
 swizzle, offset or fragment position) changes a result.
 """
 
-import ctypes
 import re
-from unittest import mock
 
 import ml_dtypes
 import numpy as np
@@ -24,16 +22,10 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from flowgen import dtype as dt
 from flowgen.codegen import aot
-from flowgen.codegen.families import gemm_kernel
-from flowgen.codegen.kernel import BufferArg
-from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
-from flowgen.ir.graph import Node, Value
 from flowgen.runtime import cuda_driver, nvrtc
-from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from first_contact_cases import U_BF16, GemmCase, make_launch
 from graphs import InferGraph, TrainGraph
-from test_cuda_driver import Device
 from test_tensor_cores import CUOBJDUMP, NVDISASM, assert_no_spills, build_with_ptxas_report, disassemble
 
 K = 64            # four k16 slices per test (tf32: four k8 of K / 2), each read through its own descriptor
@@ -45,7 +37,10 @@ WGMMA_KERNELS = r"""
 // operands out: `a_bytes` / `b_bytes` are copied unchanged to a 1024-byte aligned shared-window
 // address (A there, B 8192 bytes later). cfg: a_leading, a_stride, a_swizzle, b_leading,
 // b_stride, b_swizzle, scale_d, then the byte offset of each k slice of A (4), of B (4).
-// `before` receives the accumulators after the commit and before the wait; `d` after the wait.
+// `d` receives the accumulators after the wait. On the emulator only, `before` receives them
+// after the commit and before the wait: the emulator's MMAs complete at the wait, so they still
+// hold C there. On a GPU that read is undefined (the registers are being written asynchronously),
+// so the GPU build leaves it out.
 template <int N, int TransA, int TransB, class MMA>
 __device__ void wgmma_tile(MMA mma, const unsigned char* a_bytes, const unsigned char* b_bytes, const int* cfg,
                            const float* c, float* before, float* d) {
@@ -68,7 +63,9 @@ __device__ void wgmma_tile(MMA mma, const unsigned char* a_bytes, const unsigned
     mma(acc, a_desc, b_desc, s > 0 || cfg[6]);
   }
   wgmma_commit_group();
+#if defined(FLOWGEN_EMULATOR)
   for (int r = 0; r < N / 2; ++r) before[tid * (N / 2) + r] = acc[r];
+#endif
   wgmma_wait_group<0>();
   for (int r = 0; r < N / 2; ++r) {
     const int row = 16 * warp + lane / 4 + 8 * (r / 2 % 2), col = 8 * (r / 4) + 2 * (lane % 4) + r % 2;
@@ -156,53 +153,9 @@ def test_128B_swizzle_moves_chunk_c_of_row_r_to_chunk_c_xor_r():
             np.testing.assert_array_equal(data[r, c ^ r], np.arange(8) + 64 * r + 8 * c)
 
 
-def ptr(array: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(array.ctypes.data)
-
-
-class EmulatorLaunch:
-    """Runs a kernel of `source` on the CPU emulator over host arrays, in place."""
-
-    def __init__(self, source: str, tag: str):
-        self.module = CpuModule(build_cpu_library(source, tag))
-
-    def __call__(self, name, grid, block, smem, arrays):
-        self.module.launch(name, grid, block, smem, [ptr(x) for x in arrays])
-
-
-class GpuLaunch:
-    """Runs a kernel of `source` on the sm_90 GPU (compiled for sm_90a): the arrays are copied
-    to the device, and back after the kernel."""
-
-    def __init__(self, source: str, tag: str):
-        self.ctx = cuda_driver.CudaContext.get()
-        self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, arch=self.ctx.arch, tag=tag))
-
-    def __call__(self, name, grid, block, smem, arrays):
-        device = Device(self.ctx)
-        buffers = [device.put(x) for x in arrays]
-        self.module.launch(name, grid, block, smem, buffers)
-        self.ctx.synchronize()
-        for x, buffer in zip(arrays, buffers):
-            x[...] = device.get(x, buffer)
-        for buffer in device.buffers:
-            self.ctx.free(buffer)
-
-
-def on_sm_90() -> bool:
-    return cuda_driver.available() and cuda_driver.CudaContext.get().arch == "sm_90"
-
-
-# The emulator always; an sm_90 GPU too when one is present (pytest -m gpu), the hardware check of
-# the emulator's layouts and of the inline PTX.
-TARGETS = [pytest.param("emulator", id="emulator"),
-           pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-               "not on_sm_90()", reason="needs an sm_90 GPU")])]
-
-
-@pytest.fixture(scope="module", params=TARGETS)
-def wgmma_launch(request):
-    return (EmulatorLaunch if request.param == "emulator" else GpuLaunch)(WGMMA_KERNELS, "test_wgmma")
+@pytest.fixture(scope="module")
+def wgmma_launch(sm90_kernel_target):
+    return make_launch(WGMMA_KERNELS, "test_wgmma", sm90_kernel_target)
 
 
 # (kernel, element type, N, A M-major?, B N-major?, A layout, B layout, scale_d)
@@ -238,7 +191,7 @@ def test_wgmma_reads_canonical_layouts_through_descriptors(wgmma_launch, case):
     wgmma_launch(kernel, (1, 1, 1), (128, 1, 1), 1024 + A_BYTES + B_BYTES, [a_bytes, b_bytes, cfg, c, before, d])
     want = a.astype(np.float32) @ b.astype(np.float32) + (c if scale_d else 0)
     np.testing.assert_array_equal(d, want)
-    if isinstance(wgmma_launch, EmulatorLaunch):
+    if wgmma_launch.target == "emulator":
         # Asynchronous: until wgmma.wait_group the registers still hold C (a kernel that skips the
         # wait reads stale accumulators here, as it may on the GPU).
         assert sorted(before.ravel()) == sorted(c.ravel())
@@ -255,42 +208,9 @@ def test_wgmma_primitives_compile_with_nvrtc_for_sm_90a():
 # an fp32 output written by the epilogue lines. The cases are rendered with a target of one
 # block so that the tile choice follows the padded work alone and every tile shape is covered.
 
-KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
-
-
-class GemmCase:
-    def __init__(self, kind, M, N, K, a_trans=False, b_trans=False, a_batch=(), b_batch=(), tile=None):
-        self.kind, self.M, self.N, self.K, self.a_trans, self.b_trans, self.tile = kind, M, N, K, a_trans, b_trans, tile
-        self.a_shape = a_batch + ((K, M) if a_trans else (M, K))
-        self.b_shape = b_batch + ((N, K) if b_trans else (K, N))
-        self.out_shape = tuple(np.broadcast_shapes(a_batch, b_batch)) + (M, N)
-        self.id = (f"{kind}_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
-                   f"{'_batch' if a_batch or b_batch else ''}")
-        self.kernel = self.render(f"wg_{self.id}")
-
-    def render(self, name):
-        dtype = dt.from_numpy(np.dtype(KINDS[self.kind]))
-        a, b = Value("a", self.a_shape, dtype), Value("b", self.b_shape, dtype)
-        c = Value("c", self.out_shape, dt.float32)
-        node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
-        args = [BufferArg(a, f"const {dtype.ctype}*"), BufferArg(b, f"const {dtype.ctype}*"), BufferArg(c, "float*")]
-        with mock.patch.dict(TARGET_BLOCKS, cuda=1), rendering_for("cuda", arch="sm_90"):
-            return gemm_kernel(node, name, a, b, c, params=None, args=args,
-                               epilogue_lines=["c[c_base + (long long)m * GN + n] = val;"],
-                               a_trans=self.a_trans, b_trans=self.b_trans)
-
-    def operands(self, make):
-        dtype = KINDS[self.kind]
-        a = make(self.a_shape[:-2] + (self.M, self.K)).astype(dtype)
-        b = make(self.b_shape[:-2] + (self.K, self.N)).astype(dtype)
-        return a, b
-
-    def run(self, launch, a, b):
-        out = np.full(self.out_shape, 123, np.float32)   # poison: an output the kernel skips shows up
-        stored = lambda x, trans: np.ascontiguousarray(np.swapaxes(x, -1, -2)) if trans else x
-        k = self.kernel
-        launch(k.name, k.grid, k.block, k.smem, [stored(a, self.a_trans), stored(b, self.b_trans), out])
-        return out
+def wgmma_gemm(kind, M, N, K, a_trans=False, b_trans=False, a_batch=(), b_batch=(), tile=None) -> GemmCase:
+    """A GEMM case rendered for sm_90 with a target of one block (the tile follows the work alone)."""
+    return GemmCase(kind, M, N, K, a_trans, b_trans, a_batch, b_batch, arch="sm_90", blocks=1, prefix="wg", tile=tile)
 
 
 # Every tile (2 warpgroups or 1, m64n256, m64n128 or m64n64), both majors of both operands, tails in every
@@ -298,17 +218,17 @@ class GemmCase:
 # for rows of odd length), more k tiles than stages (stages refilled while MMAs are in flight),
 # a broadcast batch.
 GEMM_CASES = [
-    GemmCase("bf16", 250, 250, 100, tile="128x256"), GemmCase("f16", 250, 120, 100, True, True, tile="128x128"),
-    GemmCase("f16", 128, 64, 520, True, False, tile="128x64"), GemmCase("bf16", 64, 128, 192, False, True, tile="64x128"),
-    GemmCase("bf16", 37, 45, 390, tile="64x64"), GemmCase("bf16", 37, 45, 70, False, True, tile="64x64"),
-    GemmCase("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), tile="64x64"),
+    wgmma_gemm("bf16", 250, 250, 100, tile="128x256"), wgmma_gemm("f16", 250, 120, 100, True, True, tile="128x128"),
+    wgmma_gemm("f16", 128, 64, 520, True, False, tile="128x64"),
+    wgmma_gemm("bf16", 64, 128, 192, False, True, tile="64x128"),
+    wgmma_gemm("bf16", 37, 45, 390, tile="64x64"), wgmma_gemm("bf16", 37, 45, 70, False, True, tile="64x64"),
+    wgmma_gemm("bf16", 20, 24, 40, False, True, a_batch=(3, 1), b_batch=(2,), tile="64x64"),
 ]
 
 
-@pytest.fixture(scope="module", params=TARGETS)
-def gemm_launch(request):
-    source = "\n".join(c.kernel.source for c in GEMM_CASES)
-    return (EmulatorLaunch if request.param == "emulator" else GpuLaunch)(source, "test_wgmma_gemm")
+@pytest.fixture(scope="module")
+def gemm_launch(sm90_kernel_target):
+    return make_launch("\n".join(c.kernel.source for c in GEMM_CASES), "test_wgmma_gemm", sm90_kernel_target)
 
 
 def test_gemm_cases_cover_every_wgmma_tile():
@@ -338,11 +258,9 @@ def test_wgmma_gemm_matches_the_reference_in_its_precision(case, gemm_launch):
 
 
 # ---------------------------------------------------------------------------------------
-# Through the public API: a 'cuda' graph rendered for sm_90. Without a GPU it runs on the emulator
-# (FLOWGEN_EMULATE_CUDA=1, FLOWGEN_EMULATE_CUDA_ARCH=sm_90); on an sm_90 GPU, on the GPU.
-
-U_BF16 = 2.0 ** -8
-
+# Through the public API: a 'cuda' graph rendered for sm_90 (the `sm90_graph_target` fixture). Without a
+# GPU it runs on the emulator (FLOWGEN_EMULATE_CUDA=1, FLOWGEN_EMULATE_CUDA_ARCH=sm_90); on an sm_90
+# GPU, on the GPU.
 
 def amp_training_run(make_model, steps=3):
     """(losses, parameters) of `steps` SGD steps of a bf16-AMP graph on 'cuda', and the graph."""
@@ -359,12 +277,7 @@ def mlp():
     return nn.Sequential(nn.Linear(72, 136), nn.ReLU(), nn.Linear(136, 40))
 
 
-def test_bf16_amp_linear_training_runs_on_warpgroup_mma(monkeypatch):
-    on_gpu = cuda_driver.available()
-    if on_gpu and cuda_driver.CudaContext.get().arch != "sm_90":
-        pytest.skip("the GPU is not an sm_90: its graphs use mma.sync")
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "sm_90")
+def test_bf16_amp_linear_training_runs_on_warpgroup_mma(sm90_graph_target, monkeypatch):
     losses, params, graph = amp_training_run(mlp)
     gemms = [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
     # Forward and both gradients of the second layer, forward and weight gradient of the first
@@ -385,9 +298,10 @@ def test_bf16_amp_linear_training_runs_on_warpgroup_mma(monkeypatch):
     for p, q in zip(params, reference.parameters()):
         assert p.dtype == np.float32     # master weights stay float32
         np.testing.assert_allclose(p, q.numpy(), rtol=0, atol=3 * 0.05 * 12 * U_BF16)
-    if not on_gpu:
+    if sm90_graph_target == "emulator":
         # The emulator adds each output's products in increasing k on both paths: the sm_80
-        # (mma.sync) program gives the same bits.
+        # (mma.sync) program gives the same bits. (The PTX ISA leaves the hardware's accumulation
+        # order open: on a GPU the two agree within the tolerance above, each with eager.)
         monkeypatch.delenv("FLOWGEN_EMULATE_CUDA_ARCH")
         sm80_losses, sm80_params, sm80_graph = amp_training_run(mlp)
         assert all("bf16 mma.sync" in k.comment for k in sm80_graph.compiled.program.kernels
@@ -401,8 +315,8 @@ def test_bf16_amp_linear_training_runs_on_warpgroup_mma(monkeypatch):
 # Machine code for sm_90a: warpgroup MMA, asynchronous copies, no spills; full-size tiles
 # (M, N, K = 4096, both majors of each operand) beside the test cases.
 
-SASS_CASES = GEMM_CASES + [GemmCase("bf16", 4096, 4096, 4096, False, True, tile="128x256"),
-                           GemmCase("f16", 4096, 4096, 4096, True, False, tile="128x256")]
+SASS_CASES = GEMM_CASES + [wgmma_gemm("bf16", 4096, 4096, 4096, False, True, tile="128x256"),
+                           wgmma_gemm("f16", 4096, 4096, 4096, True, False, tile="128x256")]
 
 
 @pytest.fixture(scope="module")
@@ -433,11 +347,9 @@ def test_sm_90a_sass_has_warpgroup_mma_and_async_copies_and_no_local_memory(sm_9
         assert re.search(r"\bSTACK:0 .*\bLOCAL:0\b", usage[name]), (name, usage[name])
 
 
-def test_a_program_rendered_for_sm_90_compiles_as_the_executor_compiles_it(monkeypatch):
+def test_a_program_rendered_for_sm_90_compiles_as_the_executor_compiles_it(sm90_graph_target):
     """The whole training step's kernels.cu through nvrtc.compile_kernels for the GPU's "sm_90":
     sources calling wgmma get sm_90a, others keep sm_90."""
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", "sm_90")
     source = amp_training_run(mlp, steps=1)[2].compiled.program.source
     assert nvrtc._arch_number_for(source, "sm_90") == "90a"
     assert nvrtc._arch_number_for(source.replace("wgmma_m64n", "gemm_m64n"), "sm_90") == "90"

@@ -1,17 +1,19 @@
 """Hopper warpgroup MMA beyond bf16/fp16 GEMMs: implicit-GEMM convolutions (forward, grad_input,
 grad_weight; templates/conv2d.cu.j2 on templates/_wgmma.j2) and TF32 (float32 GEMMs and convs under
 `allow_tf32`: wgmma m64nNk8 .tf32 from K-major tiles, inputs rounded by cvt.rna on the way in),
-rendered for sm_90 and run on the emulator; their sm_90a machine code (HGMMA, no spills).
+rendered for sm_90 and run on the emulator and, marked `gpu` (pytest -m gpu), on an sm_90 GPU; their
+sm_90a machine code (HGMMA, no spills).
 
 Accumulation order: the emulator adds each output's products in increasing k, one k16 (k8 for
 tf32) instruction after the other, on both mma.sync and wgmma, and both paths round tf32 inputs
-with cvt.rna: an sm_90 program gives the sm_80 program's bits wherever both reduce all of k in one
-block (everything but split-k grad_weight, whose splits follow the tile's k step: 32 vs 64; with
-16-bit outputs the two may then round to neighbouring values).
+with cvt.rna: on the emulator an sm_90 program gives the sm_80 program's bits wherever both reduce
+all of k in one block (everything but split-k grad_weight, whose splits follow the tile's k step:
+32 vs 64; with 16-bit outputs the two may then round to neighbouring values). The PTX ISA leaves
+the tensor cores' accumulation order and intermediate rounding open, so on a GPU the two programs
+agree within fp32 summation error instead.
 """
 
 import re
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,45 +21,23 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import gemm_kernel, render_node
-from flowgen.codegen.kernel import BufferArg
-from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
-from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import get_op
-from flowgen.runtime import cuda_driver, nvrtc
-from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from flowgen.runtime import nvrtc
+from first_contact_cases import (KINDS, U_BF16, U_FP32, U_OUT, U_TF32, ConvCase, GemmCase, conv_node, make_launch,
+                                 render_for, tf32_round)
 from graphs import InferGraph, TrainGraph
-from test_tensor_cores import (CUOBJDUMP, KINDS, NVDISASM, RESNET_WGRAD, SPLIT_GEOMETRY, U_BF16, U_FP32, U_OUT,
-                               U_TF32, assert_no_spills, build_with_ptxas_report, conv_node, disassemble, ptr,
-                               run_conv, split_k_bound, split_k_grid_checks, split_k_layout, tf32_round)
-
-# The graph tests render for sm_90 through FLOWGEN_EMULATE_CUDA_ARCH, which applies without a GPU only.
-emulated_cuda_only = pytest.mark.skipif(cuda_driver.available(), reason="a GPU renders for its own architecture")
+from test_tensor_cores import (CUOBJDUMP, NVDISASM, RESNET_WGRAD, SPLIT_GEOMETRY, assert_no_spills,
+                               build_with_ptxas_report, disassemble, split_k_bound, split_k_grid_checks,
+                               split_k_layout)
 
 
-def render(node, name, kind, arch, blocks=None):
-    """The node's kernels rendered for 'cuda' on `arch` (None: any sm_80 or newer); `blocks`
-    overrides the target's block count (1: the tile choice follows the padded work alone)."""
-    with mock.patch.dict(TARGET_BLOCKS, cuda=blocks or TARGET_BLOCKS["cuda"]), \
-            rendering_for("cuda", allow_tf32=kind == "tf32", arch=arch):
-        return render_node(node, name)
-
-
-class ConvCase:
+class WgmmaConv(ConvCase):
     """One conv op (conv2d / conv2d_grad_input / conv2d_grad_weight) rendered for sm_90 and, for
-    comparison, for sm_80."""
+    comparison, for any sm_80 or newer (`sm80_kernels`)."""
 
     def __init__(self, kind, op, geometry, blocks=None):
-        self.kind, self.op = kind, op
-        self.id = f"{kind}_{op}_{geometry[0]}{'_b' + str(blocks) if blocks else ''}"
-        self.shapes, self.attrs, self.node = conv_node(kind, op, geometry, self.id)
-        self.out = self.node.outputs[0]
-        self.kernels = render(self.node, f"wgc_{self.id}", kind, "sm_90", blocks)
-        self.sm80_kernels = render(self.node, f"mmac_{self.id}", kind, None, blocks)
-        self.kernel = self.kernels[0]
-
-    def run(self, module, kernels, arrays):
-        return run_conv(self, module, kernels, arrays)
+        super().__init__(kind, op, geometry, arch="sm_90", blocks=blocks, prefix="wgc")
+        self.sm80_kernels = render_for(self.node, f"mmac_{self.id}", kind, blocks=blocks)
 
 
 GEOMETRIES = [   # (name, N, C, H, W, O, kernel, stride, padding, dilation, groups): ragged channels and pixels
@@ -72,19 +52,19 @@ OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
 # one block's target so it takes the 128-row tiles (two warpgroups) and several k tiles; deep
 # weight gradients (tf32, bf16, fp16) rendered for the GPU's block count, split-k (float32
 # partials, then an ordered combine that rounds once to the output dtype).
-CASES = [ConvCase("bf16", op, g) for g in GEOMETRIES for op in OPS] + [
-    ConvCase(kind, op, g) for kind in ("f16", "tf32") for g in GEOMETRIES[:2] for op in OPS] + [
-    ConvCase(kind, op, ("3x3_c64", 2, 64, 6, 6, 128, (3, 3), (1, 1), (1, 1), (1, 1), 1), blocks=1)
+CASES = [WgmmaConv("bf16", op, g) for g in GEOMETRIES for op in OPS] + [
+    WgmmaConv(kind, op, g) for kind in ("f16", "tf32") for g in GEOMETRIES[:2] for op in OPS] + [
+    WgmmaConv(kind, op, ("3x3_c64", 2, 64, 6, 6, 128, (3, 3), (1, 1), (1, 1), (1, 1), 1), blocks=1)
     for kind in ("bf16", "tf32") for op in OPS] + [
-    ConvCase(kind, "conv2d_grad_weight", SPLIT_GEOMETRY) for kind in ("tf32", "bf16", "f16")]
+    WgmmaConv(kind, "conv2d_grad_weight", SPLIT_GEOMETRY) for kind in ("tf32", "bf16", "f16")]
 SPLIT_K = [c for c in CASES if "split-k" in c.kernel.comment]
 SPLIT_K_16BIT = [c for c in SPLIT_K if c.kind != "tf32"]
 
 
 @pytest.fixture(scope="module")
-def conv_module():
+def conv_launch(sm90_kernel_target):
     source = "\n".join(k.source for case in CASES for k in case.kernels + case.sm80_kernels)
-    return CpuModule(build_cpu_library(source, "test_wgmma_conv"))
+    return make_launch(source, "test_wgmma_conv", sm90_kernel_target)
 
 
 def test_cases_run_on_warpgroup_mma_with_every_tile_and_split_k():
@@ -106,43 +86,43 @@ def test_cases_run_on_warpgroup_mma_with_every_tile_and_split_k():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_wgmma_conv_is_exact_on_integers(case, conv_module):
+def test_wgmma_conv_is_exact_on_integers(case, conv_launch):
     """Values in {-1, 0, 1}: every sum (at most 576 terms) is exact in fp32 and in the 16-bit output."""
     rng = np.random.default_rng(len(case.id))
     arrays = [rng.integers(-1, 2, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
-    np.testing.assert_array_equal(case.run(conv_module, case.kernels, arrays).astype(np.float64), want)
+    np.testing.assert_array_equal(case.run(conv_launch, arrays).astype(np.float64), want)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_wgmma_conv_gives_the_sm_80_programs_bits(case, conv_module):
-    """Random values: the same bits as the mma.sync kernel (same k order, same tf32 rounding);
-    split-k weight gradients split k at other points, so there within fp32 summation error (and
-    16-bit outputs within one rounding more)."""
+def test_wgmma_conv_gives_the_sm_80_programs_bits(case, conv_launch):
+    """Random values: on the emulator the same bits as the mma.sync kernel (same k order, same tf32
+    rounding); split-k weight gradients split k at other points, so there within fp32 summation
+    error (and 16-bit outputs within one rounding more). On a GPU, whose tensor cores may add in
+    another order, within that bound everywhere."""
     rng = np.random.default_rng(7 + len(case.id))
     arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
-    got = case.run(conv_module, case.kernels, arrays)
-    sm80 = case.run(conv_module, case.sm80_kernels, arrays)
-    if case in SPLIT_K:
+    got = case.run(conv_launch, arrays)
+    sm80 = case.run(conv_launch, arrays, case.sm80_kernels)
+    if case in SPLIT_K or conv_launch.target == "gpu":
         rounded = [tf32_round(a) if case.kind == "tf32" else a for a in arrays]
         magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in rounded), **case.attrs)
-        terms = np.prod(case.shapes[0]) // case.shapes[0][1]   # batch x output pixels
-        rounding = 2 * U_OUT[case.kind] * np.abs(sm80.astype(np.float64)) if case in SPLIT_K_16BIT else 0
+        terms = case.reduction_length
+        rounding = 2 * U_OUT[case.kind] * np.abs(sm80.astype(np.float64)) if case.kind in U_OUT else 0
         np.testing.assert_array_less(np.abs(got.astype(np.float64) - sm80),
                                      2 * terms * U_FP32 * magnitude + rounding + 1e-30)
     else:
         np.testing.assert_array_equal(got, sm80)
 
 
-def test_tf32_conv_rounds_its_inputs_to_nearest_ties_away():
+def test_tf32_conv_rounds_its_inputs_to_nearest_ties_away(conv_launch):
     """Inputs with low mantissa bits set: the products are of the cvt.rna-rounded values (not the
     truncation the tensor core itself applies), so the result equals the fp64 conv of tf32_round's
     inputs up to fp32 summation, and differs from the fp32 conv."""
     case = next(c for c in CASES if c.id == "tf32_conv2d_3x3_s1_p1")
-    module = CpuModule(build_cpu_library(case.kernel.source, "test_wgmma_conv_tf32"))
     rng = np.random.default_rng(3)
     arrays = [(rng.standard_normal(shape) * (1 + 2.0 ** -11 + 2.0 ** -12)).astype(np.float32) for shape in case.shapes]
-    got = case.run(module, case.kernels, arrays).astype(np.float64)
+    got = case.run(conv_launch, arrays).astype(np.float64)
     rounded = get_op(case.op).ref(*(tf32_round(a).astype(np.float64) for a in arrays), **case.attrs)
     magnitude = get_op(case.op).ref(*(np.abs(a.astype(np.float64)) for a in arrays), **case.attrs)
     np.testing.assert_array_less(np.abs(got - rounded), 72 * U_FP32 * magnitude + 1e-30)
@@ -155,32 +135,12 @@ def test_tf32_conv_rounds_its_inputs_to_nearest_ties_away():
 # whatever their order in memory, every tile width.
 
 class Tf32Gemm:
+    """A TF32 GEMM rendered for sm_90 (`wgmma`) and, for comparison, for any sm_80 or newer (`mma`)."""
+
     def __init__(self, M, N, K, a_trans=False, b_trans=False, blocks=1):
-        self.M, self.N, self.K, self.a_trans, self.b_trans = M, N, K, a_trans, b_trans
-        self.id = f"tf32_{M}x{N}x{K}{'_At' if a_trans else ''}{'_Bt' if b_trans else ''}"
-        self.a_shape = (K, M) if a_trans else (M, K)
-        self.b_shape = (N, K) if b_trans else (K, N)
-        self.kernels = {arch: self.render(f"{'wg' if arch else 'mma'}_{self.id}", arch, blocks)
-                        for arch in ("sm_90", None)}
-        self.kernel = self.kernels["sm_90"]
-
-    def render(self, name, arch, blocks):
-        a, b = Value("a", self.a_shape, dt.float32), Value("b", self.b_shape, dt.float32)
-        c = Value("c", (self.M, self.N), dt.float32)
-        node = Node("matmul", [a, b], [c], {}, scope=f"test.{name}")
-        args = [BufferArg(a, "const float*"), BufferArg(b, "const float*"), BufferArg(c, "float*")]
-        with mock.patch.dict(TARGET_BLOCKS, cuda=blocks or TARGET_BLOCKS["cuda"]), \
-                rendering_for("cuda", allow_tf32=True, arch=arch):
-            return gemm_kernel(node, name, a, b, c, params=None, args=args,
-                               epilogue_lines=["c[c_base + (long long)m * GN + n] = val;"],
-                               a_trans=self.a_trans, b_trans=self.b_trans)
-
-    def run(self, module, kernel, a, b):
-        out = np.full((self.M, self.N), 123, np.float32)
-        stored = lambda x, trans: np.ascontiguousarray(x.T) if trans else x
-        arrays = [stored(a, self.a_trans), stored(b, self.b_trans), out]   # alive until the launch returns
-        module.launch(kernel.name, kernel.grid, kernel.block, kernel.smem, [ptr(x) for x in arrays])
-        return out
+        self.wgmma, self.mma = (GemmCase("tf32", M, N, K, a_trans, b_trans, arch=arch, blocks=blocks, prefix=prefix)
+                                for arch, prefix in (("sm_90", "wg"), (None, "mma")))
+        self.id, self.kernel = self.wgmma.id, self.wgmma.kernel
 
 
 TF32_GEMMS = [Tf32Gemm(250, 250, 100), Tf32Gemm(130, 120, 70, True, True), Tf32Gemm(37, 45, 90, False, True),
@@ -188,9 +148,9 @@ TF32_GEMMS = [Tf32Gemm(250, 250, 100), Tf32Gemm(130, 120, 70, True, True), Tf32G
 
 
 @pytest.fixture(scope="module")
-def tf32_gemm_module():
-    source = "\n".join(k.source for case in TF32_GEMMS for k in case.kernels.values())
-    return CpuModule(build_cpu_library(source, "test_wgmma_tf32_gemm"))
+def tf32_gemm_launch(sm90_kernel_target):
+    source = "\n".join(g.kernel.source for case in TF32_GEMMS for g in (case.wgmma, case.mma))
+    return make_launch(source, "test_wgmma_tf32_gemm", sm90_kernel_target)
 
 
 def test_tf32_gemms_run_on_warpgroup_mma_k8():
@@ -202,20 +162,25 @@ def test_tf32_gemms_run_on_warpgroup_mma_k8():
 
 
 @pytest.mark.parametrize("case", TF32_GEMMS, ids=[c.id for c in TF32_GEMMS])
-def test_tf32_wgmma_gemm_rounds_like_mma_sync(case, tf32_gemm_module):
-    rng = np.random.default_rng(case.M)
-    a = rng.standard_normal((case.M, case.K)).astype(np.float32)
-    b = rng.standard_normal((case.K, case.N)).astype(np.float32)
-    got = case.run(tf32_gemm_module, case.kernel, a, b)
-    np.testing.assert_array_equal(got, case.run(tf32_gemm_module, case.kernels[None], a, b))
-    want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
-    magnitude = np.abs(a.astype(np.float64)) @ np.abs(b.astype(np.float64))
-    np.testing.assert_array_less(np.abs(got - want), case.K * U_FP32 * 2 * magnitude + 1e-30)
+def test_tf32_wgmma_gemm_rounds_like_mma_sync(case, tf32_gemm_launch):
+    """Both round the inputs by cvt.rna and sum in fp32: on the emulator (same k order) the same
+    bits; on a GPU within fp32 summation error of each other."""
+    rng = np.random.default_rng(case.id.__len__() + case.wgmma.M)
+    a, b = case.wgmma.operands(lambda shape: rng.standard_normal(shape))
+    got = case.wgmma.run(tf32_gemm_launch, a, b)
+    mma = case.mma.run(tf32_gemm_launch, a, b)
+    want, magnitude = case.wgmma.reference(a, b)
+    if tf32_gemm_launch.target == "emulator":
+        np.testing.assert_array_equal(got, mma)
+    else:
+        np.testing.assert_array_less(np.abs(got.astype(np.float64) - mma), case.wgmma.K * U_FP32 * 4 * magnitude + 1e-30)
+    np.testing.assert_array_less(np.abs(got - want), case.wgmma.K * U_FP32 * 2 * magnitude + 1e-30)
 
 
 # ---------------------------------------------------------------------------------------
-# Through the public API: 'cuda' graphs rendered for sm_90 on the emulator (FLOWGEN_EMULATE_CUDA=1,
-# FLOWGEN_EMULATE_CUDA_ARCH=sm_90) against eager float32 and against the sm_80 program.
+# Through the public API: 'cuda' graphs rendered for sm_90 (the `sm90_graph_target` fixture: an sm_90
+# GPU, or the emulator with FLOWGEN_EMULATE_CUDA=1, FLOWGEN_EMULATE_CUDA_ARCH=sm_90) against eager
+# float32 and, on the emulator, against the sm_80 program's bits.
 
 class Block(nn.Module):
     """conv -> BatchNorm -> ReLU, plus a residual 1x1 conv with bias: the fused conv epilogues."""
@@ -231,13 +196,13 @@ class Block(nn.Module):
         return self.head(nn.functional.relu(self.bn(self.conv(x))) + self.project(x))
 
 
-def emulated(arch) -> dict:
-    """The environment of a 'cuda' graph run on the emulator, rendered for `arch` (None: sm_80+)."""
-    return {"FLOWGEN_EMULATE_CUDA": "1"} | ({"FLOWGEN_EMULATE_CUDA_ARCH": arch} if arch else {})
+def rendered_for_sm_80(monkeypatch):
+    """From here on the emulator renders 'cuda' graphs for any sm_80 or newer (mma.sync)."""
+    monkeypatch.delenv("FLOWGEN_EMULATE_CUDA_ARCH")
 
 
-def infer_run(arch, precision):
-    """(graph output, eager float32 output, graph) of an eval-mode Block on 'cuda' rendered for `arch`."""
+def infer_run(precision):
+    """(graph output, eager float32 output, graph) of an eval-mode Block on 'cuda'."""
     flow.manual_seed(0)
     model = Block().eval()
     with flow.no_grad():
@@ -250,12 +215,11 @@ def infer_run(arch, precision):
         graph.config.enable_amp(True, dtype=flow.bfloat16)
     else:
         graph.config.allow_tf32(True)
-    with mock.patch.dict("os.environ", emulated(arch)):
-        return graph(x.to("cuda")).numpy().astype(np.float64), want, graph
+    return graph(x.to("cuda")).numpy().astype(np.float64), want, graph
 
 
 @pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
-def test_split_k_16bit_weight_gradient_on_wgmma_rounds_once(case, conv_module):
+def test_split_k_16bit_weight_gradient_on_wgmma_rounds_once(case, conv_launch):
     """Chunks of whole 64-wide k tiles (the sm_80 rendering: 32-wide), float32 partials; integers
     in [0, 4) whose sums are exact in fp32 but not in bf16: the exact sum rounded once."""
     splits, chunk = split_k_layout(case.kernels)
@@ -265,15 +229,15 @@ def test_split_k_16bit_weight_gradient_on_wgmma_rounds_once(case, conv_module):
     arrays = [rng.integers(0, 4, size=shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
     assert np.abs(want).max() > 1024
-    np.testing.assert_array_equal(case.run(conv_module, case.kernels, arrays), want.astype(KINDS[case.kind]))
+    np.testing.assert_array_equal(case.run(conv_launch, arrays), want.astype(KINDS[case.kind]))
 
 
 @pytest.mark.parametrize("case", SPLIT_K_16BIT, ids=[c.id for c in SPLIT_K_16BIT])
-def test_split_k_16bit_weight_gradient_on_wgmma_is_within_its_rounding_bound(case, conv_module):
+def test_split_k_16bit_weight_gradient_on_wgmma_is_within_its_rounding_bound(case, conv_launch):
     rng = np.random.default_rng(5)
     arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want = get_op(case.op).ref(*(a.astype(np.float64) for a in arrays), **case.attrs)
-    got = case.run(conv_module, case.kernels, arrays).astype(np.float64)
+    got = case.run(conv_launch, arrays).astype(np.float64)
     np.testing.assert_array_less(np.abs(got - want), split_k_bound(case, arrays, want, case.kernels) + 1e-30)
 
 
@@ -281,7 +245,7 @@ def test_split_k_16bit_weight_gradient_on_wgmma_is_within_its_rounding_bound(cas
 @pytest.mark.parametrize("kind", ["bf16", "f16"])
 def test_resnet_sized_16bit_weight_gradient_on_wgmma_fills_the_gpu_with_split_k(kind, geometry):
     _, _, node = conv_node(kind, "conv2d_grad_weight", geometry, geometry[0])
-    kernels = render(node, f"rnw_{kind}_{geometry[0]}", kind, "sm_90")
+    kernels = render_for(node, f"rnw_{kind}_{geometry[0]}", kind, arch="sm_90")
     assert f"{kind} wgmma" in kernels[0].comment
     assert split_k_grid_checks(kernels, geometry, 64) > 1
 
@@ -291,10 +255,9 @@ def conv_kernels(graph) -> list:
 
 
 @pytest.mark.slow
-@emulated_cuda_only
 @pytest.mark.parametrize("precision", ["bf16", "tf32"])
-def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision):
-    got, want, graph = infer_run("sm_90", precision)
+def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision, sm90_graph_target, monkeypatch):
+    got, want, graph = infer_run(precision)
     convs = conv_kernels(graph)
     assert len(convs) == 3 and all(f"{precision} wgmma" in k.comment for k in convs)
     assert any({"relu", "add"} <= set(k.ops) for k in convs)     # BatchNorm folded, ReLU and residual fused
@@ -303,62 +266,86 @@ def test_conv_graph_with_fused_epilogues_runs_on_warpgroup_mma(precision):
     # intermediate activations
     scale = np.abs(want).max()
     np.testing.assert_array_less(np.abs(got - want), 40 * u * scale)
-    sm80, _, sm80_graph = infer_run(None, precision)
-    assert all(f"{precision} mma.sync" in k.comment for k in conv_kernels(sm80_graph))
-    np.testing.assert_array_equal(got, sm80)
     # kernels.cu as the executor compiles it on an sm_90 GPU: sources calling wgmma get sm_90a
     build = nvrtc.compile_kernels(graph.compiled.program.source, "sm_90")
     assert all(path.read_bytes()[:4] == b"\x7fELF" for path in build.artifacts)
+    if sm90_graph_target == "emulator":
+        rendered_for_sm_80(monkeypatch)
+        sm80, _, sm80_graph = infer_run(precision)
+        assert all(f"{precision} mma.sync" in k.comment for k in conv_kernels(sm80_graph))
+        np.testing.assert_array_equal(got, sm80)
 
 
-def tf32_linear_run(arch):
+def tf32_linear_run():
     flow.manual_seed(0)
     model = nn.Linear(96, 40)
     x = flow.randn(24, 96)
     want = model(x).numpy().astype(np.float64)
     graph = InferGraph(model.to("cuda"))
     graph.config.allow_tf32(True)
-    with mock.patch.dict("os.environ", emulated(arch)):
-        return graph(x.to("cuda")).numpy().astype(np.float64), want, graph, x.numpy(), model.weight.numpy()
+    return graph(x.to("cuda")).numpy().astype(np.float64), want, graph, x.numpy(), model.weight.numpy()
 
 
 @pytest.mark.slow
-@emulated_cuda_only
-def test_allow_tf32_linear_runs_on_warpgroup_mma():
-    got, want, graph, x, w = tf32_linear_run("sm_90")
+def test_allow_tf32_linear_runs_on_warpgroup_mma(sm90_graph_target, monkeypatch):
+    got, want, graph, x, w = tf32_linear_run()
     (gemm,) = [k for k in graph.compiled.program.kernels if "tensor-core GEMM" in k.comment]
     assert "tf32 wgmma" in gemm.comment and "add" in gemm.ops            # the bias in its epilogue
     bound = (2 * U_TF32 + 96 * U_FP32) * (np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64).T)
     np.testing.assert_array_less(np.abs(got - want), bound + 2 * U_FP32 * np.abs(want))
-    np.testing.assert_array_equal(got, tf32_linear_run(None)[0])       # the sm_80 (mma.sync tf32) bits
+    if sm90_graph_target == "emulator":
+        rendered_for_sm_80(monkeypatch)
+        np.testing.assert_array_equal(got, tf32_linear_run()[0])       # the sm_80 (mma.sync tf32) bits
 
 
-def train_run(arch):
+def conv_net():
+    return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2),
+                         nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+
+
+def train_run(device="cuda"):
+    """(losses, parameters, graph) of two SGD steps of a bf16-AMP graph on `device` (the
+    graph is None for "cpu": eager float32)."""
     flow.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2, groups=2),
-                          nn.Flatten(), nn.Linear(6 * 4 * 4, 5)).to("cuda")
-    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.05))
+    model = conv_net().to(device)
+    x, y = flow.randn(3, 4, 9, 9).to(device), flow.randn(3, 5).to(device)
+    loss_fn, optimizer = nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.05)
+    if device == "cpu":
+        losses = []
+        for _ in range(2):
+            optimizer.zero_grad()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        return losses, [p.numpy() for p in model.parameters()], None
+    graph = TrainGraph(model, loss_fn, optimizer)
     graph.config.enable_amp(True, dtype=flow.bfloat16)
-    x, y = flow.randn(3, 4, 9, 9).to("cuda"), flow.randn(3, 5).to("cuda")
-    with mock.patch.dict("os.environ", emulated(arch)):
-        losses = [float(graph(x, y)) for _ in range(2)]
+    losses = [float(graph(x, y)) for _ in range(2)]
     return losses, [p.numpy() for p in model.parameters()], graph
 
 
 @pytest.mark.slow
-@emulated_cuda_only
-def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
-    """Forward, grad_input and grad_weight convs all on wgmma; the same losses and parameters
-    as the sm_80 (mma.sync) program, bit for bit (no split-k at these sizes)."""
-    losses, params, graph = train_run("sm_90")
+def test_bf16_amp_conv_training_step_on_warpgroup_mma(sm90_graph_target, monkeypatch):
+    """Forward, grad_input and grad_weight convs all on wgmma, near eager float32; on the emulator
+    the same losses and parameters as the sm_80 (mma.sync) program, bit for bit (no split-k at
+    these sizes)."""
+    losses, params, graph = train_run()
     convs = conv_kernels(graph)
     assert {op for k in convs for op in k.ops} >= {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"}
     assert all("bf16 wgmma" in k.comment for k in convs if "tensor cores" in k.comment)
     assert not any("split-k" in k.comment for k in convs)
-    sm80_losses, sm80_params, _ = train_run(None)
-    assert losses == sm80_losses
-    for p, q in zip(params, sm80_params):
-        np.testing.assert_array_equal(p, q)
+    eager_losses, eager_params, _ = train_run("cpu")
+    # three bf16 GEMMs in a row, each off by a few u relative, through a squared error
+    np.testing.assert_allclose(losses, eager_losses, rtol=16 * U_BF16)
+    for p, q in zip(params, eager_params):
+        np.testing.assert_allclose(p, q, rtol=0, atol=2 * 0.05 * 16 * U_BF16 * max(1.0, np.abs(q).max()))
+    if sm90_graph_target == "emulator":
+        rendered_for_sm_80(monkeypatch)
+        sm80_losses, sm80_params, _ = train_run()
+        assert losses == sm80_losses
+        for p, q in zip(params, sm80_params):
+            np.testing.assert_array_equal(p, q)
 
 
 # ---------------------------------------------------------------------------------------
@@ -366,9 +353,9 @@ def test_bf16_amp_conv_training_step_on_warpgroup_mma_gives_the_sm_80_bits():
 # 64 channels on 56 x 56, batch 32) and their gradients beside the test cases, and the tf32
 # GEMMs. The sm_80 renderings (mma.sync) of the same cases still compile for sm_80.
 
-SASS_CASES = CASES + [ConvCase(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
+SASS_CASES = CASES + [WgmmaConv(kind, op, ("resnet_3x3", 32, 64, 56, 56, 64, (3, 3), (1, 1), (1, 1), (1, 1), 1))
                       for kind in ("bf16", "tf32") for op in OPS] + [
-    ConvCase("bf16", op, ("resnet_1x1", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1)) for op in OPS]
+    WgmmaConv("bf16", op, ("resnet_1x1", 32, 64, 56, 56, 256, (1, 1), (1, 1), (0, 0), (1, 1), 1)) for op in OPS]
 # (kind, main kernel) of each case, then every kernel (split-k combines too)
 SASS_MAIN = [(c.kind, c.kernel) for c in SASS_CASES] + [("tf32", g.kernel) for g in TF32_GEMMS]
 SASS_KERNELS = [k for c in SASS_CASES for k in c.kernels] + [g.kernel for g in TF32_GEMMS]
@@ -405,6 +392,6 @@ def test_sm_90a_sass_has_warpgroup_mma_and_no_local_memory(sm_90a_build, tmp_pat
 @pytest.mark.slow
 def test_sm_80_renderings_compile_for_sm_80():
     source = "\n".join(k.source for c in CASES for k in c.sm80_kernels) + \
-        "\n".join(g.kernels[None].source for g in TF32_GEMMS)
+        "\n".join(g.mma.kernel.source for g in TF32_GEMMS)
     assert "wgmma" not in source
     assert nvrtc.compile_cuda(source, arch="sm_80", tag="test_wgmma_conv_sm80")[:4] == b"\x7fELF"
