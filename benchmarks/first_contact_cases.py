@@ -23,9 +23,10 @@ from flowgen.codegen.families import gemm_kernel, render_node
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
+from flowgen.ops.nn_ops import dropout_keep_mask
 from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime import cuda_driver, nvrtc
-from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
+from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library, build_kernel_library
 
 # Input element types of the tensor-core kinds (tf32: float32 operands rounded on the way in).
 KINDS = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "tf32": np.float32}
@@ -63,12 +64,18 @@ def tensor_core_family(arch: str | None) -> str:
 
 
 class EmulatorLaunch:
-    """Runs the kernels of `source` on the CPU emulator over host arrays, in place."""
+    """Runs the kernels of `source` on the CPU emulator over host arrays, in place. A `generated`
+    source (a kernels.cu of rendered kernels) is built kernel by kernel as a graph's is (chunks in
+    parallel, each body cached); any other as one library."""
 
     target = "emulator"
 
-    def __init__(self, source: str, tag: str):
-        self.module = CpuModule(build_cpu_library(source, tag))
+    def __init__(self, source: str, tag: str, generated: bool = False):
+        if generated:
+            library, build = build_kernel_library(source)
+            self.module = CpuModule(library, {name: symbol for name, (_, symbol) in build.symbols.items()})
+        else:
+            self.module = CpuModule(build_cpu_library(source, tag))
 
     def __call__(self, name, grid, block, smem, arrays):
         self.module.launch(name, grid, block, smem, [a if isinstance(a, ctypes._SimpleCData) else ptr(a)
@@ -77,23 +84,31 @@ class EmulatorLaunch:
 
 class GpuLaunch:
     """Runs the kernels of `source` on the GPU (NVRTC for its architecture; sm_90a for sources
-    with warpgroup MMA): each launch copies the arrays to the device, and back after the kernel."""
+    with warpgroup MMA): each launch copies the arrays to the device, and back after the kernel.
+    A `generated` source is compiled kernel by kernel as a graph's is (nvrtc.compile_kernels)."""
 
     target = "gpu"
 
-    def __init__(self, source: str, tag: str):
+    def __init__(self, source: str, tag: str, generated: bool = False):
         self.ctx = cuda_driver.CudaContext.get()
-        self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, arch=self.ctx.arch, tag=tag))
+        if generated:
+            build = nvrtc.compile_kernels(source, self.ctx.arch)
+            modules = [cuda_driver.CudaModule(path.read_bytes()) for path in build.artifacts]
+            self.functions = {name: (modules[index], symbol) for name, (index, symbol) in build.symbols.items()}
+        else:
+            self.module = cuda_driver.CudaModule(nvrtc.compile_cuda(source, arch=self.ctx.arch, tag=tag))
+            self.functions = None
 
     def __call__(self, name, grid, block, smem, arrays):
+        module, symbol = self.functions[name] if self.functions is not None else (self.module, name)
         buffers = {}
         try:
             for i, a in enumerate(arrays):
                 if not isinstance(a, ctypes._SimpleCData):
                     buffers[i] = self.ctx.alloc(a.nbytes)
                     self.ctx.memcpy_htod(buffers[i], a)
-            self.module.launch(name, grid, block, smem, [ctypes.c_void_p(buffers[i]) if i in buffers else a
-                                                         for i, a in enumerate(arrays)])
+            module.launch(symbol, grid, block, smem, [ctypes.c_void_p(buffers[i]) if i in buffers else a
+                                                      for i, a in enumerate(arrays)], name_for_errors=name)
             self.ctx.synchronize()
             for i, device in buffers.items():
                 self.ctx.memcpy_dtoh(arrays[i], device)
@@ -102,11 +117,18 @@ class GpuLaunch:
                 self.ctx.free(device)
 
 
-def make_launch(source: str, tag: str, target: str):
-    """A launcher of `source`'s kernels on `target`: "gpu" or "emulator"."""
+def make_launch(source: str, tag: str, target: str, generated: bool = False):
+    """A launcher of `source`'s kernels on `target`: "gpu" or "emulator" (see EmulatorLaunch)."""
     if target not in ("gpu", "emulator"):
         raise ValueError(f"target {target!r}: expected 'gpu' or 'emulator'")
-    return (GpuLaunch if target == "gpu" else EmulatorLaunch)(source, tag)
+    return (GpuLaunch if target == "gpu" else EmulatorLaunch)(source, tag, generated)
+
+
+def launch_kernels(kernels: list, target: str):
+    """A launcher of rendered `kernels` on `target`, built as a graph's kernels.cu is (its preamble,
+    then the kernels; compiled kernel by kernel, each distinct body cached)."""
+    source = f'#include "{nvrtc.PRELUDE}"\n' + "\n".join(k.source for k in kernels)
+    return make_launch(source, "kernels", target, generated=True)
 
 
 def run_kernels(launch, node: Node, kernels: list, arrays: list) -> list:
@@ -300,11 +322,59 @@ class AttentionCase:
     def run(self, launch, arrays) -> list:
         return run_kernels(launch, self.node, self.kernels, arrays)
 
-    def reference(self, arrays) -> list:
-        """The float64 results of the inputs as given (every output: o and lse, or dq, dk, dv)."""
-        want = get_op(self.op).ref(*(a if a.dtype == np.bool_ else a.astype(np.float64) for a in arrays),
-                                   **self.attrs)
-        return list(want) if isinstance(want, tuple) else [want]
+    def expected(self, arrays) -> list:
+        """(float64 reference, error bound) of each output (o and lse, or dq, dk, dv) on `arrays`.
+        Half precision: inputs exact, P and dS rounded to the input type before their products (u
+        each), the result rounded once more (u), fp32 sums: within 4u of each sum's magnitude;
+        float32/float64: sums of S + E terms in the compute type. lse: the fp32 scores and
+        statistics, within 1e-4 relative."""
+        B, H, L, S, E, Ev = self.dims
+        u = U_HALF.get(self.dtype.name, (S + E) * (2.0 ** -24 if self.dtype.name == "float32" else 2.0 ** -53))
+        q, k, v = (a.astype(np.float64) for a in arrays[:3])
+        mask = arrays[-1] if self.mask is not None else None
+        p = self.attrs.get("dropout_p", 0.0)
+        keep = (dropout_keep_mask((B, H, L, S), p, self.attrs["seed"], self.attrs["offset"]) if p
+                else np.ones((B, H, L, S), bool))
+        backward = self.op.endswith("_backward")
+        do = arrays[4].astype(np.float64) if backward else np.zeros((B, H, L, Ev))
+        o = arrays[3].astype(np.float64) if backward else None
+        results, magnitudes = attention_reference(q, k, v, do, mask, self.attrs["causal"], self.attrs["scale"], keep,
+                                                  float(np.float32(1 - np.float32(p))), o=o)
+        bounds = [4 * u * m + 2.0 ** -20 for m in magnitudes]
+        if backward:
+            return list(zip(results[1:], bounds[1:]))
+        lse = get_op(self.forward_op).ref(q, k, v, *([mask] if mask is not None else []), **self.attrs)[1]
+        return [(results[0], bounds[0]), (lse, 1e-4 * (1 + np.abs(np.where(np.isfinite(lse), lse, 0))))]
+
+
+def attention_reference(q, k, v, do, mask, causal, scale, keep, keep_scale, o=None):
+    """float64 (o, dq, dk, dv) of attention (P, dP, dS built whole) with a bool or additive `mask`
+    (None: none), `causal`, dropout's `keep` mask over [..., L, S] (all True: none) and its
+    1 / (1 - p) as `keep_scale`, `do` the output gradient and `o` the output the backward reads
+    (None: the exact one); plus the magnitude of each result's sum (the same sums over absolute
+    values) for rounding bounds."""
+    s = q @ np.swapaxes(k, -1, -2) * scale
+    L, S = s.shape[-2:]
+    allowed = np.tri(L, S, dtype=bool) if causal else np.ones((L, S), bool)
+    if mask is not None:
+        allowed = allowed & (mask if mask.dtype == np.bool_ else np.isfinite(mask))
+        s = s + (0 if mask.dtype == np.bool_ else np.where(np.isfinite(mask), mask, 0))
+    s = np.where(allowed, s, -np.inf)
+    m = np.max(s, -1, keepdims=True)
+    e = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = e.sum(-1, keepdims=True)
+    p = np.where(l > 0, e / np.where(l > 0, l, 1), 0)
+    pd = np.where(keep, p / keep_scale, 0)
+    out = pd @ v
+    o = out if o is None else o
+    dp = np.where(keep, do @ np.swapaxes(v, -1, -2) / keep_scale, 0)
+    d = (do * o).sum(-1, keepdims=True)
+    ds = p * (dp - d)
+    grads = (ds @ k * scale, np.swapaxes(ds, -1, -2) @ q * scale, np.swapaxes(pd, -1, -2) @ do)
+    ads = p * (np.abs(dp) + (np.abs(do) * np.abs(o)).sum(-1, keepdims=True))
+    magnitudes = (np.abs(pd) @ np.abs(v), np.abs(ads) @ np.abs(k) * scale,
+                  np.swapaxes(ads, -1, -2) @ np.abs(q) * scale, np.swapaxes(np.abs(pd), -1, -2) @ np.abs(do))
+    return (out, *grads), magnitudes
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.ops.registry import apply, get_op
 from flowgen.runtime import nvrtc
-from first_contact_cases import U_HALF, AttentionCase
+from first_contact_cases import U_HALF, AttentionCase, attention_reference
 from test_attention import WeightedSumStep, _mask   # attention * w summed, one SGD step with lr 1; masks
 
 RNG = np.random.default_rng(11)
@@ -58,32 +58,6 @@ CASES = [  # (id, dtype, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask sha
 ]
 
 
-def _reference(q, k, v, w, mask, causal, scale, keep, keep_scale):
-    """float64 forward and gradients (P, dP, dS built whole), plus the magnitude of each result's
-    sum (the same sums over absolute values) for rounding bounds."""
-    s = q @ np.swapaxes(k, -1, -2) * scale
-    L, S = s.shape[-2:]
-    allowed = np.tri(L, S, dtype=bool) if causal else np.ones((L, S), bool)
-    if mask is not None:
-        allowed = allowed & (mask if mask.dtype == np.bool_ else np.isfinite(mask))
-        s = s + (0 if mask.dtype == np.bool_ else np.where(np.isfinite(mask), mask, 0))
-    s = np.where(allowed, s, -np.inf)
-    m = np.max(s, -1, keepdims=True)
-    e = np.exp(s - np.where(np.isfinite(m), m, 0))
-    l = e.sum(-1, keepdims=True)
-    p = np.where(l > 0, e / np.where(l > 0, l, 1), 0)
-    pd = np.where(keep, p / keep_scale, 0)
-    o = pd @ v
-    dp = np.where(keep, w @ np.swapaxes(v, -1, -2) / keep_scale, 0)
-    d = (w * o).sum(-1, keepdims=True)
-    ds = p * (dp - d)
-    grads = (ds @ k * scale, np.swapaxes(ds, -1, -2) @ q * scale, np.swapaxes(pd, -1, -2) @ w)
-    ads = p * (np.abs(dp) + np.abs(d))
-    magnitudes = (np.abs(pd) @ np.abs(v), np.abs(ads) @ np.abs(k) * scale,
-                  np.swapaxes(ads, -1, -2) @ np.abs(q) * scale, np.swapaxes(np.abs(pd), -1, -2) @ np.abs(w))
-    return (o, *grads), magnitudes
-
-
 def _run_case(case):
     """(graph results, eager results, float64 reference, magnitudes, graph): output then the q, k,
     v gradients."""
@@ -114,7 +88,7 @@ def _run_case(case):
     f64 = [a.astype(np.float64) for a in (q, k, v, w)]
     ref_mask = None if mask is None else (mask if kind.startswith("bool") else
                                           flow.tensor(mask).to(fdtype).to(flow.float64).numpy())
-    reference, magnitudes = _reference(*f64, ref_mask, sdpa.get("is_causal", False),
+    reference, magnitudes = attention_reference(*f64, ref_mask, sdpa.get("is_causal", False),
                                        sdpa.get("scale", 1 / np.sqrt(E)), keep, float(np.float32(1 - np.float32(p))))
     return graph_results, eager_results, reference, magnitudes, graph
 

@@ -120,6 +120,17 @@ class CudaContext:
         return major, minor
 
     @property
+    def name(self) -> str:
+        """The GPU's name, e.g. "NVIDIA H100 80GB HBM3"."""
+        raw = check(cu.cuDeviceGetName(256, self.device), "cuDeviceGetName")
+        return raw.split(b"\0", 1)[0].decode(errors="replace")
+
+    @property
+    def multiprocessor_count(self) -> int:
+        attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        return int(check(cu.cuDeviceGetAttribute(attribute, self.device), "cuDeviceGetAttribute"))
+
+    @property
     def arch(self) -> str:
         """The real architecture to compile for, e.g. "sm_90"."""
         major, minor = self.compute_capability()
