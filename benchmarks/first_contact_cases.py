@@ -386,7 +386,8 @@ def compare(got: np.ndarray, want: np.ndarray, bound) -> dict:
     the bound with both values."""
     got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
     bound = np.broadcast_to(np.asarray(bound, np.float64), want64.shape)
-    error = np.abs(got64 - want64)
+    with np.errstate(invalid="ignore"):   # inf - inf: NaN, sorted out below
+        error = np.abs(got64 - want64)
     same_inf = np.isinf(got64) & (got64 == want64)   # -inf logsumexp of a fully masked row
     error = np.where(same_inf, 0.0, np.where(np.isnan(error), np.inf, error))
     bad = error > bound
