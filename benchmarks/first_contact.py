@@ -116,7 +116,8 @@ def check_gemm(case: GemmCase, launch, rng) -> list:
     details = [dict(output="c", values="integers", **compare(case.run(launch, a, b), exact, 0.0))]
     a, b = case.operands(lambda shape: rng.standard_normal(shape))
     want, magnitude = case.reference(a, b)
-    # fp32 sums of K exact products (the inputs as the tensor cores read them)
+    # fp32 sums of K exact products (the inputs as the tensor cores read them; each addition off
+    # by at most 2^-23 of the magnitude, also where the hardware truncates instead of rounding)
     details.append(dict(output="c", values="random",
                         **compare(case.run(launch, a, b), want, 2 * case.K * U_FP32 * magnitude + 1e-30)))
     return details
@@ -129,7 +130,10 @@ def check_conv(case: ConvCase, launch, rng) -> list:
     details = [dict(output="out", values="integers", **compare(case.run(launch, arrays), exact, 0.0))]
     arrays = [rng.standard_normal(shape).astype(KINDS[case.kind]) for shape in case.shapes]
     want, magnitude = case.reference(arrays)
-    bound = 2 * case.reduction_length * U_FP32 * magnitude + U_OUT.get(case.kind, 0.0) * np.abs(want) + 1e-30
+    # fp32 sums of K products (each addition off by at most 2^-23 of the magnitude even where the
+    # tensor cores truncate), then one rounding to a 16-bit output
+    u_out = U_OUT.get(case.kind, 0.0)
+    bound = (1 + u_out) * 2 * case.reduction_length * U_FP32 * magnitude + u_out * np.abs(want) + 1e-30
     details.append(dict(output="out", values="random", **compare(case.run(launch, arrays), want, bound)))
     return details
 
@@ -182,6 +186,9 @@ def run_kernels_step(families: list, dry_run: bool, out: str) -> dict:
                 record["checks"].append(dict(describe(case), family=family, status="skipped",
                                              reason=f"warpgroup MMA needs an sm_90 GPU; this one is {arch}"))
         render_s = time.perf_counter() - start
+        if not runnable:
+            write_json(out, record)
+            continue
         start = time.perf_counter()
         try:
             launch = launch_kernels([k for c in runnable for k in c.kernels], target)
@@ -226,8 +233,10 @@ STEPS, LR = 3, 0.05
 # (seen on the emulator: MobileNetV2 17% of the first update at the dry run's 16 samples per
 # channel, 7% at 256; the MLP 3%, the GPT 0.5%); the kernel families are checked to their rounding
 # bounds by the kernels step, this is the end-to-end check. A bf16 graph must run on tensor cores.
-LOSS_LIMIT = {"fp32": 1e-4, "bf16": 1e-1}
-UPDATE_LIMIT = {"fp32": 1e-3, "bf16": 3e-1}
+# fp32: the GPU sums in other orders than NumPy (tests/test_graph_gpu.py's MobileNet: losses within
+# 2e-4), BatchNorm amplifying it.
+LOSS_LIMIT = {"fp32": 5e-4, "bf16": 1e-1}
+UPDATE_LIMIT = {"fp32": 5e-3, "bf16": 3e-1}
 
 
 def build_model(name: str, dry_run: bool):

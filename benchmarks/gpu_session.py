@@ -236,7 +236,7 @@ FIRST_CONTACT_STEPS = (
     [("environment", 20, 40)]
     + [(f"kernels_{family}", 25, 90) for family in FAMILIES]
     + [(f"training_{model}", 30, 90) for model in MODELS]
-    + [("fair_gemm", 45, 100), ("fair_gpt", 100, 220), ("fair_convnets", 80, 220),
+    + [("fair_gemm", 45, 100), ("fair_gpt", 100, 180), ("fair_convnets", 80, 220),
        ("memcheck_tensor_cores", 35, 120), ("memcheck_kernel_families", 0, 200)])
 FIRST_CONTACT_STEP_NAMES = [name for name, _, _ in FIRST_CONTACT_STEPS]
 FAIR_GEMM_SHAPES = ["square4096", "gpt2_mlp_fc", "gpt2_mlp_proj", "gpt2_attn_qkv"]
