@@ -11,7 +11,9 @@ kernels      every tensor-core kernel family (FAMILIES, each at two shapes with 
              mismatch records the kernel, the largest error (and its ratio to the bound) and the
              first element over the bound with both values.
 training     three SGD steps of a small model (MODELS) as a 'cuda' nn.Graph in fp32 and under bf16 AMP
-             against the same steps in eager flowgen (NumPy, float32): losses and parameter updates.
+             against the same steps in eager flowgen (NumPy; bf16 under flow.autocast): losses and
+             parameter updates, and the runtime's first-call check of the graph's tensor-core kernels
+             against SIMT ones (flowgen/runtime/tensor_core_check.py: what it found and cost).
 
 Each writes FILE again after every check, so a step cut off by its time limit keeps what it
 finished. --dry-run runs on the CPU emulator instead (FLOWGEN_EMULATE_CUDA=1, rendered for sm_90 as
@@ -330,11 +332,14 @@ def train_compare(name: str, precision: str, dry_run: bool) -> dict:
             families[found] = families.get(found, 0) + 1
     ok = (max(loss_diffs) <= LOSS_LIMIT[precision] and update_diffs[0] <= UPDATE_LIMIT[precision]
           and (precision != "bf16" or families))
+    check = graph.compiled.executor.tensor_core_check   # the runtime's first-call check against SIMT kernels
+    check = check and {"groups": check["groups"], "cached": check["cached"], "mismatches": check["mismatches"],
+                       "seconds": check["seconds"], "prepare_s": check["prepare_s"]}
     return {"status": "passed" if ok else "failed", "graph_losses": graph_losses, "eager_losses": eager_losses,
             "loss_rel_diffs": loss_diffs, "loss_limit": LOSS_LIMIT[precision],
             "update_rel_diffs": update_diffs, "update_limit_first_step": UPDATE_LIMIT[precision],
             "first_call_s": round(seconds[0], 2), "step_s": [round(s, 4) for s in seconds[1:]],
-            "kernels": len(kernels), "tensor_core_kernels": families}
+            "kernels": len(kernels), "tensor_core_kernels": families, "tensor_core_check": check}
 
 
 def run_training_step(name: str, dry_run: bool, out: str) -> dict:
@@ -421,9 +426,10 @@ def main(argv=None):
     parser.add_argument("--model", choices=MODELS, help="training: which model")
     parser.add_argument("--dry-run", action="store_true", help="on the CPU emulator, tiny shapes")
     args = parser.parse_args(argv)
-    if args.dry_run:   # 'cuda' graphs on the emulator, rendered for sm_90 as on an H100
+    if args.dry_run:   # 'cuda' graphs on the emulator, rendered for sm_90 as on an H100, checked as on a GPU
         os.environ["FLOWGEN_EMULATE_CUDA"] = "1"
         os.environ["FLOWGEN_EMULATE_CUDA_ARCH"] = "sm_90"
+        os.environ.setdefault("FLOWGEN_TENSOR_CORE_CHECK", "always")
     if args.step == "environment":
         environment(args.out)
     elif args.step == "kernels":

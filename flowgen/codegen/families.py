@@ -96,7 +96,8 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
-from flowgen.codegen.target import allow_tf32, block_segments, reduce_block, serial_blocks, target_blocks, warpgroup_mma
+from flowgen.codegen.target import (allow_tf32, block_segments, reduce_block, serial_blocks, target_blocks,
+                                    tensor_cores, warpgroup_mma)
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.ops.lowering import cpp_literal
@@ -446,8 +447,9 @@ _MMA_KINDS = {"bf16": ("mma_m16n8k16_bf16", 16, 32, 3), "f16": ("mma_m16n8k16_f1
 def tensor_core_kind(a_dtype, b_dtype):
     """The tensor-core precision of a GEMM with these operand dtypes: "bf16" / "f16" (16-bit
     operands, fp32 accumulation), "tf32" for float32 operands when the graph allows TF32
-    (`rendering_for(..., allow_tf32=True)`), or None: the SIMT kernel."""
-    if a_dtype != b_dtype:
+    (`rendering_for(..., allow_tf32=True)`), or None: the SIMT kernel (always with
+    `rendering_for(..., tensor_cores=False)`)."""
+    if a_dtype != b_dtype or not tensor_cores():
         return None
     if a_dtype == dt.bfloat16:
         return "bf16"
@@ -1762,10 +1764,11 @@ def _attention_tiling(dtype, E: int, Ev: int, acc: str):
     per block there: the tiles' barriers and shuffles would run as fibers, while a thread per row
     streams K and V from cache), and for head dims over ATTENTION_MAX_HEAD_DIM or tiles over
     ATTENTION_SMEM_LIMIT (float64 with head dims over 64). 16-bit inputs run on tensor cores
-    ("mma" engine), float32/float64 on scalar loops ("simt")."""
-    if serial_blocks() or max(E, Ev) > ATTENTION_MAX_HEAD_DIM:
-        return None
+    ("mma" engine; a thread per row when rendered without tensor cores), float32/float64 on scalar
+    loops ("simt")."""
     mma = dtype in (dt.bfloat16, dt.float16)
+    if serial_blocks() or max(E, Ev) > ATTENTION_MAX_HEAD_DIM or (mma and not tensor_cores()):
+        return None
     EP, EvP = -(-E // 16) * 16, -(-Ev // 16) * 16        # head dims zero-padded to the k step
     pad = 8 if mma else 1                                # 16 bytes (ldmatrix rows); 1 (odd: no bank conflicts)
     elem, acc_bytes = (2 if mma else 4 if acc == "float" else 8), 4 if acc == "float" else 8

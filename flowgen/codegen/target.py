@@ -28,6 +28,9 @@ _serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
 # MMA (wgmma, _wgmma.j2; NVRTC compiles them for sm_90a); elsewhere mma.sync (_mma.j2). The
 # emulator runs both.
 _cuda_arch = contextvars.ContextVar("cuda_arch", default=None)
+# Whether GEMMs, convs and attention may use tensor cores at all (off: their SIMT kernels, which the
+# runtime's tensor-core check compares against and falls back to: runtime/tensor_core_check.py).
+_tensor_cores = contextvars.ContextVar("tensor_cores", default=True)
 
 REDUCE_ELEMS_PER_THREAD = 8
 SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
@@ -44,27 +47,35 @@ def serial_blocks() -> bool:
     return _serial_blocks.get()
 
 
+def tensor_cores() -> bool:
+    return _tensor_cores.get()
+
+
 def warpgroup_mma() -> bool:
     """Whether GEMMs and convs may use Hopper's warpgroup MMA (the program is rendered for sm_90)."""
     return _cuda_arch.get() in ("sm_90", "sm_90a")
 
 
 @contextlib.contextmanager
-def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None, arch: str = None):
+def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None, arch: str = None,
+                  tensor_cores: bool = True):
     """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
     `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_blocks`
     (default: on for "cpu") renders SIMT GEMM tiles (_gemm_tile_cpu.j2) and reductions as one
     thread per block; `arch` ("sm_90", ...; "cuda" only) is the GPU the program is for (None:
-    any sm_80 or newer)."""
+    any sm_80 or newer); `tensor_cores=False` renders every GEMM, conv and attention as its SIMT
+    kernel (16-bit attention as a thread per row)."""
     if arch is not None and target != "cuda":
         raise ValueError(f"rendering_for: arch={arch!r} is for the 'cuda' target, not {target!r}")
     token = _target_blocks.set(TARGET_BLOCKS[target])
     arch_token = _cuda_arch.set(arch)
     tf32_token = _allow_tf32.set(bool(allow_tf32))
     serial_token = _serial_blocks.set(target == "cpu" if serial_blocks is None else serial_blocks)
+    tensor_cores_token = _tensor_cores.set(bool(tensor_cores))
     try:
         yield
     finally:
+        _tensor_cores.reset(tensor_cores_token)
         _cuda_arch.reset(arch_token)
         _serial_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)

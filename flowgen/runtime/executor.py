@@ -23,6 +23,7 @@ import numpy as np
 
 from flowgen.codegen.kernel import BufferArg
 from flowgen.ops.registry import get_op
+from flowgen.runtime import tensor_core_check
 from flowgen.runtime.toolchain import kernel_params
 
 _CTYPES = {"int": ctypes.c_int, "long long": ctypes.c_longlong, "float": ctypes.c_float,
@@ -35,17 +36,26 @@ class CpuBackend:
     name = "cpu"
 
     def __init__(self, source: str):
+        self.module, self.build = self._load(source)
+        self._keep = []
+        self._buffers = {}   # address -> the array holding it
+
+    @staticmethod
+    def _load(source: str):
+        """(CpuModule, build) of a generated kernels.cu."""
         # Imported here, not at the top: the g++ build machinery (~0.1 s) loads when a CPU program is first built.
         from flowgen.runtime.cpu_compiler import CpuModule, build_kernel_library
 
-        library, self.build = build_kernel_library(source)
-        self.module = CpuModule(library, {name: symbol for name, (_, symbol) in self.build.symbols.items()})
-        self._keep = []
+        library, build = build_kernel_library(source)
+        return CpuModule(library, {name: symbol for name, (_, symbol) in build.symbols.items()}), build
 
     def alloc(self, nbytes: int):
         buf = np.zeros(max(nbytes, 1), np.uint8)
-        self._keep.append(buf)
+        self._buffers[buf.ctypes.data] = buf
         return buf.ctypes.data
+
+    def free(self, address: int):
+        del self._buffers[address]
 
     def upload(self, address: int, array: np.ndarray):
         ctypes.memmove(address, np.ascontiguousarray(array).ctypes.data, array.nbytes)
@@ -56,13 +66,19 @@ class CpuBackend:
     def copy(self, dst: int, src: int, nbytes: int):
         ctypes.memmove(dst, src, nbytes)
 
-    def prepare(self, kernel, args):
-        launcher = self.module._launcher(kernel.name)
+    def prepare(self, kernel, args, module=None):
+        """The launch of `kernel` with `args` (of this backend's program, or of `module` from
+        `load_kernels`)."""
+        launcher = (module or self.module)._launcher(kernel.name)
         grid = (ctypes.c_uint * 3)(*kernel.grid)
         block = (ctypes.c_uint * 3)(*kernel.block)
         params = kernel_params(args)
         self._keep.append((args, params))
         return lambda: launcher(grid, block, kernel.smem, params)
+
+    def load_kernels(self, source: str):
+        """Kernels besides the program's (a generated kernels.cu), for `prepare(..., module=)`."""
+        return self._load(source)[0]
 
     def global_addresses(self, name: str) -> list:
         """The address of `name` in the one linked library (every chunk shares it)."""
@@ -85,7 +101,7 @@ class CudaBackend:
         # Imported here, not at the top: cuda-python's driver and NVRTC bindings take ~0.3 s to load.
         from flowgen.runtime import cuda_driver, nvrtc
 
-        self.driver = cuda_driver
+        self.driver, self.nvrtc = cuda_driver, nvrtc
         self.ctx = cuda_driver.CudaContext.get()
         major, _ = self.ctx.compute_capability()
         if major < 7:
@@ -97,17 +113,26 @@ class CudaBackend:
                                f"newer; the GPU is {self.ctx.arch}")
         if "wgmma_m64n" in source and self.ctx.arch != "sm_90":
             raise RuntimeError(f"this graph's GEMMs were rendered for sm_90 (warpgroup MMA); the GPU is {self.ctx.arch}")
-        self.build = nvrtc.compile_kernels(source, self.ctx.arch)
-        self.modules = [cuda_driver.CudaModule(path.read_bytes()) for path in self.build.artifacts]
+        self.build, self.modules = self._load(source)
         self.stream = self.ctx.create_stream()
         self.allocations = []
         self._keep = []
+
+    def _load(self, source: str):
+        """(build, modules) of a generated kernels.cu compiled for this GPU."""
+        build = self.nvrtc.compile_kernels(source, self.ctx.arch)
+        return build, [self.driver.CudaModule(path.read_bytes()) for path in build.artifacts]
 
     def alloc(self, nbytes: int):
         ptr = self.ctx.alloc(nbytes)
         self.ctx.memset(ptr, 0, max(nbytes, 1))
         self.allocations.append(ptr)
         return ptr
+
+    def free(self, address: int):
+        self.ctx.synchronize(self.stream)
+        self.ctx.free(address)
+        self.allocations.remove(address)
 
     def upload(self, address: int, array: np.ndarray):
         self.ctx.memcpy_htod(address, array)
@@ -121,13 +146,20 @@ class CudaBackend:
 
         self.driver.check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, self.stream), "cuMemcpyDtoDAsync")
 
-    def prepare(self, kernel, args):
-        index, symbol = self.build.symbols[kernel.name]
-        module = self.modules[index]
+    def prepare(self, kernel, args, module=None):
+        """The launch of `kernel` with `args` (of this backend's program, or of `module` from
+        `load_kernels`)."""
+        build, modules = module or (self.build, self.modules)
+        index, symbol = build.symbols[kernel.name]
+        module = modules[index]
         function = module.function(symbol)
         self._keep.append(args)   # the ctypes values must outlive every launch
         return lambda: module.launch(function, kernel.grid, kernel.block, kernel.smem, args,
                                      self.stream, name_for_errors=f"{kernel.name} ({kernel.comment})")
+
+    def load_kernels(self, source: str):
+        """Kernels besides the program's (a generated kernels.cu), for `prepare(..., module=)`."""
+        return self._load(source)
 
     def global_addresses(self, name: str) -> list:
         """The address of `name` in every module: NVRTC compiles the kernels in chunks, one cubin
@@ -150,6 +182,10 @@ class Executor:
         self.address: dict = {}
         self.calls = 0
         self.graph_exec = None     # CUDA graph of one step, captured on the second call
+        # The first step's check of the tensor-core kernels against SIMT ones (runtime/tensor_core_check.py):
+        # its report, and buffers of SIMT kernels that replaced wrong tensor-core ones
+        self.tensor_core_check = None
+        self.tensor_core_fallback_buffers = []
         self.index_checks = program.index_checks
         self.index_error = np.zeros((), _INDEX_ERROR_RECORD)   # the record as the last step left it
         # One record per loaded module (the CUDA backend loads one cubin per NVRTC chunk).
@@ -243,7 +279,10 @@ class Executor:
         if state_changed:
             for launch in self.prepare_launches:
                 launch()
-        self.launch_step()
+        if self.calls == 0 and tensor_core_check.wanted(self.backend):
+            self.tensor_core_check = tensor_core_check.first_step(self)
+        else:
+            self.launch_step()
         self.backend.synchronize()
         for address in self.index_error_addresses:   # the first module whose kernels found a bad index
             self.backend.download(self.index_error, address)
