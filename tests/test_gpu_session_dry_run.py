@@ -152,3 +152,12 @@ def test_the_gpu_commands_parse_with_the_benchmarks_own_options(tmp_path, monkey
     tests, _ = gpu_session.first_contact_argv("memcheck_kernel_families", 60.0, False, str(tmp_path), str(tmp_path))
     assert ["-m", "gpu"] in [tests[i:i + 2] for i in range(len(tests))]
     assert all(os.path.exists(os.path.join(ROOT, t)) for t in gpu_session.MEMCHECK_TESTS)
+
+
+def test_a_shorter_budget_shortens_every_step_instead_of_skipping_the_first():
+    steps = gpu_session.FIRST_CONTACT_STEPS
+    total = sum(limit for _, limit, _ in steps)
+    for budget in (total, 430.0):   # 430 s: the budget of the 2026-11-27 H200 run
+        first = gpu_session.step_allotment(steps, 0, budget, budget)
+        assert first >= min(steps[0][2], steps[0][1] * budget / total) - 1e-9, (budget, first)
+        assert first >= 15, f"a {budget} s budget leaves the first step {first:.0f} s"

@@ -137,11 +137,13 @@ FLOWGEN_EMU_KERNEL(ldmatrix_mma, true)
 // snapshot[0] is the buffer after commit, before any wait; [1] after wait_group 1; [2] after
 // wait_group 0.
 extern "C" __global__ void async_copies(const unsigned char* src, int partial, unsigned char* snapshot) {
-  __shared__ __align__(16) unsigned char buf[32 * 44];
+  // 44 bytes per thread, at a 48-byte stride: a 16-byte cp.async needs a 16-byte aligned shared
+  // address (a 44-byte stride faulted on an H200: misaligned shared write, found by memcheck)
+  __shared__ __align__(16) unsigned char buf[32 * 48];
   const int tid = threadIdx.x;
-  for (int i = tid; i < 32 * 44; i += 32) buf[i] = 0xAB;
+  for (int i = tid; i < 32 * 48; i += 32) buf[i] = 0xAB;
   __syncthreads();
-  unsigned char* mine = buf + tid * 44;
+  unsigned char* mine = buf + tid * 48;
   const unsigned char* from = src + tid * 44;
   cp_async_ca<16>(mine, from, partial);
   cp_async_ca<8>(mine + 16, from + 16, 8);
