@@ -10,6 +10,7 @@ from flowgen.dtype import bool_ as bool  # noqa: A001 - flow.bool, as in OneFlow
 from flowgen.device import device
 from flowgen.tensor import Tensor, Size
 from flowgen.autograd import no_grad, enable_grad, is_grad_enabled
+from flowgen.errors import FlowgenInternalError
 from flowgen import ops as _ops  # noqa: F401  (registers every op)
 from flowgen.functional import *  # noqa: F401,F403
 from flowgen.creation import *  # noqa: F401,F403

@@ -125,10 +125,12 @@ def _log_softmax_grad(ctx, g):
     return (g - F.exp(y) * F.sum(g, dim, keepdim=True),)
 
 
-defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad, lowering=Template("softmax", rows_in_place=True),
-      doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
+# In place: the row kernel reads x's row whole before a barrier, then each element again by the
+# thread that writes y there (templates/softmax.cu.j2), so y may take over a dying x.
+defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad,
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
 defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softmax_grad,
-      lowering=Template("softmax", rows_in_place=True), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
 
 
 # --------------------------------------------------------------------------
@@ -199,11 +201,15 @@ def _ce_rows_grad_grad(ctx, gg):
     return d_g, d_x, None
 
 
+# In place: only over the logits, read whole before the row's barrier (one class: the loss over
+# x). Never over g or target: they have the output's size exactly when there is one class (or an
+# int32 target beside float32 losses), and every thread of the row's block reads g[row] and
+# target[row] after the barrier, when another thread may already have stored its output there.
 defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
-      lowering=Template("softmax", rows_in_place=True),
+      lowering=Template("softmax", in_place=(("loss", "x"),)),
       doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored")
 defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
-      lowering=Template("softmax", rows_in_place=True),
+      lowering=Template("softmax", in_place=(("dx", "x"),)),
       doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
 
 
