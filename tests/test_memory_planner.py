@@ -175,6 +175,22 @@ def test_inplace_rejected_when_unsafe():
     assert plan.inplace[out3] is later
 
 
+def test_inplace_only_for_the_pairs_a_step_declares():
+    """A row kernel declares which inputs an output may take over: cross_entropy's gradient over
+    the logits, never over the incoming gradient, though with one class both have its size and
+    both die at that step."""
+    x = V("x", KB)
+    g, logits, dx = V("g", KB), V("logits", KB), V("dx", KB)
+    steps = [Step([x], [g, logits]), Step([g, logits], [dx], frozenset({(dx, logits)}))]
+    plan = _plan(steps, external=[x], live_out=[dx])
+    verify(plan, steps, {}, [x], [dx])
+    assert plan.inplace == {dx: logits} and plan.offsets[dx] == plan.offsets[logits] != plan.offsets[g]
+    only_g = [Step([x], [g]), Step([g], [dx], frozenset({(dx, logits)}))]   # the declared input is not read
+    plan = _plan(only_g, external=[x], live_out=[dx])
+    verify(plan, only_g, {}, [x], [dx])
+    assert plan.inplace == {} and plan.offsets[dx] != plan.offsets[g]
+
+
 def test_one_input_not_shared_by_two_outputs():
     x = V("x", KB)
     a, p, q = V("a", KB), V("p", KB), V("q", KB)
