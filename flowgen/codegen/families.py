@@ -906,7 +906,9 @@ def _softmax(node, kernel_name, check_id):
                acc=acc, mode=node.op, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
                idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
-               ignore_index=int(node.attrs.get("ignore_index", 0)))
+               # C++ telling an ignored row by its label t (ignore_index None: no row is ignored)
+               ignored="false" if node.attrs.get("ignore_index") is None else
+               f"t == {cpp_literal(int(node.attrs['ignore_index']))}")
     if node.op.startswith("cross_entropy"):
         ctx.update(load_g=_loader(node.inputs[0].dtype, acc), check_id=check_id)
         kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx,

@@ -139,6 +139,8 @@ defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softm
 # cross_entropy_rows(x (N, C), target (N,)) is -log_softmax(x)[n, target[n]] per row, 0 where
 # target == ignore_index: log-softmax and the pick in one pass, so the (N, C) log-probabilities
 # never reach memory. Its gradient is one kernel too: g[n] * (softmax(x)[n] - onehot(target[n])).
+# ignore_index=None ignores no row (OneFlow's sparse_softmax_cross_entropy): every label must be a
+# class, so no int64 value is set aside as "ignored".
 
 def _ce_rows_check(x, target, op):
     _require_float(x, op)
@@ -156,7 +158,7 @@ def _ce_rows_infer(x, target, ignore_index=-100):
 
 
 def _ce_picked(x, target, ignore_index, op):
-    valid = target != ignore_index
+    valid = np.ones(target.shape, bool) if ignore_index is None else target != ignore_index
     safe = np.where(valid, target, 0)
     _check_range(safe, x.shape[1], op, dim=1)
     return valid, safe
@@ -192,12 +194,19 @@ def _ce_rows_grad_ref(g, x, target, ignore_index=-100):
 def _ce_rows_grad_grad(ctx, gg):
     # out = g[:, None] * (s - onehot), s = softmax(x): linear in g, and ds = s * (dx - sum(dx * s)).
     g, x, target = ctx.inputs
-    valid = F.cast(F.ne(target, ctx.attrs["ignore_index"]), x.dtype)
-    safe = target * F.cast(F.ne(target, ctx.attrs["ignore_index"]), target.dtype)
+    ignore_index = ctx.attrs["ignore_index"]
     s = F.softmax(x, 1)
+    if ignore_index is None:   # every row counts
+        safe, g_counted = target, g
+    else:
+        counted = F.ne(target, ignore_index)
+        safe = target * F.cast(counted, target.dtype)
+        g_counted = g * F.cast(counted, x.dtype)
     picked = F.squeeze(apply("gather", gg, F.unsqueeze(safe, 1), dim=1), 1)
-    d_g = (F.sum(gg * s, 1) - picked) * valid
-    d_x = F.unsqueeze(g * valid, 1) * s * (gg - F.sum(gg * s, 1, keepdim=True))
+    d_g = F.sum(gg * s, 1) - picked
+    if ignore_index is not None:
+        d_g = d_g * F.cast(counted, x.dtype)
+    d_x = F.unsqueeze(g_counted, 1) * s * (gg - F.sum(gg * s, 1, keepdim=True))
     return d_g, d_x, None
 
 
@@ -207,7 +216,8 @@ def _ce_rows_grad_grad(ctx, gg):
 # target[row] after the barrier, when another thread may already have stored its output there.
 defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
       lowering=Template("softmax", in_place=(("loss", "x"),)),
-      doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored")
+      doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored "
+          "(ignore_index=None: no row is)")
 defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
       lowering=Template("softmax", in_place=(("dx", "x"),)),
       doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
