@@ -10,7 +10,6 @@ from flowgen.dtype import bool_ as bool  # noqa: A001 - flow.bool, as in OneFlow
 from flowgen.device import device
 from flowgen.tensor import Tensor, Size
 from flowgen.autograd import no_grad, enable_grad, is_grad_enabled
-from flowgen.errors import FlowgenInternalError
 from flowgen import ops as _ops  # noqa: F401  (registers every op)
 from flowgen.functional import *  # noqa: F401,F403
 from flowgen.creation import *  # noqa: F401,F403
@@ -28,6 +27,7 @@ from flowgen import nn, optim, utils, amp, models, one_embedding  # noqa: E402,F
 from flowgen.mixed_precision import autocast  # noqa: E402
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)
 from flowgen.serialization import save, load  # noqa: E402
+from flowgen.errors import FlowgenInternalError  # noqa: E402,F401  (a failed internal check while compiling)
 from flowgen.distributed import env, sbp  # noqa: E402
 from flowgen.distributed import global_ops as _global_ops  # noqa: E402,F401  (installs eager ops on global tensors)
 from flowgen import sysconfig  # noqa: E402
