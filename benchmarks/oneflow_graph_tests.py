@@ -9,11 +9,14 @@ test files of python/oneflow/test/graph are copied into a temporary folder where
 lines). Each file runs in its own pytest process on one node with one device, so the tests marked
 `skip_unless_1n1d` are the ones that run; multi-device tests are skipped. Without a GPU, tests on
 'cuda' run their CUDA programs on the CPU emulator (FLOWGEN_EMULATE_CUDA=1) unless --no-emulate-cuda.
-Files that test OneFlow's implementation (its C++ bindings, framework modules, protobuf job configs)
-are marked and counted apart from the API tests, and so are files whose tests all need several
-devices (`file_groups` in the JSON, with the reason) and tests whose code needs what flowgen leaves
-out of scope (OneFlow's OFRecord data readers, its job protobuf, the flowvision package; each test
-outcome carries its `group` and `reason`). Failures
+Tests whose code uses OneFlow's implementation (its C++ bindings, framework modules such as
+`oneflow.framework.graph_build_util`, protobuf job configs) are marked and counted apart from the API
+tests, and so are files whose tests all need several devices (`file_groups` in the JSON, with the
+reason) and tests whose code needs what flowgen leaves out of scope (OneFlow's OFRecord data readers,
+its job protobuf, the flowvision package; each test outcome carries its `group` and `reason`). The
+internals are decided per test, like the scope: a file importing OneFlow's internal modules gets
+stand-ins for them (any use raises, naming the module), so its tests that never touch them run as
+API tests; a file that cannot be collected at all counts as internal as a whole. Failures
 that come from a documented semantic choice of flowgen (PyTorch's formula where OneFlow's differs)
 stay counted as failures, with the difference spelled out (`known_differences`).
 
@@ -119,12 +122,13 @@ def multi_device_only(source: str) -> bool:
     return bool(tests) and all(_marked_multi_device(node) for node in tests)
 
 
+INTERNAL_REASON = ("uses OneFlow's C++ bindings, framework modules, protobuf or its PyTorch-comparison "
+                   "harness")
+
+
 def categorise_file(source: str) -> tuple:
-    """(group, reason) for a whole file: 'internal' or 'multi_device', else ('api', '') and its
-    tests are categorised one by one (`test_scopes`)."""
-    if INTERNAL.search(source):
-        return "internal", ("imports OneFlow's C++ bindings, framework modules, protobuf or its "
-                            "PyTorch-comparison harness")
+    """(group, reason) for a whole file: 'multi_device', else ('api', '') and its tests are
+    categorised one by one (`test_scopes`: internals, out of scope, API)."""
     if multi_device_only(source):
         imports = sorted(set(re.findall(r"^\s*(?:from|import)\s+(oneflow\.[\w.]+)", source, re.M)))
         return "multi_device", MULTI_DEVICE.format(imports=", ".join(imports) or "nothing")
@@ -157,38 +161,72 @@ def _reachable_code(source: str, tree, start) -> str:
     return "\n".join(parts)
 
 
+def code_group(code: str) -> tuple:
+    """(group, reason) of the code a test runs: 'internal' when it uses OneFlow's internals, else
+    'out_of_scope' with the reason, else ('api', '')."""
+    if INTERNAL.search(code):
+        return "internal", INTERNAL_REASON
+    reason = out_of_scope_reason(code)
+    return ("out_of_scope", reason) if reason else ("api", "")
+
+
 def test_scopes(source: str) -> dict:
-    """Test id as the junit report names it ('Class::method', 'module::function') -> the out-of-scope
-    reason of the code it runs ('' when none)."""
+    """Test id as the junit report names it ('Class::method', 'module::function') -> (group, reason)
+    of the code it runs: its method and the file's definitions and imports it reaches."""
     tree = ast.parse(source)
     scopes = {}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test"):
-            scopes[node.name] = out_of_scope_reason(_reachable_code(source, tree, node))
+            scopes[node.name] = code_group(_reachable_code(source, tree, node))
         elif isinstance(node, ast.ClassDef):
             for method in node.body:
                 if isinstance(method, ast.FunctionDef) and method.name.startswith("test"):
                     code = _reachable_code(source, tree, method)
-                    scopes[f"{node.name}::{method.name}"] = out_of_scope_reason(code)
+                    scopes[f"{node.name}::{method.name}"] = code_group(code)
     return scopes
 
 
 def test_group(row: dict, scopes: dict, source: str) -> tuple:
-    """(group, reason) of one test outcome of an API file; a collection failure (no test of the
-    file ran) is out of scope when the file's code is."""
+    """(group, reason) of one test outcome of a file; a collection failure (no test of the file ran)
+    takes the group of the whole file's code."""
     test = row["test"]
-    reason = scopes.get(test, scopes.get(test.rsplit("::", 1)[-1]))
-    if reason is None:
-        reason = out_of_scope_reason(source)
-    return ("out_of_scope", reason) if reason else ("api", "")
+    group = scopes.get(test, scopes.get(test.rsplit("::", 1)[-1]))
+    return group if group is not None else code_group(source)
 
 
 # Installed as conftest.py beside the copied tests: `import oneflow.nn.graph` loads flowgen.nn.graph.
 _ALIAS = '''
-import importlib, importlib.abc, importlib.util, sys
+import importlib, importlib.abc, importlib.util, sys, types
 sys.path.insert(0, {root!r})
 
 _COMPAT = {{"oneflow.test_utils": {init!r}, "oneflow.test_utils.test_util": {util!r}}}
+_INTERNAL = ("oneflow.framework", "oneflow._oneflow_internal", "oneflow.core")
+
+
+class _InternalStandIn(types.ModuleType):
+    """One of OneFlow's internal modules, which flowgen does not have: importing it works (so the
+    file's other tests run), any use raises naming it."""
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise AttributeError(f"{{self.__name__}}.{{attr}}: OneFlow's internal module {{self.__name__}} is not part of "
+                             f"flowgen")
+
+
+class _StandInLoader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return _InternalStandIn(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def _exists(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:   # its parent package is missing
+        return False
 
 
 class _OneflowAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -197,7 +235,9 @@ class _OneflowAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return importlib.util.spec_from_file_location(name, _COMPAT[name], submodule_search_locations=[])
         if name == "oneflow" or name.startswith("oneflow."):
             real = "flowgen" + name[len("oneflow"):]
-            if importlib.util.find_spec(real) is None:
+            if not _exists(real):
+                if any(name == p or name.startswith(p + ".") for p in _INTERNAL):
+                    return importlib.util.spec_from_loader(name, _StandInLoader(), is_package=True)
                 return None
             return importlib.util.spec_from_loader(name, self, is_package=True)
         return None
@@ -314,6 +354,10 @@ def main() -> None:
                 row["known_difference"] = difference
             totals[group][row["outcome"]] += 1
         results[name] = rows
+        row_groups = {(r["group"], r.get("reason", "")) for r in rows}
+        if name not in file_groups and len(row_groups) == 1 and next(iter(row_groups))[0] != "api":
+            group, reason = next(iter(row_groups))   # the whole file (a collection failure, or every test)
+            file_groups[name] = {"group": group, "reason": reason}
         counts = {k: sum(r["outcome"] == k for r in rows) for k in kinds}
         apart = collections.Counter(r["group"] for r in rows if r["group"] != "api")
         labels = [marks[g] if n == len(rows) else f"{n} {marks[g]}" for g, n in apart.items()]

@@ -61,8 +61,9 @@ def exponential_(x, lambd=1.0, generator=None):
 
 
 def sparse_softmax_cross_entropy(logits, label):
-    """Per-row ``-log softmax(logits)[label]`` (no reduction), shape of `label`."""
-    return _NF.cross_entropy(logits, label, reduction="none")
+    """``-log softmax(logits)[label]`` along the last dim (no reduction), shape of `label`: OneFlow's
+    functional order of `nn.functional.sparse_softmax_cross_entropy(labels, logits)`."""
+    return _NF.sparse_softmax_cross_entropy(label, logits)
 
 
 def __getattr__(name):

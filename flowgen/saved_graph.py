@@ -104,6 +104,7 @@ from flowgen import dtype as dt
 from flowgen import random
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.distributed.collectives import world
+from flowgen.errors import internal_checks
 from flowgen.ir.graph import Graph, Node, StateVar, Value
 from flowgen.ir.verify import IRError, verify
 from flowgen.ops.registry import get_op
@@ -456,8 +457,9 @@ class SavedGraph:
         key = (target, arch)
         if key not in self._programs:
             options = {"target": target} | ({"arch": arch} if arch else {})
-            self._programs[key], _ = program_cache.cached(self.ir, options,
-                                                          functools.partial(_build_program, self.ir, target, arch))
+            with internal_checks(self.name, lambda: f"codegen for {target}"):
+                self._programs[key], _ = program_cache.cached(self.ir, options,
+                                                              functools.partial(_build_program, self.ir, target, arch))
         return self._programs[key]
 
     def _check_inputs(self, arrays) -> list:

@@ -322,7 +322,7 @@ x = flow.randn(run["batch"], 6, dtype=getattr(flow, run["dtype"]), device=run["d
 y = flow.randint(0, 3, (run["batch"],), device=run["device"])
 losses = [float(graph(x, y)) for _ in range(3)]
 program = graph.compiled.program
-kernels = [repr(dataclasses.replace(k, pointwise_reads=sorted(map(repr, k.pointwise_reads))))  # a set: sorted
+kernels = [repr(dataclasses.replace(k, in_place=sorted(map(repr, k.in_place))))  # a set: sorted
            for k in program.kernels + program.prepare]
 flow.save(graph, sys.argv[2])
 print(json.dumps({"cache": graph.compiled.program_cache, "rejected": program_cache.STATS.rejected,

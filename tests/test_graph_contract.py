@@ -131,8 +131,8 @@ def test_compressed_placement_is_valid_and_never_worse_than_greedy():
         values = [_V(f"v{i}", rng.choice([256, 512, 768, 1024, 2048, 4096])) for i in range(rng.randint(3, 14))]
         steps, produced = [], []
         for v in values:   # each step writes one value and reads up to two earlier ones
-            steps.append(Step(reads=rng.sample(produced, min(len(produced), rng.randint(0, 2))), writes=[v],
-                              inplace_ok=rng.random() < 0.5))
+            reads = rng.sample(produced, min(len(produced), rng.randint(0, 2)))
+            steps.append(Step(reads=reads, writes=[v], in_place=frozenset((v, r) for r in reads if rng.random() < 0.5)))
             produced.append(v)
         live_out = {values[-1]}
         greedy = plan_memory(steps, live_out=live_out)

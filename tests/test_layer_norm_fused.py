@@ -154,7 +154,7 @@ def _assert_residuals_fused(graph):
         ["add_layer_norm", "layer_norm", "layer_norm", "layer_norm_backward", "layer_norm_backward",
          "layer_norm_backward"]
     assert not any(k.ops == ["add"] for k in kernels)
-    # rows_in_place: some row kernel writes its output over a dying input (and the numbers still equal)
+    # Template.in_place: some row kernel writes its output over a dying input (and the numbers still equal)
     plan = graph.compiled.program.plan
     assert any(a.value in plan.inplace for k in kernels if "layer_norm" in k.ops[0] for a in k.args
                if not a.ctype.startswith("const"))

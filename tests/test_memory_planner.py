@@ -41,6 +41,11 @@ class V:
 KB = 1024
 
 
+def elementwise(reads, writes):
+    """A step whose every write may take over every read (an elementwise kernel's promise)."""
+    return Step(reads, writes, frozenset((w, r) for w in writes for r in reads))
+
+
 def _plan(steps, aliases=None, external=(), live_out=(), **kw):
     return plan_memory(steps, aliases or {}, set(external), set(live_out), **kw)
 
@@ -91,7 +96,8 @@ def verify(plan, steps, aliases, external, live_out, alignment=256):
     for out, inp in plan.inplace.items():
         s = first[out]
         step = steps[s]
-        assert step.inplace_ok and any(out is w for w in step.writes) and any(inp is r for r in step.reads)
+        assert (out, inp) in step.in_place, f"in-place {out} <- {inp}: not a pair step {s} declares"
+        assert any(out is w for w in step.writes) and any(inp is r for r in step.reads)
         rin = _root(inp, aliases, external)
         assert last[rin] == s, f"in-place {out} <- {inp}: input still live after step {s}"
         assert out.nbytes == inp.nbytes == rin.nbytes and out.numel == inp.numel
@@ -128,7 +134,7 @@ def verify(plan, steps, aliases, external, live_out, alignment=256):
 def test_chain_reuses_memory():
     x = V("x", 4 * KB)
     a, b, c = V("a", KB), V("b", KB), V("c", KB)
-    steps = [Step([x], [a], False), Step([a], [b], False), Step([b], [c], False)]
+    steps = [Step([x], [a]), Step([a], [b]), Step([b], [c])]
     plan = _plan(steps, external=[x], live_out=[c])
     verify(plan, steps, {}, [x], [c])
     assert x not in plan.offsets
@@ -141,7 +147,7 @@ def test_chain_reuses_memory():
 def test_inplace_elementwise_shares():
     x = V("x", KB)
     a, b, c = V("a", KB), V("b", KB), V("c", KB)
-    steps = [Step([x], [a], False), Step([a], [b], True), Step([b], [c], True)]
+    steps = [Step([x], [a]), elementwise([a], [b]), elementwise([b], [c])]
     plan = _plan(steps, external=[x], live_out=[c])
     verify(plan, steps, {}, [x], [c])
     assert plan.inplace == {b: a, c: b}
@@ -157,10 +163,10 @@ def test_inplace_rejected_when_unsafe():
     wide = V("wide", KB, itemsize=8)             # same bytes, half the elements: broadcast read
     out1, out2, out3 = V("o1", KB), V("o2", KB), V("o3", KB)
     steps = [
-        Step([x], [a, small, wide, later], False),
-        Step([small, wide], [out1], True),         # no input with the output's size and element count
-        Step([a, later], [out2], True),            # a dies here but `later` is read again below
-        Step([later, out1, out2], [out3], True),   # later: last use -> in-place OK
+        Step([x], [a, small, wide, later]),
+        elementwise([small, wide], [out1]),         # no input with the output's size and element count
+        elementwise([a, later], [out2]),            # a dies here but `later` is read again below
+        elementwise([later, out1, out2], [out3]),   # later: last use -> in-place OK
     ]
     plan = _plan(steps, external=[x], live_out=[out3])
     verify(plan, steps, {}, [x], [out3])
@@ -169,10 +175,26 @@ def test_inplace_rejected_when_unsafe():
     assert plan.inplace[out3] is later
 
 
+def test_inplace_only_for_the_pairs_a_step_declares():
+    """A row kernel declares which inputs an output may take over: cross_entropy's gradient over
+    the logits, never over the incoming gradient, though with one class both have its size and
+    both die at that step."""
+    x = V("x", KB)
+    g, logits, dx = V("g", KB), V("logits", KB), V("dx", KB)
+    steps = [Step([x], [g, logits]), Step([g, logits], [dx], frozenset({(dx, logits)}))]
+    plan = _plan(steps, external=[x], live_out=[dx])
+    verify(plan, steps, {}, [x], [dx])
+    assert plan.inplace == {dx: logits} and plan.offsets[dx] == plan.offsets[logits] != plan.offsets[g]
+    only_g = [Step([x], [g]), Step([g], [dx], frozenset({(dx, logits)}))]   # the declared input is not read
+    plan = _plan(only_g, external=[x], live_out=[dx])
+    verify(plan, only_g, {}, [x], [dx])
+    assert plan.inplace == {} and plan.offsets[dx] != plan.offsets[g]
+
+
 def test_one_input_not_shared_by_two_outputs():
     x = V("x", KB)
     a, p, q = V("a", KB), V("p", KB), V("q", KB)
-    steps = [Step([x], [a], False), Step([a], [p, q], True)]     # p: a dead write
+    steps = [Step([x], [a]), elementwise([a], [p, q])]     # p: a dead write
     plan = _plan(steps, external=[x], live_out=[q])
     verify(plan, steps, {}, [x], [q])
     assert plan.inplace == {p: a}
@@ -183,13 +205,13 @@ def test_one_input_not_shared_by_two_outputs():
 def test_live_out_never_reused():
     x = V("x", KB)
     a, b, c = V("a", KB), V("b", KB), V("c", KB)
-    steps = [Step([x], [a], False), Step([a], [b], False), Step([b], [c], False)]
+    steps = [Step([x], [a]), Step([a], [b]), Step([b], [c])]
     plan = _plan(steps, external=[x], live_out=[a, c])
     verify(plan, steps, {}, [x], [a, c])
     assert plan.lifetimes[a] == (0, 3)
     assert plan.arena_bytes == 3 * KB and len(set(plan.offsets.values())) == 3
     # in-place may not take over a live-out input, but may chain after it
-    steps_ip = [Step([x], [a], False), Step([a], [b], True), Step([b], [c], True)]
+    steps_ip = [Step([x], [a]), elementwise([a], [b]), elementwise([b], [c])]
     plan = _plan(steps_ip, external=[x], live_out=[a, c])
     verify(plan, steps_ip, {}, [x], [a, c])
     assert plan.inplace == {c: b}
@@ -202,10 +224,10 @@ def test_views_keep_base_alive():
     a, b, c = V("a", KB), V("b", KB), V("c", KB)
     va, vva = V("va", KB), V("vva", KB)     # reshape(a), reshape(reshape(a))
     aliases = {va: a, vva: va}
-    without = [Step([x], [a], False), Step([x], [b], False), Step([b], [c], False)]
+    without = [Step([x], [a]), Step([x], [b]), Step([b], [c])]
     plan = _plan(without, aliases, external=[x], live_out=[c])
     assert plan.offsets[a] == plan.offsets[b] and plan.arena_bytes == 2 * KB   # a is dead before b
-    with_view = [Step([x], [a], False), Step([x], [b], False), Step([b, vva], [c], False)]
+    with_view = [Step([x], [a]), Step([x], [b]), Step([b, vva], [c])]
     plan = _plan(with_view, aliases, external=[x], live_out=[c])
     verify(plan, with_view, aliases, [x], [c])
     assert plan.lifetimes[a] == (0, 2)
@@ -218,7 +240,7 @@ def test_live_out_view_extends_base_and_views_of_external_are_external():
     x, a, b = V("x", KB), V("a", KB), V("b", KB)
     vx, va = V("vx", KB), V("va", KB)
     aliases = {vx: x, va: a}
-    steps = [Step([vx], [a], False), Step([x], [b], False)]
+    steps = [Step([vx], [a]), Step([x], [b])]
     plan = _plan(steps, aliases, external=[x], live_out=[va])
     verify(plan, steps, aliases, [x], [va])
     assert vx not in plan.offsets and x not in plan.offsets
@@ -230,10 +252,10 @@ def test_alignment_and_best_fit():
     x = V("x", 1)
     big, mid, tiny, later = V("big", 3 * KB), V("mid", 257), V("tiny", 1), V("later", 200)
     steps = [
-        Step([x], [big], False),
-        Step([big], [mid], False),
-        Step([mid], [tiny], False),     # big dead: [0, 3K) free
-        Step([tiny], [later], False),
+        Step([x], [big]),
+        Step([big], [mid]),
+        Step([mid], [tiny]),     # big dead: [0, 3K) free
+        Step([tiny], [later]),
     ]
     plan = _plan(steps, external=[x], live_out=[later], alignment=256)
     verify(plan, steps, {}, [x], [later])
@@ -250,7 +272,7 @@ def test_alignment_and_best_fit():
 def test_empty_and_external_only():
     assert _plan([]).arena_bytes == 0
     x, y = V("x", KB), V("y", KB)
-    plan = _plan([Step([x], [y], True)], external=[x, y])
+    plan = _plan([elementwise([x], [y])], external=[x, y])
     assert plan.offsets == {} and plan.arena_bytes == plan.naive_bytes == plan.lower_bound_bytes == 0
     assert plan.describe() == "memory: 0 buffers, naive 0 B -> arena 0 B (lower bound 0 B)"
 
@@ -258,10 +280,10 @@ def test_empty_and_external_only():
 def test_describe_format():
     x = V("x", 4)
     vals = [V(f"t{i}", 400_000) for i in range(3)]
-    steps = [Step([x], [vals[0]], False), Step([vals[0]], [vals[1]], False), Step([vals[1]], [vals[2]], False)]
+    steps = [Step([x], [vals[0]]), Step([vals[0]], [vals[1]]), Step([vals[1]], [vals[2]])]
     text = _plan(steps, external=[x], live_out=[vals[2]]).describe()
     assert text == "memory: 3 buffers, naive 1.20 MB -> arena 0.80 MB (lower bound 0.80 MB)", text
-    steps[1].inplace_ok = True
+    steps[1] = elementwise([vals[0]], [vals[1]])
     text = _plan(steps, external=[x], live_out=[vals[2]]).describe()
     assert re.fullmatch(r"memory: 3 buffers, naive 1\.20 MB -> arena 0\.80 MB \(lower bound 0\.80 MB\), 1 in-place",
                         text), text
@@ -270,7 +292,7 @@ def test_describe_format():
 def test_naive_fallback(monkeypatch):
     x = V("x", KB)
     a, b, c = V("a", KB), V("b", 2 * KB), V("c", KB)
-    steps = [Step([x], [a], True), Step([a], [b], False), Step([b], [c], False)]
+    steps = [elementwise([x], [a]), Step([a], [b]), Step([b], [c])]
     plan = plan_naive(steps, {}, {x}, {c})
     verify(plan, steps, {}, [x], [c])
     assert plan.offsets == {a: 0, b: KB, c: 3 * KB} and plan.arena_bytes == plan.naive_bytes == 4 * KB
@@ -285,7 +307,7 @@ def test_naive_fallback(monkeypatch):
 def test_alias_cycle_is_an_error():
     a, b = V("a", KB), V("b", KB)
     with pytest.raises(ValueError, match="alias cycle"):
-        _plan([Step([a], [], False)], {a: b, b: a})
+        _plan([Step([a], [])], {a: b, b: a})
 
 
 def test_with_real_ir_values():
@@ -294,7 +316,7 @@ def test_with_real_ir_values():
 
     x = Value("x", (8, 32), dt.float32)
     a, b = Value("a", (8, 32), dt.float32), Value("b", (8, 32), dt.float32)
-    steps = [Step([x], [a], False), Step([a], [b], True)]
+    steps = [Step([x], [a]), elementwise([a], [b])]
     plan = plan_memory(steps, {}, {x}, {b})
     assert plan.inplace == {b: a} and plan.arena_bytes == 1024
 
@@ -311,19 +333,19 @@ def _signature_params(source: str, name: str) -> dict:
     return {p.split()[-1]: p for p in params}
 
 
-def _toy_kernel(pointwise_reads):
+def _toy_kernel(in_place):
     x, y = Value("x", (4, 8), dt.float32), Value("y", (4, 8), dt.float32)
     source = ("// toy\nextern \"C\" __global__ void k0_toy(const float* __restrict__ in0, "
               "float* __restrict__ out0) {\n  out0[0] = in0[1];\n}\n")
     kernel = Kernel("k0_toy", source, [BufferArg(x, "const float*"), BufferArg(y, "float*")], (1, 1, 1), (1, 1, 1),
-                    pointwise_reads=frozenset(pointwise_reads(x)))
+                    in_place=frozenset(in_place(x, y)))
     plan = planner.MemoryPlan(offsets={x: 0, y: 0}, arena_bytes=128, lower_bound_bytes=128, naive_bytes=256,
                               inplace={y: x})
     return kernel, plan
 
 
 def test_shared_pair_loses_restrict_and_other_sharing_raises():
-    kernel, plan = _toy_kernel(lambda x: {x})
+    kernel, plan = _toy_kernel(lambda x, y: {(y, x)})
     (declared,) = declare_shared_memory([kernel], plan, {}, {})
     params = _signature_params(declared.source, "k0_toy")
     assert params == {"in0": "const float* in0", "out0": "float* out0"}
@@ -332,7 +354,7 @@ def test_shared_pair_loses_restrict_and_other_sharing_raises():
                                lower_bound_bytes=256, naive_bytes=256, inplace={})
     assert declare_shared_memory([kernel], apart, {}, {}) == [kernel]
     # The same placement for a kernel that reads x at other elements than it writes: a planner bug.
-    kernel, plan = _toy_kernel(lambda x: ())
+    kernel, plan = _toy_kernel(lambda x, y: ())
     with pytest.raises(AssertionError, match="k0_toy: %y would overwrite the memory of %x"):
         declare_shared_memory([kernel], plan, {}, {})
 
@@ -406,7 +428,7 @@ class _Classifier(nn.Module):
 
 
 def test_logits_gradient_takes_over_the_logits_memory_and_trains_like_eager():
-    """Row kernels (Template.rows_in_place) may write over the input they read: the [N, V]
+    """Row kernels may write over the input their op declares (Template.in_place): the [N, V]
     logits and their gradient are never live side by side."""
     flow.manual_seed(0)
     model, eager = _Classifier(), _Classifier()
@@ -485,7 +507,11 @@ def programs(draw):
         for w in writes:
             if not any(w is p for p in pool):
                 pool.append(w)
-        steps.append(Step(reads, writes, draw(st.booleans())))
+        declared = draw(st.sampled_from(["none", "all", "some"]))   # elementwise, or a row kernel's pairs
+        pairs = [(w, r) for w in writes for r in reads]
+        if declared == "some":
+            pairs = [p for p in pairs if draw(st.booleans())]
+        steps.append(Step(reads, writes, frozenset(pairs) if declared != "none" else frozenset()))
     live_out = draw(st.lists(st.sampled_from(pool), max_size=4)) if pool else []
     alignment = draw(st.sampled_from([256, 256, 64, 1]))
     return steps, aliases, external, live_out, alignment
@@ -502,7 +528,8 @@ def _clone(steps, aliases, external, live_out):
 
     for v in reversed([v for s in steps for v in s.reads + s.writes] + list(aliases) + external + live_out):
         f(v)
-    return ([Step([f(v) for v in s.reads], [f(v) for v in s.writes], s.inplace_ok) for s in steps],
+    return ([Step([f(v) for v in s.reads], [f(v) for v in s.writes], frozenset((f(w), f(r)) for w, r in s.in_place))
+             for s in steps],
             {f(k): f(b) for k, b in aliases.items()}, [f(v) for v in external], [f(v) for v in live_out])
 
 
@@ -556,10 +583,10 @@ def network_like(seed: int, n_blocks: int = 8, training: bool = True):
         params.append(p)
         return p
 
-    def op(inputs, per_sample, elementwise=False, itemsize=4):
+    def op(inputs, per_sample, is_elementwise=False, itemsize=4):
         out = new(per_sample, itemsize=itemsize)
-        steps.append(Step(list(inputs), [out], elementwise))
-        tape.append((list(inputs), out, elementwise))
+        steps.append(elementwise(list(inputs), [out]) if is_elementwise else Step(list(inputs), [out]))
+        tape.append((list(inputs), out, is_elementwise))
         return out
 
     width = rng.choice([256, 784, 1024, 3072])
@@ -572,9 +599,9 @@ def network_like(seed: int, n_blocks: int = 8, training: bool = True):
             out_w = {"mlp": rng.choice([256, 512, 1024, 2048, 4096]), "res": width,
                      "down": max(64, width // rng.choice([2, 4]))}[kind]
             y = op([h, param(width * out_w * 4)], out_w)                 # gemm / conv (+ bias epilogue)
-            a = op([y], out_w, elementwise=True)                         # activation
+            a = op([y], out_w, is_elementwise=True)                      # activation
             if kind == "res":
-                a = op([a, h], out_w, elementwise=True)                  # residual add
+                a = op([a, h], out_w, is_elementwise=True)               # residual add
             h, width = a, out_w
         elif kind == "norm":
             stats = op([h], 2)                                           # mean / rstd
@@ -585,23 +612,23 @@ def network_like(seed: int, n_blocks: int = 8, training: bool = True):
             scores = op([q, k], seq * rng.choice([4, 8, 16]))            # q k^T (large)
             probs = op([scores], scores.nbytes // (batch * 4))           # softmax
             mask = op([probs], probs.nbytes // (batch * 4), itemsize=1)  # dropout mask (bytes)
-            probs = op([probs, mask], probs.nbytes // (batch * 4), elementwise=True)
+            probs = op([probs, mask], probs.nbytes // (batch * 4), is_elementwise=True)
             ctx = op([probs, v], width)
             o = op([ctx, param(width * width * 4)], width)
-            h = op([o, h], width, elementwise=True)
+            h = op([o, h], width, is_elementwise=True)
     classes = rng.choice([10, 100, 1000])
     logits = op([h, param(width * classes * 4)], classes)
     loss = V(f"loss{next(counter)}", 4)
-    steps.append(Step([logits], [loss], False))
+    steps.append(Step([logits], [loss]))
     live_out = [loss]
     if not training:
         return steps, {}, external, live_out
 
     grad = {}
     glogits = V(f"g{logits.name}", logits.nbytes)
-    steps.append(Step([logits], [glogits], True))                       # softmax-xent backward
+    steps.append(elementwise([logits], [glogits]))                       # softmax-xent backward
     grad[logits] = glogits
-    for inputs, out, elementwise in reversed(tape):
+    for inputs, out, is_elementwise in reversed(tape):
         gout = grad.pop(out, None)
         if gout is None:
             continue
@@ -609,14 +636,17 @@ def network_like(seed: int, n_blocks: int = 8, training: bool = True):
             if inp is x or inp.itemsize == 1:
                 continue
             g = V(f"g{inp.name}_{next(counter)}", inp.nbytes)
-            steps.append(Step([gout] + inputs, [g], elementwise and inp.nbytes == out.nbytes))
+            if is_elementwise and inp.nbytes == out.nbytes:
+                steps.append(elementwise([gout] + inputs, [g]))
+            else:
+                steps.append(Step([gout] + inputs, [g]))
             if inp in grad:                                              # used twice: accumulate
                 acc = V(f"acc{next(counter)}", inp.nbytes)
-                steps.append(Step([grad[inp], g], [acc], True))
+                steps.append(elementwise([grad[inp], g], [acc]))
                 g = acc
             grad[inp] = g
     for p in params:                                                     # optimizer: in state
-        steps.append(Step([p, grad.pop(p)], [p], True))
+        steps.append(elementwise([p, grad.pop(p)], [p]))
     return steps, {}, external, live_out
 
 

@@ -192,6 +192,19 @@ def _params(node, in_names, out_names) -> list:
     return params
 
 
+def _declared_in_place(node, in_names, out_names, optional=()) -> frozenset:
+    """`Kernel.in_place` of a row kernel: the (output, input) pairs its op declares by parameter name
+    (`ops.lowering.Template.in_place`), as this node's values; `optional` names parameters the op
+    may leave out (layer_norm_backward's residual)."""
+    values = dict(zip(in_names, node.inputs)) | dict(zip(out_names, node.outputs))
+    pairs = get_op(node.op).lowering.in_place
+    unknown = {n for pair in pairs for n in pair} - set(values) - set(optional)
+    if unknown:
+        raise AssertionError(f"{node.op}: Template.in_place names {sorted(unknown)}, which are not parameters of "
+                             f"its kernel ({', '.join(list(in_names) + list(out_names))})")
+    return frozenset((values[out], values[inp]) for out, inp in pairs if out in values and inp in values)
+
+
 def _comment(node, what: str) -> str:
     return f"{node.scope or '<graph>'}: {node.op} {what}".rstrip()
 
@@ -895,15 +908,17 @@ def _softmax(node, kernel_name, check_id):
                acc=acc, mode=node.op, load=_loader(x.dtype, acc), store=_storer(y.dtype, acc), elem=_elem(inner),
                fmax=f"fmax{f}", exp=f"exp{f}", logf=f"log{f}", one="1.0" if acc == "double" else "1.0f",
                idx_t=_idx_type(rows), params=_params(node, in_names, out_names),
-               ignore_index=int(node.attrs.get("ignore_index", 0)))
+               # C++ telling an ignored row by its label t (ignore_index None: no row is ignored)
+               ignored="false" if node.attrs.get("ignore_index") is None else
+               f"t == {cpp_literal(int(node.attrs['ignore_index']))}")
     if node.op.startswith("cross_entropy"):
         ctx.update(load_g=_loader(node.inputs[0].dtype, acc), check_id=check_id)
         kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx,
                                index_check=_index_check(node, check_id, "label", D))
     else:
         kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
-    for k in kernels:   # a row is read whole before any of it is written (Template.rows_in_place)
-        k.pointwise_reads = frozenset({x})
+    for k in kernels:
+        k.in_place = _declared_in_place(node, in_names, out_names)
     return kernels
 
 
@@ -964,10 +979,7 @@ def _layer_norm(node, kernel_name):
         kernel = _kernel(node, kernel_name, source, *_serial_rows_launch(rows), False, what)
     else:
         kernel = _kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
-    # Template.rows_in_place: each input is read per row before the row's barrier (one thread per
-    # row on the cpu target), or at an element by the thread that writes that element (add_layer_norm
-    # writes the sum right after reading its addends), so an output may take over a dying input
-    kernel.pointwise_reads = frozenset(node.inputs)
+    kernel.in_place = _declared_in_place(node, in_names, out_names, optional=("residual",))
     return [kernel]
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.families import conv2d_kernels, gemm_kernel
-from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.kernel import BufferArg, Kernel, every_output_over
 from flowgen.codegen.target import block_segments, reduce_block, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
@@ -218,7 +218,7 @@ def render_elementwise(node, index: int, producers, stream_values=None) -> Kerne
     grid = max(1, min((numel + block - 1) // block, 4096))
     return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
-                  pointwise_reads=frozenset(v for v in node.inputs if v.numel == numel))
+                  in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))
 
 
 REDUCE_SPLIT_MIN_PER_THREAD = 32   # a split reduction's blocks still reduce this many elements per thread
@@ -228,16 +228,16 @@ def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
     """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
     of blocks and strides over its own elements."""
     em = _Emitter(node, producers, stream_values)
-    segments, ops, pointwise = [], [], set()
+    segments, ops, in_place = [], [], set()
     for positions in node.attrs["segments"]:
         body = [node.body[p] for p in positions]
         inside = {v for b in body for v in b.outputs}
         inputs = [v for v in node.inputs if any(v in b.inputs for b in body)]
         em.var = {v: n for v, n in em.var.items() if scalar_constant(v, producers) is not None}
-        shape, index_lines, lines = _elementwise_lines(em, body, inputs, [v for v in node.outputs if v in inside],
-                                                       producers)
+        outputs = [v for v in node.outputs if v in inside]
+        shape, index_lines, lines = _elementwise_lines(em, body, inputs, outputs, producers)
         numel = int(np.prod(shape, dtype=np.int64))
-        pointwise.update(v for v in inputs if v.numel == numel)
+        in_place |= every_output_over(outputs, [v for v in inputs if v.numel == numel])   # within the segment
         segments.append({"numel": numel, "index_lines": index_lines, "body_lines": lines,
                          "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over [{', '.join(map(str, shape))}]"})
         ops += [b.op for b in body]
@@ -248,7 +248,7 @@ def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
                                                 ops=sorted(set(ops)), params=em.params, segments=segments)
     return Kernel(name, source, em.args, (blocks, 1, 1), (block, 1, 1), 0, False,
                   f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
-                  pointwise_reads=frozenset(pointwise), horizontal=True)
+                  in_place=frozenset(in_place), horizontal=True)
 
 
 def _reduce_geometry(red):
@@ -434,13 +434,14 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
                   out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line,
                   prologue_lines=prologue_lines, epilogue_index_lines=epilogue_index_lines,
                   epilogue_lines=epilogue_lines, splits=splits)
-    pointwise = frozenset(v for v in epilogue_inputs if v.numel == epi_numel and v not in prologue_values)
+    in_place = every_output_over(node.outputs, [v for v in epilogue_inputs
+                                                if v.numel == epi_numel and v not in prologue_values])
     what = f"{node.scope or 'graph'}: {', '.join(ops)}"
     if splits == 1:
         source = get_template("reduction").render(name=name, stage="full", params=em_loop.params, block=block,
                                                   **common)
         return [Kernel(name, source, em_loop.args, (numel_out, 1, 1), (block, 1, 1), 0, block > 1, what, ops,
-                       pointwise_reads=pointwise)]
+                       in_place=in_place)]
     scratch = [Value(f"{r.output.name}_partials", (numel_out * splits,),
                      dt.float64 if c["acc_type"] == "double" else dt.int64 if c["acc_type"] == "long long"
                      else dt.float32) for r, c in zip(reds, red_ctx)]
@@ -457,7 +458,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     return [Kernel(f"{name}_partial", partial, em_loop.args, (numel_out, splits, 1), (block, 1, 1), 0, block > 1,
                    f"{what} (partial sums, {splits} blocks per output)", ops),
             Kernel(name, final, em_epi.args, (numel_out, 1, 1), (final_block, 1, 1), 0, final_block > 1,
-                   f"{what} (combine {splits} partials)", ops, pointwise_reads=pointwise)]
+                   f"{what} (combine {splits} partials)", ops, in_place=in_place)]
 
 
 def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
@@ -485,7 +486,7 @@ def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
     kernel = gemm_kernel(node, name, a_src, b_src, mm.output, params=em.params, args=em.args, epilogue_lines=lines,
                          a_trans=a_val in transposed, b_trans=b_val in transposed, ops=ops, what_extra=extra,
                          a_ptr=f"in{node.inputs.index(a_src)}", b_ptr=f"in{node.inputs.index(b_src)}")
-    kernel.pointwise_reads = pointwise - {a_src, b_src}
+    kernel.in_place = every_output_over(node.outputs, pointwise - {a_src, b_src})
     return kernel
 
 
@@ -518,5 +519,5 @@ def render_conv(node, index: int, producers, stream_values=None) -> list:
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     kernels = conv2d_kernels(conv, kernel_name(index, node, ops),
                       fusion=dict(params=em.params, args=em.args, epilogue_lines=lines, ops=ops, what_extra=extra))
-    kernels[-1].pointwise_reads = pointwise - {x, w}
+    kernels[-1].in_place = every_output_over(node.outputs, pointwise - {x, w})
     return kernels

@@ -56,11 +56,13 @@ class Kernel:
     needs_fibers: bool = False
     comment: str = ""    # module path and the ops fused in
     ops: list = field(default_factory=list)   # op names fused into this kernel
-    # Inputs read only at the element the thread writes, before writing it (same shape as the
-    # output), or, in a row kernel, read whole before a barrier that precedes every write of
-    # the row: an output may overwrite such an input's buffer in place (the contract is in
-    # codegen/program.py's declare_shared_memory).
-    pointwise_reads: frozenset = frozenset()
+    # (output, input) value pairs where the output may be written over the input's buffer: the
+    # kernel reads every element of that input before the output's bytes over it are stored and
+    # never afterwards (an elementwise body or epilogue reading the input at the element its thread
+    # writes; a row kernel's pairs as its op declares them, `ops.lowering.Template.in_place`). The
+    # memory planner shares only these (`memory.planner.Step.in_place`) and codegen/program.py's
+    # declare_shared_memory refuses any other sharing.
+    in_place: frozenset = frozenset()
     # Independent segments run side by side (a multi-tensor update): an output must not reuse
     # another segment's input, so the memory planner never places one in place.
     horizontal: bool = False
@@ -69,3 +71,9 @@ class Kernel:
     # A collective (the op's attributes): no device code; the executor exchanges the input
     # buffers with the other ranks on the host and writes the outputs (ops/lowering.Collective).
     collective: dict | None = None
+
+
+def every_output_over(outputs, inputs) -> frozenset:
+    """`Kernel.in_place` of a kernel whose every output is written element by element, each element
+    by a thread that has just read `inputs` at that element (elementwise bodies and epilogues)."""
+    return frozenset((out, inp) for out in outputs for inp in inputs)

@@ -125,7 +125,7 @@ def _buffer_values(kernel, written: bool) -> list:
 def direct_state_writes(graph, kernels, aliases) -> dict:
     """Updates a kernel can write straight into the state buffer, saving the arena slot and the
     end-of-step copy: allowed when no later kernel reads the old state value, and the producing
-    kernel reads it (if at all) only at the element it writes (`Kernel.pointwise_reads`)."""
+    kernel may write the update over it (`Kernel.in_place`)."""
     state = graph.state_by_name()
     producer = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=True)}
     last_reader = {v: i for i, k in enumerate(kernels) for v in _buffer_values(k, written=False)}
@@ -148,7 +148,7 @@ def direct_state_writes(graph, kernels, aliases) -> dict:
         if any(last_reader.get(v, -1) > i for v in old_names):    # a later kernel reads the old value
             continue
         reads_here = old_names & set(_buffer_values(kernels[i], written=False))
-        if reads_here and (reads_here != {old} or old not in kernels[i].pointwise_reads
+        if reads_here and (reads_here != {old} or (value, old) not in kernels[i].in_place
                            or tuple(old.shape) != tuple(value.shape)):
             continue
         direct[value] = old
@@ -214,12 +214,11 @@ def _drop_restrict(kernel: Kernel, pairs: list) -> Kernel:
 def declare_shared_memory(kernels, plan, aliases, state_writes) -> list:
     """The in-place contract between the memory planner and the kernels, checked per launch.
 
-    Two buffers of one launch may share memory only when the kernel writes an output over an
-    input it reads solely at the element that output's thread writes, before writing it
-    (`Kernel.pointwise_reads`, same element count; a row kernel reads the row whole before a
-    barrier): an elementwise or row kernel's output in place of a dying input
-    (`Step.inplace_ok`), an update written straight into its parameter
-    (`direct_state_writes`). Such a pair must not be declared `__restrict__`: that would
+    Two buffers of one launch may share memory only as an (output, input) pair of the kernel's
+    `Kernel.in_place` (the input read at every element before the output is stored over it; a
+    row kernel's pairs are what its op declares, `Template.in_place`) with the same element
+    count: an elementwise or row kernel's output in place of a dying input (the planner's
+    `Step.in_place`), an update written straight into its parameter (`direct_state_writes`). Such a pair must not be declared `__restrict__`: that would
     promise the compiler (g++ for the emulator, NVRTC) that the store cannot change what the
     load reads, and it may then move the load after the store. Any other sharing (an input read
     at other elements, through a broadcast, or after the store; two outputs) is a planner bug
@@ -236,28 +235,31 @@ def declare_shared_memory(kernels, plan, aliases, state_writes) -> list:
             for pos_r, r, r_const, r_mem in buffers:
                 if w_const or pos_r == pos_w or not _shares_memory(w_mem, r_mem):
                     continue
-                if not r_const or r not in k.pointwise_reads or r.numel != w.numel:
+                if not r_const or (w, r) not in k.in_place or r.numel != w.numel:
                     raise AssertionError(
                         f"{k.name}: %{w.name} would overwrite the memory of %{r.name}, which the kernel "
-                        f"{'writes too' if not r_const else 'reads at other elements or after the store'}")
+                        f"{'writes too' if not r_const else 'may read at other elements or after the store (not in its in_place pairs)'}")
                 pairs.append((pos_w, pos_r))
         checked.append(_drop_restrict(k, pairs) if pairs else k)
     return checked
 
 
-def _reads_before_writing(k: Kernel) -> bool:
-    """Whether `k` reads each full-size input element before the same thread writes that element
-    of an output, and no other thread reads it afterwards: then an output may reuse a dying
-    input's memory (the planner's `Step.inplace_ok`; declare_shared_memory drops __restrict__).
-    Elementwise kernels whose buffers share one element size do; so do row kernels
-    (`Template.rows_in_place`: a barrier separates reading the row from writing it)."""
+def _planner_in_place(k: Kernel) -> frozenset:
+    """The (output, input) pairs of `k` the memory planner may place in one buffer (its
+    `Step.in_place`; declare_shared_memory then drops their __restrict__): the kernel's own
+    `Kernel.in_place`, in elementwise kernels whose buffers share one element size and in row kernels
+    (the pairs their op declares, `Template.in_place`). Anchored kernels (GEMM, conv, reductions)
+    keep theirs for direct state writes only, and a multi-tensor kernel's segments run side by
+    side, so neither reuses an activation's memory."""
     if k.horizontal:
-        return False
+        return frozenset()
     lowerings = [get_op(o).lowering for o in k.ops]
-    if all(isinstance(lw, Template) and lw.rows_in_place for lw in lowerings):
-        return True
-    return all(isinstance(lw, Elementwise) for lw in lowerings) and \
-        len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1
+    if all(isinstance(lw, Template) and lw.in_place for lw in lowerings):
+        return k.in_place
+    if all(isinstance(lw, Elementwise) for lw in lowerings) and \
+            len({a.value.dtype.itemsize for a in k.args if getattr(a, "value", None) is not None}) == 1:
+        return k.in_place
+    return frozenset()
 
 
 def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
@@ -276,7 +278,7 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
                 | {v for k in prepare for v in _buffer_values(k, written=True)})
     steps = [Step(reads=[a.value for a in k.args if getattr(a, "value", None) is not None and a.ctype.startswith("const")],
                   writes=[a.value for a in k.args if getattr(a, "value", None) is not None and not a.ctype.startswith("const")],
-                  inplace_ok=_reads_before_writing(k))
+                  in_place=_planner_in_place(k))
              for k in kernels]
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)

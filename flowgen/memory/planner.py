@@ -13,8 +13,8 @@ A value is live from the first step that touches it (normally the step that writ
 the last step that reads or writes it, or to the end (time ``len(steps)``) when it, or one
 of its views, is live-out. Two values may share bytes only when their lifetimes are
 disjoint, with two exceptions that hold by construction: a view and its base, and an
-in-place pair (an elementwise step's output reusing an input of the same byte size and
-element count whose last use is that step; see `Step` for what the kernel must guarantee).
+in-place pair (a step's output reusing an input of the same byte size and element count whose
+last use is that step, where the step declares that pair safe: `Step.in_place`).
 
 Placement is "greedy by size" (Pisarchyk & Lee 2020, as in TFLite's arena planner):
 lifetime records, largest first (ties: first use, then name, then discovery order), each
@@ -34,19 +34,21 @@ DEFAULT_ALIGNMENT = 256
 class Step:
     """One kernel launch: the values it reads and writes (``flowgen.ir.graph.Value``s).
 
-    ``inplace_ok`` is the kernel's promise that makes in-place reuse safe: every input with an
-    output's element count is read only at the element the same thread then writes, and
-    before writing it (an elementwise kernel). Only then may an output take over the memory
-    of such an input whose last use is this step (same byte size and element count). An input
-    read at other elements (a broadcast, a window, a reduction) or after an output is stored
-    never shares memory with that output. Codegen holds the other half of the contract: the
-    two parameters of an in-place pair are not declared ``__restrict__``
-    (`flowgen.codegen.program.declare_shared_memory`).
+    ``in_place`` is the kernel's promise that makes in-place reuse safe, pair by pair: the
+    (write, read) pairs where the kernel reads every element of the read before it stores the
+    write's bytes over it, and never afterwards (an elementwise kernel: every output over every
+    full-size input; a row kernel: the pairs its op declares, `ops.lowering.Template.in_place`).
+    Only such a write may take over the memory of its read, and only when the read's last use is
+    this step (same byte size and element count). Any other pair never shares memory, whatever
+    the sizes: an input read at other elements (a broadcast, a window, a weight every row reads)
+    or after an output is stored. Codegen holds the other half of the contract: the two
+    parameters of an in-place pair are not declared ``__restrict__``, and a launch whose buffers
+    share memory outside its pairs is refused (`flowgen.codegen.program.declare_shared_memory`).
     """
 
     reads: list
     writes: list
-    inplace_ok: bool = False
+    in_place: frozenset = frozenset()   # (write, read) value pairs
     name: str = ""   # optional, for error messages (e.g. the kernel name)
 
 
@@ -224,7 +226,7 @@ def _naive_requested(naive) -> bool:
 def plan_memory(steps, aliases=None, external=None, live_out=None, alignment: int = DEFAULT_ALIGNMENT,
                 naive: bool | None = None, inplace: bool = True, placement=None) -> MemoryPlan:
     """Plan the arena. ``naive=None`` reads ``FLOWGEN_NAIVE_MEMORY``; ``inplace=False`` disables reuse
-    of an elementwise kernel's input for its output. ``placement(records, lower_bound)`` sets the
+    of a step's input for its output (`Step.in_place`). ``placement(records, lower_bound)`` sets the
     records' offsets and returns its strategy name (default: greedy by size; memory/search.py
     searches several orders)."""
     if _naive_requested(naive):
@@ -264,10 +266,10 @@ def plan_memory(steps, aliases=None, external=None, live_out=None, alignment: in
 
 
 def _merge_inplace(lv: _Liveness, records: dict) -> dict:
-    """Fold each eligible (output, input) pair of an elementwise step into one record."""
+    """Fold each eligible (output, input) pair of a step (declared in `Step.in_place`) into one record."""
     pairs: dict = {}
     for i, step in enumerate(lv.steps):
-        if not step.inplace_ok:
+        if not step.in_place:
             continue
         step_roots = {id(lv.root(v)) for v in step.writes if lv.root(v) is not None}
         for w in step.writes:
@@ -278,7 +280,7 @@ def _merge_inplace(lv: _Liveness, records: dict) -> dict:
                 continue
             for r in step.reads:
                 rroot = lv.root(r)
-                if rroot is None or rroot is w or id(rroot) in step_roots:
+                if rroot is None or rroot is w or id(rroot) in step_roots or (w, r) not in step.in_place:
                     continue
                 rec = records[rroot]
                 if (rec.last != i or i in rec.merged_steps or r.nbytes != w.nbytes

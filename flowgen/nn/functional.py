@@ -27,7 +27,8 @@ __all__ = [
     "batch_norm", "layer_norm", "group_norm", "instance_norm", "max_pool2d", "avg_pool2d",
     "adaptive_avg_pool2d", "interpolate", "upsample", "upsample_nearest", "upsample_bilinear", "embedding",
     "one_hot", "pad", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "cross_entropy", "nll_loss",
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "gather", "index_select",
+    "sparse_softmax_cross_entropy", "binary_cross_entropy", "binary_cross_entropy_with_logits", "gather",
+    "index_select",
 ]
 
 _REDUCTIONS = ("none", "mean", "sum")
@@ -915,6 +916,30 @@ def cross_entropy(input, target, weight=None, size_average=None, ignore_index=-1
         smooth_red = _sum_all(smooth) / _sum_all(_F.cast(valid, logp_b.dtype))
     out = nll_red * (1.0 - label_smoothing) + smooth_red * (label_smoothing / C)
     return _F.squeeze(out, 0) if unbatched and reduction == "none" else out
+
+
+def sparse_softmax_cross_entropy(labels, logits):
+    """OneFlow's (and TensorFlow's) per-element softmax cross-entropy, no reduction: logits
+    [d0, ..., d_{r-1}, C] with the classes along the LAST dim, int32/int64 labels [d0, ..., d_{r-1}],
+    each a class in [0, C) (none is ignored); the loss has the labels' shape and the logits' dtype.
+    Note the argument order, labels first (`flow._C.sparse_softmax_cross_entropy(logits, labels)`
+    takes them the other way round). One row kernel each way, as cross_entropy's common case."""
+    op = "sparse_softmax_cross_entropy"
+    if not logits.dtype.is_floating:
+        raise TypeError(f"{op}: expected floating point logits, got {logits.dtype!r}")
+    if labels.dtype not in (dt.int64, dt.int32):
+        raise TypeError(f"{op}: expected int32 or int64 labels, got {labels.dtype!r}")
+    if logits.ndim < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{op}: expected logits [d0, ..., C] and labels of their shape without the last (class) "
+                         f"dim, got logits {tuple(logits.shape)} and labels {tuple(labels.shape)}")
+    C = logits.shape[-1]
+    if not labels.is_lazy and labels.numel():   # in a graph, the row kernel checks (and names the module)
+        values = labels.numpy_view()
+        bad = values[(values < 0) | (values >= C)]
+        if bad.size:
+            raise IndexError(f"{op}: label {int(bad.flat[0])} is out of range [0, {C})")
+    rows = apply("cross_entropy_rows", _F.reshape(logits, (-1, C)), _F.reshape(labels, (-1,)), ignore_index=None)
+    return _F.reshape(rows, tuple(labels.shape))
 
 
 def binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):

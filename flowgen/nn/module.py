@@ -13,6 +13,7 @@ it to keep the module path (``model.features.0``) and print INPUT/OUTPUT lines.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import OrderedDict, namedtuple
 from typing import Callable, Iterator
@@ -99,22 +100,27 @@ class Module:
         setattr_(self, "_forward_pre_hooks", OrderedDict())
 
     def forward(self, *args, **kwargs):
-        raise NotImplementedError(f"Module [{type(self).__name__}] is missing the required \"forward\" function")
+        raise NotImplementedError(f"Module [{self._get_name()}] is missing the required \"forward\" function")
 
     # ------------------------------------------------------------------ calling
     def __call__(self, *args, **kwargs):
-        if _module_call_hook is not None:
-            return _module_call_hook(self, self._run_forward, args, kwargs)
-        if not self._forward_hooks and not self._forward_pre_hooks:
-            return self.forward(*args, **kwargs)
-        return self._run_forward(*args, **kwargs)
+        return self._call_forward(self.forward, args, kwargs)
 
-    def _run_forward(self, *args, **kwargs):
+    def _call_forward(self, forward, args, kwargs):
+        """`module(*args, **kwargs)` running `forward`: the module's own, or inside a graph the one
+        its Proxy binds to itself (flowgen/nn/graph/proxy.py). Hooks see the module either way."""
+        if _module_call_hook is not None:
+            return _module_call_hook(self, functools.partial(self._run_forward, forward), args, kwargs)
+        if not self._forward_hooks and not self._forward_pre_hooks:
+            return forward(*args, **kwargs)
+        return self._run_forward(forward, *args, **kwargs)
+
+    def _run_forward(self, forward, *args, **kwargs):
         for hook in list(self._forward_pre_hooks.values()):
             replaced = hook(self, args)
             if replaced is not None:
                 args = replaced if isinstance(replaced, tuple) else (replaced,)
-        out = self.forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
         for hook in list(self._forward_hooks.values()):
             replaced = hook(self, args, out)
             if replaced is not None:
@@ -558,7 +564,7 @@ class Sequential(Module):
         return module
 
     def forward(self, x):
-        for module in self._modules.values():
+        for module in self:   # in a graph, self is the Proxy and yields the children's Proxies
             x = module(x)
         return x
 

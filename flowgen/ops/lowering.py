@@ -98,13 +98,20 @@ class View:
 
 @dataclass(frozen=True)
 class Template:
+    """A kernel family; ``in_place`` is the op's in-place safety: the (output, input) pairs, by
+    the family's kernel parameter names, where the output may be written over the input's memory
+    (when the input dies at this kernel and has the output's byte size and element count).
+
+    A pair is declared only where the kernel guarantees it: every element of the input is read
+    before the output's bytes over it are stored (a row read whole before a barrier, or an
+    element read by the thread that then writes that element), and no thread reads the input
+    afterwards. Everything else is never shared: an input read at other elements (a weight read
+    by every row), or after a store (layer_norm's one-thread-per-row kernel stores the row's
+    mean before it reads x again: with one element per row, mean over x would corrupt y).
+    memory/planner.py pairs only what is declared (`Step.in_place`); codegen checks every shared
+    buffer of a launch against the same pairs (codegen/program.py `declare_shared_memory`)."""
     family: str
-    # The kernel reads all of a row (by any thread of its block, or by its one thread) before a
-    # barrier, then each element once more by the thread that writes that element of the same
-    # layout, and writes only its own row: an output may take over the memory of a same-sized
-    # input whose last use this is (memory/planner.py `Step.inplace_ok`), e.g. the logits'
-    # gradient over the logits.
-    rows_in_place: bool = False
+    in_place: tuple = ()
 
 
 @dataclass(frozen=True)

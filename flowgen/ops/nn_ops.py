@@ -125,10 +125,12 @@ def _log_softmax_grad(ctx, g):
     return (g - F.exp(y) * F.sum(g, dim, keepdim=True),)
 
 
-defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad, lowering=Template("softmax", rows_in_place=True),
-      doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
+# In place: the row kernel reads x's row whole before a barrier, then each element again by the
+# thread that writes y there (templates/softmax.cu.j2), so y may take over a dying x.
+defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad,
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
 defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softmax_grad,
-      lowering=Template("softmax", rows_in_place=True), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
 
 
 # --------------------------------------------------------------------------
@@ -137,6 +139,8 @@ defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softm
 # cross_entropy_rows(x (N, C), target (N,)) is -log_softmax(x)[n, target[n]] per row, 0 where
 # target == ignore_index: log-softmax and the pick in one pass, so the (N, C) log-probabilities
 # never reach memory. Its gradient is one kernel too: g[n] * (softmax(x)[n] - onehot(target[n])).
+# ignore_index=None ignores no row (OneFlow's sparse_softmax_cross_entropy): every label must be a
+# class, so no int64 value is set aside as "ignored".
 
 def _ce_rows_check(x, target, op):
     _require_float(x, op)
@@ -154,7 +158,7 @@ def _ce_rows_infer(x, target, ignore_index=-100):
 
 
 def _ce_picked(x, target, ignore_index, op):
-    valid = target != ignore_index
+    valid = np.ones(target.shape, bool) if ignore_index is None else target != ignore_index
     safe = np.where(valid, target, 0)
     _check_range(safe, x.shape[1], op, dim=1)
     return valid, safe
@@ -190,20 +194,32 @@ def _ce_rows_grad_ref(g, x, target, ignore_index=-100):
 def _ce_rows_grad_grad(ctx, gg):
     # out = g[:, None] * (s - onehot), s = softmax(x): linear in g, and ds = s * (dx - sum(dx * s)).
     g, x, target = ctx.inputs
-    valid = F.cast(F.ne(target, ctx.attrs["ignore_index"]), x.dtype)
-    safe = target * F.cast(F.ne(target, ctx.attrs["ignore_index"]), target.dtype)
+    ignore_index = ctx.attrs["ignore_index"]
     s = F.softmax(x, 1)
+    if ignore_index is None:   # every row counts
+        safe, g_counted = target, g
+    else:
+        counted = F.ne(target, ignore_index)
+        safe = target * F.cast(counted, target.dtype)
+        g_counted = g * F.cast(counted, x.dtype)
     picked = F.squeeze(apply("gather", gg, F.unsqueeze(safe, 1), dim=1), 1)
-    d_g = (F.sum(gg * s, 1) - picked) * valid
-    d_x = F.unsqueeze(g * valid, 1) * s * (gg - F.sum(gg * s, 1, keepdim=True))
+    d_g = F.sum(gg * s, 1) - picked
+    if ignore_index is not None:
+        d_g = d_g * F.cast(counted, x.dtype)
+    d_x = F.unsqueeze(g_counted, 1) * s * (gg - F.sum(gg * s, 1, keepdim=True))
     return d_g, d_x, None
 
 
+# In place: only over the logits, read whole before the row's barrier (one class: the loss over
+# x). Never over g or target: they have the output's size exactly when there is one class (or an
+# int32 target beside float32 losses), and every thread of the row's block reads g[row] and
+# target[row] after the barrier, when another thread may already have stored its output there.
 defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
-      lowering=Template("softmax", rows_in_place=True),
-      doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored")
+      lowering=Template("softmax", in_place=(("loss", "x"),)),
+      doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored "
+          "(ignore_index=None: no row is)")
 defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
-      lowering=Template("softmax", rows_in_place=True),
+      lowering=Template("softmax", in_place=(("dx", "x"),)),
       doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
 
 

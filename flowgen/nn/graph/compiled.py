@@ -22,6 +22,7 @@ from flowgen import functional as F
 from flowgen.amp import StaticGradScaler
 from flowgen.codegen.program import build_program, count_unfused_kernels
 from flowgen.device import as_device
+from flowgen.errors import internal_checks
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn import module as module_mod
 from flowgen.nn.graph.io import flatten, flatten_call, non_tensor_arguments
@@ -291,8 +292,10 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it. The tensors are this rank's
     local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
-    gradients over the ranks. One progress line covers all stages."""
-    with reporting(graph.name) as progress, program_cache.collector_paused():
+    gradients over the ranks. One progress line covers all stages; an internal check failing in
+    any of them is reported as a FlowgenInternalError naming the graph (flowgen/errors.py)."""
+    with reporting(graph.name) as progress, program_cache.collector_paused(), \
+            internal_checks(graph.name, lambda: progress.stage_name):
         return _compile_step(graph, args, kwargs, data_parallel, progress)
 
 

@@ -4,9 +4,13 @@ Attribute reads go to the wrapped module (so `graph.model[0].weight` and
 `graph.model.state_dict()` work); submodules come back wrapped too, by attribute, index or
 key (Sequential, ModuleList, ModuleDict), so `graph.model.blocks["a"].to(GraphModule)` gives
 the per-module graph options (`activation_checkpointing`, `set_stage`) of that exact module
-path, and `.to(flow.nn.Module)` the module itself.
+path, and `.to(flow.nn.Module)` the module itself. Inside build() the same holds from within a
+module: its forward runs on its proxy (`ProxyModule.__call__`), so a submodule seen from a
+forward is a proxy too, all the way down.
 """
 from __future__ import annotations
+
+import types
 
 from flowgen.distributed import env
 from flowgen.nn.graph.config import warn_single_device
@@ -58,54 +62,87 @@ class Proxy:
 
     def to(self, *args, **kwargs):
         if len(args) == 1 and args[0] is GraphModule:
-            return self._configs.setdefault(self._path, GraphModule(*self._split_path()))
+            return self._proxy_configs.setdefault(self._proxy_path, GraphModule(*self._proxy_split_path()))
         if len(args) == 1 and args[0] is Module:
-            return self._origin
-        return self._origin.to(*args, **kwargs)
+            return self._proxy_origin
+        return self._proxy_origin.to(*args, **kwargs)
 
-    def _split_path(self) -> tuple:
-        prefix, _, name = self._path.rpartition(".")
+    def _proxy_split_path(self) -> tuple:
+        prefix, _, name = self._proxy_path.rpartition(".")
         return (prefix + "." if prefix else ""), name
 
 
 class ProxyModule(Proxy):
+    """A module as the graph sees it. Calling it runs the module (its hooks, the graph's module scope)
+    with `forward` bound to the proxy, as OneFlow does: inside forward, and inside the methods the
+    module's own class defines (rebound to the proxy too), `self` is this proxy, so `self.layer` is the
+    submodule's proxy, `self.to(nn.graph.GraphModule)` the module's graph options and `isinstance(self,
+    nn.graph.Proxy)` holds. flowgen's own methods (`parameters()`, `state_dict()`, a layer's helpers)
+    run on the module itself. The proxy's own attributes are named `_proxy_*`, out of a module's way."""
+
     def __init__(self, module, path: str, configs: dict):
-        object.__setattr__(self, "_origin", module)
-        object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_configs", configs)   # path -> GraphModule, shared by the graph
+        object.__setattr__(self, "_proxy_origin", module)
+        object.__setattr__(self, "_proxy_path", path)
+        object.__setattr__(self, "_proxy_configs", configs)   # path -> GraphModule, shared by the graph
+        object.__setattr__(self, "_proxy_children", {})       # child name -> its ProxyModule (stable identity)
 
     @property
     def __class__(self):
         """The wrapped module's class, so `isinstance(graph.model.fc, nn.Linear)` holds in build() as in
         OneFlow; `isinstance(graph.model, Proxy)` holds too (Python checks the real type first)."""
-        return type(self._origin)
+        return type(self._proxy_origin)
 
-    def _wrap(self, value):
-        """A child module comes back wrapped under its own name (`-1` of a list is its last index)."""
-        for name, child in self._origin._modules.items():
-            if child is value:
-                return ProxyModule(value, f"{self._path}.{name}", self._configs)
+    def _proxy_wrap(self, value):
+        """A child module comes back wrapped under its own name (`-1` of a list is its last index), the
+        same proxy every time; a method the module's class defines comes back bound to the proxy."""
+        origin = self._proxy_origin
+        if isinstance(value, Module):
+            for name, child in origin._modules.items():
+                if child is value:
+                    cached = self._proxy_children.get(name)
+                    if cached is None or cached._proxy_origin is not value:
+                        cached = ProxyModule(value, f"{self._proxy_path}.{name}", self._proxy_configs)
+                        self._proxy_children[name] = cached
+                    return cached
+            return value
+        if isinstance(value, types.MethodType) and value.__self__ is origin and _user_defined(value.__func__):
+            return types.MethodType(value.__func__, self)
         return value
 
     def __getattr__(self, name):
-        if name.startswith("__") or name in ("_origin", "_path", "_configs"):
+        if name.startswith("__") or name.startswith("_proxy_"):
             raise AttributeError(name)   # not yet set (copy/pickle build the object empty)
-        return self._wrap(getattr(self._origin, name))
+        return self._proxy_wrap(getattr(self._proxy_origin, name))
 
     def __setattr__(self, name, value):
-        setattr(self._origin, name, value)
+        setattr(self._proxy_origin, name, value)
+
+    def __delattr__(self, name):
+        delattr(self._proxy_origin, name)
 
     def __getitem__(self, index):
-        return self._wrap(self._origin[index])
+        return self._proxy_wrap(self._proxy_origin[index])
 
     def __len__(self):
-        return len(self._origin)
+        return len(self._proxy_origin)
+
+    def __bool__(self):
+        return bool(self._proxy_origin)   # `if self.downsample:` in a forward: a module without len() is true
 
     def __iter__(self):
-        return (self._wrap(m) for m in self._origin)
+        return (self._proxy_wrap(m) for m in self._proxy_origin)
 
     def __call__(self, *args, **kwargs):
-        return self._origin(*args, **kwargs)
+        origin = self._proxy_origin
+        forward = origin.forward
+        if isinstance(forward, types.MethodType) and forward.__self__ is origin:
+            forward = types.MethodType(forward.__func__, self)   # flowgen's layers too: every forward sees its proxy
+        return origin._call_forward(forward, args, kwargs)
 
     def __repr__(self):
-        return repr(self._origin)
+        return repr(self._proxy_origin)
+
+
+def _user_defined(function) -> bool:
+    """Whether `function` is a user's code rather than flowgen's (nn.Module's API, a layer's helpers)."""
+    return not getattr(function, "__module__", "").startswith("flowgen.")

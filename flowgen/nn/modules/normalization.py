@@ -196,7 +196,7 @@ class _InstanceNorm(_NormBase):
     def forward(self, x):
         batched = self.spatial_dims + 2
         if x.ndim not in (batched - 1, batched):
-            raise ValueError(f"{type(self).__name__}: expected {batched - 1}D or {batched}D input (got {x.ndim}D "
+            raise ValueError(f"{self._get_name()}: expected {batched - 1}D or {batched}D input (got {x.ndim}D "
                              f"input of shape {tuple(x.shape)})")
         if x.ndim == batched - 1:
             return self.forward(x.unsqueeze(0)).squeeze(0)

@@ -25,8 +25,9 @@ class _Pad2d(Module):
 
     def forward(self, x):
         if x.ndim not in (3, 4):
-            raise ValueError(f"{type(self).__name__}: expected a 3-D or 4-D input, got shape {tuple(x.shape)}")
-        return NF.pad(x, self.padding, type(self).mode, self.value)
+            raise ValueError(f"{self._get_name()}: expected a 3-D or 4-D input, got shape {tuple(x.shape)}")
+        # self.__class__, not type(self): in a graph, forward runs on the module's Proxy (nn/graph/proxy.py)
+        return NF.pad(x, self.padding, self.__class__.mode, self.value)
 
     def extra_repr(self) -> str:
         return f"{self.padding}"

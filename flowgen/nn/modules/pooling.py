@@ -19,8 +19,9 @@ class _MaxPool(Module):
         self.return_indices, self.ceil_mode = return_indices, ceil_mode
 
     def forward(self, x):
-        return type(self).pool(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
-                               self.return_indices)
+        # self.__class__, not type(self): in a graph, forward runs on the module's Proxy (nn/graph/proxy.py)
+        return self.__class__.pool(x, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode,
+                                   self.return_indices)
 
     def extra_repr(self) -> str:
         return (f"kernel_size={self.kernel_size}, stride={self.stride}, padding={self.padding}, "
@@ -60,7 +61,7 @@ class _AdaptiveAvgPool(Module):
         self.output_size = output_size
 
     def forward(self, x):
-        return type(self).pool(x, self.output_size)
+        return self.__class__.pool(x, self.output_size)   # self may be the module's graph Proxy
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"

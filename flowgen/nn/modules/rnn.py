@@ -106,10 +106,10 @@ class RNNBase(Module):
     def forward(self, input, hx=None):
         unbatched = input.ndim == 2
         if input.ndim not in (2, 3):
-            raise ValueError(f"{type(self).__name__}: expected a 2-D (unbatched) or 3-D input, got shape "
+            raise ValueError(f"{self._get_name()}: expected a 2-D (unbatched) or 3-D input, got shape "
                              f"{tuple(input.shape)}")
         if input.shape[-1] != self.input_size:
-            raise RuntimeError(f"{type(self).__name__}: input.size(-1) must be equal to input_size. Expected "
+            raise RuntimeError(f"{self._get_name()}: input.size(-1) must be equal to input_size. Expected "
                                f"{self.input_size}, got {input.shape[-1]}")
         x = F.unsqueeze(input, 1) if unbatched else (F.transpose(input, 0, 1) if self.batch_first else input)
         if unbatched and hx is not None:
