@@ -254,6 +254,7 @@ def torch_task(task, row, spec, flow_model, data, precision, device, args) -> di
     sync()
     first = time.perf_counter() - start
     output = out.detach().double().cpu().numpy().ravel().tolist()
+    del out   # the loss keeps its autograd graph (AccumulateGrad nodes) alive, which breaks a capture
     start = time.perf_counter()
     run = capture(step, body if task == "train" else step, optimizer if task == "train" else None) \
         if row == "torch_cuda_graph" else step

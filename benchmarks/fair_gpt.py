@@ -267,6 +267,7 @@ def torch_task(task, row, config, data, precision, device, args) -> dict:
         result = {"output": [out.item()] + [step().item() for _ in range(RECORDED_LOSSES - 1)]}
     else:
         result = {"output": out[0].detach().double().cpu().numpy().ravel().tolist(), "token": int(out[1][0])}
+    del out   # the loss keeps its autograd graph (AccumulateGrad nodes) alive, which breaks a capture
     start = time.perf_counter()
     run = capture(step, body, optimizer) if row == "torch_cuda_graph" else step
     for _ in range(2):
