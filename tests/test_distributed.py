@@ -206,11 +206,14 @@ def _run_ranks(nproc: int, out_dir, *scenarios, via_launcher: bool = False):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+ZERO_CE = ("graph_zero1_ce", "graph_zero2_ce", "graph_zero3_ce")   # ZeRO 1/2/3, cross_entropy's mean
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     _run_ranks(2, out, "global_tensors", "unsupported", "graph_global_split", "graph_zero1", "graph_global_sum",
-               "graph_global_ce", "graph_ddp_sum", "graph_ddp_adam", "eager_ddp", via_launcher=True)
+               "graph_global_ce", *ZERO_CE, "graph_ddp_sum", "graph_ddp_adam", "eager_ddp", via_launcher=True)
     return out
 
 
@@ -222,7 +225,7 @@ def FOUR_RANKS(*values):     # noqa: N802 (reads as a marker)
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("four_ranks")
-    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2", "graph_global_ce")
+    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2", "graph_global_ce", *ZERO_CE)
     return out
 
 
@@ -271,6 +274,58 @@ def test_zero_equals_plain_data_parallel_with_a_shard_of_the_state_per_rank(requ
     per_rank = zero["state_bytes"].ravel()
     assert len(per_rank) == world and per_rank.sum() >= whole
     assert per_rank.max() <= whole / world + 4 * len(params)       # + at most one float per parameter
+
+
+def _torch_reference(scenario: str) -> tuple:
+    """PyTorch trains the same model (flowgen's initial parameters) on the whole global batch."""
+    torch = pytest.importorskip("torch")
+    _mode, loss_kind, opt_kind = worker.SCENARIOS[scenario]
+    assert loss_kind == "ce_ignore"
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), worker.make_model().parameters()):
+            p.copy_(torch.from_numpy(q.numpy()))
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
+                 else torch.optim.Adam(model.parameters(), lr=0.01))
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    xs, ys = worker.global_batch()
+    ys = worker.targets(loss_kind, ys)
+    losses = []
+    for s in range(worker.STEPS):
+        loss = loss_fn(model(torch.from_numpy(xs[s])), torch.from_numpy(ys[s]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return np.array(losses), [p.detach().numpy().copy() for p in model.parameters()]
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", ["two_ranks", FOUR_RANKS("four_ranks")])
+@pytest.mark.parametrize("scenario", ZERO_CE)
+def test_zero_with_cross_entropy_mean_and_ignored_targets_trains_like_one_process(request, ranks, scenario):
+    """cross_entropy's mean divides by the count of targets not ignored, a sum over the batch: every
+    rank differentiates its share of the global-batch loss (the count all-reduced first). The ignored
+    targets sit in rank 0's rows (at 4 ranks all of them: its own count is 0)."""
+    out = request.getfixturevalue(ranks)
+    world = 2 if ranks == "two_ranks" else 4
+    _assert_equals_one_process(out / f"{scenario}.npz", scenario, world)
+    result = np.load(out / f"{scenario}.npz")
+    torch_losses, torch_params = _torch_reference(scenario)
+    np.testing.assert_allclose(result["losses"], torch_losses, rtol=1e-5)
+    for k, p in enumerate(torch_params):
+        np.testing.assert_allclose(result[f"param_{k}"], p, rtol=1e-5, atol=1e-5 * np.abs(p).max())
+    stage = worker.zero_stage(scenario)
+    assert {1: "all_gather", 2: "reduce_scatter", 3: "reduce_scatter"}[stage] in set(result["collectives"])
+    plain = np.load(out / "graph_global_ce.npz")
+    whole = int(plain["state_bytes"].ravel()[0])        # SGD's momentum: one slot as large as the parameters
+    slots = {"sgd": 1, "adam": 2}[worker.SCENARIOS[scenario][2]]
+    params = [k for k in plain.files if k.startswith("param_")]
+    assert result["state_bytes"].ravel().max() <= slots * (whole / world + 4 * len(params))
+    if stage == 1:      # the same arithmetic per element as plain data parallel
+        for key in plain.files:
+            if key.startswith("param_") or key == "losses":
+                np.testing.assert_array_equal(result[key], plain[key], err_msg=key)
 
 
 @needs_mpi

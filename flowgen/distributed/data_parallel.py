@@ -16,7 +16,7 @@ How gradients and 0-d outputs combine is read from the IR (`batch_reduction`), n
 with global inputs the step must equal the global-batch step, so a loss that is a sum over the
 batch sums the gradients, a sum divided by a constant tied to the batch (a mean) averages them, and
 a sum divided by a sum over the batch (cross_entropy's mean over non-ignored targets, class
-weights) weights each rank by its denominator: grad = sum_r D_r g_r / sum_r D_r. A loss of any
+weights) is differentiated as the rank's share S_r / sum_r D_r and the gradients summed. A loss of any
 other form is refused. A 0-d output combines the same way; one of unknown form must be equal on
 every rank (checked), else the call raises. A DDP-wrapped module keeps PyTorch's contract instead:
 each rank's gradients are averaged, whatever the loss (as eager DistributedDataParallel does).
@@ -61,6 +61,13 @@ class BatchReduction:
     numerator: object = None
     denominator: object = None
     factor: float = 1.0
+
+    @property
+    def gradient_op(self) -> str:
+        """The collective op (all_reduce / reduce_scatter) that combines the ranks' gradients:
+        "mean" for a mean loss; "sum" for a sum, and for a ratio, whose loss is differentiated as
+        the rank's share S_r / sum_r D_r (gradient_allreduce.divide_ratio_loss_by_global_count)."""
+        return "mean" if self.kind == "mean" else "sum"
 
 
 def _constant_scalar(producers, value):

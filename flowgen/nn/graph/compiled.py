@@ -344,10 +344,10 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
             divide_ratio_loss_by_global_count(tracer, data_parallel.world_size)
         grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
         if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
-            reduction = _gradient_reduction(graph, tracer.graph, tracer.losses, data_parallel, zero)
+            reduction = gradient_reduction(graph.name, tracer.graph, tracer.losses, data_parallel)
             pieces = {} if zero is None or zero.stage == 1 else reduce_scatter_traced_gradients(
                 tracer, grads, world().rank, data_parallel.world_size, zero.shard_min_size,
-                data_parallel.bucket_size, reduction.kind)
+                data_parallel.bucket_size, reduction.gradient_op)
             whole = {n: g for n, g in grads.items() if n not in pieces}
             grads = {**reduce_traced_gradients(tracer, whole, reduction, data_parallel), **pieces}
             reduced_in_build = True
@@ -409,7 +409,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
-        reduction = _gradient_reduction(graph, ir, tracer.losses, data_parallel, zero)
+        reduction = gradient_reduction(graph.name, ir, tracer.losses, data_parallel)
         if not reduced_in_build:
             ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
                                                data_parallel.bucket_size)
@@ -428,7 +428,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                                                    scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
-                                               device, data_parallel.bucket_size, zero.stage, reduction.kind,
+                                               device, data_parallel.bucket_size, zero.stage, reduction.gradient_op,
                                                {grads[n]: piece for n, (piece, _) in tracer.gradient_pieces.items()})
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
             bindings, sharded_params = shard_parameter_bindings(graph._zero_slots, bindings, ir.state_by_name(),
@@ -531,13 +531,6 @@ def _refuse_sync_batch_norm(graph_name, ir):
                                   f"use BatchNorm")
 
 
-def _gradient_reduction(graph, ir, losses, data_parallel, zero):
-    """How the gradients combine over the ranks (data_parallel.gradient_reduction); ZeRO's refusal."""
-    reduction = gradient_reduction(graph.name, ir, losses, data_parallel)
-    if reduction.kind == "ratio" and zero is not None:
-        raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
-                                  f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
-    return reduction
 
 
 @dataclass(frozen=True)
