@@ -27,6 +27,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.autograd import enable_grad, zero_grads
+from flowgen.distributed import global_tensor
 from flowgen.nn.utils import clip_grad_norm_
 from flowgen.tensor import Tensor
 
@@ -187,7 +188,8 @@ class Optimizer:
             if p.grad is None:
                 continue
             if p.is_global:
-                yield (p, *_global_arrays(type(self).__name__, p))
+                if global_tensor.holds(p.placement):   # a rank outside the placement has nothing to update
+                    yield (p, *_global_arrays(type(self).__name__, p))
                 continue
             grad = p.grad.numpy_view()
             if grad.shape != tuple(p.shape):

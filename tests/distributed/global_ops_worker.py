@@ -150,7 +150,8 @@ def refusals(placement, rank):
         "split_along_different_dims": lambda: T("x", S0) + T("y", S1),
         # a local op failing on one rank only (its data): every rank must raise, none wait
         "fails_on_rank_1_only": lambda: global_ops._run_on_every_rank(
-            "example", lambda: (_ for _ in ()).throw(ValueError("bad index in this piece")) if rank == 1 else 0),
+            "example", placement,
+            lambda: (_ for _ in ()).throw(ValueError("bad index in this piece")) if rank == 1 else 0),
     }
     messages = {}
     for name, attempt in attempts.items():
