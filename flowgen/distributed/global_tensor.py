@@ -303,3 +303,16 @@ def graph_storage(tensor, what: str):
                                   f"hold global parameters and buffers as flow.sbp.broadcast only (data parallel), "
                                   f"not split or partial_sum (model parallel)")
     return info.local
+
+
+def graph_state_like(tensor, what: str, make_like):
+    """A new tensor of graph state beside the state tensor `tensor` (named `what`; an optimizer slot
+    of a parameter): `make_like(storage)` of the graph's storage of it (`graph_storage`), as a
+    global tensor on `tensor`'s placement when that is some of the ranks (the ranks outside it,
+    which trace the step but never run that part, hold no component; `numpy()` fetches it)."""
+    info = tensor._global
+    if info is None or covers_world(info.placement):
+        return make_like(graph_storage(tensor, what))
+    if info.local is None:
+        return absent(tensor.dtype, info.placement, info.sbp[0], info.shape)
+    return wrap_local(make_like(graph_storage(tensor, what)), info.placement, info.sbp[0], info.shape)

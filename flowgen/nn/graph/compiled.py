@@ -29,10 +29,12 @@ from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
 from flowgen.distributed import env
-from flowgen.distributed.global_tensor import graph_storage
+from flowgen.distributed.global_tensor import absent, covers_world, graph_storage, holds
 from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
-                                               gradient_reduction, shard_parameter_bindings,
+                                               gradient_reduction, graph_placement, shard_parameter_bindings,
                                                shard_slot_tensors)
+from flowgen.distributed.placement import placement as Placement
+from flowgen.distributed.sbp import broadcast
 from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import (all_reduce_gradients, divide_ratio_loss_by_global_count,
@@ -66,7 +68,8 @@ class CompiledGraph:
         self.checks: list = []              # run before every call (a traced optimizer's fixed options)
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
         self.output_combine = None          # per output, how a data-parallel step makes it global
-        self.output_placement = None        # the global inputs' placement: outputs become global
+        self.output_placements = None       # per output, the placement it is global on (None: outputs are local)
+        self.runs_here = True               # False on a rank outside the placement of a graph on some ranks
         self.sharded_slots = []             # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
         self.pipeline = None                # StageProgram: this rank's stage of a set_stage pipeline
         self.program_cache = "off"          # "hit" (passes and codegen loaded), "miss" (built, stored) or "off"
@@ -148,6 +151,10 @@ class CompiledGraph:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
                                    f"move inputs and modules to the same device")
+        if not self.runs_here:   # a graph on some of the ranks: this one runs nothing, its outputs have no component
+            self._graph._after_step()
+            return self.output_structure([absent(v.dtype, p, broadcast, v.shape)
+                                          for v, p in zip(self.ir.outputs, self.output_placements)])
         for check in self.checks:
             check()
         for slot in self.sharded_slots:
@@ -161,8 +168,8 @@ class CompiledGraph:
         # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
         self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
-        if self.output_placement is not None:
-            tensors = global_outputs(tensors, self.output_placement, self.output_combine)
+        if self.output_placements is not None:
+            tensors = global_outputs(tensors, self.output_placements, self.output_combine)
         return self.output_structure(tensors)
 
 
@@ -284,21 +291,23 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
+def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_placements: tuple = ()):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it. The tensors are this rank's
     local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
-    gradients over the ranks. One progress line covers all stages."""
+    gradients over the ranks; `input_placements` gives each flat input's placement when it was a
+    global tensor (data_parallel.split_inputs). One progress line covers all stages."""
     with reporting(graph.name) as progress, program_cache.collector_paused():
-        return _compile_step(graph, args, kwargs, data_parallel, progress)
+        return _compile_step(graph, args, kwargs, data_parallel, input_placements, progress)
 
 
-def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
+def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress):
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
     zero = _zero_settings(graph, data_parallel)
-    pipeline = pipeline_of(graph, data_parallel)
+    pipeline = pipeline_of(graph, data_parallel, input_placements)
+    placement = graph_placement(graph, input_placements, data_parallel, pipeline is not None)
     if data_parallel is not None:
         broadcast_state(graph)
     timings = {}
@@ -397,6 +406,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, graph_storage(t, tracer.state_of[id(t)].name))
                 for t in tracer.state_tensors]
+    placed = {tracer.state_of[id(t)].name for t in tracer.state_tensors if _on_some_ranks(t)}
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
@@ -435,13 +445,14 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                                                                 shards)
             sharded_slots += sharded_params
         state = ir.state_by_name()
-        bindings += [(state[s.state_name].value, s.tensor) for s in slots]
+        bindings += [(state[s.state_name].value, graph_storage(s.tensor, s.state_name)) for s in slots]
+        placed |= {s.state_name for s in slots if _on_some_ranks(s.tensor)}
         host_scalars += [(state[h.name].value, h) for h in host]
     stage_program = None
     if pipeline is not None:
         _refuse_sync_batch_norm(graph.name, ir)
         stage_program = split_stage(graph.name, ir, pipeline, micro_ends)
-        bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars)
+        bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars, placed)
         ir, structure = stage_program.ir, stage_program.user_structure(structure)
     ir, rng = bind_random_streams(ir)
     if rng is not None:
@@ -472,7 +483,31 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     compiled.output_combine = output_combine
     compiled.sharded_slots = sharded_slots
     compiled.pipeline = stage_program
+    compiled.runs_here = placement is None or holds(placement)
+    compiled.output_placements = _output_placements(len(ir.outputs), input_placements, placement, pipeline,
+                                                    stage_program)
     return compiled
+
+
+def _on_some_ranks(tensor) -> bool:
+    """A global tensor on a placement of some of the ranks (a pipeline stage's, OneFlow's way)."""
+    return tensor.is_global and not covers_world(tensor.placement)
+
+
+def _output_placements(num_outputs: int, input_placements: tuple, placement, pipeline, stage_program):
+    """Per output, the placement it comes back global on; None when every output is local (no
+    input was global and the graph runs on every rank). A graph on some of the ranks returns them
+    on its placement; a pipeline each on the placement of the stage that made it (OneFlow returns
+    the loss on the last stage's), one made on every rank on all of them."""
+    given = [p for p in input_placements if p is not None]
+    if placement is not None:
+        return [placement] * num_outputs
+    if not given:
+        return None
+    if pipeline is None:    # data parallel, or inputs on every rank
+        return [given[-1]] * num_outputs
+    everywhere = Placement(given[0].type, range(env.get_world_size()))
+    return [everywhere if stage is None else pipeline.placements[stage] for stage in stage_program.output_stages]
 
 
 def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, start, stage_program) -> tuple:
