@@ -205,6 +205,19 @@ def local_part(value: np.ndarray, layout: Sbp, rank: int, size: int) -> np.ndarr
     return np.array(np.take(value, range(start, start + sizes[rank]), axis=layout.dim))
 
 
+def assign_whole(tensor, array):
+    """Write the logical value `array` into the global `tensor` (a checkpoint loaded into a placed
+    module or optimizer slot): each rank of its placement its own part, no communication; a graph
+    holding the component uploads it again before its next call."""
+    info = tensor._global
+    if info.local is None:
+        return
+    comm = placement_group(info.placement)
+    dest = info.local.numpy_view()
+    dest[...] = local_part(np.asarray(array), info.sbp[0], comm.rank, comm.size).astype(dest.dtype, copy=False)
+    info.local._version += 1
+
+
 def global_to_global(tensor, placement, sbp):
     """The ranks of both placements call it (the others get the result's shape and dtype only)."""
     info = tensor._global

@@ -123,6 +123,33 @@ def graph(labels_on=None) -> dict:
             "transfers": np.array(transfers, dtype=str), **trained(module_pipeline)}
 
 
+def graph_momentum() -> dict:
+    """The tutorial's graph with SGD momentum: the slots live on their stage's rank and every rank
+    reads them through graph.state_dict(); a checkpoint taken after STEPS steps and loaded back
+    (parameters and slots written on their ranks) resumes bit for bit."""
+    module_pipeline = PipelineModule()
+    sgd = flow.optim.SGD(module_pipeline.parameters(), lr=0.001, momentum=0.9)
+    graph_pipeline = make_pipeline_graph(module_pipeline, sgd)
+    x, y = data()
+    x, y = x.to_global(P0, BROADCAST), y.to_global(P1, BROADCAST)
+    losses = [graph_pipeline(x, y).numpy().copy() for _ in range(STEPS)]
+    state = graph_pipeline.state_dict()
+    slots = {f"slot.{k}": v.numpy().copy() for k, v in state.items() if k.endswith("-momentum")}
+    checkpoint = _copied(state)
+    params = trained(module_pipeline)
+    after = [graph_pipeline(x, y).numpy().copy() for _ in range(2)]
+    graph_pipeline.load_state_dict(checkpoint)
+    resumed = [graph_pipeline(x, y).numpy().copy() for _ in range(2)]
+    return {"losses": np.array(losses), "after": np.array(after), "resumed": np.array(resumed), **params, **slots}
+
+
+def _copied(state):
+    """A checkpoint: every tensor of a state dict copied out as a local tensor of its whole value."""
+    if isinstance(state, dict):
+        return {k: _copied(v) for k, v in state.items()}
+    return flow.tensor(state.numpy().copy()) if isinstance(state, flow.Tensor) else state
+
+
 def eager() -> dict:
     """The tutorial's module trained without a graph: each op runs on its placement's rank."""
     module_pipeline = PipelineModule()
@@ -225,7 +252,8 @@ def refusals() -> dict:
     return messages
 
 
-SCENARIOS = {"graph": graph, "graph_labels_on_stage0": lambda: graph(labels_on=P0), "eager": eager,
+SCENARIOS = {"graph": graph, "graph_labels_on_stage0": lambda: graph(labels_on=P0), "graph_momentum": graph_momentum,
+             "eager": eager,
              "one_placement": one_placement, "refusals": refusals}
 
 
@@ -233,7 +261,8 @@ SCENARIOS = {"graph": graph, "graph_labels_on_stage0": lambda: graph(labels_on=P
 def reference(scenario: str) -> dict:
     """One process, eager, no placements: stage 0 and x as rank 0 drew them (seed 0), stage 1 and y
     as rank 1 did (seed 1; `one_placement`: everything from rank 1), trained by the tutorial's
-    step: two micro-batches, each loss halved and backpropagated, then SGD."""
+    step: two micro-batches, each loss halved and backpropagated, then SGD (with momentum for
+    `graph_momentum`, whose buffers it returns as "slot.<parameter path>-momentum")."""
     drawn = {}
     for rank in (0, 1):
         flow.manual_seed(rank)
@@ -247,7 +276,7 @@ def reference(scenario: str) -> dict:
         module.m_stage1 = drawn[1][0].m_stage1
         y = drawn[0 if scenario == "graph_labels_on_stage0" else 1][2]
         micro_batches = 2
-    sgd = flow.optim.SGD(module.parameters(), lr=0.001)
+    sgd = flow.optim.SGD(module.parameters(), lr=0.001, momentum=0.9 if scenario == "graph_momentum" else 0.0)
     loss_fn = flow.nn.CrossEntropyLoss()
     losses = []
     for _ in range(STEPS):
@@ -260,8 +289,10 @@ def reference(scenario: str) -> dict:
         sgd.step()
         sgd.zero_grad()
         losses.append(step if micro_batches > 1 else step[0])
-    return {"losses": np.array(losses),
-            **{f"param.{name}": p.numpy().copy() for name, p in module.named_parameters()}}
+    slots = {f"slot.module_pipeline.{name}-momentum": sgd.state[p]["momentum_buffer"].numpy().copy()
+             for name, p in module.named_parameters() if "momentum_buffer" in sgd.state.get(p, {})}
+    return {"losses": np.array(losses), **{f"param.{name}": p.numpy().copy() for name, p in module.named_parameters()},
+            **slots}
 
 
 def main():
