@@ -471,6 +471,45 @@ def test_global_eager_ops_equal_local_ops_on_the_logical_tensors(global_ops_rank
 
 
 @needs_mpi
+@pytest.mark.parametrize("case", list(global_ops_worker.CASES))
+def test_global_eager_ops_on_some_of_the_ranks_equal_local_ops(global_ops_ranks, case):
+    """The same cases on a placement of some ranks in another order ([1, 0] of 2, [3, 1] of 4): its
+    ranks compute, the others hold no component and read the logical value with numpy()."""
+    expected = global_ops_worker.reference_case(case)
+    sbp = global_ops_worker.CASES[case][1]
+    holders = global_ops_worker.subset_ranks(len(global_ops_ranks))
+    for rank, result in enumerate(global_ops_ranks):
+        assert str(result[f"subset_sbp_{case}"]) == repr(sbp), f"rank {rank}"
+        np.testing.assert_allclose(result[f"subset_value_{case}"], expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"rank {rank}")
+        if rank not in holders:
+            assert int(result[f"subset_local_size_{case}"]) == 0, f"rank {rank}"
+
+
+@needs_mpi
+def test_global_training_on_some_of_the_ranks_and_gradients_across_placements(global_ops_ranks):
+    """SGD of a model placed on some ranks equals one process; a loss on another placement than the
+    weight it differentiates gives the weight (on its placement) the one-process gradient."""
+    losses, params, grads = global_ops_worker.reference_training()
+    holders = global_ops_worker.subset_ranks(len(global_ops_ranks))
+    moved = global_ops_worker.reference_moved()
+    for rank, result in enumerate(global_ops_ranks):
+        np.testing.assert_allclose(result["subset_losses"], losses, rtol=1e-6, err_msg=f"rank {rank}")
+        for k, (p, g) in enumerate(zip(params, grads)):
+            np.testing.assert_allclose(result[f"subset_param_{k}"], p, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}")
+            if rank in holders:
+                np.testing.assert_allclose(result[f"subset_grad_local_{k}"], g, rtol=1e-5, atol=1e-6)
+            else:
+                assert result[f"subset_grad_local_{k}"].size == 0
+        for prefix in ("moved_", "moved_back_"):
+            for key, value in moved.items():
+                np.testing.assert_allclose(result[prefix + key], value, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{prefix}{key} rank {rank}")
+        assert str(result["moved_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks={holders})'
+        assert str(result["moved_back_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks=[{len(global_ops_ranks) - 1}])'
+
+
+@needs_mpi
 def test_global_sgd_on_a_split_batch_equals_one_process_on_the_whole_batch(global_ops_ranks):
     losses, params, grads = global_ops_worker.reference_training()
     for rank, result in enumerate(global_ops_ranks):
