@@ -3,10 +3,12 @@
 In-process tests run at world size 1 (no MPI needed). The multi-process tests start 2 and 4 ranks
 with mpiexec (tests/distributed/worker.py) and check that data-parallel training equals training
 in one process on the global batch, and that ZeRO stage 3 equals stage 2 and plain data parallel
-with a shard of the parameters per rank (tests/distributed/zero3_worker.py), and that gradient
+with a shard of the parameters per rank (tests/distributed/zero3_worker.py), that ZeRO 1/2/3 with
+cross_entropy's mean over targets not ignored equals one process and PyTorch, that gradient
 clipping inside build() and SyncBatchNorm equal one process on the global batch
-(tests/distributed/clip_syncbn_worker.py); they skip when mpi4py or mpiexec is missing
-(`pip install -e '.[dist]'`).
+(tests/distributed/clip_syncbn_worker.py), and that eager ops on global tensors, on every rank or
+on some of them, equal local ops on the logical values (tests/distributed/global_ops_worker.py);
+they skip when mpi4py or mpiexec is missing (`pip install -e '.[dist]'`).
 """
 from __future__ import annotations
 

@@ -16,6 +16,8 @@ import sys
 import numpy as np
 import pytest
 
+import flowgen as flow
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "distributed"))
 import oneflow_pipeline_worker as worker  # noqa: E402
 
@@ -102,6 +104,12 @@ def test_a_graph_on_one_rank_runs_there_only(ranks):
     _assert_trains_like_one_process(ranks["one_placement"], "one_placement")
     rank0, rank1 = ranks["one_placement"]
     assert list(rank0["local_sizes"]) == [0] * worker.STEPS and list(rank1["local_sizes"]) == [1] * worker.STEPS
+    assert str(rank0["saved"]) == "" and str(rank1["saved"])    # flow.save: rank 1 wrote the graph it ran
+    saved = flow.load(str(rank1["saved"]))
+    expected = _reference("one_placement")
+    for key, value in expected.items():
+        if key.startswith("param."):
+            np.testing.assert_array_equal(saved.weights["module." + key[len("param."):]], rank1[key])
 
 
 def test_placements_a_graph_cannot_run_raise_naming_the_module_and_placement(ranks):
