@@ -54,6 +54,7 @@ from flowgen.distributed import global_tensor
 from flowgen.distributed.sbp import broadcast, partial_sum, sbp as Sbp, split
 from flowgen.ops import registry
 from flowgen.ops.lowering import Elementwise
+from flowgen.ops.registry import OpDef
 from flowgen.tensor import Tensor, as_tensor_like
 
 _RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int", "randperm"})
@@ -363,21 +364,18 @@ def _run_on_every_rank(op_name, placement, run):
                        f"ran): {messages[first][0]}")
 
 
-class _Conversion:
-    """The autograd op of a global -> global `to_global`: the gradient goes back to the source's
-    placement, laid out as the source (a partial_sum source's as broadcast: each part's gradient is
-    the whole logical gradient)."""
-
-    name = "to_global"
-
-    @staticmethod
-    def grad(ctx, g):
-        source = ctx.inputs[0]._global
-        layout = broadcast if source.sbp[0].kind == "partial_sum" else source.sbp[0]
-        return global_tensor.to_global(g, source.placement, layout)
+def _conversion_grad(ctx, g):
+    source = ctx.inputs[0]._global
+    layout = broadcast if source.sbp[0].kind == "partial_sum" else source.sbp[0]
+    return global_tensor.to_global(g, source.placement, layout)
 
 
-CONVERSION = _Conversion()
+# The autograd op of a global -> global `to_global` (outside the registry: it runs through
+# to_global, never registry.apply): the gradient goes back to the source's placement, laid out as
+# the source (a partial_sum source's as broadcast: each part's gradient is the whole logical
+# gradient). It reads the source's placement and sbp only, no values.
+CONVERSION = OpDef("to_global", infer=None, ref=None, grad=_conversion_grad,
+                   doc="to_global(x, placement, sbp) on the autograd tape", extra={"grad_reads_inputs": False})
 
 
 def _record_conversion(source, converted):
