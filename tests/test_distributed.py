@@ -559,14 +559,14 @@ def _run_pipeline(nproc: int, out, *scenarios):
 @pytest.fixture(scope="module")
 def pipeline_two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_two_ranks")
-    _run_pipeline(2, out, "sgd_acc2", "adam_acc4", "unsupported")
+    _run_pipeline(2, out, "sgd_acc2", "adam_acc4", "placed_sgd_acc2", "unsupported")
     return out
 
 
 @pytest.fixture(scope="module")
 def pipeline_three_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_three_ranks")
-    _run_pipeline(3, out, "three_stages_adam_acc3")
+    _run_pipeline(3, out, "three_stages_adam_acc3", "placed_three_stages_adam_acc3")
     return out
 
 
@@ -582,9 +582,20 @@ def _assert_pipeline_equals_one_device(out, scenario: str, world: int):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["sgd_acc2", "adam_acc4"])
+@pytest.mark.parametrize("scenario", ["sgd_acc2", "adam_acc4", "placed_sgd_acc2"])
 def test_two_stage_pipeline_trains_like_one_device(pipeline_two_ranks, scenario):
     _assert_pipeline_equals_one_device(pipeline_two_ranks, scenario, 2)
+
+
+@needs_mpi
+def test_placed_stages_and_inputs_move_only_what_another_stage_reads(pipeline_two_ranks):
+    """OneFlow's placements (modules on their stage's rank, x on stage 0's, y on the last's) send
+    the same activations and gradients as local modules and inputs: no input crosses; with three
+    stages and y on stage 0's rank, y goes to the last stage once, first (slow: 3 ranks)."""
+    for rank in range(2):
+        placed = np.load(pipeline_two_ranks / f"placed_sgd_acc2_rank{rank}.npz")["transfers"]
+        local = np.load(pipeline_two_ranks / f"sgd_acc2_rank{rank}.npz")["transfers"]
+        assert list(placed) == list(local)
 
 
 @needs_mpi
@@ -601,6 +612,11 @@ def test_pipeline_stages_run_one_forward_one_backward(pipeline_two_ranks):
 @pytest.mark.slow
 def test_three_stage_pipeline_trains_like_one_device(pipeline_three_ranks):
     _assert_pipeline_equals_one_device(pipeline_three_ranks, "three_stages_adam_acc3", 3)
+    _assert_pipeline_equals_one_device(pipeline_three_ranks, "placed_three_stages_adam_acc3", 3)
+    first = [str(t) for t in np.load(pipeline_three_ranks / "placed_three_stages_adam_acc3_rank0.npz")["transfers"]]
+    last = [str(t) for t in np.load(pipeline_three_ranks / "placed_three_stages_adam_acc3_rank2.npz")["transfers"]]
+    local = [str(t) for t in np.load(pipeline_three_ranks / "three_stages_adam_acc3_rank0.npz")["transfers"]]
+    assert first == ["send"] + local and last[0] == "recv"     # y, placed on rank 0, is sent to stage 2 first
 
 
 @needs_mpi

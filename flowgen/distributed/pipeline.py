@@ -389,7 +389,9 @@ def _stage_nodes(ir, home: dict, source: dict, phases: list, sends: dict, pipeli
     arrived = {}    # a placed input -> the value its recv makes here (the input itself holds zeros)
 
     def receive(v):
-        if v not in received and source.get(v) not in (None, me) and v in sends:
+        # (a placed input read by a node on every rank that this stage does not need, which DCE
+        # drops, is not sent here: `_placed_input_readers`)
+        if v not in received and source.get(v) not in (None, me) and me in dict(sends.get(v, ())):
             tag = dict(sends[v])[me]
             attrs = {"shape": tuple(v.shape), "dtype": v.dtype, "source": ranks[source[v]], "tag": tag}
             made = v if v not in inputs else arrived.setdefault(v, Value(names(), tuple(v.shape), v.dtype))
