@@ -508,7 +508,8 @@ def test_global_training_on_some_of_the_ranks_and_gradients_across_placements(gl
                 np.testing.assert_allclose(result[prefix + key], value, rtol=1e-5, atol=1e-6,
                                            err_msg=f"{prefix}{key} rank {rank}")
         assert str(result["moved_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks={holders})'
-        assert str(result["moved_back_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks=[{len(global_ops_ranks) - 1}])'
+        last = len(global_ops_ranks) - 1
+        assert str(result["moved_back_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks=[{last}])'
 
 
 @needs_mpi

@@ -129,11 +129,12 @@ def _check_placed_state(graph, staged: dict):
         for name, t in tensors:
             if t is None or not t.is_global:
                 continue
-            if t.sbp[0].kind != "broadcast" or (t.placement != options.stage_placement and not covers_world(t.placement)):
+            on_its_stage = t.placement == options.stage_placement or covers_world(t.placement)
+            if t.sbp[0].kind != "broadcast" or not on_its_stage:
                 raise NotImplementedError(f"{graph.name}: {name} is on {t.placement!r} with sbp {t.sbp[0]!r} but "
                                           f"set_stage puts {path} (stage {options.stage_id}) on "
-                                          f"{options.stage_placement!r}; place the module as its stage: "
-                                          f"module.to_global(placement=<the stage's placement>, sbp=flow.sbp.broadcast)")
+                                          f"{options.stage_placement!r}; place the module as its stage: module."
+                                          f"to_global(placement=<the stage's placement>, sbp=flow.sbp.broadcast)")
 
 
 def _input_stages(graph_name, input_placements, ranks: tuple) -> tuple:
