@@ -181,9 +181,7 @@ def _accumulate_global_grad(t, g) -> None:
     g = g.to_global(t.placement, t.sbp)
     if t.grad is not None:
         g = t.grad + g
-    t.grad = global_tensor.wrap_local(Tensor(c_array(g.to_local().numpy_view(), t.dtype.np_dtype).copy(),
-                                             dtype=t.dtype, device=t.to_local().device),
-                                      t.placement, t.sbp[0], tuple(t.shape))
+    t.grad = global_tensor.component_copy(g, t.dtype)
     for hook in t._post_accumulate_grad_hooks:
         hook(t)
 

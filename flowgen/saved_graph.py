@@ -568,11 +568,14 @@ def is_saved_graph(path) -> bool:
 
 def save_graph(graph, path) -> None:
     """`flow.save(graph, path)`: write graph.json, constants, weights and signature atomically. For a
-    data-parallel graph every rank calls it and rank 0 writes (module doc)."""
+    data-parallel graph every rank calls it and rank 0 writes (module doc); a graph whose tensors
+    are all on some of the ranks is written by those (the others hold nothing of it)."""
     if graph._last is None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
+    if not compiled.runs_here:     # a graph on some of the ranks: they save it, this rank holds none of it
+        return
     data_parallel = data_parallel_entry(graph.name, compiled)
     doc, arrays = encode_graph(compiled.ir, graph.training)
     if data_parallel is not None:

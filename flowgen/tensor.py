@@ -304,8 +304,7 @@ class Tensor:
         if self.is_lazy:
             return F.detach(self)
         if self._global is not None:
-            info = self._global
-            return global_tensor.wrap_local(info.local.detach(), info.placement, info.sbp[0], info.shape)
+            return global_tensor.detached(self)
         out = Tensor.__new__(Tensor)
         Tensor.__init__(out, None, device=self.device)
         out._data, out._dtype = self.numpy_view(), self._dtype
@@ -637,15 +636,16 @@ class Tensor:
         return self._global is None
 
     def to_global(self, placement=None, sbp=None) -> "Tensor":
-        """A local tensor becomes this rank's component of a global one (`broadcast` takes rank 0's
-        data); a global tensor changes its placement/SBP (flowgen/distributed/global_tensor.py)."""
+        """A local tensor becomes this rank's component of a global one (`broadcast` takes the data of
+        the placement's first rank); a global tensor changes its placement/SBP, differentiably
+        (flowgen/distributed/global_tensor.py). Inside nn.Graph.build() a broadcast is the identity."""
         return global_tensor.to_global(self, placement, sbp)
 
     def to_local(self) -> "Tensor":
-        """This rank's component of a global tensor."""
+        """This rank's component of a global tensor (an empty tensor on a rank outside its placement)."""
         if self._global is None:
             raise RuntimeError("to_local(): the tensor is already local (to_local needs a global tensor)")
-        return self._global.local
+        return global_tensor.local_or_empty(self)
 
     @property
     def placement(self):
@@ -721,7 +721,8 @@ class Size(tuple):
 
 
 def as_tensor_like(value, like: Tensor | None) -> Tensor:
-    """A Python scalar/array as a tensor, typed to sit beside `like` (weak scalar typing)."""
+    """A Python scalar/array as a tensor, typed to sit beside `like` (weak scalar typing); a scalar
+    beside a global tensor is a broadcast global tensor on its placement."""
     if isinstance(value, Tensor):
         return value
     if isinstance(value, (bool, int, float)) and like is not None:
@@ -733,7 +734,8 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
                 target = dt.float32
         elif not isinstance(value, bool) and target is dt.bool_:
             target = dt.int64
-        return Tensor._wrap(np.array(value, dtype=target.np_dtype), target, like.device)
+        scalar = Tensor._wrap(np.array(value, dtype=target.np_dtype), target, like.device)
+        return scalar if like._global is None else global_tensor.broadcast_beside(scalar, like)
     arr = np.asarray(value.numpy() if hasattr(value, "numpy") else value)
     device = like.device if like is not None else None
     if arr.dtype == np.float64 and like is not None and like._dtype == dt.float64:

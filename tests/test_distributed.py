@@ -3,10 +3,12 @@
 In-process tests run at world size 1 (no MPI needed). The multi-process tests start 2 and 4 ranks
 with mpiexec (tests/distributed/worker.py) and check that data-parallel training equals training
 in one process on the global batch, and that ZeRO stage 3 equals stage 2 and plain data parallel
-with a shard of the parameters per rank (tests/distributed/zero3_worker.py), and that gradient
+with a shard of the parameters per rank (tests/distributed/zero3_worker.py), that ZeRO 1/2/3 with
+cross_entropy's mean over targets not ignored equals one process and PyTorch, that gradient
 clipping inside build() and SyncBatchNorm equal one process on the global batch
-(tests/distributed/clip_syncbn_worker.py); they skip when mpi4py or mpiexec is missing
-(`pip install -e '.[dist]'`).
+(tests/distributed/clip_syncbn_worker.py), and that eager ops on global tensors, on every rank or
+on some of them, equal local ops on the logical values (tests/distributed/global_ops_worker.py);
+they skip when mpi4py or mpiexec is missing (`pip install -e '.[dist]'`).
 """
 from __future__ import annotations
 
@@ -206,11 +208,14 @@ def _run_ranks(nproc: int, out_dir, *scenarios, via_launcher: bool = False):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+ZERO_CE = ("graph_zero1_ce", "graph_zero2_ce", "graph_zero3_ce")   # ZeRO 1/2/3, cross_entropy's mean
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
     _run_ranks(2, out, "global_tensors", "unsupported", "graph_global_split", "graph_zero1", "graph_global_sum",
-               "graph_global_ce", "graph_ddp_sum", "graph_ddp_adam", "eager_ddp", via_launcher=True)
+               "graph_global_ce", *ZERO_CE, "graph_ddp_sum", "graph_ddp_adam", "eager_ddp", via_launcher=True)
     return out
 
 
@@ -222,7 +227,7 @@ def FOUR_RANKS(*values):     # noqa: N802 (reads as a marker)
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("four_ranks")
-    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2", "graph_global_ce")
+    _run_ranks(4, out, "global_tensors", "graph_global_split", "graph_zero2", "graph_global_ce", *ZERO_CE)
     return out
 
 
@@ -271,6 +276,58 @@ def test_zero_equals_plain_data_parallel_with_a_shard_of_the_state_per_rank(requ
     per_rank = zero["state_bytes"].ravel()
     assert len(per_rank) == world and per_rank.sum() >= whole
     assert per_rank.max() <= whole / world + 4 * len(params)       # + at most one float per parameter
+
+
+def _torch_reference(scenario: str) -> tuple:
+    """PyTorch trains the same model (flowgen's initial parameters) on the whole global batch."""
+    torch = pytest.importorskip("torch")
+    _mode, loss_kind, opt_kind = worker.SCENARIOS[scenario]
+    assert loss_kind == "ce_ignore"
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), worker.make_model().parameters()):
+            p.copy_(torch.from_numpy(q.numpy()))
+    optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
+                 else torch.optim.Adam(model.parameters(), lr=0.01))
+    loss_fn = torch.nn.CrossEntropyLoss(ignore_index=-1)
+    xs, ys = worker.global_batch()
+    ys = worker.targets(loss_kind, ys)
+    losses = []
+    for s in range(worker.STEPS):
+        loss = loss_fn(model(torch.from_numpy(xs[s])), torch.from_numpy(ys[s]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return np.array(losses), [p.detach().numpy().copy() for p in model.parameters()]
+
+
+@needs_mpi
+@pytest.mark.parametrize("ranks", ["two_ranks", FOUR_RANKS("four_ranks")])
+@pytest.mark.parametrize("scenario", ZERO_CE)
+def test_zero_with_cross_entropy_mean_and_ignored_targets_trains_like_one_process(request, ranks, scenario):
+    """cross_entropy's mean divides by the count of targets not ignored, a sum over the batch: every
+    rank differentiates its share of the global-batch loss (the count all-reduced first). The ignored
+    targets sit in rank 0's rows (at 4 ranks all of them: its own count is 0)."""
+    out = request.getfixturevalue(ranks)
+    world = 2 if ranks == "two_ranks" else 4
+    _assert_equals_one_process(out / f"{scenario}.npz", scenario, world)
+    result = np.load(out / f"{scenario}.npz")
+    torch_losses, torch_params = _torch_reference(scenario)
+    np.testing.assert_allclose(result["losses"], torch_losses, rtol=1e-5)
+    for k, p in enumerate(torch_params):
+        np.testing.assert_allclose(result[f"param_{k}"], p, rtol=1e-5, atol=1e-5 * np.abs(p).max())
+    stage = worker.zero_stage(scenario)
+    assert {1: "all_gather", 2: "reduce_scatter", 3: "reduce_scatter"}[stage] in set(result["collectives"])
+    plain = np.load(out / "graph_global_ce.npz")
+    whole = int(plain["state_bytes"].ravel()[0])        # SGD's momentum: one slot as large as the parameters
+    slots = {"sgd": 1, "adam": 2}[worker.SCENARIOS[scenario][2]]
+    params = [k for k in plain.files if k.startswith("param_")]
+    assert result["state_bytes"].ravel().max() <= slots * (whole / world + 4 * len(params))
+    if stage == 1:      # the same arithmetic per element as plain data parallel
+        for key in plain.files:
+            if key.startswith("param_") or key == "losses":
+                np.testing.assert_array_equal(result[key], plain[key], err_msg=key)
 
 
 @needs_mpi
@@ -416,6 +473,46 @@ def test_global_eager_ops_equal_local_ops_on_the_logical_tensors(global_ops_rank
 
 
 @needs_mpi
+@pytest.mark.parametrize("case", list(global_ops_worker.CASES))
+def test_global_eager_ops_on_some_of_the_ranks_equal_local_ops(global_ops_ranks, case):
+    """The same cases on a placement of some ranks in another order ([1, 0] of 2, [3, 1] of 4): its
+    ranks compute, the others hold no component and read the logical value with numpy()."""
+    expected = global_ops_worker.reference_case(case)
+    sbp = global_ops_worker.CASES[case][1]
+    holders = global_ops_worker.subset_ranks(len(global_ops_ranks))
+    for rank, result in enumerate(global_ops_ranks):
+        assert str(result[f"subset_sbp_{case}"]) == repr(sbp), f"rank {rank}"
+        np.testing.assert_allclose(result[f"subset_value_{case}"], expected, rtol=1e-5, atol=1e-6,
+                                   err_msg=f"rank {rank}")
+        if rank not in holders:
+            assert int(result[f"subset_local_size_{case}"]) == 0, f"rank {rank}"
+
+
+@needs_mpi
+def test_global_training_on_some_of_the_ranks_and_gradients_across_placements(global_ops_ranks):
+    """SGD of a model placed on some ranks equals one process; a loss on another placement than the
+    weight it differentiates gives the weight (on its placement) the one-process gradient."""
+    losses, params, grads = global_ops_worker.reference_training()
+    holders = global_ops_worker.subset_ranks(len(global_ops_ranks))
+    moved = global_ops_worker.reference_moved()
+    for rank, result in enumerate(global_ops_ranks):
+        np.testing.assert_allclose(result["subset_losses"], losses, rtol=1e-6, err_msg=f"rank {rank}")
+        for k, (p, g) in enumerate(zip(params, grads)):
+            np.testing.assert_allclose(result[f"subset_param_{k}"], p, rtol=1e-6, atol=1e-6, err_msg=f"rank {rank}")
+            if rank in holders:
+                np.testing.assert_allclose(result[f"subset_grad_local_{k}"], g, rtol=1e-5, atol=1e-6)
+            else:
+                assert result[f"subset_grad_local_{k}"].size == 0
+        for prefix in ("moved_", "moved_back_"):
+            for key, value in moved.items():
+                np.testing.assert_allclose(result[prefix + key], value, rtol=1e-5, atol=1e-6,
+                                           err_msg=f"{prefix}{key} rank {rank}")
+        assert str(result["moved_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks={holders})'
+        last = len(global_ops_ranks) - 1
+        assert str(result["moved_back_w_grad_placement"]) == f'flowgen.placement(type="cpu", ranks=[{last}])'
+
+
+@needs_mpi
 def test_global_sgd_on_a_split_batch_equals_one_process_on_the_whole_batch(global_ops_ranks):
     losses, params, grads = global_ops_worker.reference_training()
     for rank, result in enumerate(global_ops_ranks):
@@ -463,14 +560,14 @@ def _run_pipeline(nproc: int, out, *scenarios):
 @pytest.fixture(scope="module")
 def pipeline_two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_two_ranks")
-    _run_pipeline(2, out, "sgd_acc2", "adam_acc4", "unsupported")
+    _run_pipeline(2, out, "sgd_acc2", "adam_acc4", "placed_sgd_acc2", "unsupported")
     return out
 
 
 @pytest.fixture(scope="module")
 def pipeline_three_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("pipeline_three_ranks")
-    _run_pipeline(3, out, "three_stages_adam_acc3")
+    _run_pipeline(3, out, "three_stages_adam_acc3", "placed_three_stages_adam_acc3")
     return out
 
 
@@ -486,9 +583,20 @@ def _assert_pipeline_equals_one_device(out, scenario: str, world: int):
 
 
 @needs_mpi
-@pytest.mark.parametrize("scenario", ["sgd_acc2", "adam_acc4"])
+@pytest.mark.parametrize("scenario", ["sgd_acc2", "adam_acc4", "placed_sgd_acc2"])
 def test_two_stage_pipeline_trains_like_one_device(pipeline_two_ranks, scenario):
     _assert_pipeline_equals_one_device(pipeline_two_ranks, scenario, 2)
+
+
+@needs_mpi
+def test_placed_stages_and_inputs_move_only_what_another_stage_reads(pipeline_two_ranks):
+    """OneFlow's placements (modules on their stage's rank, x on stage 0's, y on the last's) send
+    the same activations and gradients as local modules and inputs: no input crosses; with three
+    stages and y on stage 0's rank, y goes to the last stage once, first (slow: 3 ranks)."""
+    for rank in range(2):
+        placed = np.load(pipeline_two_ranks / f"placed_sgd_acc2_rank{rank}.npz")["transfers"]
+        local = np.load(pipeline_two_ranks / f"sgd_acc2_rank{rank}.npz")["transfers"]
+        assert list(placed) == list(local)
 
 
 @needs_mpi
@@ -505,6 +613,11 @@ def test_pipeline_stages_run_one_forward_one_backward(pipeline_two_ranks):
 @pytest.mark.slow
 def test_three_stage_pipeline_trains_like_one_device(pipeline_three_ranks):
     _assert_pipeline_equals_one_device(pipeline_three_ranks, "three_stages_adam_acc3", 3)
+    _assert_pipeline_equals_one_device(pipeline_three_ranks, "placed_three_stages_adam_acc3", 3)
+    first = [str(t) for t in np.load(pipeline_three_ranks / "placed_three_stages_adam_acc3_rank0.npz")["transfers"]]
+    last = [str(t) for t in np.load(pipeline_three_ranks / "placed_three_stages_adam_acc3_rank2.npz")["transfers"]]
+    local = [str(t) for t in np.load(pipeline_three_ranks / "three_stages_adam_acc3_rank0.npz")["transfers"]]
+    assert first == ["send"] + local and last[0] == "recv"     # y, placed on rank 0, is sent to stage 2 first
 
 
 @needs_mpi

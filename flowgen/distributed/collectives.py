@@ -2,6 +2,10 @@
 
 `world()` is the communicator of this process: `MpiWorld` when a launcher started several
 processes, `SingleProcess` (no MPI loaded) otherwise, so world-size-1 code runs the same calls.
+`group(ranks)` is the communicator of some ranks of the world, in the order given (a placement's
+ranks: its collectives run among those ranks only, and `rank` is this process's index there):
+`world()` for every rank in order, a `SingleProcess` for one rank (nothing to exchange), else an
+MPI communicator made once per rank list (`MPI_Comm_create_group`, collective over those ranks only).
 Tensors travel as NumPy arrays; a bucket of arrays of one dtype is packed into one flat buffer
 so that it costs one MPI call (`all_reduce`).
 
@@ -66,10 +70,11 @@ class SingleProcess:
 
 
 class MpiWorld:
-    """MPI_COMM_WORLD. mpi4py is imported here, not at module level: it is an optional
-    dependency, and importing it initialises MPI, which only launched processes should do."""
+    """MPI_COMM_WORLD, or (`comm`) a communicator of some of its ranks (`group`). mpi4py is
+    imported here, not at module level: it is an optional dependency, and importing it initialises
+    MPI, which only launched processes should do."""
 
-    def __init__(self):
+    def __init__(self, comm=None):
         try:
             from mpi4py import MPI
         except ImportError as exc:
@@ -77,10 +82,10 @@ class MpiWorld:
                                f"is not installed; install flowgen's 'dist' extra: pip install 'flowgen[dist]'"
                                ) from exc
         self.MPI = MPI
-        self.comm = MPI.COMM_WORLD
+        self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.pending_sends = []   # (request, host copy): the copy must live until the send completes
-        if (self.rank, self.size) != (env.get_rank(), env.get_world_size()):
+        if comm is None and (self.rank, self.size) != (env.get_rank(), env.get_world_size()):
             raise RuntimeError(f"MPI says rank {self.rank} of {self.size}, the environment says "
                                f"{env.get_rank()} of {env.get_world_size()}: launch with the mpiexec of the "
                                f"MPI that mpi4py was built against")
@@ -141,7 +146,7 @@ class MpiWorld:
         return out
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
-        data = np.ascontiguousarray(array).copy()
+        data = np.array(array, order="C")     # a C-contiguous copy that keeps a 0-d array 0-d
         self.comm.Bcast(data, root=root)
         return data
 
@@ -171,6 +176,7 @@ def _check_op(op: str):
 
 
 _world = None
+_groups: dict = {}      # tuple of world ranks -> the communicator of those ranks
 
 
 def world():
@@ -179,6 +185,27 @@ def world():
     if _world is None:
         _world = MpiWorld() if env.get_world_size() > 1 else SingleProcess()
     return _world
+
+
+def group(ranks) -> "MpiWorld | SingleProcess":
+    """The communicator of the world ranks `ranks` (in that order: this process is `rank` = its
+    index there). Only those ranks may call it, all together the first time (it is made then, a
+    collective over them) and with the same list: a placement's ranks, or the union of two."""
+    ranks = tuple(int(r) for r in ranks)
+    comm = world()
+    if ranks == tuple(range(comm.size)):
+        return comm
+    if comm.rank not in ranks:
+        raise RuntimeError(f"rank {comm.rank} asked for the communicator of ranks {list(ranks)}, which it is not "
+                           f"part of (a bug: please report it)")
+    if ranks not in _groups:
+        if len(ranks) == 1:
+            _groups[ranks] = SingleProcess()
+        else:
+            members = comm.comm.group.Incl(list(ranks))
+            _groups[ranks] = MpiWorld(comm.comm.Create_group(members))
+            members.Free()
+    return _groups[ranks]
 
 
 # ------------------------------------------------------------------ the IR op

@@ -16,7 +16,7 @@ How gradients and 0-d outputs combine is read from the IR (`batch_reduction`), n
 with global inputs the step must equal the global-batch step, so a loss that is a sum over the
 batch sums the gradients, a sum divided by a constant tied to the batch (a mean) averages them, and
 a sum divided by a sum over the batch (cross_entropy's mean over non-ignored targets, class
-weights) weights each rank by its denominator: grad = sum_r D_r g_r / sum_r D_r. A loss of any
+weights) is differentiated as the rank's share S_r / sum_r D_r and the gradients summed. A loss of any
 other form is refused. A 0-d output combines the same way; one of unknown form must be equal on
 every rank (checked), else the call raises. A DDP-wrapped module keeps PyTorch's contract instead:
 each rank's gradients are averaged, whatever the loss (as eager DistributedDataParallel does).
@@ -37,7 +37,7 @@ import numpy as np
 
 from flowgen.distributed import env, sbp
 from flowgen.distributed.collectives import world
-from flowgen.distributed.global_tensor import as_global
+from flowgen.distributed.global_tensor import as_global, covers_world, holds
 from flowgen.passes.optimizer import SlotBinding
 from flowgen.tensor import Tensor
 
@@ -61,6 +61,13 @@ class BatchReduction:
     numerator: object = None
     denominator: object = None
     factor: float = 1.0
+
+    @property
+    def gradient_op(self) -> str:
+        """The collective op (all_reduce / reduce_scatter) that combines the ranks' gradients:
+        "mean" for a mean loss; "sum" for a sum, and for a ratio, whose loss is differentiated as
+        the rank's share S_r / sum_r D_r (gradient_allreduce.divide_ratio_loss_by_global_count)."""
+        return "mean" if self.kind == "mean" else "sum"
 
 
 def _constant_scalar(producers, value):
@@ -142,14 +149,24 @@ def _wrapped_modules(graph) -> list:
 
 
 def split_inputs(graph, args) -> tuple:
-    """(this rank's local arguments, the placement of the global inputs or None, data parallel?)."""
-    placement, split = None, False
+    """(this rank's local arguments, each input's placement (None for a local one), data parallel?).
+
+    A global input on a placement this rank is not part of has no component here: it is passed as
+    zeros of its logical shape, which the step never reads on this rank (a pipeline reads it on
+    its stage's rank, `pipeline.pipeline_of`; a graph on some of the ranks runs only there,
+    `graph_placement`)."""
+    placements, split = [], False
     for k, a in enumerate(args):
         if not a.is_global:
+            placements.append(None)
             continue
         layout = a.sbp[0]
         if layout.kind == "split" and layout.dim == 0:
             split = True
+            if not covers_world(a.placement):
+                raise NotImplementedError(f"{graph.name}: input {k} is split over {a.placement!r}; data-parallel "
+                                          f"graphs split their inputs over every rank of the world, i.e. "
+                                          f"ranks={list(range(env.get_world_size()))}")
             if a.shape[0] % env.get_world_size():
                 raise ValueError(f"{graph.name}: input {k} is split over {env.get_world_size()} ranks along a "
                                  f"batch of {a.shape[0]}; data-parallel graphs need equal parts (a batch "
@@ -157,9 +174,39 @@ def split_inputs(graph, args) -> tuple:
         elif layout.kind != "broadcast":
             raise NotImplementedError(f"{graph.name}: input {k} has sbp {layout!r}; graph inputs may be global "
                                       f"with flow.sbp.split(0) (data parallel) or flow.sbp.broadcast")
-        placement = a.placement
-    local = [a.to_local() if a.is_global else a for a in args]
-    return local, placement, split
+        placements.append(a.placement)
+    local = [(a.to_local() if holds(a.placement) else Tensor(np.zeros(tuple(a.shape), a.dtype.np_dtype),
+                                                               dtype=a.dtype, device=a.device))
+             if a.is_global else a for a in args]
+    return local, tuple(placements), split
+
+
+def graph_placement(graph, input_placements, data_parallel, pipelined: bool):
+    """Where a graph that is not a pipeline runs: None (every rank: its tensors are local, or on
+    every rank), or the one placement of its global inputs, parameters and buffers when that is
+    some of the ranks (each of them runs the whole step; the others run nothing and get outputs
+    without components). Raises, naming the tensors, for placements a graph cannot combine."""
+    placed = [(f"input {k}", p) for k, p in enumerate(input_placements) if p is not None]
+    for module_name, module in graph._modules.items():
+        for name, t in [*module.named_parameters(prefix=module_name), *module.named_buffers(prefix=module_name)]:
+            if t is not None and t.is_global:
+                placed.append((name, t.placement))
+    if pipelined or not placed:
+        return None
+    if data_parallel is not None:
+        for what, p in placed:
+            if not covers_world(p):
+                raise NotImplementedError(f"{graph.name}: {what} is on {p!r} in a data-parallel graph; data "
+                                          f"parallelism runs on every rank of the world, so place it with "
+                                          f"ranks={list(range(env.get_world_size()))}")
+        return None
+    first_what, first = placed[0]
+    for what, p in placed[1:]:
+        if p != first:
+            raise NotImplementedError(f"{graph.name}: {first_what} is on {first!r} but {what} on {p!r}; a graph runs "
+                                      f"on one placement, or as a pipeline: give its modules "
+                                      f"set_stage(stage_id, placement), one rank per stage")
+    return None if covers_world(first) else first
 
 
 def data_parallel_of(graph, split: bool):
@@ -182,14 +229,15 @@ def broadcast_state(graph):
             t._version += 1
 
 
-def global_outputs(tensors: list, placement, combine) -> list:
-    """A graph's outputs, computed on this rank's part, as global tensors. `combine` is None when
-    the graph is not data parallel (every rank computed the whole value: broadcast), else
+def global_outputs(tensors: list, placements: list, combine) -> list:
+    """A graph's outputs, computed on this rank's part, as global tensors on `placements` (one per
+    output). `combine` is None when the graph is not data parallel (the ranks of the output's
+    placement computed the whole value: broadcast; a rank outside it gets no component), else
     `combine[i]` says how 0-d output i becomes the global-batch value: "sum"/"mean" over the
     ranks, "global" (the graph already combined it), "replicated" (must be equal on every rank:
     checked) or None for an output that is not 0-d (it is `split(0)` of the ranks' results)."""
     if combine is None:
-        return [as_global(t, placement, sbp.broadcast) for t in tensors]
+        return [as_global(t, p, sbp.broadcast) for t, p in zip(tensors, placements)]
     comm = world()
     out = list(tensors)
     for op in ("sum", "mean"):
@@ -203,7 +251,8 @@ def global_outputs(tensors: list, placement, combine) -> list:
                 raise RuntimeError(f"output {i} of the data-parallel graph is 0-d but not a sum or mean over the "
                                    f"batch, and its ranks disagree ({', '.join(str(v) for v in values)}); return "
                                    f"it per sample (not reduced), or as a sum or mean over the batch")
-    return [as_global(t, placement, sbp.split(0) if how is None else sbp.broadcast) for t, how in zip(out, combine)]
+    return [as_global(t, p, sbp.split(0) if how is None else sbp.broadcast)
+            for t, p, how in zip(out, placements, combine)]
 
 
 def combine_outputs(ir, emit, world_size: int) -> tuple:

@@ -34,6 +34,14 @@ Every rank takes the same path through the deduction (it reads logical shapes an
 the boxing collectives match and the refusals above raise on every rank. Only the local op itself
 can fail on some ranks and not others (it reads the rank's data); `_run_on_every_rank` makes
 every rank raise then, at the cost of one small all-gather per op on several ranks.
+
+The collectives run among the placement's ranks (global_tensor.placement_group). A rank outside
+the operands' placement runs nothing: it gets the results' logical shapes and dtypes (absent
+components) and records the op for autograd like the others, so every rank walks the same tape.
+
+`to_global` between layouts or placements is on the tape too (`CONVERSION`, installed into
+global_tensor.py): its gradient is converted back to the source's placement and layout (a
+partial_sum source's gradient as broadcast: every part's gradient is the whole logical gradient).
 """
 from __future__ import annotations
 
@@ -43,10 +51,10 @@ import numpy as np
 
 from flowgen.autograd import no_grad, record
 from flowgen.distributed import global_tensor
-from flowgen.distributed.collectives import world
 from flowgen.distributed.sbp import broadcast, partial_sum, sbp as Sbp, split
 from flowgen.ops import registry
 from flowgen.ops.lowering import Elementwise
+from flowgen.ops.registry import OpDef
 from flowgen.tensor import Tensor, as_tensor_like
 
 _RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int", "randperm"})
@@ -84,9 +92,12 @@ def _boxed(t, layout: Sbp):
 
 
 def _local_piece(t, axis: int):
-    """This rank's piece along `axis` of the broadcast global tensor `t`, as a local tensor."""
-    comm = world()
+    """This rank's piece along `axis` of the broadcast global tensor `t`, as a local tensor (None
+    on a rank outside the placement)."""
     local = t._global.local
+    if local is None:
+        return None
+    comm = global_tensor.placement_group(t._global.placement)
     piece = global_tensor.local_part(local.numpy_view(), split(axis), comm.rank, comm.size)
     return type(local)(piece, dtype=t.dtype, device=local.device)
 
@@ -135,11 +146,17 @@ def _elementwise(op, tensors, attrs, out_ndim):
     return [t._global.local for t in tensors], broadcast, attrs
 
 
+def _piece_size(local, axis: int) -> int:
+    """The size of this rank's component along `axis` (0 on a rank outside the placement, which
+    runs nothing: the attributes of its local op are never used)."""
+    return local.shape[axis] if local is not None else 0
+
+
 def _local_shape(shape, d, local, t):
     """`shape` (a logical shape attribute) with dim `d` made this rank's size."""
     shape = list(shape)
     axis = d - (len(shape) - t.ndim)
-    shape[d] = local.shape[axis] if axis >= 0 and t.shape[axis] != 1 else shape[d]
+    shape[d] = _piece_size(local, axis) if axis >= 0 and t.shape[axis] != 1 else shape[d]
     return tuple(shape)
 
 
@@ -159,7 +176,8 @@ def _reduction(op, x, attrs, out_ndim):
         lead = x.ndim - len(shape)
         if d < lead or shape[d - lead] == 1 and x.shape[d] != 1:
             return [local], partial_sum, attrs
-        return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (local.shape[d],) + shape[d - lead + 1:])
+        return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (_piece_size(local, d),)
+                                              + shape[d - lead + 1:])
     dims, keepdim = tuple(attrs["dims"]), attrs.get("keepdim", False)
     if d in dims:
         if op.name == "mean":   # each rank's sum over its piece / the logical count: partial means
@@ -185,7 +203,7 @@ def _reshape(op, x, attrs):
     for e in range(len(shape)):
         if int(np.prod(shape[:e])) == before and shape[e] == x.shape[d] and x.shape[d] != 1:
             local = x._global.local
-            local_shape = shape[:e] + (local.shape[d],) + shape[e + 1:]
+            local_shape = shape[:e] + (_piece_size(local, d),) + shape[e + 1:]
             return [local], split(e), dict(attrs, shape=local_shape)
     raise _unsupported(op.name, (x,), f"the split dim {d} of shape {tuple(x.shape)} does not survive as one dim "
                                       f"of shape {shape}")
@@ -298,15 +316,17 @@ def apply_global(op, tensors, attrs):
                            f"to_global(placement, sbp) (a Python scalar needs nothing)")
     metas = op.infer(*(t.meta for t in tensors), **attrs)
     multi = type(metas) is tuple
-    out_ndim = len((metas[0] if multi else metas).shape)
-    locals_, layout, local_run = _local_inputs(op, tensors, attrs, out_ndim)
-    if not isinstance(local_run, _LocalRun):
-        local_run = _LocalRun(op.name, local_run)
-    with no_grad():
-        result = _run_on_every_rank(op.name, lambda: _run_local(local_run, locals_))
-    results = result if multi else (result,)
-    outs = tuple(global_tensor.wrap_local(r, placement, layout, m.shape)
-                 for r, m in zip(results, metas if multi else (metas,)))
+    metas = metas if multi else (metas,)
+    with no_grad():   # the boxing of operands is not on the tape: the op itself is, below
+        locals_, layout, local_run = _local_inputs(op, tensors, attrs, len(metas[0].shape))
+        if not global_tensor.holds(placement):
+            outs = tuple(global_tensor.absent(m.dtype, placement, layout, m.shape) for m in metas)
+        else:
+            if not isinstance(local_run, _LocalRun):
+                local_run = _LocalRun(op.name, local_run)
+            result = _run_on_every_rank(op.name, placement, lambda: _run_local(local_run, locals_))
+            outs = tuple(global_tensor.wrap_local(r, placement, layout, m.shape)
+                         for r, m in zip(result if multi else (result,), metas))
     record(op, tensors, attrs, outs)
     return outs if multi else outs[0]
 
@@ -316,15 +336,16 @@ def _run_local(local_run, locals_):
     return result if local_run.divisor == 1.0 else registry.apply("div", result, local_run.divisor)
 
 
-def _run_on_every_rank(op_name, run):
+def _run_on_every_rank(op_name, placement, run):
     """`run()` on this rank's components, raising on every rank if it raised on any.
 
     The local op can fail on one rank only (its data: an index out of range in its piece, a
     failure on an empty piece). Were the error raised there alone, a caller catching it would go
     on while the other ranks wait in their next collective with mismatched partners, a deadlock.
-    So the ranks agree first (one all-gather of a flag per op, two when one failed): the failing
-    rank raises its own exception, the others a RuntimeError naming the rank and its error."""
-    comm = world()
+    So the ranks of the placement agree first (one all-gather of a flag per op, two when one
+    failed): the failing rank raises its own exception, the others a RuntimeError naming the
+    rank and its error."""
+    comm = global_tensor.placement_group(placement)
     if comm.size == 1:
         return run()
     error, result = None, None
@@ -339,21 +360,34 @@ def _run_on_every_rank(op_name, run):
     if error is not None:
         raise error
     first = failed.index(True)
-    raise RuntimeError(f"{op_name} on global tensors failed on rank {first} (this rank's part ran): "
-                       f"{messages[first][0]}")
+    raise RuntimeError(f"{op_name} on global tensors failed on rank {placement.ranks[first]} (this rank's part "
+                       f"ran): {messages[first][0]}")
 
 
-def scalar_as_global(value, like):
-    """A Python scalar operand beside the global tensor `like`: a broadcast global tensor."""
-    local = as_tensor_like(value, like._global.local)
-    return global_tensor.wrap_local(local, like._global.placement, broadcast, tuple(local.shape))
+def _conversion_grad(ctx, g):
+    source = ctx.inputs[0]._global
+    layout = broadcast if source.sbp[0].kind == "partial_sum" else source.sbp[0]
+    return global_tensor.to_global(g, source.placement, layout)
+
+
+# The autograd op of a global -> global `to_global` (outside the registry: it runs through
+# to_global, never registry.apply): the gradient goes back to the source's placement, laid out as
+# the source (a partial_sum source's as broadcast: each part's gradient is the whole logical
+# gradient). It reads the source's placement and sbp only, no values.
+CONVERSION = OpDef("to_global", infer=None, ref=None, grad=_conversion_grad,
+                   doc="to_global(x, placement, sbp) on the autograd tape", extra={"grad_reads_inputs": False})
+
+
+def _record_conversion(source, converted):
+    record(CONVERSION, [source], {}, [converted])
 
 
 def _apply_with_scalars(op, inputs, attrs):
     """`registry.apply` of an op with a global operand: Python scalars beside it become broadcast
     global tensors."""
     like = next(x for x in inputs if isinstance(x, Tensor) and x._global is not None)
-    return apply_global(op, [x if isinstance(x, Tensor) else scalar_as_global(x, like) for x in inputs], attrs)
+    return apply_global(op, [x if isinstance(x, Tensor) else as_tensor_like(x, like) for x in inputs], attrs)
 
 
 registry.install_global_apply(_apply_with_scalars)
+global_tensor.install_conversion_recorder(_record_conversion)

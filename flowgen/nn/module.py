@@ -23,6 +23,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.device import as_device, device as _device_type
 from flowgen.autograd import zero_grads
+from flowgen.distributed import global_tensor
 from flowgen.nn.parameter import Parameter
 from flowgen.tensor import Tensor
 
@@ -354,7 +355,10 @@ class Module:
             if key not in state_dict:
                 continue
             value = state_dict[key]
-            array = value.numpy_view() if isinstance(value, Tensor) else np.asarray(value)
+            if isinstance(value, Tensor):   # a global value's whole value: every rank loads together
+                array = value.numpy() if value.is_global else value.numpy_view()
+            else:
+                array = np.asarray(value)
             if tuple(array.shape) != tuple(target.shape):
                 errors.append(f"size mismatch for {key}: copying a param with shape {tuple(array.shape)} from "
                               f"checkpoint, the shape in current model is {tuple(target.shape)}.")
@@ -363,6 +367,9 @@ class Module:
         if errors:
             raise RuntimeError(f"Error(s) in loading state_dict for {self._get_name()}:\n\t" + "\n\t".join(errors))
         for target, array in updates:
+            if target.is_global:    # each rank of its placement writes its part
+                global_tensor.assign_whole(target, array)
+                continue
             dest = target.numpy_view()
             if dest is not array:
                 dest[...] = array.astype(dest.dtype, copy=False)

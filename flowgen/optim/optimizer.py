@@ -27,6 +27,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.autograd import enable_grad, zero_grads
+from flowgen.distributed import global_tensor
 from flowgen.nn.utils import clip_grad_norm_
 from flowgen.tensor import Tensor
 
@@ -223,7 +224,8 @@ class Optimizer:
             if p.grad is None:
                 continue
             if p.is_global:
-                yield (p, *_global_arrays(type(self).__name__, p))
+                if global_tensor.holds(p.placement):   # a rank outside the placement has nothing to update
+                    yield (p, *_global_arrays(type(self).__name__, p))
                 continue
             grad = p.grad.numpy_view()
             if grad.shape != tuple(p.shape):
@@ -314,12 +316,18 @@ class Optimizer:
         if value is None:
             return None
         if isinstance(value, (Tensor, np.ndarray)):
-            array = value.numpy_view() if isinstance(value, Tensor) else value
+            if isinstance(value, Tensor):   # a global value's whole value: every rank loads together
+                array = value.numpy() if value.is_global else value.numpy_view()
+            else:
+                array = value
             if array.dtype.kind == "f" or array.dtype.kind == "V":
                 array = array.astype(self._state_np_dtype(p))
             existing = self.state.get(p, {}).get(name)
             if isinstance(existing, Tensor) and tuple(existing.shape) == array.shape and \
                     existing.dtype.np_dtype == array.dtype:
+                if existing.is_global:    # a placed parameter's slot: each rank of its placement its part
+                    global_tensor.assign_whole(existing, array)
+                    return existing
                 existing.numpy_view()[...] = array   # keep the object: a graph may alias it
                 existing._version += 1
                 return existing

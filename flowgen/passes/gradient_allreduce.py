@@ -7,12 +7,13 @@ gradients the update reads. An `all_reduce` has no kernel: the executor runs it 
 (MPI) between the kernels around it (flowgen/distributed/collectives.py), one call per bucket.
 
 `reduction` (distributed/data_parallel.BatchReduction) follows the loss: "sum" sums the
-gradients, "mean" averages them (equal parts of the batch), "ratio" (a loss S / D, D a sum over
-the batch such as cross_entropy's count of non-ignored targets) weights each rank by its D:
-grad = sum_r D_r g_r / sum_r D_r, which is the global-batch gradient of (sum_r S_r) / (sum_r D_r).
-
-With SyncBatchNorm a "ratio" loss is differentiated as S_r / sum_r D_r instead and the
-gradients are summed (`divide_ratio_loss_by_global_count`).
+gradients, "mean" averages them (equal parts of the batch). A "ratio" loss S / D (D a sum over the
+batch, such as cross_entropy's count of non-ignored targets) is differentiated as the rank's share
+of the global-batch loss, S_r / sum_r D_r (`divide_ratio_loss_by_global_count`: the count is
+all-reduced before autodiff), so its gradients are summed too: their sum is the global-batch
+gradient of (sum_r S_r) / (sum_r D_r), a rank whose targets are all ignored (D_r = 0) included.
+ZeRO reduce-scatters the same summed gradients (passes/zero.py); `BatchReduction.gradient_op`
+says which collective op each kind takes.
 
 When build() reads the gradients after `loss.backward()` (gradient clipping, as nanoGPT's loop
 clips every step), `reduce_traced_gradients` runs the same reduction at that point of the trace:
@@ -43,32 +44,24 @@ def all_reduce_gradients(graph, grads: dict, device, world_size: int, reduction,
     tracer.new_name = NameGen(start=next_value_index(graph))
     tracer.scopes.append(SCOPE)
     reduced = dict(grads)
-    weight = total = None
-    if reduction.kind == "ratio" and not has_sync_batch_norm(graph):   # else divide_ratio_loss_by_global_count
-        weight = reduction.denominator
-        total = tracer.emit("all_reduce", [weight], {"op": "sum", "world_size": world_size}).output
-    op = "mean" if reduction.kind == "mean" else "sum"
     for bucket in gradient_buckets(list(grads), bucket_size):
-        values = [grads[n] if weight is None else tracer.emit("mul", [grads[n], weight], {}).output for n in bucket]
-        node = tracer.emit("all_reduce", values, {"op": op, "world_size": world_size})
-        outputs = node.outputs if total is None else [tracer.emit("div", [v, total], {}).output for v in node.outputs]
-        reduced.update(zip(bucket, outputs))
+        node = tracer.emit("all_reduce", [grads[n] for n in bucket],
+                           {"op": reduction.gradient_op, "world_size": world_size})
+        reduced.update(zip(bucket, node.outputs))
     return out, reduced
 
 
-def has_sync_batch_norm(graph) -> bool:
-    return any(n.op == "sync_batch_norm_affine" for n in graph.nodes)
-
-
 def divide_ratio_loss_by_global_count(tracer, world_size: int) -> None:
-    """SyncBatchNorm with a "ratio" loss S / D (cross_entropy's mean): before autodiff, the loss
-    to differentiate becomes S_r / (sum_r D_r) (one all_reduce of D), the rank's share of the
-    global-batch loss, and its gradients are summed. Weighting each rank's gradients by D_r after
-    the backward (the plain "ratio" rule) cannot work with SyncBatchNorm: a rank's inputs reach
-    every rank's loss through the shared statistics, even when its own D_r is 0."""
+    """A "ratio" loss S / D (cross_entropy's mean over the targets not ignored): before autodiff,
+    the loss to differentiate becomes S_r / (sum_r D_r) (one all_reduce of D), the rank's share of
+    the global-batch loss, and its gradients are summed over the ranks (by plain data parallel's
+    all-reduce or ZeRO's reduce-scatter alike). Weighting each rank's gradients by D_r after the
+    backward instead would fail twice: with SyncBatchNorm a rank's inputs reach every rank's loss
+    through the shared statistics, and a rank with D_r = 0 differentiates 0 / 0. The loss the graph
+    returns is still S_r / D_r, combined over the ranks as a ratio (data_parallel.combine_outputs)."""
     root = tracer.backward_roots[-1]
     reduction = batch_reduction(tracer.graph, root)
-    if reduction is None or reduction.kind != "ratio" or not has_sync_batch_norm(tracer.graph):
+    if reduction is None or reduction.kind != "ratio":
         return
     tracer.scopes.append(SCOPE)
     total = tracer.emit("all_reduce", [reduction.denominator], {"op": "sum", "world_size": world_size}).output

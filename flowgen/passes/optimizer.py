@@ -22,7 +22,7 @@ from typing import Callable
 
 from flowgen import creation
 from flowgen import functional as F
-from flowgen.distributed.global_tensor import graph_storage
+from flowgen.distributed.global_tensor import graph_state_like
 from flowgen.ir.graph import NameGen
 from flowgen.ir.trace import TraceError, Tracer
 from flowgen.nn.utils import clip_by_total_norm
@@ -296,7 +296,7 @@ def scaler_state_name(what: str) -> str:
 def _slot(optimizer, p, key, new_state, slots, name, init: float = 0.0):
     st = optimizer.state.setdefault(p, {})
     if key not in st or st[key] is None:   # a global (broadcast) parameter's slot is shaped like its component
-        st[key] = creation.full_like(graph_storage(p, name).detach(), init)
+        st[key] = graph_state_like(p, name, lambda storage: creation.full_like(storage.detach(), init))
     slots.append(SlotBinding(name, st[key]))
     return new_state(name, st[key], "optim")
 

@@ -3,8 +3,11 @@
 `python global_ops_worker.py OUTDIR`: runs every case of `CASES` on global tensors laid out over
 all ranks and saves, per rank, OUTDIR/global_ops_rank{R}.npz: each case's logical value
 (`numpy()`) and sbp, a short SGD training of a broadcast model on a split(0) batch, and the
-messages of what must be refused. The test compares them with `reference_case` and
-`reference_training`: the same code on plain local tensors holding the whole (logical) values.
+messages of what must be refused. The cases and the training run again on a placement of some of
+the ranks, in another order (`subset_placement`: the ranks outside it run nothing and read the
+values with `numpy()`), and `moved` carries values and their gradients between placements. The
+test compares them with `reference_case`, `reference_training` and `reference_moved`: the same
+code on plain local tensors holding the whole (logical) values.
 """
 from __future__ import annotations
 
@@ -150,7 +153,8 @@ def refusals(placement, rank):
         "split_along_different_dims": lambda: T("x", S0) + T("y", S1),
         # a local op failing on one rank only (its data): every rank must raise, none wait
         "fails_on_rank_1_only": lambda: global_ops._run_on_every_rank(
-            "example", lambda: (_ for _ in ()).throw(ValueError("bad index in this piece")) if rank == 1 else 0),
+            "example", placement,
+            lambda: (_ for _ in ()).throw(ValueError("bad index in this piece")) if rank == 1 else 0),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -164,24 +168,64 @@ def refusals(placement, rank):
     return messages
 
 
-def main():
-    out_dir = sys.argv[1]
-    rank, world = flow.env.get_rank(), flow.env.get_world_size()
-    placement = flow.placement("cpu", ranks=list(range(world)))
+def subset_ranks(world: int) -> list:
+    """Some of the ranks, not in rank order: [1, 0] of 2 (every rank, reordered: a communicator of
+    its own), [3, 1] of 4 (two ranks of four)."""
+    return [1, 0] if world == 2 else [3, 1]
+
+
+def moved(first, second) -> dict:
+    """Values and gradients carried between two placements: x split on `first` to split(1) on
+    `second`, and a loss on `second` of an activation made on `first`, differentiated back to a
+    broadcast weight on `first` (to_global on the autograd tape)."""
+    data = inputs()
+    x = flow.tensor(data["x"]).to_global(first, B).to_global(sbp=S0)
+    w = flow.tensor(data["w"]).to_global(first, B)
+    w.requires_grad = True
+    h = flow.tanh(flow.matmul(x, w))                       # split(0) on `first`
+    loss = (h.to_global(placement=second, sbp=B) * 2.0).sum()
+    loss.backward()
+    return {"x_on_second": x.to_global(second, S1).numpy(), "loss": loss.numpy(), "w_grad": w.grad.numpy(),
+            "w_grad_placement": repr(w.grad.placement), "w_grad_sbp": repr(w.grad.sbp[0])}
+
+
+def reference_moved() -> dict:
+    data = inputs()
+    w = flow.tensor(data["w"], requires_grad=True)
+    loss = (flow.tanh(flow.matmul(flow.tensor(data["x"]), w)) * 2.0).sum()
+    loss.backward()
+    return {"x_on_second": data["x"], "loss": loss.numpy(), "w_grad": w.grad.numpy()}
+
+
+def run_cases(placement, prefix: str) -> dict:
     results = {}
     T = case_tensor(inputs(), placement)
     for name, (compute, _) in CASES.items():
         out = compute(T)
-        results[f"value_{name}"] = out.numpy()
-        results[f"sbp_{name}"] = repr(out.sbp[0])
+        results[f"{prefix}value_{name}"] = out.numpy()
+        results[f"{prefix}sbp_{name}"] = repr(out.sbp[0])
+        results[f"{prefix}local_size_{name}"] = out.to_local().numel()
     model, losses, grads = train(placement)
-    results["losses"] = losses
+    results[f"{prefix}losses"] = losses
     for k, (p, g) in enumerate(zip(model.parameters(), grads)):
-        results[f"param_{k}"] = p.numpy()
-        results[f"param_sbp_{k}"] = repr(p.sbp[0])
-        results[f"grad_sbp_{k}"] = repr(g.sbp[0])
-        results[f"grad_local_{k}"] = g.to_local().numpy()    # broadcast: the whole gradient on every rank
+        results[f"{prefix}param_{k}"] = p.numpy()
+        results[f"{prefix}param_sbp_{k}"] = repr(p.sbp[0])
+        results[f"{prefix}grad_sbp_{k}"] = repr(g.sbp[0])
+        results[f"{prefix}grad_local_{k}"] = g.to_local().numpy()  # broadcast: the whole gradient on its ranks
+    return results
+
+
+def main():
+    out_dir = sys.argv[1]
+    rank, world = flow.env.get_rank(), flow.env.get_world_size()
+    placement = flow.placement("cpu", ranks=list(range(world)))
+    results = run_cases(placement, "")
     results.update({f"refused_{k}": v for k, v in refusals(placement, rank).items()})
+    subset = flow.placement("cpu", ranks=subset_ranks(world))
+    results.update(run_cases(subset, "subset_"))
+    one_rank = flow.placement("cpu", ranks=[world - 1])
+    results.update({f"moved_{k}": v for k, v in moved(subset, one_rank).items()})
+    results.update({f"moved_back_{k}": v for k, v in moved(one_rank, placement).items()})
     np.savez(f"{out_dir}/global_ops_rank{rank}.npz", **results)
 
 

@@ -25,6 +25,11 @@ SCENARIOS = {   # name: (stages = ranks, optimizer, gradient accumulation steps)
     "sgd_acc2": (2, "sgd", 2),             # with activation checkpointing of stage 1
     "adam_acc4": (2, "adam", 4),
     "three_stages_adam_acc3": (3, "adam", 3),
+    # OneFlow's way: each stage's modules placed on its rank (to_global), x on stage 0's rank and y
+    # on the last stage's (three stages: y on stage 0's, sent to the last); the losses come back on
+    # the last stage's placement, parameters and slots stay on their rank and are read from any
+    "placed_sgd_acc2": (2, "sgd", 2),
+    "placed_three_stages_adam_acc3": (3, "adam", 3),
 }
 
 
@@ -91,13 +96,26 @@ def train(scenario: str, staged: bool) -> dict:
     num_stages, opt_kind, accumulation = SCENARIOS[scenario]
     flow.manual_seed(0)
     model = MLP(num_stages)
+    placed = staged and scenario.startswith("placed_")
+    if placed:
+        for s in range(num_stages):
+            getattr(model, f"stage{s}").to_global(placement=flow.placement("cpu", ranks=[s]), sbp=flow.sbp.broadcast)
     optimizer = (flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if opt_kind == "sgd"
                  else flow.optim.Adam(model.parameters(), lr=0.01))
     graph = make_graph(model, optimizer, accumulation, staged, num_stages)
-    if scenario == "sgd_acc2":   # stage 1 recomputes its activations in the backward pass
+    if scenario.endswith("sgd_acc2"):   # stage 1 recomputes its activations in the backward pass
         graph.model.stage1.to(GraphModule).activation_checkpointing = True
     xs, ys = batches()
-    losses = [graph(flow.tensor(xs[s]), flow.tensor(ys[s])).numpy().copy() for s in range(STEPS)]
+    label_rank = 0 if num_stages == 3 else num_stages - 1
+
+    def inputs(s):
+        x, y = flow.tensor(xs[s]), flow.tensor(ys[s])
+        if not placed:
+            return x, y
+        return (x.to_global(flow.placement("cpu", ranks=[0]), flow.sbp.broadcast),
+                y.to_global(flow.placement("cpu", ranks=[label_rank]), flow.sbp.broadcast))
+
+    losses = [graph(*inputs(s)).numpy().copy() for s in range(STEPS)]
     # A pipelined inference graph on the trained parameters: no backward, a [batch, 3] output.
     prediction = make_eval_graph(model, staged, num_stages)(flow.tensor(xs[0])).numpy().copy()
     params = {name: p.numpy().copy() for name, p in model.named_parameters()}

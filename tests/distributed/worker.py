@@ -42,6 +42,10 @@ SCENARIOS = {
     # cross_entropy's mean over the targets that are not ignored: the ignored ones all sit in rank 0's
     # part, so the ranks' denominators differ and only the weighted combination gives the batch's step
     "graph_global_ce": ("global", "ce_ignore", "sgd"),
+    # ZeRO with the same ratio loss: each rank differentiates its share of the global-batch loss
+    "graph_zero1_ce": ("global", "ce_ignore", "sgd"),
+    "graph_zero2_ce": ("global", "ce_ignore", "sgd"),
+    "graph_zero3_ce": ("global", "ce_ignore", "adam"),
     "graph_ddp_sum": ("ddp_graph", "sum", "sgd"),
     "graph_ddp_adam": ("ddp_graph", "mean", "adam"),
     "eager_ddp": ("ddp_eager", "mean", "sgd"),
@@ -85,6 +89,11 @@ def make_graph(model, loss_fn, optimizer):
     return TrainGraph()
 
 
+def zero_stage(scenario: str) -> int:
+    """The ZeRO stage of a "graph_zero<stage>[_...]" scenario."""
+    return int(scenario[len("graph_zero")])
+
+
 def train(scenario: str, rank: int, world: int):
     """Losses per step and final parameters, training on this rank's part of the batch."""
     mode, loss_kind, opt_kind = SCENARIOS[scenario]
@@ -95,7 +104,7 @@ def train(scenario: str, rank: int, world: int):
     optimizer = make_optimizer(opt_kind, model.parameters())
     graph = make_graph(model, loss_fn, optimizer) if mode != "ddp_eager" else None
     if scenario.startswith("graph_zero"):
-        graph.config.enable_zero(True, stage=int(scenario[-1]), shard_min_size=1)
+        graph.config.enable_zero(True, stage=zero_stage(scenario), shard_min_size=1)
     xs, ys = global_batch()
     ys = targets(loss_kind, ys)
     part = GLOBAL_BATCH // world

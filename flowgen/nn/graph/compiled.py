@@ -30,10 +30,12 @@ from flowgen.nn.graph.report import io_lines, module_header, state_lines
 from flowgen.ir.graph import NameGen
 from flowgen.distributed.collectives import world
 from flowgen.distributed import env
-from flowgen.distributed.global_tensor import graph_storage
+from flowgen.distributed.global_tensor import absent, covers_world, graph_storage, holds
 from flowgen.distributed.data_parallel import (broadcast_state, combine_outputs, global_outputs,
-                                               gradient_reduction, shard_parameter_bindings,
+                                               gradient_reduction, graph_placement, shard_parameter_bindings,
                                                shard_slot_tensors)
+from flowgen.distributed.placement import placement as Placement
+from flowgen.distributed.sbp import broadcast
 from flowgen.distributed.pipeline import pipeline_of, split_stage
 from flowgen.passes.autodiff import autodiff, next_value_index
 from flowgen.passes.gradient_allreduce import (all_reduce_gradients, divide_ratio_loss_by_global_count,
@@ -67,7 +69,8 @@ class CompiledGraph:
         self.checks: list = []              # run before every call (a traced optimizer's fixed options)
         self.data_parallel = None           # DataParallel when gradients are reduced over ranks
         self.output_combine = None          # per output, how a data-parallel step makes it global
-        self.output_placement = None        # the global inputs' placement: outputs become global
+        self.output_placements = None       # per output, the placement it is global on (None: outputs are local)
+        self.runs_here = True               # False on a rank outside the placement of a graph on some ranks
         self.sharded_slots = []             # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
         self.pipeline = None                # StageProgram: this rank's stage of a set_stage pipeline
         self.program_cache = "off"          # "hit" (passes and codegen loaded), "miss" (built, stored) or "off"
@@ -149,6 +152,10 @@ class CompiledGraph:
             if a.device != self.device:
                 raise RuntimeError(f"{self.graph_name}: an input is on {a.device} but the graph runs on {self.device}; "
                                    f"move inputs and modules to the same device")
+        if not self.runs_here:   # a graph on some of the ranks: this one runs nothing, its outputs have no component
+            self._graph._after_step()
+            return self.output_structure([absent(v.dtype, p, broadcast, v.shape)
+                                          for v, p in zip(self.ir.outputs, self.output_placements)])
         for check in self.checks:
             check()
         for slot in self.sharded_slots:
@@ -162,8 +169,8 @@ class CompiledGraph:
         # Raised after the bookkeeping: the step (and its state updates) happened, see executor.py.
         self.executor.raise_index_error()
         tensors = [Tensor(o, dtype=v.dtype, device=self.device) for o, v in zip(outputs, self.ir.outputs)]
-        if self.output_placement is not None:
-            tensors = global_outputs(tensors, self.output_placement, self.output_combine)
+        if self.output_placements is not None:
+            tensors = global_outputs(tensors, self.output_placements, self.output_combine)
         return self.output_structure(tensors)
 
 
@@ -288,23 +295,26 @@ def _differentiate(graph, tracer, wrt, device, scale) -> dict:
     return grads
 
 
-def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None):
+def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_placements: tuple = ()):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it. The tensors are this rank's
     local ones; `data_parallel` (flowgen/distributed/data_parallel.py) makes the step reduce its
-    gradients over the ranks. One progress line covers all stages; an internal check failing in
-    any of them is reported as a FlowgenInternalError naming the graph (flowgen/errors.py)."""
+    gradients over the ranks; `input_placements` gives each flat input's placement when it was a
+    global tensor (data_parallel.split_inputs). One progress line covers all stages; an internal
+    check failing in any of them is reported as a FlowgenInternalError naming the graph
+    (flowgen/errors.py)."""
     with reporting(graph.name) as progress, program_cache.collector_paused(), \
             internal_checks(graph.name, lambda: progress.stage_name):
-        return _compile_step(graph, args, kwargs, data_parallel, progress)
+        return _compile_step(graph, args, kwargs, data_parallel, input_placements, progress)
 
 
-def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
+def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress):
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = _device_of(graph, inputs)
     zero = _zero_settings(graph, data_parallel)
-    pipeline = pipeline_of(graph, data_parallel)
+    pipeline = pipeline_of(graph, data_parallel, input_placements)
+    placement = graph_placement(graph, input_placements, data_parallel, pipeline is not None)
     if data_parallel is not None:
         broadcast_state(graph)
     timings = {}
@@ -355,10 +365,10 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
             divide_ratio_loss_by_global_count(tracer, data_parallel.world_size)
         grads = _differentiate(graph, tracer, wrt, tracer.device or as_device("cpu"), scale)
         if in_build and data_parallel is not None:     # clip the gradients reduced over the ranks
-            reduction = _gradient_reduction(graph, tracer.graph, tracer.losses, data_parallel, zero)
+            reduction = gradient_reduction(graph.name, tracer.graph, tracer.losses, data_parallel)
             pieces = {} if zero is None or zero.stage == 1 else reduce_scatter_traced_gradients(
                 tracer, grads, world().rank, data_parallel.world_size, zero.shard_min_size,
-                data_parallel.bucket_size, reduction.kind)
+                data_parallel.bucket_size, reduction.gradient_op)
             whole = {n: g for n, g in grads.items() if n not in pieces}
             grads = {**reduce_traced_gradients(tracer, whole, reduction, data_parallel), **pieces}
             reduced_in_build = True
@@ -408,6 +418,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     ir = tracer.graph
     bindings = [(tracer.state_of[id(t)].value, graph_storage(t, tracer.state_of[id(t)].name))
                 for t in tracer.state_tensors]
+    placed = {tracer.state_of[id(t)].name for t in tracer.state_tensors if _on_some_ranks(t)}
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end building graph.")
     timings["trace"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) building graph Done! Cost time: {timings['trace']:.2f}s.")
@@ -420,7 +431,7 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
         reduced_here = grads if zero is None or zero.stage == 1 else {
             n: g for n, g in grads.items()
             if not shards_parameter(g.numel, data_parallel.world_size, zero.shard_min_size)}
-        reduction = _gradient_reduction(graph, ir, tracer.losses, data_parallel, zero)
+        reduction = gradient_reduction(graph.name, ir, tracer.losses, data_parallel)
         if not reduced_in_build:
             ir, reduced = all_reduce_gradients(ir, reduced_here, device, data_parallel.world_size, reduction,
                                                data_parallel.bucket_size)
@@ -439,20 +450,21 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
                                                    scaler=scaler)
         if zero is not None:
             ir, shards = shard_optimizer_state(ir, world().rank, data_parallel.world_size, zero.shard_min_size,
-                                               device, data_parallel.bucket_size, zero.stage, reduction.kind,
+                                               device, data_parallel.bucket_size, zero.stage, reduction.gradient_op,
                                                {grads[n]: piece for n, (piece, _) in tracer.gradient_pieces.items()})
             slots, sharded_slots = shard_slot_tensors(graph._zero_slots, slots, shards)
             bindings, sharded_params = shard_parameter_bindings(graph._zero_slots, bindings, ir.state_by_name(),
                                                                 shards)
             sharded_slots += sharded_params
         state = ir.state_by_name()
-        bindings += [(state[s.state_name].value, s.tensor) for s in slots]
+        bindings += [(state[s.state_name].value, graph_storage(s.tensor, s.state_name)) for s in slots]
+        placed |= {s.state_name for s in slots if _on_some_ranks(s.tensor)}
         host_scalars += [(state[h.name].value, h) for h in host]
     stage_program = None
     if pipeline is not None:
         _refuse_sync_batch_norm(graph.name, ir)
         stage_program = split_stage(graph.name, ir, pipeline, micro_ends)
-        bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars)
+        bindings, host_scalars = stage_program.keep_bindings(ir, bindings, host_scalars, placed)
         ir, structure = stage_program.ir, stage_program.user_structure(structure)
     ir, rng = bind_random_streams(ir)
     if rng is not None:
@@ -483,7 +495,31 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, progress):
     compiled.output_combine = output_combine
     compiled.sharded_slots = sharded_slots
     compiled.pipeline = stage_program
+    compiled.runs_here = placement is None or holds(placement)
+    compiled.output_placements = _output_placements(len(ir.outputs), input_placements, placement, pipeline,
+                                                    stage_program)
     return compiled
+
+
+def _on_some_ranks(tensor) -> bool:
+    """A global tensor on a placement of some of the ranks (a pipeline stage's, OneFlow's way)."""
+    return tensor.is_global and not covers_world(tensor.placement)
+
+
+def _output_placements(num_outputs: int, input_placements: tuple, placement, pipeline, stage_program):
+    """Per output, the placement it comes back global on; None when every output is local (no
+    input was global and the graph runs on every rank). A graph on some of the ranks returns them
+    on its placement; a pipeline each on the placement of the stage that made it (OneFlow returns
+    the loss on the last stage's), one made on every rank on all of them."""
+    given = [p for p in input_placements if p is not None]
+    if placement is not None:
+        return [placement] * num_outputs
+    if not given:
+        return None
+    if pipeline is None:    # data parallel, or inputs on every rank
+        return [given[-1]] * num_outputs
+    everywhere = Placement(given[0].type, range(env.get_world_size()))
+    return [everywhere if stage is None else pipeline.placements[stage] for stage in stage_program.output_stages]
 
 
 def _passes_and_codegen(graph, ir, device, checkpointed, progress, timings, start, stage_program) -> tuple:
@@ -542,13 +578,6 @@ def _refuse_sync_batch_norm(graph_name, ir):
                                   f"use BatchNorm")
 
 
-def _gradient_reduction(graph, ir, losses, data_parallel, zero):
-    """How the gradients combine over the ranks (data_parallel.gradient_reduction); ZeRO's refusal."""
-    reduction = gradient_reduction(graph.name, ir, losses, data_parallel)
-    if reduction.kind == "ratio" and zero is not None:
-        raise NotImplementedError(f"{graph.name}: enable_zero with a loss divided by a data-dependent count "
-                                  f"(cross_entropy's mean) is not supported yet; use reduction='sum' or no ZeRO")
-    return reduction
 
 
 @dataclass(frozen=True)

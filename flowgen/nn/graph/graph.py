@@ -155,17 +155,16 @@ class Graph:
         """The compiled variant for these inputs' signature (compiled now if new) and the flat inputs."""
         inputs, rebuild_call = flatten_call(args, kwargs, self._name)
         layouts = [a.sbp[0].kind if a.is_global else "local" for a in inputs]
-        inputs, placement, split = split_inputs(self, inputs)
+        inputs, placements, split = split_inputs(self, inputs)
         args, kwargs = rebuild_call(inputs)
-        key = (signature((args, kwargs)), placement)
+        key = (signature((args, kwargs)), placements)
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
                              f"{[meta_repr(a, lazy=False) for a in inputs]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args, kwargs, data_parallel_of(self, split))
-            variant.output_placement = placement
+            variant = compile_step(self, args, kwargs, data_parallel_of(self, split), placements)
             variant.input_layouts = layouts     # "split" | "broadcast" | "local" per input (flow.save reads it)
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
