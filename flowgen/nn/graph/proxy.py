@@ -4,14 +4,10 @@ Attribute reads go to the wrapped module (so `graph.model[0].weight` and
 `graph.model.state_dict()` work); submodules come back wrapped too, by attribute, index or
 key (Sequential, ModuleList, ModuleDict), so `graph.model.blocks["a"].to(GraphModule)` gives
 the per-module graph options (`activation_checkpointing`, `set_stage`) of that exact module
-<<<<<<< HEAD
-path, and `.to(flow.nn.Module)` the module itself. Inside build() the same holds from within a
-module: its forward runs on its proxy (`ProxyModule.__call__`), so a submodule seen from a
-forward is a proxy too, all the way down.
-=======
 path (`.config` too, OneFlow 0.8's spelling, unless the module has a `config` of its own), and
-`.to(flow.nn.Module)` the module itself.
->>>>>>> h3
+`.to(flow.nn.Module)` the module itself. Inside build() the same holds from within a module: its
+forward runs on its proxy (`ProxyModule.__call__`), so a submodule seen from a forward is a proxy
+too, all the way down.
 """
 from __future__ import annotations
 
@@ -117,15 +113,11 @@ class ProxyModule(Proxy):
     def __getattr__(self, name):
         if name.startswith("__") or name.startswith("_proxy_"):
             raise AttributeError(name)   # not yet set (copy/pickle build the object empty)
-<<<<<<< HEAD
-        return self._proxy_wrap(getattr(self._proxy_origin, name))
-=======
-        if name == "config" and not hasattr(self._origin, "config"):
+        if name == "config" and not hasattr(self._proxy_origin, "config"):
             # OneFlow 0.8's spelling of the graph options, which its pipeline tutorial uses:
             # graph.model.stage0.config.set_stage(0, P0); a module's own `config` attribute wins.
             return self.to(GraphModule)
-        return self._wrap(getattr(self._origin, name))
->>>>>>> h3
+        return self._proxy_wrap(getattr(self._proxy_origin, name))
 
     def __setattr__(self, name, value):
         setattr(self._proxy_origin, name, value)
