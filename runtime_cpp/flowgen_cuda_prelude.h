@@ -272,7 +272,15 @@ struct FlowgenIndexError {
   long long value;
 };
 extern "C" {
+#ifdef FLOWGEN_EMULATOR
+// g++ compiles the kernels in chunks that one library or program links: a weak definition is one
+// record however many chunks define it (plain definitions each made their own copy, an ODR
+// violation AddressSanitizer stops a sanitized program for). Not `inline`: g++ makes that a
+// process-wide unique symbol, one record shared by every graph's library.
+__attribute__((weak)) FlowgenIndexError flowgen_index_error;
+#else
 __device__ FlowgenIndexError flowgen_index_error;
+#endif
 }
 
 __device__ inline void flowgen_report_bad_index(unsigned long long check, long long value) {

@@ -637,8 +637,8 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     # with the emulator's libraries); a linker script defines the program's names as those.
     symbol_map = "".join(f"flowgen_launch_{name} = flowgen_launch_{symbol};\n"
                          for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol)
-    # The same body compiled by two concurrent processes may sit in two chunks, and every chunk
-    # defines the index-error record: muldefs keeps one copy of each (the same code, or a zeroed record).
+    # The same body compiled by two concurrent processes may sit in two chunks: muldefs keeps one
+    # copy (the same code). The index-error record is a weak definition in every chunk (prelude).
     objects = [str(host_object), *map(str, kernels.artifacts)]
     link_flags = ["-Wl,-z,muldefs"]
     key = hashlib.sha256("\0".join([*_link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
