@@ -57,7 +57,7 @@ class CpuBackend:
         ctypes.memmove(dst, src, nbytes)
 
     def prepare(self, kernel, args):
-        launcher = self.module._launcher(kernel.name)
+        launcher = self.module.launcher(kernel.name, f"launched as {kernel.name} ({kernel.comment})")
         grid = (ctypes.c_uint * 3)(*kernel.grid)
         block = (ctypes.c_uint * 3)(*kernel.block)
         params = kernel_params(args)
