@@ -82,8 +82,42 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 constexpr int warpSize = 32;
 
+// Vector types. g++ splits a copy of one into its fields, so the checking mode checks the
+// alignment of a vector copied from or to memory in the copy itself (a misaligned vector access
+// is a fault on the GPU).
+#ifdef FLOWGEN_EMU_CHECK
+namespace flowgen_emu {
+namespace check {
+void vector_access(const void* p, size_t bytes, bool write);
+}  // namespace check
+}  // namespace flowgen_emu
+#define FLOWGEN_EMU_VECTOR_COPIES(T)                                                              \
+  T() = default;                                                                                  \
+  T(const T& other) {                                                                             \
+    flowgen_emu::check::vector_access(&other, sizeof(T), false);                                  \
+    std::memcpy(this, &other, sizeof(T));                                                         \
+  }                                                                                               \
+  T& operator=(const T& other) {                                                                  \
+    flowgen_emu::check::vector_access(&other, sizeof(T), false);                                  \
+    flowgen_emu::check::vector_access(this, sizeof(T), true);                                     \
+    std::memcpy(this, &other, sizeof(T));                                                         \
+    return *this;                                                                                 \
+  }
+struct __align__(8) float2 {
+  float x, y;
+  FLOWGEN_EMU_VECTOR_COPIES(float2)
+  constexpr float2(float x_, float y_) : x(x_), y(y_) {}
+};
+struct __align__(16) float4 {
+  float x, y, z, w;
+  FLOWGEN_EMU_VECTOR_COPIES(float4)
+  constexpr float4(float x_, float y_, float z_, float w_) : x(x_), y(y_), z(z_), w(w_) {}
+};
+#undef FLOWGEN_EMU_VECTOR_COPIES
+#else
 struct __align__(8) float2 { float x, y; };
 struct __align__(16) float4 { float x, y, z, w; };
+#endif
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
@@ -367,7 +401,18 @@ struct DefaultFpControl {};  // ucontext fibers start with the control words of 
 struct Fiber {
   Context context;
   std::unique_ptr<char[]> stack;
+  size_t stack_bytes = 0;
 };
+
+// The checking mode runs every kernel on fibers, those registered with SerialBlocks too, whose one
+// thread keeps a whole tile of accumulators on its stack (256 KB for 256 x 256 floats).
+inline size_t fiber_stack_bytes(int nthreads) {
+#ifdef FLOWGEN_EMU_CHECK
+  if (nthreads == 1) return size_t(16) << 20;
+#endif
+  (void)nthreads;
+  return FLOWGEN_EMU_FIBER_STACK;
+}
 
 // Fiber t's stack starts this many bytes below the top of its allocation. The allocations
 // are page-aligned, so without the offset every fiber's hot frames would sit at the same
@@ -507,10 +552,12 @@ inline void fiber_main() {
 
 inline void run_block_with_fibers(Block& b, long long linear_block) {
   const int n = b.nthreads;
-  while (int(b.pool.size()) < n) {
-    auto fiber = std::make_unique<Fiber>();
-    fiber->stack.reset(new char[FLOWGEN_EMU_FIBER_STACK]);
-    b.pool.push_back(std::move(fiber));
+  const size_t stack_bytes = fiber_stack_bytes(n);
+  while (int(b.pool.size()) < n) b.pool.push_back(std::make_unique<Fiber>());
+  for (int t = 0; t < n; ++t) {
+    if (b.pool[t]->stack_bytes >= stack_bytes) continue;
+    b.pool[t]->stack.reset(new char[stack_bytes]);
+    b.pool[t]->stack_bytes = stack_bytes;
   }
   b.done.assign(n, 0);
   b.exchange.resize(2 * size_t(n));
@@ -530,8 +577,8 @@ inline void run_block_with_fibers(Block& b, long long linear_block) {
     b.wgmma_used = false;
   }
   for (int t = 0; t < n; ++t)
-    start_context(b.pool[t]->context, b.pool[t]->stack.get(),
-                  FLOWGEN_EMU_FIBER_STACK - stack_stagger(t), fiber_main);
+    start_context(b.pool[t]->context, b.pool[t]->stack.get(), b.pool[t]->stack_bytes - stack_stagger(t),
+                  fiber_main);
   DefaultFpControl fp_control;  // the fibers' control words, as on the GPU
   b.current = 0;
 #ifdef FLOWGEN_EMU_CHECK

@@ -66,6 +66,7 @@ struct Shadow {
   uint32_t read_interval = 0;
   int16_t reader[2] = {-1, -1};
   uint32_t reader_epoch[2] = {0, 0};
+  bool reader_wgmma[2] = {false, false};  // the read was a wgmma's (counted from its wait)
   uint16_t async_reads = 0;    // wgmma operand reads of this byte in flight
 };
 
@@ -382,7 +383,7 @@ FLOWGEN_EMU_QUIET inline void check_in_flight(const Shadow& s, uintptr_t a, cons
 }
 
 // The running thread reads (kRead) or writes (kWrite) byte `a` with shadow `s`.
-FLOWGEN_EMU_QUIET inline void read_byte(Shadow& s, uintptr_t a, int u, const char* what) {
+FLOWGEN_EMU_QUIET inline void read_byte(Shadow& s, uintptr_t a, int u, const char* what, bool wgmma = false) {
   Checker& c = checker;
   check_in_flight(s, a, what);
   if (s.write_interval >= c.block_start && !ordered(s.writer, s.write_interval, s.write_epoch, u))
@@ -391,13 +392,13 @@ FLOWGEN_EMU_QUIET inline void read_byte(Shadow& s, uintptr_t a, int u, const cha
   const uint32_t epoch = c.epochs[u / 32];
   if (s.read_interval != c.interval) {
     s.read_interval = c.interval;
-    s.reader[0] = int16_t(u), s.reader_epoch[0] = epoch;
+    s.reader[0] = int16_t(u), s.reader_epoch[0] = epoch, s.reader_wgmma[0] = wgmma;
     s.reader[1] = -1;
   } else if (s.reader[0] == u) {
-    s.reader_epoch[0] = epoch;
+    s.reader_epoch[0] = epoch, s.reader_wgmma[0] = wgmma;
   } else {  // keep the two latest distinct readers: a later writer differs from at least one
-    s.reader[1] = s.reader[0], s.reader_epoch[1] = s.reader_epoch[0];
-    s.reader[0] = int16_t(u), s.reader_epoch[0] = epoch;
+    s.reader[1] = s.reader[0], s.reader_epoch[1] = s.reader_epoch[0], s.reader_wgmma[1] = s.reader_wgmma[0];
+    s.reader[0] = int16_t(u), s.reader_epoch[0] = epoch, s.reader_wgmma[0] = wgmma;
   }
 }
 
@@ -413,8 +414,9 @@ FLOWGEN_EMU_QUIET inline void check_write_byte(const Shadow& s, uintptr_t a, int
   if (s.read_interval == c.interval)
     for (int r = 0; r < 2; ++r)
       if (s.reader[r] >= 0 && !ordered(s.reader[r], s.read_interval, s.reader_epoch[r], u))
-        hazard(a, "write-after-read race: %s shared memory that %s read with no barrier between", what,
-               thread_name(s.reader[r]).c_str());
+        hazard(a, "write-after-read race: %s shared memory that %s with no barrier between", what,
+               (s.reader_wgmma[r] ? "a wgmma read, retired by the wgmma_wait_group of " + thread_name(s.reader[r])
+                                  : thread_name(s.reader[r]) + " read").c_str());
 }
 
 FLOWGEN_EMU_QUIET inline void write_byte(Shadow& s, int u) {
@@ -461,6 +463,11 @@ FLOWGEN_EMU_QUIET inline void checked_access(const volatile void* p, size_t n, A
   c.inside = true;
   on_access(p, n, kind, typed_aligned);
   c.inside = false;
+}
+
+// A vector type (float2, float4) copied from (or to) memory at p: one access of its whole size.
+FLOWGEN_EMU_QUIET inline void vector_access(const void* p, size_t bytes, bool write) {
+  checked_access(p, bytes, write ? Access::kWrite : Access::kRead, true);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -753,7 +760,7 @@ FLOWGEN_EMU_QUIET inline void wgmma_operand_retired(const unsigned char* p, int 
   Shadow* s = shadow_of(a, size_t(bytes), "wgmma reads");
   for (int i = 0; i < bytes; ++i) {
     --s[i].async_reads;
-    read_byte(s[i], a + i, u, "wgmma reads");
+    read_byte(s[i], a + i, u, "wgmma reads", true);
   }
 }
 
