@@ -600,10 +600,12 @@ inline Block& synchronising_block(const char* what) {
 
 inline int warp_first(const Block& b) { return b.current & ~(warpSize - 1); }
 inline int warp_count(const Block& b) { return std::min(warpSize, b.nthreads - warp_first(b)); }
+// The lanes of the warp meet. Only __syncwarp orders their memory accesses (`orders_memory`);
+// shuffles, votes, mma and ldmatrix exchange registers.
 #ifdef FLOWGEN_EMU_CHECK
-inline void warp_barrier(Block&) { check::warp_barrier(); }
+inline void warp_barrier(Block&, bool orders_memory = false) { check::warp_barrier(orders_memory); }
 #else
-inline void warp_barrier(Block& b) { yield_to_next(b, b.current, warp_first(b), warp_count(b)); }
+inline void warp_barrier(Block& b, bool = false) { yield_to_next(b, b.current, warp_first(b), warp_count(b)); }
 #endif
 
 // This lane's slot of the exchange buffer for its next shuffle or vote (see Block::parity).
@@ -665,7 +667,7 @@ inline void __syncthreads() {
 }
 #endif
 inline void __syncwarp(unsigned = 0xffffffffu) {
-  flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"));
+  flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"), true);
 }
 
 // Lane masks are not checked: the emulator assumes, like the kernels, a converged warp.

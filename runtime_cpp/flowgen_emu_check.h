@@ -2,7 +2,7 @@
 // kernels with -DFLOWGEN_EMU_CHECK -fsanitize=thread). It reports what compute-sanitizer or the
 // hardware would, naming the kernel, the block, the thread and the address, and fails the launch:
 //   * shared-memory races: two threads of a block touch a byte, at least one writes, and no
-//     __syncthreads (or, within a warp, no warp-synchronous operation) orders them;
+//     __syncthreads (or, within a warp, no __syncwarp) orders them;
 //   * barriers not reached by every thread: threads of a block at different __syncthreads, a
 //     thread that exits while others wait at one, barriers that can never complete;
 //   * misaligned accesses (a 2-, 4-, 8- or 16-byte access the type says is aligned), cp.async and
@@ -58,7 +58,7 @@ struct SharedVariable {
 
 // The shadow of one shared-memory byte. Intervals number the stretches between block barriers
 // (globally, so a record from an earlier block is always older than the current one); an epoch
-// numbers a warp's warp-synchronous operations.
+// numbers a warp's __syncwarp barriers.
 struct Shadow {
   uint32_t write_interval = 0, write_epoch = 0, write_fences = 0;
   int16_t writer = -1;
@@ -84,6 +84,7 @@ struct ThreadState {
 struct Barrier {
   int arrived = 0, line = 0, first = -1;
   uint32_t generation = 0;
+  bool orders_memory = true;  // (a warp's) every lane arrived through __syncwarp
 };
 
 // What one wgmma.mma_async of a warpgroup must agree on across its 128 threads.
@@ -369,8 +370,7 @@ FLOWGEN_EMU_QUIET inline bool in_shared_memory(uintptr_t a) {
 }
 
 // Whether an access by thread `t` in (interval, epoch) happens before what the running thread
-// `u` does now: a block barrier since, the same thread, or a warp-synchronous operation of their
-// warp since.
+// `u` does now: a block barrier since, the same thread, or a __syncwarp of their warp since.
 FLOWGEN_EMU_QUIET inline bool ordered(int t, uint32_t interval, uint32_t epoch, int u) {
   const Checker& c = checker;
   return interval < c.interval || t == u || (t / 32 == u / 32 && epoch < c.epochs[u / 32]);
@@ -647,22 +647,29 @@ FLOWGEN_EMU_QUIET inline void block_barrier(int line) {
 
 FLOWGEN_EMU_QUIET inline void complete_warp_barrier(int warp) {
   Checker& c = checker;
-  c.warp_barriers[warp].arrived = 0;
-  ++c.warp_barriers[warp].generation;
-  ++c.epochs[warp];
+  Barrier& bar = c.warp_barriers[warp];
+  if (bar.orders_memory) ++c.epochs[warp];
+  bar.arrived = 0;
+  bar.orders_memory = true;
+  ++bar.generation;
 }
 
 // A warp-synchronous operation: it waits for the warp's lanes that have not exited (PTX ISA:
-// the *.sync instructions wait for the non-exited threads of their member mask).
-FLOWGEN_EMU_QUIET inline void warp_barrier() {
+// the *.sync instructions wait for the non-exited threads of their member mask). Only __syncwarp
+// orders the lanes' memory accesses (CUDA C++ Programming Guide: __syncwarp "guarantees memory
+// ordering among threads participating in the barrier"); shuffles, votes, mma and ldmatrix
+// exchange registers and order nothing.
+FLOWGEN_EMU_QUIET inline void warp_barrier(bool orders_memory) {
   Checker& c = checker;
   Block& b = *c.running;
   const int u = b.current, warp = u / 32;
   ThreadState& me = c.states[u];
-  me.fences_at_sync = me.fences;
+  Barrier& bar = c.warp_barriers[warp];
+  if (orders_memory) me.fences_at_sync = me.fences;
   me.wait = Wait::kWarpBarrier;
-  me.generation = c.warp_barriers[warp].generation;
-  if (++c.warp_barriers[warp].arrived == c.live_lanes[warp]) complete_warp_barrier(warp);
+  me.generation = bar.generation;
+  bar.orders_memory = bar.orders_memory && orders_memory;
+  if (++bar.arrived == c.live_lanes[warp]) complete_warp_barrier(warp);
   schedule(b, u);
 }
 

@@ -62,6 +62,16 @@ extern "C" __global__ void warp_ordered(int* out) {
 }
 FLOWGEN_EMU_KERNEL(warp_ordered, true)
 
+// A shuffle synchronises the lanes but orders no memory: reading a neighbour's slot after one races.
+extern "C" __global__ void ordered_by_a_shuffle(int* out) {
+  __shared__ int slots[64];
+  const int t = threadIdx.x;
+  slots[t] = t;
+  const int v = __shfl_xor_sync(0xffffffffu, t, 1);
+  out[t] = slots[t ^ 1] - v;
+}
+FLOWGEN_EMU_KERNEL(ordered_by_a_shuffle, true)
+
 // The first 16 threads pass a barrier of their own: the block meets at two different __syncthreads.
 extern "C" __global__ void divergent_barrier(int* out) {
   __shared__ int slots[64];
@@ -303,6 +313,13 @@ def test_lanes_ordered_by_syncwarp_run_clean(hazards):
     out = np.zeros(64, np.int32)
     hazards.launch("warp_ordered", (1, 1, 1), (64, 1, 1), 0, [ptr(out)])
     np.testing.assert_array_equal(out, ints(64) ^ 1)
+
+
+def test_a_shuffle_does_not_order_shared_memory(hazards):
+    report = report_of(hazards, "ordered_by_a_shuffle", (1, 1, 1), (64, 1, 1), 0, ints(64))
+    assert "read-after-write race" in report and "thread (1, 0, 0) [warp 0 lane 1] wrote" in report
+    assert_names(report, "ordered_by_a_shuffle", (0, 0, 0), (0, 0, 0), "")
+    assert "static shared `ordered_by_a_shuffle::slots` + 4" in report
 
 
 def test_divergent_barrier(hazards):
