@@ -145,10 +145,8 @@ FLOWGEN_EMU_QUIET inline std::string thread_name(int t) {
 }
 
 FLOWGEN_EMU_QUIET inline std::string block_name() {
-  const Checker& c = checker;
   char text[64];
   std::snprintf(text, sizeof text, "block (%u, %u, %u)", blockIdx.x, blockIdx.y, blockIdx.z);
-  (void)c;
   return text;
 }
 
@@ -831,7 +829,7 @@ FLOWGEN_EMU_QUIET inline bool accumulators_in_flight(uintptr_t a, size_t n) {
 // The ThreadSanitizer entry points g++ calls (-fsanitize=thread, without libtsan). They run
 // uninstrumented; atomics do what the builtins do and count as atomic accesses (checked for
 // bounds, not for races).
-#define FLOWGEN_EMU_CHECK_ENTRY extern "C" __attribute__((visibility("hidden"), no_sanitize_thread, used))
+#define FLOWGEN_EMU_CHECK_ENTRY extern "C" __attribute__((weak, visibility("hidden"), no_sanitize_thread, used))
 
 FLOWGEN_EMU_CHECK_ENTRY void __tsan_init() {}
 FLOWGEN_EMU_CHECK_ENTRY void __tsan_func_entry(void*) {}
