@@ -4,11 +4,15 @@ thread and the address, where compute-sanitizer (racecheck, synccheck, memcheck)
 would have complained.
 
 One hand-written CUDA kernel per hazard, built like every emulator kernel (build_cpu_library,
-CpuModule); then the generated kernels of every family that synchronises (tensor-core GEMM and
+CpuModule) and compiled by NVRTC as it stands; then the generated kernels of every family that synchronises (tensor-core GEMM and
 implicit-GEMM conv on mma.sync and on wgmma, tiled attention forward and backward, reductions,
 fused elementwise kernels) in two bf16 training steps through the public API, which must run clean.
 """
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -16,11 +20,23 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from flowgen.runtime import cpu_compiler, cuda_driver
+from flowgen.runtime import cpu_compiler, cuda_driver, nvrtc
 from flowgen.runtime.cpu_compiler import CpuModule, EmulatorCheckError, build_cpu_library
+from flowgen.runtime.toolchain import CompileError
 from graphs import TrainGraph
 
-HAZARDS = r"""
+TOO_MUCH_STATIC_SHARED = r"""
+// More static shared memory than a kernel may declare (48 KB).
+extern "C" __global__ void too_much_static_shared(int* out) {
+  __shared__ float big[12 * 1024 + 1];
+  big[threadIdx.x] = 1.0f;
+  __syncthreads();
+  out[threadIdx.x] = int(big[threadIdx.x]);
+}
+FLOWGEN_EMU_KERNEL(too_much_static_shared, true)
+"""
+
+HAZARDS = TOO_MUCH_STATIC_SHARED + r"""
 // Each thread publishes its value, then reads its left neighbour's with no barrier between.
 extern "C" __global__ void read_after_write(const int* in, int* out) {
   __shared__ int slots[64];
@@ -123,15 +139,6 @@ extern "C" __global__ void dynamic_out_of_bounds(const int* in, int* out) {
   out[t] = slots[t];
 }
 FLOWGEN_EMU_KERNEL(dynamic_out_of_bounds, true)
-
-// More static shared memory than a kernel may declare (48 KB).
-extern "C" __global__ void too_much_static_shared(int* out) {
-  __shared__ float big[12 * 1024 + 1];
-  big[threadIdx.x] = 1.0f;
-  __syncthreads();
-  out[threadIdx.x] = int(big[threadIdx.x]);
-}
-FLOWGEN_EMU_KERNEL(too_much_static_shared, true)
 
 // A 16-byte vector store per thread, `offset` floats into dynamic shared memory.
 extern "C" __global__ void vector_store(int offset, float* out) {
@@ -276,6 +283,15 @@ def assert_names(report: str, kernel: str, block: tuple, thread: tuple, address:
     assert f"thread ({thread[0]}, {thread[1]}, {thread[2]})" in report.split("in kernel")[1], report
     if address is not None:
         assert f"address {address}" in report, report
+
+
+def test_the_hazard_kernels_are_cuda_that_nvrtc_compiles():
+    """The kernels are CUDA C++ for the GPU as they stand; ptxas refuses the one over 48 KB of
+    static shared memory, as the checker does."""
+    cubin = nvrtc.compile_cuda(HAZARDS.replace(TOO_MUCH_STATIC_SHARED, ""), arch="sm_90", tag="test_emulator_check")
+    assert cubin[:4] == b"\x7fELF"
+    with pytest.raises(CompileError, match="too_much_static_shared' uses too much shared data"):
+        nvrtc.compile_cuda(TOO_MUCH_STATIC_SHARED, arch="sm_90", tag="test_emulator_check_static")
 
 
 def test_check_mode_is_switched_by_the_environment(check_mode, hazards):
@@ -565,3 +581,24 @@ def shrink_shared_memory(make_kernel):
         kernel.smem //= 2
         return kernel
     return smaller
+
+
+# Tests of other files that break the hardware's rules on purpose, so the checking emulator fails
+# them: a cp.async primitive test that reads destinations before waiting (to show they are stale)
+# with 16- and 8-byte copies to 44-byte rows (misaligned: the GPU would fault), and the wgmma
+# primitive test that reads the accumulators between commit and wait (undefined behaviour, issue 29).
+BREAK_THE_RULES = ["test_cp_async_lands_groups_on_wait_and_zero_fills_past_src_size",
+                   "test_wgmma_reads_canonical_layouts_through_descriptors"]
+
+
+@pytest.mark.slow
+def test_tensor_core_and_kernel_family_test_files_pass_under_the_checking_emulator():
+    """Every tensor-core and kernel-family test, run by the checking emulator (minutes)."""
+    files = ["test_tensor_cores.py", "test_wgmma.py", "test_wgmma_conv.py", "test_attention_tiled.py",
+             "test_kernel_families.py", "test_emulator.py"]
+    tests = Path(__file__).parent
+    command = [sys.executable, "-m", "pytest", "-q", "-m", "not gpu and not slow", *files,
+               "-k", " and ".join(f"not {name}" for name in BREAK_THE_RULES)]
+    result = subprocess.run(command, cwd=tests, capture_output=True, text=True,
+                            env=dict(os.environ, FLOWGEN_EMULATOR_CHECK="1"))
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
