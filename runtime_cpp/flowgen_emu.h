@@ -439,15 +439,17 @@ struct Block {
   struct alignas(16) WideSlot { unsigned char bytes[32]; };
   std::vector<WideSlot> wide_exchange;
   // cp.async: each thread's copies not yet committed, then its committed groups, oldest
-  // first. A copy lands when wait_group retires its group (one legal GPU schedule), so a
-  // kernel that reads shared memory before waiting reads stale data here too.
+  // first. A copy lands when wait_group retires its group (one legal GPU schedule; the checking
+  // mode lands it at a random point between issue and wait), so a kernel that reads shared
+  // memory before waiting reads stale data here too.
   struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; bool landed; };
   struct AsyncQueue { std::vector<AsyncCopy> open; std::deque<std::vector<AsyncCopy>> groups; };
   std::vector<AsyncQueue> async_copies;
   bool async_used = false;  // a thread of this block issued cp.async: clear the queues before the next
   // Warpgroup MMA (wgmma.mma_async): each thread's operations not yet committed, then its
   // committed groups, oldest first. An operation computes this thread's accumulators when
-  // wgmma.wait_group retires its group (one legal GPU schedule): a kernel that reads the
+  // wgmma.wait_group retires its group (one legal GPU schedule; the checking mode computes at a
+  // random point between issue and wait, in issue order): a kernel that reads the
   // accumulators before waiting reads their old values here too. `fenced`: a wgmma.fence
   // since the thread's last wait (the emulator asks for one before every batch of wgmma).
   struct WarpgroupMma {
@@ -779,9 +781,6 @@ struct ElementsTf32 {
   }
 };
 
-// ldmatrix .m8n8 .b16: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes each);
-// register j of lane l then holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j,
-// or with .trans column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
 // Column c (16 bits) of the row at `row`.
 FLOWGEN_EMU_UNCHECKED inline uint32_t row_element(const void* row, int c) {
   uint16_t bits;
@@ -789,6 +788,9 @@ FLOWGEN_EMU_UNCHECKED inline uint32_t row_element(const void* row, int c) {
   return bits;
 }
 
+// ldmatrix .m8n8 .b16: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes each);
+// register j of lane l then holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j,
+// or with .trans column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
 template <int Matrices, bool Transposed> inline void ldmatrix(unsigned* regs, const void* row) {
 #ifdef FLOWGEN_EMU_CHECK
   synchronising_block("ldmatrix");
