@@ -13,7 +13,7 @@
 //     fence.proxy.async by their writer before the barrier that publishes them;
 //   * cp.async copies and wgmma operand reads are in flight from issue to wait: any other access
 //     to their bytes meanwhile is a race, and each lands (or reads) at a random point between
-//     issue and wait (seeded by FLOWGEN_EMULATOR_CHECK_SEED), so a kernel's numbers change too;
+//     issue and wait (seeded by FLOWGEN_EMULATOR_CHECK_SEED), so a racy kernel's numbers vary too;
 //   * more than 48 KB of static or 227 KB of shared memory per block, more than 1024 threads.
 //
 // How accesses are seen: g++'s ThreadSanitizer instrumentation (-fsanitize=thread) calls

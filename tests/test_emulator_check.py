@@ -594,11 +594,10 @@ BREAK_THE_RULES = ["test_cp_async_lands_groups_on_wait_and_zero_fills_past_src_s
 @pytest.mark.slow
 def test_tensor_core_and_kernel_family_test_files_pass_under_the_checking_emulator():
     """Every tensor-core and kernel-family test, run by the checking emulator (minutes)."""
-    files = ["test_tensor_cores.py", "test_wgmma.py", "test_wgmma_conv.py", "test_attention_tiled.py",
-             "test_kernel_families.py", "test_emulator.py"]
-    tests = Path(__file__).parent
+    files = [f"tests/{name}.py" for name in ("test_tensor_cores", "test_wgmma", "test_wgmma_conv",
+                                             "test_attention_tiled", "test_kernel_families", "test_emulator")]
     command = [sys.executable, "-m", "pytest", "-q", "-m", "not gpu and not slow", *files,
                "-k", " and ".join(f"not {name}" for name in BREAK_THE_RULES)]
-    result = subprocess.run(command, cwd=tests, capture_output=True, text=True,
+    result = subprocess.run(command, cwd=Path(__file__).parent.parent, capture_output=True, text=True,
                             env=dict(os.environ, FLOWGEN_EMULATOR_CHECK="1"))
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
