@@ -24,6 +24,7 @@
 #include <ucontext.h>  // fibers on targets other than x86-64
 
 #include <algorithm>
+#include <cstdarg>
 #include <initializer_list>
 #include <climits>
 #include <cmath>
@@ -34,6 +35,7 @@
 #include <cstring>
 #include <deque>
 #include <memory>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -49,9 +51,22 @@
 #define __noinline__ __attribute__((noinline))
 #define __align__(n) __attribute__((aligned(n)))
 #define __launch_bounds__(...)
+// The emulator's own reads and writes of shared memory and accumulators on behalf of a primitive
+// (ldmatrix, cp.async landing, wgmma): the checking mode accounts for them itself.
+#ifdef FLOWGEN_EMU_CHECK
+#define FLOWGEN_EMU_UNCHECKED __attribute__((no_sanitize_thread))
+#else
+#define FLOWGEN_EMU_UNCHECKED
+#endif
 // A block's threads all run on one OS thread and blocks on an OS thread run one at a
-// time, so a thread_local static is exactly one copy per running block.
+// time, so a thread_local static is exactly one copy per running block. The checking mode
+// (flowgen_emu_check.h) runs one block at a time and keeps shared variables in a section of their
+// own, where the ELF symbol table gives each one's bounds and kernel.
+#ifdef FLOWGEN_EMU_CHECK
+#define __shared__ static __attribute__((section("flowgen_shared")))
+#else
 #define __shared__ static thread_local
+#endif
 
 // ---------------------------------------------------------------------------------------
 // Thread geometry. thread_local because every OpenMP thread runs its own block; the
@@ -67,8 +82,42 @@ inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 constexpr int warpSize = 32;
 
+// Vector types. g++ splits a copy of one into its fields, so the checking mode checks the
+// alignment of a vector copied from or to memory in the copy itself (a misaligned vector access
+// is a fault on the GPU).
+#ifdef FLOWGEN_EMU_CHECK
+namespace flowgen_emu {
+namespace check {
+void vector_access(const void* p, size_t bytes, bool write);
+}  // namespace check
+}  // namespace flowgen_emu
+#define FLOWGEN_EMU_VECTOR_COPIES(T)                                                              \
+  T() = default;                                                                                  \
+  T(const T& other) {                                                                             \
+    flowgen_emu::check::vector_access(&other, sizeof(T), false);                                  \
+    std::memcpy(this, &other, sizeof(T));                                                         \
+  }                                                                                               \
+  T& operator=(const T& other) {                                                                  \
+    flowgen_emu::check::vector_access(&other, sizeof(T), false);                                  \
+    flowgen_emu::check::vector_access(this, sizeof(T), true);                                     \
+    std::memcpy(this, &other, sizeof(T));                                                         \
+    return *this;                                                                                 \
+  }
+struct __align__(8) float2 {
+  float x, y;
+  FLOWGEN_EMU_VECTOR_COPIES(float2)
+  constexpr float2(float x_, float y_) : x(x_), y(y_) {}
+};
+struct __align__(16) float4 {
+  float x, y, z, w;
+  FLOWGEN_EMU_VECTOR_COPIES(float4)
+  constexpr float4(float x_, float y_, float z_, float w_) : x(x_), y(y_), z(z_), w(w_) {}
+};
+#undef FLOWGEN_EMU_VECTOR_COPIES
+#else
 struct __align__(8) float2 { float x, y; };
 struct __align__(16) float4 { float x, y, z, w; };
+#endif
 inline float2 make_float2(float x, float y) { return {x, y}; }
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 
@@ -352,7 +401,18 @@ struct DefaultFpControl {};  // ucontext fibers start with the control words of 
 struct Fiber {
   Context context;
   std::unique_ptr<char[]> stack;
+  size_t stack_bytes = 0;
 };
+
+// The checking mode runs every kernel on fibers, those registered with SerialBlocks too, whose one
+// thread keeps a whole tile of accumulators on its stack (256 KB for 256 x 256 floats).
+inline size_t fiber_stack_bytes(int nthreads) {
+#ifdef FLOWGEN_EMU_CHECK
+  if (nthreads == 1) return size_t(16) << 20;
+#endif
+  (void)nthreads;
+  return FLOWGEN_EMU_FIBER_STACK;
+}
 
 // Fiber t's stack starts this many bytes below the top of its allocation. The allocations
 // are page-aligned, so without the offset every fiber's hot frames would sit at the same
@@ -379,15 +439,17 @@ struct Block {
   struct alignas(16) WideSlot { unsigned char bytes[32]; };
   std::vector<WideSlot> wide_exchange;
   // cp.async: each thread's copies not yet committed, then its committed groups, oldest
-  // first. A copy lands when wait_group retires its group (one legal GPU schedule), so a
-  // kernel that reads shared memory before waiting reads stale data here too.
-  struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; };
+  // first. A copy lands when wait_group retires its group (one legal GPU schedule; the checking
+  // mode lands it at a random point between issue and wait), so a kernel that reads shared
+  // memory before waiting reads stale data here too.
+  struct AsyncCopy { void* dst; const void* src; int bytes, src_bytes; bool landed; };
   struct AsyncQueue { std::vector<AsyncCopy> open; std::deque<std::vector<AsyncCopy>> groups; };
   std::vector<AsyncQueue> async_copies;
   bool async_used = false;  // a thread of this block issued cp.async: clear the queues before the next
   // Warpgroup MMA (wgmma.mma_async): each thread's operations not yet committed, then its
   // committed groups, oldest first. An operation computes this thread's accumulators when
-  // wgmma.wait_group retires its group (one legal GPU schedule): a kernel that reads the
+  // wgmma.wait_group retires its group (one legal GPU schedule; the checking mode computes at a
+  // random point between issue and wait, in issue order): a kernel that reads the
   // accumulators before waiting reads their old values here too. `fenced`: a wgmma.fence
   // since the thread's last wait (the emulator asks for one before every batch of wgmma).
   struct WarpgroupMma {
@@ -396,6 +458,7 @@ struct Block {
     int n, k, element_bytes;  // m64n{n}k{k}; operands of 2 (bf16, f16) or 4 (tf32) bytes
     bool scale_d, trans_a, trans_b;
     float (*decode)(uint32_t);
+    bool done;  // computed (the checking mode computes at a random point before the wait retires it)
   };
   struct WgmmaQueue {
     std::vector<WarpgroupMma> open;
@@ -405,7 +468,10 @@ struct Block {
   std::vector<WgmmaQueue> wgmma;
   bool wgmma_used = false;
   struct alignas(16) Chunk { unsigned char bytes[16]; };
-  std::vector<Chunk> dynamic_shared;          // sized per launch
+  std::vector<Chunk> dynamic_shared;          // sized per launch (the checking mode adds guards)
+  unsigned char* dynamic_base = nullptr;      // the first byte of the launch's dynamic shared memory
+  size_t dynamic_bytes = 0;
+  bool registered_fibers = false;             // FLOWGEN_EMU_KERNEL(name, true): it may synchronise
 };
 // The block state of this OS thread, owned here and reached through `current_block`: a
 // thread_local with a constructor is read through a TLS wrapper call that checks whether
@@ -417,6 +483,38 @@ inline thread_local Block* current_block = nullptr;  // set by run_grid before a
 inline void become_thread(Block& b, int t) {
   b.current = t;
   threadIdx = b.thread_index[t];
+}
+
+// The shared-window address of the first byte of dynamic shared memory. The GPU promises 16-byte
+// alignment only, so the emulator places it at 16: a kernel must align swizzled tiles itself.
+constexpr uint32_t kDynamicSharedAddress = 16;
+
+}  // namespace flowgen_emu
+
+#ifdef FLOWGEN_EMU_CHECK
+#include "flowgen_emu_check.h"
+#endif
+
+namespace flowgen_emu {
+
+// An error in the kernel the emulator cannot go on from: the checking mode reports it (naming
+// the kernel, block and thread) and fails the launch; otherwise it is printed and the process aborts.
+[[noreturn]] __attribute__((format(printf, 1, 2))) inline void fail(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+#ifdef FLOWGEN_EMU_CHECK
+  if (check::checker.active) {
+    check::record(fmt, args);
+    va_end(args);
+    check::checker.report += ", " + check::block_name() + ", " + check::thread_name(check::checker.running->current);
+    check::bail();
+  }
+#endif
+  std::fputs("flowgen emulator: ", stderr);
+  std::vfprintf(stderr, fmt, args);
+  std::fputs("\n", stderr);
+  va_end(args);
+  std::abort();
 }
 
 // Passes control from thread `me` to the next unfinished thread of [first, first + count),
@@ -443,17 +541,25 @@ inline void fiber_main() {
   Block& b = *current_block;
   const int t = b.current;
   become_thread(b, t);
+#ifdef FLOWGEN_EMU_CHECK
+  check::checker.inside = false;
+  b.body(b.body_arg);
+  check::thread_exit(b, t);
+#else
   b.body(b.body_arg);
   b.done[t] = 1;
   yield_to_next(b, t, 0, b.nthreads);
+#endif
 }
 
-inline void run_block_with_fibers(Block& b) {
+inline void run_block_with_fibers(Block& b, long long linear_block) {
   const int n = b.nthreads;
-  while (int(b.pool.size()) < n) {
-    auto fiber = std::make_unique<Fiber>();
-    fiber->stack.reset(new char[FLOWGEN_EMU_FIBER_STACK]);
-    b.pool.push_back(std::move(fiber));
+  const size_t stack_bytes = fiber_stack_bytes(n);
+  while (int(b.pool.size()) < n) b.pool.push_back(std::make_unique<Fiber>());
+  for (int t = 0; t < n; ++t) {
+    if (b.pool[t]->stack_bytes >= stack_bytes) continue;
+    b.pool[t]->stack.reset(new char[stack_bytes]);
+    b.pool[t]->stack_bytes = stack_bytes;
   }
   b.done.assign(n, 0);
   b.exchange.resize(2 * size_t(n));
@@ -473,26 +579,36 @@ inline void run_block_with_fibers(Block& b) {
     b.wgmma_used = false;
   }
   for (int t = 0; t < n; ++t)
-    start_context(b.pool[t]->context, b.pool[t]->stack.get(),
-                  FLOWGEN_EMU_FIBER_STACK - stack_stagger(t), fiber_main);
+    start_context(b.pool[t]->context, b.pool[t]->stack.get(), b.pool[t]->stack_bytes - stack_stagger(t),
+                  fiber_main);
   DefaultFpControl fp_control;  // the fibers' control words, as on the GPU
   b.current = 0;
+#ifdef FLOWGEN_EMU_CHECK
+  check::begin_block(b, linear_block);
   switch_context(b.scheduler, b.pool[0]->context);
+  check::end_block(b);
+#else
+  (void)linear_block;
+  switch_context(b.scheduler, b.pool[0]->context);
+#endif
 }
 
 inline Block& synchronising_block(const char* what) {
   Block& b = *current_block;
-  if (!b.fibers) {
-    std::fprintf(stderr, "flowgen emulator: %s called by a kernel registered with "
-                         "FLOWGEN_EMU_KERNEL(name, false); register it with true\n", what);
-    std::abort();
-  }
+  if (!b.registered_fibers)
+    fail("%s called by a kernel registered with FLOWGEN_EMU_KERNEL(name, false); register it with true", what);
   return b;
 }
 
 inline int warp_first(const Block& b) { return b.current & ~(warpSize - 1); }
 inline int warp_count(const Block& b) { return std::min(warpSize, b.nthreads - warp_first(b)); }
-inline void warp_barrier(Block& b) { yield_to_next(b, b.current, warp_first(b), warp_count(b)); }
+// The lanes of the warp meet. Only __syncwarp orders their memory accesses (`orders_memory`);
+// shuffles, votes, mma and ldmatrix exchange registers.
+#ifdef FLOWGEN_EMU_CHECK
+inline void warp_barrier(Block&, bool orders_memory = false) { check::warp_barrier(orders_memory); }
+#else
+inline void warp_barrier(Block& b, bool = false) { yield_to_next(b, b.current, warp_first(b), warp_count(b)); }
+#endif
 
 // This lane's slot of the exchange buffer for its next shuffle or vote (see Block::parity).
 inline uint64_t* exchange_slots(Block& b) {
@@ -539,12 +655,21 @@ inline int lane_id() { return current_block->current & (warpSize - 1); }
 
 }  // namespace flowgen_emu
 
+#ifdef FLOWGEN_EMU_CHECK
+// Each __syncthreads is told its source line: the threads of a block must all reach the same one.
+inline void flowgen_emu_syncthreads_at(int line) {
+  flowgen_emu::synchronising_block("__syncthreads");
+  flowgen_emu::check::block_barrier(line);
+}
+#define __syncthreads() flowgen_emu_syncthreads_at(__LINE__)
+#else
 inline void __syncthreads() {
   flowgen_emu::Block& b = flowgen_emu::synchronising_block("__syncthreads");
   flowgen_emu::yield_to_next(b, b.current, 0, b.nthreads);
 }
+#endif
 inline void __syncwarp(unsigned = 0xffffffffu) {
-  flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"));
+  flowgen_emu::warp_barrier(flowgen_emu::synchronising_block("__syncwarp"), true);
 }
 
 // Lane masks are not checked: the emulator assumes, like the kernels, a converged warp.
@@ -593,10 +718,7 @@ inline const Block::WideSlot* warp_publish(const void* data, size_t n) {
   b.parity[me] ^= 1;
   std::memcpy(slots[me].bytes, data, n);
   warp_barrier(b);
-  if (warp_count(b) != warpSize) {
-    std::fprintf(stderr, "flowgen emulator: mma/ldmatrix need a full warp of 32 threads\n");
-    std::abort();
-  }
+  if (warp_count(b) != warpSize) fail("mma/ldmatrix need a full warp of 32 threads");
   return &slots[first];
 }
 
@@ -659,18 +781,27 @@ struct ElementsTf32 {
   }
 };
 
+// Column c (16 bits) of the row at `row`.
+FLOWGEN_EMU_UNCHECKED inline uint32_t row_element(const void* row, int c) {
+  uint16_t bits;
+  std::memcpy(&bits, static_cast<const unsigned char*>(row) + 2 * c, 2);
+  return bits;
+}
+
 // ldmatrix .m8n8 .b16: lanes 8j..8j+7 give the row addresses of matrix j (16 bytes each);
 // register j of lane l then holds row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1 of matrix j,
 // or with .trans column l / 4, rows 2 (l % 4) and 2 (l % 4) + 1.
 template <int Matrices, bool Transposed> inline void ldmatrix(unsigned* regs, const void* row) {
+#ifdef FLOWGEN_EMU_CHECK
+  synchronising_block("ldmatrix");
+  check::ldmatrix_row(row, Matrices);
+#endif
   const Block::WideSlot* lanes = warp_publish(&row, sizeof row);
   const int lane = lane_id(), group = lane / 4, in_group = lane % 4;
   auto element = [&](int matrix, int r, int c) {
     const void* address;
     std::memcpy(&address, lanes[8 * matrix + r].bytes, sizeof address);
-    uint16_t bits;
-    std::memcpy(&bits, static_cast<const unsigned char*>(address) + 2 * c, 2);
-    return uint32_t(bits);
+    return row_element(address, c);
   };
   for (int j = 0; j < Matrices; ++j) {
     regs[j] = Transposed ? element(j, 2 * in_group, group) | element(j, 2 * in_group + 1, group) << 16
@@ -678,14 +809,23 @@ template <int Matrices, bool Transposed> inline void ldmatrix(unsigned* regs, co
   }
 }
 
+FLOWGEN_EMU_UNCHECKED inline void land(Block::AsyncCopy& c) {
+  std::memcpy(c.dst, c.src, size_t(c.src_bytes));
+  std::memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, size_t(c.bytes - c.src_bytes));
+  c.landed = true;
+}
+
 inline void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
   Block& b = synchronising_block("cp.async");
-  if (src_bytes < 0 || src_bytes > bytes) {
-    std::fprintf(stderr, "flowgen emulator: cp.async src-size %d outside [0, %d]\n", src_bytes, bytes);
-    std::abort();
-  }
-  b.async_copies[b.current].open.push_back({dst, src, bytes, src_bytes});
+  if (src_bytes < 0 || src_bytes > bytes) fail("cp.async src-size %d outside [0, %d]", src_bytes, bytes);
+#ifdef FLOWGEN_EMU_CHECK
+  check::cp_async_issue(dst, src, bytes);
+#endif
+  b.async_copies[b.current].open.push_back({dst, src, bytes, src_bytes, false});
   b.async_used = true;
+#ifdef FLOWGEN_EMU_CHECK
+  if (check::coin() && check::coin()) land(b.async_copies[b.current].open.back());  // lands at once
+#endif
 }
 
 // Lands every committed group but the newest `pending` ones.
@@ -693,9 +833,11 @@ inline void cp_async_retire(int pending) {
   Block& b = synchronising_block("cp.async.wait_group");
   auto& groups = b.async_copies[b.current].groups;
   while (int(groups.size()) > pending) {
-    for (const Block::AsyncCopy& c : groups.front()) {
-      std::memcpy(c.dst, c.src, size_t(c.src_bytes));
-      std::memset(static_cast<unsigned char*>(c.dst) + c.src_bytes, 0, size_t(c.bytes - c.src_bytes));
+    for (Block::AsyncCopy& c : groups.front()) {
+      if (!c.landed) land(c);
+#ifdef FLOWGEN_EMU_CHECK
+      check::cp_async_retired(c.dst, c.bytes);
+#endif
     }
     groups.pop_front();
   }
@@ -754,32 +896,21 @@ template <int N> inline void cp_async_wait_group() { flowgen_emu::cp_async_retir
 
 namespace flowgen_emu {
 
-// The shared-window address of the first byte of dynamic shared memory. The GPU promises 16-byte
-// alignment only, so the emulator places it at 16: a kernel must align swizzled tiles itself.
-constexpr uint32_t kDynamicSharedAddress = 16;
-
 inline uint32_t shared_window_address(const void* p) {
   const Block& b = *current_block;
-  const auto* base = reinterpret_cast<const unsigned char*>(b.dynamic_shared.data());
   const auto* q = static_cast<const unsigned char*>(p);
-  const size_t size = b.dynamic_shared.size() * sizeof(Block::Chunk);
-  if (q < base || q >= base + size) {
-    std::fprintf(stderr, "flowgen emulator: shared_address of a pointer outside dynamic shared memory "
-                         "(only FLOWGEN_DYN_SHARED memory has shared-window addresses here)\n");
-    std::abort();
-  }
-  return uint32_t(q - base) + kDynamicSharedAddress;
+  if (q < b.dynamic_base || q > b.dynamic_base + b.dynamic_bytes)
+    fail("shared_address of a pointer outside dynamic shared memory (only FLOWGEN_DYN_SHARED memory has "
+         "shared-window addresses here)");
+  return uint32_t(q - b.dynamic_base) + kDynamicSharedAddress;
 }
 
-inline const unsigned char* shared_window_pointer(uint32_t address, int bytes) {
+FLOWGEN_EMU_UNCHECKED inline const unsigned char* shared_window_pointer(uint32_t address, int bytes) {
   const Block& b = *current_block;
-  const size_t size = b.dynamic_shared.size() * sizeof(Block::Chunk);
-  if (address < kDynamicSharedAddress || address + bytes > kDynamicSharedAddress + size) {
-    std::fprintf(stderr, "flowgen emulator: wgmma operand address %u outside dynamic shared memory [%u, %zu)\n",
-                 address, kDynamicSharedAddress, kDynamicSharedAddress + size);
-    std::abort();
-  }
-  return reinterpret_cast<const unsigned char*>(b.dynamic_shared.data()) + (address - kDynamicSharedAddress);
+  if (address < kDynamicSharedAddress || address + bytes > kDynamicSharedAddress + b.dynamic_bytes)
+    fail("wgmma operand address %u outside dynamic shared memory [%u, %zu)", address, kDynamicSharedAddress,
+         kDynamicSharedAddress + b.dynamic_bytes);
+  return b.dynamic_base + (address - kDynamicSharedAddress);
 }
 
 // A decoded matrix descriptor (byte values).
@@ -789,11 +920,9 @@ struct MatrixDescriptor {
 };
 
 inline MatrixDescriptor decode_descriptor(uint64_t desc) {
-  if ((desc >> 49 & 7) != 0) {
-    std::fprintf(stderr, "flowgen emulator: wgmma descriptor with a nonzero base offset (unaligned swizzle "
-                         "pattern) is not emulated\n");
-    std::abort();
-  }
+  if ((desc >> 49 & 7) != 0)
+    fail("wgmma descriptor %#llx with a nonzero base offset (unaligned swizzle pattern) is not emulated",
+         (unsigned long long)desc);
   static const int chunks[4] = {1, 8, 4, 2};  // swizzle mode 0: interleave, 1: 128B, 2: 64B, 3: 32B
   return {uint32_t(desc & 0x3FFF) << 4, uint32_t(desc >> 16 & 0x3FFF) << 4, uint32_t(desc >> 32 & 0x3FFF) << 4,
           chunks[desc >> 62]};
@@ -823,7 +952,7 @@ inline uint32_t canonical_address(const MatrixDescriptor& d, bool mn_major, int 
   return W == 1 ? address : address ^ ((address >> 7 & uint32_t(W - 1)) << 4);
 }
 
-inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, int k, int bytes,
+FLOWGEN_EMU_UNCHECKED inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, int k, int bytes,
                              float (*decode)(uint32_t)) {
   uint32_t bits = 0;  // the element's bytes, little-endian as on the GPU
   std::memcpy(&bits, shared_window_pointer(canonical_address(d, mn_major, mn, k, bytes), bytes), size_t(bytes));
@@ -834,7 +963,7 @@ inline float operand_element(const MatrixDescriptor& d, bool mn_major, int mn, i
 // operands) or 8 (tf32): register r of lane l in warp w of the warpgroup is
 // D(16 w + l / 4 + 8 ((r / 2) % 2), 8 (r / 4) + 2 (l % 4) + r % 2). Products of 16-bit or tf32
 // values are exact in float; each output adds its k terms in increasing k (as mma.sync does here).
-inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
+FLOWGEN_EMU_UNCHECKED inline void run_wgmma(Block::WarpgroupMma& op, int thread) {
   const MatrixDescriptor a = decode_descriptor(op.a_desc), b = decode_descriptor(op.b_desc);
   const int warp = thread % 128 / 32, lane = thread % 32;
   float a_rows[2][16], b_cols[64][16];  // the thread's 2 rows of A and n / 4 columns of B
@@ -852,26 +981,54 @@ inline void run_wgmma(const Block::WarpgroupMma& op, int thread) {
     for (int k = 0; k < op.k; ++k) sum += row[k] * col[k];
     op.d[r] = sum;
   }
+  op.done = true;
 }
+
+#ifdef FLOWGEN_EMU_CHECK
+// The shared-memory bytes the running thread's part of `op` reads (its 2 rows of A and n / 4
+// columns of B): `issue` checks and marks them in flight, else they are retired.
+inline void wgmma_operands(const Block::WarpgroupMma& op, bool issue) {
+  const MatrixDescriptor a = decode_descriptor(op.a_desc), b = decode_descriptor(op.b_desc);
+  const int thread = current_block->current, warp = thread % 128 / 32, lane = thread % 32;
+  auto visit = [&](const MatrixDescriptor& d, bool mn_major, int mn) {
+    for (int k = 0; k < op.k; ++k) {
+      const uint32_t address = canonical_address(d, mn_major, mn, k, op.element_bytes);
+      const unsigned char* p = shared_window_pointer(address, op.element_bytes);
+      if (issue) check::wgmma_operand_issue(p, op.element_bytes);
+      else check::wgmma_operand_retired(p, op.element_bytes);
+    }
+  };
+  for (int h = 0; h < 2; ++h) visit(a, op.trans_a, 16 * warp + lane / 4 + 8 * h);
+  for (int j = 0; j < op.n / 4; ++j) visit(b, op.trans_b, 8 * (j / 2) + 2 * (lane % 4) + j % 2);
+}
+#endif
 
 template <int N, int K, int TransA, int TransB>
 inline void wgmma_issue(float* d, uint64_t a_desc, uint64_t b_desc, int scale_d, float (*decode)(uint32_t)) {
   static_assert(N % 8 == 0 && N <= 256, "m64nNk: N a multiple of 8, at most 256");
   static_assert(K == 16 || (K == 8 && TransA == 0 && TransB == 0), "k16 (16-bit) or k8 (tf32, K-major only)");
   Block& b = synchronising_block("wgmma.mma_async");
-  if (b.nthreads % 128 != 0) {
-    std::fprintf(stderr, "flowgen emulator: wgmma needs whole warpgroups (blocks of 128 k threads), got %d\n",
-                 b.nthreads);
-    std::abort();
-  }
+  if (b.nthreads % 128 != 0) fail("wgmma needs whole warpgroups (blocks of 128 k threads), got %d", b.nthreads);
   Block::WgmmaQueue& queue = b.wgmma[b.current];
-  if (!queue.fenced) {
-    std::fprintf(stderr, "flowgen emulator: wgmma.mma_async without a wgmma.fence before it (one is needed "
-                         "before the first wgmma and after registers it uses were touched)\n");
-    std::abort();
-  }
-  queue.open.push_back({a_desc, b_desc, d, N, K, K == 16 ? 2 : 4, scale_d != 0, TransA != 0, TransB != 0, decode});
+  if (!queue.fenced)
+    fail("wgmma.mma_async without a wgmma.fence before it (one is needed before the first wgmma and after "
+         "registers it uses were touched)");
+  Block::WarpgroupMma op{a_desc, b_desc, d,      N,      K,    K == 16 ? 2 : 4, scale_d != 0, TransA != 0,
+                         TransB != 0, decode, false};
+#ifdef FLOWGEN_EMU_CHECK
+  check::wgmma_signature({a_desc, b_desc, N, K, scale_d != 0, TransA, TransB, b.current});
+  wgmma_operands(op, true);
+#endif
+  queue.open.push_back(op);
   b.wgmma_used = true;
+#ifdef FLOWGEN_EMU_CHECK
+  check::track_accumulators(b);
+  bool earlier_done = true;   // the MMAs of a thread complete in order
+  for (const auto& group : queue.groups)
+    for (const auto& earlier : group) earlier_done = earlier_done && earlier.done;
+  for (size_t i = 0; i + 1 < queue.open.size(); ++i) earlier_done = earlier_done && queue.open[i].done;
+  if (earlier_done && check::coin() && check::coin()) run_wgmma(queue.open.back(), b.current);  // runs at once
+#endif
 }
 
 }  // namespace flowgen_emu
@@ -900,16 +1057,29 @@ template <int N> inline void wgmma_wait_group() {
   flowgen_emu::Block& b = flowgen_emu::synchronising_block("wgmma.wait_group");
   auto& queue = b.wgmma[b.current];
   while (int(queue.groups.size()) > N) {
-    for (const auto& op : queue.groups.front()) flowgen_emu::run_wgmma(op, b.current);
+    for (auto& op : queue.groups.front()) {
+      if (!op.done) flowgen_emu::run_wgmma(op, b.current);
+#ifdef FLOWGEN_EMU_CHECK
+      flowgen_emu::wgmma_operands(op, false);
+#endif
+    }
     queue.groups.pop_front();
   }
   queue.fenced = false;
+#ifdef FLOWGEN_EMU_CHECK
+  flowgen_emu::check::track_accumulators(b);
+#endif
 }
 // The accumulators live in memory here (the pending MMAs hold their address): nothing to pin.
 template <int N> inline void wgmma_fence_accumulators(float (&)[N]) {}
 // The emulator has one memory proxy: shared-memory writes are visible to wgmma once the
-// barrier after them has passed.
+// barrier after them has passed. The checking mode asks for the fence all the same: it counts
+// each thread's fences, and a wgmma may read a byte only if its writer fenced after writing it.
+#ifdef FLOWGEN_EMU_CHECK
+inline void fence_proxy_async_shared() { flowgen_emu::check::proxy_fence(); }
+#else
 inline void fence_proxy_async_shared() {}
+#endif
 
 #define FLOWGEN_EMU_WGMMA(fname, N, K, decode)                                                           \
   template <int TransA, int TransB>                                                                    \
@@ -928,10 +1098,35 @@ FLOWGEN_EMU_WGMMA(wgmma_m64n128k8_tf32, 128, 8, flowgen_emu::tf32_operand)
 FLOWGEN_EMU_WGMMA(wgmma_m64n256k8_tf32, 256, 8, flowgen_emu::tf32_operand)
 #undef FLOWGEN_EMU_WGMMA
 
+#ifdef FLOWGEN_EMU_CHECK
+namespace flowgen_emu {
+namespace check {
+// Thread `t` runs again: each of its copies in flight lands now with probability 1/2, and its
+// oldest MMAs not yet computed run now, each with probability 1/2 (a thread's MMAs complete in order).
+FLOWGEN_EMU_QUIET inline void land_some(Block& b, int t) {
+  if (b.async_used) {
+    Block::AsyncQueue& copies = b.async_copies[t];
+    for (size_t g = 0; g <= copies.groups.size(); ++g)
+      for (Block::AsyncCopy& copy : g < copies.groups.size() ? copies.groups[g] : copies.open)
+        if (!copy.landed && coin()) land(copy);
+  }
+  if (b.wgmma_used) {
+    Block::WgmmaQueue& mmas = b.wgmma[t];
+    for (size_t g = 0; g <= mmas.groups.size(); ++g)
+      for (Block::WarpgroupMma& op : g < mmas.groups.size() ? mmas.groups[g] : mmas.open) {
+        if (op.done) continue;
+        if (!coin()) return;
+        run_wgmma(op, t);
+      }
+  }
+}
+}  // namespace check
+}  // namespace flowgen_emu
+#endif
+
 // ---------------------------------------------------------------------------------------
 // Dynamic shared memory: one 16-byte-aligned buffer per OS thread, sized at launch.
-#define FLOWGEN_DYN_SHARED(T, name) \
-  T* name = reinterpret_cast<T*>(::flowgen_emu::current_block->dynamic_shared.data())
+#define FLOWGEN_DYN_SHARED(T, name) T* name = reinterpret_cast<T*>(::flowgen_emu::current_block->dynamic_base)
 
 // ---------------------------------------------------------------------------------------
 // Launching.
@@ -945,7 +1140,56 @@ struct SerialBlocks {
   long long work;
 };
 
-inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes,
+// This OS thread's block state for a launch. `guard`: bytes kept free on either side of
+// dynamic shared memory (the checking mode reports accesses that land there).
+inline Block& prepare_block(const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes, bool fibers,
+                            bool registered_fibers, void (*body)(void*), void* body_arg, size_t guard) {
+  const int nthreads = int(block[0] * block[1] * block[2]);
+  gridDim = dim3(grid[0], grid[1], grid[2]);
+  blockDim = dim3(block[0], block[1], block[2]);
+  Block& b = tl_block_storage;
+  current_block = &b;
+  b.fibers = fibers;
+  b.registered_fibers = registered_fibers;
+  b.nthreads = nthreads;
+  b.body = body;
+  b.body_arg = body_arg;
+  b.dynamic_shared.resize((dynamic_shared_bytes + 2 * guard + sizeof(Block::Chunk) - 1) / sizeof(Block::Chunk));
+  b.dynamic_base = reinterpret_cast<unsigned char*>(b.dynamic_shared.data()) + guard;
+  b.dynamic_bytes = dynamic_shared_bytes;
+  if (fibers) {
+    b.thread_index.resize(nthreads);
+    for (int t = 0; t < nthreads; ++t)
+      b.thread_index[t] = {t % block[0], t / block[0] % block[1], t / (block[0] * block[1])};
+  }
+  return b;
+}
+
+inline dim3 block_index(long long i, const unsigned* grid) {
+  return dim3(unsigned(i % grid[0]), unsigned(i / grid[0] % grid[1]), unsigned(i / ((long long)grid[0] * grid[1])));
+}
+
+#ifdef FLOWGEN_EMU_CHECK
+// The checking mode: one block at a time on the calling thread, every thread a fiber, until the
+// first report.
+inline void run_grid(const char* kernel, const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes,
+                     bool fibers, void (*body)(void*), void* body_arg, bool = false) {
+  check::Checker& c = check::checker;
+  std::lock_guard<std::mutex> one_launch_at_a_time(c.launching);
+  const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
+  if (nblocks > 0 && block[0] * block[1] * block[2] > 0 && check::begin_launch(kernel, grid, block, dynamic_shared_bytes)) {
+    Block& b = prepare_block(grid, block, dynamic_shared_bytes, true, fibers, body, body_arg, check::kDynamicGuard);
+    for (long long i = 0; i < nblocks && !c.failed; ++i) {
+      const dim3 index = block_index(i, grid);
+      blockIdx = {index.x, index.y, index.z};
+      run_block_with_fibers(b, i);
+    }
+    b.fibers = false;
+  }
+  check::end_launch();
+}
+#else
+inline void run_grid(const char*, const unsigned* grid, const unsigned* block, size_t dynamic_shared_bytes,
                      bool fibers, void (*body)(void*), void* body_arg, bool heavy_blocks = false) {
   const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
   const int nthreads = int(block[0] * block[1] * block[2]);
@@ -955,26 +1199,13 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
   const bool parallel = nblocks > 1 && (heavy_blocks || nblocks * nthreads >= (1 << 16));
 #pragma omp parallel if (parallel)
   {
-    gridDim = dim3(grid[0], grid[1], grid[2]);
-    blockDim = dim3(block[0], block[1], block[2]);
-    Block& b = tl_block_storage;
-    current_block = &b;
-    b.fibers = fibers;
-    b.nthreads = nthreads;
-    b.body = body;
-    b.body_arg = body_arg;
-    b.dynamic_shared.resize((dynamic_shared_bytes + sizeof(Block::Chunk) - 1) / sizeof(Block::Chunk));
-    if (fibers) {
-      b.thread_index.resize(nthreads);
-      for (int t = 0; t < nthreads; ++t)
-        b.thread_index[t] = {t % block[0], t / block[0] % block[1], t / (block[0] * block[1])};
-    }
+    Block& b = prepare_block(grid, block, dynamic_shared_bytes, fibers, fibers, body, body_arg, 0);
 #pragma omp for schedule(dynamic)
     for (long long i = 0; i < nblocks; ++i) {
-      blockIdx = {unsigned(i % grid[0]), unsigned(i / grid[0] % grid[1]),
-                  unsigned(i / ((long long)grid[0] * grid[1]))};
+      const dim3 index = block_index(i, grid);
+      blockIdx = {index.x, index.y, index.z};
       if (fibers) {
-        run_block_with_fibers(b);
+        run_block_with_fibers(b, i);
       } else {
         for (unsigned z = 0; z < block[2]; ++z)
           for (unsigned y = 0; y < block[1]; ++y)
@@ -987,6 +1218,7 @@ inline void run_grid(const unsigned* grid, const unsigned* block, size_t dynamic
     b.fibers = false;
   }
 }
+#endif
 
 // `args` holds one pointer per kernel parameter, like cuLaunchKernel's kernelParams; the
 // kernel's own signature says what each pointer points to. No std::tuple of the values: g++
@@ -998,19 +1230,19 @@ void call_with_args(void (*kernel)(Params...), void** args, std::index_sequence<
 }
 
 template <class... Params>
-void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* block,
+void launch(void (*kernel)(Params...), const char* name, const unsigned* grid, const unsigned* block,
             size_t dynamic_shared_bytes, void** args, bool fibers) {
   auto call = [&] { call_with_args(kernel, args, std::index_sequence_for<Params...>{}); };
-  run_grid(grid, block, dynamic_shared_bytes, fibers,
+  run_grid(name, grid, block, dynamic_shared_bytes, fibers,
            [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call);
 }
 
 template <class... Params>
-void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* block,
+void launch(void (*kernel)(Params...), const char* name, const unsigned* grid, const unsigned* block,
             size_t dynamic_shared_bytes, void** args, SerialBlocks serial) {
   auto call = [&] { call_with_args(kernel, args, std::index_sequence_for<Params...>{}); };
   const long long nblocks = (long long)grid[0] * grid[1] * grid[2];
-  run_grid(grid, block, dynamic_shared_bytes, false,
+  run_grid(name, grid, block, dynamic_shared_bytes, false,
            [](void* f) { (*static_cast<decltype(call)*>(f))(); }, &call, nblocks * serial.work >= (1LL << 22));
 }
 
@@ -1020,5 +1252,5 @@ void launch(void (*kernel)(Params...), const unsigned* grid, const unsigned* blo
 #define FLOWGEN_EMU_KERNEL(kname, needs_fibers)                                              \
   extern "C" __attribute__((visibility("default"))) void flowgen_launch_##kname(             \
       const unsigned* grid3, const unsigned* block3, size_t dyn_smem_bytes, void** args) {    \
-    ::flowgen_emu::launch(&kname, grid3, block3, dyn_smem_bytes, args, needs_fibers);         \
+    ::flowgen_emu::launch(&kname, #kname, grid3, block3, dyn_smem_bytes, args, needs_fibers); \
   }

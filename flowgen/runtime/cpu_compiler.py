@@ -4,7 +4,13 @@ launch its kernels through ctypes, with the same argument convention as cuLaunch
 `build_cpu_library` compiles one source as one library; `compile_kernel_objects` compiles a
 generated kernels.cu kernel by kernel through `kernel_cache` (each distinct body once, object
 files of several chunks by parallel g++ processes), which `build_kernel_library` links into one
-library and `flowgen build --target cpu` (codegen/aot.py) into the standalone program."""
+library and `flowgen build --target cpu` (codegen/aot.py) into the standalone program.
+
+`FLOWGEN_EMULATOR_CHECK=1` builds the checking emulator (runtime_cpp/flowgen_emu_check.h): the
+kernels are compiled with g++'s ThreadSanitizer instrumentation, whose entry points the header
+defines (the library is linked without libtsan, with flowgen_emu_check.ld), and a launch that
+breaks a rule of the hardware raises EmulatorCheckError naming the kernel, block, thread and
+address."""
 
 from __future__ import annotations
 
@@ -62,12 +68,42 @@ def emulator_optimisation() -> tuple:
     return (f"-O{level}",)
 
 
+def emulator_check() -> bool:
+    """Whether `$FLOWGEN_EMULATOR_CHECK` asks for the checking emulator ("1"; "0" or unset: not)."""
+    value = os.environ.get("FLOWGEN_EMULATOR_CHECK", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"FLOWGEN_EMULATOR_CHECK={value!r}: must be 1 (check every launch) or 0")
+    return value == "1"
+
+
+# The checking emulator's compile flags: g++ instruments every memory access of the kernels with a
+# call to a ThreadSanitizer entry point (runtime_cpp/flowgen_emu_check.h defines them), without the
+# per-function entry/exit calls.
+_CHECK_FLAGS = ("-DFLOWGEN_EMU_CHECK", "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
+
+
+class EmulatorCheckError(RuntimeError):
+    """A launch on the checking emulator broke a rule of the hardware (a shared-memory race, a
+    divergent barrier, a misaligned or out-of-bounds access, ...); the message names the kernel,
+    block, thread and address."""
+
+
 def kernel_flags(optimisation: Sequence[str] | None = None) -> list:
     """g++ flags of emulated kernels (objects or libraries, position-independent, so an object
     links into a library or a program alike): `optimisation` replaces emulator_optimisation()
-    (a sanitized program's kernels: -O0 -g -fsanitize=...)."""
+    (a sanitized program's kernels: -O0 -g -fsanitize=..., which never run checked). Under
+    `$FLOWGEN_EMULATOR_CHECK=1` they build the checking emulator; such objects are linked
+    without -fsanitize=thread (link_flags)."""
     opt = emulator_optimisation() if optimisation is None else tuple(optimisation)
-    return ["-std=c++17", *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS]
+    check = _CHECK_FLAGS if optimisation is None and emulator_check() else ()
+    return ["-std=c++17", *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS, *check]
+
+
+def link_flags() -> list:
+    """g++ flags that link kernel objects into a library: the checking emulator's objects get the
+    link script that puts guard bytes around their `__shared__` variables."""
+    check = [f"-Wl,-T,{runtime_cpp_dir() / 'flowgen_emu_check.ld'}"] if emulator_check() else []
+    return ["-shared", "-fopenmp", "-Wl,-z,muldefs", *check]
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,15 +183,15 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     `<cache>/cpu-libs/<hash of its objects>/kernels.so`.
     """
     build = compile_kernel_objects(source)
-    link_flags = ["-shared", "-fopenmp", "-Wl,-z,muldefs"]
-    key = hashlib.sha256("\0".join([compiler_version(), *link_flags, *map(str, build.artifacts)]).encode())
+    flags = link_flags()
+    key = hashlib.sha256("\0".join([compiler_version(), *flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
     if not library.is_file():
         with reporting("compile") as progress:
             progress.stage("link")
             # The same body compiled twice by concurrent processes may sit in two chunks:
             # muldefs lets the linker keep either copy (they are the same code).
-            _link(link_flags, build.artifacts, library)
+            _link(flags, build.artifacts, library)
     return library, build
 
 
@@ -198,13 +234,17 @@ def build_cpu_library(source: str, tag: str) -> Path:
     runtime = runtime_cpp_dir()
     # The prelude, as NVRTC gets it (runtime/nvrtc.py): with -DFLOWGEN_EMULATOR it pulls in the
     # emulator, and it declares what kernels share (the index-error record, Philox).
-    flags = [*kernel_flags(), "-shared", f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
-    build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, flags, runtime)[:20]}"
+    flags = [*kernel_flags(), f"-I{runtime}", "-include", str(runtime / "flowgen_cuda_prelude.h")]
+    build_dir = cache_dir() / "cpu" / f"{safe_tag(tag)}-{_build_key(source, [*flags, *link_flags()], runtime)[:20]}"
     library = build_dir / "kernels.so"
     if library.is_file():
         return library
 
-    _run_gxx(flags, source, build_dir, "kernels.so")
+    if emulator_check():   # compiled with -fsanitize=thread, linked without libtsan
+        _run_gxx([*flags, "-c"], source, build_dir, "kernels.o")
+        _link(link_flags(), [build_dir / "kernels.o"], library)
+    else:
+        _run_gxx([*flags, "-shared"], source, build_dir, "kernels.so")
     return library
 
 
@@ -228,7 +268,9 @@ def _bound_openmp_spinning() -> None:
 
 class CpuModule:
     """An emulator library built by `build_cpu_library` or `build_kernel_library`; `symbols`
-    maps a kernel name to its function's name in the library where they differ."""
+    maps a kernel name to its function's name in the library where they differ. A library of the
+    checking emulator (it exports flowgen_emu_check_report) raises EmulatorCheckError from a
+    launch that breaks a rule of the hardware."""
 
     def __init__(self, library: Path, symbols: dict | None = None):
         self.path = Path(library)
@@ -236,6 +278,11 @@ class CpuModule:
         self._library = ctypes.CDLL(str(self.path))
         self._symbols = symbols or {}
         self._launchers: dict[str, ctypes._CFuncPtr] = {}
+        self.checked = hasattr(self._library, "flowgen_emu_check_report")
+        if self.checked:
+            self._library.flowgen_emu_check_collect.argtypes = [ctypes.c_int]
+            self._library.flowgen_emu_check_collect(1)   # reports come back here instead of aborting
+            self._library.flowgen_emu_check_report.restype = ctypes.c_char_p
 
     def global_address(self, name: str) -> int:
         """Address of the library's `extern "C"` variable `name` (a `__device__` global)."""
@@ -261,6 +308,26 @@ class CpuModule:
             self._launchers[kernel_name] = launcher
         return self._launchers[kernel_name]
 
+    def launcher(self, kernel_name: str, context: str = ""):
+        """A function (grid3, block3, dynamic shared bytes, kernel params) that runs the kernel; on
+        the checking emulator it raises EmulatorCheckError after a failed launch, the report
+        followed by `context` (where the kernel came from)."""
+        launcher = self._launcher(kernel_name)
+        if not self.checked:
+            return launcher
+
+        def checked_launch(grid, block, dyn_smem, params):
+            launcher(grid, block, dyn_smem, params)
+            self.raise_check_report(context)
+        return checked_launch
+
+    def raise_check_report(self, context: str = "") -> None:
+        """Raise EmulatorCheckError if the last launch on the checking emulator reported a hazard."""
+        report = self._library.flowgen_emu_check_report().decode()
+        if report:
+            self._library.flowgen_emu_check_clear()
+            raise EmulatorCheckError(f"{report}\n  {context}" if context else report)
+
     def launch(
         self,
         kernel_name: str,
@@ -270,5 +337,5 @@ class CpuModule:
         args: Sequence[ctypes._SimpleCData],
     ) -> None:
         """Run the kernel to completion on the CPU (ctypes releases the GIL meanwhile)."""
-        launcher = self._launcher(kernel_name)
+        launcher = self.launcher(kernel_name)
         launcher(_dim3(grid, "grid"), _dim3(block, "block"), int(dyn_smem), kernel_params(args))

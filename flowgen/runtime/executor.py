@@ -69,7 +69,7 @@ class CpuBackend:
     def prepare(self, kernel, args, module=None):
         """The launch of `kernel` with `args` (of this backend's program, or of `module` from
         `load_kernels`)."""
-        launcher = (module or self.module)._launcher(kernel.name)
+        launcher = (module or self.module).launcher(kernel.name, f"launched as {kernel.name} ({kernel.comment})")
         grid = (ctypes.c_uint * 3)(*kernel.grid)
         block = (ctypes.c_uint * 3)(*kernel.block)
         params = kernel_params(args)
