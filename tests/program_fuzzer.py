@@ -560,11 +560,12 @@ def _constant(rng) -> float:
     return rng.choice([-1.5, -0.5, 0.25, 0.75, 2.0])
 
 
-def _place(g, t, shape) -> tuple:
+def _place(g, t, shape, contiguous: bool = True) -> tuple:
     """Something to write in place: (expression, shape, whether it is all of `t`, whether it is a
-    subscript (so `+=` and `=` may assign to it))."""
+    subscript (so `+=` and `=` may assign to it)); `view(-1)` only of a `contiguous` t."""
     rng, rank = g.rng, len(shape)
-    kinds = ["whole", "index", "slice", "flat", "narrow", "detach"] + (["t"] if rank == 2 else []) + \
+    kinds = ["whole", "index", "slice", "narrow", "detach"] + (["flat"] if contiguous else []) + \
+        (["t"] if rank == 2 else []) + \
         (["transpose", "permute", "unsqueeze"] if rank >= 2 else [])
     kind = rng.choice(kinds)
     if kind == "whole":
@@ -584,7 +585,7 @@ def _place(g, t, shape) -> tuple:
         return (f"{t}.narrow({d}, {start}, {length})", shape[:d] + (length,) + shape[d + 1:], length == shape[d],
                 False)
     if kind == "detach":   # the write changes t's values, not its gradient
-        expr, sub_shape, whole, subscript = _place(g, f"{t}.detach()", shape)
+        expr, sub_shape, whole, subscript = _place(g, f"{t}.detach()", shape, contiguous)
         return expr, sub_shape, False, subscript
     if kind in ("t", "transpose", "permute", "unsqueeze"):
         if kind == "t":
@@ -623,15 +624,15 @@ def _operand(g, shape, tensor: bool = False) -> str:
     return g.param(_broadcast_shape(g.rng, shape)) if shape else f"lib.tensor({_constant(g.rng)})"
 
 
-def _write(g, t, shape) -> tuple:
+def _write(g, t, shape, contiguous: bool = True) -> tuple:
     """One in-place write to `t` or a view of it: (statement, whether it overwrites all of t with
     constants)."""
     rng = g.rng
     pick = rng.random()
     if pick < 0.25:
         return _setitem(g, t, shape), False
-    place, p_shape, whole, subscript = _place(g, t, shape)
-    if subscript and pick < 0.4:
+    place, p_shape, whole, subscript = _place(g, t, shape, contiguous)
+    if (subscript or place == t) and pick < 0.4:
         op = rng.choice(["+=", "-=", "*=", "/="])
         value = _operand(g, p_shape) if op in ("+=", "-=") else str(rng.choice([0.5, 2.0, -1.5]))
         return f"{place} {op} {value}", False
@@ -701,17 +702,27 @@ def _inplace(g, var, shape, same):
             view = True
             read, r_shape = _slice(g, t, shape, same) if len(shape) < 2 or rng.random() < 0.6 else \
                 g.emit(f"lib.transpose({t}, 0, 1)", (shape[1], shape[0]) + shape[2:])
-    statement, overwrites = _write(g, t, shape)
-    g.mutate(statement, t)
-    if overwrites:   # constants all over t (and a view of it): no gradient
-        g.trainable.discard(t)
-        if view:
+    if view and rng.random() < 0.3:   # written through the view read before
+        statement, overwrites = _write(g, read, r_shape, contiguous=False)
+        g.mutate(statement, t)
+        if overwrites:
             g.trainable.discard(read)
+    else:
+        statement, overwrites = _write(g, t, shape)
+        g.mutate(statement, t)
+        if overwrites:   # constants all over t (and a view of it): no gradient
+            g.trainable.discard(t)
+            if view:
+                g.trainable.discard(read)
+    if view and t in g.trainable and not overwrites:   # (it reads t's new value)
+        g.trainable.add(read)
     if read is None:
         return t, shape
     if tuple(r_shape) == tuple(shape):
         return g.emit(f"{t} + {read}", shape)
     g.also.append((read, tuple(r_shape)))
+    if rng.random() < 0.5:
+        return g.emit(f"{t} + lib.mean({read})", shape)
     return t, shape
 
 
