@@ -9,12 +9,17 @@ scaled_dot_product_attention, MultiheadAttention, TransformerEncoderLayer, LSTM/
 pooling (max/avg with padding and ceil_mode, adaptive), interpolate (nearest/bilinear), pad
 (constant/reflect/replicate), reshape/transpose/permute/flatten/slicing/stack/expand/repeat/
 flip/roll/tril/triu, where/masked_fill, cumsum/cumprod, sort/topk values, index_select/gather/
-Embedding with repeated indices, residual adds and a loss (regression, BCE, KL, cross-entropy
-with label smoothing or class weights). Each program runs
+Embedding with repeated indices, in-place writes as PyTorch defines them (a tensor read, then
+written by an in-place method or operator, by `x[key] = value` with constant keys or a mask the
+forward computes, or through a view -- slice, select, t/transpose/permute, view(-1), unsqueeze,
+narrow, detach -- and read again with its views: `_inplace`), residual adds and a loss
+(regression, BCE, KL, cross-entropy with label smoothing, class weights, ignored labels or one
+class; some computed in float64), sometimes with an auxiliary loss on an intermediate value that
+has its own backward() before the optimizer step. Each program runs
 
 * as an inference graph (eval mode) and
 * as 3 training steps (SGD with momentum or Nesterov, Adam, AdamW, AMSGrad, RMSprop, Adagrad)
-  in an `nn.Graph`,
+  in an `nn.Graph` (float32; float64 for some programs),
 
 compared with the same model in eager float32 and eager float64. The tolerance is stated in
 float32 rounding units against the float64 eager result: the graph's error may be at most
