@@ -1112,7 +1112,8 @@ def run_torch(program, state) -> tuple:
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
     model = model.double()
     for module in model.modules():
-        if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
+        if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm,
+                               torch.nn.GroupNorm)):
             module.register_forward_pre_hook(_contiguous_inputs)
             module.register_forward_hook(_contiguous_output_gradient)
     model.eval()
@@ -1131,18 +1132,26 @@ def run_torch(program, state) -> tuple:
 
 
 def _contiguous_inputs(module, inputs):
-    """Torch BatchNorm's and InstanceNorm's inputs made contiguous (same values): torch 2.13's CPU
-    BatchNorm2d backward is wrong where the input or the output's gradient has strides that also
-    read as channels_last (a transposed [N, C, H, 1]) and the other does not -- the bias gradient
-    is not the sum of the output gradient (fuzz seeds 730247, 702446; InstanceNorm2d, which runs
-    batch_norm, with a permuted output: 931347)."""
-    return tuple(t.contiguous() for t in inputs)
+    """Torch BatchNorm's, InstanceNorm's and GroupNorm's inputs with row-major strides (same
+    values): torch 2.13's CPU BatchNorm2d backward is wrong where the input or the output's
+    gradient has strides that also read as channels_last (a transposed [N, C, H, 1]) and the other
+    does not -- the bias gradient is not the sum of the output gradient (fuzz seeds 730247, 702446;
+    InstanceNorm2d, which runs batch_norm, with a permuted output: 931347); its GroupNorm backward
+    crashes the process (segmentation fault) on a [3, 1, 3, 1] with strides (3, 1, 1, 1), which
+    contiguous() keeps (fuzz seed 2071)."""
+    return tuple(_row_major(t) for t in inputs)
 
 
 def _contiguous_output_gradient(module, inputs, output):
-    """The gradient reaching torch BatchNorm's backward made contiguous (see `_contiguous_inputs`)."""
+    """The gradient reaching torch BatchNorm's backward made row-major (see `_contiguous_inputs`)."""
     if output.requires_grad:
-        output.register_hook(lambda grad: grad.contiguous())
+        output.register_hook(_row_major)
+
+
+def _row_major(t):
+    import torch   # the optional oracle
+
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------------------------
