@@ -53,13 +53,16 @@ class enable_grad(no_grad):  # noqa: N801
 class GradNode:
     """One recorded op: enough to call its gradient function later."""
 
-    __slots__ = ("op", "ctx", "inputs", "versions", "output_index", "name", "freed")
+    __slots__ = ("op", "ctx", "inputs", "versions", "name", "freed")
 
     def __init__(self, op, ctx, inputs):
         self.op = op
         self.ctx = ctx
         self.inputs = inputs
-        self.versions = tuple(version_of(t) for t in inputs)   # backward() refuses inputs written since
+        # (own, shared) write counts of each input when the op read it: an input written in place
+        # since is routed to the value it had then (`as_read`) and its values are refused to the
+        # gradient formula (`_Overwritten`)
+        self.versions = tuple((t._version, version_of(t)) for t in inputs)
         self.name = f"{op.name}_backward"
         self.freed = 0   # the backward() call, if any, that went through it without retain_graph
 
@@ -70,23 +73,64 @@ def version_of(tensor) -> int:
     stale view recomputes it (bumping its own count), and a write through a view leaves it
     matching its root, so the ops that read it after its own write stay valid."""
     view = tensor._view
-    return tensor._version if view is None else tensor._version + view[0]._version - view[2]
+    return tensor._version if view is None else tensor._version + view.root._version - view.root_version
+
+
+def as_read(tensor, own_version: int):
+    """The tensor holding the value and autograd history `tensor` had at write count
+    `own_version`: itself, or the stand-in `rebase_history` kept when a later in-place write gave
+    it another history (PyTorch's edges point at the producer an op saw, not at the tensor's
+    current one: `y = h + p; h.mul_(q)` sends y's gradient to h's old producer)."""
+    if tensor._version != own_version:
+        for version, old in tensor._earlier_values:
+            if version >= own_version:
+                return old
+    return tensor
+
+
+class _Overwritten(Tensor):
+    """Stands in for an op's input that an in-place op wrote after the op read it, while the op's
+    gradient formula runs: shape, dtype and requires_grad are the input's, but reading its values
+    raises PyTorch's error. So only the gradients that need the old value fail, as PyTorch's saved
+    tensors do (`y = h * 2; h.mul_(3)` is fine, `y = h * h; h.mul_(3)` is not)."""
+
+    def __init__(self, tensor, op_name: str):
+        super().__init__(None, device=tensor.device, requires_grad=tensor.requires_grad)
+        self._data = np.broadcast_to(np.zeros((), tensor.dtype.np_dtype), tuple(tensor.shape))
+        self._dtype = tensor.dtype
+        self._op_name = op_name
+
+    def numpy_view(self):
+        raise RuntimeError(f"backward(): an input of {self._op_name} was modified by an in-place operation after "
+                           f"{self._op_name} used it; use the out-of-place form (inplace=False) or clone() before "
+                           f"writing")
 
 
 def rebase_history(target, new, walk_all: bool = False):
-    """Autograd side of an in-place write of `new` (computed from `target`) into `target`
-    (`F.relu(x, inplace=True)`, `x.copy_(y)`): `target` takes `new`'s history, and the nodes that
-    read target's old value (its producer, and the ops computing `new`) read a stand-in holding it.
-    Other ops that read the old value are refused at backward() (GradNode.versions). `walk_all`:
-    `new` may reach ops that read `target` through tensors older than it (a view recomputed from
-    its root, Tensor._refresh_view), so the whole history of `new` is walked."""
+    """Autograd side of an in-place write of `new` into `target` (`F.relu(x, inplace=True)`,
+    `x.copy_(y)`, `x.fill_(0)`): `target` takes the history of a copy of `new` (broadcast and cast
+    to target's shape and dtype; a zero gradient to the old value when `new` needs none), and a
+    stand-in keeps the value and history target had: the nodes computing `new` read it, and
+    backward() routes the gradients of earlier readers of target to it (`as_read`). `walk_all`: `new` may reach ops that
+    read `target` through tensors older than it (a view recomputed from its root,
+    Tensor._refresh_view), so the whole history of `new` is walked."""
     if target.requires_grad and target.grad_fn is None:
         raise RuntimeError("a leaf tensor that requires grad is being used in an in-place operation; "
                            "write into it under flow.no_grad(), or use the out-of-place form")
     old = Tensor._wrap(target.numpy_view().copy(), target.dtype, target.device)
-    old.requires_grad, old.grad_fn, old._version = target.requires_grad, target.grad_fn, target._version
+    old.requires_grad, old.grad_fn, old._version = target.requires_grad, target.grad_fn, version_of(target)
     if old.grad_fn is not None:
         old.grad_fn.ctx.outputs = tuple(old if o is target else o for o in old.grad_fn.ctx.outputs)
+    target._earlier_values = target._earlier_values + ((target._version, old),)
+    if not new.requires_grad:
+        if not old.requires_grad:
+            return
+        # PyTorch's x.fill_(c) keeps requires_grad: its gradient to the old value is zero
+        new = apply("where", Tensor(np.zeros((), bool), device=target.device), old, new)
+    # A private node for target: `new` may be a tensor the caller still uses (copy_(src), x[:] = y).
+    if tuple(new.shape) != tuple(target.shape):
+        new = apply("expand", new, shape=tuple(target.shape))
+    new = apply("cast", new, dtype=target.dtype)
     # The ops computing `new` were recorded after `target` was made: walk only those.
     stack, seen = [new], set()
     while stack:
@@ -156,6 +200,10 @@ def record(op, inputs, attrs, outs) -> None:
                 break
 
 
+def _inputs_as_read(node) -> tuple:
+    return tuple(as_read(t, own) for t, (own, _) in zip(node.inputs, node.versions))
+
+
 def _topological_order(root):
     order, seen = [], set()
     stack = [(root, False)]
@@ -169,7 +217,7 @@ def _topological_order(root):
         seen.add(id(t))
         stack.append((t, True))
         if t.grad_fn is not None:
-            for i in t.grad_fn.inputs:
+            for i in _inputs_as_read(t.grad_fn):
                 if i.requires_grad and id(i) not in seen:
                     stack.append((i, False))
     return list(reversed(order))
@@ -250,17 +298,18 @@ def backward(root, gradient=None, retain_graph=None, create_graph=False):
                 node.freed = call
             # Multi-output nodes: pass zeros for the outputs that got no gradient.
             gouts = [g if o is t else None for o in node.ctx.outputs]
-            in_grads = node.op.grad(node.ctx, *gouts) if len(gouts) > 1 else node.op.grad(node.ctx, g)
+            inputs = _inputs_as_read(node)
+            ctx = node.ctx
+            if any(version_of(t) != shared for t, (_, shared) in zip(node.inputs, node.versions)):
+                ctx = GradContext(tuple(i if version_of(t) == shared else _Overwritten(i, node.op.name)
+                                        for t, i, (_, shared) in zip(node.inputs, inputs, node.versions)),
+                                  ctx.outputs, ctx.attrs)
+            in_grads = node.op.grad(ctx, *gouts) if len(gouts) > 1 else node.op.grad(ctx, g)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
-            for inp, ig, version in zip(node.inputs, in_grads, node.versions):
+            for inp, ig in zip(inputs, in_grads):
                 if ig is None or not inp.requires_grad:
                     continue
-                if version_of(inp) != version and inp.grad_fn is not None and \
-                        node.op.extra.get("grad_reads_inputs", True):
-                    raise RuntimeError(f"backward(): an input of {node.op.name} was modified by an in-place "
-                                       f"operation after {node.op.name} used it; use the out-of-place form "
-                                       f"(inplace=False) or clone() before writing")
                 if tuple(ig.shape) != tuple(inp.shape):
                     raise RuntimeError(f"gradient of {node.op.name} has shape {tuple(ig.shape)} "
                                        f"for an input of shape {tuple(inp.shape)}")

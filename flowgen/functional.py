@@ -364,6 +364,11 @@ def detach(x):
     return x.detach()
 
 
+def with_value(x, value):
+    """`value`'s data with `x`'s autograd history (Tensor._write_through of a detach()ed view)."""
+    return apply("with_value", x, value)
+
+
 def sum_to(t, shape):
     """Sum `t` down to `shape` (undoing broadcasting); used by gradients."""
     shape = tuple(shape)
@@ -554,10 +559,7 @@ def permute(x, *dims, **keyword):
     dims = tuple(normalize_dim(d, x.ndim, op="permute") for d in dims)
     if dims == tuple(range(x.ndim)):
         return x
-    out = apply("permute", x, dims=dims)
-    source_strides = x.stride()
-    out._view_strides = tuple(source_strides[d] for d in dims)   # what OneFlow's view would report
-    return out
+    return apply("permute", x, dims=dims)   # (a view: its strides are OneFlow's, registry.record_view)
 
 
 def transpose(x, dim0, dim1):

@@ -8,6 +8,8 @@ definitions.
 """
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import itertools
 import threading
@@ -52,15 +54,18 @@ class Tensor:
     # flowgen stores every tensor dense and row-major (a permute is a copy), so this is layout
     # metadata for is_contiguous()/stride()/contiguous(), not a description of the NumPy buffer.
     _view_strides = None
-    # (root, replay, root's version when this was computed, whole) for the result of a view op (reshape,
-    # permute, slice, expand, detach: registry._record_view), else None. flowgen's tensors own their
-    # data, so PyTorch's aliasing of views is carried by this record: see _write_through and
+    # registry.View of the tensor this one views, for the result of a view op (reshape, permute,
+    # slice, expand, detach: registry.record_view), else None. flowgen's tensors own their data,
+    # so PyTorch's aliasing of views is carried by this record: see _write_through and
     # _refresh_view.
     _view = None
     _inference = False                 # made inside flow.inference_mode(): see is_inference()
     # Devices and layouts flowgen has no tensors on (PyTorch's predicates, which model files test).
     is_xpu = is_mps = is_ipu = is_mtia = is_maia = is_xla = is_vulkan = is_meta = is_mkldnn = False
     is_sparse = is_sparse_csr = is_quantized = is_nested = False
+    # ((write count, stand-in), ...): the values and autograd histories this tensor had before
+    # in-place writes gave it new ones (autograd.rebase_history, autograd.as_read)
+    _earlier_values = ()
 
     def __init__(self, *data, dtype=None, device=None, requires_grad=False, _value=None):
         """``Tensor(data)`` copies `data` (a list, scalar, ndarray or tensor) into a new tensor
@@ -211,9 +216,14 @@ class Tensor:
         if self._sync_from_device is not None:
             sync, self._sync_from_device = self._sync_from_device, None
             sync(self)
-        if self._view is not None and self._view[0]._version != self._view[2]:
+        if self._view_is_stale:
             self._refresh_view()
         return self._data
+
+    @property
+    def _view_is_stale(self) -> bool:
+        """A view whose root was written in place since it was computed."""
+        return self._view is not None and self._view.root._version != self._view.root_version
 
     def numpy(self) -> np.ndarray:
         """The tensor's storage as an ndarray, shared as in PyTorch: writing into the array writes
@@ -309,11 +319,7 @@ class Tensor:
         Tensor.__init__(out, None, device=self.device)
         out._data, out._dtype = self.numpy_view(), self._dtype
         # The same memory, and a view for writes (`p.data.mul_(0.5)` bumps p's version: graphs upload it).
-        if self._view is not None:
-            root, replay, seen, whole = self._view
-            out._view = (root, lambda r: replay(r).detach(), seen, whole)
-        else:
-            out._view = (self, Tensor.detach, self._version, True)
+        registry.record_view(out, self, "detach", {})
         return out
 
     def requires_grad_(self, requires_grad=True) -> "Tensor":
@@ -478,7 +484,9 @@ class Tensor:
                 self._refresh_view()
             tracer.assign(self, new)
         else:
-            if new.grad_fn is not None and new is not self:
+            if self._view_is_stale:
+                self._refresh_view()   # (fill_ reads no values: a stale view takes its root's first)
+            if new is not self and autograd.is_grad_enabled() and (self.requires_grad or new.requires_grad):
                 autograd.rebase_history(self, new)
             value = np.broadcast_to(new.numpy_view(), self.shape).astype(self._dtype.np_dtype, copy=False)
             self.numpy_view()[...] = value
@@ -488,33 +496,43 @@ class Tensor:
         return self
 
     def _write_through(self):
-        """After an in-place write to this view: write its new value into the root it views."""
-        root, replay, _, whole = self._view
-        if whole:
-            root._assign(F.reshape(self, tuple(root.shape)))
+        """After an in-place write to this view: write its new value into the root it views.
+        Through a detach() the root's values change but not its autograd history (PyTorch:
+        autograd does not see the write)."""
+        root, replay, _, whole, differentiable = self._view
+        traced = registry._tracer_hook is not None
+        with contextlib.nullcontext() if differentiable or traced else autograd.no_grad():
+            if whole:
+                written = F.reshape(self, tuple(root.shape))
+            else:
+                positions = replay(Tensor(np.arange(root.numel(), dtype=np.int64).reshape(root.shape),
+                                          dtype=dt.int64)).numpy_view()
+                if np.unique(positions).size != positions.size:
+                    raise RuntimeError(f"unsupported operation: an in-place write to a view of shape "
+                                       f"{tuple(self.shape)} whose elements refer to the same element of its base "
+                                       f"(an expand()ed view, as PyTorch refuses); clone() it before writing")
+                written = F.scatter_positions(root, positions, self)
+        if differentiable:
+            root._assign(written)
+        elif traced:   # functional, as every traced write
+            root._assign(F.with_value(root, written))
         else:
-            positions = replay(Tensor(np.arange(root.numel(), dtype=np.int64).reshape(root.shape), dtype=dt.int64))
-            positions = positions.numpy_view()
-            if np.unique(positions).size != positions.size:
-                raise RuntimeError(f"unsupported operation: an in-place write to a view of shape "
-                                   f"{tuple(self.shape)} whose elements refer to the same element of its base (an "
-                                   f"expand()ed view, as PyTorch refuses); clone() it before writing")
-            root._assign(F.scatter_positions(root, positions, self))
-        self._view = (root, replay, root._version, whole)
+            root.numpy_view()[...] = written.numpy_view()
+            root._version += 1
+        self._view = self._view._replace(root_version=root._version)
 
     def _refresh_view(self):
         """Recompute this view from its root, which was written in place since it was computed."""
-        root, replay, _, whole = self._view
-        self._view = None   # replaying reads only the root
-        new = replay(root)
+        view, self._view = self._view, None   # replaying reads only the root
+        new = view.replay(view.root)
         if new.is_lazy:
             self._value, self.requires_grad = new._value, new.requires_grad
         else:
-            if new.grad_fn is not None:
+            if autograd.is_grad_enabled() and (self.requires_grad or new.requires_grad):
                 autograd.rebase_history(self, new, walk_all=True)
             self._data = new.numpy_view()
         self._version += 1  # ops that read the old value are refused at backward(), as PyTorch's shared counter
-        self._view = (root, replay, root._version, whole)
+        self._view = view._replace(root_version=view.root._version)
 
     def copy_(self, src):
         return self._assign(src if isinstance(src, Tensor) else as_tensor_like(src, self))
@@ -525,23 +543,7 @@ class Tensor:
     def zero_(self):
         return self.fill_(0)
 
-    def add_(self, other, alpha=1):
-        return self._assign(self + (other * alpha if alpha != 1 else other))
-
-    def sub_(self, other, alpha=1):
-        return self._assign(self - (other * alpha if alpha != 1 else other))
-
-    def mul_(self, other):
-        return self._assign(self * other)
-
-    def div_(self, other):
-        return self._assign(self / other)
-
-    def clamp_(self, min=None, max=None):
-        return self._assign(F.clamp(self, min, max))
-
-    def erfinv_(self):
-        return self._assign(F.erfinv(self))
+    # add_, mul_, clamp_, relu_, masked_fill_, ... : Tensor.__getattr__ (INPLACE_METHODS)
 
     # Random fills draw from the Philox stream (flowgen/ops/random_ops.py): graph ops inside build().
     def uniform_(self, a=0.0, b=1.0):
@@ -617,10 +619,14 @@ class Tensor:
 
     # -------------------------------------------------------------- methods
     def __getattr__(self, name):
-        # Tensor.foo(*args) is flowgen.functional.foo(self, *args) for every op in TENSOR_METHODS.
+        # Tensor.foo(*args) is flowgen.functional.foo(self, *args) for every op in TENSOR_METHODS,
+        # and Tensor.foo_(*args) writes it into the tensor for every op in INPLACE_METHODS.
         if name in TENSOR_METHODS:
             fn = getattr(F, name)
             return lambda *args, **kwargs: fn(self, *args, **kwargs)
+        if name.endswith("_") and name[:-1] in INPLACE_METHODS:
+            fn = getattr(F, name[:-1])
+            return lambda *args, **kwargs: self._assign(fn(self, *args, **kwargs))
         raise AttributeError(f"'Tensor' object has no attribute {name!r}")
 
     def view(self, *shape, **keyword):
@@ -707,6 +713,16 @@ deg2rad rad2deg xlogy hypot logaddexp copysign
 lerp addcmul addcdiv logsumexp norm movedim moveaxis unflatten tril triu flip roll diff outer ger addmm baddbmm
 trace diagonal diag sort argsort topk cumsum cumprod allclose equal swapaxes swapdims repeat_interleave multinomial
 prod mv isclose index_add scatter_add
+""".split())
+
+# Ops whose result has the tensor's shape: Tensor.foo_(*args) writes foo(tensor, *args) into it in
+# place (PyTorch's in-place methods).
+INPLACE_METHODS = frozenset("""
+add sub mul div floor_divide fmod remainder pow atan2 arctan2 hypot copysign xlogy lerp addcmul addcdiv
+abs neg exp exp2 expm1 log log1p log2 log10 sqrt rsqrt square reciprocal sign floor ceil trunc fix round frac
+clamp clip clamp_min clamp_max nan_to_num relu sigmoid tanh sin cos tan asin acos atan sinh cosh asinh acosh atanh
+arcsin arccos arctan arcsinh arccosh arctanh erf erfinv sinc logit deg2rad rad2deg
+masked_fill index_add scatter_add tril triu cumsum cumprod
 """.split())
 
 

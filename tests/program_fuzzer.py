@@ -9,12 +9,17 @@ scaled_dot_product_attention, MultiheadAttention, TransformerEncoderLayer, LSTM/
 pooling (max/avg with padding and ceil_mode, adaptive), interpolate (nearest/bilinear), pad
 (constant/reflect/replicate), reshape/transpose/permute/flatten/slicing/stack/expand/repeat/
 flip/roll/tril/triu, where/masked_fill, cumsum/cumprod, sort/topk values, index_select/gather/
-Embedding with repeated indices, residual adds and a loss (regression, BCE, KL, cross-entropy
-with label smoothing or class weights). Each program runs
+Embedding with repeated indices, in-place writes as PyTorch defines them (a tensor read, then
+written by an in-place method or operator, by `x[key] = value` with constant keys or a mask the
+forward computes, or through a view -- slice, select, t/transpose/permute, view(-1), unsqueeze,
+narrow, detach -- and read again with its views: `_inplace`), residual adds and a loss
+(regression, BCE, KL, cross-entropy with label smoothing, class weights, ignored labels or one
+class; some computed in float64), sometimes with an auxiliary loss on an intermediate value that
+has its own backward() before the optimizer step. Each program runs
 
 * as an inference graph (eval mode) and
 * as 3 training steps (SGD with momentum or Nesterov, Adam, AdamW, AMSGrad, RMSprop, Adagrad)
-  in an `nn.Graph`,
+  in an `nn.Graph` (float32; float64 for some programs),
 
 compared with the same model in eager float32 and eager float64. The tolerance is stated in
 float32 rounding units against the float64 eager result: the graph's error may be at most
@@ -83,18 +88,30 @@ class Program:
     init: list
     body: list
     loss: str
-    target: str            # "float", "unit" (in [0, 1]) or "labels:<classes>"
+    target: str            # "float", "unit" (in [0, 1]), "labels:<classes>" or "labels:<classes>:<ignored label>"
     target_shape: tuple
     optimizer: str         # a key of OPTIMIZERS
+    aux: str = ""          # an auxiliary loss (an expression of body values) with its own backward()
+    dtype: str = "float32"   # of the graphs: "float64" runs them in float64
 
     def source(self) -> str:
         lines = [f"# fuzz program, seed {self.seed}: x {list(self.input_shape)}, target {self.target} "
-                 f"{list(self.target_shape)}, optimizer {self.optimizer}",
+                 f"{list(self.target_shape)}, optimizer {self.optimizer}"
+                 + (", graphs in float64" if self.dtype == "float64" else ""),
                  "def __init__(self):", "    super().__init__()"]
         lines += [f"    {line}" for line in self.init]
-        lines += ["def forward(self, x):"] + [f"    {line}" for line in self.body] + ["    return out"]
+        lines += ["def forward(self, x):"] + [f"    {line}" for line in self.body] + _returns(self)
         lines += [f"loss = {self.loss}"]
+        if self.aux:
+            lines += ["# training step: loss.backward(retain_graph=True); aux.backward(); optimizer.step()"]
         return "\n".join(lines)
+
+
+def _returns(program: Program) -> list:
+    """The end of `forward`: `out`, and the auxiliary loss beside it when the program has one."""
+    if program.aux:
+        return [f"    aux = {program.aux}", "    return out, aux"]
+    return ["    return out"]
 
 
 class _Gen:
@@ -106,6 +123,7 @@ class _Gen:
         self.init, self.body = [], []
         self.count = 0
         self.trainable = set()   # variables that depend on a parameter
+        self.also = []           # (variable, shape) a statement made beside its result, for the pool
 
     def name(self, prefix: str) -> str:
         self.count += 1
@@ -127,6 +145,13 @@ class _Gen:
         if "self." in expr or any(_reads(expr, v) for v in self.trainable):
             self.trainable.add(var)
         return var, tuple(shape)
+
+    def mutate(self, statement: str, target: str) -> None:
+        """An in-place write to `target` (a statement binding no new variable; through a
+        detach() it carries no gradient)."""
+        self.body.append(statement)
+        if ".detach()" not in statement and ("self." in statement or any(_reads(statement, v) for v in self.trainable)):
+            self.trainable.add(target)
 
 
 UNARY = ["F.relu({})", "lib.sigmoid({})", "lib.tanh({})", "F.gelu({})", "F.silu({})", "F.leaky_relu({}, 0.1)",
@@ -525,12 +550,193 @@ def _instance_norm(g, var, shape, same):
     return g.emit(f"{m}({var})", shape)
 
 
+# In-place writes, as PyTorch defines them: a tensor to write (a copy of `var`, or a constant the
+# forward makes, as DCGAN's `label`), maybe read first (a value, or a view that later reads must
+# see written), then one write: an in-place method, operator or `x[key] = value` on it or on a
+# view of it (slice, select, t/transpose/permute, view(-1), unsqueeze, narrow, detach). Later
+# statements read the written tensor and the earlier read. Reads before the write are ops whose
+# backward does not read their input (torch raises "modified by an inplace operation" otherwise).
+
+READS_BEFORE_WRITE = ["{t} * 2.0", "{t} - 0.5", "lib.tanh({t})", "lib.sigmoid({t})", "F.relu({t})", "lib.exp(-{t})",
+                      "lib.cumsum({t}, dim=0)", "lib.where({t} > 0.0731, {t}, 0.5)"]
+
+
+def _constant(rng) -> float:
+    return rng.choice([-1.5, -0.5, 0.25, 0.75, 2.0])
+
+
+def _place(g, t, shape, contiguous: bool = True) -> tuple:
+    """Something to write in place: (expression, shape, whether it is all of `t`, whether it is a
+    subscript (so `+=` and `=` may assign to it)); `view(-1)` only of a `contiguous` t."""
+    rng, rank = g.rng, len(shape)
+    kinds = ["whole", "index", "slice", "narrow", "detach"] + (["flat"] if contiguous else []) + \
+        (["t"] if rank == 2 else []) + \
+        (["transpose", "permute", "unsqueeze"] if rank >= 2 else [])
+    kind = rng.choice(kinds)
+    if kind == "whole":
+        return t, shape, True, False
+    if kind == "index" and rank >= 2:
+        k = rng.randrange(-shape[0], shape[0])
+        return f"{t}[{k}]", shape[1:], shape[0] == 1, True
+    if kind == "flat":
+        n = int(np.prod(shape))
+        a = rng.randrange(n)
+        b = rng.randint(a + 1, n)
+        return f"{t}.view(-1)[{a}:{b}]", (b - a,), b - a == n, True
+    if kind == "narrow":
+        d = rng.randrange(rank)
+        start = rng.randrange(shape[d])
+        length = rng.randint(1, shape[d] - start)
+        return (f"{t}.narrow({d}, {start}, {length})", shape[:d] + (length,) + shape[d + 1:], length == shape[d],
+                False)
+    if kind == "detach":   # the write changes t's values, not its gradient
+        expr, sub_shape, whole, subscript = _place(g, f"{t}.detach()", shape, contiguous)
+        return expr, sub_shape, False, subscript
+    if kind in ("t", "transpose", "permute", "unsqueeze"):
+        if kind == "t":
+            base, base_shape = f"{t}.t()", (shape[1], shape[0])
+        elif kind == "transpose":
+            d0, d1 = rng.sample(range(rank), 2)
+            dims = list(range(rank))
+            dims[d0], dims[d1] = d1, d0
+            base, base_shape = f"{t}.transpose({d0}, {d1})", tuple(shape[d] for d in dims)
+        elif kind == "permute":
+            dims = list(range(rank))
+            rng.shuffle(dims)
+            base, base_shape = f"{t}.permute{tuple(dims)}", tuple(shape[d] for d in dims)
+        else:
+            base, base_shape = f"{t}.unsqueeze(0)[0]", shape
+        k = rng.randrange(base_shape[0])
+        return f"{base}[{k}]", base_shape[1:], base_shape[0] == 1, True
+    dims = [d for d in range(rank) if shape[d] >= 2]   # "slice" (and "index" of a 1-D t)
+    if not dims:
+        return t, shape, True, False
+    d = rng.choice(dims)
+    start = rng.randrange(shape[d])
+    stop = rng.randint(start + 1, shape[d])
+    step = rng.choice([1, 1, 2])
+    size = len(range(start, stop, step))
+    text = f"{start}:{stop}" + (f":{step}" if step > 1 else "")
+    return (f"{t}[{', '.join([':'] * d + [text])}]", shape[:d] + (size,) + shape[d + 1:], size == shape[d],
+            True)
+
+
+def _operand(g, shape, tensor: bool = False) -> str:
+    """A value to combine with a place of `shape`: a constant (unless `tensor`), or a parameter
+    broadcast to it."""
+    if not tensor and (not shape or g.rng.random() < 0.4):
+        return str(_constant(g.rng))
+    return g.param(_broadcast_shape(g.rng, shape)) if shape else f"lib.tensor({_constant(g.rng)})"
+
+
+def _write(g, t, shape, contiguous: bool = True) -> tuple:
+    """One in-place write to `t` or a view of it: (statement, whether it overwrites all of t with
+    constants)."""
+    rng = g.rng
+    pick = rng.random()
+    if pick < 0.25:
+        return _setitem(g, t, shape), False
+    place, p_shape, whole, subscript = _place(g, t, shape, contiguous)
+    if (subscript or place == t) and pick < 0.4:
+        op = rng.choice(["+=", "-=", "*=", "/="])
+        value = _operand(g, p_shape) if op in ("+=", "-=") else str(rng.choice([0.5, 2.0, -1.5]))
+        return f"{place} {op} {value}", False
+    if pick < 0.45:
+        return rng.choice([f"F.relu({place}, inplace=True)", f"F.leaky_relu({place}, 0.2, inplace=True)"]), False
+    method = rng.choice(["mul_", "add_", "sub_", "div_", "clamp_", "clamp_min_", "relu_", "sigmoid_", "tanh_", "abs_",
+                         "neg_", "fill_", "zero_", "masked_fill_", "copy_", "lerp_", "addcmul_", "exp_", "square_"])
+    if method in ("copy_", "mul_", "add_"):
+        return f"{place}.{method}({_operand(g, p_shape, tensor=method == 'copy_')})", False
+    if method == "lerp_":
+        return f"{place}.lerp_({_operand(g, p_shape, tensor=True)}, 0.3)", False
+    if method == "sub_":
+        return f"{place}.sub_({_operand(g, p_shape)}, alpha=0.5)", False
+    if method == "addcmul_":
+        return (f"{place}.addcmul_({_operand(g, p_shape, tensor=True)}, {_operand(g, p_shape, tensor=True)}, "
+                f"value=0.5)", False)
+    if method == "div_":
+        return f"{place}.div_({rng.choice([2.0, -4.0, 0.5])})", False
+    if method == "clamp_":
+        return f"{place}.clamp_(min=-0.3, max=0.6)", False
+    if method == "clamp_min_":
+        return f"{place}.clamp_min_(0.1)", False
+    if method == "fill_":
+        return f"{place}.fill_({_constant(rng)})", whole
+    if method == "masked_fill_":
+        return f"{place}.masked_fill_({place} < {rng.choice([-0.137, 0.0731, 0.43])}, {_constant(rng)})", False
+    return f"{place}.{method}()", whole and method == "zero_"
+
+
+def _setitem(g, t, shape) -> str:
+    """`t[key] = value`: constant keys (ints, slices, lists, a boolean mask) and masks the forward
+    computes (over all of t, or over its leading dims)."""
+    rng, rank = g.rng, len(shape)
+    kind = rng.choice(["index", "slice", "list", "mask", "mask", "leading_mask", "constant_mask"])
+    if kind == "mask":
+        return f"{t}[{t} > {rng.choice([-0.137, 0.0731, 0.43])}] = {_constant(rng)}"
+    if kind == "leading_mask" and rank >= 2:
+        return f"{t}[lib.sum({t}, dim=-1) > 0.0731] = {_constant(rng)}"
+    if kind == "constant_mask":
+        mask_shape = shape[:rng.randint(1, rank)]
+        mask = _index_list(rng, mask_shape, 2).replace("0", "False").replace("1", "True")
+        return f"{t}[lib.tensor({mask})] = {_constant(rng)}"
+    if kind == "list" and shape[0] >= 2:
+        rows = sorted(rng.sample(range(shape[0]), rng.randint(1, shape[0])))
+        return f"{t}[{rows}] = {_operand(g, (len(rows),) + shape[1:])}"
+    if kind == "index" and rank >= 2:
+        return f"{t}[{rng.randrange(shape[0])}] = {_operand(g, shape[1:])}"
+    d = rng.randrange(rank)
+    start = rng.randrange(shape[d])
+    stop = rng.randint(start + 1, shape[d])
+    key = ", ".join([":"] * d + [f"{start}:{stop}"])
+    return f"{t}[{key}] = {_operand(g, shape[:d] + (stop - start,) + shape[d + 1:])}"
+
+
+def _inplace(g, var, shape, same):
+    rng = g.rng
+    read, r_shape, view = None, None, False
+    if rng.random() < 0.2:   # a constant the forward makes, read, then written (DCGAN's label.fill_)
+        t, _ = g.emit(f"lib.{rng.choice(['ones', 'zeros'])}({', '.join(map(str, shape))}, dtype={var}.dtype)", shape)
+        g.trainable.discard(t)   # (it reads only var's dtype)
+        read, r_shape = g.emit(f"{var} * 2.0 + {t}", shape)
+    else:
+        t, _ = g.emit(f"{var} * 1.0", shape)
+        if rng.random() < 0.35:
+            read, r_shape = g.emit(rng.choice(READS_BEFORE_WRITE).format(t=t), shape)
+        elif rng.random() < 0.55:     # a view of t: reading it after the write sees the write
+            view = True
+            read, r_shape = _slice(g, t, shape, same) if len(shape) < 2 or rng.random() < 0.6 else \
+                g.emit(f"lib.transpose({t}, 0, 1)", (shape[1], shape[0]) + shape[2:])
+    if view and rng.random() < 0.3:   # written through the view read before
+        statement, overwrites = _write(g, read, r_shape, contiguous=False)
+        g.mutate(statement, t)
+        if overwrites:
+            g.trainable.discard(read)
+    else:
+        statement, overwrites = _write(g, t, shape)
+        g.mutate(statement, t)
+        if overwrites:   # constants all over t (and a view of it): no gradient
+            g.trainable.discard(t)
+            if view:
+                g.trainable.discard(read)
+    if view and t in g.trainable and not overwrites:   # (it reads t's new value)
+        g.trainable.add(read)
+    if read is None:
+        return t, shape
+    if tuple(r_shape) == tuple(shape):
+        return g.emit(f"{t} + {read}", shape)
+    g.also.append((read, tuple(r_shape)))
+    if rng.random() < 0.5:
+        return g.emit(f"{t} + lib.mean({read})", shape)
+    return t, shape
+
+
 MORE_KINDS = {"slice": _slice, "stack": _stack, "expand": _expand, "repeat": _repeat, "flip_roll": _flip_roll,
               "pad": _pad, "gather": _gather, "embedding": _embedding, "extra_reduce": _extra_reduce,
               "triangle": _triangle, "recurrent": _recurrent, "transformer": _transformer, "conv1d": _conv1d,
               "einsum": _einsum, "upsample": _upsample, "pool_more": _pool_more, "conv_more": _conv_more,
-              "instance_norm": _instance_norm}
-MORE_ANY = ["slice", "expand", "repeat", "flip_roll", "pad", "gather", "extra_reduce"]
+              "instance_norm": _instance_norm, "inplace": _inplace}
+MORE_ANY = ["slice", "expand", "repeat", "flip_roll", "pad", "gather", "extra_reduce", "inplace", "inplace"]
 MORE_2_UP = ["embedding", "triangle"]
 MORE_3 = ["recurrent", "transformer", "conv1d", "einsum"]
 MORE_4 = ["upsample", "pool_more", "conv_more", "instance_norm"]
@@ -544,7 +750,33 @@ LOSSES = ["F.mse_loss(out, target)", "F.l1_loss(out, target)", "F.smooth_l1_loss
           "F.kl_div(lib.log_softmax(out, dim=-1), lib.softmax(target, dim=-1), reduction='batchmean')"]
 LABEL_LOSSES = ["F.cross_entropy(out, target)", "F.nll_loss(lib.log_softmax(out, dim=1), target)",
                 "F.cross_entropy(out, target, label_smoothing=0.1)", "F.cross_entropy(out, target, reduction='sum')",
-                "F.cross_entropy(out, target, weight=lib.linspace(0.5, 2.0, out.shape[1], dtype=out.dtype))"]
+                "F.cross_entropy(out, target, weight=lib.linspace(0.5, 2.0, out.shape[1], dtype=out.dtype))",
+                "F.cross_entropy(out.double(), target)"]
+FLOAT64_LOSSES = ["F.mse_loss(out.double(), target.double())", "lib.sum(out.double() * target)",
+                  "F.smooth_l1_loss(out.double(), target.double(), beta=0.5)"]
+AUX_LOSSES = ["lib.mean({v} * {v}) * 0.1", "lib.sum(lib.abs({v})) * 0.01", "lib.mean(lib.tanh({v}).double())",
+              "F.mse_loss({v}, lib.zeros_like({v}))", "lib.amax({v}) * 0.5"]
+
+
+def _label_loss(rng, classes: int) -> tuple:
+    """(loss, target) of a cross-entropy or NLL loss of `classes` classes; some labels may be an
+    ignored one (-100, the default ignore_index, or a class)."""
+    loss = rng.choice(LABEL_LOSSES)
+    ignore = rng.choice([None, None, -100, "class"])
+    if ignore is None:
+        return loss, f"labels:{classes}"
+    if ignore == "class":
+        ignore = rng.randrange(classes) if classes > 1 else -100
+    if ignore != -100 or rng.random() < 0.5:
+        loss = f"{loss[:-1]}, ignore_index={ignore})"
+    return loss, f"labels:{classes}:{ignore}"
+
+
+def _aux_loss(g, out: str) -> str:
+    """An auxiliary loss on a value the parameters reach (its own backward() in training): an
+    intermediate one if there is one, else `out`."""
+    candidates = sorted(v for v in g.trainable if v.startswith("h") and v != out) or [out]
+    return g.rng.choice(AUX_LOSSES).format(v=g.rng.choice(candidates))
 
 
 def generate(seed: int) -> Program:
@@ -554,19 +786,28 @@ def generate(seed: int) -> Program:
     input_shape = rng.choice(INPUT_SHAPES)
     pool = [("x", input_shape)]
     for _ in range(rng.randint(3, 9)):
-        pool.append(_statement(g, pool))
+        result = _statement(g, pool)
+        pool += g.also
+        g.also = []
+        pool.append(result)
     var, shape = pool[-1]
+    if len(shape) == 2 and rng.random() < 0.08:   # one logit per row (one-class cross-entropy)
+        m = g.module(f"nn.Linear({shape[1]}, 1)")
+        var, shape = g.emit(f"{m}({var})", (shape[0], 1))
     if var not in g.trainable:   # something to train
         var, shape = g.emit(f"{var} * {g.param(_broadcast_shape(rng, shape))}", shape)
     g.body.append(f"out = {var}")
-    if len(shape) == 2 and shape[1] >= 2 and rng.random() < 0.3:
-        loss = rng.choice(LABEL_LOSSES)
-        target, target_shape = f"labels:{shape[1]}", (shape[0],)
+    if len(shape) == 2 and rng.random() < (0.5 if shape[1] == 1 else 0.3):
+        loss, target = _label_loss(rng, shape[1])
+        target_shape = (shape[0],)
     else:
-        loss = rng.choice(LOSSES)
+        loss = rng.choice(LOSSES + FLOAT64_LOSSES)
         target = "unit" if "binary_cross" in loss else "float"
         target_shape = shape
-    return Program(seed, input_shape, g.init, g.body, loss, target, target_shape, rng.choice(sorted(OPTIMIZERS)))
+    optimizer = rng.choice(sorted(OPTIMIZERS))
+    aux = _aux_loss(g, var) if rng.random() < 0.25 else ""
+    dtype = "float64" if rng.random() < 0.15 else "float32"
+    return Program(seed, input_shape, g.init, g.body, loss, target, target_shape, optimizer, aux, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -603,7 +844,7 @@ def model_class(program: Program, library: str = "flowgen"):
     """An `nn.Module` subclass (of flowgen or torch) running `program`."""
     code = "\n".join(["def __init__(self):", "    super(type(self), self).__init__()"]
                      + [f"    {line}" for line in program.init] + ["def forward(self, x):"]
-                     + [f"    {line}" for line in program.body] + ["    return out"])
+                     + [f"    {line}" for line in program.body] + _returns(program))
     return _compiled_class(code, program.seed, library)
 
 
@@ -631,7 +872,12 @@ def make_data(program: Program) -> tuple:
     rng = np.random.default_rng(program.seed)
     x = rng.standard_normal(program.input_shape).astype(np.float32)
     if program.target.startswith("labels:"):
-        target = rng.integers(0, int(program.target.split(":")[1]), program.target_shape).astype(np.int64)
+        classes, *ignored = map(int, program.target.split(":")[1:])
+        target = rng.integers(0, classes, program.target_shape).astype(np.int64)
+        if ignored:   # about a third of the labels ignored, never all (a mean over none is NaN)
+            target[rng.random(target.shape) < 0.35] = ignored[0]
+            if np.all(target == ignored[0]):
+                target[0] = (ignored[0] + 1) % classes if 0 <= ignored[0] else 0
     elif program.target == "unit":
         target = rng.uniform(0, 1, program.target_shape).astype(np.float32)
     else:
@@ -659,6 +905,25 @@ def _optimizer(program: Program, params):
     return OPTIMIZERS[program.optimizer](params)
 
 
+def _dtype(program: Program):
+    """The dtype of the program's graphs."""
+    return flow.float64 if program.dtype == "float64" else flow.float32
+
+
+def _out_and_aux(result) -> tuple:
+    """A model's (out, auxiliary loss or None)."""
+    return result if isinstance(result, tuple) else (result, None)
+
+
+def _backward(loss, aux) -> None:
+    """The training step's backward calls: the loss's, then the auxiliary loss's."""
+    if aux is None:
+        loss.backward()
+    else:
+        loss.backward(retain_graph=True)
+        aux.backward()
+
+
 class _Batch(flow_nn.Module):
     """Several programs' models side by side (disjoint parameters)."""
 
@@ -677,7 +942,7 @@ class _Infer(flow_nn.Graph):
         self.batch = batch
 
     def build(self, *xs):
-        return self.batch(*xs)
+        return tuple(_out_and_aux(result)[0] for result in self.batch(*xs))
 
 
 class _Train(flow_nn.Graph):
@@ -689,14 +954,20 @@ class _Train(flow_nn.Graph):
             self.add_optimizer(opt)
 
     def build(self, *args):
+        """The programs' losses, then their auxiliary losses: each sum has its own backward()."""
         half = len(args) // 2
-        outs = self.batch(*args[:half])
-        losses = [fn(out, t) for fn, out, t in zip(self.losses, outs, args[half:])]
-        total = losses[0]
-        for extra in losses[1:]:
-            total = total + extra
-        total.backward()
-        return tuple(losses)
+        results = [_out_and_aux(result) for result in self.batch(*args[:half])]
+        losses = [fn(out, t) for fn, (out, _), t in zip(self.losses, results, args[half:])]
+        auxes = [aux for _, aux in results if aux is not None]
+        _backward(_sum(losses), _sum(auxes) if auxes else None)
+        return tuple(losses) + tuple(auxes)
+
+
+def _sum(values):
+    total = values[0]
+    for extra in values[1:]:
+        total = total + extra
+    return total
 
 
 def initial_states(programs) -> list:
@@ -720,20 +991,26 @@ def _state_arrays(model) -> dict:
 
 
 def run_graphs(programs, states) -> list:
-    """Inference (eval) and 3 training steps of all programs in one pair of graphs (float32)."""
+    """Inference (eval) and 3 training steps of all programs in one pair of graphs (float32, or
+    float64 for a program that says so)."""
     data = [make_data(p) for p in programs]
-    models = [_fresh(p, s, flow.float32) for p, s in zip(programs, states)]
+    models = [_fresh(p, s, _dtype(p)) for p, s in zip(programs, states)]
     batch = _Batch(models)
     batch.eval()
-    outs = _Infer(batch)(*[_tensor(x, flow.float32) for x, _ in data])
+    outs = _Infer(batch)(*[_tensor(x, _dtype(p)) for p, (x, _) in zip(programs, data)])
     results = [{"inference": o.numpy().astype(np.float64)} for o in outs]
     batch.train()
     optimizers = [_optimizer(p, m.parameters()) for p, m in zip(programs, models)]
     graph = _Train(batch, [loss_fn(p) for p in programs], optimizers)
-    args = [_tensor(x, flow.float32) for x, _ in data] + [_tensor(t, flow.float32) for _, t in data]
+    args = ([_tensor(x, _dtype(p)) for p, (x, _) in zip(programs, data)]
+            + [_tensor(t, _dtype(p)) for p, (_, t) in zip(programs, data)])
+    with_aux = [r for p, r in zip(programs, results) if p.aux]
     for step in range(STEPS):
-        for r, loss in zip(results, graph(*args)):
+        values = graph(*args)
+        for r, loss in zip(results, values):
             r[f"loss step {step}"] = np.asarray(loss.numpy(), np.float64)
+        for r, aux in zip(with_aux, values[len(programs):]):
+            r[f"aux step {step}"] = np.asarray(aux.numpy(), np.float64)
     for r, m in zip(results, models):
         r.update({f"after {STEPS} steps: {k}": v for k, v in _state_arrays(m).items()})
     return results
@@ -804,19 +1081,22 @@ def run_eager(program, state, dtype, perturb: int | None = None, noise: int | No
         state = {k: _perturbed(v, rng, relative) for k, v in state.items()}
     model = _fresh(program, state, dtype)
     model.eval()
-    result = {"inference": model(_tensor(x, dtype)).numpy().astype(np.float64)}
+    result = {"inference": _out_and_aux(model(_tensor(x, dtype)))[0].numpy().astype(np.float64)}
     model.train()
     opt = _optimizer(program, model.parameters())
     fn = loss_fn(program)
     grads = {}
     for step in range(STEPS):
-        loss = fn(model(_tensor(x, dtype)), _tensor(target, dtype))
+        out, aux = _out_and_aux(model(_tensor(x, dtype)))
+        loss = fn(out, _tensor(target, dtype))
         opt.zero_grad()
-        loss.backward()
+        _backward(loss, aux)
         if step == 0:
             grads = {k: p.grad.numpy().astype(np.float64) for k, p in model.named_parameters() if p.grad is not None}
         opt.step()
         result[f"loss step {step}"] = np.asarray(loss.numpy(), np.float64)
+        if aux is not None:
+            result[f"aux step {step}"] = np.asarray(aux.numpy(), np.float64)
     result.update({f"after {STEPS} steps: {k}": v for k, v in _state_arrays(model).items()})
     return result, grads
 
@@ -832,33 +1112,46 @@ def run_torch(program, state) -> tuple:
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in state.items()}, strict=True)
     model = model.double()
     for module in model.modules():
-        if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)):
+        if isinstance(module, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm,
+                               torch.nn.GroupNorm)):
             module.register_forward_pre_hook(_contiguous_inputs)
             module.register_forward_hook(_contiguous_output_gradient)
     model.eval()
     with torch.no_grad():
-        out = model(torch.from_numpy(x.astype(np.float64))).numpy()
+        out = _out_and_aux(model(torch.from_numpy(x.astype(np.float64))))[0].numpy()
     model.train()
     t = torch.from_numpy(target.astype(np.float64) if target.dtype.kind == "f" else target)
-    loss = loss_fn(program, "torch")(model(torch.from_numpy(x.astype(np.float64))), t)
-    loss.backward()
+    train_out, aux = _out_and_aux(model(torch.from_numpy(x.astype(np.float64))))
+    loss = loss_fn(program, "torch")(train_out, t)
+    _backward(loss, aux)
     grads = {k: p.grad.numpy() for k, p in model.named_parameters() if p.grad is not None}
-    return {"inference": out, "loss step 0": loss.detach().numpy()}, grads
+    values = {"inference": out, "loss step 0": loss.detach().numpy()}
+    if aux is not None:
+        values["aux step 0"] = aux.detach().numpy()
+    return values, grads
 
 
 def _contiguous_inputs(module, inputs):
-    """Torch BatchNorm's and InstanceNorm's inputs made contiguous (same values): torch 2.13's CPU
-    BatchNorm2d backward is wrong where the input or the output's gradient has strides that also
-    read as channels_last (a transposed [N, C, H, 1]) and the other does not -- the bias gradient
-    is not the sum of the output gradient (fuzz seeds 730247, 702446; InstanceNorm2d, which runs
-    batch_norm, with a permuted output: 931347)."""
-    return tuple(t.contiguous() for t in inputs)
+    """Torch BatchNorm's, InstanceNorm's and GroupNorm's inputs with row-major strides (same
+    values): torch 2.13's CPU BatchNorm2d backward is wrong where the input or the output's
+    gradient has strides that also read as channels_last (a transposed [N, C, H, 1]) and the other
+    does not -- the bias gradient is not the sum of the output gradient (fuzz seeds 730247, 702446;
+    InstanceNorm2d, which runs batch_norm, with a permuted output: 931347); its GroupNorm backward
+    crashes the process (segmentation fault) on a [3, 1, 3, 1] with strides (3, 1, 1, 1), which
+    contiguous() keeps (fuzz seed 2071)."""
+    return tuple(_row_major(t) for t in inputs)
 
 
 def _contiguous_output_gradient(module, inputs, output):
-    """The gradient reaching torch BatchNorm's backward made contiguous (see `_contiguous_inputs`)."""
+    """The gradient reaching torch BatchNorm's backward made row-major (see `_contiguous_inputs`)."""
     if output.requires_grad:
-        output.register_hook(lambda grad: grad.contiguous())
+        output.register_hook(_row_major)
+
+
+def _row_major(t):
+    import torch   # the optional oracle
+
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1048,24 +1341,42 @@ def _out_shape(program: Program):
     try:
         flow.manual_seed(program.seed)
         x, _ = make_data(program)
-        return tuple(model_class(program)()(flow.tensor(x)).shape)
+        return tuple(_out_and_aux(model_class(program)()(flow.tensor(x)))[0].shape)
     except Exception:
         return None
 
 
 def _without_statement(program: Program, k: int) -> Program | None:
-    """`program` with body line k removed and its variable replaced by one of its operands, or
-    None when no operand leaves a program with the same output shape."""
-    target, expr = program.body[k].split(" = ", 1)
-    operands = [v for v in ["x"] + [line.split(" = ")[0] for line in program.body[:k]] if _reads(expr, v)]
+    """`program` with body line k removed and its variable replaced by one of its operands (an
+    in-place write is dropped as a whole; a tensor written in place later stays), or None when
+    no operand leaves a program with the same output shape."""
     want = _out_shape(program)
+    bound = _binds(program.body[k])
+    if bound is None:
+        return _if_same_shape(program, program.body[:k] + program.body[k + 1:], program.aux, want)
+    if any(_binds(line) is None and _reads(line, bound) for line in program.body[k + 1:]):
+        return None
+    expr = program.body[k].split(" = ", 1)[1]
+    operands = [v for v in ["x"] + [b for b in map(_binds, program.body[:k]) if b] if _reads(expr, v)]
     for operand in operands:
-        body = program.body[:k] + [_rename(line, target, operand) for line in program.body[k + 1:]]
-        init = [line for line in program.init if any(_reads(b, line.split(" = ")[0]) for b in body)]
-        candidate = replace(program, init=init, body=body)
-        if init and _out_shape(candidate) == want:
+        body = program.body[:k] + [_rename(line, bound, operand) for line in program.body[k + 1:]]
+        candidate = _if_same_shape(program, body, _rename(program.aux, bound, operand), want)
+        if candidate is not None:
             return candidate
     return None
+
+
+def _binds(line: str) -> str | None:
+    """The variable a body line assigns (None for an in-place write: `h3[0] = 1.0`, `h3.mul_(2)`)."""
+    match = re.match(r"(\w+) = ", line)
+    return match.group(1) if match else None
+
+
+def _if_same_shape(program: Program, body: list, aux: str, want) -> Program | None:
+    """`program` with `body` and `aux` (and the modules they use), if its output has shape `want`."""
+    init = [line for line in program.init if any(_reads(b, line.split(" = ")[0]) for b in body + [aux])]
+    candidate = replace(program, init=init, body=body, aux=aux)
+    return candidate if init and _out_shape(candidate) == want else None
 
 
 def _reads(expr: str, var: str) -> bool:

@@ -325,3 +325,191 @@ def test_writes_through_data_and_detach_reach_a_compiled_graph():
     want = x.numpy() @ model.weight.numpy().T
     np.testing.assert_allclose(model(x).numpy(), want, rtol=1e-6)
     np.testing.assert_allclose(graph(x).numpy(), want, rtol=1e-6)
+
+
+def _read_then_write_programs():
+    """A tensor read, then written in place (itself or through a view), then read again: the
+    gradient of each read reaches the value it read (fuzz: an earlier reader's gradient went into
+    the write's history, and reads whose gradient needs no saved value were refused)."""
+    def add_then_write_a_slice(w, p):
+        h = w * 1.0
+        y = h + p
+        h[:, 1:] += p[1:]
+        return (y * h).sum()
+
+    def sum_then_clamp(w, p):
+        h = w * 1.0
+        y = h.sum(1, keepdim=True)
+        h.clamp_(min=-0.2, max=0.5)
+        return (y * h * p).sum()
+
+    def constant_mul_tanh_sigmoid_then_write_a_row(w, p):   # PyTorch saves none of h for these
+        h = w * 1.0
+        y = h * 2.0 + h.tanh() + h.sigmoid()
+        h[0].mul_(p)
+        return (y * h).sum()
+
+    def copy_a_leaf_into_a_row(w, p):
+        h = w * 1.0
+        h[1].copy_(p)
+        return (h * h).sum()
+
+    def fill_through_unsqueeze(w, p):
+        h = w * 1.0
+        h.unsqueeze(0)[0, 1].fill_(2.0)
+        return (h * h * p).sum()
+
+    def write_through_detach(w, p):   # h's values change, its gradient does not (autograd does not see it)
+        h = w * 1.0
+        y = h + 1.0
+        h.detach()[0].mul_(2.0)
+        return (y * h * p).sum()
+
+    def inplace_methods_and_a_view_read_before(w, p):
+        h = w * 1.0
+        column = h[:, 2]
+        h.masked_fill_(h > 0.5, 0.5)
+        h[:, 0].mul_(p[0])
+        h.relu_()
+        return (h * p).sum() + (column * column).sum()
+
+    def fill_keeps_the_gradient_of_earlier_reads(w, p):
+        h = w * 2.0
+        y = h + 1.0
+        h.fill_(3.0)
+        return (h * p).sum() * (y * y).sum()
+    return [add_then_write_a_slice, sum_then_clamp, constant_mul_tanh_sigmoid_then_write_a_row,
+            copy_a_leaf_into_a_row, fill_through_unsqueeze, write_through_detach,
+            inplace_methods_and_a_view_read_before, fill_keeps_the_gradient_of_earlier_reads]
+
+
+def _torch_gradients(program, w0, p0):
+    tw, tp = torch.tensor(w0, requires_grad=True), torch.tensor(p0, requires_grad=True)
+    loss = program(tw, tp)
+    loss.backward()
+    return loss.item(), tw.grad.numpy(), tp.grad.numpy()
+
+
+@pytest.mark.parametrize("program", _read_then_write_programs(), ids=lambda f: f.__name__)
+def test_reads_before_an_inplace_write_get_their_gradients_like_torch(program):
+    rng = np.random.default_rng(5)
+    w0, p0 = rng.standard_normal((3, 4)), rng.standard_normal(4)
+    want = _torch_gradients(program, w0, p0)
+    fw = flow.tensor(w0, dtype=flow.float64, requires_grad=True)
+    fp = flow.tensor(p0, dtype=flow.float64, requires_grad=True)
+    loss = program(fw, fp)
+    loss.backward()
+    for got, expected in zip((float(loss.numpy()), fw.grad.numpy(), fp.grad.numpy()), want):
+        np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+class _Programs(nn.Module):
+    def __init__(self, programs, w0, p0):
+        super().__init__()
+        self.programs = programs
+        self.ws = nn.ParameterList([nn.Parameter(flow.tensor(w0, dtype=flow.float64)) for _ in programs])
+        self.ps = nn.ParameterList([nn.Parameter(flow.tensor(p0, dtype=flow.float64)) for _ in programs])
+
+    def forward(self):
+        return [program(w, p) for program, w, p in zip(self.programs, self.ws, self.ps)]
+
+
+class _SumOfLosses(nn.Graph):
+    def __init__(self, module, opt):
+        super().__init__()
+        self.module = module
+        self.add_optimizer(opt)
+
+    def build(self, zero):
+        losses = self.module()
+        total = losses[0]
+        for loss in losses[1:]:
+            total = total + loss
+        total.backward()
+        return flow.stack(losses) + zero
+
+
+def test_graph_reads_before_an_inplace_write_get_their_gradients_like_torch():
+    """The programs above in one training graph (SGD, lr 1: a parameter moves by minus its
+    gradient); a write through a detach()ed view cut the gradient in graphs (with_value)."""
+    programs = _read_then_write_programs()
+    rng = np.random.default_rng(5)
+    w0, p0 = rng.standard_normal((3, 4)), rng.standard_normal(4)
+    module = _Programs(programs, w0, p0)
+    losses = _SumOfLosses(module, flow.optim.SGD(module.parameters(), lr=1.0))(
+        flow.zeros(len(programs), dtype=flow.float64)).numpy()
+    for k, program in enumerate(programs):
+        loss, w_grad, p_grad = _torch_gradients(program, w0, p0)
+        np.testing.assert_allclose(losses[k], loss, rtol=1e-12, err_msg=program.__name__)
+        np.testing.assert_allclose(w0 - module.ws[k].numpy(), w_grad, rtol=1e-9, atol=1e-12, err_msg=program.__name__)
+        np.testing.assert_allclose(p0 - module.ps[k].numpy(), p_grad, rtol=1e-9, atol=1e-12, err_msg=program.__name__)
+
+
+@pytest.mark.parametrize("read", [
+    lambda h, p: h * 2.0, lambda h, p: h.tanh(), lambda h, p: h.sigmoid(), lambda h, p: h.sum(0),
+    lambda h, p: h.cumsum(1), lambda h, p: h + p, lambda h, p: h[1:].t(),
+    lambda h, p: h * p, lambda h, p: h.sin(), lambda h, p: h ** 2, lambda h, p: h.abs(), lambda h, p: h @ p],
+    ids=["mul_constant", "tanh", "sigmoid", "sum", "cumsum", "add", "view", "mul", "sin", "pow", "abs", "matvec"])
+def test_a_read_before_an_inplace_write_raises_where_torch_does(read):
+    """PyTorch refuses backward() only where a gradient needs a saved value the write changed
+    (`h * p`: yes; `h * 2.0`, `tanh` (it saves its output): no); flowgen refused every op not marked
+    grad_reads_inputs=False."""
+    rng = np.random.default_rng(6)
+    w0, p0 = rng.standard_normal((3, 4)), rng.standard_normal(4)
+    outcomes = []
+    for lib in (torch, flow):
+        w, p = lib.tensor(w0, requires_grad=True), lib.tensor(p0, requires_grad=True)
+        h = w * 1.0
+        y = read(h, p)
+        h.mul_(3.0)
+        try:
+            (y.sum() + h.sum()).backward()
+            outcomes.append((np.asarray(w.grad.tolist()), np.asarray(p.grad.tolist()) if p.grad is not None else None))
+        except RuntimeError as error:
+            assert "modified by an in" in str(error)
+            outcomes.append("raised")
+    if outcomes[0] == "raised" or outcomes[1] == "raised":
+        assert outcomes[0] == outcomes[1] == "raised"
+        return
+    for want, got in zip(*outcomes):
+        if want is None:
+            assert got is None or not np.any(got)
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("make_view", [
+    lambda x: x.t(), lambda x: x[:, ::2], lambda x: x.permute(1, 0), lambda x: x[1:].t(),
+    lambda x: x.reshape(1, 4, 6).transpose(2, 1)[0:1], lambda x: x.reshape(2, 2, 6).permute(2, 0, 1),
+    lambda x: x.reshape(1, 4, 6)[0:1].transpose(2, 1)],
+    ids=["t", "step_slice", "permute", "slice_t", "transpose_slice", "permute3", "leading_1"])
+def test_reshape_is_a_view_exactly_where_torch_can_view(make_view):
+    """A reshape of a view writes through to its base where PyTorch's view() can (its strides
+    allow it, computeStride), else it is a copy (fuzz: select on a transposed [1, 4, 6] -- a
+    reshape dropping the leading 1 of a permuted tensor -- was taken for a copy, so the write to
+    `h.transpose(2, 1)[0]` was lost); stride() and is_contiguous() are torch's."""
+    x0 = np.arange(24, dtype=np.float64).reshape(4, 6)
+    torch_view, flow_view = make_view(torch.tensor(x0)), make_view(flow.tensor(x0, dtype=flow.float64))
+    assert flow_view.stride() == torch_view.stride()
+    assert flow_view.is_contiguous() == torch_view.is_contiguous()
+    n = torch_view.numel()
+    for shape in [(n,), (1, n), tuple(torch_view.shape)[::-1], tuple(torch_view.shape) + (1,),
+                  (torch_view.shape[0], -1), (-1, torch_view.shape[-1])]:
+        results = []
+        for lib, view, make in ((torch, torch_view, torch.tensor), (flow, flow_view, flow.tensor)):
+            base = make(x0 * 1.0)
+            view = make_view(base)
+            view.reshape(shape)[..., 0] = -1.0    # a view's write reaches base, a copy's does not
+            results.append(np.asarray(base.tolist()))
+        np.testing.assert_array_equal(results[1], results[0], err_msg=str(shape))
+
+
+def test_transposed_select_of_a_leading_1_writes_through_in_graphs():
+    def program(x):
+        h = x[0:1] * 1.0
+        h.transpose(2, 1)[0].fill_(0.25)
+        return h
+    x0 = np.random.default_rng(7).standard_normal((2, 4, 5)).astype(np.float32)
+    want = program(torch.tensor(x0)).numpy()
+    np.testing.assert_array_equal(program(flow.tensor(x0)).numpy(), want)
+    np.testing.assert_array_equal(FnGraph(program)(flow.tensor(x0)).numpy(), want)

@@ -9,7 +9,7 @@ import pytest
 import flowgen as flow
 from flowgen import functional as F
 from flowgen import random as frandom
-from flowgen.tensor import TENSOR_METHODS
+from flowgen.tensor import INPLACE_METHODS, TENSOR_METHODS
 from torch_oracle import get_torch
 
 
@@ -155,9 +155,11 @@ def test_dtype_objects():
 
 # ================================================================= methods
 def test_every_tensor_method_is_a_functional():
-    for name in TENSOR_METHODS:
+    for name in TENSOR_METHODS | INPLACE_METHODS:
         assert callable(getattr(F, name, None)), name
         assert callable(getattr(flow.zeros(1), name)), name
+    for name in INPLACE_METHODS:
+        assert callable(getattr(flow.zeros(1), name + "_")), name
 
 
 def test_functional_exports():

@@ -146,7 +146,7 @@ class Tracer:
         return var.value
 
     def value_of(self, tensor) -> Value:
-        if tensor._view is not None and tensor._view[0]._version != tensor._view[2]:
+        if tensor._view_is_stale:
             tensor._refresh_view()   # its root was written in place since (Tensor._refresh_view)
         if tensor.is_lazy:
             return tensor._value

@@ -469,6 +469,19 @@ defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise
       view=True, doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False)
 
 
+def _with_value_infer(x, value):
+    if tuple(value.shape) != tuple(x.shape) or value.dtype != x.dtype:
+        raise ValueError(f"with_value: value of shape {tuple(value.shape)} and {value.dtype} for x of shape "
+                         f"{tuple(x.shape)} and {x.dtype}")
+    return x
+
+
+defop("with_value", infer=_with_value_infer, ref=lambda x, value: value.copy(), grad=lambda ctx, g: (g, None),
+      lowering=Elementwise("({1})"), grad_reads_inputs=False,
+      doc="with_value(x, value): value's data with x's gradient (identity to x, none to value): a write through a "
+          "detach()ed view, which PyTorch's autograd does not see")
+
+
 def _clamp_infer(a, min=None, max=None, exclusive=False):
     if min is None and max is None:
         raise ValueError("clamp: at least one of min and max must be given")

@@ -20,7 +20,7 @@ ops, Tensor methods and modules alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -55,9 +55,10 @@ REGISTRY: dict[str, OpDef] = {}
 
 def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "", **extra) -> OpDef:
     """Register op `name`. `extra` holds its properties, among them: ``view=True`` (PyTorch returns
-    a view of the first input: _record_view), ``grad_reads_inputs=False`` (the gradient reads only
-    the inputs' shapes and integer indices, so an in-place write to an input after the op does not
-    invalidate it: autograd.backward's check), ``random=True`` (draws on every call)."""
+    a view of the first input: record_view), ``grad_reads_inputs=False`` (the gradient reads no
+    saved values, only the inputs' shapes and integer indices, so a second backward() may go
+    through it without retain_graph: autograd.backward, Tracer.mark_backward), ``random=True``
+    (draws on every call)."""
     if name in REGISTRY:
         raise ValueError(f"op {name!r} is defined twice")
     op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, extra)
@@ -187,30 +188,84 @@ def apply(name: str, *inputs, **attrs):
         result = op.ref(*arrays, **attrs)
         out = _eager.wrap_outputs(op, tensors, attrs, result, metas)
     if op.extra.get("view"):
-        _record_view(out, tensors[0], name, attrs)
+        record_view(out, tensors[0], name, attrs)
     return out
 
 
-def _record_view(out, base, name: str, attrs: dict) -> None:
-    """`out` is a view of `base` (an op defined with ``view=True``: PyTorch returns one sharing
-    base's memory): it keeps (root, replay, root version, whole), where `replay(root)` recomputes it from
-    the tensor at the bottom of its chain of views. flowgen's tensors own their data (a permute is
-    a copy), so aliasing is carried by this record instead: an in-place write to `out` is written
-    back into the root (Tensor._write_through), and a read of `out` after the root was written
-    recomputes it (Tensor._refresh_view), in eager mode and while tracing alike. A reshape of a
-    permuted (non-contiguous) tensor is a copy in PyTorch, so it is not recorded. `whole`: the
-    view holds all of the root's elements in their order (reshapes and detach), so a write to it
-    is the root's new value reshaped."""
-    if name == "reshape" and not base.is_contiguous():
+class View(NamedTuple):
+    """What a view (Tensor._view) remembers of the tensor it views."""
+    root: Any              # the tensor at the bottom of its chain of views
+    replay: Callable       # replay(root) recomputes the view
+    root_version: int      # root._version when the view last matched it
+    whole: bool            # all of root's elements in their order (reshapes, detach): a write is root's new value
+    differentiable: bool   # False through a detach(): a write changes root's values, not its gradient
+
+
+def record_view(out, base, name: str, attrs: dict) -> None:
+    """`out` is a view of `base` (an op defined with ``view=True``, or Tensor.detach: PyTorch
+    returns one sharing base's memory): it keeps a `View` of the tensor at the bottom of its
+    chain of views, and the strides PyTorch's view has (stride(), is_contiguous()). flowgen's
+    tensors own their data (a permute is a copy), so aliasing is carried by this record instead:
+    an in-place write to `out` is written back into the root (Tensor._write_through), and a read
+    of `out` after the root was written recomputes it (Tensor._refresh_view), in eager mode and
+    while tracing alike. A reshape that base's strides do not allow (of a permuted or step-sliced
+    tensor) is a copy in PyTorch, so it is not recorded."""
+    strides = _view_strides(name, base, attrs, tuple(out.shape))
+    if strides is None:
         return
     in_order = name in ("reshape", "detach")   # the view lists the root's elements in their order
+    differentiable = name != "detach"
     if base._view is not None:
-        root, base_replay, _, base_in_order = base._view
+        root, base_replay = base._view.root, base._view.replay
         replay = lambda r: apply(name, base_replay(r), **attrs)   # noqa: E731
-        in_order = in_order and base_in_order
+        in_order = in_order and base._view.whole
+        differentiable = differentiable and base._view.differentiable
     else:
         root, replay = base, (lambda r: apply(name, r, **attrs))
-    out._view = (root, replay, root._version, in_order and out.numel() == root.numel())
+    out._view = View(root, replay, root._version, in_order and out.numel() == root.numel(), differentiable)
+    out._view_strides = None if strides == out._row_major_strides() else strides
+
+
+def _view_strides(name: str, base, attrs: dict, shape: tuple) -> tuple | None:
+    """The strides of PyTorch's view of `base` made by op `name`, or None where PyTorch copies."""
+    strides = base.stride()
+    if name == "permute":
+        return tuple(strides[d] for d in attrs["dims"])
+    if name == "slice":
+        return tuple(stride * step for stride, step in zip(strides, attrs["steps"]))
+    if name == "expand":
+        lead = len(shape) - len(base.shape)
+        return (0,) * lead + tuple(0 if size == 1 and new != 1 else stride
+                                   for size, new, stride in zip(base.shape, shape[lead:], strides))
+    if name == "reshape":
+        return _reshape_strides(tuple(base.shape), strides, shape)
+    return strides   # detach
+
+
+def _reshape_strides(old_shape: tuple, old_strides: tuple, new_shape: tuple) -> tuple | None:
+    """The strides of `new_shape` viewing memory laid out as `old_shape` with `old_strides`, or
+    None when no view can (PyTorch's computeStride: dims are split or merged only within runs of
+    dims contiguous with each other; size-1 dims go anywhere)."""
+    if not old_shape or 0 in old_shape:
+        return tuple(int(np.prod(new_shape[i + 1:], dtype=np.int64)) for i in range(len(new_shape)))
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = old_strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in reversed(range(len(old_shape))):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
+                             and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = old_strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new_strides) if view_d == -1 else None
 
 
 class _EagerRuntime:
