@@ -271,9 +271,6 @@ def test_regressions():
     assert not found, _failure_text(found)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 24 item 3: the planner puts the logits' gradient in the incoming "
-                                       "gradient's buffer, which the row kernel does not allow; fixed on branch h2 "
-                                       "(b7dd244): drop this mark when it lands")
 def test_one_class_cross_entropy():
     """Fuzz seeds 9, 50, 149 (issue 24 item 3): cross-entropy of [N, 1] logits; the graph failed to
     compile (k5_backward_cross_entropy_rows_grad: %t7 would overwrite the memory of %t6)."""
