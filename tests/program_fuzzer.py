@@ -694,16 +694,19 @@ def _setitem(g, t, shape) -> str:
 
 def _inplace(g, var, shape, same):
     rng = g.rng
-    read, r_shape, view = None, None, False
+    read, r_shape, view, row_major = None, None, False, True
     if rng.random() < 0.2:   # a constant the forward makes, read, then written (DCGAN's label.fill_)
         t, _ = g.emit(f"lib.{rng.choice(['ones', 'zeros'])}({', '.join(map(str, shape))}, dtype={var}.dtype)", shape)
         g.trainable.discard(t)   # (it reads only var's dtype)
         read, r_shape = g.emit(f"{var} * 2.0 + {t}", shape)
     else:
-        t, _ = g.emit(f"{var} * 1.0", shape)
+        # torch's `var * 1.0` keeps the layout of a permuted var, where view(-1) raises and
+        # reshape(-1) copies (flowgen's results are row-major): view(-1) only of a contiguous() copy
+        row_major = rng.random() < 0.5
+        t, _ = g.emit(f"{var}.contiguous() * 1.0" if row_major else f"{var} * 1.0", shape)
         if rng.random() < 0.35:
             read, r_shape = g.emit(rng.choice(READS_BEFORE_WRITE).format(t=t), shape)
-        elif rng.random() < 0.55:     # a view of t: reading it after the write sees the write
+        elif rng.random() < 0.55 and max(shape) >= 2:     # a view of t: reading it after the write sees the write
             view = True
             read, r_shape = _slice(g, t, shape, same) if len(shape) < 2 or rng.random() < 0.6 else \
                 g.emit(f"lib.transpose({t}, 0, 1)", (shape[1], shape[0]) + shape[2:])
@@ -713,7 +716,7 @@ def _inplace(g, var, shape, same):
         if overwrites:
             g.trainable.discard(read)
     else:
-        statement, overwrites = _write(g, t, shape)
+        statement, overwrites = _write(g, t, shape, row_major)
         g.mutate(statement, t)
         if overwrites:   # constants all over t (and a view of it): no gradient
             g.trainable.discard(t)

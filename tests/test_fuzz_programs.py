@@ -50,9 +50,10 @@ def test_generator_writes_inplace_code_several_backward_calls_and_float64():
     writes = [line for p in programs for line in p.body if fuzzer._binds(line) is None]
     text = "\n".join(writes)
     for construct in ("] = ", "] += ", ".mul_(", ".fill_(", ".copy_(", ".relu_()", ".masked_fill_(", ".clamp_(",
-                      "inplace=True", ".detach()", ".t()[", ".view(-1)[", ".narrow(", ".permute(", "lib.tensor([["):
+                      "inplace=True", ".detach()", ".t()[", ".view(-1)[", ".narrow(", ".permute("):
         assert construct in text, construct
     assert any(re.search(r"(h\d+)\[\1 > ", line) for line in writes)   # a mask the forward computes
+    assert re.search(r"\[lib\.tensor\(\[+(True|False)", text)           # a constant mask
     assert sum(bool(p.aux) for p in programs) > 30
     assert any(p.target.count(":") == 2 and p.target.endswith(":-100") for p in programs)
     assert any(p.target.count(":") == 2 and not p.target.endswith(":-100") for p in programs)
