@@ -482,6 +482,12 @@ class Tensor:
                 raise RuntimeError("an in-place op on a lazy (graph) tensor outside nn.Graph.build()")
             if self._view is not None:
                 self._refresh_view()
+            if self.is_lazy and self.requires_grad and not new.requires_grad:
+                # As eager (autograd.rebase_history) and PyTorch: the written tensor keeps requires_grad,
+                # a zero gradient to its old value, so what it was computed from still gets a (zero)
+                # gradient and the optimizer updates it (weight decay, momentum) as eager does
+                new = F.where(Tensor(np.zeros((), bool), device=self.device), self,
+                              new if new.dtype == self.dtype else new.to(self.dtype))
             tracer.assign(self, new)
         else:
             if self._view_is_stale:

@@ -146,6 +146,13 @@ def _regression(seed, input_shape, init, body, loss="lib.sum(out)", optimizer="s
 
 
 REGRESSIONS = {
+    # issue 24, fuzz seed 4790: fill_ on a tensor computed from an Embedding. Eager (and PyTorch)
+    # keep requires_grad with a zero gradient to the old value, so Nesterov SGD still decays the
+    # embedding; the graph dropped the edge and skipped it (0.0076 off after 3 steps).
+    "fill_after_embedding_keeps_a_zero_gradient": Program(
+        4790, (2, 4, 5), ["self.m2 = nn.Embedding(3, 5)", "self.m5 = nn.Linear(5, 4, bias=False)"],
+        ["h3 = x + self.m2(lib.tensor([[2, 2, 1, 2], [2, 1, 0, 2]]))", "h4 = h3 * 1.0", "h4.fill_(-1.5)",
+         "h6 = self.m5(h4)", "out = h6"], "F.smooth_l1_loss(out, target)", "float", (2, 4, 4), "nesterov"),
     # issue 9: an elementwise kernel wrote LayerNorm's output over x * p, which it read again
     # through a __restrict__ parameter; the graph trained with loss 0.0 (eager 10.66).
     "layernorm_of_scaled_minus_scaled": _regression(
