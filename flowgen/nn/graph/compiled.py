@@ -239,9 +239,7 @@ def _conv_tiles(graph, ir, device) -> dict:
     """Measured conv tile choices when the graph asks for the search (on a GPU only)."""
     if not graph.config.cudnn_conv_heuristic_search_algo:
         return {}
-    if device.type != "cuda":
-        warnings.warn(f"{graph.name}: enable_cudnn_conv_heuristic_search_algo has no effect on the {device.type} "
-                      f"device: conv tile shapes are timed on a GPU only", UserWarning, stacklevel=4)
+    if device.type != "cuda":   # (_program_cache_options warned, cached program or not)
         return {}
     # Imported here, not at the top: cuda-python's driver bindings take ~0.3 s to load and CPU graphs never use them.
     from flowgen.runtime import cuda_driver
@@ -546,6 +544,9 @@ def _program_cache_options(graph, device, data_parallel, stage_program) -> dict 
     data-parallel graphs (whose ranks already share rank 0's build through the kernel cache),
     pipeline stages (each rank's own part, checked against its transfer plan), and
     graph.debug(1) or above, which logs each pass as it runs."""
+    if graph.config.cudnn_conv_heuristic_search_algo and device.type != "cuda":   # every compile, cached or not
+        warnings.warn(f"{graph.name}: enable_cudnn_conv_heuristic_search_algo has no effect on the {device.type} "
+                      f"device: conv tile shapes are timed on a GPU only", UserWarning, stacklevel=5)
     conv_search = graph.config.cudnn_conv_heuristic_search_algo and device.type == "cuda"
     if data_parallel is not None or stage_program is not None or conv_search or graph._debug_level >= 1:
         return None
