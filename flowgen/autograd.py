@@ -109,11 +109,12 @@ class _Overwritten(Tensor):
 def rebase_history(target, new, walk_all: bool = False):
     """Autograd side of an in-place write of `new` into `target` (`F.relu(x, inplace=True)`,
     `x.copy_(y)`, `x.fill_(0)`): `target` takes the history of a copy of `new` (broadcast and cast
-    to target's shape and dtype; a zero gradient to the old value when `new` needs none), and a
-    stand-in keeps the value and history target had: the nodes computing `new` read it, and
-    backward() routes the gradients of earlier readers of target to it (`as_read`). `walk_all`: `new` may reach ops that
-    read `target` through tensors older than it (a view recomputed from its root,
-    Tensor._refresh_view), so the whole history of `new` is walked."""
+    to target's shape and dtype; none when `new` needs no gradient: Tensor._assign gives a fill_
+    of a tensor that requires grad a zero-gradient edge first), and a stand-in keeps the value and
+    history target had: the nodes computing `new` read it, and backward() routes the gradients of
+    earlier readers of target to it (`as_read`). `walk_all`: `new` may reach ops that read `target`
+    through tensors older than it (a view recomputed from its root, Tensor._refresh_view), so the
+    whole history of `new` is walked."""
     if target.requires_grad and target.grad_fn is None:
         raise RuntimeError("a leaf tensor that requires grad is being used in an in-place operation; "
                            "write into it under flow.no_grad(), or use the out-of-place form")
@@ -123,10 +124,8 @@ def rebase_history(target, new, walk_all: bool = False):
         old.grad_fn.ctx.outputs = tuple(old if o is target else o for o in old.grad_fn.ctx.outputs)
     target._earlier_values = target._earlier_values + ((target._version, old),)
     if not new.requires_grad:
-        if not old.requires_grad:
-            return
-        # PyTorch's x.fill_(c) keeps requires_grad: its gradient to the old value is zero
-        new = apply("where", Tensor(np.zeros((), bool), device=target.device), old, new)
+        target.grad_fn, target.requires_grad = None, False
+        return
     # A private node for target: `new` may be a tensor the caller still uses (copy_(src), x[:] = y).
     if tuple(new.shape) != tuple(target.shape):
         new = apply("expand", new, shape=tuple(target.shape))

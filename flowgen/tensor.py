@@ -477,17 +477,18 @@ class Tensor:
         value of a free eager tensor for the rest of the call, ir/trace.py); a view writes
         through to the tensor it views (`_write_through`)."""
         tracer = registry._tracer_hook
+        if new is not self and autograd.is_grad_enabled() and self.requires_grad and not new.requires_grad and \
+                (self.grad_fn is not None or self.is_lazy):
+            # PyTorch: x.fill_(c) keeps x's requires_grad, with a zero gradient to the old value, so
+            # what x was computed from still gets a (zero) gradient and the optimizer updates it
+            # (weight decay, momentum), eagerly and in graphs
+            new = F.where(Tensor(np.zeros((), bool), device=self.device), self,
+                          new if new.dtype == self.dtype else new.to(self.dtype))
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
             if tracer is None:
                 raise RuntimeError("an in-place op on a lazy (graph) tensor outside nn.Graph.build()")
             if self._view is not None:
                 self._refresh_view()
-            if self.is_lazy and self.requires_grad and not new.requires_grad:
-                # As eager (autograd.rebase_history) and PyTorch: the written tensor keeps requires_grad,
-                # a zero gradient to its old value, so what it was computed from still gets a (zero)
-                # gradient and the optimizer updates it (weight decay, momentum) as eager does
-                new = F.where(Tensor(np.zeros((), bool), device=self.device), self,
-                              new if new.dtype == self.dtype else new.to(self.dtype))
             tracer.assign(self, new)
         else:
             if self._view_is_stale:
