@@ -487,7 +487,7 @@ class Tensor:
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
             if tracer is None:
                 raise RuntimeError("an in-place op on a lazy (graph) tensor outside nn.Graph.build()")
-            if self._view is not None:
+            if self._view_is_stale:
                 self._refresh_view()
             tracer.assign(self, new)
         else:
