@@ -60,6 +60,7 @@ from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
+from flowgen.optim.closed_form import to_cpp
 from flowgen.passes.optimizer import scaler_state_name
 from flowgen.serialization import with_self_hash, write_file_atomic
 from flowgen.version import __version__
@@ -373,97 +374,12 @@ def _device_section(source: str, target: str, kernel_names: list) -> str:
     ])
 
 
-def _lr_expression(sched) -> str:
-    """C++ for the LR at graph call t, from a closed-form scheduler (passes/optimizer.lr_schedule):
-    the schedule's value at epoch t + offset times the group's lr_scale."""
-    epoch = f"(double)(t + {int(sched['offset'])}LL)"
-    return f"{float(sched.get('scale', 1.0))!r} * ({_closed_form_expression(sched, epoch)})"
-
-
-PI = "3.141592653589793"
-
-
-def _closed_form_expression(form, e: str) -> str:
-    """C++ for a scheduler's closed form (passes/optimizer.closed_form_schedule, mirroring each
-    scheduler's `closed_form` in optim/lr_scheduler.py) at epoch `e`, a C++ double expression."""
-    base = f"{form['base']!r}"
-    kind = form["kind"]
-    if kind == "lr_StepLR":
-        return f"{base} * std::pow({form['gamma']!r}, std::floor({e} / {form['step_size']}))"
-    if kind == "lr_MultiStepLR":
-        passed = " + ".join(f"({e} >= {m})" for m in form["milestones"]) or "0"
-        return f"{base} * std::pow({form['gamma']!r}, (double)({passed}))"
-    if kind == "lr_ExponentialLR":
-        return f"{base} * std::pow({form['gamma']!r}, {e})"
-    if kind == "lr_CosineAnnealingLR":
-        eta = f"{form['eta_min']!r}"
-        return f"{eta} + ({base} - {eta}) * (1.0 + std::cos({PI} * {e} / {form['T_max']})) / 2.0"
-    if kind == "lr_LinearLR":
-        frac = f"std::min({e}, {float(form['total'])!r}) / {float(form['total'])!r}"
-        return f"{base} * ({form['start']!r} + ({form['end']!r} - {form['start']!r}) * {frac})"
-    if kind == "lr_ConstantLR":
-        return f"{base} * ({e} < {form['total']} ? {form['factor']!r} : 1.0)"
-    if kind == "lr_PolynomialLR":
-        total, end = float(form["total"]), f"{form['end']!r}"
-        if form["cycle"]:
-            period = f"{total!r} * std::ceil(std::max({e}, 1.0) / {total!r})"
-            return f"({base} - {end}) * std::pow(1.0 - {e} / ({period}), {form['power']!r}) + {end}"
-        return f"({base} - {end}) * std::pow(1.0 - std::min({e}, {total!r}) / {total!r}, {form['power']!r}) + {end}"
-    if kind == "lr_CosineDecayLR":
-        alpha, steps = f"{form['alpha']!r}", float(form["decay_steps"])
-        return (f"({e} < {steps!r} ? {base} * ((1.0 - {alpha}) * 0.5 * (1.0 + std::cos({PI} * {e} / {steps!r})) "
-                f"+ {alpha}) : {base} * {alpha})")
-    if kind == "lr_CosineAnnealingWarmRestarts":   # walk the periods: T_cur within T_i, r restarts before
-        eta, limit = f"{form['eta_min']!r}", int(form["restart_limit"])
-        stop = f"if ({limit} > 0 && r >= {limit}) return {eta}; " if limit else ""
-        return (f"[&] {{ double cur = {e}, period = {float(form['T_0'])!r}; int r = 0; while (cur >= period) "
-                f"{{ cur -= period; period *= {float(form['T_mult'])!r}; ++r; }} {stop}return {eta} + "
-                f"({base} * std::pow({form['decay_rate']!r}, r) - {eta}) * (1.0 + std::cos({PI} * cur / period)) "
-                f"/ 2.0; }}()")
-    if kind == "lr_OneCycleLR":
-        lines, start = [f"[&] {{ const double x = {e};"], 0.0
-        for i, (end_step, from_lr, to_lr) in enumerate(form["phases"]):
-            pct = f"(x - {start!r}) / ({end_step!r} - {start!r})"
-            if form["anneal"] == "cos":
-                value = f"{to_lr!r} + ({from_lr!r} - {to_lr!r}) / 2.0 * (std::cos({PI} * {pct}) + 1.0)"
-            else:
-                value = f"({to_lr!r} - {from_lr!r}) * {pct} + {from_lr!r}"
-            last = i == len(form["phases"]) - 1
-            lines.append(f"return {value};" if last else f"if (x <= {end_step!r}) return {value};")
-            start = end_step
-        return " ".join(lines) + " }()"
-    if kind == "lr_CyclicLR":
-        total, ratio = f"{form['total_size']!r}", f"{form['step_ratio']!r}"
-        scale = {"triangular": "1.0", "triangular2": "1.0 / std::pow(2.0, cycle - 1.0)",
-                 "exp_range": f"std::pow({form['gamma']!r}, x)"}[form["mode"]]
-        return (f"[&] {{ const double x = {e}, cycle = std::floor(1.0 + x / {total}), pos = 1.0 + x / {total} - cycle; "
-                f"const double factor = pos <= {ratio} ? pos / {ratio} : (pos - 1.0) / ({ratio} - 1.0); "
-                f"return {base} + ({form['max_lr']!r} - {base}) * factor * ({scale}); }}()")
-    if kind == "lr_ChainedScheduler":   # the base LR times each multiplicative scheduler's factor
-        factors = " * ".join(f"(({_closed_form_expression(child, e)}) / {base})" for child in form["chained"])
-        return f"{base} * {factors}"
-    if kind == "lr_WarmupLR":   # no local variable: the wrapped scheduler's expression may declare one
-        iters = float(form["iters"])
-
-        def after(epoch):
-            return base if form["after"] is None else _closed_form_expression(form["after"], epoch)
-
-        later = after(f"({e} - {iters!r})" if form["prefix"] else e)
-        if form["method"] == "constant":
-            warm = f"{base} * {form['factor']!r}"
-        else:
-            end_factor = "1.0" if form["prefix"] else f"({after(repr(iters))}) / {base}"
-            warm = f"{base} * ({form['factor']!r} + ({end_factor} - {form['factor']!r}) * {e} / {iters!r})"
-        return f"({e} >= {iters!r} ? {later} : {warm})"
-    raise BuildError(f"unknown LR schedule {kind!r} (saved by a newer flowgen?)")
-
-
 def _schedule_lines(ir) -> list:
     """C++ statements, run before step s (graph call t = start_step + s), that advance the hyper
     state the way the Python runtime does before each call (passes/optimizer.py, random_streams.py).
-    The LR of every optimizer follows a closed-form scheduler (Adam's step size and AdamW's decay
-    are computed from it in the step); without one, or with LambdaLR/SequentialLR, it keeps the
-    saved LR."""
+    The LR of every optimizer follows its scheduler's formula (Adam's step size and AdamW's decay
+    are computed from it in the step); without one, or with one that runs Python code
+    (passes/optimizer.lr_schedule), it keeps the saved LR."""
     lines = []
     for j, st in enumerate(ir.state):
         sched = st.schedule or {"kind": "constant"}
@@ -482,8 +398,12 @@ def _schedule_lines(ir) -> list:
         elif kind == "inverse_linear":   # Adagrad's lr_decay: 1 / (1 + (k - 1) * lr_decay) at update k
             value = (f"({ctype})(1.0 / (1.0 + (double)(u + {int(sched['offset'])}LL) * "
                      f"{float(sched['rate'])!r}))")
-        elif kind.startswith("lr_"):
-            value = f"({ctype})({_lr_expression(sched)})"
+        elif kind.startswith("lr_"):   # the scheduler's formula (optim/closed_form.py) at epoch e
+            try:
+                value = f"({ctype})({float(sched['scale'])!r} * {to_cpp(sched['formula'], 'e')})"
+                epoch = f"  const double e = (double)(t + {int(sched['offset'])}LL);  // the scheduler's epoch"
+            except (KeyError, ValueError) as e:
+                raise BuildError(f"state {st.name}: {kind} schedule: {e}") from None
         elif kind == "philox_offset":
             lines.append(f"{{  // {st.name}: seed, then the Philox offset of this step ({sched['count']} per step)")
             lines.append(f"  long long rng[2] = {{hyper_start[{j}][0], hyper_start[{j}][1] + s * {int(sched['count'])}LL}};")
@@ -493,6 +413,8 @@ def _schedule_lines(ir) -> list:
         else:
             raise BuildError(f"state {st.name}: unknown per-step schedule {kind!r} (saved by a newer flowgen?)")
         lines.append(f"{{  // {st.name}: {kind}")
+        if kind.startswith("lr_"):
+            lines.append(epoch)
         lines.append(f"  const {ctype} v = {value};")
         lines.append(f"  dev.upload(m.state[{j}], &v, sizeof v);")
         lines.append("}")
