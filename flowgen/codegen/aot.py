@@ -49,7 +49,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,17 +56,19 @@ from pathlib import Path
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.codegen.hyper_schedule import schedule_lines
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
-from flowgen.optim.closed_form import to_cpp
 from flowgen.passes.optimizer import scaler_state_name
-from flowgen.serialization import with_self_hash, write_file_atomic
-from flowgen.version import __version__
-from flowgen.runtime.cpu_compiler import compile_kernel_objects, compiler_version, kernel_flags
+from flowgen.runtime.cpu_compiler import compile_kernel_objects
+from flowgen.runtime.toolchain import (MULDEFS, BuildError, CompileError, cache_dir, compiler_version,
+                                      copy_file_atomically, host_command, link_command, mpi_flags, nvcc_command,
+                                      program_build_commands, program_kernel_optimisation, runtime_cpp_dir, safe_tag)
 from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph, load_saved_graph,
                                  write_weights)
-from flowgen.runtime.toolchain import CompileError, cache_dir, copy_file_atomically, runtime_cpp_dir, safe_tag
+from flowgen.serialization import with_self_hash, write_file_atomic
+from flowgen.version import __version__
 
 SANITIZERS = ("address", "undefined", "address,undefined")
 MANIFEST_FORMAT = "flowgen.manifest"
@@ -76,10 +77,6 @@ MAX_DIMS = 8
 
 _DTYPE_ENUM = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.float64: "f64",
                dt.int64: "i64", dt.int32: "i32", dt.bool_: "boolean"}
-
-
-class BuildError(RuntimeError):
-    """A build step failed; the message says which and why."""
 
 
 @dataclass
@@ -341,7 +338,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "index_checks": [{"id": check.id, "before": _c_string(check.message_parts()[0]),
                           "after": _c_string(check.message_parts()[1])}
                          for check in program.index_checks.values()],
-        "schedules": _schedule_lines(ir),
+        "schedules": schedule_lines(ir),
         "scaler_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("scale")), -1),
         "tracker_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("growth_tracker")),
                               -1),
@@ -374,124 +371,10 @@ def _device_section(source: str, target: str, kernel_names: list) -> str:
     ])
 
 
-def _schedule_lines(ir) -> list:
-    """C++ statements, run before step s (graph call t = start_step + s), that advance the hyper
-    state the way the Python runtime does before each call (passes/optimizer.py, random_streams.py).
-    The LR of every optimizer follows its scheduler's formula (Adam's step size and AdamW's decay
-    are computed from it in the step); without one, or with one that runs Python code
-    (passes/optimizer.lr_schedule), it keeps the saved LR."""
-    lines = []
-    for j, st in enumerate(ir.state):
-        sched = st.schedule or {"kind": "constant"}
-        kind = sched["kind"]
-        if kind == "constant":
-            continue
-        ctype = "double" if st.value.dtype.name == "float64" else "float"
-        suffix = "" if ctype == "double" else "f"
-        # u counts the updates applied (calls minus the ones a GradScaler skipped): SGD's first
-        # momentum step and Adam's bias corrections follow it, the LR schedule follows t
-        if kind == "first_step":
-            value = f"(u == 0 ? {float(sched['first'])!r}{suffix} : {float(sched['then'])!r}{suffix})"
-        elif kind == "bias_correction":
-            value = (f"({ctype})({float(sched['scale'])!r} / std::pow(1.0 - std::pow({float(sched['beta'])!r}, "
-                     f"(double)(u + {int(sched['offset'])}LL)), {float(sched['power'])!r}))")
-        elif kind == "inverse_linear":   # Adagrad's lr_decay: 1 / (1 + (k - 1) * lr_decay) at update k
-            value = (f"({ctype})(1.0 / (1.0 + (double)(u + {int(sched['offset'])}LL) * "
-                     f"{float(sched['rate'])!r}))")
-        elif kind.startswith("lr_"):   # the scheduler's formula (optim/closed_form.py) at epoch e
-            try:
-                value = f"({ctype})({float(sched['scale'])!r} * {to_cpp(sched['formula'], 'e')})"
-                epoch = f"  const double e = (double)(t + {int(sched['offset'])}LL);  // the scheduler's epoch"
-            except (KeyError, ValueError) as e:
-                raise BuildError(f"state {st.name}: {kind} schedule: {e}") from None
-        elif kind == "philox_offset":
-            lines.append(f"{{  // {st.name}: seed, then the Philox offset of this step ({sched['count']} per step)")
-            lines.append(f"  long long rng[2] = {{hyper_start[{j}][0], hyper_start[{j}][1] + s * {int(sched['count'])}LL}};")
-            lines.append(f"  dev.upload(m.state[{j}], rng, sizeof rng);")
-            lines.append("}")
-            continue
-        else:
-            raise BuildError(f"state {st.name}: unknown per-step schedule {kind!r} (saved by a newer flowgen?)")
-        lines.append(f"{{  // {st.name}: {kind}")
-        if kind.startswith("lr_"):
-            lines.append(epoch)
-        lines.append(f"  const {ctype} v = {value};")
-        lines.append(f"  dev.upload(m.state[{j}], &v, sizeof v);")
-        lines.append("}")
-    return lines
-
-
 # ----------------------------------------------------------------------------- building
 def _cubin_inc(cubin: bytes, arch: str) -> str:
     return (f"// program_cubin.inc: the device half of program.cu compiled for {arch} ({len(cubin)} bytes).\n"
             + _bytes_literal("FLOWGEN_CUBIN", cubin, f"cubin for {arch}"))
-
-
-def mpi_flags() -> list:
-    """g++ flags that compile and link against MPI: `mpicxx -show` of the MPICH that `pip install
-    mpich` puts next to this Python (or the first mpicxx on PATH), without the compiler name."""
-    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    wrapper = shutil.which("mpicxx", path=search)
-    install = "install MPI with `pip install mpich` (it provides mpi.h, libmpi and mpicxx)"
-    if wrapper is None:
-        raise BuildError(f"this program all-reduces over several ranks and needs MPI to build, but mpicxx is not "
-                         f"next to {sys.executable} or on PATH: {install}")
-    shown = subprocess.run([wrapper, "-show"], capture_output=True, text=True)
-    flags = shown.stdout.split()[1:]
-    if shown.returncode != 0 or not flags:
-        raise BuildError(f"`{wrapper} -show` did not print MPICH's compile flags ({shown.stderr.strip()[:200]}); "
-                         f"{install}")
-    includes = [Path(f[2:]) for f in flags if f.startswith("-I")]
-    if not any((d / "mpi.h").is_file() for d in includes):
-        raise BuildError(f"mpi.h is not in the include directories `{wrapper} -show` gives "
-                         f"({', '.join(map(str, includes)) or 'none'}): {install}")
-    return flags
-
-
-def _sanitizer_flags(sanitize: str) -> list:
-    # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
-    return ["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
-
-
-def _mpi_compile_flags(mpi: list) -> list:
-    return [flag for flag in mpi if flag.startswith(("-I", "-D"))]
-
-
-def _host_command(target: str, output: str, sanitize: str | None, mpi: list = ()) -> list:
-    """The g++ command of the host code; `mpi`: mpi_flags() for a program run by mpiexec. On the
-    cpu target it compiles program.cu's host unit into an object (`output`) that `_link_command`
-    links with the kernels; on the cuda target, the whole binary.
-
-    Launch lists, file readers and the step loop, nothing hot: on the cuda target -O1 builds
-    MobileNetV2's training program in 11 s of CPU where -O2 took 28 s. On the cpu target, whose
-    launches run emulated kernels, -O0 (2.5 s of CPU for a small model's host unit, 4 s at -O1)."""
-    if sanitize:
-        optimise = _sanitizer_flags(sanitize)
-    else:
-        optimise = ["-O0"] if target == "cpu" else ["-O1"]
-    if target == "cpu":
-        return ["g++", "-std=c++17", *optimise, "-DFLOWGEN_EMULATOR", "-DFLOWGEN_HOST_UNIT", "-I.", "-c",
-                "-x", "c++", "program.cu", "-o", output, *_mpi_compile_flags(mpi)]
-    return ["g++", "-std=c++17", *optimise, "-I.", "-x", "c++", "program.cu", "-o", output, "-ldl", *mpi]
-
-
-def _kernel_optimisation(sanitize: str | None) -> list | None:
-    """The cpu program's kernel flags besides cpu_compiler.kernel_flags' own: None keeps the
-    emulator's level (so the objects a graph's run compiled are reused), a sanitized build its
-    sanitizers (kernels included: they index the buffers the files fill)."""
-    return _sanitizer_flags(sanitize) if sanitize else None
-
-
-def _kernels_command(sanitize: str | None) -> list:
-    """g++ compiling the kernel half of program.cu into one object: what `build` does in chunks."""
-    return ["g++", *kernel_flags(_kernel_optimisation(sanitize)), "-DFLOWGEN_DEVICE_PASS", "-I.", "-include",
-            "flowgen_emu.h", "-c", "-x", "c++", "program.cu", "-o", "program_kernels.o"]
-
-
-def _link_command(binary: str, objects: list, sanitize: str | None, mpi: list) -> list:
-    sanitizers = [f"-fsanitize={sanitize}"] if sanitize else []
-    return ["g++", "-fopenmp", *sanitizers, *objects, "-o", binary,
-            *[flag for flag in mpi if flag not in _mpi_compile_flags(mpi)]]
 
 
 def _host_build_key(command: list, out: Path) -> str:
@@ -501,15 +384,6 @@ def _host_build_key(command: list, out: Path) -> str:
     for path in sorted(p for p in out.iterdir() if p.suffix in (".cu", ".h", ".inc")):
         digest.update(b"\0" + path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:32]
-
-
-def _nvcc_command(arch: str) -> list:
-    return ["nvcc", "-cubin", f"-arch={arch}", "-std=c++17", "-DFLOWGEN_DEVICE_PASS", "-I.", "-x", "cu",
-            "program.cu", "-o", "program.cubin"]
-
-
-def _sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _write(path: Path, data) -> None:
@@ -532,12 +406,12 @@ def _build_cuda_host(out: Path, binary: str, sanitize: str | None, mpi: list, te
     """Compile the cuda program's host code (program.cu with the embedded cubin) into OUT/binary
     through `<cache>/host/<key>/program`; True when the cache had it."""
     partial = f".{binary}.partial"
-    cached = cache_dir() / "host" / _host_build_key(_host_command("cuda", "program", sanitize, mpi), out) / "program"
+    cached = cache_dir() / "host" / _host_build_key(host_command("cuda", "program", sanitize, mpi), out) / "program"
     hit = cached.is_file()
     if hit:
         copy_file_atomically(cached, out / partial)
     else:
-        _run_compiler(_host_command("cuda", partial, sanitize, mpi), out, "compile host code", text)
+        _run_compiler(host_command("cuda", partial, sanitize, mpi), out, "compile host code", text)
         copy_file_atomically(out / partial, cached)
     os.replace(out / partial, out / binary)
     return hit
@@ -547,23 +421,20 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     """Compile the cpu program's host unit into `<cache>/host/<key>/program_host.o` and link it
     with the kernel objects (`kernels`: cpu_compiler.compile_kernel_objects) into OUT/binary;
     the linked program is cached too. True when both were in the cache."""
-    host_object = cache_dir() / "host" / _host_build_key(_host_command("cpu", "program_host.o", sanitize, mpi),
+    host_object = cache_dir() / "host" / _host_build_key(host_command("cpu", "program_host.o", sanitize, mpi),
                                                          out) / "program_host.o"
     hit = host_object.is_file()
     if not hit:
         host_object.parent.mkdir(parents=True, exist_ok=True)
         partial_object = host_object.parent / f".program_host.{os.getpid()}.o"
-        _run_compiler(_host_command("cpu", str(partial_object), sanitize, mpi), out, "compile host code", text)
+        _run_compiler(host_command("cpu", str(partial_object), sanitize, mpi), out, "compile host code", text)
         os.replace(partial_object, host_object)
     # The kernel objects name each kernel's entry by its body's hash (shared between graphs, and
     # with the emulator's libraries); a linker script defines the program's names as those.
     symbol_map = "".join(f"flowgen_launch_{name} = flowgen_launch_{symbol};\n"
                          for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol)
-    # The same body compiled by two concurrent processes may sit in two chunks: muldefs keeps one
-    # copy (the same code). The index-error record is a weak definition in every chunk (prelude).
     objects = [str(host_object), *map(str, kernels.artifacts)]
-    link_flags = ["-Wl,-z,muldefs"]
-    key = hashlib.sha256("\0".join([*_link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
+    key = hashlib.sha256("\0".join([*link_command("program", [*objects, "kernel_symbols.ld", MULDEFS],
                                                    sanitize, mpi), compiler_version(), symbol_map]).encode())
     link_dir = cache_dir() / "host" / key.hexdigest()[:32]
     if not (link_dir / "program").is_file():
@@ -571,8 +442,7 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
         link_dir.mkdir(parents=True, exist_ok=True)
         _write(link_dir / "kernel_symbols.ld", symbol_map)
         partial = link_dir / f".program.{os.getpid()}"
-        command = _link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), *link_flags],
-                                sanitize, mpi)
+        command = link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), MULDEFS], sanitize, mpi)
         _run_compiler(command, out, "link", text)
         os.replace(partial, link_dir / "program")
     partial = f".{binary}.partial"
@@ -655,23 +525,13 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     binary = safe_tag(saved.name)
     world_size = saved.data_parallel["world_size"] if saved.data_parallel else 1
     mpi = mpi_flags() if world_size > 1 else []
-    commands = []
     if target == "cuda":
         # Imported here, not at the top: cuda-python's NVRTC bindings load only when a build targets CUDA.
         from flowgen.runtime import nvrtc
 
         device_arch = nvrtc.cubin_arch(program.source, arch)   # sm_90a for warpgroup MMA
-        device_cmd = (" ".join(_nvcc_command(device_arch)) if compiler == "nvcc"
-                      else f"NVRTC --gpu-architecture={device_arch} -std=c++17 -I<runtime_cpp> -I<CUDA include> "
-                           f"program.cu -> cubin")
-        commands += [f"device: {device_cmd} (written as program_cubin.inc)"]
-        commands += [f"host:   {' '.join(_host_command(target, binary, sanitize, mpi))}"]
-    else:
-        commands += [f"kernels: {' '.join(_kernels_command(sanitize))}",
-                     "         (flowgen build compiles the kernels with these flags in parallel chunks, cached and",
-                     "         shared with the emulator's; each renamed by its body's hash, named back at the link)",
-                     f"host:    {' '.join(_host_command(target, 'program_host.o', sanitize, mpi))}",
-                     f"link:    {' '.join(_link_command(binary, ['program_kernels.o', 'program_host.o'], sanitize, mpi))}"]
+    commands = program_build_commands(target, binary, sanitize, mpi, compiler,
+                                      device_arch if target == "cuda" else arch)
     text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
                                          arch=device_arch if target == "cuda" else arch, build_commands=commands,
                                          data_parallel=saved.data_parallel)
@@ -693,7 +553,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
             # whose host half names the graph) lets every graph instance share the cached cubin.
             cubin = nvrtc.compile_cuda(program.source, arch, "aot")
         else:
-            _run_compiler(_nvcc_command(device_arch), out, "compile device code", text)
+            _run_compiler(nvcc_command(device_arch), out, "compile device code", text)
             cubin = (out / "program.cubin").read_bytes()
         _write(out / "program_cubin.inc", _cubin_inc(cubin, device_arch))
         stage("compile device code", f"{compiler} -> {device_arch} cubin, {len(cubin)} bytes, embedded", start)
@@ -702,7 +562,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         what = "g++ (driver API via dlopen)" + (f", MPI for {world_size} ranks" if mpi else "")
     else:
         start = begin("compile device code")
-        kernels = compile_kernel_objects(program.source, _kernel_optimisation(sanitize))
+        kernels = compile_kernel_objects(program.source, program_kernel_optimisation(sanitize))
         counts = kernels.stats
         stage("compile device code", f"g++ + emulator: {counts.kernels} kernels, {counts.distinct} distinct: "
                                      f"{counts.cached} cached, {counts.compiled} compiled in {counts.chunks} "
@@ -722,13 +582,14 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         # and SavedGraph.run may have changed them since saving.
         doc = json.loads((Path(saved.path) / GRAPH_FILE).read_text())
         doc.pop("graph_sha256")
-        doc["weights_sha256"] = _sha256_bytes(weights.getvalue())
+        doc["weights_sha256"] = hashlib.sha256(weights.getvalue()).hexdigest()
         _write(out / GRAPH_FILE, json.dumps(with_self_hash(doc, "graph_sha256"), indent=1) + "\n")
     nbytes = sum(a.nbytes for a in saved.weights.values())
     stage("write weights", f"{WEIGHTS_FILE}: {len(saved.weights)} tensors, {nbytes} bytes", start)
     timings["total"] = time.perf_counter() - total
 
     manifest = manifest_for(saved, program, target=target, arch=arch, compiler=compiler, binary=binary,
-                            program_sha256=_sha256_bytes(text.encode()), timings=timings, sanitize=sanitize)
+                            program_sha256=hashlib.sha256(text.encode()).hexdigest(), timings=timings,
+                            sanitize=sanitize)
     _write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, out / binary, manifest, timings)
