@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 
 import flowgen as flow
-from flowgen import nn, optim
+from flowgen import nn, optim, serialization
+from flowgen.codegen import aot
 from flowgen.optim import closed_form
 from flowgen.optim import lr_scheduler as sch
 from flowgen.passes.optimizer import lr_schedule
+from graphs import TrainGraph
 
 STEPS = 20
 
@@ -151,3 +153,22 @@ def test_a_malformed_formula_is_refused_with_a_reason():
             closed_form.to_cpp(data, "e")
     with pytest.raises(TypeError, match="an LR formula has no truth value"):
         bool(closed_form.EPOCH >= 3)
+
+
+def test_a_saved_graph_with_a_malformed_formula_does_not_build(tmp_path):
+    """graph.json's formula is what the program computes: an unknown operation in it (a newer
+    flowgen's, or a hand edit) stops `flowgen build` with the state's name, before any compiler runs."""
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    graph = TrainGraph(model, nn.MSELoss(), (opt, sch.StepLR(opt, step_size=2, gamma=0.5)))
+    graph(flow.randn(4, 3), flow.randn(4))
+    flow.save(graph, tmp_path / "saved")
+    doc = json.loads((tmp_path / "saved" / "graph.json").read_text())
+    lr_state = next(s for s in doc["state"] if s.get("schedule", {}).get("kind") == "lr_StepLR")
+    assert closed_form.to_cpp(lr_state["schedule"]["formula"], "e") == "(0.1 * std::pow(0.5, std::floor(e / 2.0)))"
+    lr_state["schedule"]["formula"] = ["tan", ["epoch"]]
+    doc.pop("graph_sha256")
+    (tmp_path / "saved" / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+    with pytest.raises(aot.BuildError, match=r"state optim0.group0.lr: malformed lr_StepLR schedule \(ValueError: "
+                                             r"unknown operation 'tan' in an LR formula"):
+        aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
