@@ -538,13 +538,14 @@ class WarmupLR(LRScheduler):
     def formula(self, group, epoch):
         base = self.base_lrs[group]
         if self.scheduler is None:
-            after, end_factor = base, 1.0
+            after = base
         else:   # the wrapped scheduler's LR (from epoch 0 after warmup with warmup_prefix)
             after = self.scheduler.formula(group, epoch - self.warmup_iters if self.warmup_prefix else epoch)
-            end_factor = 1.0 if self.warmup_prefix else self.scheduler.closed_form(group, self.warmup_iters) / base
         if self.warmup_method == "constant":
             warm = base * self.warmup_factor
-        else:
+        else:   # linear, to the wrapped scheduler's factor at warmup_iters (1 alone or with warmup_prefix)
+            end_factor = 1.0 if self.scheduler is None or self.warmup_prefix else \
+                self.scheduler.closed_form(group, self.warmup_iters) / base
             warm = base * (self.warmup_factor + (end_factor - self.warmup_factor) * epoch / self.warmup_iters)
         return where(epoch >= self.warmup_iters, after, warm)
 
