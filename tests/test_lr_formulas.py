@@ -155,9 +155,15 @@ def test_a_malformed_formula_is_refused_with_a_reason():
         bool(closed_form.EPOCH >= 3)
 
 
+def _rewrite_graph_json(directory, doc):
+    doc = {k: v for k, v in doc.items() if k != "graph_sha256"}
+    (directory / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+
+
 def test_a_saved_graph_with_a_malformed_formula_does_not_build(tmp_path):
     """graph.json's formula is what the program computes: an unknown operation in it (a newer
-    flowgen's, or a hand edit) stops `flowgen build` with the state's name, before any compiler runs."""
+    flowgen's, or a hand edit), or no formula (an older flowgen's schedule), stops `flowgen build`
+    with the state's name, before any compiler runs."""
     model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
     opt = optim.SGD(model.parameters(), lr=0.1)
     graph = TrainGraph(model, nn.MSELoss(), (opt, sch.StepLR(opt, step_size=2, gamma=0.5)))
@@ -167,8 +173,11 @@ def test_a_saved_graph_with_a_malformed_formula_does_not_build(tmp_path):
     lr_state = next(s for s in doc["state"] if s.get("schedule", {}).get("kind") == "lr_StepLR")
     assert closed_form.to_cpp(lr_state["schedule"]["formula"], "e") == "(0.1 * std::pow(0.5, std::floor(e / 2.0)))"
     lr_state["schedule"]["formula"] = ["tan", ["epoch"]]
-    doc.pop("graph_sha256")
-    (tmp_path / "saved" / "graph.json").write_text(json.dumps(serialization.with_self_hash(doc, "graph_sha256")))
+    _rewrite_graph_json(tmp_path / "saved", doc)
     with pytest.raises(aot.BuildError, match=r"state optim0.group0.lr: malformed lr_StepLR schedule \(ValueError: "
                                              r"unknown operation 'tan' in an LR formula"):
+        aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+    lr_state["schedule"] = {"kind": "lr_StepLR", "base": 0.1, "step_size": 2, "gamma": 0.5, "offset": 0}  # older
+    _rewrite_graph_json(tmp_path / "saved", doc)
+    with pytest.raises(aot.BuildError, match="its lr_StepLR schedule has no formula .* save the graph again"):
         aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")

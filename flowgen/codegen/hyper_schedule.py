@@ -48,6 +48,9 @@ def _statements(j: int, st, sched: dict, kind: str) -> list:
     elif kind == "inverse_linear":   # Adagrad's lr_decay: 1 / (1 + (k - 1) * lr_decay) at update k
         value = f"({ctype})(1.0 / (1.0 + (double)(u + {int(sched['offset'])}LL) * {float(sched['rate'])!r}))"
     elif kind.startswith("lr_"):   # the scheduler's formula at epoch e
+        if "formula" not in sched:
+            raise BuildError(f"state {st.name}: its {kind} schedule has no formula (an older flowgen saved the "
+                             f"scheduler's parameters instead); save the graph again with this flowgen")
         lines.append(f"  const double e = (double)(t + {int(sched['offset'])}LL);  // the scheduler's epoch")
         value = f"({ctype})({float(sched['scale'])!r} * {to_cpp(sched['formula'], 'e')})"
     else:
