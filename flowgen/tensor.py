@@ -768,9 +768,24 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
     return Tensor(arr, device=device)
 
 
+# Global tensors (flowgen/distributed/global_tensor.py) are built on Tensor, a layer above it: that
+# module installs itself here when it loads (`import flowgen` loads it); Tensor's methods call it,
+# autograd and creation reach it through `global_tensors()`.
+global_tensor = None
+
+
+def install_global_tensor(module) -> None:
+    global global_tensor
+    global_tensor = module
+
+
+def global_tensors():
+    """flowgen/distributed/global_tensor.py, as it installed itself."""
+    return global_tensor
+
+
 # Below the class: these modules import Tensor (the op registry through its op definitions).
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
 from flowgen.ops import registry  # noqa: E402
 from flowgen import creation  # noqa: E402
 from flowgen import autograd  # noqa: E402  (autograd imports Tensor)
-from flowgen.distributed import global_tensor  # noqa: E402
