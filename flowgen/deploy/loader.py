@@ -54,7 +54,7 @@ class TensorInfo:
     min_shape: tuple
     max_shape: tuple
 
-    def __str__(self) -> str:
+    def __repr__(self) -> str:
         dims = ", ".join("?" if d is None else str(d) for d in self.shape)
         return f"{self.name}: {self.dtype.name}[{dims}]"
 
