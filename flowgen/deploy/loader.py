@@ -226,6 +226,9 @@ def load_compiled(path, weights=None) -> CompiledModel:
     if "library" not in manifest:
         raise ValueError(f"{out} holds a program built without --lib (manifest.json names no library); rebuild it "
                          f"with `flowgen build SAVED_DIR -o {out} --lib`")
+    if manifest.get("sanitize"):
+        raise ValueError(f"{out} was built with --sanitize {manifest['sanitize']}: its library loads only into a "
+                         f"program linked with -fsanitize={manifest['sanitize']}; rebuild without --sanitize for Python")
     library = out / manifest["library"]
     if not library.is_file():
         raise FileNotFoundError(f"{library} is missing; rebuild with `flowgen build --lib`")
