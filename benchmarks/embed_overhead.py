@@ -114,6 +114,7 @@ def main():
             x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
             x_tensor = flow.tensor(x)
             expected = graph(x_tensor).numpy()
+            os.makedirs(os.path.join(tmp, name))
             flow.save(graph, os.path.join(tmp, name, "saved"))
             aot.build(os.path.join(tmp, name, "saved"), os.path.join(tmp, name, "out"), target="cpu", lib=True)
             model = flow.load_compiled(os.path.join(tmp, name, "out"))

@@ -113,6 +113,12 @@ def test_bad_calls_are_refused_with_what_is_allowed(built):
         model(x.astype(np.uint8))
     with pytest.raises(TypeError, match=r"input 0 \(input_0\) is a list"):
         model([1.0])
+
+    class OnTheGpu:   # what CuPy and PyTorch CUDA tensors offer
+        __cuda_array_interface__ = {"shape": (2, 3, 8, 8), "typestr": "<f4", "data": (1 << 40, False), "version": 3}
+
+    with pytest.raises(ValueError, match=r"input 0 \(input_0\) is in CUDA device memory .* built for the cpu target"):
+        model(OnTheGpu())
     np.testing.assert_array_equal(model(x), built["expected"][0])   # still fine after refusals
     model.close()
     with pytest.raises(ValueError, match="closed"):
