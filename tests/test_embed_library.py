@@ -252,3 +252,31 @@ def test_cuda_library_builds_without_a_gpu(built, tmp_path):
         assert "CUDA" in str(e)
         return
     np.testing.assert_allclose(model(built["xs"][0]), built["expected"][0], rtol=1e-4, atol=1e-5)
+
+
+def _commands_in(source: Path, what: str) -> list:
+    """The command a generated file's header comment gives for building `what` by hand."""
+    return re.search(rf"^//   {what}: +(.*)$", source.read_text(), flags=re.M).group(1).split()
+
+
+@pytest.mark.slow
+def test_by_hand_build_under_thread_sanitizer_has_no_races(tmp_path):
+    """library.cpp's header says how to build the library by hand; built so with ThreadSanitizer
+    on the host code (the pool, the per-thread outputs, the error messages), four threads calling one
+    model race nowhere. The MLP's launches are small, so they run on the calling threads."""
+    flow.manual_seed(3)
+    graph = InferGraph(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)))
+    graph(flow.randn(4, 6))
+    flow.save(graph, tmp_path / "saved")
+    out = tmp_path / "out"
+    manifest = aot.build(tmp_path / "saved", out, target="cpu", lib=True).manifest
+    (out / manifest["library"]).unlink()
+    tsan = ["-g", "-fsanitize=thread"]
+    kernels = _commands_in(out / "program.cu", "kernels")   # as they are: the kernels touch no shared host state
+    host, link = (_commands_in(out / "library.cpp", what) for what in ("host", "link"))
+    for command in (kernels, [host[0], *tsan, *host[1:]], [link[0], *tsan, *link[1:]]):
+        subprocess.run(command, cwd=out, check=True, capture_output=True, text=True)
+    checks = _compile_c(ROOT / "tests" / "embed_checks.c", out, manifest, tmp_path / "checks", "-O1", *tsan)
+    proc = subprocess.run([str(checks), str(out / "weights.safetensors")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stderr, proc.stdout + proc.stderr
+    assert "threads: 100 calls agree" in proc.stdout
