@@ -1,5 +1,6 @@
 /* The C API of a `flowgen build --lib` library against bad arguments and files, and from several
- * threads at once (tests/test_embed_library.py builds it with AddressSanitizer and runs it).
+ * threads at once (tests/test_embed_library.py builds it with AddressSanitizer and
+ * UndefinedBehaviorSanitizer, and with ThreadSanitizer, and runs it).
  *
  *   embed_checks GOOD_WEIGHTS [BAD_WEIGHTS...]
  *
