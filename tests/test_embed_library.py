@@ -150,6 +150,11 @@ def test_graphs_that_change_their_state_are_refused(tmp_path):
     flow.save(batch_norm, tmp_path / "bn")
     with pytest.raises(aot.BuildError, match=r"writes its state every call \(.*running_mean.*model\.eval\(\)"):
         aot.build(tmp_path / "bn", tmp_path / "out", target="cpu", lib=True)
+    dropout = InferGraph(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5)))   # train mode: it draws
+    dropout(flow.randn(4, 3))
+    flow.save(dropout, tmp_path / "dropout")
+    with pytest.raises(aot.BuildError, match=r"draws random numbers .*Dropout in train mode"):
+        aot.build(tmp_path / "dropout", tmp_path / "out", target="cpu", lib=True)
 
 
 # ------------------------------------------------------------------------------------- C callers

@@ -66,10 +66,15 @@ def refusal(saved) -> str | None:
         return (f"graph {saved.name} writes its state every call ({names}); a library shares its state between "
                 f"calls and threads. Call model.eval() before tracing (BatchNorm in train mode updates its "
                 f"running statistics)")
-    advancing = [s.name for s in ir.state if s.schedule and s.schedule.get("kind", "constant") != "constant"]
-    if advancing:
-        return (f"graph {saved.name} advances its state every call ({', '.join(advancing)}: a random op's stream "
-                f"or a schedule); a library runs the same step on shared state")
+    for s in ir.state:
+        kind = (s.schedule or {}).get("kind", "constant")
+        if kind == "philox_offset":
+            return (f"graph {saved.name} draws random numbers ({s.name}: the stream of its random ops advances "
+                    f"every call); a library runs the same step on shared state. Call model.eval() before tracing "
+                    f"(Dropout in train mode draws), or pass the noise in as an input")
+        if kind != "constant":
+            return (f"graph {saved.name} advances its state every call ({s.name}: {kind}); a library runs the same "
+                    f"step on shared state")
     return None
 
 
