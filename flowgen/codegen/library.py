@@ -93,7 +93,9 @@ def _commands(target: str, library: str, host_object: str, optimise: list, sanit
     {"library": ...} on the cuda target. `library`, `host_object`: the files they write;
     `kernel_objects`: the program's kernel objects (cpu); `symbol_script`: [] or the linker
     script that names the kernels' entries back (cached objects name them by their body's hash)."""
-    exports = ["-Wl,--version-script=library.map", "-ldl"]
+    # Only the C API is exported, and the library's own calls bind to its own definitions (-Bsymbolic):
+    # a process may hold several models' libraries, whose API functions share their names.
+    exports = ["-Wl,--version-script=library.map", "-Wl,-Bsymbolic", "-ldl"]
     if target == "cuda":
         return {"library": [*_host_flags(optimise), "-shared", "-I.", "-x", "c++", "library.cpp", *sanitizers,
                             *exports, "-o", library]}
