@@ -1,6 +1,6 @@
 """What `flow.load_compiled` adds to a call of a `flowgen build --lib` library, beside the step.
 
-    PYTHONPATH=. python benchmarks/embed_overhead.py [--calls 3000] [--out FILE]
+    PYTHONPATH=. python benchmarks/embed_overhead.py [--calls 3000] [--models mlp conv mobilenet_v2_b1] [--out FILE]
 
 For each model (a small MLP, the conv net of tests/test_embed_library.py, MobileNetV2 at batch 1),
 built for the cpu target with --lib, three ways to run one inference step are timed, interleaved
@@ -23,7 +23,6 @@ benchmarks/results/embed_overhead.json).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -50,13 +49,12 @@ from graphs import InferGraph  # noqa: E402
 TARGET_US = 50.0
 
 
-def models():
-    """(name, eval-mode module, input shape)."""
-    flow.manual_seed(0)
-    yield "mlp", nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)).eval(), (8, 32)
-    yield "conv", nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-                                nn.Flatten(), nn.Linear(8 * 4 * 4, 5)).eval(), (2, 3, 8, 8)
-    yield "mobilenet_v2_b1", mobilenet_v2(num_classes=10).eval(), (1, 3, 32, 32)
+MODELS = {   # name: (the eval-mode module, made when its row runs; input shape)
+    "mlp": (lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)), (8, 32)),
+    "conv": (lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                                   nn.Flatten(), nn.Linear(8 * 4 * 4, 5)), (2, 3, 8, 8)),
+    "mobilenet_v2_b1": (lambda: mobilenet_v2(num_classes=10), (1, 3, 32, 32)),
+}
 
 
 def raw_step(model):
@@ -106,13 +104,16 @@ def calls_per_second(model, x, threads: int, seconds: float = 1.0) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "embed_overhead.json"))
     args = parser.parse_args()
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="flowgen-embed-bench-") as tmp:
-        for name, module, shape in models():
-            graph = InferGraph(module)
+        for name in args.models:
+            flow.manual_seed(0)
+            make, shape = MODELS[name]
+            graph = InferGraph(make().eval())
             x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
             x_tensor = flow.tensor(x)
             expected = graph(x_tensor).numpy()

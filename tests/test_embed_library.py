@@ -5,6 +5,7 @@ C program that feeds it bad arguments and files under AddressSanitizer and Undef
 import json
 import re
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -317,3 +318,12 @@ def test_by_hand_build_under_thread_sanitizer_has_no_races(tmp_path):
     proc = subprocess.run([str(checks), str(out / "weights.safetensors")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stderr, proc.stdout + proc.stderr
     assert "threads: 100 calls agree" in proc.stdout
+
+
+@pytest.mark.slow
+def test_embed_overhead_benchmark_runs(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "embed_overhead.py"), "--models", "mlp", "--calls", "50",
+                    "--out", str(tmp_path / "embed.json")], check=True, capture_output=True, text=True, timeout=600)
+    row, = json.loads((tmp_path / "embed.json").read_text())["rows"]
+    assert row["model"] == "mlp" and row["step_us"] > 0 and row["load_compiled_us"] > 0
+    assert row["calls_per_s_1_thread"] > 0 and row["calls_per_s_2_threads"] > 0

@@ -228,7 +228,8 @@ def load_compiled(path, weights=None) -> CompiledModel:
                          f"with `flowgen build SAVED_DIR -o {out} --lib`")
     if manifest.get("sanitize"):
         raise ValueError(f"{out} was built with --sanitize {manifest['sanitize']}: its library loads only into a "
-                         f"program linked with -fsanitize={manifest['sanitize']}; rebuild without --sanitize for Python")
+                         f"program linked with -fsanitize={manifest['sanitize']}; rebuild it without --sanitize "
+                         f"for Python")
     library = out / manifest["library"]
     if not library.is_file():
         raise FileNotFoundError(f"{library} is missing; rebuild with `flowgen build --lib`")
