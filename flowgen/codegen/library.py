@@ -37,7 +37,7 @@ from flowgen.serialization import write_file_atomic
 # two libraries loaded into one process never bind to each other's symbols.
 API_FUNCTIONS = ("flowgen_api_version", "flowgen_graph_name", "flowgen_target", "flowgen_num_inputs",
                  "flowgen_num_outputs", "flowgen_input_info", "flowgen_output_info", "flowgen_create",
-                 "flowgen_run", "flowgen_last_error", "flowgen_destroy")
+                 "flowgen_run", "flowgen_last_error", "flowgen_last_error_code", "flowgen_destroy")
 
 _SERIAL_CUDA = ("its kernels run on one CUDA stream and record an out-of-range index in the module's one "
                 "index-error record")

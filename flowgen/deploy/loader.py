@@ -74,6 +74,7 @@ def _declare(lib) -> None:
             ("flowgen_run", ctypes.c_int, [model, ctypes.POINTER(_Tensor), ctypes.c_int, ctypes.POINTER(_Tensor),
                                            ctypes.c_int]),
             ("flowgen_last_error", ctypes.c_char_p, []),
+            ("flowgen_last_error_code", ctypes.c_int, []),
             ("flowgen_destroy", None, [model])):
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes
@@ -114,8 +115,8 @@ class CompiledModel:
         self.inputs = _signature(self._lib, self._lib.flowgen_num_inputs(), self._lib.flowgen_input_info)
         self.outputs = _signature(self._lib, self._lib.flowgen_num_outputs(), self._lib.flowgen_output_info)
         self._handle = self._lib.flowgen_create(None if weights is None else str(weights).encode())
-        if not self._handle:
-            raise ValueError(self._lib.flowgen_last_error().decode(errors="replace"))
+        if not self._handle:   # a bad weights file: ValueError; no usable GPU: RuntimeError
+            raise self._error(self._lib.flowgen_last_error_code())
         self._scratch = threading.local()   # per thread: the flowgen_tensor arrays of a call
 
     def __repr__(self) -> str:
@@ -183,7 +184,7 @@ class CompiledModel:
         code = self._lib.flowgen_run(self._handle, inputs, len(self.inputs), outputs, len(self.outputs))
         del owners   # the library copied the inputs
         if code != 0:
-            raise _ERRORS.get(code, RuntimeError)(self._lib.flowgen_last_error().decode(errors="replace"))
+            raise self._error(code)
         results = []
         for i in range(len(self.outputs)):
             slot = outputs[i]
@@ -192,6 +193,10 @@ class CompiledModel:
                 ctypes.memmove(result.ctypes.data, slot.data, result.nbytes)
             results.append(result)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _error(self, code: int) -> Exception:
+        """The exception for a failed call's code, with the library's message."""
+        return _ERRORS.get(code, RuntimeError)(self._lib.flowgen_last_error().decode(errors="replace"))
 
     def close(self) -> None:
         """Free the model (its device memory and buffers); no call may be running."""
