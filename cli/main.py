@@ -1,7 +1,7 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
     flowgen build SAVED_DIR -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
-                  [--sanitize address|undefined|address,undefined]
+                  [--sanitize address|undefined|address,undefined] [--lib]
     flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
     flowgen inspect SAVED_DIR|BUILD_DIR [--source] [--ir] [--memory]
     flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
@@ -114,11 +114,15 @@ def cli():
 @click.option("--sanitize", type=click.Choice(SANITIZERS), default=None,
               help="Build with g++'s AddressSanitizer and/or UndefinedBehaviorSanitizer (-O0 -g, every report "
                    "fatal): for testing the program against hostile input files.")
-def build(saved_dir, out_dir, target, arch, compiler, sanitize):
+@click.option("--lib", is_flag=True,
+              help="Also build BUILD_DIR/lib<name>.so and <name>.h: the graph as a shared library with a C API "
+                   "(inference graphs; load it from Python with flow.load_compiled(BUILD_DIR)).")
+def build(saved_dir, out_dir, target, arch, compiler, sanitize, lib):
     """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`).
 
     Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<graph name>, and
-    writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json.
+    writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json. With --lib, also the shared
+    library BUILD_DIR/lib<name>.so and its C header BUILD_DIR/<name>.h.
     """
     flowgen = _flowgen()
     BuildError, build_program = flowgen.codegen.aot.BuildError, flowgen.codegen.aot.build
@@ -132,10 +136,11 @@ def build(saved_dir, out_dir, target, arch, compiler, sanitize):
     click.echo(f"  {'load':<22} {time.perf_counter() - start:7.2f} s   {saved_dir}", err=True)
     try:
         result = build_program(saved, out_dir, target=target, arch=arch, compiler=compiler, sanitize=sanitize,
-                               log=lambda line: click.echo(line, err=True))
+                               lib=lib, log=lambda line: click.echo(line, err=True))
     except (BuildError, CompileError, ValueError) as e:
         _fail(str(e))
-    click.echo(f"built {result.binary} in {time.perf_counter() - start:.2f} s", err=True)
+    built = result.binary if not lib else f"{result.binary} and {result.out_dir / result.manifest['library']}"
+    click.echo(f"built {built} in {time.perf_counter() - start:.2f} s", err=True)
 
 
 @cli.command()

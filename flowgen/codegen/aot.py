@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.codegen import library
 from flowgen.codegen.hyper_schedule import schedule_lines
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
@@ -490,10 +491,10 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
 
 
 def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compiler: str = "nvrtc",
-          sanitize: str | None = None, log=None) -> BuildResult:
+          sanitize: str | None = None, lib: bool = False, log=None) -> BuildResult:
     """Build the program for a saved graph (`source`: a `flow.save(graph, dir)` directory or a
-    `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS. `log(text)` receives
-    one line per finished stage."""
+    `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS; `lib`: also the shared
+    library with the C API (codegen/library.py). `log(text)` receives one line per finished stage."""
     log = log or (lambda text: None)
     if target not in ("cpu", "cuda"):
         raise BuildError(f"unknown target {target!r}; use cpu or cuda")
@@ -517,6 +518,9 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
 
     start = time.perf_counter()
     saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
+    refusal = library.refusal(saved) if lib else None
+    if refusal:
+        raise BuildError(f"--lib: {refusal}")
     # A 'cuda' program is rendered for the GPU `arch` names: on sm_90 its bf16/fp16 (and tf32)
     # GEMMs and convs use warpgroup MMA, and its device code compiles for sm_90a.
     program = saved.program(target, arch=arch if target == "cuda" else None)
@@ -572,6 +576,12 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         what = "g++ host unit, linked with the kernels" + (f", MPI for {world_size} ranks" if mpi else "")
     stage("compile host code", f"{what} -> {out / binary}" + (f" [-fsanitize={sanitize}]" if sanitize else "")
           + (" (cached)" if hit else ""), start)
+    if lib:
+        start = begin("build library")
+        library_entries, what, hit = library.build_library(
+            program, saved, out, target=target, optimise=program_kernel_optimisation(sanitize) or ["-O1"],
+            sanitizers=[f"-fsanitize={sanitize}"] if sanitize else [], kernels=kernels if target == "cpu" else None)
+        stage("build library", what + (" (cached)" if hit else ""), start)
 
     start = time.perf_counter()
     weights = io.BytesIO()
@@ -591,5 +601,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     manifest = manifest_for(saved, program, target=target, arch=arch, compiler=compiler, binary=binary,
                             program_sha256=hashlib.sha256(text.encode()).hexdigest(), timings=timings,
                             sanitize=sanitize)
+    if lib:
+        manifest.update(library_entries)
     _write(out / "manifest.json", json.dumps(manifest, indent=1) + "\n")
     return BuildResult(out, out / binary, manifest, timings)
