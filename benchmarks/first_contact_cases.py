@@ -19,7 +19,9 @@ import numpy as np
 
 import flowgen  # noqa: F401  (registers the ops)
 from flowgen import dtype as dt
-from flowgen.codegen.families import gemm_kernel, render_node
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
+from flowgen.codegen.kernels.gemm import gemm_kernel
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ir.graph import Node, Value
@@ -153,7 +155,7 @@ def render_for(node: Node, name: str, kind: str, target: str = "cuda", arch: str
     tile choice follows the padded work alone)."""
     with mock.patch.dict(TARGET_BLOCKS, {target: blocks or TARGET_BLOCKS[target]}), \
             rendering_for(target, allow_tf32=kind == "tf32", arch=arch):
-        return render_node(node, name)
+        return render_node(node, RenderContext(name=name))
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,7 +308,7 @@ class AttentionCase:
         outputs = [Value(f"out{i}", tuple(m.shape), m.dtype) for i, m in enumerate(metas)]
         self.node = Node(op, inputs, outputs, dict(self.attrs), scope=f"test.{self.id}")
         with rendering_for("cuda"):
-            self.kernels = render_node(self.node, f"{prefix}_{self.id}")
+            self.kernels = render_node(self.node, RenderContext(name=f"{prefix}_{self.id}"))
 
     def arrays(self, rng) -> list:
         B, H, L, S, E, Ev = self.dims

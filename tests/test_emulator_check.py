@@ -558,9 +558,9 @@ def test_generated_kernels_of_every_family_run_clean(emulated_gpu, monkeypatch):
 def test_a_hazard_in_a_graph_kernel_raises_through_the_executor(emulated_gpu, monkeypatch):
     """A tiled attention kernel launched with half its shared memory stages its V tile past the
     end: the graph's call raises, naming the kernel the executor launched."""
-    from flowgen.codegen import families
+    from flowgen.codegen.kernels import attention
 
-    monkeypatch.setattr(families, "_attention_kernel", shrink_shared_memory(families._attention_kernel))
+    monkeypatch.setattr(attention, "_attention_kernel", shrink_shared_memory(attention._attention_kernel))
     flow.manual_seed(0)
     q = flow.randn(1, 1, 30, 16).to("cuda").to(flow.bfloat16)
 

@@ -84,7 +84,7 @@ def test_dropout_masks_on_cuda_equal_eager():
 
 
 def test_conv_algorithm_search_picks_measured_tiles_and_caches_them():
-    from flowgen.codegen import families
+    from flowgen.codegen.kernels.conv import conv_key, conv_tile_candidates
     from flowgen.runtime import cuda_driver
     from flowgen.runtime.autotune import _cache_path
 
@@ -103,9 +103,9 @@ def test_conv_algorithm_search_picks_measured_tiles_and_caches_them():
     cache = _cache_path(cuda_driver.CudaContext.get().arch).read_text()
     convs = [n for node in graph.compiled.ir.nodes for n in (node.body if node.op == "fused" else [node])
              if n.op.startswith("conv2d")]
-    assert convs and all(families.conv_key(n) in cache for n in convs)
+    assert convs and all(conv_key(n) in cache for n in convs)
     # the measured tiles are attributes of the conv nodes (saved graphs and programs keep them)
-    assert all(n.attrs.get("tile") for n in convs if families.conv_tile_candidates(n))
+    assert all(n.attrs.get("tile") for n in convs if conv_tile_candidates(n))
 
 
 @pytest.mark.parametrize("dtype", [flow.float32, flow.float64], ids=["f32", "f64"])

@@ -427,14 +427,13 @@ def test_generated_source_is_deterministic():
 
 def test_conv_tile_choices_render_the_chosen_variant(monkeypatch, tmp_path):
     """What the GPU conv search hands codegen (here forced to the cost model's runner-up)."""
-    from flowgen.codegen import families
+    from flowgen.codegen.kernels.conv import conv_key, conv_tile_candidates
     from flowgen.nn.graph import compiled as compiled_mod
 
     def runner_up(graph, ir, device):
         convs = [n for node in ir.nodes for n in (node.body if node.op == "fused" else [node])
                  if n.op.startswith("conv2d")]
-        return {families.conv_key(n): families.conv_tile_candidates(n)[1] for n in convs
-                if len(families.conv_tile_candidates(n)) > 1}
+        return {conv_key(n): conv_tile_candidates(n)[1] for n in convs if len(conv_tile_candidates(n)) > 1}
 
     monkeypatch.setattr(compiled_mod, "_conv_tiles", runner_up)
     flow.manual_seed(0)

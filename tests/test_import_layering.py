@@ -182,7 +182,7 @@ def test_every_function_local_import_says_why_it_is_not_at_the_top():
 
 def test_import_flowgen_leaves_cuda_bindings_and_jinja2_unloaded():
     probe = "import sys, flowgen; print(sorted(m for m in ('jinja2', 'cuda.bindings.driver', " \
-            "'cuda.bindings.nvrtc', 'flowgen.codegen.families') if m in sys.modules))"
+            "'cuda.bindings.nvrtc', 'flowgen.codegen.kernels') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

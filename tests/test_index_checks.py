@@ -17,7 +17,8 @@ import flowgen.nn as nn
 import flowgen.nn.functional as F
 from flowgen import dtype as dt
 from flowgen.codegen import aot
-from flowgen.codegen.families import render_node
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime.cpu_compiler import CpuModule, build_cpu_library
@@ -190,7 +191,7 @@ def _kernel_node(op, arrays, attrs, k):
 
 @pytest.fixture(scope="module")
 def checked_kernels():
-    rendered = [(case, node, render_node(node, f"k{k}_{case[0]}", check_id=100 + k))
+    rendered = [(case, node, render_node(node, RenderContext(name=f"k{k}_{case[0]}", check_id=100 + k)))
                 for k, case in enumerate(KERNEL_CASES) for node in [_kernel_node(*case[:3], k)]]
     source = '#include "flowgen_cuda_prelude.h"\n' + "\n".join(kn.source for *_, ks in rendered for kn in ks)
     return rendered, source

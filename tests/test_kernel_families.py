@@ -1,4 +1,4 @@
-"""Template kernel families (flowgen/codegen/families.py + templates/*.cu.j2) against the ops' NumPy refs.
+"""Template kernel families (flowgen/codegen/kernels/ + templates/*.cu.j2) against the ops' NumPy refs.
 
 Every case builds a one-node IR, renders it with `render_node`, runs the kernels on the
 CPU emulator with NumPy buffers and compares the output with the op's `ref`. All cases
@@ -16,8 +16,8 @@ import pytest
 
 import flowgen  # noqa: F401  (registers the ops)
 from flowgen import dtype as dt
-from flowgen.codegen.families import render_node
-from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.kernel import BufferArg, RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops import linalg, nn_ops, reduction, shape  # noqa: F401  (registered even if ops/__init__ lags)
@@ -367,7 +367,7 @@ class Rendered:
         self.case = case
         self.arrays = case.make(np.random.default_rng(index))
         self.node = _node(case, self.arrays)
-        self.kernels = render_node(self.node, f"k{index}_{case.id}")
+        self.kernels = render_node(self.node, RenderContext(name=f"k{index}_{case.id}"))
 
 
 @pytest.fixture(scope="module")
@@ -599,7 +599,7 @@ def _mismatch(got, want) -> str:
 def test_every_gemm_tile_configuration(monkeypatch):
     """Each tile shape of the GEMM core (picked by problem size in practice) on one matmul and
     one split-k conv2d_grad_weight with M, N, K tails."""
-    from flowgen.codegen import families
+    from flowgen.codegen.kernels import gemm
 
     rng = np.random.default_rng(7)
     a, b = _rand(rng, (2, 130, 37)), _rand(rng, (37, 135))
@@ -607,12 +607,12 @@ def test_every_gemm_tile_configuration(monkeypatch):
     conv = Case("wgrad", "conv2d_grad_weight", None, weight_shape=(5, 3, 3, 3), stride=(1, 1), padding=(0, 0),
                 dilation=(1, 1), groups=1)
     rendered = []
-    for i, tile in enumerate(families._TILES):
-        monkeypatch.setattr(families, "_TILES", (tile,))
+    for i, tile in enumerate(gemm._TILES):
+        monkeypatch.setattr(gemm, "_TILES", (tile,))
         mm = _node(Case("mm", "matmul", None), [a, b])
         wg = _node(conv, [g, x])
-        rendered.append((mm, [a, b], render_node(mm, f"tile{i}_mm")))
-        rendered.append((wg, [g, x], render_node(wg, f"tile{i}_wgrad")))
+        rendered.append((mm, [a, b], render_node(mm, RenderContext(name=f"tile{i}_mm"))))
+        rendered.append((wg, [g, x], render_node(wg, RenderContext(name=f"tile{i}_wgrad"))))
     monkeypatch.undo()
     assert any(len(k) == 2 for _, _, k in rendered), "the conv case should exercise split-k"
     source = "\n".join(k.source for _, _, ks in rendered for k in ks)
@@ -631,7 +631,7 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
     (_gemm_tile_cpu.j2); for each tile shape, the cpu target's wider ones included, it gives
     exactly the numbers of the GPU's shared-memory tile (the same fmaf chain over k per output;
     the same split-k, whose partial sums are combined in split order)."""
-    from flowgen.codegen import families
+    from flowgen.codegen.kernels import gemm
 
     rng = np.random.default_rng(11)
     if op == "matmul":
@@ -648,15 +648,15 @@ def test_cpu_gemm_tiles_match_the_gpu_tiles_bit_for_bit(monkeypatch, op):
                     padding=(0, 0), dilation=(1, 1), groups=1)
         arrays = [_rand(rng, (2, 5, 33, 33)), _rand(rng, (2, 3, 35, 35))]
     rendered = []
-    tiles = families._CPU_TILES + families._TILES
-    monkeypatch.setattr(families, "_CPU_TILES", ())   # one shape at a time, the same on both sides
+    tiles = gemm._CPU_TILES + gemm._TILES
+    monkeypatch.setattr(gemm, "_CPU_TILES", ())   # one shape at a time, the same on both sides
     for i, tile in enumerate(tiles):
-        monkeypatch.setattr(families, "_TILES", (tile,))
+        monkeypatch.setattr(gemm, "_TILES", (tile,))
         node = _node(case, arrays)
         pair = []
         for serial in (False, True):
             with rendering_for("cpu", serial_blocks=serial):
-                pair.append(render_node(node, f"cpu_tile{i}_{op}_{'serial' if serial else 'fibers'}"))
+                pair.append(render_node(node, RenderContext(name=f"cpu_tile{i}_{op}_{'serial' if serial else 'fibers'}")))
         rendered.append((node, pair))
     monkeypatch.undo()
     assert all("one thread per tile" in s[0].comment and s[0].block == (1, 1, 1) and not s[0].needs_fibers

@@ -21,7 +21,8 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
 from flowgen.codegen import aot
-from flowgen.codegen.families import render_node
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
@@ -276,7 +277,7 @@ def scrambled():
         with rendering_for(target):
             for k, (op, arrays, attrs) in enumerate(cases):
                 node = _node(op, arrays, attrs, k)
-                rendered.append((op, arrays, attrs, node, render_node(node, f"k{k}_{target}_{op}")))
+                rendered.append((op, arrays, attrs, node, render_node(node, RenderContext(name=f"k{k}_{target}_{op}"))))
     source = '#include "flowgen_cuda_prelude.h"\n' + "\n".join(kn.source for *_, ks in rendered for kn in ks)
     return rendered, source
 

@@ -11,7 +11,8 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import render_node
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.codegen.target import rendering_for
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
@@ -338,7 +339,7 @@ def test_scan_refuses_bool():
     x = Value("x", (3, 4), dt.bool_)
     node = Node("cumsum", [x], [Value("y", (3, 4), dt.bool_)], {"dim": 1, "reverse": False})
     with pytest.raises(NotImplementedError, match="cumsum: boolean input"):
-        render_node(node, "k_bool")
+        render_node(node, RenderContext(name="k_bool"))
 
 
 def _nodes():
@@ -375,6 +376,6 @@ def test_kernels_compile_with_nvrtc(arch):
     from flowgen.runtime.nvrtc import compile_cuda
 
     with rendering_for("cuda"):
-        kernels = [k for i, node in enumerate(_nodes()) for k in render_node(node, f"k{i}_{node.op}")]
+        kernels = [k for i, node in enumerate(_nodes()) for k in render_node(node, RenderContext(name=f"k{i}_{node.op}"))]
     cubin = compile_cuda("\n".join(k.source for k in kernels), arch, tag=f"test_sort_scan_{arch}")
     assert len(cubin) > 1000

@@ -31,7 +31,8 @@ from cuda.bindings import nvrtc as nvrtc_api
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen import dtype as dt
-from flowgen.codegen.families import render_node
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.codegen.target import TARGET_BLOCKS, rendering_for
 from flowgen.ops.registry import get_op
 from flowgen.runtime import nvrtc
@@ -547,7 +548,7 @@ def split_k_grid_checks(kernels, geometry, BK: int):
 def test_resnet_sized_16bit_weight_gradient_fills_the_gpu_with_split_k(kind, geometry):
     _, _, node = conv_node(kind, "conv2d_grad_weight", geometry, geometry[0])
     with rendering_for("cuda"):
-        kernels = render_node(node, f"rn_{kind}_{geometry[0]}")
+        kernels = render_node(node, RenderContext(name=f"rn_{kind}_{geometry[0]}"))
     assert f"{kind} mma.sync" in kernels[0].comment
     assert split_k_grid_checks(kernels, geometry, 32) > 1
 

@@ -1,4 +1,6 @@
-"""Render ``fused`` nodes (elementwise chains, reductions with prologue/epilogue).
+"""Render ``fused`` nodes: elementwise chains, multi-tensor updates, reductions with
+prologue/epilogue; and the epilogue lines of the fused nodes anchored on a GEMM or a conv
+(kernels/gemm.py, kernels/conv.py render those).
 
 Each body node becomes one line ``const <type> vK = <expr>;`` where `<expr>`
 is the op's `Elementwise` expression with its inputs substituted. Values are
@@ -10,8 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.families import conv2d_kernels, gemm_kernel
-from flowgen.codegen.kernel import BufferArg, Kernel, every_output_over
+from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext, every_output_over
 from flowgen.codegen.target import block_segments, reduce_block, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
@@ -89,7 +90,7 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
     return lines
 
 
-class _Emitter:
+class Emitter:
     """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
 
     def __init__(self, node, producers, stream_values=None, names=None):
@@ -164,12 +165,6 @@ class _Emitter:
         return lines
 
 
-def kernel_name(index: int, node, ops) -> str:
-    scope = "".join(c if c.isalnum() else "_" for c in (node.scope or "graph")).strip("_")
-    tail = "_".join(dict.fromkeys(ops))[:48]
-    return f"k{index}_{scope}_{tail}"
-
-
 def _flat_index_reads(body, inputs, numel: int, producers, index: str = "i", prefix: str = "c") -> tuple:
     """(coordinate lines, offset function) for reading `inputs` in a fused body whose nodes all
     have `numel` elements and run at the same flat index: full-size inputs are read at the flat
@@ -203,31 +198,33 @@ def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
     return shape, index_lines, lines
 
 
-def render_elementwise(node, index: int, producers, stream_values=None) -> Kernel:
+def render_elementwise(node, ctx: RenderContext) -> list:
     body = node.body
-    em = _Emitter(node, producers, stream_values)
+    producers = ctx.producers
+    em = Emitter(node, producers, ctx.stream_values)
     shape, index_lines, lines = _elementwise_lines(em, body, node.inputs, node.outputs, producers)
     numel = int(np.prod(shape, dtype=np.int64))
     ops = [b.op for b in body]
-    name = kernel_name(index, node, ops)
+    name = ctx.kernel_name(node, ops)
     source = get_template("elementwise").render(
         name=name, comment=f"{node.scope or 'graph'}: elementwise", ops=ops,
         shape_text=f"[{', '.join(map(str, shape))}]", params=em.params, numel=numel,
         index_lines=index_lines, body_lines=lines)
     block = 256
     grid = max(1, min((numel + block - 1) // block, 4096))
-    return Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
-                  f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
-                  in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))
+    return [Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
+                   f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
+                   in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))]
 
 
 REDUCE_SPLIT_MIN_PER_THREAD = 32   # a split reduction's blocks still reduce this many elements per thread
 
 
-def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
+def render_segments(node, ctx: RenderContext) -> list:
     """Independent elementwise bodies (parameter updates) in one launch: segment s owns a range
     of blocks and strides over its own elements."""
-    em = _Emitter(node, producers, stream_values)
+    producers = ctx.producers
+    em = Emitter(node, producers, ctx.stream_values)
     segments, ops, in_place = [], [], set()
     for positions in node.attrs["segments"]:
         body = [node.body[p] for p in positions]
@@ -243,12 +240,12 @@ def render_segments(node, index: int, producers, stream_values=None) -> Kernel:
         ops += [b.op for b in body]
     block = 1 if serial_blocks() else 256
     blocks = block_segments(segments, block)
-    name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
+    name = ctx.kernel_name(node, ["multi_tensor"] + sorted(set(ops)))
     source = get_template("elementwise").render(name=name, comment=f"{node.scope or 'graph'}: multi-tensor",
                                                 ops=sorted(set(ops)), params=em.params, segments=segments)
-    return Kernel(name, source, em.args, (blocks, 1, 1), (block, 1, 1), 0, False,
-                  f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
-                  in_place=frozenset(in_place), horizontal=True)
+    return [Kernel(name, source, em.args, (blocks, 1, 1), (block, 1, 1), 0, False,
+                   f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}", ops,
+                   in_place=frozenset(in_place), horizontal=True)]
 
 
 def _reduce_geometry(red):
@@ -322,7 +319,7 @@ def reduce_splits(outputs: int, reduce_size: int, block: int) -> int:
 
 
 class _Part:
-    """The inputs and outputs one kernel of a split reduction takes (an `_Emitter` node)."""
+    """The inputs and outputs one kernel of a split reduction takes (an `Emitter` node)."""
 
     def __init__(self, inputs, outputs):
         self.inputs, self.outputs = list(inputs), list(outputs)
@@ -349,13 +346,14 @@ def _prologue_offset(prologue, in_shape, full_coords, producers):
     return offset
 
 
-def render_reduction(node, index: int, producers, stream_values=None) -> list:
+def render_reduction(node, ctx: RenderContext) -> list:
     """One or more reductions over the same elements (BatchNorm's sum(g) and sum(g * xhat)) in one
     pass: the loop computes their inputs (prologue), each keeps an accumulator, the epilogue
     runs per output element on the reduced values. With few outputs and many elements each
     (a whole-tensor sum, BatchNorm over few channels) the pass is split over several blocks per
     output writing partial results, and a second kernel combines them and runs the epilogue."""
     body = node.body
+    producers, stream_values = ctx.producers, ctx.stream_values
     prologue, reds, epilogue = _split_reduction_body(body)
     red = reds[0]
     in_shape, out_keep, dims = _reduce_geometry(red)
@@ -375,10 +373,10 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     inside = {o for b in body for o in b.outputs}
     epilogue_inputs = {v for b in epilogue for v in b.inputs} - inside
     if splits == 1:
-        em_loop = em_epi = _Emitter(node, producers, stream_values)
+        em_loop = em_epi = Emitter(node, producers, stream_values)
     else:
-        em_loop = _Emitter(_Part([v for v in node.inputs if v in prologue_values], []), producers, stream_values)
-        em_epi = _Emitter(_Part([v for v in node.inputs if v in epilogue_inputs], node.outputs), producers,
+        em_loop = Emitter(_Part([v for v in node.inputs if v in prologue_values], []), producers, stream_values)
+        em_epi = Emitter(_Part([v for v in node.inputs if v in epilogue_inputs], node.outputs), producers,
                           stream_values)
 
     kept = [d for d in range(len(in_shape)) if d not in dims]
@@ -426,7 +424,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
     epilogue_lines += em_epi.stores(set(node.outputs), "i")
 
     ops = [b.op for b in body]
-    name = kernel_name(index, node, ops)
+    name = ctx.kernel_name(node, ops)
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
     flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
     common = dict(comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx,
@@ -461,36 +459,7 @@ def render_reduction(node, index: int, producers, stream_values=None) -> list:
                    f"{what} (combine {splits} partials)", ops, in_place=in_place)]
 
 
-def render_gemm(node, index: int, producers, stream_values=None) -> Kernel:
-    """A matmul with transposes folded into its loads and an elementwise epilogue."""
-    body = node.body
-    mm_at = next(k for k, b in enumerate(body) if b.op == "matmul")
-    mm, prologue, epilogue = body[mm_at], body[:mm_at], body[mm_at + 1:]
-    transposed = {p.output: p.inputs[0] for p in prologue}   # operands read in place, transposed
-    a_val, b_val = mm.inputs
-    a_src, b_src = transposed.get(a_val, a_val), transposed.get(b_val, b_val)
-    em = _Emitter(node, producers, stream_values)
-    if any(scalar_constant(v, producers) is not None for v in (a_src, b_src)):
-        raise NotImplementedError(f"matmul ({node.scope or 'graph'}): a one-element constant operand")
-
-    out_value = mm.output
-    store_transposed = bool(epilogue) and epilogue[0].op == "permute"
-    if store_transposed:   # (A @ B)^T: element (m, n) lands at (n, m)
-        out_value, epilogue = epilogue[0].output, epilogue[1:]
-    index_line = ("const long long i = c_base + (long long)n * GM + m;" if store_transposed
-                  else "const long long i = c_base + (long long)m * GN + n;")
-    lines, pointwise = _epilogue(em, epilogue, out_value, tuple(out_value.shape), producers, index_line)
-    ops = [b.op for b in body]
-    name = kernel_name(index, node, [o for o in ops if o != "permute"])
-    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
-    kernel = gemm_kernel(node, name, a_src, b_src, mm.output, params=em.params, args=em.args, epilogue_lines=lines,
-                         a_trans=a_val in transposed, b_trans=b_val in transposed, ops=ops, what_extra=extra,
-                         a_ptr=f"in{node.inputs.index(a_src)}", b_ptr=f"in{node.inputs.index(b_src)}")
-    kernel.in_place = every_output_over(node.outputs, pointwise - {a_src, b_src})
-    return kernel
-
-
-def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
+def anchor_epilogue(em, body_after, out_value, out_shape, producers, index_line):
     """Lines that finish one output element of an anchor kernel (GEMM, conv): load the
     epilogue's other inputs at (broadcast) index `i`, evaluate its ops, store the outputs."""
     externals = {v for b in body_after for v in b.inputs} - {o for b in em.node.body for o in b.outputs}
@@ -505,19 +474,3 @@ def _epilogue(em, body_after, out_value, out_shape, producers, index_line):
     lines += em.stores(set(em.node.outputs), "i")
     pointwise = frozenset(v for v in externals if v.numel == numel)
     return lines, pointwise
-
-
-def render_conv(node, index: int, producers, stream_values=None) -> list:
-    """A forward conv with its elementwise consumers (bias, folded BatchNorm shift, activation,
-    residual add) evaluated in the conv kernel's epilogue."""
-    body = node.body
-    conv, epilogue = body[0], body[1:]
-    x, w = conv.inputs
-    em = _Emitter(node, producers, stream_values, names={x: "x", w: "w"})
-    lines, pointwise = _epilogue(em, epilogue, conv.output, tuple(conv.output.shape), producers, None)
-    ops = [b.op for b in body]
-    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
-    kernels = conv2d_kernels(conv, kernel_name(index, node, ops),
-                      fusion=dict(params=em.params, args=em.args, epilogue_lines=lines, ops=ops, what_extra=extra))
-    kernels[-1].in_place = every_output_over(node.outputs, pointwise - {x, w})
-    return kernels

@@ -7,6 +7,7 @@ baked in at render time.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -77,3 +78,29 @@ def every_output_over(outputs, inputs) -> frozenset:
     """`Kernel.in_place` of a kernel whose every output is written element by element, each element
     by a thread that has just read `inputs` at that element (elementwise bodies and epilogues)."""
     return frozenset((out, inp) for out in outputs for inp in inputs)
+
+
+def kernel_name(index: int, node, ops) -> str:
+    """k<index>_<scope>_<ops>: a kernel's C identifier, naming its place in the program, the
+    module path of `node` and the ops it runs."""
+    scope = "".join(c if c.isalnum() else "_" for c in (node.scope or "graph")).strip("_")
+    tail = "_".join(dict.fromkeys(ops))[:48]
+    return f"k{index}_{scope}_{tail}"
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """What a kernel family's `render(node, ctx)` reads besides the node (codegen/kernels/)."""
+    index: int = 0            # the position of the node's first kernel in the program
+    name: str | None = None   # a name for the node's main kernel chosen by the caller (tests, autotune)
+    check_id: int = 1         # numbers the node's index check (unique within a program), if it reads indices
+    stream_values: Mapping = field(default_factory=dict)   # rng state name -> its Value (random ops)
+    producers: Mapping = field(default_factory=dict)       # Value -> its node: fused epilogues inline constants
+
+    def kernel_name(self, node, ops) -> str:
+        """The name of `node`'s main kernel, which runs `ops` (helper kernels add a suffix to it)."""
+        return self.name if self.name is not None else kernel_name(self.index, node, ops)
+
+    def rng_state(self, node):
+        """The rng state Value a random node reads (its ``stream``, passes/random_streams.py), or None."""
+        return self.stream_values[node.attrs["stream"]] if "stream" in node.attrs else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext, kernel_name
 from flowgen.codegen.target import rendering_for
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
 from flowgen.memory.search import compress
@@ -57,8 +57,7 @@ class Program:
 def render_kernels(graph):
     """Kernels in schedule order, plus the view aliases and constants they rely on."""
     # Imported here, not at the top: the kernel renderers (~0.1 s to load) wait for the first render.
-    from flowgen.codegen import fused
-    from flowgen.codegen.families import render_node
+    from flowgen.codegen.kernels import render_node
 
     producers = graph.producers()
     stream_values = {s.name: s.value for s in graph.state if s.kind == "hyper"}
@@ -70,25 +69,18 @@ def render_kernels(graph):
             if node.output.numel > 1:
                 constants[node.output] = node.attrs["value"]
             continue
-        if node.op == "fused":
-            render = {"reduction": fused.render_reduction, "gemm": fused.render_gemm, "conv": fused.render_conv,
-                      "elementwise": fused.render_elementwise, "multi": fused.render_segments}[node.attrs["kind"]]
-            rendered = render(node, len(kernels), producers, stream_values)
-            kernels.extend(rendered if isinstance(rendered, list) else [rendered])
-            continue
-        lowering = get_op(node.op).lowering
+        lowering = None if node.op == "fused" else get_op(node.op).lowering
         if isinstance(lowering, View):
             aliases[node.output] = node.inputs[0]
             continue
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
         if isinstance(lowering, Collective):
-            kernels.append(collective_step(node, fused.kernel_name(len(kernels), node, [node.op])))
+            kernels.append(collective_step(node, kernel_name(len(kernels), node, [node.op])))
             continue
         # The node's first kernel number, plus one, is unique: it numbers the node's index check.
-        for k in render_node(node, f"{fused.kernel_name(len(kernels), node, [node.op])}", len(kernels) + 1,
-                             stream_values):
-            kernels.append(k)
+        kernels += render_node(node, RenderContext(index=len(kernels), check_id=len(kernels) + 1,
+                                                   stream_values=stream_values, producers=producers))
     # Scalar constants that a template kernel reads as a buffer must be uploaded too.
     for k in kernels:
         for arg in k.args:

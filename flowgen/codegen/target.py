@@ -3,7 +3,7 @@ and the GPU architecture the CUDA program is for (which tensor-core instructions
 the launch shapes every kernel renderer derives from them (`block_segments`, `reduce_block`).
 
 `rendering_for(target)` sets these while a program is built (codegen/program.py); the kernel
-renderers (codegen/families.py, codegen/fused.py) read them.
+renderers (codegen/kernels/, codegen/fused.py) read them.
 """
 from __future__ import annotations
 

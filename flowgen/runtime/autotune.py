@@ -15,7 +15,9 @@ import time
 
 import numpy as np
 
-from flowgen.codegen import families
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import family_of, render_node
+from flowgen.codegen.kernels.conv import conv_key, conv_tile_candidates
 from flowgen.ir.graph import Node
 from flowgen.runtime.toolchain import atomic_write_bytes, cache_dir
 
@@ -26,7 +28,7 @@ REPEATS = 10
 def _conv_nodes(graph):
     for node in graph.nodes:
         for n in (node.body if node.op == "fused" else [node]):
-            if n.op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
+            if family_of(n) == "conv2d":
                 yield n
 
 
@@ -44,8 +46,8 @@ def with_conv_tiles(graph, choices: dict):
         if node.op == "fused":
             return Node(node.op, node.inputs, node.outputs, {**node.attrs, "body": [tiled(n) for n in node.body]},
                         node.scope, node.loc)
-        if node.op in ("conv2d", "conv2d_grad_input", "conv2d_grad_weight"):
-            dims = choices.get(families.conv_key(node))
+        if family_of(node) == "conv2d":
+            dims = choices.get(conv_key(node))
             if dims is not None:
                 return _with_tile(node, dims)
         return node
@@ -70,7 +72,8 @@ def _time_candidates(node, candidates, ctx, arch, log) -> tuple:
     from flowgen.runtime.cuda_driver import CudaModule
     from flowgen.runtime.nvrtc import compile_cuda
 
-    variants = [families.render_node(_with_tile(node, dims), f"tune{k}_{node.op}") for k, dims in enumerate(candidates)]
+    variants = [render_node(_with_tile(node, dims), RenderContext(name=f"tune{k}_{node.op}"))
+                for k, dims in enumerate(candidates)]
     source = "#include \"flowgen_cuda_prelude.h\"\n" + "\n".join(k.source for ks in variants for k in ks)
     module = CudaModule(compile_cuda(source, arch, tag="autotune"))
     rng = np.random.default_rng(0)
@@ -120,11 +123,11 @@ def tune_convs(graph, log=None) -> dict:
     cache = _load(arch)
     choices, changed = {}, False
     for node in _conv_nodes(graph):
-        key = families.conv_key(node)
+        key = conv_key(node)
         if key in choices:
             continue
         if key not in cache:
-            candidates = families.conv_tile_candidates(node, CANDIDATES)
+            candidates = conv_tile_candidates(node, CANDIDATES)
             if not candidates:
                 continue   # depthwise convs have a single direct kernel
             dims, seconds = _time_candidates(node, candidates, ctx, arch, log)

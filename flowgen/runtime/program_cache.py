@@ -67,7 +67,7 @@ _MAGIC = b"flowgen-program-cache 1\n"
 _PROTOCOL = 5
 # Where the passes and codegen run: their module-level constants and functions are in the key.
 _COMPILER_PACKAGES = ("flowgen.ir", "flowgen.ops", "flowgen.passes", "flowgen.schedule", "flowgen.memory",
-                      "flowgen.codegen")
+                      "flowgen.codegen", "flowgen.codegen.kernels")
 _COMPILER_MODULES = ("flowgen.nn.graph.compiled", "flowgen.runtime.autotune", "flowgen.saved_graph")
 # Code the key may refer to by name: flowgen's (in `source_fingerprint`), the libraries whose
 # versions are in it, and the standard library (in `sys.version`).
