@@ -1,0 +1,363 @@
+"""The ATen -> flowgen table: one entry per ATen overload that flowgen runs, and nothing else.
+
+Every importer reads this table: `flow.from_torch` (torch.export graphs), the `torch.compile`
+backend (AOTAutograd graphs) and `flowgen build model.pt2`. An entry takes the overload's arguments
+in its schema's order and names (tensors as flowgen tensors, `torch.dtype` as flowgen dtypes, a
+`torch.device` as the device the graph runs on) and returns what the overload returns; a tuple
+result is read by `getitem` nodes. An op missing here is refused before anything runs (the importer
+lists every missing op with the user's source line), never approximated.
+
+Keys are the overloads' names as `str(torch.ops.aten.<op>.<overload>)` spells them, so this module
+does not import torch. `KEEP_COMPOSITE` names the composite ops flowgen runs as one op of its own
+(one attention kernel, one GEMM with its bias epilogue, one layer_norm row kernel): the export keeps
+them instead of decomposing them into the core ATen opset.
+"""
+from __future__ import annotations
+
+import operator
+
+import flowgen as flow
+from flowgen import dtype as dt
+from flowgen.nn import functional as F
+
+# Composite ATen ops decomposed by default that flowgen has as ops of its own.
+KEEP_COMPOSITE = (
+    "aten.linear.default", "aten.matmul.default", "aten.scaled_dot_product_attention.default",
+    "aten.layer_norm.default", "aten.softmax.int", "aten.log_softmax.int", "aten.conv1d.default",
+    "aten.conv2d.default", "aten.max_pool2d.default", "aten.adaptive_avg_pool2d.default",
+    "aten.dropout.default", "aten.flatten.using_ints",
+)
+
+_UNBOUNDED = 2 ** 62   # ATen spells "to the end" of a slice as 2**63 - 1
+
+
+# ------------------------------------------------------------------ helpers
+def _tuple(value):
+    return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    dim = dim % x.ndim
+    start = None if start is None or start <= -_UNBOUNDED else start
+    end = None if end is None or end >= _UNBOUNDED else end
+    return x[(slice(None),) * dim + (slice(start, end, step),)]
+
+
+def _index(x, indices):
+    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim)."""
+    key = tuple(slice(None) if i is None else i for i in indices)
+    return x[key]
+
+
+def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    spatial = input.ndim - 2
+    if transposed:
+        by_dims = {1: F.conv_transpose1d, 2: F.conv_transpose2d}
+        if spatial not in by_dims:
+            raise NotImplementedError(f"aten.convolution: a transposed convolution over {spatial} spatial dims "
+                                      f"is not supported by flowgen (1 or 2)")
+        return by_dims[spatial](input, weight, bias, tuple(stride), tuple(padding), tuple(output_padding),
+                                groups, tuple(dilation))
+    by_dims = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+    if spatial not in by_dims:
+        raise NotImplementedError(f"aten.convolution: a convolution over {spatial} spatial dims is not supported "
+                                  f"by flowgen (1, 2 or 3)")
+    return by_dims[spatial](input, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
+def _stat_dims(input):
+    return (0,) + tuple(range(2, input.ndim))
+
+
+def _batch_statistics(input, eps):
+    """The batch mean and 1 / sqrt(biased var + eps) per channel, as ATen's save_mean / save_invstd."""
+    dims = _stat_dims(input)
+    mean = flow.mean(input, dims)
+    diff = input - flow.mean(input, dims, keepdim=True)
+    return mean, flow.rsqrt(flow.mean(diff * diff, dims) + eps)
+
+
+def _batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """ATen's functional batch norm: (out, save_mean, save_invstd, new running_mean, new running_var).
+    The running statistics are updated on copies (F.batch_norm's in-place update): the importer
+    writes them back to the buffers, as the export's buffers_to_mutate says."""
+    with flow.no_grad():
+        new_mean, new_var = flow.clone(running_mean), flow.clone(running_var)
+    out = F.batch_norm(input, new_mean, new_var, weight, bias, training, momentum, eps)
+    if training:
+        mean, invstd = _batch_statistics(input, eps)
+    else:
+        mean, invstd = running_mean, flow.rsqrt(running_var + eps)
+    return out, mean, invstd, new_mean, new_var
+
+
+def _batch_norm_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    out = F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
+    return out, running_mean, flow.rsqrt(running_var + eps)
+
+
+def _batch_norm_no_stats(input, weight, bias, training, momentum, eps):
+    mean, invstd = _batch_statistics(input, eps)
+    return F.batch_norm(input, None, None, weight, bias, True, momentum, eps), mean, invstd
+
+
+def _native_layer_norm(input, normalized_shape, weight, bias, eps):
+    dims = tuple(range(input.ndim - len(normalized_shape), input.ndim))
+    mean = flow.mean(input, dims, keepdim=True)
+    diff = input - mean
+    rstd = flow.rsqrt(flow.mean(diff * diff, dims, keepdim=True) + eps)
+    return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps), mean, rstd
+
+
+def _max_pool2d_with_indices(input, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return F.max_pool2d(input, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+
+
+def _native_dropout(input, p, train):
+    if not train:
+        return input, flow.ones(*input.shape, dtype=dt.bool_, device=input.device)
+    keep = F.dropout(flow.ones(*input.shape, dtype=input.dtype, device=input.device), p, True) != 0
+    return flow.where(keep, input * (0.0 if p == 1 else 1.0 / (1.0 - p)), 0.0), keep
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if scale_grad_by_freq or sparse:
+        raise NotImplementedError("aten.embedding: scale_grad_by_freq and sparse gradients are not supported by "
+                                  "flowgen")
+    return F.embedding(indices, weight, padding_idx=None if padding_idx == -1 else padding_idx)
+
+
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _to_copy(x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    return flow.clone(x) if dtype is None or dtype == x.dtype else flow.cast(x, dtype)
+
+
+def _assert_tensor_metadata(a, size=None, stride=None, dtype=None, device=None, layout=None):
+    """The export's check of a tensor's dtype and shape (emitted around `.to()`): checked here too."""
+    if dtype is not None and a.dtype != dtype:
+        raise TypeError(f"aten._assert_tensor_metadata: expected dtype {dtype}, got {a.dtype}")
+    if size is not None and tuple(a.shape) != tuple(size):
+        raise ValueError(f"aten._assert_tensor_metadata: expected shape {tuple(size)}, got {tuple(a.shape)}")
+
+
+def _full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    if dtype is None:
+        dtype = dt.bool_ if isinstance(fill_value, bool) else dt.int64 if isinstance(fill_value, int) else dt.float32
+    return flow.full(tuple(size), fill_value, dtype=dtype, device=device)
+
+
+def _full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    return flow.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
+
+
+def _filled(value):
+    def make(size, dtype=None, layout=None, device=None, pin_memory=None):
+        return flow.full(tuple(size), value, dtype=dtype or dt.float32, device=device)
+    return make
+
+
+def _arange(start, end=None, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    return flow.arange(start, end, step, dtype=dtype, device=device)
+
+
+def _scalar_tensor(value, dtype=None, layout=None, device=None, pin_memory=None):
+    return flow.tensor(value, dtype=dtype or dt.float32, device=device)
+
+
+def _var(x, dim=None, correction=None, keepdim=False):
+    return flow.var(x, dim, keepdim=keepdim, correction=1 if correction is None else correction)
+
+
+def _reduce(fn):
+    def reduce(x, dim=None, keepdim=False, dtype=None):
+        return fn(x, dim if dim else None, keepdim=keepdim, dtype=dtype)
+    return reduce
+
+
+def _max_dim(x, dim, keepdim=False):
+    return flow.amax(x, dim, keepdim=keepdim), flow.argmax(x, dim, keepdim=keepdim)
+
+
+def _min_dim(x, dim, keepdim=False):
+    return flow.amin(x, dim, keepdim=keepdim), flow.argmin(x, dim, keepdim=keepdim)
+
+
+def _softmax(fn):
+    def softmax(x, dim, half_to_float_or_dtype=None):
+        if isinstance(half_to_float_or_dtype, bool):   # _softmax(x, dim, half_to_float)
+            dtype = dt.float32 if half_to_float_or_dtype else None
+        else:
+            dtype = half_to_float_or_dtype
+        return fn(x if dtype is None else flow.cast(x, dtype), dim)
+    return softmax
+
+
+def _gelu(x, approximate="none"):
+    return F.gelu(x, approximate=approximate)
+
+
+def _where(condition, a, b):
+    return flow.where(condition, a, b)
+
+
+def _rsub(a, b, alpha=1):
+    return flow.sub(b, a, alpha)
+
+
+def _copy(dst, src, non_blocking=False):
+    """The functional copy: `src` broadcast to `dst`'s shape in `dst`'s dtype."""
+    return flow.cast(flow.broadcast_to(src, tuple(dst.shape)), dst.dtype)
+
+
+def _fill(x, value):
+    return flow.full(tuple(x.shape), value, dtype=x.dtype, device=x.device)
+
+
+def _split(x, split_size, dim=0):
+    return tuple(flow.split(x, split_size, dim))
+
+
+def _squeeze(x, dim=None):
+    if isinstance(dim, (list, tuple)):
+        for d in sorted((d % x.ndim for d in dim), reverse=True):
+            x = flow.squeeze(x, d) if x.shape[d] == 1 else x
+        return x
+    return flow.squeeze(x, dim)
+
+
+def _avg_pool2d(input, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
+                divisor_override=None):
+    return F.avg_pool2d(input, kernel_size, stride or None, padding, ceil_mode, count_include_pad, divisor_override)
+
+
+def _max_pool2d(input, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return F.max_pool2d(input, kernel_size, stride or None, padding, dilation, ceil_mode)
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
+
+
+def _conv(fn):
+    def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if isinstance(padding, str):
+            raise NotImplementedError(f"aten.conv: padding={padding!r} is not supported by flowgen (give the "
+                                      f"padding as numbers)")
+        return fn(input, weight, bias, _tuple(stride), _tuple(padding), _tuple(dilation), groups)
+    return conv
+
+
+def _clamp(x, min=None, max=None):  # noqa: A002 - ATen's names
+    return flow.clamp(x, min, max)
+
+
+def _pow(a, b):
+    return flow.pow(a, b)
+
+
+ATEN_OPS = {
+    # --- tuple results and no-op bookkeeping
+    "<built-in function getitem>": operator.getitem,
+    "aten._assert_tensor_metadata.default": _assert_tensor_metadata,
+    # --- elementwise arithmetic
+    "aten.add.Tensor": flow.add, "aten.add.Scalar": flow.add,
+    "aten.sub.Tensor": flow.sub, "aten.sub.Scalar": flow.sub,
+    "aten.rsub.Scalar": _rsub, "aten.rsub.Tensor": _rsub,
+    "aten.mul.Tensor": flow.mul, "aten.mul.Scalar": flow.mul,
+    "aten.div.Tensor": flow.div, "aten.div.Scalar": flow.div, "aten.div.Tensor_mode": flow.div,
+    "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
+    "aten.neg.default": flow.neg, "aten.abs.default": flow.abs, "aten.reciprocal.default": flow.reciprocal,
+    "aten.exp.default": flow.exp, "aten.log.default": flow.log, "aten.sqrt.default": flow.sqrt,
+    "aten.rsqrt.default": flow.rsqrt, "aten.sin.default": flow.sin, "aten.cos.default": flow.cos,
+    "aten.tanh.default": flow.tanh, "aten.sigmoid.default": flow.sigmoid, "aten.erf.default": flow.erf,
+    "aten.log1p.default": flow.log1p, "aten.expm1.default": flow.expm1, "aten.sign.default": flow.sign,
+    "aten.floor.default": flow.floor, "aten.ceil.default": flow.ceil, "aten.round.default": flow.round,
+    "aten.trunc.default": flow.trunc,
+    "aten.maximum.default": flow.maximum, "aten.minimum.default": flow.minimum,
+    "aten.clamp.default": _clamp, "aten.clamp.Tensor": _clamp,
+    "aten.clamp_min.default": flow.clamp_min, "aten.clamp_max.default": flow.clamp_max,
+    "aten.where.self": _where, "aten.where.ScalarSelf": _where, "aten.where.ScalarOther": _where,
+    "aten.where.Scalar": _where,
+    "aten.masked_fill.Scalar": flow.masked_fill, "aten.masked_fill.Tensor": flow.masked_fill,
+    # --- activations
+    "aten.relu.default": F.relu, "aten.gelu.default": _gelu, "aten.silu.default": F.silu,
+    "aten.hardtanh.default": F.hardtanh, "aten.leaky_relu.default": F.leaky_relu,
+    "aten.elu.default": F.elu, "aten.softplus.default": F.softplus, "aten.hardswish.default": F.hardswish,
+    "aten.hardsigmoid.default": F.hardsigmoid,
+    # --- comparisons and logic
+    "aten.eq.Tensor": flow.eq, "aten.eq.Scalar": flow.eq, "aten.ne.Tensor": flow.ne, "aten.ne.Scalar": flow.ne,
+    "aten.lt.Tensor": flow.lt, "aten.lt.Scalar": flow.lt, "aten.le.Tensor": flow.le, "aten.le.Scalar": flow.le,
+    "aten.gt.Tensor": flow.gt, "aten.gt.Scalar": flow.gt, "aten.ge.Tensor": flow.ge, "aten.ge.Scalar": flow.ge,
+    "aten.logical_and.default": flow.logical_and, "aten.logical_or.default": flow.logical_or,
+    "aten.logical_not.default": flow.logical_not, "aten.logical_xor.default": flow.logical_xor,
+    "aten.bitwise_not.default": flow.bitwise_not, "aten.bitwise_and.Tensor": flow.bitwise_and,
+    "aten.bitwise_or.Tensor": flow.bitwise_or, "aten.isnan.default": flow.isnan,
+    # --- reductions
+    "aten.sum.dim_IntList": _reduce(flow.sum), "aten.sum.default": lambda x, dtype=None: flow.sum(x, dtype=dtype),
+    "aten.mean.dim": _reduce(flow.mean), "aten.mean.default": lambda x, dtype=None: flow.mean(x, dtype=dtype),
+    "aten.amax.default": lambda x, dim=(), keepdim=False: flow.amax(x, tuple(dim) or None, keepdim),
+    "aten.amin.default": lambda x, dim=(), keepdim=False: flow.amin(x, tuple(dim) or None, keepdim),
+    "aten.max.dim": _max_dim, "aten.min.dim": _min_dim,
+    "aten.argmax.default": flow.argmax, "aten.argmin.default": flow.argmin,
+    "aten.var.correction": _var,
+    "aten.any.dim": flow.any, "aten.any.default": flow.any, "aten.all.dim": flow.all,
+    "aten.all.default": flow.all,
+    "aten.cumsum.default": lambda x, dim, dtype=None: flow.cumsum(x, dim, dtype=dtype),
+    # --- matrix products
+    "aten.linear.default": F.linear, "aten.matmul.default": flow.matmul, "aten.mm.default": flow.mm,
+    "aten.bmm.default": flow.bmm, "aten.addmm.default": flow.addmm, "aten.baddbmm.default": flow.baddbmm,
+    # --- shapes and copies (flowgen is row-major: a memory_format changes no number)
+    "aten.view.default": flow.reshape, "aten.reshape.default": flow.reshape,
+    "aten._unsafe_view.default": flow.reshape, "aten.flatten.using_ints": flow.flatten,
+    "aten.permute.default": lambda x, dims: flow.permute(x, *dims), "aten.t.default": flow.t,
+    "aten.transpose.int": flow.transpose, "aten.unsqueeze.default": flow.unsqueeze,
+    "aten.squeeze.dim": _squeeze, "aten.squeeze.dims": _squeeze, "aten.squeeze.default": _squeeze,
+    "aten.expand.default": lambda x, size, implicit=False: flow.expand(x, *size),
+    "aten.cat.default": lambda tensors, dim=0: flow.cat(list(tensors), dim),
+    "aten.stack.default": lambda tensors, dim=0: flow.stack(list(tensors), dim),
+    "aten.split.Tensor": _split, "aten.split_with_sizes.default": _split,
+    "aten.slice.Tensor": _slice, "aten.select.int": flow.select, "aten.narrow.default": flow.narrow,
+    "aten.index.Tensor": _index, "aten.index_select.default": flow.index_select,
+    "aten.gather.default": lambda x, dim, index, sparse_grad=False: flow.gather(x, dim, index),
+    "aten.tril.default": flow.tril, "aten.triu.default": flow.triu,
+    "aten.repeat.default": lambda x, repeats: flow.repeat(x, *repeats),
+    "aten.clone.default": lambda x, memory_format=None: flow.clone(x),
+    "aten.contiguous.default": lambda x, memory_format=None: x,
+    "aten.alias.default": lambda x: x, "aten.detach.default": flow.detach,
+    "aten.lift_fresh_copy.default": flow.clone,
+    "aten._to_copy.default": _to_copy,
+    "aten.to.dtype": lambda x, dtype, non_blocking=False, copy=False, memory_format=None: _to_copy(x, dtype),
+    "aten.copy.default": _copy, "aten.fill.Scalar": _fill,
+    # --- creation
+    "aten.arange.default": _arange, "aten.arange.start": _arange, "aten.arange.start_step": _arange,
+    "aten.full.default": _full, "aten.full_like.default": _full_like,
+    "aten.zeros_like.default": lambda x, **kw: _full_like(x, 0, **kw),
+    "aten.ones_like.default": lambda x, **kw: _full_like(x, 1, **kw),
+    "aten.zeros.default": _filled(0), "aten.ones.default": _filled(1),
+    "aten.scalar_tensor.default": _scalar_tensor,
+    # --- neural-network ops
+    "aten.convolution.default": _convolution, "aten.conv1d.default": _conv(F.conv1d),
+    "aten.conv2d.default": _conv(F.conv2d),
+    "aten._native_batch_norm_legit_functional.default": _batch_norm_functional,
+    "aten._native_batch_norm_legit_no_training.default": _batch_norm_no_training,
+    "aten._native_batch_norm_legit.no_stats": _batch_norm_no_stats,
+    "aten.layer_norm.default": _layer_norm, "aten.native_layer_norm.default": _native_layer_norm,
+    "aten.max_pool2d.default": _max_pool2d, "aten.max_pool2d_with_indices.default": _max_pool2d_with_indices,
+    "aten.avg_pool2d.default": _avg_pool2d,
+    "aten.adaptive_avg_pool2d.default": F.adaptive_avg_pool2d,
+    "aten._adaptive_avg_pool2d.default": F.adaptive_avg_pool2d,
+    "aten.softmax.int": _softmax(F.softmax), "aten._softmax.default": _softmax(F.softmax),
+    "aten.log_softmax.int": _softmax(F.log_softmax), "aten._log_softmax.default": _softmax(F.log_softmax),
+    "aten.embedding.default": _embedding,
+    "aten.scaled_dot_product_attention.default": _sdpa,
+    "aten.dropout.default": lambda input, p, train: F.dropout(input, p, train),
+    "aten.native_dropout.default": _native_dropout,
+}
+
+
+def missing_ops(names) -> list:
+    """The names among `names` this table has no entry for, in first-seen order."""
+    return list(dict.fromkeys(n for n in names if n not in ATEN_OPS))
