@@ -1,0 +1,171 @@
+"""flow.from_torch: PyTorch models imported through torch.export run in flowgen eagerly and in
+nn.Graphs (inference and SGD training) with PyTorch's numbers and state_dict names."""
+import copy
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+
+torch = pytest.importorskip("torch")
+from from_torch_models import MLP, SmallCNN, TinyGPT  # noqa: E402
+
+F = flow.nn.functional
+# torch.export's own use of a pytree API it deprecated (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+
+def _flow(t):
+    return flow.from_dlpack(t)
+
+
+def _close(got, expected, atol=1e-5, rtol=1e-5, what="output"):
+    np.testing.assert_allclose(got.numpy(), expected.detach().numpy(), atol=atol, rtol=rtol, err_msg=what)
+
+
+def _state_close(flow_module, torch_module, atol=1e-6):
+    theirs = torch_module.state_dict()
+    assert list(flow_module.state_dict()) == list(theirs)
+    for name, value in flow_module.state_dict().items():
+        _close(value, theirs[name], atol=atol, what=name)
+
+
+class TrainGraph(flow.nn.Graph):
+    def __init__(self, model, optimizer):
+        super().__init__()
+        self.model = model
+        self.add_optimizer(optimizer)
+
+    def build(self, x, target):
+        loss = F.cross_entropy(self.model(x).reshape(-1, 5 if x.ndim == 4 else 32), target.reshape(-1))
+        loss.backward()
+        return loss
+
+
+class InferenceGraph(flow.nn.Graph):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def build(self, x):
+        return self.model(x)
+
+
+def test_mlp_shares_parameters_and_state_dict_names_with_the_torch_model():
+    model = MLP()
+    x = torch.randn(5, 8)
+    imported = flow.from_torch(model, (x,))
+    assert list(imported.state_dict()) == list(model.state_dict()) == ["net.0.weight", "net.0.bias",
+                                                                       "net.2.weight", "net.2.bias"]
+    _close(imported(_flow(x)), model(x), atol=1e-6)
+    with torch.no_grad():
+        model.net[0].weight.mul_(2.0)   # one memory (DLPack): the import sees the change
+    _close(imported(_flow(x)), model(x), atol=1e-6)
+
+
+def test_cnn_eager_training_mode_updates_running_statistics_as_torch_and_eval_reexports():
+    model = SmallCNN().train()
+    reference = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    imported = flow.from_torch(model, (x,))
+    assert imported.training
+    out, expected = imported(_flow(x)), reference(x)
+    _close(out, expected, atol=1e-5)
+    _state_close(imported, reference)
+    assert int(imported.bn.num_batches_tracked.numpy()) == 1
+
+    out.sum().backward()                    # flowgen autograd through the imported ops
+    expected.sum().backward()
+    for name, p in imported.named_parameters():
+        _close(p.grad, reference.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
+
+    imported.eval()
+    reference.eval()
+    _close(imported(_flow(x)), reference(x), atol=1e-5, what="eval output (running statistics)")
+    _state_close(imported, reference)       # evaluation leaves the running statistics as they were
+
+
+def test_tiny_gpt_eager_outputs_and_gradients_match_torch():
+    model = TinyGPT().eval()
+    idx = torch.randint(0, 32, (2, 8))
+    imported = flow.from_torch(model, (idx,))
+    assert list(imported.state_dict()) == list(model.state_dict())   # the tied head.weight included
+    assert imported.head.weight is imported.wte.weight
+    out = imported(_flow(idx))
+    expected = model(idx)
+    _close(out, expected, atol=2e-5)
+    g = torch.randn(expected.shape)
+    (out * _flow(g)).sum().backward()
+    (expected * g).sum().backward()
+    for name, p in imported.named_parameters():
+        _close(p.grad, model.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
+
+
+def test_inference_graph_runs_the_imported_cnn_in_eval_mode():
+    model = SmallCNN().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-0.5, 0.5)
+        model.bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 8, 8)
+    graph = InferenceGraph(flow.from_torch(model, (x,)))
+    _close(graph(_flow(x)), model(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("make, shape", [(SmallCNN, (4, 3, 8, 8)), (TinyGPT, (2, 8))], ids=["cnn", "gpt"])
+def test_sgd_training_graph_matches_torch_steps(make, shape):
+    torch.manual_seed(0)
+    model = make().train()
+    reference = copy.deepcopy(model)
+    gpt = make is TinyGPT
+    xs = [torch.randint(0, 32, shape) if gpt else torch.randn(shape) for _ in range(3)]
+    targets = [torch.randint(0, 32 if gpt else 5, shape if gpt else shape[:1]) for _ in range(3)]
+    imported = flow.from_torch(model, (xs[0],))
+    graph = TrainGraph(imported, flow.optim.SGD(imported.parameters(), lr=0.1, momentum=0.9))
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for x, target in zip(xs, targets):
+        loss = graph(_flow(x), _flow(target))
+        optimizer.zero_grad()
+        expected = torch.nn.functional.cross_entropy(reference(x).reshape(-1, 32 if gpt else 5), target.reshape(-1))
+        expected.backward()
+        optimizer.step()
+        np.testing.assert_allclose(loss.numpy(), expected.item(), rtol=1e-5, atol=1e-6)
+    _state_close(imported, reference, atol=2e-5)   # parameters and BatchNorm's running statistics
+
+
+def test_an_exported_program_keeps_its_mode_and_refuses_the_other():
+    model = SmallCNN().eval()
+    x = torch.randn(2, 3, 8, 8)
+    imported = flow.from_torch(torch.export.export(model, (x,)), (x,))
+    assert not imported.training
+    _close(imported(_flow(x)), model(x), atol=1e-5)
+    imported.train()
+    with pytest.raises(RuntimeError, match="exported in evaluation mode"):
+        imported(_flow(x))
+
+
+def test_unsupported_ops_are_refused_together_with_their_source_lines():
+    class Unsupported(torch.nn.Module):
+        def forward(self, x):
+            a = torch.special.i0(x)
+            b = x.cummax(0).values
+            return a + b + torch.special.i0(2 * x)
+
+    with pytest.raises(NotImplementedError) as info:
+        flow.from_torch(Unsupported(), (torch.randn(3, 4),))
+    message = str(info.value)
+    assert "2 ATen op(s)" in message and "aten.i0.default  (2 uses)" in message and "aten.cummax.default" in message
+    assert message.count("test_from_torch.py") == 3 and "b = x.cummax(0).values" in message
+
+
+def test_dynamic_shapes_are_refused_until_the_ir_has_symbolic_sizes():
+    x = torch.randn(5, 8)
+    with pytest.raises(NotImplementedError, match="dynamic_shapes is not supported yet"):
+        flow.from_torch(MLP(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+
+
+def test_import_flowgen_does_not_import_torch():
+    probe = "import sys, flowgen; flowgen.from_torch; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
