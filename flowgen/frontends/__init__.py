@@ -1,9 +1,14 @@
-"""Importers of models written for other frameworks: `flow.from_torch` (PyTorch, via torch.export).
+"""Importers of models written for other frameworks: `flow.from_torch` (PyTorch, via torch.export)
+and the `torch.compile(model, backend="flowgen")` backend.
 
-torch is optional and heavy to load (about a second): `import flowgen` never imports it. The
-importers that need it are loaded when first called.
+torch is optional and heavy to load: `import flowgen` never imports it. The importers that need it
+are loaded when first called; the torch.compile backend is registered when flowgen is imported
+after torch (which costs the import of torch._dynamo then, about a second), else by the
+`torch_dynamo_backends` entry point of an installed flowgen, or by `register_torch_compile_backend()`.
 """
 from __future__ import annotations
+
+import sys
 
 
 def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None):
@@ -14,3 +19,16 @@ def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None):
     from flowgen.frontends import torch_export
 
     return torch_export.from_torch(model, example_args, example_kwargs, dynamic_shapes)
+
+
+def register_torch_compile_backend() -> None:
+    """Register `torch.compile(..., backend="flowgen")` (flowgen/frontends/dynamo_backend.py)."""
+    # Imported here, not at the top: dynamo_backend imports torch and torch._dynamo, which
+    # `import flowgen` must not load.
+    from flowgen.frontends import dynamo_backend
+
+    dynamo_backend.register()
+
+
+if "torch" in sys.modules:
+    register_torch_compile_backend()

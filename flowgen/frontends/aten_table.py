@@ -153,6 +153,41 @@ def _full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=N
     return flow.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
 
 
+def _vjp(op: str, forward, grad_output, inputs, needed):
+    """An ATen backward op as the gradient of flowgen's forward op (the op's own formula): the
+    gradients of `forward(*inputs)` against `grad_output` for the inputs marked in `needed`
+    (None for the others). Eager only: AOTAutograd's backward graphs run eagerly (dynamo_backend.py)."""
+    if grad_output.is_lazy:
+        raise NotImplementedError(f"{op} runs eagerly only, not inside nn.Graph (flowgen differentiates a "
+                                  f"graph's forward ops itself)")
+    leaves = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needed)]
+    with flow.enable_grad():
+        forward(*leaves).backward(grad_output)
+    return [leaf.grad if n else None for leaf, n in zip(leaves, needed)]
+
+
+def _convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                          output_padding, groups, output_mask):
+    grad_input, grad_weight = _vjp(
+        "aten.convolution_backward",
+        lambda x, w: _convolution(x, w, None, stride, padding, dilation, transposed, output_padding, groups),
+        grad_output, (input, weight), output_mask[:2])
+    dims = (0,) + tuple(range(2, grad_output.ndim))
+    return grad_input, grad_weight, flow.sum(grad_output, dims) if output_mask[2] else None
+
+
+def _max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode,
+                                      indices):
+    return _vjp("aten.max_pool2d_with_indices_backward",
+                lambda x: F.max_pool2d(x, kernel_size, stride or None, padding, dilation, ceil_mode),
+                grad_output, (input,), (True,))[0]
+
+
+def _adaptive_avg_pool2d_backward(grad_output, input):
+    return _vjp("aten._adaptive_avg_pool2d_backward",
+                lambda x: F.adaptive_avg_pool2d(x, tuple(grad_output.shape[-2:])), grad_output, (input,), (True,))[0]
+
+
 def _filled(value):
     def make(size, dtype=None, layout=None, device=None, pin_memory=None):
         return flow.full(tuple(size), value, dtype=dtype or dt.float32, device=device)
@@ -355,9 +390,9 @@ ATEN_OPS = {
     "aten.scaled_dot_product_attention.default": _sdpa,
     "aten.dropout.default": lambda input, p, train: F.dropout(input, p, train),
     "aten.native_dropout.default": _native_dropout,
+    # --- backward ops of AOTAutograd's backward graphs (torch.compile training) that the core
+    # decompositions keep
+    "aten.convolution_backward.default": _convolution_backward,
+    "aten.max_pool2d_with_indices_backward.default": _max_pool2d_with_indices_backward,
+    "aten._adaptive_avg_pool2d_backward.default": _adaptive_avg_pool2d_backward,
 }
-
-
-def missing_ops(names) -> list:
-    """The names among `names` this table has no entry for, in first-seen order."""
-    return list(dict.fromkeys(n for n in names if n not in ATEN_OPS))

@@ -1,0 +1,53 @@
+"""torch.compile(model, backend="flowgen"): AOTAutograd's ATen graphs run by flowgen give PyTorch's
+outputs, gradients and optimizer steps (training: flowgen eager), and its inference graphs run as a
+compiled flowgen nn.Graph."""
+import copy
+import subprocess
+import sys
+
+import pytest
+
+import flowgen as flow
+
+torch = pytest.importorskip("torch")
+from from_torch_models import MLP, SmallCNN  # noqa: E402
+
+flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+
+@pytest.mark.parametrize("make, shape", [(MLP, (4, 8)), (SmallCNN, (4, 3, 8, 8))], ids=["mlp", "cnn"])
+def test_training_steps_and_inference_match_torch_eager(make, shape):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = make().train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="flowgen")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        x = torch.randn(shape)
+        loss = compiled(x).square().mean()
+        expected = reference(x).square().mean()
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=f"gradient of {name}")
+        optimizer.step()
+        reference_optimizer.step()
+        optimizer.zero_grad()
+        reference_optimizer.zero_grad()
+    torch.testing.assert_close(model.state_dict(), reference.state_dict(), rtol=1e-5, atol=1e-6)
+
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_importing_flowgen_after_torch_registers_the_backend():
+    probe = ("import torch, flowgen; from torch._dynamo.backends.registry import list_backends; "
+             "print('flowgen' in list_backends())")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
