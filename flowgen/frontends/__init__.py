@@ -23,8 +23,7 @@ def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None):
 
 def register_torch_compile_backend() -> None:
     """Register `torch.compile(..., backend="flowgen")` (flowgen/frontends/dynamo_backend.py)."""
-    # Imported here, not at the top: dynamo_backend imports torch and torch._dynamo, which
-    # `import flowgen` must not load.
+    # Imported here, not at the top: dynamo_backend imports torch._dynamo, which flowgen never loads unasked.
     from flowgen.frontends import dynamo_backend
 
     dynamo_backend.register()

@@ -19,6 +19,7 @@ import operator
 import flowgen as flow
 from flowgen import dtype as dt
 from flowgen.nn import functional as F
+from flowgen.ops.registry import apply
 
 # Composite ATen ops decomposed by default that flowgen has as ops of its own.
 KEEP_COMPOSITE = (
@@ -153,39 +154,45 @@ def _full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=N
     return flow.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
 
 
-def _vjp(op: str, forward, grad_output, inputs, needed):
-    """An ATen backward op as the gradient of flowgen's forward op (the op's own formula): the
-    gradients of `forward(*inputs)` against `grad_output` for the inputs marked in `needed`
-    (None for the others). Eager only: AOTAutograd's backward graphs run eagerly (dynamo_backend.py)."""
-    if grad_output.is_lazy:
-        raise NotImplementedError(f"{op} runs eagerly only, not inside nn.Graph (flowgen differentiates a "
-                                  f"graph's forward ops itself)")
-    leaves = [x.detach().requires_grad_(bool(n)) for x, n in zip(inputs, needed)]
-    with flow.enable_grad():
-        forward(*leaves).backward(grad_output)
-    return [leaf.grad if n else None for leaf, n in zip(leaves, needed)]
+def _pair(value):
+    return (value, value) if isinstance(value, int) else tuple(value) * (2 if len(value) == 1 else 1)
 
 
 def _convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
                           output_padding, groups, output_mask):
-    grad_input, grad_weight = _vjp(
-        "aten.convolution_backward",
-        lambda x, w: _convolution(x, w, None, stride, padding, dilation, transposed, output_padding, groups),
-        grad_output, (input, weight), output_mask[:2])
-    dims = (0,) + tuple(range(2, grad_output.ndim))
-    return grad_input, grad_weight, flow.sum(grad_output, dims) if output_mask[2] else None
+    """(grad_input, grad_weight, grad_bias) of a convolution, by flowgen's conv2d gradient ops."""
+    if transposed or input.ndim != 4:
+        raise NotImplementedError(f"aten.convolution_backward: flowgen has the gradients of 2-d convolutions that "
+                                  f"are not transposed; this one is {input.ndim - 2}-d"
+                                  f"{' and transposed' if transposed else ''}")
+    attrs = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation), groups=int(groups))
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = apply("conv2d_grad_input", grad_output, weight, input_shape=tuple(input.shape), **attrs)
+    if output_mask[1]:
+        grad_weight = apply("conv2d_grad_weight", grad_output, input, weight_shape=tuple(weight.shape), **attrs)
+    if output_mask[2]:
+        grad_bias = flow.sum(grad_output, (0, 2, 3))
+    return grad_input, grad_weight, grad_bias
 
 
 def _max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode,
                                       indices):
-    return _vjp("aten.max_pool2d_with_indices_backward",
-                lambda x: F.max_pool2d(x, kernel_size, stride or None, padding, dilation, ceil_mode),
-                grad_output, (input,), (True,))[0]
+    """The gradient routed to each window's first maximum (the one `indices` holds, as PyTorch picks it)."""
+    if input.ndim != 4:
+        raise NotImplementedError(f"aten.max_pool2d_with_indices_backward: flowgen takes (N, C, H, W) inputs, got "
+                                  f"{tuple(input.shape)}")
+    kernel = _pair(kernel_size)
+    return apply("max_pool2d_grad", grad_output, input, kernel_size=kernel, stride=_pair(stride) if stride else kernel,
+                 padding=_pair(padding), dilation=_pair(dilation), ceil_mode=bool(ceil_mode))
 
 
 def _adaptive_avg_pool2d_backward(grad_output, input):
-    return _vjp("aten._adaptive_avg_pool2d_backward",
-                lambda x: F.adaptive_avg_pool2d(x, tuple(grad_output.shape[-2:])), grad_output, (input,), (True,))[0]
+    if input.ndim != 4:
+        raise NotImplementedError(f"aten._adaptive_avg_pool2d_backward: flowgen takes (N, C, H, W) inputs, got "
+                                  f"{tuple(input.shape)}")
+    return apply("adaptive_avg_pool2d_grad", grad_output, input_shape=tuple(input.shape),
+                 output_size=tuple(grad_output.shape[2:]))
 
 
 def _filled(value):
@@ -278,9 +285,6 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn
 
 def _conv(fn):
     def conv(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
-        if isinstance(padding, str):
-            raise NotImplementedError(f"aten.conv: padding={padding!r} is not supported by flowgen (give the "
-                                      f"padding as numbers)")
         return fn(input, weight, bias, _tuple(stride), _tuple(padding), _tuple(dilation), groups)
     return conv
 
@@ -375,7 +379,8 @@ ATEN_OPS = {
     "aten.scalar_tensor.default": _scalar_tensor,
     # --- neural-network ops
     "aten.convolution.default": _convolution, "aten.conv1d.default": _conv(F.conv1d),
-    "aten.conv2d.default": _conv(F.conv2d),
+    "aten.conv2d.default": _conv(F.conv2d), "aten.conv2d.padding": _conv(F.conv2d),
+    "aten.conv1d.padding": _conv(F.conv1d),
     "aten._native_batch_norm_legit_functional.default": _batch_norm_functional,
     "aten._native_batch_norm_legit_no_training.default": _batch_norm_no_training,
     "aten._native_batch_norm_legit.no_stats": _batch_norm_no_stats,
@@ -390,8 +395,8 @@ ATEN_OPS = {
     "aten.scaled_dot_product_attention.default": _sdpa,
     "aten.dropout.default": lambda input, p, train: F.dropout(input, p, train),
     "aten.native_dropout.default": _native_dropout,
-    # --- backward ops of AOTAutograd's backward graphs (torch.compile training) that the core
-    # decompositions keep
+    # --- backward ops that the core decompositions keep in AOTAutograd's backward graphs
+    # (torch.compile training): flowgen's gradient ops of the forward op
     "aten.convolution_backward.default": _convolution_backward,
     "aten.max_pool2d_with_indices_backward.default": _max_pool2d_with_indices_backward,
     "aten._adaptive_avg_pool2d_backward.default": _adaptive_avg_pool2d_backward,

@@ -1,18 +1,15 @@
-"""`torch.compile(model, backend="flowgen")`: Dynamo's graphs run by flowgen.
+"""`torch.compile(model, backend="flowgen")`: Dynamo's graphs compiled and run by flowgen.
 
 AOTAutograd (`torch._dynamo.backends.common.aot_autograd`) turns each graph Dynamo captures into
-ATen-level graphs, decomposed to the core ATen opset; each is imported through the one ATen table
-(aten_table.py, refused at once if an op is missing) and run by flowgen, tensors crossing by DLPack
-(no copies on the CPU):
-
-* inference (no gradient needed): one flowgen `nn.Graph` whose inputs are the graph's inputs,
-  parameters included: compiled to C++/CUDA and run as a program (on the CPU emulator for CPU
-  tensors), one compile per input signature;
-* training: AOTAutograd's forward and backward graphs run with flowgen's eager ops (NumPy), not
-  compiled: the backward graph's convolution/pooling backward ops are the gradients of flowgen's
-  forward ops, which only eager autograd gives one op at a time. `loss.backward()` and a torch
-  optimizer then work as with any backend; buffer mutations (BatchNorm's running statistics)
-  are applied by AOTAutograd.
+ATen-level graphs decomposed to the core ATen opset: one inference graph when no gradient is
+needed, else a forward graph and a backward graph (AOTAutograd's own differentiation). Each is
+imported through the one ATen table (aten_table.py; refused at once if an op is missing) and
+becomes a flowgen `nn.Graph` whose inputs are the ATen graph's inputs, parameters included (so a
+torch optimizer's updates reach the next call): compiled to C++/CUDA on its first call per input
+signature, then run as a program (on the CPU emulator for CPU tensors). Tensors cross by DLPack,
+without copies on the CPU. `loss.backward()` runs the backward graph, and a torch optimizer steps
+the torch parameters as with any backend; buffer mutations (BatchNorm's running statistics) are
+applied by AOTAutograd from the forward graph's outputs.
 
 Registered under the name "flowgen" by the `torch_dynamo_backends` entry point (pyproject.toml),
 and when flowgen is imported after torch (flowgen/frontends/__init__.py).
@@ -26,7 +23,6 @@ from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
 from torch._functorch.aot_autograd import make_boxed_func
 
 from flowgen import nn
-from flowgen.autograd import no_grad
 from flowgen.frontends.imported_graph import ImportedGraph
 from flowgen.frontends.torch_export import import_fx_graph, tensor_from_torch
 from flowgen.tensor import Tensor
@@ -45,7 +41,7 @@ def _device(values):
 
 
 class _ImportedGraphStep(nn.Graph):
-    """An inference graph from torch.compile as a flowgen nn.Graph (every input a graph input)."""
+    """One ATen graph from AOTAutograd as a flowgen nn.Graph (every input a graph input)."""
 
     def __init__(self, graph: ImportedGraph):
         super().__init__()
@@ -55,32 +51,18 @@ class _ImportedGraphStep(nn.Graph):
         return tuple(self.imported.run(list(inputs), _device(inputs)))
 
 
-def _eager(gm, example_inputs, what: str):
-    graph = import_fx_graph(gm.graph, what)
+def _compiler(what: str):
+    def compile_graph(gm, example_inputs):
+        step = _ImportedGraphStep(import_fx_graph(gm.graph, f"the {what} graph from torch.compile"))
 
-    def run(*args):
-        inputs = [_to_flowgen(a) for a in args]
-        with no_grad():
-            outputs = graph.run(inputs, _device(inputs))
-        return tuple(_to_torch(o) for o in outputs)
-    return make_boxed_func(run)
-
-
-def _compile_inference(gm, example_inputs):
-    graph = import_fx_graph(gm.graph, "the inference graph from torch.compile")
-    step = _ImportedGraphStep(graph)
-
-    def run(*args):
-        return tuple(_to_torch(o) for o in step(*[_to_flowgen(a) for a in args]))
-    return make_boxed_func(run)
+        def run(*args):
+            return tuple(_to_torch(o) for o in step(*[_to_flowgen(a) for a in args]))
+        return make_boxed_func(run)
+    return compile_graph
 
 
-flowgen_backend = aot_autograd(
-    fw_compiler=lambda gm, example_inputs: _eager(gm, example_inputs, "the forward graph from torch.compile"),
-    bw_compiler=lambda gm, example_inputs: _eager(gm, example_inputs, "the backward graph from torch.compile"),
-    inference_compiler=_compile_inference,
-    decompositions=core_aten_decompositions,
-)
+flowgen_backend = aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
+                               inference_compiler=_compiler("inference"), decompositions=core_aten_decompositions)
 
 
 def register() -> None:

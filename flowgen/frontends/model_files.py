@@ -27,10 +27,8 @@ class ImportedInference(nn.Graph):
 
 
 def _pt2_graph(path: Path) -> ImportedInference:
-    # Imported here, not at the top: torch (optional, slow to load) is needed for .pt2 files only,
-    # and torch_export imports it.
+    # Imported here, not at the top: torch (optional, slow to load; torch_export imports it) is for .pt2 only.
     import torch
-
     from flowgen.frontends import torch_export
 
     program = torch.export.load(str(path))
