@@ -2,8 +2,9 @@
 
 The importers (`torch_export.py`, `dynamo_backend.py`) turn an FX graph of ATen ops into an
 `ImportedGraph`: its inputs, a list of `Call`s (an ATen overload by name, arguments that refer to
-earlier values by `Ref`) and its outputs. Nothing here refers to torch: the graph runs through
-`aten_table.ATEN_OPS` on flowgen tensors, eagerly or traced inside `nn.Graph` alike (an
+earlier values by `Ref`) and its outputs; `onnx_import.py` does the same for an ONNX graph.
+Nothing here refers to torch or onnx: the graph runs through its op table (`aten_table.ATEN_OPS`
+or `onnx_table.ONNX_OPS`) on flowgen tensors, eagerly or traced inside `nn.Graph` alike (an
 interpreter over the calls, as torch.fx's).
 
 `ImportedModule` is what `flow.from_torch` returns: the exported parameters and buffers under their
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from flowgen import nn
 from flowgen.autograd import no_grad
 from flowgen.frontends.aten_table import ATEN_OPS
+from flowgen.frontends.onnx_table import ONNX_OPS
 from flowgen.tensor import Tensor
 
 
@@ -34,15 +36,16 @@ class _RunDevice:
 
 
 RUN_DEVICE = _RunDevice()
+OP_TABLES = {"aten": ATEN_OPS, "onnx": ONNX_OPS}
 
 
 @dataclass
 class Call:
-    name: str            # the FX node's name
-    op: str              # an ATen overload, a key of ATEN_OPS ("aten.linear.default")
+    name: str            # the FX node's name (ONNX: its output's)
+    op: str              # a key of the graph's op table ("aten.linear.default", "Conv")
     args: tuple
     kwargs: dict
-    source: str = ""     # the user's source line, from the export's stack trace
+    source: str = ""     # the user's source line, from the export's stack trace (ONNX: the node's name)
 
 
 @dataclass
@@ -50,9 +53,11 @@ class ImportedGraph:
     inputs: list         # names, in the order run() takes their values
     calls: list          # Calls in execution order
     outputs: list        # Refs (or constants, as FX allows)
+    ops: str = "aten"    # the op table, a key of OP_TABLES
 
     def run(self, values: list, device) -> list:
         env = dict(zip(self.inputs, values))
+        table = OP_TABLES[self.ops]
 
         def resolve(arg):
             if isinstance(arg, Ref):
@@ -66,7 +71,7 @@ class ImportedGraph:
             return arg
 
         for call in self.calls:
-            env[call.name] = ATEN_OPS[call.op](*resolve(call.args), **resolve(call.kwargs))
+            env[call.name] = table[call.op](*resolve(call.args), **resolve(call.kwargs))
         return [resolve(out) for out in self.outputs]
 
     def __str__(self):
@@ -152,24 +157,24 @@ class ImportedModule(nn.Module):
         self._reexport = reexport
         self.train(True if program.training is None else program.training)
 
-    def program(self) -> ImportedProgram:
+    def _program_for_mode(self) -> ImportedProgram:
         """The program for the mode the module is in (exporting it first if need be)."""
         for program in self._programs:
             if program.training in (None, self.training):
                 return program
         mode, exported = ("training", "evaluation") if self.training else ("evaluation", "training")
         if self._reexport is None:
-            raise RuntimeError(f"from_torch: this module is in {mode} mode, but it was imported from a "
-                               f"torch.export.ExportedProgram exported in {exported} mode, whose graph computes "
-                               f"only that mode; call .{'eval' if self.training else 'train'}() on it, or import "
-                               f"the torch.nn.Module itself (flow.from_torch(model, args)) so that flowgen can "
-                               f"export the other mode")
+            raise RuntimeError(f"from_torch: this module is in {mode} mode, but its graph was exported in "
+                               f"{exported} mode (a torch.export.ExportedProgram, or an ONNX model: evaluation) "
+                               f"and computes only that mode; call .{'eval' if self.training else 'train'}() on "
+                               f"it, or import the torch.nn.Module itself (flow.from_torch(model, args)) so that "
+                               f"flowgen can export the other mode")
         program = self._reexport(self.training)
         self._programs.append(program)
         return program
 
     def forward(self, *args, **kwargs):
-        program = self.program()
+        program = self._program_for_mode()
         user = program.user_arguments(args, kwargs)
         state = dict(self.named_parameters(remove_duplicate=False)) | dict(self.named_buffers(remove_duplicate=False))
         values = []

@@ -1,18 +1,23 @@
 """Model files of other frameworks as saved flowgen graphs, for `flowgen build` / `flowgen inspect`.
 
-`save_model_file("model.pt2", dir)` reads a program written by `torch.export.save`, imports it with
-`flow.from_torch` (in the mode it was exported in), runs it once as an inference `nn.Graph` on its
-example inputs (which torch.export.save stores; the program is compiled for their shapes) and
-writes the graph with `flow.save(graph, dir)`: the directory `flowgen build` turns into a program.
+`save_model_file(path, dir)` imports the model, runs it once as an inference `nn.Graph` (which
+compiles it for those input shapes) and writes the graph with `flow.save(graph, dir)`: the
+directory `flowgen build` turns into a program.
+
+* `model.pt2`, written by `torch.export.save`: imported with `flow.from_torch` (in the mode it was
+  exported in), run on the example inputs the file stores (needs torch);
+* `model.onnx`: imported by onnx_import.py (needs the onnx package: the `onnx` extra), run on
+  zeros of its inputs' static shapes.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from flowgen import nn
+from flowgen.creation import zeros
 from flowgen.serialization import save
 
-MODEL_FILE_SUFFIXES = (".pt2",)
+MODEL_FILE_SUFFIXES = (".pt2", ".onnx")
 
 
 class ImportedInference(nn.Graph):
@@ -44,9 +49,20 @@ def _pt2_graph(path: Path) -> ImportedInference:
     return graph
 
 
+def _onnx_graph(path: Path) -> ImportedInference:
+    # Imported here, not at the top: onnx_import imports the onnx package (optional), for .onnx files only.
+    from flowgen.frontends import onnx_import
+
+    module, inputs = onnx_import.import_onnx(path)
+    graph = ImportedInference(module)
+    graph(*[zeros(*shape, dtype=dtype) for _, shape, dtype in inputs])
+    return graph
+
+
 def save_model_file(path, directory) -> None:
-    """Import the model file `path` (.pt2) and write it as a saved graph to `directory`."""
+    """Import the model file `path` (.pt2 or .onnx) and write it as a saved graph to `directory`."""
     path = Path(path)
-    if path.suffix != ".pt2":
+    readers = {".pt2": _pt2_graph, ".onnx": _onnx_graph}
+    if path.suffix not in readers:
         raise ValueError(f"{path}: flowgen imports model files ending in {', '.join(MODEL_FILE_SUFFIXES)}")
-    save(_pt2_graph(path), directory)
+    save(readers[path.suffix](path), directory)
