@@ -4,8 +4,8 @@
 inference graphs carry BatchNorm's running statistics and no dropout) and the graph's inputs as
 (name, shape, dtype). Every node runs through `onnx_table.ONNX_OPS`; the operators missing there
 (or outside the default ONNX domain) are refused together, each with its node names. Floating
-initializers become parameters under their ONNX names, the others (shapes, indices) constants.
-Input shapes must be static (flowgen compiles one program per shape): a symbolic dimension
+initializers become parameters under their ONNX names, the others (shapes, indices) constants of
+the graph. Input shapes must be static (flowgen compiles one program per shape): a symbolic dimension
 ("batch") is refused, naming the input.
 """
 from __future__ import annotations
@@ -60,7 +60,11 @@ def import_onnx(path) -> tuple:
     initializers = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
     inputs = [_input_spec(i) for i in graph.input if i.name not in initializers]
     used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
-    calls, missing = [], {}
+    # Shapes and indices stay values of the graph (Constant calls), not state: inside nn.Graph a
+    # tensor made in build() is a constant, so shape operands computed from them are known.
+    calls = [Call(name, "Constant", (), {"value": np.array(a)}, name) for name, a in initializers.items()
+             if a.dtype.kind != "f"]
+    missing = {}
     for node in graph.node:
         where = node.name or node.output[0]
         if node.domain not in _DEFAULT_DOMAINS or node.op_type not in ONNX_OPS:
@@ -86,13 +90,10 @@ def import_onnx(path) -> tuple:
     # copies: onnx gives read-only views of the protobuf bytes, flowgen state is written in place
     parameters = {name: Parameter(from_numpy(np.array(a))) for name, a in initializers.items()
                   if a.dtype.kind == "f"}
-    constants = {name: from_numpy(np.array(a)) for name, a in initializers.items()
-                 if a.dtype.kind != "f"}
-    input_kinds = [("user", i) for i in range(len(inputs))]
-    input_kinds += [("param" if name in parameters else "constant", name) for name in initializers]
-    imported = ImportedGraph([name for name, _, _ in inputs] + list(initializers), calls,
+    input_kinds = [("user", i) for i in range(len(inputs))] + [("param", name) for name in parameters]
+    imported = ImportedGraph([name for name, _, _ in inputs] + list(parameters), calls,
                              [Ref(o.name) for o in graph.output], ops="onnx")
     outputs = len(graph.output)
     program = ImportedProgram(imported, input_kinds, [("user", None)] * outputs, list(range(len(inputs))),
-                              0 if outputs == 1 else tuple(range(outputs)), training=False, constants=constants)
+                              0 if outputs == 1 else tuple(range(outputs)), training=False)
     return ImportedModule(program, parameters, {}), inputs
