@@ -169,3 +169,22 @@ def test_import_flowgen_does_not_import_torch():
     probe = "import sys, flowgen; flowgen.from_torch; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_readme_snippet_runs_as_written(tmp_path, monkeypatch):
+    """README.md's "Bring your PyTorch model" snippet (a ```py block: tests/test_readme_snippets.py
+    runs the ```python ones, which need no torch)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Bring your PyTorch model", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"^```py\n(.*?)^```", section, flags=re.S | re.M)
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "__readme__"}
+    torch._dynamo.reset()
+    flow.frontends.register_torch_compile_backend()   # this process imported flowgen before torch
+    exec(compile(block, "README.md from_torch snippet", "exec"), namespace)
+    net, logits = namespace["net"], namespace["logits"]
+    assert np.isfinite(namespace["step_loss"].numpy()) and tuple(logits.shape) == (16, 10)
+    assert all(p.grad is not None for p in net.parameters())
