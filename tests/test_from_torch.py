@@ -163,6 +163,11 @@ def test_dynamic_shapes_are_refused_until_the_ir_has_symbolic_sizes():
     x = torch.randn(5, 8)
     with pytest.raises(NotImplementedError, match="dynamic_shapes is not supported yet"):
         flow.from_torch(MLP(), (x,), dynamic_shapes={"x": {0: torch.export.Dim("batch")}})
+    imported = flow.from_torch(MLP(), (x,))
+    with pytest.raises(ValueError, match=r"argument 0 is float32\[3, 8\]; the graph was exported for float32\[5, 8\]"):
+        imported(flow.randn(3, 8))
+    with pytest.raises(TypeError, match="example_args must be a tuple"):
+        flow.from_torch(MLP(), x)
 
 
 def test_import_flowgen_does_not_import_torch():

@@ -6,8 +6,8 @@ needed, else a forward graph and a backward graph (AOTAutograd's own differentia
 imported through the one ATen table (aten_table.py; refused at once if an op is missing) and
 becomes a flowgen `nn.Graph` whose inputs are the ATen graph's inputs, parameters included (so a
 torch optimizer's updates reach the next call): compiled to C++/CUDA on its first call per input
-signature, then run as a program (on the CPU emulator for CPU tensors). Tensors cross by DLPack,
-without copies on the CPU. `loss.backward()` runs the backward graph, and a torch optimizer steps
+signature, then run as a program on the CPU emulator. Tensors cross by DLPack, without copies; the
+backend takes CPU tensors (others are refused). `loss.backward()` runs the backward graph, and a torch optimizer steps
 the torch parameters as with any backend; buffer mutations (BatchNorm's running statistics) are
 applied by AOTAutograd from the forward graph's outputs.
 
@@ -29,7 +29,13 @@ from flowgen.tensor import Tensor
 
 
 def _to_flowgen(value):
-    return tensor_from_torch(value) if isinstance(value, torch.Tensor) else value
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.device.type != "cpu":
+        raise NotImplementedError(f"torch.compile backend 'flowgen': a tensor on {value.device}; the backend takes "
+                                  f"CPU tensors (they cross to flowgen by DLPack in host memory, and its graphs run "
+                                  f"on the CPU emulator)")
+    return tensor_from_torch(value)
 
 
 def _to_torch(value):

@@ -89,13 +89,15 @@ class ImportedProgram:
     or ("user", index into the flattened user arguments). `output_kinds[i]` says where graph output
     i goes: ("user", None) or ("buffer", name) for a buffer the program mutates (its new value).
     `arguments` lists the user arguments in flattened order: an int (a positional argument) or a
-    str (a keyword). `output_structure` is the user outputs' nesting with leaf i as the int i.
+    str (a keyword), and `signature` their (shape, dtype) as exported (flowgen's shapes are
+    static: a graph is imported for its example inputs' shapes). `output_structure` is the user outputs' nesting with leaf i as the int i.
     `training` is the mode the graph computes (True, False, or None where no op depends on it).
     """
     graph: ImportedGraph
     input_kinds: list
     output_kinds: list
     arguments: list
+    signature: list
     output_structure: object
     training: bool | None
     constants: dict = field(default_factory=dict)   # lifted tensor constants, flowgen tensors
@@ -107,10 +109,14 @@ class ImportedProgram:
             raise TypeError(f"from_torch module: called with {len(args)} positional argument(s) and keywords "
                             f"{sorted(kwargs)}; it was exported with {positional} and {keywords}")
         values = [args[a] if isinstance(a, int) else kwargs[a] for a in self.arguments]
-        for a, v in zip(self.arguments, values):
+        for a, v, (shape, dtype) in zip(self.arguments, values, self.signature):
             if not isinstance(v, Tensor):
                 raise TypeError(f"from_torch module: argument {a!r} is a {type(v).__name__}; the module takes "
                                 f"flowgen tensors where the export took tensors")
+            if tuple(v.shape) != tuple(shape) or v.dtype != dtype:
+                raise ValueError(f"from_torch module: argument {a!r} is {v.dtype.name}{list(v.shape)}; the graph "
+                                 f"was exported for {dtype.name}{list(shape)} (static shapes: import the model "
+                                 f"again with example inputs of the new shape)")
         return values
 
     def structure(self, outputs: list):

@@ -95,5 +95,5 @@ def import_onnx(path) -> tuple:
                              [Ref(o.name) for o in graph.output], ops="onnx")
     outputs = len(graph.output)
     program = ImportedProgram(imported, input_kinds, [("user", None)] * outputs, list(range(len(inputs))),
-                              0 if outputs == 1 else tuple(range(outputs)), training=False)
+                              [(shape, dtype) for _, shape, dtype in inputs], 0 if outputs == 1 else tuple(range(outputs)), training=False)
     return ImportedModule(program, parameters, {}), inputs

@@ -55,7 +55,8 @@ def torch_to_flowgen_dtype(torch_dtype) -> dt.DType:
 
 def tensor_from_torch(t: "torch.Tensor"):
     """A flowgen tensor sharing `t`'s memory (DLPack) where NumPy can hold its dtype; bfloat16 is
-    shared through its bits (ml_dtypes' bfloat16 has the same layout)."""
+    shared through its bits (ml_dtypes' bfloat16 has the same layout). A tensor on another device
+    than the CPU is copied to the host (flowgen's eager tensors live there)."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -213,7 +214,9 @@ def import_program(ep, args: tuple, kwargs: dict, training: bool | None) -> tupl
     constants = {name: tensor_from_torch(t) for name, t in ep.constants.items() if isinstance(t, torch.Tensor)}
     # a model exported from a torch.nn.Module has the mode it was exported in, whatever its ops (eval
     # mode drops dropout from the graph); an ExportedProgram has the mode its ops show, if any
-    program = ImportedProgram(graph, input_kinds, output_kinds, arguments, structure,
+    examples = [args[a] if isinstance(a, int) else kwargs[a] for a in arguments]
+    input_signature = [(tuple(t.shape), torch_to_flowgen_dtype(t.dtype)) for t in examples]
+    program = ImportedProgram(graph, input_kinds, output_kinds, arguments, input_signature, structure,
                               graph_mode if training is None else training, constants)
     return program, ep
 
@@ -233,6 +236,9 @@ def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None) ->
     (torch tensors; an ExportedProgram was exported with its own, these must match them).
     The module exports in the mode `model` is in; see ImportedModule for `.train()`/`.eval()`.
     """
+    if not isinstance(example_args, (tuple, list)):
+        raise TypeError(f"from_torch: example_args must be a tuple of tensors (as torch.export takes), got a "
+                        f"{type(example_args).__name__}; write (x,) for one input")
     kwargs = dict(example_kwargs or {})
     args = tuple(example_args)
     if isinstance(model, torch.export.ExportedProgram):
