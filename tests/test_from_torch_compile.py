@@ -8,14 +8,17 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-from from_torch_models import MLP, SmallCNN  # noqa: E402
+from from_torch_models import MLP, SmallCNN, TinyGPT  # noqa: E402
 
 flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 
-@pytest.mark.parametrize("make, shape", [(MLP, (4, 8)), (SmallCNN, (4, 3, 8, 8))], ids=["mlp", "cnn"])
-def test_training_steps_and_inference_match_torch_eager(make, shape):
+@pytest.mark.parametrize("make, example", [
+    (MLP, lambda: torch.randn(4, 8)), (SmallCNN, lambda: torch.randn(4, 3, 8, 8)),
+    # SDPA's backward and the embeddings' index_put: two more graphs to compile
+    pytest.param(TinyGPT, lambda: torch.randint(0, 32, (2, 8)), marks=pytest.mark.slow)], ids=["mlp", "cnn", "gpt"])
+def test_training_steps_and_inference_match_torch_eager(make, example):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = make().train()
@@ -24,7 +27,7 @@ def test_training_steps_and_inference_match_torch_eager(make, shape):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     for _ in range(2):
-        x = torch.randn(shape)
+        x = example()
         loss = compiled(x).square().mean()
         expected = reference(x).square().mean()
         loss.backward()

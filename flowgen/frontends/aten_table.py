@@ -14,6 +14,7 @@ them instead of decomposing them into the core ATen opset.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import flowgen as flow
@@ -112,6 +113,51 @@ def _native_layer_norm(input, normalized_shape, weight, bias, eps):
 
 def _max_pool2d_with_indices(input, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
     return F.max_pool2d(input, kernel_size, stride or None, padding, dilation, ceil_mode, return_indices=True)
+
+
+def _index_put(self, indices, values, accumulate=False):
+    """`self` with `values` written (accumulate=True: added) at `self[indices]`: one index tensor
+    over the leading dim (an embedding's gradient), or, without accumulation, any index flowgen's
+    setitem takes."""
+    if accumulate:
+        index = indices[0] if len(indices) == 1 else None
+        if index is None or index.dtype == dt.bool_:
+            raise NotImplementedError("aten.index_put with accumulate=True: flowgen takes one integer index tensor "
+                                      "over the leading dim")
+        rows = tuple(index.shape) + tuple(self.shape[1:])
+        return flow.index_add(self, 0, flow.reshape(index, (-1,)),
+                              flow.reshape(flow.broadcast_to(values, rows), (-1,) + tuple(self.shape[1:])))
+    return flow.setitem_value(self, tuple(slice(None) if i is None else i for i in indices), values)
+
+
+def _attention_scale(query, scale):
+    return 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+
+
+def _flash_attention(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                     attn_mask=None, scale=None):
+    """ATen's CPU flash attention: (output, logsumexp of each query row's scores), flowgen's
+    `attention` op, whose logsumexp has the same layout ([..., L], float32) and meaning."""
+    if dropout_p:
+        raise NotImplementedError("aten._scaled_dot_product_flash_attention_for_cpu with dropout: flowgen draws "
+                                  "its own random stream, so the backward could not rebuild PyTorch's mask")
+    masks = () if attn_mask is None else (attn_mask,)
+    return apply("attention", query, key, value, *masks, scale=_attention_scale(query, scale), causal=bool(is_causal))
+
+
+def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                              attn_mask=None, scale=None):
+    """(dq, dk, dv) by flowgen's `attention_backward`. Its kernels rebuild the probabilities from
+    each row's logsumexp in flowgen's layout, which PyTorch's saved `logsumexp` need not have (its
+    decomposed forward saves another shape): the forward op runs again for its output and
+    logsumexp, as FlashAttention's backward recomputes the scores anyway."""
+    if dropout_p:
+        raise NotImplementedError("aten._scaled_dot_product_flash_attention_for_cpu_backward with dropout: flowgen "
+                                  "cannot rebuild PyTorch's dropout mask")
+    masks = () if attn_mask is None else (attn_mask,)
+    attrs = dict(scale=_attention_scale(query, scale), causal=bool(is_causal))
+    recomputed, lse = apply("attention", query, key, value, *masks, **attrs)
+    return apply("attention_backward", query, key, value, recomputed, grad_out, lse, *masks, **attrs)
 
 
 def _native_dropout(input, p, train):
@@ -360,6 +406,7 @@ ATEN_OPS = {
     "aten.split.Tensor": _split, "aten.split_with_sizes.default": _split,
     "aten.slice.Tensor": _slice, "aten.select.int": flow.select, "aten.narrow.default": flow.narrow,
     "aten.index.Tensor": _index, "aten.index_select.default": flow.index_select,
+    "aten.index_put.default": _index_put,
     "aten.gather.default": lambda x, dim, index, sparse_grad=False: flow.gather(x, dim, index),
     "aten.tril.default": flow.tril, "aten.triu.default": flow.triu,
     "aten.repeat.default": lambda x, repeats: flow.repeat(x, *repeats),
@@ -393,6 +440,7 @@ ATEN_OPS = {
     "aten.log_softmax.int": _softmax(F.log_softmax), "aten._log_softmax.default": _softmax(F.log_softmax),
     "aten.embedding.default": _embedding,
     "aten.scaled_dot_product_attention.default": _sdpa,
+    "aten._scaled_dot_product_flash_attention_for_cpu.default": _flash_attention,
     "aten.dropout.default": lambda input, p, train: F.dropout(input, p, train),
     "aten.native_dropout.default": _native_dropout,
     # --- backward ops that the core decompositions keep in AOTAutograd's backward graphs
@@ -400,4 +448,5 @@ ATEN_OPS = {
     "aten.convolution_backward.default": _convolution_backward,
     "aten.max_pool2d_with_indices_backward.default": _max_pool2d_with_indices_backward,
     "aten._adaptive_avg_pool2d_backward.default": _adaptive_avg_pool2d_backward,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_backward,
 }

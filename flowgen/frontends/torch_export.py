@@ -129,7 +129,7 @@ def import_fx_graph(graph: "torch.fx.Graph", what: str) -> ImportedGraph:
     if missing:
         lines = [f"  {op}  ({len(where)} use{'s' if len(where) > 1 else ''})\n" +
                  "\n".join(f"      at {w}" for w in dict.fromkeys(where)) for op, where in missing.items()]
-        raise UnsupportedTorchOpsError(f"from_torch: {len(missing)} ATen op(s) of {what} have no flowgen mapping "
+        raise UnsupportedTorchOpsError(f"flowgen: {len(missing)} ATen op(s) of {what} have no flowgen mapping "
                                        f"(flowgen/frontends/aten_table.py):\n" + "\n".join(lines))
     return ImportedGraph(inputs, calls, outputs)
 
