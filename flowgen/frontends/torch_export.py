@@ -173,7 +173,8 @@ def _flat_arguments(args: tuple, kwargs: dict) -> list:
 
 
 def import_program(ep, args: tuple, kwargs: dict, training: bool | None) -> tuple:
-    """(ImportedProgram, its state tensors by name as torch tensors) for an ExportedProgram."""
+    """(ImportedProgram, the decomposed ExportedProgram) for an ExportedProgram called with example
+    arguments `args`/`kwargs`; `training`: the mode it was exported in, None if not known."""
     ep = _decomposed(ep)
     graph = import_fx_graph(ep.graph, "the exported program")
     signature = ep.graph_signature
@@ -195,6 +196,15 @@ def import_program(ep, args: tuple, kwargs: dict, training: bool | None) -> tupl
     if user != len(arguments):
         raise TypeError(f"from_torch: the exported program takes {user} user input(s), the example arguments are "
                         f"{len(arguments)} tensor(s)")
+    placeholders = {node.name: node for node in ep.graph.nodes if node.op == "placeholder"}
+    input_signature = []
+    for spec, argument in zip([s for s in signature.input_specs if s.kind == InputKind.USER_INPUT], arguments):
+        exported = placeholders[spec.arg.name].meta["val"]
+        example = args[argument] if isinstance(argument, int) else kwargs[argument]
+        if tuple(example.shape) != tuple(exported.shape) or example.dtype != exported.dtype:
+            raise TypeError(f"from_torch: example argument {argument!r} is {example.dtype}{list(example.shape)}, "
+                            f"the exported program takes {exported.dtype}{list(exported.shape)}")
+        input_signature.append((tuple(exported.shape), torch_to_flowgen_dtype(exported.dtype)))
     output_kinds, user_outputs = [], 0
     for spec in signature.output_specs:
         if spec.kind == OutputKind.USER_OUTPUT:
@@ -214,19 +224,9 @@ def import_program(ep, args: tuple, kwargs: dict, training: bool | None) -> tupl
     constants = {name: tensor_from_torch(t) for name, t in ep.constants.items() if isinstance(t, torch.Tensor)}
     # a model exported from a torch.nn.Module has the mode it was exported in, whatever its ops (eval
     # mode drops dropout from the graph); an ExportedProgram has the mode its ops show, if any
-    examples = [args[a] if isinstance(a, int) else kwargs[a] for a in arguments]
-    input_signature = [(tuple(t.shape), torch_to_flowgen_dtype(t.dtype)) for t in examples]
     program = ImportedProgram(graph, input_kinds, output_kinds, arguments, input_signature, structure,
                               graph_mode if training is None else training, constants)
     return program, ep
-
-
-def _export(model, args, kwargs, dynamic_shapes):
-    if dynamic_shapes is not None:
-        raise NotImplementedError("from_torch: dynamic_shapes is not supported yet: flowgen's IR has static "
-                                  "shapes (a graph compiles per input signature). Import with the example "
-                                  "shapes; call from_torch again for other shapes")
-    return torch.export.export(model, tuple(args), kwargs)
 
 
 def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None) -> ImportedModule:
@@ -257,21 +257,23 @@ def from_torch(model, example_args, example_kwargs=None, dynamic_shapes=None) ->
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"from_torch: expected a torch.nn.Module or a torch.export.ExportedProgram, got "
                         f"{type(model).__name__}")
+    if dynamic_shapes is not None:
+        raise NotImplementedError("from_torch: dynamic_shapes is not supported yet: flowgen's IR has static "
+                                  "shapes (a graph compiles per input signature). Import with the example "
+                                  "shapes; call from_torch again for other shapes")
 
     def export(training: bool) -> ImportedProgram:
         was_training = model.training
         model.train(training)
         try:
-            return import_program(_export(model, args, kwargs, dynamic_shapes), args, kwargs, training)[0]
+            return import_program(torch.export.export(model, args, kwargs), args, kwargs, training)[0]
         finally:
             model.train(was_training)
 
-    program = export(model.training)
     persistent_buffers = set(model.state_dict(keep_vars=True))
     parameters = dict(model.named_parameters(remove_duplicate=False))
     buffers = {name: (b, name in persistent_buffers) for name, b in model.named_buffers(remove_duplicate=False)}
-    module = _module(program, parameters, buffers, export)
-    return module
+    return _module(export(model.training), parameters, buffers, export)
 
 
 def _module(program, parameters: dict, buffers: dict, reexport) -> ImportedModule:
