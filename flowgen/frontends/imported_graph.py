@@ -71,14 +71,14 @@ class ImportedGraph:
             return arg
 
         for call in self.calls:
-            env[call.name] = table[call.op](*resolve(call.args), **resolve(call.kwargs))
+            try:
+                env[call.name] = table[call.op](*resolve(call.args), **resolve(call.kwargs))
+            except Exception as e:
+                if hasattr(e, "add_note"):   # Python 3.11+: the traceback names the imported op
+                    e.add_note(f"while running {call.op} ({call.name}) of an imported graph, made at "
+                               f"{call.source or 'an unknown place'}")
+                raise
         return [resolve(out) for out in self.outputs]
-
-    def __str__(self):
-        lines = [f"inputs: {', '.join(self.inputs)}"]
-        lines += [f"  {c.name} = {c.op}{c.args}{' ' + str(c.kwargs) if c.kwargs else ''}" for c in self.calls]
-        lines.append(f"outputs: {self.outputs}")
-        return "\n".join(lines)
 
 
 @dataclass
@@ -90,8 +90,9 @@ class ImportedProgram:
     i goes: ("user", None) or ("buffer", name) for a buffer the program mutates (its new value).
     `arguments` lists the user arguments in flattened order: an int (a positional argument) or a
     str (a keyword), and `signature` their (shape, dtype) as exported (flowgen's shapes are
-    static: a graph is imported for its example inputs' shapes). `output_structure` is the user outputs' nesting with leaf i as the int i.
-    `training` is the mode the graph computes (True, False, or None where no op depends on it).
+    static: a graph is imported for its example inputs' shapes). `output_structure` is the user
+    outputs' nesting with leaf i as the int i. `training` is the mode the graph computes (True,
+    False, or None where no op depends on it).
     """
     graph: ImportedGraph
     input_kinds: list
@@ -149,6 +150,7 @@ class ImportedModule(nn.Module):
     `.eval()` switch programs; a module imported from a `torch.nn.Module` exports the other mode
     the first time it runs in it (`reexport`), one imported from an `ExportedProgram` has only
     the exported mode and refuses to run in the other (unless no op of its graph depends on it).
+    An ONNX model (onnx_import.py) is an evaluation-mode graph.
     """
 
     def __init__(self, program: ImportedProgram, parameters: dict, buffers: dict, reexport=None):
