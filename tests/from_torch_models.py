@@ -55,3 +55,29 @@ class TinyGPT(nn.Module):
         x = x + self.proj(y.transpose(1, 2).contiguous().view(B, T, -1))
         x = x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
         return self.head(self.ln_f(x))
+
+
+class OpZoo(nn.Module):
+    """Many ATen ops in one forward (conv1d, transposed conv, GroupNorm, PReLU, slicing, gather,
+    cumsum, var/std, max/min with indices, where, logic, activations, log_softmax): the import's
+    table entries against PyTorch's numbers. Inputs: (x [2, 3, 5, 5], seq [2, 4, 7], idx [1, 1, 5])."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1d = nn.Conv1d(4, 6, 3, padding=1)
+        self.deconv = nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)
+        self.gn = nn.GroupNorm(2, 6)
+        self.prelu = nn.PReLU()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 6))
+
+    def forward(self, x, seq, idx):
+        a = self.gn(F.silu(self.conv1d(seq)) * self.scale[:, None])
+        b = torch.cat([a, torch.stack([a.mean(1), a.amax(1)], 1)], 1)
+        b = F.hardtanh(b, -0.5, 0.5) + F.softplus(b) + F.leaky_relu(b, 0.2) + torch.clamp(b, min=-0.1) + F.selu(b)
+        c = F.avg_pool2d(self.deconv(x), 2)
+        d = torch.where(c > 0, c.exp().log1p(), -c.pow(2)).sum((2, 3))
+        e = b.gather(2, idx.expand(b.shape[0], b.shape[1], -1)).cumsum(-1)
+        f = torch.tanh(e).var(-1) + e.std(-1) + e.max(-1).values - e.min(-1)[0] + e.argmax(-1).float()
+        r = torch.rsqrt(d.abs() + 1) / (1 + d.sigmoid()) - d.sin() * d.cos() + torch.erf(d) - d.abs().sqrt() * d.sign()
+        mask = (e > 0.1) & (e < 0.9) | ~(e != 0)
+        return self.prelu(d).sum() + F.log_softmax(f, -1).sum(), r, mask, f.flatten()

@@ -10,7 +10,7 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-from from_torch_models import MLP, SmallCNN, TinyGPT  # noqa: E402
+from from_torch_models import MLP, OpZoo, SmallCNN, TinyGPT  # noqa: E402
 
 F = flow.nn.functional
 # torch.export's own use of a pytree API it deprecated (torch 2.13)
@@ -99,6 +99,22 @@ def test_tiny_gpt_eager_outputs_and_gradients_match_torch():
     g = torch.randn(expected.shape)
     (out * _flow(g)).sum().backward()
     (expected * g).sum().backward()
+    for name, p in imported.named_parameters():
+        _close(p.grad, model.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
+
+
+def test_many_aten_ops_give_torch_outputs_and_gradients():
+    torch.manual_seed(0)
+    model = OpZoo()
+    args = (torch.randn(2, 3, 5, 5), torch.randn(2, 4, 7), torch.randint(0, 7, (1, 1, 5)))
+    imported = flow.from_torch(model, args)
+    outputs = imported(*[_flow(a) for a in args])
+    expected = model(*args)
+    for i, (got, want) in enumerate(zip(outputs, expected)):
+        assert got.dtype == (flow.bool if want.dtype == torch.bool else flow.float32)
+        _close(got, want, atol=1e-5, what=f"output {i}")
+    (outputs[0] + outputs[1].sum()).backward()
+    (expected[0] + expected[1].sum()).backward()
     for name, p in imported.named_parameters():
         _close(p.grad, model.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
 

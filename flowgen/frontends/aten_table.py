@@ -25,7 +25,7 @@ from flowgen.ops.registry import apply
 # Composite ATen ops decomposed by default that flowgen has as ops of its own.
 KEEP_COMPOSITE = (
     "aten.linear.default", "aten.matmul.default", "aten.scaled_dot_product_attention.default",
-    "aten.layer_norm.default", "aten.softmax.int", "aten.log_softmax.int", "aten.conv1d.default",
+    "aten.layer_norm.default", "aten.group_norm.default", "aten.softmax.int", "aten.log_softmax.int", "aten.conv1d.default",
     "aten.conv2d.default", "aten.max_pool2d.default", "aten.adaptive_avg_pool2d.default",
     "aten.dropout.default", "aten.flatten.using_ints",
 )
@@ -109,6 +109,22 @@ def _native_layer_norm(input, normalized_shape, weight, bias, eps):
     diff = input - mean
     rstd = flow.rsqrt(flow.mean(diff * diff, dims, keepdim=True) + eps)
     return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps), mean, rstd
+
+
+def _native_group_norm(input, weight, bias, N, C, HxW, group, eps):  # noqa: N803 - ATen's names
+    """(out, mean, rstd) with the statistics per (sample, group), as ATen's [N, group]."""
+    grouped = flow.reshape(input, (N, group, -1))
+    mean = flow.mean(grouped, 2)
+    diff = grouped - flow.mean(grouped, 2, keepdim=True)
+    rstd = flow.rsqrt(flow.mean(diff * diff, 2) + eps)
+    return F.group_norm(input, group, weight, bias, eps), mean, rstd
+
+
+def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
+    """ATen's elu: scale * x for x > 0, else scale * alpha * (exp(x * input_scale) - 1) (SELU's form)."""
+    if scale == 1 and input_scale == 1:
+        return F.elu(x, alpha)
+    return flow.where(x > 0, x * scale, flow.expm1(x * input_scale) * (alpha * scale))
 
 
 def _max_pool2d_with_indices(input, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
@@ -370,7 +386,7 @@ ATEN_OPS = {
     # --- activations
     "aten.relu.default": F.relu, "aten.gelu.default": _gelu, "aten.silu.default": F.silu,
     "aten.hardtanh.default": F.hardtanh, "aten.leaky_relu.default": F.leaky_relu,
-    "aten.elu.default": F.elu, "aten.softplus.default": F.softplus, "aten.hardswish.default": F.hardswish,
+    "aten.elu.default": _elu, "aten.prelu.default": F.prelu, "aten._prelu_kernel.default": F.prelu, "aten.softplus.default": F.softplus, "aten.hardswish.default": F.hardswish,
     "aten.hardsigmoid.default": F.hardsigmoid,
     # --- comparisons and logic
     "aten.eq.Tensor": flow.eq, "aten.eq.Scalar": flow.eq, "aten.ne.Tensor": flow.ne, "aten.ne.Scalar": flow.ne,
@@ -432,6 +448,9 @@ ATEN_OPS = {
     "aten._native_batch_norm_legit_no_training.default": _batch_norm_no_training,
     "aten._native_batch_norm_legit.no_stats": _batch_norm_no_stats,
     "aten.layer_norm.default": _layer_norm, "aten.native_layer_norm.default": _native_layer_norm,
+    "aten.group_norm.default": lambda input, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True:
+        F.group_norm(input, num_groups, weight, bias, eps),
+    "aten.native_group_norm.default": _native_group_norm,
     "aten.max_pool2d.default": _max_pool2d, "aten.max_pool2d_with_indices.default": _max_pool2d_with_indices,
     "aten.avg_pool2d.default": _avg_pool2d,
     "aten.adaptive_avg_pool2d.default": F.adaptive_avg_pool2d,
