@@ -150,6 +150,28 @@ def test_sgd_training_graph_matches_torch_steps(make, shape):
     _state_close(imported, reference, atol=2e-5)   # parameters and BatchNorm's running statistics
 
 
+def test_keyword_inputs_and_nested_outputs_keep_their_structure():
+    class TwoHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+
+        def forward(self, x, *, bias):
+            h = self.body(x) + bias
+            return {"sum": h.sum(-1), "parts": (h.relu(), h.tanh())}
+
+    model = TwoHeads()
+    x, bias = torch.randn(3, 4), torch.randn(4)
+    imported = flow.from_torch(model, (x,), {"bias": bias})
+    out, expected = imported(_flow(x), bias=_flow(bias)), model(x, bias=bias)
+    assert set(out) == {"sum", "parts"} and isinstance(out["parts"], tuple)
+    _close(out["sum"], expected["sum"], atol=1e-6)
+    for got, want in zip(out["parts"], expected["parts"]):
+        _close(got, want, atol=1e-6)
+    with pytest.raises(TypeError, match=r"keywords \[\]; it was exported with 1 and \['bias'\]"):
+        imported(_flow(x))
+
+
 def test_an_exported_program_keeps_its_mode_and_refuses_the_other():
     model = SmallCNN().eval()
     x = torch.randn(2, 3, 8, 8)

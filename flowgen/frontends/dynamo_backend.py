@@ -46,7 +46,7 @@ def _device(values):
     return next((v.device for v in values if isinstance(v, Tensor)), None)
 
 
-class _ImportedGraphStep(nn.Graph):
+class TorchCompileGraph(nn.Graph):
     """One ATen graph from AOTAutograd as a flowgen nn.Graph (every input a graph input)."""
 
     def __init__(self, graph: ImportedGraph):
@@ -59,7 +59,7 @@ class _ImportedGraphStep(nn.Graph):
 
 def _compiler(what: str):
     def compile_graph(gm, example_inputs):
-        step = _ImportedGraphStep(import_fx_graph(gm.graph, f"the {what} graph from torch.compile"))
+        step = TorchCompileGraph(import_fx_graph(gm.graph, f"the {what} graph from torch.compile"))
 
         def run(*args):
             return tuple(_to_torch(o) for o in step(*[_to_flowgen(a) for a in args]))

@@ -9,7 +9,8 @@ Every ATen op of the graph must be in `aten_table.ATEN_OPS`: the ones that are n
 together in one `UnsupportedTorchOpsError`, each with the user's source line. Parameters and
 buffers become flowgen parameters and buffers sharing memory with the PyTorch tensors (DLPack),
 under the same `state_dict()` names; the buffers the graph mutates (BatchNorm's running
-statistics) are written back after each run, as PyTorch does in place.
+statistics) are written back after each run, as PyTorch does in place. Dropout draws from
+flowgen's random stream (`flow.manual_seed`), not torch's: the masks differ from PyTorch's.
 
 This module imports torch; `import flowgen` never imports it (flowgen/frontends/__init__.py loads
 this module when `from_torch` is first called).
