@@ -122,6 +122,8 @@ class ImportedProgram:
 
     def structure(self, outputs: list):
         def build(node):
+            if node is None:
+                return None
             if isinstance(node, int):
                 return outputs[node]
             if isinstance(node, dict):
