@@ -1,15 +1,16 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
-    flowgen build SAVED_DIR|MODEL.pt2 -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
+    flowgen build SAVED_DIR|MODEL.pt2|MODEL.onnx -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
                   [--sanitize address|undefined|address,undefined]
     flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
-    flowgen inspect SAVED_DIR|BUILD_DIR|MODEL.pt2 [--source] [--ir] [--memory]
+    flowgen inspect SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx [--source] [--ir] [--memory]
     flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
 
 SAVED_DIR is what `flow.save(graph, dir)` wrote, BUILD_DIR what `flowgen build` wrote (the
 program), RESULTS_DIR where `flowgen run` writes outputs and trained weights. MODEL.pt2 is a
-program written by `torch.export.save`: imported with flow.from_torch and saved as a graph first
-(flowgen/frontends/model_files.py; needs torch).
+program written by `torch.export.save` (imported with flow.from_torch; needs torch), MODEL.onnx an
+ONNX model (needs the onnx package): each is imported and saved as a graph first
+(flowgen/frontends/model_files.py).
 """
 from __future__ import annotations
 
@@ -69,8 +70,8 @@ def _load(path: str):
 
 @contextlib.contextmanager
 def _saved_graph_dir(path: str):
-    """`path` if it is a directory, else the model file `path` (.pt2) imported and saved as a graph
-    in a temporary directory, for as long as the command runs."""
+    """`path` if it is a directory, else the model file `path` (.pt2, .onnx) imported and saved as a
+    graph in a temporary directory, for as long as the command runs."""
     if Path(path).is_dir():
         yield path
         return
@@ -125,7 +126,7 @@ def cli():
 
 
 @cli.command()
-@click.argument("saved_dir", metavar="SAVED_DIR|MODEL.pt2", type=click.Path(exists=True))
+@click.argument("saved_dir", metavar="SAVED_DIR|MODEL.pt2|MODEL.onnx", type=click.Path(exists=True))
 @click.option("-o", "--out", "out_dir", metavar="BUILD_DIR", required=True, type=click.Path(file_okay=False),
               help="Where the program goes: program.cu, the binary, weights.safetensors, manifest.json.")
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
@@ -140,8 +141,8 @@ def cli():
                    "fatal): for testing the program against hostile input files.")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize):
     """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`), or
-    for the model in MODEL.pt2 (by `torch.export.save`; an inference program for its example inputs'
-    shapes).
+    an inference program for the model in MODEL.pt2 (by `torch.export.save`; for its example inputs'
+    shapes) or MODEL.onnx (for its static input shapes).
 
     Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<graph name>, and
     writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json.
@@ -287,13 +288,13 @@ def _io_lines(entries) -> list:
 
 
 @cli.command()
-@click.argument("path", metavar="SAVED_DIR|BUILD_DIR|MODEL.pt2", type=click.Path(exists=True))
+@click.argument("path", metavar="SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx", type=click.Path(exists=True))
 @click.option("--source", is_flag=True, help="Print the generated source (program.cu of a build, else kernels.cu).")
 @click.option("--ir", is_flag=True, help="Print the optimised IR.")
 @click.option("--memory", is_flag=True, help="Print the arena layout: every intermediate value's offset and lifetime.")
 def inspect(path, source, ir, memory):
-    """Summarise a saved graph (SAVED_DIR), a build (BUILD_DIR) or a model file (MODEL.pt2, as it would
-    be built): inputs/outputs, kernels and what each fuses, launches per step, arena size against its
+    """Summarise a saved graph (SAVED_DIR), a build (BUILD_DIR) or a model file (MODEL.pt2 or
+    MODEL.onnx, as it would be built): inputs/outputs, kernels and what each fuses, launches per step, arena size against its
     lower bound."""
     with _saved_graph_dir(path) as directory:
         _inspect(directory, source, ir, memory)

@@ -63,6 +63,9 @@ def test_mlp_shares_parameters_and_state_dict_names_with_the_torch_model():
     with torch.no_grad():
         model.net[0].weight.mul_(2.0)   # one memory (DLPack): the import sees the change
     _close(imported(_flow(x)), model(x), atol=1e-6)
+    other = MLP()
+    imported.load_state_dict(other.state_dict())   # a PyTorch state dict loads by the same names
+    _close(imported(_flow(x)), other(x), atol=1e-6)
 
 
 def test_cnn_eager_training_mode_updates_running_statistics_as_torch_and_eval_reexports():
