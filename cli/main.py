@@ -82,6 +82,8 @@ def _saved_graph_dir(path: str):
     with tempfile.TemporaryDirectory(prefix="flowgen-import-") as directory:
         try:
             model_files.save_model_file(path, directory)
+        except ImportError as e:
+            _fail(f"{path}: {e} (.pt2 files need torch, .onnx files the onnx package: pip install 'flowgen[onnx]')")
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
             _fail(f"{path}: {e}")
         yield directory
