@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 import operator
 
-import flowgen as flow
+from flowgen import creation
 from flowgen import dtype as dt
+from flowgen import functional as ops
+from flowgen.autograd import no_grad
 from flowgen.nn import functional as F
 from flowgen.ops.registry import apply
 
@@ -74,28 +76,28 @@ def _stat_dims(input):
 def _batch_statistics(input, eps):
     """The batch mean and 1 / sqrt(biased var + eps) per channel, as ATen's save_mean / save_invstd."""
     dims = _stat_dims(input)
-    mean = flow.mean(input, dims)
-    diff = input - flow.mean(input, dims, keepdim=True)
-    return mean, flow.rsqrt(flow.mean(diff * diff, dims) + eps)
+    mean = ops.mean(input, dims)
+    diff = input - ops.mean(input, dims, keepdim=True)
+    return mean, ops.rsqrt(ops.mean(diff * diff, dims) + eps)
 
 
 def _batch_norm_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """ATen's functional batch norm: (out, save_mean, save_invstd, new running_mean, new running_var).
     The running statistics are updated on copies (F.batch_norm's in-place update): the importer
     writes them back to the buffers, as the export's buffers_to_mutate says."""
-    with flow.no_grad():
-        new_mean, new_var = flow.clone(running_mean), flow.clone(running_var)
+    with no_grad():
+        new_mean, new_var = ops.clone(running_mean), ops.clone(running_var)
     out = F.batch_norm(input, new_mean, new_var, weight, bias, training, momentum, eps)
     if training:
         mean, invstd = _batch_statistics(input, eps)
     else:
-        mean, invstd = running_mean, flow.rsqrt(running_var + eps)
+        mean, invstd = running_mean, ops.rsqrt(running_var + eps)
     return out, mean, invstd, new_mean, new_var
 
 
 def _batch_norm_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
     out = F.batch_norm(input, running_mean, running_var, weight, bias, False, momentum, eps)
-    return out, running_mean, flow.rsqrt(running_var + eps)
+    return out, running_mean, ops.rsqrt(running_var + eps)
 
 
 def _batch_norm_no_stats(input, weight, bias, training, momentum, eps):
@@ -105,18 +107,18 @@ def _batch_norm_no_stats(input, weight, bias, training, momentum, eps):
 
 def _native_layer_norm(input, normalized_shape, weight, bias, eps):
     dims = tuple(range(input.ndim - len(normalized_shape), input.ndim))
-    mean = flow.mean(input, dims, keepdim=True)
+    mean = ops.mean(input, dims, keepdim=True)
     diff = input - mean
-    rstd = flow.rsqrt(flow.mean(diff * diff, dims, keepdim=True) + eps)
+    rstd = ops.rsqrt(ops.mean(diff * diff, dims, keepdim=True) + eps)
     return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps), mean, rstd
 
 
 def _native_group_norm(input, weight, bias, N, C, HxW, group, eps):  # noqa: N803 - ATen's names
     """(out, mean, rstd) with the statistics per (sample, group), as ATen's [N, group]."""
-    grouped = flow.reshape(input, (N, group, -1))
-    mean = flow.mean(grouped, 2)
-    diff = grouped - flow.mean(grouped, 2, keepdim=True)
-    rstd = flow.rsqrt(flow.mean(diff * diff, 2) + eps)
+    grouped = ops.reshape(input, (N, group, -1))
+    mean = ops.mean(grouped, 2)
+    diff = grouped - ops.mean(grouped, 2, keepdim=True)
+    rstd = ops.rsqrt(ops.mean(diff * diff, 2) + eps)
     return F.group_norm(input, group, weight, bias, eps), mean, rstd
 
 
@@ -124,7 +126,7 @@ def _elu(x, alpha=1.0, scale=1.0, input_scale=1.0):
     """ATen's elu: scale * x for x > 0, else scale * alpha * (exp(x * input_scale) - 1) (SELU's form)."""
     if scale == 1 and input_scale == 1:
         return F.elu(x, alpha)
-    return flow.where(x > 0, x * scale, flow.expm1(x * input_scale) * (alpha * scale))
+    return ops.where(x > 0, x * scale, ops.expm1(x * input_scale) * (alpha * scale))
 
 
 def _max_pool2d_with_indices(input, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
@@ -141,9 +143,9 @@ def _index_put(self, indices, values, accumulate=False):
             raise NotImplementedError("aten.index_put with accumulate=True: flowgen takes one integer index tensor "
                                       "over the leading dim")
         rows = tuple(index.shape) + tuple(self.shape[1:])
-        return flow.index_add(self, 0, flow.reshape(index, (-1,)),
-                              flow.reshape(flow.broadcast_to(values, rows), (-1,) + tuple(self.shape[1:])))
-    return flow.setitem_value(self, tuple(slice(None) if i is None else i for i in indices), values)
+        return ops.index_add(self, 0, ops.reshape(index, (-1,)),
+                              ops.reshape(ops.broadcast_to(values, rows), (-1,) + tuple(self.shape[1:])))
+    return ops.setitem_value(self, tuple(slice(None) if i is None else i for i in indices), values)
 
 
 def _attention_scale(query, scale):
@@ -178,9 +180,9 @@ def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, dropo
 
 def _native_dropout(input, p, train):
     if not train:
-        return input, flow.ones(*input.shape, dtype=dt.bool_, device=input.device)
-    keep = F.dropout(flow.ones(*input.shape, dtype=input.dtype, device=input.device), p, True) != 0
-    return flow.where(keep, input * (0.0 if p == 1 else 1.0 / (1.0 - p)), 0.0), keep
+        return input, creation.ones(*input.shape, dtype=dt.bool_, device=input.device)
+    keep = F.dropout(creation.ones(*input.shape, dtype=input.dtype, device=input.device), p, True) != 0
+    return ops.where(keep, input * (0.0 if p == 1 else 1.0 / (1.0 - p)), 0.0), keep
 
 
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
@@ -195,7 +197,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
 
 
 def _to_copy(x, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    return flow.clone(x) if dtype is None or dtype == x.dtype else flow.cast(x, dtype)
+    return ops.clone(x) if dtype is None or dtype == x.dtype else ops.cast(x, dtype)
 
 
 def _assert_tensor_metadata(a, size=None, stride=None, dtype=None, device=None, layout=None):
@@ -209,11 +211,11 @@ def _assert_tensor_metadata(a, size=None, stride=None, dtype=None, device=None, 
 def _full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
     if dtype is None:
         dtype = dt.bool_ if isinstance(fill_value, bool) else dt.int64 if isinstance(fill_value, int) else dt.float32
-    return flow.full(tuple(size), fill_value, dtype=dtype, device=device)
+    return creation.full(tuple(size), fill_value, dtype=dtype, device=device)
 
 
 def _full_like(x, fill_value, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return flow.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
+    return creation.full(tuple(x.shape), fill_value, dtype=dtype or x.dtype, device=device or x.device)
 
 
 def _pair(value):
@@ -234,7 +236,7 @@ def _convolution_backward(grad_output, input, weight, bias_sizes, stride, paddin
     if output_mask[1]:
         grad_weight = apply("conv2d_grad_weight", grad_output, input, weight_shape=tuple(weight.shape), **attrs)
     if output_mask[2]:
-        grad_bias = flow.sum(grad_output, (0, 2, 3))
+        grad_bias = ops.sum(grad_output, (0, 2, 3))
     return grad_input, grad_weight, grad_bias
 
 
@@ -259,20 +261,20 @@ def _adaptive_avg_pool2d_backward(grad_output, input):
 
 def _filled(value):
     def make(size, dtype=None, layout=None, device=None, pin_memory=None):
-        return flow.full(tuple(size), value, dtype=dtype or dt.float32, device=device)
+        return creation.full(tuple(size), value, dtype=dtype or dt.float32, device=device)
     return make
 
 
 def _arange(start, end=None, step=1, dtype=None, layout=None, device=None, pin_memory=None):
-    return flow.arange(start, end, step, dtype=dtype, device=device)
+    return creation.arange(start, end, step, dtype=dtype, device=device)
 
 
 def _scalar_tensor(value, dtype=None, layout=None, device=None, pin_memory=None):
-    return flow.tensor(value, dtype=dtype or dt.float32, device=device)
+    return creation.tensor(value, dtype=dtype or dt.float32, device=device)
 
 
 def _var(x, dim=None, correction=None, keepdim=False):
-    return flow.var(x, dim, keepdim=keepdim, correction=1 if correction is None else correction)
+    return ops.var(x, dim, keepdim=keepdim, correction=1 if correction is None else correction)
 
 
 def _reduce(fn):
@@ -282,11 +284,11 @@ def _reduce(fn):
 
 
 def _max_dim(x, dim, keepdim=False):
-    return flow.amax(x, dim, keepdim=keepdim), flow.argmax(x, dim, keepdim=keepdim)
+    return ops.amax(x, dim, keepdim=keepdim), ops.argmax(x, dim, keepdim=keepdim)
 
 
 def _min_dim(x, dim, keepdim=False):
-    return flow.amin(x, dim, keepdim=keepdim), flow.argmin(x, dim, keepdim=keepdim)
+    return ops.amin(x, dim, keepdim=keepdim), ops.argmin(x, dim, keepdim=keepdim)
 
 
 def _softmax(fn):
@@ -295,7 +297,7 @@ def _softmax(fn):
             dtype = dt.float32 if half_to_float_or_dtype else None
         else:
             dtype = half_to_float_or_dtype
-        return fn(x if dtype is None else flow.cast(x, dtype), dim)
+        return fn(x if dtype is None else ops.cast(x, dtype), dim)
     return softmax
 
 
@@ -304,32 +306,32 @@ def _gelu(x, approximate="none"):
 
 
 def _where(condition, a, b):
-    return flow.where(condition, a, b)
+    return ops.where(condition, a, b)
 
 
 def _rsub(a, b, alpha=1):
-    return flow.sub(b, a, alpha)
+    return ops.sub(b, a, alpha)
 
 
 def _copy(dst, src, non_blocking=False):
     """The functional copy: `src` broadcast to `dst`'s shape in `dst`'s dtype."""
-    return flow.cast(flow.broadcast_to(src, tuple(dst.shape)), dst.dtype)
+    return ops.cast(ops.broadcast_to(src, tuple(dst.shape)), dst.dtype)
 
 
 def _fill(x, value):
-    return flow.full(tuple(x.shape), value, dtype=x.dtype, device=x.device)
+    return creation.full(tuple(x.shape), value, dtype=x.dtype, device=x.device)
 
 
 def _split(x, split_size, dim=0):
-    return tuple(flow.split(x, split_size, dim))
+    return tuple(ops.split(x, split_size, dim))
 
 
 def _squeeze(x, dim=None):
     if isinstance(dim, (list, tuple)):
         for d in sorted((d % x.ndim for d in dim), reverse=True):
-            x = flow.squeeze(x, d) if x.shape[d] == 1 else x
+            x = ops.squeeze(x, d) if x.shape[d] == 1 else x
         return x
-    return flow.squeeze(x, dim)
+    return ops.squeeze(x, dim)
 
 
 def _avg_pool2d(input, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True,
@@ -352,11 +354,11 @@ def _conv(fn):
 
 
 def _clamp(x, min=None, max=None):  # noqa: A002 - ATen's names
-    return flow.clamp(x, min, max)
+    return ops.clamp(x, min, max)
 
 
 def _pow(a, b):
-    return flow.pow(a, b)
+    return ops.pow(a, b)
 
 
 ATEN_OPS = {
@@ -364,72 +366,72 @@ ATEN_OPS = {
     "<built-in function getitem>": operator.getitem,
     "aten._assert_tensor_metadata.default": _assert_tensor_metadata,
     # --- elementwise arithmetic
-    "aten.add.Tensor": flow.add, "aten.add.Scalar": flow.add,
-    "aten.sub.Tensor": flow.sub, "aten.sub.Scalar": flow.sub,
+    "aten.add.Tensor": ops.add, "aten.add.Scalar": ops.add,
+    "aten.sub.Tensor": ops.sub, "aten.sub.Scalar": ops.sub,
     "aten.rsub.Scalar": _rsub, "aten.rsub.Tensor": _rsub,
-    "aten.mul.Tensor": flow.mul, "aten.mul.Scalar": flow.mul,
-    "aten.div.Tensor": flow.div, "aten.div.Scalar": flow.div, "aten.div.Tensor_mode": flow.div,
+    "aten.mul.Tensor": ops.mul, "aten.mul.Scalar": ops.mul,
+    "aten.div.Tensor": ops.div, "aten.div.Scalar": ops.div, "aten.div.Tensor_mode": ops.div,
     "aten.pow.Tensor_Scalar": _pow, "aten.pow.Tensor_Tensor": _pow, "aten.pow.Scalar": _pow,
-    "aten.neg.default": flow.neg, "aten.abs.default": flow.abs, "aten.reciprocal.default": flow.reciprocal,
-    "aten.exp.default": flow.exp, "aten.log.default": flow.log, "aten.sqrt.default": flow.sqrt,
-    "aten.rsqrt.default": flow.rsqrt, "aten.sin.default": flow.sin, "aten.cos.default": flow.cos,
-    "aten.tanh.default": flow.tanh, "aten.sigmoid.default": flow.sigmoid, "aten.erf.default": flow.erf,
-    "aten.log1p.default": flow.log1p, "aten.expm1.default": flow.expm1, "aten.sign.default": flow.sign,
-    "aten.floor.default": flow.floor, "aten.ceil.default": flow.ceil, "aten.round.default": flow.round,
-    "aten.trunc.default": flow.trunc,
-    "aten.maximum.default": flow.maximum, "aten.minimum.default": flow.minimum,
+    "aten.neg.default": ops.neg, "aten.abs.default": ops.abs, "aten.reciprocal.default": ops.reciprocal,
+    "aten.exp.default": ops.exp, "aten.log.default": ops.log, "aten.sqrt.default": ops.sqrt,
+    "aten.rsqrt.default": ops.rsqrt, "aten.sin.default": ops.sin, "aten.cos.default": ops.cos,
+    "aten.tanh.default": ops.tanh, "aten.sigmoid.default": ops.sigmoid, "aten.erf.default": ops.erf,
+    "aten.log1p.default": ops.log1p, "aten.expm1.default": ops.expm1, "aten.sign.default": ops.sign,
+    "aten.floor.default": ops.floor, "aten.ceil.default": ops.ceil, "aten.round.default": ops.round,
+    "aten.trunc.default": ops.trunc,
+    "aten.maximum.default": ops.maximum, "aten.minimum.default": ops.minimum,
     "aten.clamp.default": _clamp, "aten.clamp.Tensor": _clamp,
-    "aten.clamp_min.default": flow.clamp_min, "aten.clamp_max.default": flow.clamp_max,
+    "aten.clamp_min.default": ops.clamp_min, "aten.clamp_max.default": ops.clamp_max,
     "aten.where.self": _where, "aten.where.ScalarSelf": _where, "aten.where.ScalarOther": _where,
     "aten.where.Scalar": _where,
-    "aten.masked_fill.Scalar": flow.masked_fill, "aten.masked_fill.Tensor": flow.masked_fill,
+    "aten.masked_fill.Scalar": ops.masked_fill, "aten.masked_fill.Tensor": ops.masked_fill,
     # --- activations
     "aten.relu.default": F.relu, "aten.gelu.default": _gelu, "aten.silu.default": F.silu,
     "aten.hardtanh.default": F.hardtanh, "aten.leaky_relu.default": F.leaky_relu,
     "aten.elu.default": _elu, "aten.prelu.default": F.prelu, "aten._prelu_kernel.default": F.prelu, "aten.softplus.default": F.softplus, "aten.hardswish.default": F.hardswish,
     "aten.hardsigmoid.default": F.hardsigmoid,
     # --- comparisons and logic
-    "aten.eq.Tensor": flow.eq, "aten.eq.Scalar": flow.eq, "aten.ne.Tensor": flow.ne, "aten.ne.Scalar": flow.ne,
-    "aten.lt.Tensor": flow.lt, "aten.lt.Scalar": flow.lt, "aten.le.Tensor": flow.le, "aten.le.Scalar": flow.le,
-    "aten.gt.Tensor": flow.gt, "aten.gt.Scalar": flow.gt, "aten.ge.Tensor": flow.ge, "aten.ge.Scalar": flow.ge,
-    "aten.logical_and.default": flow.logical_and, "aten.logical_or.default": flow.logical_or,
-    "aten.logical_not.default": flow.logical_not, "aten.logical_xor.default": flow.logical_xor,
-    "aten.bitwise_not.default": flow.bitwise_not, "aten.bitwise_and.Tensor": flow.bitwise_and,
-    "aten.bitwise_or.Tensor": flow.bitwise_or, "aten.isnan.default": flow.isnan,
+    "aten.eq.Tensor": ops.eq, "aten.eq.Scalar": ops.eq, "aten.ne.Tensor": ops.ne, "aten.ne.Scalar": ops.ne,
+    "aten.lt.Tensor": ops.lt, "aten.lt.Scalar": ops.lt, "aten.le.Tensor": ops.le, "aten.le.Scalar": ops.le,
+    "aten.gt.Tensor": ops.gt, "aten.gt.Scalar": ops.gt, "aten.ge.Tensor": ops.ge, "aten.ge.Scalar": ops.ge,
+    "aten.logical_and.default": ops.logical_and, "aten.logical_or.default": ops.logical_or,
+    "aten.logical_not.default": ops.logical_not, "aten.logical_xor.default": ops.logical_xor,
+    "aten.bitwise_not.default": ops.bitwise_not, "aten.bitwise_and.Tensor": ops.bitwise_and,
+    "aten.bitwise_or.Tensor": ops.bitwise_or, "aten.isnan.default": ops.isnan,
     # --- reductions
-    "aten.sum.dim_IntList": _reduce(flow.sum), "aten.sum.default": lambda x, dtype=None: flow.sum(x, dtype=dtype),
-    "aten.mean.dim": _reduce(flow.mean), "aten.mean.default": lambda x, dtype=None: flow.mean(x, dtype=dtype),
-    "aten.amax.default": lambda x, dim=(), keepdim=False: flow.amax(x, tuple(dim) or None, keepdim),
-    "aten.amin.default": lambda x, dim=(), keepdim=False: flow.amin(x, tuple(dim) or None, keepdim),
+    "aten.sum.dim_IntList": _reduce(ops.sum), "aten.sum.default": lambda x, dtype=None: ops.sum(x, dtype=dtype),
+    "aten.mean.dim": _reduce(ops.mean), "aten.mean.default": lambda x, dtype=None: ops.mean(x, dtype=dtype),
+    "aten.amax.default": lambda x, dim=(), keepdim=False: ops.amax(x, tuple(dim) or None, keepdim),
+    "aten.amin.default": lambda x, dim=(), keepdim=False: ops.amin(x, tuple(dim) or None, keepdim),
     "aten.max.dim": _max_dim, "aten.min.dim": _min_dim,
-    "aten.argmax.default": flow.argmax, "aten.argmin.default": flow.argmin,
+    "aten.argmax.default": ops.argmax, "aten.argmin.default": ops.argmin,
     "aten.var.correction": _var,
-    "aten.any.dim": flow.any, "aten.any.default": flow.any, "aten.all.dim": flow.all,
-    "aten.all.default": flow.all,
-    "aten.cumsum.default": lambda x, dim, dtype=None: flow.cumsum(x, dim, dtype=dtype),
+    "aten.any.dim": ops.any, "aten.any.default": ops.any, "aten.all.dim": ops.all,
+    "aten.all.default": ops.all,
+    "aten.cumsum.default": lambda x, dim, dtype=None: ops.cumsum(x, dim, dtype=dtype),
     # --- matrix products
-    "aten.linear.default": F.linear, "aten.matmul.default": flow.matmul, "aten.mm.default": flow.mm,
-    "aten.bmm.default": flow.bmm, "aten.addmm.default": flow.addmm, "aten.baddbmm.default": flow.baddbmm,
+    "aten.linear.default": F.linear, "aten.matmul.default": ops.matmul, "aten.mm.default": ops.mm,
+    "aten.bmm.default": ops.bmm, "aten.addmm.default": ops.addmm, "aten.baddbmm.default": ops.baddbmm,
     # --- shapes and copies (flowgen is row-major: a memory_format changes no number)
-    "aten.view.default": flow.reshape, "aten.reshape.default": flow.reshape,
-    "aten._unsafe_view.default": flow.reshape, "aten.flatten.using_ints": flow.flatten,
-    "aten.permute.default": lambda x, dims: flow.permute(x, *dims), "aten.t.default": flow.t,
-    "aten.transpose.int": flow.transpose, "aten.unsqueeze.default": flow.unsqueeze,
+    "aten.view.default": ops.reshape, "aten.reshape.default": ops.reshape,
+    "aten._unsafe_view.default": ops.reshape, "aten.flatten.using_ints": ops.flatten,
+    "aten.permute.default": lambda x, dims: ops.permute(x, *dims), "aten.t.default": ops.t,
+    "aten.transpose.int": ops.transpose, "aten.unsqueeze.default": ops.unsqueeze,
     "aten.squeeze.dim": _squeeze, "aten.squeeze.dims": _squeeze, "aten.squeeze.default": _squeeze,
-    "aten.expand.default": lambda x, size, implicit=False: flow.expand(x, *size),
-    "aten.cat.default": lambda tensors, dim=0: flow.cat(list(tensors), dim),
-    "aten.stack.default": lambda tensors, dim=0: flow.stack(list(tensors), dim),
+    "aten.expand.default": lambda x, size, implicit=False: ops.expand(x, *size),
+    "aten.cat.default": lambda tensors, dim=0: ops.cat(list(tensors), dim),
+    "aten.stack.default": lambda tensors, dim=0: ops.stack(list(tensors), dim),
     "aten.split.Tensor": _split, "aten.split_with_sizes.default": _split,
-    "aten.slice.Tensor": _slice, "aten.select.int": flow.select, "aten.narrow.default": flow.narrow,
-    "aten.index.Tensor": _index, "aten.index_select.default": flow.index_select,
+    "aten.slice.Tensor": _slice, "aten.select.int": ops.select, "aten.narrow.default": ops.narrow,
+    "aten.index.Tensor": _index, "aten.index_select.default": ops.index_select,
     "aten.index_put.default": _index_put,
-    "aten.gather.default": lambda x, dim, index, sparse_grad=False: flow.gather(x, dim, index),
-    "aten.tril.default": flow.tril, "aten.triu.default": flow.triu,
-    "aten.repeat.default": lambda x, repeats: flow.repeat(x, *repeats),
-    "aten.clone.default": lambda x, memory_format=None: flow.clone(x),
+    "aten.gather.default": lambda x, dim, index, sparse_grad=False: ops.gather(x, dim, index),
+    "aten.tril.default": ops.tril, "aten.triu.default": ops.triu,
+    "aten.repeat.default": lambda x, repeats: ops.repeat(x, *repeats),
+    "aten.clone.default": lambda x, memory_format=None: ops.clone(x),
     "aten.contiguous.default": lambda x, memory_format=None: x,
-    "aten.alias.default": lambda x: x, "aten.detach.default": flow.detach,
-    "aten.lift_fresh_copy.default": flow.clone,
+    "aten.alias.default": lambda x: x, "aten.detach.default": ops.detach,
+    "aten.lift_fresh_copy.default": ops.clone,
     "aten._to_copy.default": _to_copy,
     "aten.to.dtype": lambda x, dtype, non_blocking=False, copy=False, memory_format=None: _to_copy(x, dtype),
     "aten.copy.default": _copy, "aten.fill.Scalar": _fill,

@@ -18,8 +18,9 @@ import operator
 
 import numpy as np
 
-import flowgen as flow
+from flowgen import creation
 from flowgen import dtype as dt
+from flowgen import functional as ops
 from flowgen.nn import functional as F
 
 MULTI_OUTPUT = {"Split"}
@@ -70,32 +71,32 @@ def _constant(value=None, value_float=None, value_floats=None, value_int=None, v
     if other:
         raise NotImplementedError(f"ONNX Constant: attribute(s) {sorted(other)} are not supported by flowgen")
     if value is not None:
-        return flow.tensor(value)
+        return creation.tensor(value)
     if value_float is not None:
-        return flow.tensor(np.float32(value_float))
+        return creation.tensor(np.float32(value_float))
     if value_floats is not None:
-        return flow.tensor(np.asarray(value_floats, np.float32))
+        return creation.tensor(np.asarray(value_floats, np.float32))
     if value_int is not None:
-        return flow.tensor(np.int64(value_int))
-    return flow.tensor(np.asarray(value_ints, np.int64))
+        return creation.tensor(np.int64(value_int))
+    return creation.tensor(np.asarray(value_ints, np.int64))
 
 
 def _shape(data, start=0, end=None):
-    return flow.tensor(np.asarray(data.shape[start:end], np.int64))
+    return creation.tensor(np.asarray(data.shape[start:end], np.int64))
 
 
 def _constant_of_shape(shape, value=None):
     fill = np.zeros((1,), np.float32) if value is None else np.asarray(value).reshape(-1)
-    return flow.tensor(np.full(tuple(_ints(shape, "ConstantOfShape", "shape")), fill[0], fill.dtype))
+    return creation.tensor(np.full(tuple(_ints(shape, "ConstantOfShape", "shape")), fill[0], fill.dtype))
 
 
 def _cast(x, to):
-    return flow.cast(x, onnx_dtype(to, "Cast"))
+    return ops.cast(x, onnx_dtype(to, "Cast"))
 
 
 def _range(start, limit, delta):
     values = [_static(v, "Range", name).item() for v, name in ((start, "start"), (limit, "limit"), (delta, "delta"))]
-    return flow.arange(*values, dtype=start.dtype)
+    return creation.arange(*values, dtype=start.dtype)
 
 
 # ------------------------------------------------------------------ shapes
@@ -103,22 +104,22 @@ def _reshape(data, shape, allowzero=0):
     target = _ints(shape, "Reshape", "shape")
     if not allowzero:
         target = [data.shape[i] if s == 0 else s for i, s in enumerate(target)]
-    return flow.reshape(data, tuple(target))
+    return ops.reshape(data, tuple(target))
 
 
 def _flatten(x, axis=1):
     axis = axis % x.ndim if x.ndim else 0
-    return flow.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+    return ops.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
 
 
 def _transpose(x, perm=None):
-    return flow.permute(x, *(perm if perm is not None else reversed(range(x.ndim))))
+    return ops.permute(x, *(perm if perm is not None else reversed(range(x.ndim))))
 
 
 def _squeeze(x, axes=None):
     dims = range(x.ndim) if axes is None else [a % x.ndim for a in _ints(axes, "Squeeze", "axes")]
     shape = [s for i, s in enumerate(x.shape) if not (i in dims and s == 1)]
-    return flow.reshape(x, tuple(shape))
+    return ops.reshape(x, tuple(shape))
 
 
 def _unsqueeze(x, axes):
@@ -127,20 +128,20 @@ def _unsqueeze(x, axes):
     shape, it = [], iter(x.shape)
     for i in range(out_ndim):
         shape.append(1 if i in new else next(it))
-    return flow.reshape(x, tuple(shape))
+    return ops.reshape(x, tuple(shape))
 
 
 def _concat(*inputs, axis):
-    return flow.cat(list(inputs), axis)
+    return ops.cat(list(inputs), axis)
 
 
 def _split(x, split=None, axis=0, num_outputs=None):
     axis = _axis(axis, x.ndim)
     if split is not None:
-        return tuple(flow.split(x, _ints(split, "Split", "split"), axis))
+        return tuple(ops.split(x, _ints(split, "Split", "split"), axis))
     size = x.shape[axis]
     chunk = -(-size // num_outputs)
-    return tuple(flow.split(x, chunk, axis))
+    return tuple(ops.split(x, chunk, axis))
 
 
 def _slice(data, starts, ends, axes=None, steps=None):
@@ -160,26 +161,26 @@ def _gather(data, indices, axis=0):
     n = data.shape[axis]
     if not indices.is_lazy:
         values = _static(indices, "Gather", "indices")
-        indices = flow.tensor(np.where(values < 0, values + n, values).astype(np.int64))
-    picked = flow.index_select(data, axis, flow.reshape(indices, (-1,)))
-    return flow.reshape(picked, tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:]))
+        indices = creation.tensor(np.where(values < 0, values + n, values).astype(np.int64))
+    picked = ops.index_select(data, axis, ops.reshape(indices, (-1,)))
+    return ops.reshape(picked, tuple(data.shape[:axis]) + tuple(indices.shape) + tuple(data.shape[axis + 1:]))
 
 
 def _expand(x, shape):
     target = np.broadcast_shapes(tuple(x.shape), tuple(_ints(shape, "Expand", "shape")))
-    return flow.broadcast_to(x, target)
+    return ops.broadcast_to(x, target)
 
 
 def _trilu(x, k=None, upper=1):
     diagonal = 0 if k is None else int(_static(k, "Trilu", "k"))
-    return flow.triu(x, diagonal) if upper else flow.tril(x, diagonal)
+    return ops.triu(x, diagonal) if upper else ops.tril(x, diagonal)
 
 
 # ------------------------------------------------------------------ arithmetic
 def _div(a, b):
     if not a.dtype.is_floating and not b.dtype.is_floating:
-        return flow.div(a, b, rounding_mode="trunc")   # ONNX integer division truncates
-    return flow.div(a, b)
+        return ops.div(a, b, rounding_mode="trunc")   # ONNX integer division truncates
+    return ops.div(a, b)
 
 
 def _variadic(fn):
@@ -194,11 +195,11 @@ def _variadic(fn):
 def _clip(x, min=None, max=None):  # noqa: A002 - ONNX's names
     low = None if min is None else _static(min, "Clip", "min").item()
     high = None if max is None else _static(max, "Clip", "max").item()
-    return flow.clamp(x, low, high)
+    return ops.clamp(x, low, high)
 
 
 def _hard_sigmoid(x, alpha=0.2, beta=0.5):
-    return flow.clamp(x * alpha + beta, 0.0, 1.0)
+    return ops.clamp(x * alpha + beta, 0.0, 1.0)
 
 
 def _gelu(x, approximate="none"):
@@ -226,7 +227,7 @@ def _reduction(fn, op):
 
 # ------------------------------------------------------------------ neural-network operators
 def _gemm(a, b, c=None, alpha=1.0, beta=1.0, transA=0, transB=0):  # noqa: N803 - ONNX's names
-    out = flow.matmul(flow.t(a) if transA else a, flow.t(b) if transB else b)
+    out = ops.matmul(ops.t(a) if transA else a, ops.t(b) if transB else b)
     if alpha != 1.0:
         out = out * alpha
     if c is not None:
@@ -266,7 +267,7 @@ def _average_pool(x, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilati
 
 
 def _global_average_pool(x):
-    return flow.mean(x, tuple(range(2, x.ndim)), keepdim=True)
+    return ops.mean(x, tuple(range(2, x.ndim)), keepdim=True)
 
 
 def _batch_normalization(x, scale, b, mean, var, epsilon=1e-5, momentum=0.9, training_mode=0):
@@ -305,23 +306,23 @@ ONNX_OPS = {
     "Unsqueeze": _unsqueeze, "Concat": _concat, "Split": _split, "Slice": _slice, "Gather": _gather,
     "Expand": _expand, "Trilu": _trilu,
     # --- elementwise
-    "Add": flow.add, "Sub": flow.sub, "Mul": flow.mul, "Div": _div, "Pow": flow.pow,
-    "Neg": flow.neg, "Abs": flow.abs, "Exp": flow.exp, "Log": flow.log, "Sqrt": flow.sqrt,
-    "Reciprocal": flow.reciprocal, "Sin": flow.sin, "Cos": flow.cos, "Tanh": flow.tanh, "Erf": flow.erf,
-    "Floor": flow.floor, "Ceil": flow.ceil, "Sigmoid": flow.sigmoid,
-    "Max": _variadic(flow.maximum), "Min": _variadic(flow.minimum), "Sum": _variadic(flow.add),
-    "Clip": _clip, "Where": flow.where,
-    "Equal": flow.eq, "Less": flow.lt, "LessOrEqual": flow.le, "Greater": flow.gt, "GreaterOrEqual": flow.ge,
-    "Not": flow.logical_not, "And": flow.logical_and, "Or": flow.logical_or, "Xor": flow.logical_xor,
+    "Add": ops.add, "Sub": ops.sub, "Mul": ops.mul, "Div": _div, "Pow": ops.pow,
+    "Neg": ops.neg, "Abs": ops.abs, "Exp": ops.exp, "Log": ops.log, "Sqrt": ops.sqrt,
+    "Reciprocal": ops.reciprocal, "Sin": ops.sin, "Cos": ops.cos, "Tanh": ops.tanh, "Erf": ops.erf,
+    "Floor": ops.floor, "Ceil": ops.ceil, "Sigmoid": ops.sigmoid,
+    "Max": _variadic(ops.maximum), "Min": _variadic(ops.minimum), "Sum": _variadic(ops.add),
+    "Clip": _clip, "Where": ops.where,
+    "Equal": ops.eq, "Less": ops.lt, "LessOrEqual": ops.le, "Greater": ops.gt, "GreaterOrEqual": ops.ge,
+    "Not": ops.logical_not, "And": ops.logical_and, "Or": ops.logical_or, "Xor": ops.logical_xor,
     # --- activations
     "Relu": F.relu, "LeakyRelu": _leaky_relu, "Elu": _elu, "Gelu": _gelu, "Softplus": F.softplus,
     "HardSigmoid": _hard_sigmoid, "HardSwish": F.hardswish,
     "Softmax": _softmax(F.softmax), "LogSoftmax": _softmax(F.log_softmax),
     # --- reductions
-    "ReduceMean": _reduction(flow.mean, "ReduceMean"), "ReduceSum": _reduction(flow.sum, "ReduceSum"),
-    "ReduceMax": _reduction(flow.amax, "ReduceMax"), "ReduceMin": _reduction(flow.amin, "ReduceMin"),
+    "ReduceMean": _reduction(ops.mean, "ReduceMean"), "ReduceSum": _reduction(ops.sum, "ReduceSum"),
+    "ReduceMax": _reduction(ops.amax, "ReduceMax"), "ReduceMin": _reduction(ops.amin, "ReduceMin"),
     # --- neural-network operators
-    "MatMul": flow.matmul, "Gemm": _gemm, "Conv": _conv, "MaxPool": _max_pool, "AveragePool": _average_pool,
+    "MatMul": ops.matmul, "Gemm": _gemm, "Conv": _conv, "MaxPool": _max_pool, "AveragePool": _average_pool,
     "GlobalAveragePool": _global_average_pool, "BatchNormalization": _batch_normalization,
     "LayerNormalization": _layer_normalization, "Dropout": _dropout,
 }
