@@ -23,7 +23,7 @@ short = int16
 char = int8
 int = int32  # noqa: A001
 
-__version__ = "0.1.0"
+from flowgen.version import __version__  # noqa: E402,F401
 from flowgen import nn, optim, utils, amp, models, one_embedding, backends  # noqa: E402,F401
 from flowgen.mixed_precision import autocast  # noqa: E402
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)

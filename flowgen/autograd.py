@@ -16,8 +16,7 @@ _state = threading.local()
 from flowgen import mixed_precision  # noqa: E402
 from flowgen.ops.registry import GradContext, apply, install_eager_runtime  # noqa: E402
 from flowgen.device import CPU  # noqa: E402
-from flowgen.tensor import Tensor, as_tensor_like, c_array  # noqa: E402
-from flowgen.distributed import global_tensor  # noqa: E402
+from flowgen.tensor import Tensor, as_tensor_like, c_array, global_tensors  # noqa: E402
 from flowgen.distributed.sbp import broadcast  # noqa: E402
 
 
@@ -228,7 +227,7 @@ def _accumulate_global_grad(t, g) -> None:
     g = g.to_global(t.placement, t.sbp)
     if t.grad is not None:
         g = t.grad + g
-    t.grad = global_tensor.component_copy(g, t.dtype)
+    t.grad = global_tensors().component_copy(g, t.dtype)
     for hook in t._post_accumulate_grad_hooks:
         hook(t)
 

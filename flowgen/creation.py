@@ -20,12 +20,11 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import random as _random
 from flowgen.device import as_device
-from flowgen.distributed import global_tensor
-from flowgen.ir.trace import TraceError
+from flowgen.errors import TraceError
 from flowgen.ops import registry
 from flowgen.ops.registry import apply
 from flowgen.random import get_rng_state, initial_seed, manual_seed, set_rng_state  # noqa: F401  (flow.*)
-from flowgen.tensor import Tensor, c_array
+from flowgen.tensor import Tensor, c_array, global_tensors
 
 __all__ = [
     "tensor", "as_tensor", "from_numpy", "from_dlpack", "zeros", "ones", "full", "empty", "arange", "linspace", "eye",
@@ -324,8 +323,10 @@ def _filled_like(t, value, dtype, device, requires_grad) -> Tensor:
     if isinstance(t, Tensor) and t.is_global:
         if device is not None:
             raise ValueError(f"a *_like of a global tensor takes its placement; got device={device!r}")
-        return global_tensor.filled_like(t, lambda shape: full(shape, value, dtype=d, device=t._global.local.device,
-                                                               requires_grad=requires_grad))
+        def fill(shape):
+            return full(shape, value, dtype=d, device=t._global.local.device, requires_grad=requires_grad)
+
+        return global_tensors().filled_like(t, fill)
     return full(tuple(t.shape), value, dtype=d, device=dev, requires_grad=requires_grad)
 
 

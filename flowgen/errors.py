@@ -1,4 +1,5 @@
-"""`FlowgenInternalError`: an internal check of flowgen failed while it compiled a graph.
+"""flowgen's errors that any layer raises: `TraceError` (build() did what a graph cannot trace)
+and `FlowgenInternalError` (an internal check of flowgen failed while it compiled a graph).
 
 flowgen's stages check their own invariants as they go: an `assert`, an `AssertionError` a stage
 raises on its own contract (codegen/program.py's `declare_shared_memory`: two buffers of one
@@ -18,6 +19,11 @@ import os
 import traceback
 
 _FLOWGEN_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class TraceError(RuntimeError):
+    """nn.Graph cannot trace what build() did (raised while tracing, flowgen/ir/trace.py, and by the
+    eager functions that refuse to run inside build()); the message names the op and module path."""
 
 
 class FlowgenInternalError(RuntimeError):

@@ -99,7 +99,6 @@ import os
 
 import numpy as np
 
-import flowgen
 from flowgen import dtype as dt
 from flowgen import random
 from flowgen.codegen.program import build_program, count_unfused_kernels
@@ -113,6 +112,7 @@ from flowgen.runtime.executor import CpuBackend, Executor
 from flowgen.serialization import (CheckpointError, check_self_hash, document_sha256, file_sha256,
                                    install_graph_loader, read_json_file, read_safetensors_file, with_self_hash,
                                    write_directory_atomically, write_json, write_safetensors)
+from flowgen.version import __version__
 
 FORMAT = "flowgen.graph"
 VERSION = 1
@@ -129,7 +129,7 @@ __all__ = ["SavedGraph", "save_graph", "load_saved_graph", "is_saved_graph"]
 
 
 def _flowgen_version() -> str:
-    return flowgen.__version__
+    return __version__
 
 
 def _contiguous(array) -> np.ndarray:

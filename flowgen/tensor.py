@@ -477,11 +477,11 @@ class Tensor:
         value of a free eager tensor for the rest of the call, ir/trace.py); a view writes
         through to the tensor it views (`_write_through`)."""
         tracer = registry._tracer_hook
-        if new is not self and autograd.is_grad_enabled() and self.requires_grad and not new.requires_grad and \
+        if new is not self and autograd.is_grad_enabled() and self.requires_grad and \
                 (self.grad_fn is not None or self.is_lazy):
-            # PyTorch: x.fill_(c) keeps x's requires_grad, with a zero gradient to the old value, so
-            # what x was computed from still gets a (zero) gradient and the optimizer updates it
-            # (weight decay, momentum), eagerly and in graphs
+            # PyTorch: x.fill_(c) or x.copy_(src) gives the old value of x a zero gradient, so what
+            # x was computed from still gets a (zero) gradient and the optimizer updates it (weight
+            # decay, momentum), eagerly and in graphs; src gets the whole gradient
             new = F.where(Tensor(np.zeros((), bool), device=self.device), self,
                           new if new.dtype == self.dtype else new.to(self.dtype))
         if self.is_lazy or new.is_lazy or (tracer is not None and tracer.is_free(self)):
@@ -768,9 +768,24 @@ def as_tensor_like(value, like: Tensor | None) -> Tensor:
     return Tensor(arr, device=device)
 
 
+# Global tensors (flowgen/distributed/global_tensor.py) are built on Tensor, a layer above it: that
+# module installs itself here when it loads (`import flowgen` loads it); Tensor's methods call it,
+# autograd and creation reach it through `global_tensors()`.
+global_tensor = None
+
+
+def install_global_tensor(module) -> None:
+    global global_tensor
+    global_tensor = module
+
+
+def global_tensors():
+    """flowgen/distributed/global_tensor.py, as it installed itself."""
+    return global_tensor
+
+
 # Below the class: these modules import Tensor (the op registry through its op definitions).
 from flowgen import functional as F  # noqa: E402  (functional imports Tensor)
 from flowgen.ops import registry  # noqa: E402
 from flowgen import creation  # noqa: E402
 from flowgen import autograd  # noqa: E402  (autograd imports Tensor)
-from flowgen.distributed import global_tensor  # noqa: E402

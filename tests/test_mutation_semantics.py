@@ -378,9 +378,15 @@ def _read_then_write_programs():
         y = h + 1.0
         h.fill_(3.0)
         return (h * p).sum() * (y * y).sum()
+
+    def copy_a_source_with_a_gradient_over_a_computed_tensor(w, p):   # w: a zero gradient, not None
+        h = w * 2.0
+        h.copy_(p * 3.0)
+        return (h * p).sum()
     return [add_then_write_a_slice, sum_then_clamp, constant_mul_tanh_sigmoid_then_write_a_row,
             copy_a_leaf_into_a_row, fill_through_unsqueeze, write_through_detach,
-            inplace_methods_and_a_view_read_before, fill_keeps_the_gradient_of_earlier_reads]
+            inplace_methods_and_a_view_read_before, fill_keeps_the_gradient_of_earlier_reads,
+            copy_a_source_with_a_gradient_over_a_computed_tensor]
 
 
 def _torch_gradients(program, w0, p0):

@@ -1,6 +1,7 @@
 """LR schedulers beyond the basic ones: eager LR (and cycled momentum) sequences == PyTorch's, OneFlow's
 schedulers by their formulas, lr_at == what eager computed. (Graphs and the standalone program:
-tests/test_graph_optimizers.py.)"""
+tests/test_graph_optimizers.py; every closed form against eager and the program's C++:
+tests/test_lr_formulas.py.)"""
 import math
 
 import numpy as np

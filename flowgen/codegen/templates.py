@@ -11,15 +11,15 @@ import hashlib
 from functools import lru_cache
 from pathlib import Path
 
-import flowgen
 from flowgen.runtime.toolchain import cache_dir
 
 
 def templates_dir() -> Path:
-    installed = Path(flowgen.__file__).parent / "_data" / "templates"
+    package = Path(__file__).resolve().parent.parent   # flowgen/
+    installed = package / "_data" / "templates"
     if installed.is_dir():
         return installed
-    return Path(flowgen.__file__).resolve().parent.parent / "templates"
+    return package.parent / "templates"
 
 
 # Strict undefined variables (jinja2.StrictUndefined) and these layout options.

@@ -29,6 +29,7 @@ data-parallel and pipelined `nn.Graph`s (flowgen/distributed/data_parallel.py, p
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +40,7 @@ from flowgen.distributed.collectives import group, world
 from flowgen.distributed.placement import placement as Placement
 from flowgen.distributed.sbp import broadcast, sbp as Sbp
 from flowgen.ops import registry
-from flowgen.tensor import Tensor, c_array   # tensor.py imports this module below its class, as autograd
+from flowgen.tensor import Tensor, c_array, install_global_tensor
 
 
 @dataclass(frozen=True)
@@ -329,3 +330,8 @@ def graph_state_like(tensor, what: str, make_like):
     if info.local is None:
         return absent(tensor.dtype, info.placement, info.sbp[0], info.shape)
     return wrap_local(make_like(graph_storage(tensor, what)), info.placement, info.sbp[0], info.shape)
+
+
+# The tensor core (Tensor's methods, autograd, creation) calls this module for global tensors; it
+# cannot import it (this module builds on Tensor), so the module installs itself there.
+install_global_tensor(sys.modules[__name__])

@@ -28,17 +28,13 @@ import numpy as np
 
 from flowgen import mixed_precision
 from flowgen.autograd import freed_message
-from flowgen import tensor as tensor_module
+from flowgen.errors import TraceError
 from flowgen.ir.graph import Graph, NameGen, Node, StateVar, Value
 from flowgen.ops import registry
 from flowgen.ops.registry import TensorMeta
-from flowgen.tensor import Tensor
+from flowgen.tensor import Tensor, creation_mark
 
 _FLOWGEN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class TraceError(RuntimeError):
-    pass
 
 
 @functools.lru_cache(maxsize=None)
@@ -296,7 +292,7 @@ class Tracer:
         for t in self.state_tensors:
             t._value = self.state_of[id(t)].value
         if self.capture_free_tensors:
-            self.first_new = tensor_module.creation_mark()
+            self.first_new = creation_mark()
         self._previous = registry.set_tracer_hook(self)
         mixed_precision.push(self.autocast)     # registry.apply casts each op's inputs as flowgen/mixed_precision.py says
         return self

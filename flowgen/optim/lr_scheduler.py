@@ -5,6 +5,10 @@ LR), call `scheduler.step()` after each `optimizer.step()`. Most schedulers
 update recursively from the group's current LR, like PyTorch, so the floats
 match PyTorch's exactly.
 
+A scheduler whose LR is a function of the epoch writes it once, as `formula(group, e)`: an
+expression of the epoch (optim/closed_form.py) that `closed_form` evaluates and the standalone
+program computes in C++ (passes/optimizer.lr_schedule, codegen/aot.py).
+
 `lr_at(step)` is the LR the optimizer uses on training iteration `step`
 (0-based) under that loop, i.e. `get_last_lr()` after `step` calls to
 `scheduler.step()`. It replays the schedule on a private copy of the
@@ -15,11 +19,15 @@ compute the schedule ahead of time.
 from __future__ import annotations
 
 import copy
+import functools
 import math
+import operator
 import types
 from bisect import bisect_right
 from collections import Counter
 
+from flowgen.optim.closed_form import (EPOCH, call_python, ceil, cos, evaluate, floor, maximum, minimum,
+                                       restart_period, restarts, since_restart, where)
 from flowgen.optim.optimizer import Optimizer
 
 # Attributes that are lr_at's private machinery, not scheduler state.
@@ -91,13 +99,22 @@ class LRScheduler:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------ closed form
-    def closed_form(self, group: int, epoch: int) -> float:
-        """The LR of parameter group `group` at `epoch`, for schedulers that have a closed form (a
-        standalone program computes the same: codegen/aot.py); others raise."""
-        raise NotImplementedError(f"{type(self).__name__} has no closed form")
+    def formula(self, group: int, epoch):
+        """The LR of parameter group `group` at `epoch` (EPOCH, or an expression of it) as an
+        expression (optim/closed_form.py), for schedulers whose LR is a function of the epoch;
+        None for the others."""
+        return None
+
+    def closed_form(self, group: int, epoch) -> float:
+        """The LR of parameter group `group` at `epoch`: `formula` evaluated; schedulers without
+        one raise."""
+        formula = self.formula(group, EPOCH)
+        if formula is None:
+            raise NotImplementedError(f"{type(self).__name__} has no closed form")
+        return evaluate(formula, epoch)
 
     def has_closed_form(self) -> bool:
-        return type(self).closed_form is not LRScheduler.closed_form
+        return self.formula(0, EPOCH) is not None
 
     def _get_closed_form_lr(self) -> list[float]:
         return [self.closed_form(group, self.last_epoch) for group in range(len(self.base_lrs))]
@@ -166,7 +183,7 @@ class StepLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         return self.base_lrs[group] * self.gamma ** (epoch // self.step_size)
 
 
@@ -185,8 +202,9 @@ class MultiStepLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma ** self.milestones[self.last_epoch] for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
-        return self.base_lrs[group] * self.gamma ** bisect_right(sorted(self.milestones.elements()), epoch)
+    def formula(self, group, epoch):
+        passed = [epoch >= m for m in sorted(self.milestones.elements())]   # counted: bisect_right
+        return self.base_lrs[group] * self.gamma ** (sum(passed[1:], passed[0]) if passed else 0)
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
@@ -207,7 +225,7 @@ class ExponentialLR(LRScheduler):
             return self._group_lrs()
         return [lr * self.gamma for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         return self.base_lrs[group] * self.gamma ** epoch
 
 
@@ -230,7 +248,7 @@ class ConstantLR(LRScheduler):
             return self._group_lrs()
         return [lr * (1.0 / self.factor) for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         return self.base_lrs[group] * (self.factor + (epoch >= self.total_iters) * (1 - self.factor))
 
 
@@ -259,8 +277,8 @@ class LinearLR(LRScheduler):
         ratio = 1.0 + delta / (self.total_iters * self.start_factor + (self.last_epoch - 1) * delta)
         return [lr * ratio for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
-        progress = min(self.total_iters, epoch) / self.total_iters
+    def formula(self, group, epoch):
+        progress = minimum(self.total_iters, epoch) / self.total_iters
         return self.base_lrs[group] * (self.start_factor + (self.end_factor - self.start_factor) * progress)
 
 
@@ -284,9 +302,9 @@ class CosineAnnealingLR(LRScheduler):
         return [(1 + math.cos(math.pi * t / T)) / (1 + math.cos(math.pi * (t - 1) / T)) * (lr - eta_min) + eta_min
                 for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         base = self.base_lrs[group]
-        return self.eta_min + (base - self.eta_min) * (1 + math.cos(math.pi * epoch / self.T_max)) / 2
+        return self.eta_min + (base - self.eta_min) * (1 + cos(math.pi * epoch / self.T_max)) / 2
 
 
 class _Lambdas:
@@ -327,8 +345,8 @@ class LambdaLR(_Lambdas, LRScheduler):
     def get_lr(self):
         return [self.closed_form(group, self.last_epoch) for group in range(len(self.base_lrs))]
 
-    def closed_form(self, group, epoch):
-        return self.base_lrs[group] * self.lr_lambdas[group](epoch)
+    def formula(self, group, epoch):
+        return self.base_lrs[group] * call_python(self.lr_lambdas[group], epoch)
 
 
 class _Composite:
@@ -391,6 +409,19 @@ class SequentialLR(_Composite, LRScheduler):
             scheduler.step()
         self._last_lr = scheduler.get_last_lr()
 
+    def formula(self, group, epoch):
+        """Scheduler i's closed form from epoch 0 at milestone i - 1 (where `step` restarts it with
+        its closed form), when every scheduler has one."""
+        starts = [0, *self._milestones]
+        pieces = [scheduler.formula(group, epoch - start if start else epoch)
+                  for scheduler, start in zip(self._schedulers, starts)]
+        if any(piece is None for piece in pieces):
+            return None
+        lr = pieces[-1]
+        for milestone, piece in zip(reversed(self._milestones), reversed(pieces[:-1])):
+            lr = where(epoch < milestone, piece, lr)
+        return lr
+
 
 class MultiplicativeLR(_Lambdas, LRScheduler):
     """Multiply the LR by lr_lambda(epoch) every step (one function, or one per parameter group)."""
@@ -435,12 +466,12 @@ class PolynomialLR(LRScheduler):
             ** self.power
         return [lr * decay for lr in self._group_lrs()]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         period = self.total_iters
         if self.cycle:
-            period = period * math.ceil(max(epoch, 1) / period)
+            period = period * ceil(maximum(epoch, 1) / period)
         else:
-            epoch = min(epoch, period)
+            epoch = minimum(epoch, period)
         end = self.end_learning_rate
         return (self.base_lrs[group] - end) * (1 - epoch / period) ** self.power + end
 
@@ -459,11 +490,10 @@ class CosineDecayLR(LRScheduler):
     def get_lr(self):
         return self._get_closed_form_lr()
 
-    def closed_form(self, group, epoch):
-        if epoch >= self.decay_steps:
-            return self.base_lrs[group] * self.alpha
-        cos_decay = 0.5 * (1 + math.cos(math.pi * epoch / self.decay_steps))
-        return self.base_lrs[group] * ((1 - self.alpha) * cos_decay + self.alpha)
+    def formula(self, group, epoch):
+        cos_decay = 0.5 * (1 + cos(math.pi * epoch / self.decay_steps))
+        return where(epoch >= self.decay_steps, self.base_lrs[group] * self.alpha,
+                     self.base_lrs[group] * ((1 - self.alpha) * cos_decay + self.alpha))
 
 
 class WarmupLR(LRScheduler):
@@ -505,22 +535,19 @@ class WarmupLR(LRScheduler):
     def get_lr(self):
         return self._get_closed_form_lr()
 
-    def after_warmup(self, group: int, epoch: int) -> float:
-        """The LR from warmup_iters on: the wrapped scheduler's (at epoch - warmup_iters with
-        warmup_prefix), or the base LR."""
-        if self.scheduler is None:
-            return self.base_lrs[group]
-        return self.scheduler.closed_form(group, epoch - self.warmup_iters if self.warmup_prefix else epoch)
-
-    def closed_form(self, group, epoch):
-        if epoch >= self.warmup_iters:
-            return self.after_warmup(group, epoch)
+    def formula(self, group, epoch):
         base = self.base_lrs[group]
+        if self.scheduler is None:
+            after = base
+        else:   # the wrapped scheduler's LR (from epoch 0 after warmup with warmup_prefix)
+            after = self.scheduler.formula(group, epoch - self.warmup_iters if self.warmup_prefix else epoch)
         if self.warmup_method == "constant":
-            return base * self.warmup_factor
-        end_factor = self.after_warmup(group, self.warmup_iters) / base if not self.warmup_prefix else 1.0
-        return base * (self.warmup_factor + (end_factor - self.warmup_factor) * epoch / self.warmup_iters)
-
+            warm = base * self.warmup_factor
+        else:   # linear, to the wrapped scheduler's factor at warmup_iters (1 alone or with warmup_prefix)
+            end_factor = 1.0 if self.scheduler is None or self.warmup_prefix else \
+                self.scheduler.closed_form(group, self.warmup_iters) / base
+            warm = base * (self.warmup_factor + (end_factor - self.warmup_factor) * epoch / self.warmup_iters)
+        return where(epoch >= self.warmup_iters, after, warm)
 
     def state_dict(self):
         state = super().state_dict()
@@ -575,22 +602,13 @@ class CosineAnnealingWarmRestarts(LRScheduler):
     def get_lr(self):
         return [self.closed_form(group, self.epoch) for group in range(len(self.base_lrs))]
 
-    def position(self, epoch: float) -> tuple[float, float, int]:
-        """(T_cur, T_i, restarts): the position within the current period, that period's length
-        and how many restarts came before it."""
-        t_cur, t_i, restarts = epoch, self.T_0, 0
-        while t_cur >= t_i:
-            t_cur -= t_i
-            t_i *= self.T_mult
-            restarts += 1
-        return t_cur, t_i, restarts
-
-    def closed_form(self, group, epoch):
-        t_cur, t_i, restarts = self.position(epoch)
-        if self.restart_limit and restarts >= self.restart_limit:
-            return self.eta_min
-        peak = self.base_lrs[group] * self.decay_rate ** restarts
-        return self.eta_min + (peak - self.eta_min) * (1 + math.cos(math.pi * t_cur / t_i)) / 2
+    def formula(self, group, epoch):
+        # T_cur within the current period T_i, after `before` restarts
+        t_cur, t_i = since_restart(epoch, self.T_0, self.T_mult), restart_period(epoch, self.T_0, self.T_mult)
+        before = restarts(epoch, self.T_0, self.T_mult)
+        peak = self.base_lrs[group] * self.decay_rate ** before
+        lr = self.eta_min + (peak - self.eta_min) * (1 + cos(math.pi * t_cur / t_i)) / 2
+        return where(before >= self.restart_limit, self.eta_min, lr) if self.restart_limit else lr
 
 
 def _per_group(name: str, scheduler: str, optimizer, value) -> list:
@@ -681,9 +699,10 @@ class OneCycleLR(_MomentumCycling, LRScheduler):
             self._start_momentum_cycling(optimizer, base_momentum, max_momentum, last_epoch)
         super().__init__(optimizer, last_epoch)
 
-    def anneal(self, start: float, end: float, pct: float) -> float:
+    def anneal(self, start: float, end: float, pct):
+        """From `start` to `end` as `pct` goes from 0 to 1 (a number, or an LR formula's expression)."""
         if self.anneal_strategy == "cos":
-            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+            return end + (start - end) / 2.0 * (cos(math.pi * pct) + 1)
         return (end - start) * pct + start
 
     def _phase(self, epoch: int):
@@ -698,18 +717,22 @@ class OneCycleLR(_MomentumCycling, LRScheduler):
         if self.last_epoch > self.total_steps:
             raise ValueError(f"OneCycleLR: tried to step {self.last_epoch} times; the specified number of total "
                              f"steps is {self.total_steps}")
-        (_end, lr_from, lr_to, m_from, m_to), pct = self._phase(self.last_epoch)
-        lrs = []
-        for group in self.optimizer.param_groups:
-            lrs.append(self.anneal(group[lr_from], group[lr_to], pct))
-            if self.cycle_momentum:
+        if self.cycle_momentum:
+            (_end, _lr_from, _lr_to, m_from, m_to), pct = self._phase(self.last_epoch)
+            for group in self.optimizer.param_groups:
                 self._set_momentum(group, self.anneal(group[m_from], group[m_to], pct))
-        return lrs
+        return [self.closed_form(group, self.last_epoch) for group in range(len(self.optimizer.param_groups))]
 
-    def closed_form(self, group, epoch):
-        (_end, lr_from, lr_to, _m_from, _m_to), pct = self._phase(epoch)
+    def formula(self, group, epoch):
         values = self.optimizer.param_groups[group]
-        return self.anneal(values[lr_from], values[lr_to], pct)
+        start, pieces = 0.0, []
+        for end, lr_from, lr_to, _m_from, _m_to in self.phases:
+            pieces.append((end, self.anneal(values[lr_from], values[lr_to], (epoch - start) / (end - start))))
+            start = end
+        lr = pieces[-1][1]
+        for end, phase_lr in reversed(pieces[:-1]):
+            lr = where(epoch <= end, phase_lr, lr)
+        return lr
 
 
 class CyclicLR(_MomentumCycling, LRScheduler):
@@ -740,30 +763,31 @@ class CyclicLR(_MomentumCycling, LRScheduler):
         super().__init__(optimizer, last_epoch)
         self.base_lrs = list(self.cyclic_base_lrs)
 
-    def scale_fn(self, x: float) -> float:
+    def scale_fn(self, x):
+        """The amplitude's scale at `x` (a number, or an LR formula's expression)."""
         if self.custom_scale_fn is not None:
-            return self.custom_scale_fn(x)
+            return call_python(self.custom_scale_fn, x)
         if self.mode == "triangular":
             return 1.0
         if self.mode == "triangular2":
             return 1 / (2.0 ** (x - 1))
         return self.gamma ** x
 
-    def _heights(self, epoch: int) -> tuple[float, float]:
-        """(scale factor within the cycle, scale_fn's value) at `epoch`."""
-        cycle = math.floor(1 + epoch / self.total_size)
+    def _heights(self, epoch) -> tuple:
+        """(scale factor within the cycle, scale_fn's value) at `epoch`, as expressions."""
+        cycle = floor(1 + epoch / self.total_size)
         x = 1.0 + epoch / self.total_size - cycle
-        factor = x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        factor = where(x <= self.step_ratio, x / self.step_ratio, (x - 1) / (self.step_ratio - 1))
         return factor, self.scale_fn(cycle if self.scale_mode == "cycle" else epoch)
 
     def get_lr(self):
-        factor, scale = self._heights(self.last_epoch)
+        factor, scale = (evaluate(height, self.last_epoch) for height in self._heights(EPOCH))
         if self.cycle_momentum:
             for group, low, high in zip(self.optimizer.param_groups, self.base_momentums, self.max_momentums):
                 self._set_momentum(group, high - (high - low) * factor * scale)
         return [self.closed_form(group, self.last_epoch) for group in range(len(self.cyclic_base_lrs))]
 
-    def closed_form(self, group, epoch):
+    def formula(self, group, epoch):
         factor, scale = self._heights(epoch)
         base = self.cyclic_base_lrs[group]
         return base + (self.max_lrs[group] - base) * factor * scale
@@ -810,19 +834,14 @@ class ChainedScheduler(_Composite, LRScheduler):
             scheduler.step()
         self._last_lr = self._group_lrs()
 
-    def has_closed_form(self) -> bool:
-        return all(scheduler.multiplicative for scheduler in self._schedulers)
-
-    def closed_form(self, group, epoch):
-        """Chained multiplicative schedulers: the base LR times each one's factor at `epoch`."""
-        if not self.has_closed_form():
-            raise NotImplementedError("ChainedScheduler has a closed form only when every chained scheduler is "
-                                      "multiplicative (StepLR, MultiStepLR, ExponentialLR, ConstantLR, LinearLR)")
+    def formula(self, group, epoch):
+        """Chained multiplicative schedulers (StepLR, MultiStepLR, ExponentialLR, ConstantLR,
+        LinearLR): the base LR times each one's factor at `epoch`; others chained have none."""
+        if not all(scheduler.multiplicative for scheduler in self._schedulers):
+            return None
         base = self.base_lrs[group]
-        factor = 1.0
-        for scheduler in self._schedulers:
-            factor *= scheduler.closed_form(group, epoch) / base
-        return base * factor
+        factors = [scheduler.formula(group, epoch) / base for scheduler in self._schedulers]
+        return base * functools.reduce(operator.mul, factors)
 
 
 class ReduceLROnPlateau(LRScheduler):

@@ -12,7 +12,7 @@ depend on the step count or the LR schedule (lr, bias corrections, Adagrad's
 lr_decay, first-step momentum switch) become ``hyper`` state that the host
 writes before each call (`HostScalar`), so the schedule is exactly the eager
 one, and each carries a plain-data `schedule` (`lr_schedule` turns a
-scheduler's closed form into one) by which a standalone program advances it.
+scheduler's formula into one) by which a standalone program advances it.
 """
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from flowgen.nn.utils import clip_by_total_norm
 from flowgen.ops.registry import apply
 from flowgen.optim import SGD, Adam, AdamW, Optimizer, RuleOptimizer
 from flowgen.optim.adam import bias_corrections
+from flowgen.optim.closed_form import EPOCH, to_data, uses_python
 from flowgen.optim.optimizer import SCHEDULER_KEYS, group_clip, group_lr
 from flowgen.passes.autodiff import next_value_index
 from flowgen.tensor import Tensor
@@ -87,64 +88,16 @@ def group_lr_now(group: dict, g_index: int, scheduler, counter: dict) -> float:
 
 
 def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
-    """The LR schedule as plain data for a standalone program: the scheduler's closed form
-    (`closed_form_schedule`) at epoch e = t + offset of graph call t, times `scale` (the group's
-    lr_scale). Without a scheduler, or with one that runs Python code (LambdaLR,
-    MultiplicativeLR, SequentialLR, CyclicLR with a scale_fn, ChainedScheduler of others than
+    """The LR schedule as plain data for a standalone program: the scheduler's formula
+    (optim/closed_form.py) at epoch e = t + offset of graph call t, times `scale` (the group's
+    lr_scale). Without a scheduler, or with one that has no formula or runs Python code
+    (LambdaLR, MultiplicativeLR, CyclicLR with a scale_fn, ChainedScheduler of others than
     multiplicative schedulers), the program keeps the saved LR ("constant")."""
-    form = closed_form_schedule(scheduler, g_index) if scheduler is not None else None
-    if form is None:
+    formula = scheduler.formula(g_index, EPOCH) if scheduler is not None else None
+    if formula is None or uses_python(formula):
         return {"kind": "constant"}
-    return {**form, "offset": int(scheduler.last_epoch), "scale": float(group.get("lr_scale", 1.0))}
-
-
-def closed_form_schedule(scheduler, g_index: int) -> dict | None:
-    """`scheduler.closed_form(g_index, e)` as plain data ({"kind": "lr_<class name>", "base": the
-    group's base LR, parameters...}) that codegen/aot.py turns into C++, or None when it has none."""
-    kind = type(scheduler).__name__
-    base = float(scheduler.base_lrs[g_index])
-    form = {"kind": "lr_" + kind, "base": base}
-    if kind == "StepLR":
-        return {**form, "step_size": int(scheduler.step_size), "gamma": float(scheduler.gamma)}
-    if kind == "MultiStepLR":
-        return {**form, "milestones": sorted(int(m) for m in scheduler.milestones.elements()),
-                "gamma": float(scheduler.gamma)}
-    if kind == "ExponentialLR":
-        return {**form, "gamma": float(scheduler.gamma)}
-    if kind == "CosineAnnealingLR":
-        return {**form, "T_max": int(scheduler.T_max), "eta_min": float(scheduler.eta_min)}
-    if kind == "LinearLR":
-        return {**form, "start": float(scheduler.start_factor), "end": float(scheduler.end_factor),
-                "total": int(scheduler.total_iters)}
-    if kind == "ConstantLR":
-        return {**form, "factor": float(scheduler.factor), "total": int(scheduler.total_iters)}
-    if kind == "PolynomialLR":
-        return {**form, "total": int(scheduler.total_iters), "power": float(scheduler.power),
-                "end": float(scheduler.end_learning_rate), "cycle": bool(scheduler.cycle)}
-    if kind == "CosineDecayLR":
-        return {**form, "decay_steps": int(scheduler.decay_steps), "alpha": float(scheduler.alpha)}
-    if kind == "CosineAnnealingWarmRestarts":
-        return {**form, "T_0": int(scheduler.T_0), "T_mult": int(scheduler.T_mult),
-                "eta_min": float(scheduler.eta_min), "decay_rate": scheduler.decay_rate,
-                "restart_limit": int(scheduler.restart_limit)}
-    if kind == "OneCycleLR":
-        values = scheduler.optimizer.param_groups[g_index]
-        return {**form, "anneal": scheduler.anneal_strategy,
-                "phases": [[float(end), float(values[start_lr]), float(values[end_lr])]
-                           for end, start_lr, end_lr, _m_from, _m_to in scheduler.phases]}
-    if kind == "CyclicLR" and scheduler.custom_scale_fn is None:
-        return {**form, "base": float(scheduler.cyclic_base_lrs[g_index]),
-                "max_lr": float(scheduler.max_lrs[g_index]), "total_size": float(scheduler.total_size),
-                "step_ratio": float(scheduler.step_ratio), "mode": scheduler.mode, "gamma": float(scheduler.gamma)}
-    if kind == "ChainedScheduler" and scheduler.has_closed_form():
-        return {**form, "chained": [closed_form_schedule(child, g_index) for child in scheduler._schedulers]}
-    if kind == "WarmupLR":
-        after = None if scheduler.scheduler is None else closed_form_schedule(scheduler.scheduler, g_index)
-        if scheduler.scheduler is not None and after is None:
-            return None
-        return {**form, "factor": float(scheduler.warmup_factor), "iters": int(scheduler.warmup_iters),
-                "method": scheduler.warmup_method, "prefix": bool(scheduler.warmup_prefix), "after": after}
-    return None
+    return {"kind": "lr_" + type(scheduler).__name__, "formula": to_data(formula), "offset": int(scheduler.last_epoch),
+            "scale": float(group.get("lr_scale", 1.0))}
 
 
 def lower_optimizers(graph, grads: dict, optimizers: list, param_name: dict, device, counter: dict,

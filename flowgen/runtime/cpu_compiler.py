@@ -15,10 +15,8 @@ address."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import hashlib
 import os
-import platform
 import subprocess
 import tempfile
 import threading
@@ -28,87 +26,25 @@ from typing import Sequence
 from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import (
+    CXX,
     CompileError,
     atomic_write_bytes,
     cache_dir,
+    compiler_version,
     copy_file_atomically,
+    emulator_check,
+    kernel_flags,
     kernel_params,
+    link_flags,
     runtime_cpp_dir,
     safe_tag,
 )
-
-_CXX = "g++"
-
-
-def _host_has_fma() -> bool:
-    """Whether this x86 CPU has FMA instructions: kernels call fmaf (one rounding, as the GPU's
-    FFMA); with -mfma g++ inlines it instead of calling libm, and -ffp-contract=off keeps g++
-    from fusing any other a * b + c (eager rounds those twice)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return platform.machine() in ("x86_64", "AMD64") and " fma " in f" {f.read()} ".replace("\n", " ")
-    except OSError:
-        return False
-
-
-_FMA_FLAGS = ("-mfma", "-ffp-contract=off") if _host_has_fma() else ()
-_OPT_LEVELS = ("0", "1", "2")
-
-
-def emulator_optimisation() -> tuple:
-    """The emulator's g++ optimisation flags: `$FLOWGEN_EMULATOR_OPT` (0, 1 or 2; default 2) is
-    the level: 0 compiles kernels about 3x faster and runs them slower, for many small graphs
-    (tests, fuzzing). No level enables fast-math, and on x86-64 g++ fuses no a * b + c of its
-    own (no -mfma, or -ffp-contract=off with it), so every level computes the same IEEE
-    operations in the same order: the same numbers."""
-    level = os.environ.get("FLOWGEN_EMULATOR_OPT", "2").strip() or "2"
-    if level not in _OPT_LEVELS:
-        raise ValueError(f"FLOWGEN_EMULATOR_OPT={level!r}: the emulator's g++ optimisation level must be one of "
-                         f"{', '.join(_OPT_LEVELS)}")
-    return (f"-O{level}",)
-
-
-def emulator_check() -> bool:
-    """Whether `$FLOWGEN_EMULATOR_CHECK` asks for the checking emulator ("1"; "0" or unset: not)."""
-    value = os.environ.get("FLOWGEN_EMULATOR_CHECK", "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"FLOWGEN_EMULATOR_CHECK={value!r}: must be 1 (check every launch) or 0")
-    return value == "1"
-
-
-# The checking emulator's compile flags: g++ instruments every memory access of the kernels with a
-# call to a ThreadSanitizer entry point (runtime_cpp/flowgen_emu_check.h defines them), without the
-# per-function entry/exit calls.
-_CHECK_FLAGS = ("-DFLOWGEN_EMU_CHECK", "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
 
 
 class EmulatorCheckError(RuntimeError):
     """A launch on the checking emulator broke a rule of the hardware (a shared-memory race, a
     divergent barrier, a misaligned or out-of-bounds access, ...); the message names the kernel,
     block, thread and address."""
-
-
-def kernel_flags(optimisation: Sequence[str] | None = None) -> list:
-    """g++ flags of emulated kernels (objects or libraries, position-independent, so an object
-    links into a library or a program alike): `optimisation` replaces emulator_optimisation()
-    (a sanitized program's kernels: -O0 -g -fsanitize=..., which never run checked). Under
-    `$FLOWGEN_EMULATOR_CHECK=1` they build the checking emulator; such objects are linked
-    without -fsanitize=thread (link_flags)."""
-    opt = emulator_optimisation() if optimisation is None else tuple(optimisation)
-    check = _CHECK_FLAGS if optimisation is None and emulator_check() else ()
-    return ["-std=c++17", *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS, *check]
-
-
-def link_flags() -> list:
-    """g++ flags that link kernel objects into a library: the checking emulator's objects get the
-    link script that puts guard bytes around their `__shared__` variables."""
-    check = [f"-Wl,-T,{runtime_cpp_dir() / 'flowgen_emu_check.ld'}"] if emulator_check() else []
-    return ["-shared", "-fopenmp", "-Wl,-z,muldefs", *check]
-
-
-@functools.lru_cache(maxsize=None)
-def compiler_version() -> str:
-    return subprocess.run([_CXX, "--version"], capture_output=True, text=True, check=True).stdout
 
 
 def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
@@ -144,7 +80,7 @@ def _build_precompiled_header(runtime: Path, flags: list, header: Path) -> None:
     copy_file_atomically(runtime / "flowgen_emu.h", header)
     fd, partial = tempfile.mkstemp(dir=pch_dir, prefix=".flowgen_emu.h.", suffix=".gch")
     os.close(fd)
-    command = [_CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
+    command = [CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
     if subprocess.run(command, capture_output=True).returncode == 0:
         os.replace(partial, pch_dir / "flowgen_emu.h.gch")
     else:
@@ -199,7 +135,7 @@ def _link(flags: list, objects: list, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=library.parent, prefix=".kernels.", suffix=".so")
     os.close(fd)
-    command = [_CXX, *flags, *map(str, objects), "-o", partial]
+    command = [CXX, *flags, *map(str, objects), "-o", partial]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         Path(partial).unlink(missing_ok=True)
@@ -215,7 +151,7 @@ def _run_gxx(flags: list, source: str, build_dir: Path, artifact: str) -> None:
     atomic_write_bytes(source_path, source.encode())
     fd, partial = tempfile.mkstemp(dir=build_dir, prefix=f".{artifact}.", suffix=Path(artifact).suffix)
     os.close(fd)
-    command = [_CXX, *flags, "-x", "c++", str(source_path), "-o", partial]
+    command = [CXX, *flags, "-x", "c++", str(source_path), "-o", partial]
     result = subprocess.run(command, capture_output=True, text=True)
     log = " ".join(command) + "\n" + result.stdout + result.stderr
     atomic_write_bytes(build_dir / "compile.log", log.encode())

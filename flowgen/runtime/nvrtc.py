@@ -7,7 +7,6 @@ in parallel threads: NVRTC releases the GIL), giving several cubins and a name m
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from flowgen.runtime.toolchain import (
     CompileError,
     atomic_write_bytes,
     cache_dir,
-    cuda_include_dirs,
+    nvrtc_options,
     runtime_cpp_dir,
     safe_tag,
 )
@@ -77,17 +76,6 @@ def compile_ptx(source: str, arch: str = "sm_90", tag: str = "kernels") -> bytes
     return _compile(source, f"compute_{_arch_number_for(source, arch)}", tag, "kernels.ptx")
 
 
-def _options(target: str) -> list[str]:
-    # No --use_fast_math: kernels opt into fast intrinsics (__expf, ...) explicitly.
-    # FLOWGEN_NVRTC_LINEINFO=1 adds source lines to the cubins, so compute-sanitizer and Nsight
-    # Compute name the line of kernels.cu (in the NVRTC build folder) behind each report.
-    includes = [runtime_cpp_dir(), *cuda_include_dirs()]
-    lineinfo = ["-lineinfo"] if os.environ.get("FLOWGEN_NVRTC_LINEINFO") == "1" else []
-    return [f"--gpu-architecture={target}", "-std=c++17", "-DFLOWGEN_CUDA", *lineinfo] + [
-        f"-I{d}" for d in includes
-    ]
-
-
 def _salt(options: list[str]) -> str:
     """Everything besides the source that changes NVRTC's output: its version, the options
     and flowgen's headers."""
@@ -111,7 +99,7 @@ _MIN_CHUNK_CHARS = 15_000
 def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
     """Cubins for a generated kernels.cu: `artifacts` are cubin paths (load each as a module),
     `symbols` maps each kernel name to (cubin index, function name)."""
-    options = _options(cubin_arch(source, arch))
+    options = nvrtc_options(cubin_arch(source, arch))
     source = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
     return build_kernels(source, root=cache_dir() / "nvrtc-kernels", salt=_salt(options), artifact="kernels.cubin",
                          compiler="nvrtc", min_chunk_chars=_MIN_CHUNK_CHARS,
@@ -121,7 +109,7 @@ def compile_kernels(source: str, arch: str = "sm_90") -> KernelBuild:
 
 def _compile(source: str, target: str, tag: str, artifact_name: str) -> bytes:
     text = source if PRELUDE in source else f'#include "{PRELUDE}"\n{source}'
-    options = _options(target)
+    options = nvrtc_options(target)
     build_dir = cache_dir() / "nvrtc" / f"{safe_tag(tag)}-{_build_key(text, options)[:20]}"
     artifact = build_dir / artifact_name
     if artifact.is_file():

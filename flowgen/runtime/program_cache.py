@@ -57,7 +57,6 @@ from typing import Callable
 import ml_dtypes
 import numpy as np
 
-import flowgen
 from flowgen import dtype as dt
 from flowgen.codegen.templates import templates_dir
 from flowgen.ir.graph import Graph, Node
@@ -95,7 +94,7 @@ def source_fingerprint() -> str:
     import jinja2
 
     h = hashlib.sha256()
-    roots = [Path(flowgen.__file__).resolve().parent, templates_dir().resolve(), runtime_cpp_dir().resolve()]
+    roots = [Path(__file__).resolve().parent.parent, templates_dir().resolve(), runtime_cpp_dir().resolve()]
     for root in roots:
         for path in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
             h.update(f"{root.name}/{path.relative_to(root).as_posix()}\0".encode())

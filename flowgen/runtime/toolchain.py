@@ -1,13 +1,18 @@
-"""Where flowgen finds its headers and the CUDA headers, where it caches builds, and how
-compile failures are reported."""
+"""Where flowgen finds its headers and the CUDA headers, where it caches builds, how compile
+failures are reported, and the compilers' command lines: the one place that knows their flags
+(the emulator's kernels: cpu_compiler.py; NVRTC: nvrtc.py; the standalone program's g++, nvcc
+and MPI commands: codegen/aot.py)."""
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import platform
 import re
 import shutil
 import site
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -142,3 +147,181 @@ def _describe_failure(compiler: str, log: str, source: str, source_path: Path) -
     ]
     parts.append(f"generated source: {source_path}")
     return "\n\n".join(parts)
+
+
+class BuildError(RuntimeError):
+    """A build step failed; the message says which and why."""
+
+
+# ----------------------------------------------------------------------------- compiler flags
+CXX = "g++"
+CXX_STANDARD = "-std=c++17"   # g++, NVRTC and nvcc alike
+# Link kernel objects that may define one body twice (the same kernel compiled into two chunks by
+# concurrent processes; the index-error record, a weak definition in every chunk): one copy is kept.
+MULDEFS = "-Wl,-z,muldefs"
+
+
+def _host_has_fma() -> bool:
+    """Whether this x86 CPU has FMA instructions: kernels call fmaf (one rounding, as the GPU's
+    FFMA); with -mfma g++ inlines it instead of calling libm, and -ffp-contract=off keeps g++
+    from fusing any other a * b + c (eager rounds those twice)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return platform.machine() in ("x86_64", "AMD64") and " fma " in f" {f.read()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+_FMA_FLAGS = ("-mfma", "-ffp-contract=off") if _host_has_fma() else ()
+_OPT_LEVELS = ("0", "1", "2")
+
+
+def emulator_optimisation() -> tuple:
+    """The emulator's g++ optimisation flags: `$FLOWGEN_EMULATOR_OPT` (0, 1 or 2; default 2) is
+    the level: 0 compiles kernels about 3x faster and runs them slower, for many small graphs
+    (tests, fuzzing). No level enables fast-math, and on x86-64 g++ fuses no a * b + c of its
+    own (no -mfma, or -ffp-contract=off with it), so every level computes the same IEEE
+    operations in the same order: the same numbers."""
+    level = os.environ.get("FLOWGEN_EMULATOR_OPT", "2").strip() or "2"
+    if level not in _OPT_LEVELS:
+        raise ValueError(f"FLOWGEN_EMULATOR_OPT={level!r}: the emulator's g++ optimisation level must be one of "
+                         f"{', '.join(_OPT_LEVELS)}")
+    return (f"-O{level}",)
+
+
+def emulator_check() -> bool:
+    """Whether `$FLOWGEN_EMULATOR_CHECK` asks for the checking emulator ("1"; "0" or unset: not)."""
+    value = os.environ.get("FLOWGEN_EMULATOR_CHECK", "0").strip() or "0"
+    if value not in ("0", "1"):
+        raise ValueError(f"FLOWGEN_EMULATOR_CHECK={value!r}: must be 1 (check every launch) or 0")
+    return value == "1"
+
+
+# The checking emulator's compile flags: g++ instruments every memory access of the kernels with a
+# call to a ThreadSanitizer entry point (runtime_cpp/flowgen_emu_check.h defines them), without the
+# per-function entry/exit calls.
+_CHECK_FLAGS = ("-DFLOWGEN_EMU_CHECK", "-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
+
+
+def kernel_flags(optimisation: Sequence[str] | None = None) -> list:
+    """g++ flags of emulated kernels (objects or libraries, position-independent, so an object
+    links into a library or a program alike): `optimisation` replaces emulator_optimisation()
+    (a sanitized program's kernels: -O0 -g -fsanitize=..., which never run checked). Under
+    `$FLOWGEN_EMULATOR_CHECK=1` they build the checking emulator; such objects are linked
+    without -fsanitize=thread (link_flags)."""
+    opt = emulator_optimisation() if optimisation is None else tuple(optimisation)
+    check = _CHECK_FLAGS if optimisation is None and emulator_check() else ()
+    return [CXX_STANDARD, *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS, *check]
+
+
+def link_flags() -> list:
+    """g++ flags that link kernel objects into a library: the checking emulator's objects get the
+    link script that puts guard bytes around their `__shared__` variables."""
+    check = [f"-Wl,-T,{runtime_cpp_dir() / 'flowgen_emu_check.ld'}"] if emulator_check() else []
+    return ["-shared", "-fopenmp", MULDEFS, *check]
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_version() -> str:
+    return subprocess.run([CXX, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def nvrtc_options(target: str) -> list[str]:
+    """NVRTC's options for GPU architecture `target` (sm_90, sm_90a, ...)."""
+    # No --use_fast_math: kernels opt into fast intrinsics (__expf, ...) explicitly.
+    # FLOWGEN_NVRTC_LINEINFO=1 adds source lines to the cubins, so compute-sanitizer and Nsight
+    # Compute name the line of kernels.cu (in the NVRTC build folder) behind each report.
+    includes = [runtime_cpp_dir(), *cuda_include_dirs()]
+    lineinfo = ["-lineinfo"] if os.environ.get("FLOWGEN_NVRTC_LINEINFO") == "1" else []
+    return [f"--gpu-architecture={target}", CXX_STANDARD, "-DFLOWGEN_CUDA", *lineinfo] + [
+        f"-I{d}" for d in includes
+    ]
+
+
+# ----------------------------------------------------------- the standalone program's commands
+def mpi_flags() -> list:
+    """g++ flags that compile and link against MPI: `mpicxx -show` of the MPICH that `pip install
+    mpich` puts next to this Python (or the first mpicxx on PATH), without the compiler name."""
+    search = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    wrapper = shutil.which("mpicxx", path=search)
+    install = "install MPI with `pip install mpich` (it provides mpi.h, libmpi and mpicxx)"
+    if wrapper is None:
+        raise BuildError(f"this program all-reduces over several ranks and needs MPI to build, but mpicxx is not "
+                         f"next to {sys.executable} or on PATH: {install}")
+    shown = subprocess.run([wrapper, "-show"], capture_output=True, text=True)
+    flags = shown.stdout.split()[1:]
+    if shown.returncode != 0 or not flags:
+        raise BuildError(f"`{wrapper} -show` did not print MPICH's compile flags ({shown.stderr.strip()[:200]}); "
+                         f"{install}")
+    includes = [Path(f[2:]) for f in flags if f.startswith("-I")]
+    if not any((d / "mpi.h").is_file() for d in includes):
+        raise BuildError(f"mpi.h is not in the include directories `{wrapper} -show` gives "
+                         f"({', '.join(map(str, includes)) or 'none'}): {install}")
+    return flags
+
+
+def _sanitizer_flags(sanitize: str) -> list:
+    # Sanitized builds are for testing: -O0 compiles fastest and optimises nothing away.
+    return ["-O0", "-g", f"-fsanitize={sanitize}", f"-fno-sanitize-recover={sanitize}", "-fno-omit-frame-pointer"]
+
+
+def _mpi_compile_flags(mpi: list) -> list:
+    return [flag for flag in mpi if flag.startswith(("-I", "-D"))]
+
+
+def host_command(target: str, output: str, sanitize: str | None, mpi: list = ()) -> list:
+    """The g++ command of the program's host code; `mpi`: mpi_flags() for a program run by
+    mpiexec. On the cpu target it compiles program.cu's host unit into an object (`output`) that
+    `link_command` links with the kernels; on the cuda target, the whole binary.
+
+    Launch lists, file readers and the step loop, nothing hot: on the cuda target -O1 builds
+    MobileNetV2's training program in 11 s of CPU where -O2 took 28 s. On the cpu target, whose
+    launches run emulated kernels, -O0 (2.5 s of CPU for a small model's host unit, 4 s at -O1)."""
+    if sanitize:
+        optimise = _sanitizer_flags(sanitize)
+    else:
+        optimise = ["-O0"] if target == "cpu" else ["-O1"]
+    if target == "cpu":
+        return [CXX, CXX_STANDARD, *optimise, "-DFLOWGEN_EMULATOR", "-DFLOWGEN_HOST_UNIT", "-I.", "-c",
+                "-x", "c++", "program.cu", "-o", output, *_mpi_compile_flags(mpi)]
+    return [CXX, CXX_STANDARD, *optimise, "-I.", "-x", "c++", "program.cu", "-o", output, "-ldl", *mpi]
+
+
+def program_kernel_optimisation(sanitize: str | None) -> list | None:
+    """The cpu program's kernel flags besides kernel_flags' own: None keeps the emulator's level
+    (so the objects a graph's run compiled are reused), a sanitized build its sanitizers
+    (kernels included: they index the buffers the files fill)."""
+    return _sanitizer_flags(sanitize) if sanitize else None
+
+
+def kernels_command(sanitize: str | None) -> list:
+    """g++ compiling the kernel half of program.cu into one object: what `flowgen build` does in chunks."""
+    return [CXX, *kernel_flags(program_kernel_optimisation(sanitize)), "-DFLOWGEN_DEVICE_PASS", "-I.", "-include",
+            "flowgen_emu.h", "-c", "-x", "c++", "program.cu", "-o", "program_kernels.o"]
+
+
+def link_command(binary: str, objects: list, sanitize: str | None, mpi: list) -> list:
+    sanitizers = [f"-fsanitize={sanitize}"] if sanitize else []
+    return [CXX, "-fopenmp", *sanitizers, *objects, "-o", binary,
+            *[flag for flag in mpi if flag not in _mpi_compile_flags(mpi)]]
+
+
+def nvcc_command(arch: str) -> list:
+    return ["nvcc", "-cubin", f"-arch={arch}", CXX_STANDARD, "-DFLOWGEN_DEVICE_PASS", "-I.", "-x", "cu",
+            "program.cu", "-o", "program.cubin"]
+
+
+def program_build_commands(target: str, binary: str, sanitize: str | None, mpi: list, compiler: str,
+                           device_arch: str) -> list:
+    """The lines of program.cu's header that say how to build OUT by hand."""
+    if target == "cuda":
+        device = (" ".join(nvcc_command(device_arch)) if compiler == "nvcc"
+                  else f"NVRTC --gpu-architecture={device_arch} {CXX_STANDARD} -I<runtime_cpp> -I<CUDA include> "
+                       f"program.cu -> cubin")
+        return [f"device: {device} (written as program_cubin.inc)",
+                f"host:   {' '.join(host_command(target, binary, sanitize, mpi))}"]
+    return [f"kernels: {' '.join(kernels_command(sanitize))}",
+            "         (flowgen build compiles the kernels with these flags in parallel chunks, cached and",
+            "         shared with the emulator's; each renamed by its body's hash, named back at the link)",
+            f"host:    {' '.join(host_command(target, 'program_host.o', sanitize, mpi))}",
+            f"link:    {' '.join(link_command(binary, ['program_kernels.o', 'program_host.o'], sanitize, mpi))}"]
