@@ -234,3 +234,50 @@ def test_readme_snippet_runs_as_written(tmp_path, monkeypatch):
     net, logits = namespace["net"], namespace["logits"]
     assert np.isfinite(namespace["step_loss"].numpy()) and tuple(logits.shape) == (16, 10)
     assert all(p.grad is not None for p in net.parameters())
+
+
+_X = np.array([[0.5, -1.0, 0.0], [2.0, 3.0, -0.25]], np.float32)
+_B = np.random.default_rng(0).standard_normal((3, 2, 2)).astype(np.float32)
+_TABLE_CASES = [   # (ATen overload, positional arguments, keyword arguments): arrays become tensors
+    ("aten.pow.Scalar", (2.0, _X), {}), ("aten.where.ScalarSelf", (_X > 0, 1.5, _X), {}),
+    ("aten.baddbmm.default", (_B, _B, _B), {"beta": 0.5, "alpha": 2.0}), ("aten.rsub.Scalar", (_X, 2.0, 3), {}),
+    ("aten.var.correction", (_X, [1]), {"correction": 0, "keepdim": True}),
+    ("aten.div.Tensor_mode", (_X, 0.7), {"rounding_mode": "floor"}),
+    ("aten.slice.Tensor", (_X, 1, -2, 2 ** 63 - 1, 1), {}), ("aten.amax.default", (_X, [0]), {}),
+    ("aten.clamp.default", (_X, None, 1.0), {}), ("aten.copy.default", (_B[:, :1, :1].repeat(3, 2), _X[0]), {}),
+    ("aten.elu.default", (_X, 1.67, 1.05), {}), ("aten.squeeze.dims", (_B[:1, :1], [0, 1]), {}),
+    ("aten.index_put.default", (np.zeros((4, 3), np.float32), [np.array([1, 1, 3])], _X[:1], True), {}),
+    ("aten.index_put.default", (np.zeros((4, 3), np.float32), [np.array([1, 3])], _X), {}),
+    ("aten.index.Tensor", (_B, [None, np.array([1, 0, 1])]), {}),
+    ("aten.native_group_norm.default", (_B[:, :, :, None].repeat(2, 3), _X[0, :2], _X[1, :2], 3, 2, 4, 2, 1e-5), {}),
+    ("aten.native_layer_norm.default", (_B, [2], _X[0, :2], _X[1, :2], 1e-5), {}),
+    ("aten._scaled_dot_product_flash_attention_for_cpu.default", (_B[None], _B[None], _B[None]), {"is_causal": True}),
+    ("aten.convolution_backward.default", (_B[:2, None], _B[:2, None, :, :1].repeat(3, 3), _B[:1, None, :1, :],
+                                          [1], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [True, True, True]), {}),
+    ("aten.max_pool2d_with_indices_backward.default", (_B[None, :, :1, :1], _B[None], [2, 2], [2, 2], [0, 0], [1, 1],
+                                                       False, np.zeros((1, 3, 1, 1), np.int64)), {}),
+    ("aten._adaptive_avg_pool2d_backward.default", (_B[None, :, :1], _B[None]), {}),
+]
+
+
+@pytest.mark.parametrize("name, args, kwargs", _TABLE_CASES, ids=[c[0] for c in _TABLE_CASES])
+def test_table_entries_compute_what_the_aten_ops_do(name, args, kwargs):
+    from flowgen.frontends.aten_table import ATEN_OPS
+
+    namespace, op, overload = name.split(".")
+    aten_op = getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+    def convert(value, tensor):
+        if isinstance(value, np.ndarray):
+            return tensor(value)
+        if isinstance(value, list):
+            return [convert(v, tensor) for v in value]
+        return value
+
+    got = ATEN_OPS[name](*convert(list(args), flow.tensor), **kwargs)
+    expected = aten_op(*convert(list(args), torch.from_numpy), **kwargs)
+    got, expected = (got, expected) if isinstance(expected, tuple) else ((got,), (expected,))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert tuple(g.shape) == tuple(e.shape), f"{name} output {i}"
+        np.testing.assert_allclose(g.numpy().astype(np.float64), e.numpy().astype(np.float64), atol=1e-6,
+                                   rtol=1e-6, err_msg=f"{name} output {i}")

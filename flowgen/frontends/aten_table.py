@@ -242,13 +242,13 @@ def _convolution_backward(grad_output, input, weight, bias_sizes, stride, paddin
 
 def _max_pool2d_with_indices_backward(grad_output, input, kernel_size, stride, padding, dilation, ceil_mode,
                                       indices):
-    """The gradient routed to each window's first maximum (the one `indices` holds, as PyTorch picks it)."""
-    if input.ndim != 4:
-        raise NotImplementedError(f"aten.max_pool2d_with_indices_backward: flowgen takes (N, C, H, W) inputs, got "
-                                  f"{tuple(input.shape)}")
-    kernel = _pair(kernel_size)
-    return apply("max_pool2d_grad", grad_output, input, kernel_size=kernel, stride=_pair(stride) if stride else kernel,
-                 padding=_pair(padding), dilation=_pair(dilation), ceil_mode=bool(ceil_mode))
+    """Each output's gradient added at the input position `indices` names (h * W + w in its plane),
+    as ATen defines it: a scatter_add over each (n, c) plane."""
+    plane = input.shape[-2] * input.shape[-1]
+    lead = tuple(input.shape[:-2])
+    added = ops.scatter_add(creation.zeros(*lead, plane, dtype=grad_output.dtype, device=grad_output.device),
+                            len(lead), ops.reshape(indices, lead + (-1,)), ops.reshape(grad_output, lead + (-1,)))
+    return ops.reshape(added, tuple(input.shape))
 
 
 def _adaptive_avg_pool2d_backward(grad_output, input):
