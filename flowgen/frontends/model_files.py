@@ -17,9 +17,6 @@ from flowgen import nn
 from flowgen.creation import zeros
 from flowgen.serialization import save
 
-MODEL_FILE_SUFFIXES = (".pt2", ".onnx")
-
-
 class ImportedInference(nn.Graph):
     """An imported model's forward as an inference graph."""
 
@@ -59,10 +56,13 @@ def _onnx_graph(path: Path) -> ImportedInference:
     return graph
 
 
+_READERS = {".pt2": _pt2_graph, ".onnx": _onnx_graph}
+MODEL_FILE_SUFFIXES = tuple(_READERS)
+
+
 def save_model_file(path, directory) -> None:
     """Import the model file `path` (.pt2 or .onnx) and write it as a saved graph to `directory`."""
     path = Path(path)
-    readers = {".pt2": _pt2_graph, ".onnx": _onnx_graph}
-    if path.suffix not in readers:
+    if path.suffix not in _READERS:
         raise ValueError(f"{path}: flowgen imports model files ending in {', '.join(MODEL_FILE_SUFFIXES)}")
-    save(readers[path.suffix](path), directory)
+    save(_READERS[path.suffix](path), directory)
