@@ -1,13 +1,16 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
-    flowgen build SAVED_DIR -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
+    flowgen build SAVED_DIR|MODEL.pt2|MODEL.onnx -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
                   [--sanitize address|undefined|address,undefined] [--lib]
     flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
-    flowgen inspect SAVED_DIR|BUILD_DIR [--source] [--ir] [--memory]
+    flowgen inspect SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx [--source] [--ir] [--memory]
     flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
 
 SAVED_DIR is what `flow.save(graph, dir)` wrote, BUILD_DIR what `flowgen build` wrote (the
-program), RESULTS_DIR where `flowgen run` writes outputs and trained weights.
+program), RESULTS_DIR where `flowgen run` writes outputs and trained weights. MODEL.pt2 is a
+program written by `torch.export.save` (imported with flow.from_torch; needs torch), MODEL.onnx an
+ONNX model (needs the onnx package): each is imported and saved as a graph first
+(flowgen/frontends/model_files.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import contextlib
 
 import click
 
@@ -37,6 +42,7 @@ def _flowgen():
     need. It is not a way around an import cycle; a command calls this when it starts its work.
     """
     import flowgen.codegen.aot
+    import flowgen.frontends.model_files
     import flowgen.runtime.toolchain
     import flowgen.saved_graph
     import flowgen.serialization
@@ -60,6 +66,27 @@ def _load(path: str):
         return load_saved_graph(path)
     except CheckpointError as e:
         _fail(str(e))
+
+
+@contextlib.contextmanager
+def _saved_graph_dir(path: str):
+    """`path` if it is a directory, else the model file `path` (.pt2, .onnx) imported and saved as a
+    graph in a temporary directory, for as long as the command runs."""
+    if Path(path).is_dir():
+        yield path
+        return
+    model_files = _flowgen().frontends.model_files
+    if Path(path).suffix not in model_files.MODEL_FILE_SUFFIXES:
+        _fail(f"{path} is neither a saved graph directory nor a model file flowgen imports "
+              f"({', '.join(model_files.MODEL_FILE_SUFFIXES)})")
+    with tempfile.TemporaryDirectory(prefix="flowgen-import-") as directory:
+        try:
+            model_files.save_model_file(path, directory)
+        except ImportError as e:
+            _fail(f"{path}: {e} (.pt2 files need torch, .onnx files the onnx package: pip install 'flowgen[onnx]')")
+        except (ValueError, TypeError, NotImplementedError, RuntimeError) as e:
+            _fail(f"{path}: {e}")
+        yield directory
 
 
 def _read_manifest(out: str) -> dict:
@@ -101,7 +128,7 @@ def cli():
 
 
 @cli.command()
-@click.argument("saved_dir", metavar="SAVED_DIR", type=click.Path(exists=True, file_okay=False))
+@click.argument("saved_dir", metavar="SAVED_DIR|MODEL.pt2|MODEL.onnx", type=click.Path(exists=True))
 @click.option("-o", "--out", "out_dir", metavar="BUILD_DIR", required=True, type=click.Path(file_okay=False),
               help="Where the program goes: program.cu, the binary, weights.safetensors, manifest.json.")
 @click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
@@ -118,22 +145,28 @@ def cli():
               help="Also build BUILD_DIR/lib<name>.so and <name>.h: the graph as a shared library with a C API "
                    "(inference graphs; load it from Python with flow.load_compiled(BUILD_DIR)).")
 def build(saved_dir, out_dir, target, arch, compiler, sanitize, lib):
-    """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`).
+    """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`), or
+    an inference program for the model in MODEL.pt2 (by `torch.export.save`; for its example inputs'
+    shapes) or MODEL.onnx (for its static input shapes).
 
     Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<graph name>, and
     writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json. With --lib, also the shared
     library BUILD_DIR/lib<name>.so and its C header BUILD_DIR/<name>.h.
     """
+    start = time.perf_counter()
+    with _saved_graph_dir(saved_dir) as directory:
+        _build(saved_dir, directory, out_dir, target, arch, compiler, sanitize, lib, start)
+
+
+def _build(source, saved_dir, out_dir, target, arch, compiler, sanitize, lib, start):
     flowgen = _flowgen()
     BuildError, build_program = flowgen.codegen.aot.BuildError, flowgen.codegen.aot.build
     CompileError = flowgen.runtime.toolchain.CompileError
-
-    start = time.perf_counter()
     saved = _load(saved_dir)
     kind = "training" if saved.training else "inference"
     click.echo(f"flowgen build: {saved.name} ({kind}) -> {out_dir} [target {target}"
                f"{', ' + arch + ' via ' + compiler if target == 'cuda' else ''}]", err=True)
-    click.echo(f"  {'load':<22} {time.perf_counter() - start:7.2f} s   {saved_dir}", err=True)
+    click.echo(f"  {'load':<22} {time.perf_counter() - start:7.2f} s   {source}", err=True)
     try:
         result = build_program(saved, out_dir, target=target, arch=arch, compiler=compiler, sanitize=sanitize,
                                lib=lib, log=lambda line: click.echo(line, err=True))
@@ -262,13 +295,19 @@ def _io_lines(entries) -> list:
 
 
 @cli.command()
-@click.argument("path", metavar="SAVED_DIR|BUILD_DIR", type=click.Path(exists=True, file_okay=False))
+@click.argument("path", metavar="SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx", type=click.Path(exists=True))
 @click.option("--source", is_flag=True, help="Print the generated source (program.cu of a build, else kernels.cu).")
 @click.option("--ir", is_flag=True, help="Print the optimised IR.")
 @click.option("--memory", is_flag=True, help="Print the arena layout: every intermediate value's offset and lifetime.")
 def inspect(path, source, ir, memory):
-    """Summarise a saved graph (SAVED_DIR) or a build (BUILD_DIR): inputs/outputs, kernels and what each
-    fuses, launches per step, arena size against its lower bound."""
+    """Summarise a saved graph (SAVED_DIR), a build (BUILD_DIR) or a model file (MODEL.pt2 or
+    MODEL.onnx, as it would be built): inputs/outputs, kernels and what each fuses, launches per step, arena size against its
+    lower bound."""
+    with _saved_graph_dir(path) as directory:
+        _inspect(directory, source, ir, memory)
+
+
+def _inspect(path, source, ir, memory):
     manifest = None
     if (Path(path) / "manifest.json").is_file():
         manifest = _read_manifest(path)

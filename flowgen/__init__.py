@@ -34,3 +34,4 @@ from flowgen.distributed import env, sbp  # noqa: E402
 from flowgen.distributed import global_ops as _global_ops  # noqa: E402,F401  (installs eager ops on global tensors)
 from flowgen import sysconfig  # noqa: E402
 from flowgen.distributed.placement import placement  # noqa: E402
+from flowgen.frontends import from_torch  # noqa: E402,F401  (a PyTorch model as a flowgen Module)
