@@ -13,6 +13,10 @@ An `OpDef` holds everything flowgen knows about an op:
   eager tensors (autograd tape) and on lazy tensors (the graph autodiff pass).
 * ``lowering`` — how the graph compiler turns the op into kernel code (see
   `flowgen.ops.lowering`).
+* properties — what the passes ask of an op, answered by keywords of its defop
+  (``fusion="gemm"``, ``autocast="float32"``, ``sbp="matmul"``...): `PROPERTIES` lists each
+  one with its values and its default; a name or value outside them raises. Passes read
+  ``op.extra[name]``, never the op's name.
 
 `apply(name, *inputs, **attrs)` is the single entry point used by functional
 ops, Tensor methods and modules alike.
@@ -26,6 +30,7 @@ import numpy as np
 
 from flowgen import mixed_precision
 from flowgen import dtype as dt
+from flowgen.ops.lowering import Elementwise, Reduction, Template, View
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,116 @@ class TensorMeta:
         return f"{self.dtype.short}[{','.join(map(str, self.shape))}]"
 
 
+@dataclass(frozen=True)
+class Property:
+    """A question the passes ask of every op, answered where the op is defined (a keyword of its
+    defop). `valid(value)` says whether a value is one the property takes; an op that does not
+    answer gets `default(lowering, declared)` (its lowering decides most: an `Elementwise` op
+    fuses into elementwise kernels)."""
+    doc: str
+    valid: Callable[[Any], bool]
+    default: Callable[[Any, dict], Any]
+
+
+def _flag(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _one_of(*choices):
+    return lambda value: any(value is c or (type(value) is type(c) and value == c) for c in choices)
+
+
+def _operand_indices(value) -> bool:
+    return callable(value) or (isinstance(value, tuple) and all(type(i) is int and i >= 0 for i in value))
+
+
+def _by_lowering(**answers):
+    """The default answering by the lowering's kind (`Elementwise`, `Reduction`, `View`), else None."""
+    kinds = {Elementwise: answers.get("elementwise"), Reduction: answers.get("reduction"), View: answers.get("view")}
+    return lambda lowering, declared: kinds.get(type(lowering))
+
+
+def _false(lowering, declared):
+    return False
+
+
+# The roles of `fusion` and the lowering each needs (the fused kernel renders the op's expression,
+# combine or template).
+FUSION_LOWERING = {"elementwise": Elementwise, "reduction": Reduction, "view": View, "gemm": Template,
+                   "conv": Template, "transpose": Template}
+SBP_RULES = ("elementwise", "reduction", "sum_to", "reshape", "matmul", "permute", "rows", "normalized_rows")
+
+PROPERTIES: dict[str, Property] = {
+    "view": Property(
+        "PyTorch returns a view of the first input (record_view)", _flag, _false),
+    "grad_reads_inputs": Property(
+        "False: the gradient reads no saved values, only the inputs' shapes and integer indices, so a second "
+        "backward() may go through it without retain_graph (autograd.backward, Tracer.mark_backward)",
+        _flag, lambda lowering, declared: True),
+    "random": Property(
+        "draws random numbers on every call: never shared or precomputed, given a Philox offset per call "
+        "(passes/random_streams.py), refused on global tensors", _flag, _false),
+    "side_effect": Property(
+        "acts beyond its result (a pipeline's send and recv): never shared or precomputed", _flag, _false),
+    "fusion": Property(
+        "its role in passes/fusion.py: 'elementwise' (chains, prologues, epilogues), 'reduction' (an anchor "
+        "taking a prologue and an epilogue), 'view' (free inside a chain), 'gemm' / 'conv' (anchors taking an "
+        "epilogue), 'transpose' (a permute a GEMM reads in place when it swaps the last two dims), None (a "
+        "kernel of its own)", _one_of(None, *FUSION_LOWERING),
+        _by_lowering(elementwise="elementwise", reduction="reduction", view="view")),
+    "cast_scale": Property(
+        "its part in the cast/scale fusion family (graph.config.allow_fuse_cast_scale): 'cast', or 'scale' "
+        "(with one operand of one element), else None", _one_of(None, "cast", "scale"),
+        lambda lowering, declared: None),
+    "residual_add": Property(
+        "the sum of its two operands: with both of the result's size a residual add, which "
+        "allow_fuse_add_to_output keeps out of GEMM/conv epilogues and a layer_norm row kernel takes in",
+        _flag, _false),
+    "autocast": Property(
+        "its class under autocast (flowgen/mixed_precision.py): 'lower_precision' (runs in the 16-bit dtype), "
+        "'float32' (runs in float32), None (runs in its inputs' dtypes)",
+        _one_of(None, "lower_precision", "float32"), lambda lowering, declared: None),
+    "sbp": Property(
+        "the rule deducing its result's sbp from global operands' (distributed/global_ops.py), None: broadcast "
+        "operands only", _one_of(None, *SBP_RULES),
+        lambda lowering, declared: "rows" if declared.get("row_dim") is not None else
+        _by_lowering(elementwise="elementwise", reduction="reduction")(lowering, declared)),
+    "row_dim": Property(
+        "row ops: row_dim(attrs), the dim each row runs along (sbp rule 'rows')",
+        lambda value: value is None or callable(value), lambda lowering, declared: None),
+    "linear_in": Property(
+        "the operands it is linear in, each alone with the others fixed (a partial_sum operand stays partial "
+        "beside broadcast ones): a tuple of operand indices, or linear_in(attrs) -> tuple",
+        _operand_indices, lambda lowering, declared: ()),
+    "additive": Property(
+        "linear in all operands together, f(a + a', b + b') = f(a, b) + f(a', b') (partial_sum operands give "
+        "a partial_sum)", _flag, _false),
+    "local_shape_attr": Property(
+        "its `shape` attribute is the result's logical shape: on split operands each rank runs it with its "
+        "piece's", _flag, _false),
+}
+
+
+def _checked_properties(name: str, lowering, declared: dict) -> dict:
+    """`declared` validated against `PROPERTIES`, completed with their defaults."""
+    unknown = sorted(declared.keys() - PROPERTIES.keys())
+    if unknown:
+        raise ValueError(f"op {name!r}: unknown propert{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                         f"(an op's properties are {', '.join(PROPERTIES)}: flowgen/ops/registry.py PROPERTIES)")
+    for key, value in declared.items():
+        if not PROPERTIES[key].valid(value):
+            raise ValueError(f"op {name!r}: {key}={value!r} is not a value of {key}: {PROPERTIES[key].doc}")
+    properties = {key: declared[key] if key in declared else prop.default(lowering, declared)
+                  for key, prop in PROPERTIES.items()}
+    needs = FUSION_LOWERING.get(properties["fusion"])
+    if needs is not None and not isinstance(lowering, needs):
+        raise ValueError(f"op {name!r}: fusion={properties['fusion']!r} needs a {needs.__name__} lowering, "
+                         f"not {lowering!r}")
+    if (properties["sbp"] == "rows") != (properties["row_dim"] is not None):
+        raise ValueError(f"op {name!r}: sbp='rows' and row_dim go together (row_dim names the rows' dim)")
+    return properties
+
+
 @dataclass
 class OpDef:
     name: str
@@ -45,23 +160,24 @@ class OpDef:
     grad: Callable[..., tuple] | None = None
     lowering: Any = None
     num_outputs: int = 1
-    # Attributes whose value is random state drawn at call time (dropout seed).
     doc: str = ""
+    # Its properties (`PROPERTIES`), each name present: what it declared, else the default.
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.extra = _checked_properties(self.name, self.lowering, self.extra)
 
 
 REGISTRY: dict[str, OpDef] = {}
 
 
-def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "", **extra) -> OpDef:
-    """Register op `name`. `extra` holds its properties, among them: ``view=True`` (PyTorch returns
-    a view of the first input: record_view), ``grad_reads_inputs=False`` (the gradient reads no
-    saved values, only the inputs' shapes and integer indices, so a second backward() may go
-    through it without retain_graph: autograd.backward, Tracer.mark_backward), ``random=True``
-    (draws on every call)."""
+def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "",
+          **properties) -> OpDef:
+    """Register op `name`; `properties` answer what the passes ask of it (`PROPERTIES`: e.g.
+    ``fusion="gemm"``, ``autocast="float32"``, ``view=True``), the others take their defaults."""
     if name in REGISTRY:
         raise ValueError(f"op {name!r} is defined twice")
-    op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, extra)
+    op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, properties)
     REGISTRY[name] = op
     return op
 
@@ -166,7 +282,7 @@ def apply(name: str, *inputs, **attrs):
     tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _eager.as_tensor_like(x, like)
                                           for x in inputs]
     if mixed_precision.active() is not None:   # autocast: the dtypes flowgen/mixed_precision.py gives the op
-        plan = mixed_precision.plan(name, [t.dtype for t in tensors], mixed_precision.active())
+        plan = mixed_precision.plan(op, [t.dtype for t in tensors], mixed_precision.active())
         if plan is not None:
             return mixed_precision.run(plan, name, tensors, attrs, apply)
     lazy = False

@@ -43,13 +43,15 @@ def _reshape_infer(a, shape):
 
 defop("reshape", infer=_reshape_infer, ref=lambda a, shape: a.reshape(shape),
       grad=lambda ctx, g: (F.reshape(g, ctx.inputs[0].shape),),
-      lowering=View(), view=True, doc="reshape(x, shape): explicit target shape; a view of contiguous memory", grad_reads_inputs=False)
+      lowering=View(), view=True, doc="reshape(x, shape): explicit target shape; a view of contiguous memory", grad_reads_inputs=False,
+      sbp="reshape")
 
 
 # ---------------------------------------------------------------------- depend
 defop("depend", infer=lambda a, *deps: TensorMeta(a.shape, a.dtype), ref=lambda a, *deps: a,
       grad=lambda ctx, g: (g,) + (None,) * (len(ctx.inputs) - 1),
-      lowering=View(), doc="depend(x, *deps): x itself, ordered after the kernels computing deps (graph mode)")
+      lowering=View(), doc="depend(x, *deps): x itself, ordered after the kernels computing deps (graph mode)",
+      fusion=None)
 
 
 # ---------------------------------------------------------------------- permute
@@ -70,7 +72,8 @@ def _permute_grad(ctx, g):
 
 
 defop("permute", infer=_permute_infer, ref=lambda a, dims: np.transpose(a, tuple(dims)),
-      grad=_permute_grad, lowering=Template("copy"), view=True, doc="permute(x, dims)", grad_reads_inputs=False)
+      grad=_permute_grad, lowering=Template("copy"), view=True, doc="permute(x, dims)", grad_reads_inputs=False,
+      fusion="transpose", sbp="permute")
 
 
 # ---------------------------------------------------------------------- slice
