@@ -76,9 +76,11 @@ def _false(lowering, declared):
 
 
 # The roles of `fusion` and the lowering each needs (the fused kernel renders the op's expression,
-# combine or template).
+# combine or template); an Elementwise or Reduction op is rendered only inside a fused kernel, so
+# it takes its role.
 FUSION_LOWERING = {"elementwise": Elementwise, "reduction": Reduction, "view": View, "gemm": Template,
                    "conv": Template, "transpose": Template}
+_fusion_default = _by_lowering(elementwise="elementwise", reduction="reduction", view="view")
 SBP_RULES = ("elementwise", "reduction", "sum_to", "reshape", "matmul", "permute", "rows", "normalized_rows")
 
 PROPERTIES: dict[str, Property] = {
@@ -97,8 +99,7 @@ PROPERTIES: dict[str, Property] = {
         "its role in passes/fusion.py: 'elementwise' (chains, prologues, epilogues), 'reduction' (an anchor "
         "taking a prologue and an epilogue), 'view' (free inside a chain), 'gemm' / 'conv' (anchors taking an "
         "epilogue), 'transpose' (a permute a GEMM reads in place when it swaps the last two dims), None (a "
-        "kernel of its own)", _one_of(None, *FUSION_LOWERING),
-        _by_lowering(elementwise="elementwise", reduction="reduction", view="view")),
+        "kernel of its own)", _one_of(None, *FUSION_LOWERING), _fusion_default),
     "cast_scale": Property(
         "its part in the cast/scale fusion family (graph.config.allow_fuse_cast_scale): 'cast', or 'scale' "
         "(with one operand of one element), else None", _one_of(None, "cast", "scale"),
@@ -143,10 +144,12 @@ def _checked_properties(name: str, lowering, declared: dict) -> dict:
             raise ValueError(f"op {name!r}: {key}={value!r} is not a value of {key}: {PROPERTIES[key].doc}")
     properties = {key: declared[key] if key in declared else prop.default(lowering, declared)
                   for key, prop in PROPERTIES.items()}
-    needs = FUSION_LOWERING.get(properties["fusion"])
-    if needs is not None and not isinstance(lowering, needs):
-        raise ValueError(f"op {name!r}: fusion={properties['fusion']!r} needs a {needs.__name__} lowering, "
-                         f"not {lowering!r}")
+    role, needs = properties["fusion"], FUSION_LOWERING.get(properties["fusion"])
+    if (needs is not None and not isinstance(lowering, needs)) or \
+            (isinstance(lowering, (Elementwise, Reduction)) and role != _fusion_default(lowering, declared)):
+        raise ValueError(f"op {name!r}: fusion={role!r} does not go with its lowering {lowering!r} (an Elementwise "
+                         f"op is 'elementwise', a Reduction 'reduction'; 'gemm', 'conv' and 'transpose' take a "
+                         f"Template, 'view' a View)")
     if (properties["sbp"] == "rows") != (properties["row_dim"] is not None):
         raise ValueError(f"op {name!r}: sbp='rows' and row_dim go together (row_dim names the rows' dim)")
     return properties
