@@ -46,6 +46,9 @@ def test_roles_follow_the_lowering_unless_declared():
     assert REGISTRY["matmul"].extra["fusion"] == "gemm" and REGISTRY["conv2d"].extra["fusion"] == "conv"
     assert REGISTRY["conv2d_grad_weight"].extra["fusion"] is None
     assert REGISTRY["softmax"].extra["row_dim"]({"dim": 2}) == 2 and REGISTRY["softmax"].extra["sbp"] == "rows"
+    assert REGISTRY["cast"].extra["linear_in"]({"dtype": flow.float64}) == (0,)
+    assert REGISTRY["cast"].extra["linear_in"]({"dtype": flow.int32}) == ()
+    assert REGISTRY["permute"].extra["view"].strides((2, 3, 4), (12, 4, 1), {"dims": (2, 0, 1)}, (4, 2, 3)) == (1, 12, 4)
 
 
 def _define(name, **kwargs):
@@ -60,6 +63,8 @@ def test_a_misspelt_property_or_a_value_outside_its_set_raises_and_registers_not
         _define("test_op_properties_typo", autocast="fp16")
     with pytest.raises(ValueError, match="random=1 is not a value of random"):
         _define("test_op_properties_typo", random=1)
+    with pytest.raises(ValueError, match="view=True is not a value of view"):   # a view declares its strides
+        _define("test_op_properties_typo", view=True)
     with pytest.raises(ValueError, match="linear_in"):
         _define("test_op_properties_typo", linear_in=[0])
     with pytest.raises(ValueError, match="fusion='gemm' does not go with its lowering"):

@@ -26,7 +26,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise
-from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop
+from flowgen.ops.registry import TensorMeta, ViewOf, broadcast_shapes, defop
 
 
 def _needs(t) -> bool:
@@ -472,8 +472,12 @@ defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elemen
       doc="cast(x, dtype=DType); float -> int truncates toward zero", grad_reads_inputs=False,
       cast_scale="cast", linear_in=_linear_cast)
 
+def _same_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    return strides
+
+
 defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),
-      view=True, doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False,
+      view=ViewOf(_same_strides, in_order=True, differentiable=False), doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False,
       linear_in=(0,))
 
 
@@ -542,10 +546,17 @@ def _expand_infer(a, shape):
     return TensorMeta(shape, a.dtype)
 
 
+def _expand_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    """A broadcast dim (and a new leading one) reads the same element: stride 0."""
+    lead = len(out_shape) - len(shape)
+    return (0,) * lead + tuple(0 if size == 1 and new != 1 else stride
+                               for size, new, stride in zip(shape, out_shape[lead:], strides))
+
+
 defop("expand", infer=_expand_infer, ref=lambda a, shape: np.broadcast_to(a, shape),
       grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape),),
       lowering=Elementwise("({0})"),
-      view=True, doc="expand(x, shape): broadcast to `shape` (explicit, no -1)", grad_reads_inputs=False,
+      view=ViewOf(_expand_strides), doc="expand(x, shape): broadcast to `shape` (explicit, no -1)", grad_reads_inputs=False,
       linear_in=(0,), local_shape_attr=True)
 
 

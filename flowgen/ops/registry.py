@@ -43,6 +43,18 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
+class ViewOf:
+    """What an op returning a view of its first input, as PyTorch's does, declares (``view=``, read
+    by `record_view`): `strides(base_shape, base_strides, attrs, shape)` is the view's strides, None
+    where PyTorch copies instead; `in_order`: the view lists its base's elements in their order
+    (reshape, detach), so a write to all of them is the base's new value; `differentiable` False
+    (detach): a write through the view changes the base's values, not its gradient."""
+    strides: Callable[[tuple, tuple, dict, tuple], tuple | None]
+    in_order: bool = False
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
 class Property:
     """A question the passes ask of every op, answered where the op is defined (a keyword of its
     defop). `valid(value)` says whether a value is one the property takes; an op that does not
@@ -85,7 +97,8 @@ SBP_RULES = ("elementwise", "reduction", "sum_to", "reshape", "matmul", "permute
 
 PROPERTIES: dict[str, Property] = {
     "view": Property(
-        "PyTorch returns a view of the first input (record_view)", _flag, _false),
+        "a ViewOf: PyTorch returns a view of the first input (record_view), else None",
+        lambda value: value is None or isinstance(value, ViewOf), lambda lowering, declared: None),
     "grad_reads_inputs": Property(
         "False: the gradient reads no saved values, only the inputs' shapes and integer indices, so a second "
         "backward() may go through it without retain_graph (autograd.backward, Tracer.mark_backward)",
@@ -177,7 +190,7 @@ REGISTRY: dict[str, OpDef] = {}
 def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "",
           **properties) -> OpDef:
     """Register op `name`; `properties` answer what the passes ask of it (`PROPERTIES`: e.g.
-    ``fusion="gemm"``, ``autocast="float32"``, ``view=True``), the others take their defaults."""
+    ``fusion="gemm"``, ``autocast="float32"``), the others take their defaults."""
     if name in REGISTRY:
         raise ValueError(f"op {name!r} is defined twice")
     op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, properties)
@@ -306,7 +319,7 @@ def apply(name: str, *inputs, **attrs):
         metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
         result = op.ref(*arrays, **attrs)
         out = _eager.wrap_outputs(op, tensors, attrs, result, metas)
-    if op.extra.get("view"):
+    if op.extra["view"] is not None:
         record_view(out, tensors[0], name, attrs)
     return out
 
@@ -321,19 +334,19 @@ class View(NamedTuple):
 
 
 def record_view(out, base, name: str, attrs: dict) -> None:
-    """`out` is a view of `base` (an op defined with ``view=True``, or Tensor.detach: PyTorch
-    returns one sharing base's memory): it keeps a `View` of the tensor at the bottom of its
+    """`out` is a view of `base` made by op `name` (an op declaring ``view=ViewOf(...)``, among them
+    detach for Tensor.detach: PyTorch returns one sharing base's memory): it keeps a `View` of the tensor at the bottom of its
     chain of views, and the strides PyTorch's view has (stride(), is_contiguous()). flowgen's
     tensors own their data (a permute is a copy), so aliasing is carried by this record instead:
     an in-place write to `out` is written back into the root (Tensor._write_through), and a read
     of `out` after the root was written recomputes it (Tensor._refresh_view), in eager mode and
     while tracing alike. A reshape that base's strides do not allow (of a permuted or step-sliced
     tensor) is a copy in PyTorch, so it is not recorded."""
-    strides = _view_strides(name, base, attrs, tuple(out.shape))
+    of_base = get_op(name).extra["view"]
+    strides = of_base.strides(tuple(base.shape), base.stride(), attrs, tuple(out.shape))
     if strides is None:
         return
-    in_order = name in ("reshape", "detach")   # the view lists the root's elements in their order
-    differentiable = name != "detach"
+    in_order, differentiable = of_base.in_order, of_base.differentiable
     if base._view is not None:
         root, base_replay = base._view.root, base._view.replay
         replay = lambda r: apply(name, base_replay(r), **attrs)   # noqa: E731
@@ -343,48 +356,6 @@ def record_view(out, base, name: str, attrs: dict) -> None:
         root, replay = base, (lambda r: apply(name, r, **attrs))
     out._view = View(root, replay, root._version, in_order and out.numel() == root.numel(), differentiable)
     out._view_strides = None if strides == out._row_major_strides() else strides
-
-
-def _view_strides(name: str, base, attrs: dict, shape: tuple) -> tuple | None:
-    """The strides of PyTorch's view of `base` made by op `name`, or None where PyTorch copies."""
-    strides = base.stride()
-    if name == "permute":
-        return tuple(strides[d] for d in attrs["dims"])
-    if name == "slice":
-        return tuple(stride * step for stride, step in zip(strides, attrs["steps"]))
-    if name == "expand":
-        lead = len(shape) - len(base.shape)
-        return (0,) * lead + tuple(0 if size == 1 and new != 1 else stride
-                                   for size, new, stride in zip(base.shape, shape[lead:], strides))
-    if name == "reshape":
-        return _reshape_strides(tuple(base.shape), strides, shape)
-    return strides   # detach
-
-
-def _reshape_strides(old_shape: tuple, old_strides: tuple, new_shape: tuple) -> tuple | None:
-    """The strides of `new_shape` viewing memory laid out as `old_shape` with `old_strides`, or
-    None when no view can (PyTorch's computeStride: dims are split or merged only within runs of
-    dims contiguous with each other; size-1 dims go anywhere)."""
-    if not old_shape or 0 in old_shape:
-        return tuple(int(np.prod(new_shape[i + 1:], dtype=np.int64)) for i in range(len(new_shape)))
-    new_strides = [0] * len(new_shape)
-    view_d = len(new_shape) - 1
-    chunk_base_stride = old_strides[-1]
-    tensor_numel = view_numel = 1
-    for tensor_d in reversed(range(len(old_shape))):
-        tensor_numel *= old_shape[tensor_d]
-        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
-                             and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
-            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
-                new_strides[view_d] = view_numel * chunk_base_stride
-                view_numel *= new_shape[view_d]
-                view_d -= 1
-            if view_numel != tensor_numel:
-                return None
-            if tensor_d > 0:
-                chunk_base_stride = old_strides[tensor_d - 1]
-                tensor_numel = view_numel = 1
-    return tuple(new_strides) if view_d == -1 else None
 
 
 class _EagerRuntime:
