@@ -87,6 +87,10 @@ def _false(lowering, declared):
     return False
 
 
+def _none(lowering, declared):
+    return None
+
+
 # The roles of `fusion` and the lowering each needs (the fused kernel renders the op's expression,
 # combine or template); an Elementwise or Reduction op is rendered only inside a fused kernel, so
 # it takes its role.
@@ -94,11 +98,18 @@ FUSION_LOWERING = {"elementwise": Elementwise, "reduction": Reduction, "view": V
                    "conv": Template, "transpose": Template}
 _fusion_default = _by_lowering(elementwise="elementwise", reduction="reduction", view="view")
 SBP_RULES = ("elementwise", "reduction", "sum_to", "reshape", "matmul", "permute", "rows", "normalized_rows")
+_sbp_by_lowering = _by_lowering(elementwise="elementwise", reduction="reduction")
+
+
+def _sbp_default(lowering, declared):
+    """A row op's rule is "rows"; an Elementwise or Reduction op's its kind's."""
+    return "rows" if declared.get("row_dim") is not None else _sbp_by_lowering(lowering, declared)
+
 
 PROPERTIES: dict[str, Property] = {
     "view": Property(
         "a ViewOf: PyTorch returns a view of the first input (record_view), else None",
-        lambda value: value is None or isinstance(value, ViewOf), lambda lowering, declared: None),
+        lambda value: value is None or isinstance(value, ViewOf), _none),
     "grad_reads_inputs": Property(
         "False: the gradient reads no saved values, only the inputs' shapes and integer indices, so a second "
         "backward() may go through it without retain_graph (autograd.backward, Tracer.mark_backward)",
@@ -111,12 +122,11 @@ PROPERTIES: dict[str, Property] = {
     "fusion": Property(
         "its role in passes/fusion.py: 'elementwise' (chains, prologues, epilogues), 'reduction' (an anchor "
         "taking a prologue and an epilogue), 'view' (free inside a chain), 'gemm' / 'conv' (anchors taking an "
-        "epilogue), 'transpose' (a permute a GEMM reads in place when it swaps the last two dims), None (a "
-        "kernel of its own)", _one_of(None, *FUSION_LOWERING), _fusion_default),
+        "epilogue), 'transpose' (a permutation of its `dims` attribute, read in place by the GEMM it feeds or "
+        "follows when it swaps the last two), None (a kernel of its own)", _one_of(None, *FUSION_LOWERING), _fusion_default),
     "cast_scale": Property(
         "its part in the cast/scale fusion family (graph.config.allow_fuse_cast_scale): 'cast', or 'scale' "
-        "(with one operand of one element), else None", _one_of(None, "cast", "scale"),
-        lambda lowering, declared: None),
+        "(with one operand of one element), else None", _one_of(None, "cast", "scale"), _none),
     "residual_add": Property(
         "the sum of its two operands: with both of the result's size a residual add, which "
         "allow_fuse_add_to_output keeps out of GEMM/conv epilogues and a layer_norm row kernel takes in",
@@ -124,15 +134,13 @@ PROPERTIES: dict[str, Property] = {
     "autocast": Property(
         "its class under autocast (flowgen/mixed_precision.py): 'lower_precision' (runs in the 16-bit dtype), "
         "'float32' (runs in float32), None (runs in its inputs' dtypes)",
-        _one_of(None, "lower_precision", "float32"), lambda lowering, declared: None),
+        _one_of(None, "lower_precision", "float32"), _none),
     "sbp": Property(
         "the rule deducing its result's sbp from global operands' (distributed/global_ops.py), None: broadcast "
-        "operands only", _one_of(None, *SBP_RULES),
-        lambda lowering, declared: "rows" if declared.get("row_dim") is not None else
-        _by_lowering(elementwise="elementwise", reduction="reduction")(lowering, declared)),
+        "operands only", _one_of(None, *SBP_RULES), _sbp_default),
     "row_dim": Property(
         "row ops: row_dim(attrs), the dim each row runs along (sbp rule 'rows')",
-        lambda value: value is None or callable(value), lambda lowering, declared: None),
+        lambda value: value is None or callable(value), _none),
     "linear_in": Property(
         "the operands it is linear in, each alone with the others fixed (a partial_sum operand stays partial "
         "beside broadcast ones): a tuple of operand indices, or linear_in(attrs) -> tuple",
