@@ -17,20 +17,19 @@ is "elementwise", a `Reduction` op's "reduction"), and the properties the rules 
   (mean: each rank's sum / the logical count), over other dims -> S(d') (d' counts the kept dims);
   P -> P; max / min over a split dim gather the operand to B first;
 * "sum_to": S(d) of a dim the target shape reduces -> P, of a dim it keeps -> S(d'); P -> P;
-* matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
+* "matmul": (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
   operand takes its piece of k), (P, B) and (B, P) -> P;
-* "matmul" above; "permute": S(d) -> S(perm.index(d)); P -> P;
+* "permute": S(d) -> S(perm.index(d)); P -> P;
 * "reshape": S(d) -> S(e) when the target keeps dim d whole with the same elements before it
   (unsqueeze / squeeze, reshaping trailing dims: matmul with a vector goes through it); P -> P;
-* "rows", ops declaring ``row_dim`` (softmax / log_softmax along `dim`; the cross-entropy rows of
-  (N, C) logits and their gradient, rows along dim 1): split along another dim than the row's -> the same split (a B
-  operand takes its piece); split along the row's dim, or P, -> the operands are gathered to B
-  first and the result is B;
+* "rows", the ops declaring ``row_dim``, the dim each row runs along (softmax / log_softmax along
+  `dim`; the cross-entropy rows of (N, C) logits and their gradient along the classes, dim 1):
+  split along another dim than the row's -> the same split (a B operand takes its piece); split
+  along the row's dim, or P, -> the operands are gathered to B first and the result is B;
 * "normalized_rows", layer_norm / add_layer_norm / layer_norm_backward (rows over the trailing
-  normalized dims): the
-  row operands (the input's rank: x, g, mean, rstd, ...) split along one leading dim -> the same
-  split, with B weight and bias whole (a B row operand takes its piece); anything else is gathered
-  to B first.
+  normalized dims): the row operands (the input's rank: x, g, mean, rstd, ...) split along one
+  leading dim -> the same split, with B weight and bias whole (a B row operand takes its piece);
+  anything else is gathered to B first.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
 operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
