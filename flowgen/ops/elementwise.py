@@ -477,7 +477,8 @@ def _same_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -
 
 
 defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),
-      view=ViewOf(_same_strides, in_order=True, differentiable=False), doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False,
+      view=ViewOf(_same_strides, in_order=True, differentiable=False),
+      doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False,
       linear_in=(0,))
 
 
@@ -556,7 +557,8 @@ def _expand_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple)
 defop("expand", infer=_expand_infer, ref=lambda a, shape: np.broadcast_to(a, shape),
       grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape),),
       lowering=Elementwise("({0})"),
-      view=ViewOf(_expand_strides), doc="expand(x, shape): broadcast to `shape` (explicit, no -1)", grad_reads_inputs=False,
+      view=ViewOf(_expand_strides), doc="expand(x, shape): broadcast to `shape` (explicit, no -1)",
+      grad_reads_inputs=False,
       linear_in=(0,), local_shape_attr=True)
 
 

@@ -123,7 +123,8 @@ PROPERTIES: dict[str, Property] = {
         "its role in passes/fusion.py: 'elementwise' (chains, prologues, epilogues), 'reduction' (an anchor "
         "taking a prologue and an epilogue), 'view' (free inside a chain), 'gemm' / 'conv' (anchors taking an "
         "epilogue), 'transpose' (a permutation of its `dims` attribute, read in place by the GEMM it feeds or "
-        "follows when it swaps the last two), None (a kernel of its own)", _one_of(None, *FUSION_LOWERING), _fusion_default),
+        "follows when it swaps the last two), None (a kernel of its own)",
+        _one_of(None, *FUSION_LOWERING), _fusion_default),
     "cast_scale": Property(
         "its part in the cast/scale fusion family (graph.config.allow_fuse_cast_scale): 'cast', or 'scale' "
         "(with one operand of one element), else None", _one_of(None, "cast", "scale"), _none),
@@ -343,9 +344,10 @@ class View(NamedTuple):
 
 def record_view(out, base, name: str, attrs: dict) -> None:
     """`out` is a view of `base` made by op `name` (an op declaring ``view=ViewOf(...)``, among them
-    detach for Tensor.detach: PyTorch returns one sharing base's memory): it keeps a `View` of the tensor at the bottom of its
-    chain of views, and the strides PyTorch's view has (stride(), is_contiguous()). flowgen's
-    tensors own their data (a permute is a copy), so aliasing is carried by this record instead:
+    detach for Tensor.detach: PyTorch returns one sharing base's memory): it keeps a `View` of the
+    tensor at the bottom of its chain of views, and the strides PyTorch's view has (stride(),
+    is_contiguous()). flowgen's tensors own their data (a permute is a copy), so aliasing is
+    carried by this record instead:
     an in-place write to `out` is written back into the root (Tensor._write_through), and a read
     of `out` after the root was written recomputes it (Tensor._refresh_view), in eager mode and
     while tracing alike. A reshape that base's strides do not allow (of a permuted or step-sliced
