@@ -1,21 +1,22 @@
-"""Automatic mixed precision: which dtype each op runs in under autocast (the one table).
+"""Automatic mixed precision: which dtype each op runs in under autocast.
 
 `graph.config.enable_amp(True, dtype=flow.bfloat16 | flow.float16)` (nn.Graph) and the eager
 context manager `flow.autocast(device_type, dtype)` (= `flow.amp.autocast`) both read this module:
 the tracer of build() (ir/trace.py) and the eager context push the autocast dtype, and
 `registry.apply`, the one entry point of eager and traced ops alike, asks `plan()` for every op run
-while one is active and casts the op's inputs as it says. The lists follow PyTorch's CUDA autocast
-(aten/src/ATen/autocast_mode.cpp), spelled in flowgen's op names (a composite such as F.linear,
-F.mse_loss or F.group_norm follows from its ops):
+while one is active and casts the op's inputs as it says. Each op declares its class with its
+defop (``autocast=``, flowgen/ops/registry.py PROPERTIES), following PyTorch's CUDA autocast lists
+(aten/src/ATen/autocast_mode.cpp; a composite such as F.linear, F.mse_loss or F.group_norm follows
+from its ops):
 
-* LOWER_PRECISION: floating inputs (float32, and the other 16-bit type; never float64) are cast to
+* "lower_precision" (matmul, the convolutions, attention): floating inputs (float32, and the other 16-bit type; never float64) are cast to
   the autocast dtype and the result stays in it: the GEMM / conv / attention kernels accumulate in
   float32 and store 16 bits. `F.linear` and the convolutions cast their bias too (PyTorch's linear
   and conv take all three operands in the autocast dtype), so the bias add stays 16-bit.
-* FLOAT32: 16-bit inputs are cast up to float32 and the result is float32 (softmax, log_softmax,
+* "float32": 16-bit inputs are cast up to float32 and the result is float32 (softmax, log_softmax,
   cross entropy, layer_norm, exp/log/pow and friends, sum, cumsum/cumprod; and mean, which PyTorch
   computes in float32 inside its norm and loss kernels: BatchNorm's statistics and mse are means).
-* Every other op runs in its inputs' dtypes (BatchNorm of a 16-bit input with float32 parameters
+* None, every other op, runs in its inputs' dtypes (BatchNorm of a 16-bit input with float32 parameters
   computes in float32 and keeps the input's dtype, as PyTorch's batch_norm); a binary op of a
   16-bit and a float32 tensor promotes to float32 (add, mul, where, cat: PyTorch's type promotion,
   and its autocast "promote" list, which only names ops that do not promote by themselves).
@@ -30,11 +31,6 @@ import contextlib
 import functools
 
 from flowgen import dtype as dt
-
-LOWER_PRECISION = frozenset({"matmul", "conv2d", "conv2d_grad_input", "attention", "attention_dropout"})
-FLOAT32 = frozenset({"softmax", "log_softmax", "cross_entropy_rows", "binary_cross_entropy", "layer_norm", "exp",
-                     "expm1", "log", "log1p", "log2", "log10", "pow", "reciprocal", "rsqrt", "erfinv", "tan", "asin",
-                     "acos", "sinh", "cosh", "sum", "mean", "cumsum", "cumprod"})
 
 LOW_DTYPES = (dt.float16, dt.bfloat16)
 
@@ -72,12 +68,13 @@ def _is_castable(dtype) -> bool:
     return dtype in LOW_DTYPES or dtype == dt.float32
 
 
-def plan(op_name: str, dtypes: list, low) -> tuple | None:
-    """The dtype each input of op `op_name` (inputs of `dtypes`) is cast to under autocast to `low`;
-    None when it runs as given (not listed, or its inputs already have the dtypes the list asks for)."""
-    if op_name in LOWER_PRECISION:
+def plan(op, dtypes: list, low) -> tuple | None:
+    """The dtype each input of `op` (an OpDef; inputs of `dtypes`) is cast to under autocast to `low`;
+    None when it runs as given (no autocast class, or its inputs already have the dtypes its class asks for)."""
+    autocast = op.extra["autocast"]
+    if autocast == "lower_precision":
         inputs = tuple(low if _is_castable(d) else d for d in dtypes)
-    elif op_name in FLOAT32:
+    elif autocast == "float32":
         inputs = tuple(dt.float32 if d in LOW_DTYPES else d for d in dtypes)
     else:
         return None
@@ -94,11 +91,11 @@ def run(dtypes: tuple, op_name: str, tensors, attrs: dict, apply):
 
 class autocast:  # noqa: N801 - PyTorch's name
     """`with flow.autocast("cuda", dtype=flow.bfloat16):` (also `flow.amp.autocast`, and a
-    decorator): eager ops in the block run in the dtypes the lists above give them, as under
+    decorator): eager ops in the block run in the dtypes their autocast classes give them, as under
     torch.autocast; `loss.backward()` runs its gradient formulas with autocast off, in the dtypes
     the forward chose. A graph traces build() with the config's autocast dtype (`enable_amp`, or
     none) whatever region the graph is called in; an autocast block inside build() applies to the
-    ops in it, as in eager code. `device_type` is "cuda" or "cpu" (the lists are the same for both;
+    ops in it, as in eager code. `device_type` is "cuda" or "cpu" (the classes are the same for both;
     the default dtype is float16 for "cuda" and bfloat16 for "cpu", as PyTorch's); `enabled=False`
     turns autocast off inside the block. `cache_enabled` is taken for PyTorch's signature: it caches
     weight casts there and changes no number."""

@@ -21,7 +21,6 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
-from flowgen import mixed_precision
 from flowgen.ops.registry import REGISTRY
 from torch_oracle import get_torch
 
@@ -31,9 +30,15 @@ import gpt_char  # noqa: E402
 U_BF16 = 2.0 ** -8
 
 
-def test_every_listed_op_is_a_registered_op():
-    for name in mixed_precision.LOWER_PRECISION | mixed_precision.FLOAT32:
-        assert name in REGISTRY, name
+def test_autocast_classes_are_pytorchs_lists_in_flowgens_op_names():
+    """Each op declares its class with its defop (autocast=); together they are PyTorch's CUDA lists."""
+    def declaring(autocast):
+        return {name for name, op in REGISTRY.items() if op.extra["autocast"] == autocast}
+    assert declaring("lower_precision") == {"matmul", "conv2d", "conv2d_grad_input", "attention", "attention_dropout"}
+    assert declaring("float32") == {
+        "softmax", "log_softmax", "cross_entropy_rows", "binary_cross_entropy", "layer_norm", "exp", "expm1", "log",
+        "log1p", "log2", "log10", "pow", "reciprocal", "rsqrt", "erfinv", "tan", "asin", "acos", "sinh", "cosh", "sum",
+        "mean", "cumsum", "cumprod"}
 
 
 def test_autocast_refuses_other_dtypes_and_devices():

@@ -1,29 +1,35 @@
 """Eager ops on global tensors, as OneFlow runs them: each rank runs the op on its local
 components and the result is a global tensor whose sbp is deduced from the operands' sbps.
 
-Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_sum):
+Deduction (one placement dimension; B = broadcast, S(d) = split(d), P = partial_sum). Each op names
+its rule with its defop (``sbp=``, flowgen/ops/registry.py PROPERTIES; an `Elementwise` op's
+is "elementwise", a `Reduction` op's "reduction"), and the properties the rules read:
 
-* any op, every operand B -> B (random ops excepted: the ranks would draw different values);
-* elementwise ops (`Elementwise` lowering): operands S(d) and B -> S(d) (a B operand that is not
-  size 1 along d takes its own piece, a local slice); P operands of the linear ops (neg, cast,
-  add/sub of P with P, mul of P by B, div of P by B) stay P; any other P operand is all-reduced
-  to B first (a cast to an integer or bool dtype is not linear: it truncates each part);
-* sum / sum_to / mean: S(d) reduced over d -> P (mean: each rank's sum / the logical count), over
-  other dims -> S(d') (d' counts the kept dims); P -> P; max / min over a split dim gather the
-  operand to B first;
-* matmul: (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
+* any op, every operand B -> B (random ops excepted, ``random=True``: the ranks would draw
+  different values);
+* "elementwise": operands S(d) and B -> S(d) (a B operand that is not size 1 along d takes its own
+  piece, a local slice; an op whose ``shape`` attribute is the logical result's, expand, runs with
+  its piece's: ``local_shape_attr``); P stays P where the op is linear in it: every operand P of
+  an ``additive`` op (add, sub), or one P operand beside B ones that the op is ``linear_in`` (neg,
+  detach, expand, mul, div of P by B, a cast to a floating dtype: a cast to an integer or bool
+  truncates each part); any other P operand is all-reduced to B first;
+* "reduction" (sum / mean / max / min; a combine of "sum" is linear): S(d) reduced over d -> P
+  (mean: each rank's sum / the logical count), over other dims -> S(d') (d' counts the kept dims);
+  P -> P; max / min over a split dim gather the operand to B first;
+* "sum_to": S(d) of a dim the target shape reduces -> P, of a dim it keeps -> S(d'); P -> P;
+* "matmul": (S(m), B) -> S(m), (B, S(n)) -> S(n), (S(k), S(k)), (S(k), B) and (B, S(k)) -> P (a B
   operand takes its piece of k), (P, B) and (B, P) -> P;
-* permute: S(d) -> S(perm.index(d)); P -> P;
-* reshape: S(d) -> S(e) when the target keeps dim d whole with the same elements before it
+* "permute": S(d) -> S(perm.index(d)); P -> P;
+* "reshape": S(d) -> S(e) when the target keeps dim d whole with the same elements before it
   (unsqueeze / squeeze, reshaping trailing dims: matmul with a vector goes through it); P -> P;
-* row ops (softmax / log_softmax along `dim`; the cross-entropy rows of (N, C) logits and their
-  gradient, rows along dim 0): split along another dim than the row's -> the same split (a B
-  operand takes its piece); split along the row's dim, or P, -> the operands are gathered to B
-  first and the result is B;
-* layer_norm / add_layer_norm / layer_norm_backward (rows over the trailing normalized dims): the
-  row operands (the input's rank: x, g, mean, rstd, ...) split along one leading dim -> the same
-  split, with B weight and bias whole (a B row operand takes its piece); anything else is gathered
-  to B first.
+* "rows", the ops declaring ``row_dim``, the dim each row runs along (softmax / log_softmax along
+  `dim`; the cross-entropy rows of (N, C) logits and their gradient along the classes, dim 1):
+  split along another dim than the row's -> the same split (a B operand takes its piece); split
+  along the row's dim, or P, -> the operands are gathered to B first and the result is B;
+* "normalized_rows", layer_norm / add_layer_norm / layer_norm_backward (rows over the trailing
+  normalized dims): the row operands (the input's rank: x, g, mean, rstd, ...) split along one
+  leading dim -> the same split, with B weight and bias whole (a B row operand takes its piece);
+  anything else is gathered to B first.
 
 Anything else with a non-broadcast operand raises `NotImplementedError` naming the op and the
 operands' sbps, never a result with a guessed sbp. Autograd records the op on the global tensors,
@@ -53,15 +59,8 @@ from flowgen.autograd import no_grad, record
 from flowgen.distributed import global_tensor
 from flowgen.distributed.sbp import broadcast, partial_sum, sbp as Sbp, split
 from flowgen.ops import registry
-from flowgen.ops.lowering import Elementwise
 from flowgen.ops.registry import OpDef
 from flowgen.tensor import Tensor, as_tensor_like
-
-_RANDOM = frozenset({"dropout", "random_uniform", "random_normal", "random_int", "randperm"})
-# Elementwise ops linear in their partial_sum operand, given that the others are broadcast.
-_LINEAR_IN_FIRST = frozenset({"neg", "cast", "detach", "mul", "div", "expand"})
-_LINEAR_IN_SECOND = frozenset({"mul"})
-_ADDITIVE = frozenset({"add", "sub"})
 
 
 @dataclass(frozen=True)
@@ -118,29 +117,29 @@ def _split_elementwise(op_name, tensors, out_ndim):
     return locals_, split(d)
 
 
-def _linear_in_first(op, attrs) -> bool:
-    """Whether `op` is linear in its first operand; a cast is only to a floating dtype (a cast to
-    an integer truncates each rank's part: the parts' truncations do not sum to the truncated sum)."""
-    if op.name == "cast":
-        return attrs["dtype"].is_floating
-    return op.name in _LINEAR_IN_FIRST
+def _keeps_partial_sum(op, kinds, attrs) -> bool:
+    """Whether the ranks' results of `op` on operands laid out as `kinds` (some partial_sum) sum
+    to its logical result: all operands partial and the op additive, or one partial operand the
+    op is linear in beside broadcast ones."""
+    if op.extra["additive"] and all(k == "partial_sum" for k in kinds):
+        return True
+    linear = op.extra["linear_in"]
+    linear = linear(attrs) if callable(linear) else linear
+    partial = [i for i, k in enumerate(kinds) if k == "partial_sum"]
+    return (len(partial) == 1 and partial[0] in linear
+            and all(k == "broadcast" for i, k in enumerate(kinds) if i != partial[0]))
 
 
 def _elementwise(op, tensors, attrs, out_ndim):
     kinds = [_layout(t).kind for t in tensors]
     if "partial_sum" in kinds:
-        partial_ok = (
-            (op.name in _ADDITIVE and all(k == "partial_sum" for k in kinds))
-            or (kinds[0] == "partial_sum" and _linear_in_first(op, attrs)
-                and all(k == "broadcast" for k in kinds[1:]))
-            or (len(kinds) == 2 and kinds == ["broadcast", "partial_sum"] and op.name in _LINEAR_IN_SECOND))
-        if partial_ok:
+        if _keeps_partial_sum(op, kinds, attrs):
             return [t._global.local for t in tensors], partial_sum, attrs
         tensors = [_boxed(t, broadcast) if _layout(t).kind == "partial_sum" else t for t in tensors]
         kinds = [_layout(t).kind for t in tensors]
     if "split" in kinds:
         locals_, layout = _split_elementwise(op.name, tensors, out_ndim)
-        if op.name == "expand":
+        if op.extra["local_shape_attr"]:
             attrs = dict(attrs, shape=_local_shape(attrs["shape"], layout.dim, locals_[0], tensors[0]))
         return locals_, layout, attrs
     return [t._global.local for t in tensors], broadcast, attrs
@@ -160,10 +159,14 @@ def _local_shape(shape, d, local, t):
     return tuple(shape)
 
 
-def _reduction(op, x, attrs, out_ndim):
+def _reduction(op, tensors, attrs, out_ndim):
+    """A `Reduction` over attrs["dims"]: a sum (mean: a sum divided by the count) is linear, so
+    partial sums stay partial; a max or min needs the whole operand."""
+    x, = tensors
+    linear = op.lowering.combine == "sum"
     layout = _layout(x)
     if layout.kind == "partial_sum":
-        if op.name in ("sum", "sum_to", "mean"):
+        if linear:
             return [x._global.local], partial_sum, attrs
         x = _boxed(x, broadcast)
         layout = broadcast
@@ -171,30 +174,40 @@ def _reduction(op, x, attrs, out_ndim):
         return [x._global.local], broadcast, attrs
     d = layout.dim
     local = x._global.local
-    if op.name == "sum_to":
-        shape = tuple(attrs["shape"])
-        lead = x.ndim - len(shape)
-        if d < lead or shape[d - lead] == 1 and x.shape[d] != 1:
-            return [local], partial_sum, attrs
-        return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (_piece_size(local, d),)
-                                              + shape[d - lead + 1:])
     dims, keepdim = tuple(attrs["dims"]), attrs.get("keepdim", False)
     if d in dims:
-        if op.name == "mean":   # each rank's sum over its piece / the logical count: partial means
-            count = float(np.prod([x.shape[r] for r in dims]))
-            return [local], partial_sum, _LocalRun("sum", attrs, divisor=count)
-        if op.name != "sum":
+        if not linear:
             x = _boxed(x, broadcast)
             return [x._global.local], broadcast, attrs
+        if op.lowering.average:   # each rank's sum over its piece / the logical count: partial means
+            count = float(np.prod([x.shape[r] for r in dims]))
+            return [local], partial_sum, _LocalRun("sum", attrs, divisor=count)
         return [local], partial_sum, attrs
     return [local], split(d if keepdim else d - sum(1 for r in dims if r < d)), attrs
 
 
-def _reshape(op, x, attrs):
+def _sum_to(op, tensors, attrs, out_ndim):
+    """sum_to(x, shape): a split dim the target shape reduces (a leading one, or one it keeps as 1)
+    gives partial sums, a dim it keeps stays split."""
+    x, = tensors
+    layout = _layout(x)
+    local = x._global.local
+    if layout.kind == "partial_sum":
+        return [local], partial_sum, attrs
+    d, shape = layout.dim, tuple(attrs["shape"])
+    lead = x.ndim - len(shape)
+    if d < lead or shape[d - lead] == 1 and x.shape[d] != 1:
+        return [local], partial_sum, attrs
+    return [local], split(d - lead), dict(attrs, shape=shape[:d - lead] + (_piece_size(local, d),)
+                                          + shape[d - lead + 1:])
+
+
+def _reshape(op, tensors, attrs, out_ndim):
     """S(d) -> S(e) when the target shape keeps dim d whole with the same elements before it
     (prod(shape[:e]) == prod(x.shape[:d]) and shape[e] == x.shape[d]): each rank's piece reshapes
     to its piece of the result (inserting or dropping size-1 dims, reshaping the trailing dims).
     P -> P; any other reshape of a split tensor would need other ranks' elements."""
+    x, = tensors
     layout = _layout(x)
     if layout.kind == "partial_sum":
         return [x._global.local], partial_sum, attrs
@@ -209,7 +222,8 @@ def _reshape(op, x, attrs):
                                       f"of shape {shape}")
 
 
-def _matmul(op, a, b, attrs, out_ndim):
+def _matmul(op, tensors, attrs, out_ndim):
+    a, b = tensors
     la, lb = _layout(a), _layout(b)
     pair = (la.kind, lb.kind)
     if pair == ("broadcast", "broadcast"):
@@ -234,22 +248,19 @@ def _matmul(op, a, b, attrs, out_ndim):
     return [a._global.local, b._global.local], layout, attrs
 
 
-def _permute(op, x, attrs):
+def _permute(op, tensors, attrs, out_ndim):
+    x, = tensors
     layout = _layout(x)
     if layout.kind == "split":
         layout = split(list(attrs["dims"]).index(layout.dim))
     return [x._global.local], layout, attrs
 
 
-# Row ops: the dim each row runs along; the cross-entropy ops' operands share their dim 0 (rows).
-_ROW_DIM = {"softmax": lambda attrs: attrs["dim"], "log_softmax": lambda attrs: attrs["dim"],
-            "cross_entropy_rows": lambda attrs: 1, "cross_entropy_rows_grad": lambda attrs: 1}
-
-
-def _rows(op, tensors, attrs):
+def _rows(op, tensors, attrs, out_ndim):
     """Each rank runs its own rows when the operands are split along one dim the rows do not
-    run along; otherwise the operands are gathered to broadcast first (module docstring)."""
-    row_dim = _ROW_DIM[op.name](attrs)
+    run along (the op's row_dim); otherwise the operands are gathered to broadcast first (module
+    docstring)."""
+    row_dim = op.extra["row_dim"](attrs)
     dims = {_layout(t).dim if _layout(t).kind == "split" else None for t in tensors} - {None}
     kinds = {_layout(t).kind for t in tensors}
     if "partial_sum" in kinds or len(dims) != 1 or row_dim in dims:
@@ -259,10 +270,7 @@ def _rows(op, tensors, attrs):
     return locals_, split(d), attrs
 
 
-_NORMALIZED_ROWS = frozenset({"layer_norm", "add_layer_norm", "layer_norm_backward"})
-
-
-def _normalized_rows(op, tensors, attrs):
+def _normalized_rows(op, tensors, attrs, out_ndim):
     """The layer_norm family: each rank normalizes its own rows when the row operands are split
     along one leading dim and the weight and bias (of the normalized shape) are broadcast."""
     ndim = max(t.ndim for t in tensors)
@@ -279,28 +287,25 @@ def _normalized_rows(op, tensors, attrs):
     return locals_, split(d), attrs
 
 
+# The sbp rules an op names with its defop (``sbp=``; registry.SBP_RULES), but "elementwise",
+# which runs on broadcast operands too.
+_RULES = {"reduction": _reduction, "sum_to": _sum_to, "reshape": _reshape, "matmul": _matmul, "permute": _permute,
+          "rows": _rows, "normalized_rows": _normalized_rows}
+
+
 def _local_inputs(op, tensors, attrs, out_ndim):
     """(local operands, output sbp, local attrs) for `op` on global `tensors`."""
-    if op.name in _RANDOM:
+    if op.extra["random"]:
         raise NotImplementedError(f"flowgen has no eager {op.name} on global tensors (each rank would draw "
                                   f"different random values); run it on local tensors or inside an nn.Graph")
-    if isinstance(op.lowering, Elementwise):
+    rule = op.extra["sbp"]
+    if rule == "elementwise":
         return _elementwise(op, tensors, attrs, out_ndim)
     if all(_layout(t).kind == "broadcast" for t in tensors):
         return [t._global.local for t in tensors], broadcast, attrs
-    if op.name in ("sum", "sum_to", "mean", "max", "min"):
-        return _reduction(op, tensors[0], attrs, out_ndim)
-    if op.name == "reshape":
-        return _reshape(op, tensors[0], attrs)
-    if op.name == "matmul":
-        return _matmul(op, *tensors, attrs, out_ndim)
-    if op.name == "permute":
-        return _permute(op, tensors[0], attrs)
-    if op.name in _ROW_DIM:
-        return _rows(op, tensors, attrs)
-    if op.name in _NORMALIZED_ROWS:
-        return _normalized_rows(op, tensors, attrs)
-    raise _unsupported(op.name, tensors)
+    if rule is None:
+        raise _unsupported(op.name, tensors)
+    return _RULES[rule](op, tensors, attrs, out_ndim)
 
 
 def apply_global(op, tensors, attrs):

@@ -26,7 +26,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Elementwise
-from flowgen.ops.registry import TensorMeta, broadcast_shapes, defop
+from flowgen.ops.registry import TensorMeta, ViewOf, broadcast_shapes, defop
 
 
 def _needs(t) -> bool:
@@ -125,22 +125,22 @@ def _float_ref(fn):
 
 
 # ======================================================================== unary
-def _unary(name, ref, expr, grad=None, infer=_float_unary_infer, doc=""):
-    defop(name, infer=infer, ref=ref, grad=grad, lowering=Elementwise(expr), doc=doc)
+def _unary(name, ref, expr, grad=None, infer=_float_unary_infer, doc="", **properties):
+    defop(name, infer=infer, ref=ref, grad=grad, lowering=Elementwise(expr), doc=doc, **properties)
 
 
 _unary("neg", np.negative, "(-({0}))", infer=_unary_infer,
-       grad=lambda ctx, g: (F.neg(g),))
+       grad=lambda ctx, g: (F.neg(g),), linear_in=(0,))
 _unary("abs", np.abs, "(({0}) < 0 ? -({0}) : ({0}))", infer=_unary_infer,
        grad=lambda ctx, g: (g * F.sign(ctx.inputs[0]),))
 _unary("exp", _float_ref(np.exp), "expf({0})",
-       grad=lambda ctx, g: (g * ctx.outputs[0],))
+       grad=lambda ctx, g: (g * ctx.outputs[0],), autocast="float32")
 _unary("log", _float_ref(np.log), "logf({0})",
-       grad=lambda ctx, g: (g / ctx.inputs[0],))
+       grad=lambda ctx, g: (g / ctx.inputs[0],), autocast="float32")
 _unary("sqrt", _float_ref(np.sqrt), "sqrtf({0})",
        grad=lambda ctx, g: (g / (ctx.outputs[0] * 2),))
 _unary("rsqrt", _float_ref(lambda a: 1 / np.sqrt(a)), "rsqrtf({0})",
-       grad=lambda ctx, g: (g * F.pow(ctx.outputs[0], 3) * -0.5,))
+       grad=lambda ctx, g: (g * F.pow(ctx.outputs[0], 3) * -0.5,), autocast="float32")
 _unary("sin", _float_ref(np.sin), "sinf({0})",
        grad=lambda ctx, g: (g * F.cos(ctx.inputs[0]),))
 _unary("cos", _float_ref(np.cos), "cosf({0})",
@@ -261,7 +261,7 @@ _unary("sign", lambda a: np.sign(a) if a.dtype.kind != "f" else np.where(np.isna
        doc="-1, 0 or 1; 0 for NaN (the kernel's comparisons, and PyTorch)")
 _unary("floor", np.floor, "floorf({0})", infer=_unary_infer, grad=lambda ctx, g: (None,))
 _unary("reciprocal", _float_ref(lambda a: 1 / a), "(1.0f / ({0}))",
-       grad=lambda ctx, g: (-(g * ctx.outputs[0] * ctx.outputs[0]),))
+       grad=lambda ctx, g: (-(g * ctx.outputs[0] * ctx.outputs[0]),), autocast="float32")
 _unary("logical_not", np.logical_not, "(!({0}))", infer=_bool_unary_infer)
 
 
@@ -300,11 +300,11 @@ def _erfinv_ref(a):
 
 _unary("erfinv", _float_ref(_erfinv_ref), "erfinvf({0})",
        grad=lambda ctx, g: (g * F.exp(ctx.outputs[0] * ctx.outputs[0]) * (math.sqrt(math.pi) / 2.0),),
-       doc="erfinv(x): the y with erf(y) = x; +-inf at +-1, NaN outside [-1, 1]")
+       doc="erfinv(x): the y with erf(y) = x; +-inf at +-1, NaN outside [-1, 1]", autocast="float32")
 _unary("log1p", _float_ref(np.log1p), "log1pf({0})",
-       grad=lambda ctx, g: (g / (ctx.inputs[0] + 1),))
+       grad=lambda ctx, g: (g / (ctx.inputs[0] + 1),), autocast="float32")
 _unary("expm1", _float_ref(np.expm1), "expm1f({0})",
-       grad=lambda ctx, g: (g * (ctx.outputs[0] + 1),))
+       grad=lambda ctx, g: (g * (ctx.outputs[0] + 1),), autocast="float32")
 # ---- trigonometric and hyperbolic functions, log2/log10/exp2: each its own C function (log2f(8) is
 # exactly 3, sinhf keeps its relative precision near 0), float32 list of autocast for the ones PyTorch
 # lists. The gradients are PyTorch's formulas, op for op, so edge values agree (asin'(1) = inf,
@@ -313,17 +313,17 @@ _LN2 = 0.6931471805599453
 _LN10 = 2.3025850929940456
 
 _unary("tan", _float_ref(np.tan), "tanf({0})",
-       grad=lambda ctx, g: (g * (ctx.outputs[0] * ctx.outputs[0] + 1),))
+       grad=lambda ctx, g: (g * (ctx.outputs[0] * ctx.outputs[0] + 1),), autocast="float32")
 _unary("asin", _float_ref(np.arcsin), "asinf({0})",
-       grad=lambda ctx, g: (g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0]),))
+       grad=lambda ctx, g: (g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0]),), autocast="float32")
 _unary("acos", _float_ref(np.arccos), "acosf({0})",
-       grad=lambda ctx, g: (-(g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0])),))
+       grad=lambda ctx, g: (-(g * F.rsqrt(1 - ctx.inputs[0] * ctx.inputs[0])),), autocast="float32")
 _unary("atan", _float_ref(np.arctan), "atanf({0})",
        grad=lambda ctx, g: (g / (ctx.inputs[0] * ctx.inputs[0] + 1),))
 _unary("sinh", _float_ref(np.sinh), "sinhf({0})",
-       grad=lambda ctx, g: (g * F.cosh(ctx.inputs[0]),))
+       grad=lambda ctx, g: (g * F.cosh(ctx.inputs[0]),), autocast="float32")
 _unary("cosh", _float_ref(np.cosh), "coshf({0})",
-       grad=lambda ctx, g: (g * F.sinh(ctx.inputs[0]),))
+       grad=lambda ctx, g: (g * F.sinh(ctx.inputs[0]),), autocast="float32")
 _unary("asinh", _float_ref(np.arcsinh), "asinhf({0})",
        grad=lambda ctx, g: (g * F.rsqrt(ctx.inputs[0] * ctx.inputs[0] + 1),))
 _unary("acosh", _float_ref(np.arccosh), "acoshf({0})",
@@ -331,9 +331,9 @@ _unary("acosh", _float_ref(np.arccosh), "acoshf({0})",
 _unary("atanh", _float_ref(np.arctanh), "atanhf({0})",
        grad=lambda ctx, g: (g / (1 - ctx.inputs[0] * ctx.inputs[0]),))
 _unary("log2", _float_ref(np.log2), "log2f({0})",
-       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN2),))
+       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN2),), autocast="float32")
 _unary("log10", _float_ref(np.log10), "log10f({0})",
-       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN10),))
+       grad=lambda ctx, g: (g / (ctx.inputs[0] * _LN10),), autocast="float32")
 _unary("exp2", _float_ref(np.exp2), "exp2f({0})",
        grad=lambda ctx, g: (g * ctx.outputs[0] * _LN2,))
 
@@ -462,11 +462,24 @@ def _cast_expr(attrs) -> str:
     return "({0})"
 
 
+def _linear_cast(attrs) -> tuple:
+    """A cast is linear only to a floating dtype: a cast to an integer truncates, and the truncated
+    parts of a sum do not add up to the truncated sum."""
+    return (0,) if attrs["dtype"].is_floating else ()
+
+
 defop("cast", infer=_cast_infer, ref=_cast_ref, grad=_cast_grad, lowering=Elementwise(_cast_expr),
-      doc="cast(x, dtype=DType); float -> int truncates toward zero", grad_reads_inputs=False)
+      doc="cast(x, dtype=DType); float -> int truncates toward zero", grad_reads_inputs=False,
+      cast_scale="cast", linear_in=_linear_cast)
+
+def _same_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    return strides
+
 
 defop("detach", infer=_unary_infer, ref=lambda a: a.copy(), lowering=Elementwise("({0})"),
-      view=True, doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False)
+      view=ViewOf(_same_strides, in_order=True, differentiable=False),
+      doc="identity that stops gradients (Tensor.detach on lazy tensors)", grad_reads_inputs=False,
+      linear_in=(0,))
 
 
 def _with_value_infer(x, value):
@@ -534,10 +547,19 @@ def _expand_infer(a, shape):
     return TensorMeta(shape, a.dtype)
 
 
+def _expand_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    """A broadcast dim (and a new leading one) reads the same element: stride 0."""
+    lead = len(out_shape) - len(shape)
+    return (0,) * lead + tuple(0 if size == 1 and new != 1 else stride
+                               for size, new, stride in zip(shape, out_shape[lead:], strides))
+
+
 defop("expand", infer=_expand_infer, ref=lambda a, shape: np.broadcast_to(a, shape),
       grad=lambda ctx, g: (F.sum_to(g, ctx.inputs[0].shape),),
       lowering=Elementwise("({0})"),
-      view=True, doc="expand(x, shape): broadcast to `shape` (explicit, no -1)", grad_reads_inputs=False)
+      view=ViewOf(_expand_strides), doc="expand(x, shape): broadcast to `shape` (explicit, no -1)",
+      grad_reads_inputs=False,
+      linear_in=(0,), local_shape_attr=True)
 
 
 # ======================================================================== binary
@@ -603,17 +625,19 @@ def _minmax_grad(pick):
 
 
 defop("add", infer=_binary_infer("add"), ref=_binary_ref(np.add), grad=_add_grad,
-      lowering=Elementwise("({0} + {1})"), grad_reads_inputs=False)
+      lowering=Elementwise("({0} + {1})"), grad_reads_inputs=False, residual_add=True, additive=True)
 defop("sub", infer=_binary_infer("sub"), ref=_binary_ref(np.subtract), grad=_sub_grad,
-      lowering=Elementwise("({0} - {1})"), grad_reads_inputs=False)
+      lowering=Elementwise("({0} - {1})"), grad_reads_inputs=False, additive=True)
 defop("mul", infer=_binary_infer("mul"), ref=_binary_ref(np.multiply), grad=_mul_grad,
-      lowering=Elementwise("({0} * {1})"))
+      lowering=Elementwise("({0} * {1})"), cast_scale="scale", linear_in=(0, 1))
 defop("div", infer=_float_binary_infer("div"), ref=_quiet(_binary_ref(np.true_divide)), grad=_div_grad,
       lowering=Elementwise("({0} / {1})"),
-      doc="true division; integer inputs give float32 (the functional layer casts them first)")
+      doc="true division; integer inputs give float32 (the functional layer casts them first)",
+      cast_scale="scale", linear_in=(0,))
 defop("pow", infer=_binary_infer("pow"), ref=_quiet(_binary_ref(np.power)), grad=_pow_grad,
       lowering=Elementwise("flowgen_pow({0}, {1})"),
-      doc="a ** b; integers exactly, wrapping on overflow as PyTorch (runtime_cpp/flowgen_cuda_prelude.h)")
+      doc="a ** b; integers exactly, wrapping on overflow as PyTorch (runtime_cpp/flowgen_cuda_prelude.h)",
+      autocast="float32")
 defop("maximum", infer=_binary_infer("maximum"), ref=_binary_ref(np.maximum),
       grad=_minmax_grad(lambda a, b: a > b),
       lowering=Elementwise("(((({0}) != ({0})) || ({0}) > ({1})) ? ({0}) : ({1}))"))

@@ -101,4 +101,5 @@ def _matmul_grad(ctx, g):
 
 
 defop("matmul", infer=_matmul_infer, ref=_matmul_ref, grad=_matmul_grad, lowering=Template("gemm"),
-      doc="matmul(a[..., m, k], b[..., k, n]) -> [..., m, n], batch dims broadcast")
+      doc="matmul(a[..., m, k], b[..., k, n]) -> [..., m, n], batch dims broadcast",
+      fusion="gemm", autocast="lower_precision", sbp="matmul")

@@ -88,6 +88,10 @@ def _tap(k, d, s, n):
 # --------------------------------------------------------------------------
 # softmax / log_softmax  (Template "softmax"; gradients composed)
 
+def _softmax_rows(attrs) -> int:
+    return attrs["dim"]
+
+
 def _softmax_infer(x, dim):
     _require_float(x, "softmax")
     normalize_dim(dim, len(x.shape), "softmax")
@@ -128,9 +132,11 @@ def _log_softmax_grad(ctx, g):
 # In place: the row kernel reads x's row whole before a barrier, then each element again by the
 # thread that writes y there (templates/softmax.cu.j2), so y may take over a dying x.
 defop("softmax", infer=_softmax_infer, ref=_softmax_ref, grad=_softmax_grad,
-      lowering=Template("softmax", in_place=(("y", "x"),)), doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`")
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="softmax(x, dim): exp(x - max) / sum(exp(x - max)) along `dim`",
+      autocast="float32", row_dim=_softmax_rows)
 defop("log_softmax", infer=_softmax_infer, ref=_log_softmax_ref, grad=_log_softmax_grad,
-      lowering=Template("softmax", in_place=(("y", "x"),)), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`")
+      lowering=Template("softmax", in_place=(("y", "x"),)), doc="log_softmax(x, dim): x - max - log(sum(exp(x - max))) along `dim`",
+      autocast="float32", row_dim=_softmax_rows)
 
 
 # --------------------------------------------------------------------------
@@ -150,6 +156,12 @@ def _ce_rows_check(x, target, op):
         raise RuntimeError(f"cross_entropy: expected an int64 class-index target, got {target.dtype!r}")
     if tuple(target.shape) != (x.shape[0],):
         raise ValueError(f"cross_entropy: expected target of shape {(x.shape[0],)}, got {tuple(target.shape)}")
+
+
+def _class_rows(attrs) -> int:
+    """The cross-entropy rows run along the classes (dim 1 of the (N, C) logits); their other
+    operands (target, g) have one entry per row."""
+    return 1
 
 
 def _ce_rows_infer(x, target, ignore_index=-100):
@@ -215,11 +227,11 @@ def _ce_rows_grad_grad(ctx, gg):
 # int32 target beside float32 losses), and every thread of the row's block reads g[row] and
 # target[row] after the barrier, when another thread may already have stored its output there.
 defop("cross_entropy_rows", infer=_ce_rows_infer, ref=_ce_rows_ref, grad=_ce_rows_grad,
-      lowering=Template("softmax", in_place=(("loss", "x"),)),
+      lowering=Template("softmax", in_place=(("loss", "x"),)), autocast="float32", row_dim=_class_rows,
       doc="cross_entropy_rows(x (N, C), target (N,), ignore_index): -log_softmax(x)[n, target[n]], 0 if ignored "
           "(ignore_index=None: no row is)")
 defop("cross_entropy_rows_grad", infer=_ce_rows_grad_infer, ref=_ce_rows_grad_ref, grad=_ce_rows_grad_grad,
-      lowering=Template("softmax", in_place=(("dx", "x"),)),
+      lowering=Template("softmax", in_place=(("dx", "x"),)), row_dim=_class_rows,
       doc="cross_entropy_rows_grad(g (N,), x, target, ignore_index): g[n] * (softmax(x)[n] - onehot(target[n]))")
 
 
@@ -271,7 +283,8 @@ def _bce_grad_grad(ctx, gg):
 
 defop("binary_cross_entropy", infer=_bce_infer, ref=_bce_ref, grad=_bce_grad,
       lowering=Elementwise("((({1}) - 1.0f) * fmaxf(log1pf(-({0})), -100.0f) - ({1}) * fmaxf(logf({0}), -100.0f))"),
-      doc="binary_cross_entropy(x, target): elementwise (t - 1) max(log1p(-x), -100) - t max(log x, -100)")
+      doc="binary_cross_entropy(x, target): elementwise (t - 1) max(log1p(-x), -100) - t max(log x, -100)",
+      autocast="float32")
 defop("binary_cross_entropy_grad", infer=lambda g, x, target: x, ref=_bce_grad_ref, grad=_bce_grad_grad,
       lowering=Elementwise("(({0}) * (({1}) - ({2})) / fmaxf((1.0f - ({1})) * ({1}), 1.0e-12f))"),
       doc="binary_cross_entropy_grad(g, x, target): g (x - t) / max(x (1 - x), 1e-12), PyTorch's backward")
@@ -666,10 +679,11 @@ def _conv2d_grad_weight_grad(ctx, gg):
 
 
 defop("conv2d", infer=_conv2d_infer, ref=_conv2d_ref, grad=_conv2d_grad, lowering=Template("conv2d"),
-      doc="conv2d(x, w, stride, padding, dilation, groups): NCHW cross-correlation, no bias")
+      doc="conv2d(x, w, stride, padding, dilation, groups): NCHW cross-correlation, no bias",
+      fusion="conv", autocast="lower_precision")
 defop("conv2d_grad_input", infer=_conv2d_grad_input_infer, ref=_conv2d_grad_input_ref,
       grad=_conv2d_grad_input_grad, lowering=Template("conv2d"),
-      doc="conv2d_grad_input(grad, w, input_shape, stride, padding, dilation, groups)")
+      doc="conv2d_grad_input(grad, w, input_shape, stride, padding, dilation, groups)", autocast="lower_precision")
 defop("conv2d_grad_weight", infer=_conv2d_grad_weight_infer, ref=_conv2d_grad_weight_ref,
       grad=_conv2d_grad_weight_grad, lowering=Template("conv2d"),
       doc="conv2d_grad_weight(grad, x, weight_shape, stride, padding, dilation, groups)")
@@ -1192,7 +1206,7 @@ def _attention_backward_ref(q, k, v, o, do, lse, mask=None, *, scale, causal=Fal
 
 
 defop("attention", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
-      lowering=Template("attention"),
+      lowering=Template("attention"), autocast="lower_precision",
       doc="attention(q, k, v[, mask], scale, causal) -> (softmax(q k^T * scale + mask) v, logsumexp of the "
           "scores per row): an online softmax over the keys")
 defop("attention_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,
@@ -1200,7 +1214,7 @@ defop("attention_backward", infer=_attention_backward_infer, ref=_attention_back
       doc="attention_backward(q, k, v, o, do, lse[, mask], scale, causal) -> (dq, dk, dv): probabilities "
           "rebuilt from lse, a kernel over query rows (dq) then one over key rows (dk, dv)")
 defop("attention_dropout", infer=_attention_infer, ref=_attention_ref, grad=_attention_grad, num_outputs=2,
-      lowering=Template("attention"), random=True,
+      lowering=Template("attention"), random=True, autocast="lower_precision",
       doc="attention_dropout(q, k, v[, mask], scale, causal, dropout_p, seed, offset): attention with "
           "dropout(P) as F.dropout draws it over the [..., L, S] weights")
 defop("attention_dropout_backward", infer=_attention_backward_infer, ref=_attention_backward_ref, num_outputs=3,

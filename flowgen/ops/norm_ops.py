@@ -405,14 +405,16 @@ def _ln_backward_grad(ctx, g):
 # row kernel stores them before it reads x again, which with one element per row is the same
 # element), and anything over weight, bias, mean or rstd, which other rows' threads read.
 defop("layer_norm", infer=_ln_infer, ref=_ln_ref, grad=_ln_grad, num_outputs=3,
-      lowering=Template("layer_norm", in_place=(("y", "x"),)),
+      lowering=Template("layer_norm", in_place=(("y", "x"),)), autocast="float32", sbp="normalized_rows",
       doc="layer_norm(x[, weight][, bias], normalized_ndim, eps, has_weight, has_bias) -> (y, mean, rstd): "
           "one row kernel, Welford statistics in double in a fixed lane order")
 defop("add_layer_norm", infer=_add_ln_infer, ref=_add_ln_ref, grad=_add_ln_grad, num_outputs=4,
       lowering=Template("layer_norm", in_place=(("sum", "a"), ("sum", "b"), ("y", "a"), ("y", "b"))),
+      sbp="normalized_rows",
       doc="add_layer_norm(a, b[, weight][, bias], ...) -> (a + b, y, mean, rstd): layer_norm of a residual "
           "sum, which it also writes")
 defop("layer_norm_backward", infer=_ln_backward_infer, ref=_ln_backward_ref, grad=_ln_backward_grad,
       lowering=Template("layer_norm", in_place=(("dx", "g"), ("dx", "x"), ("dx", "residual"))),
+      sbp="normalized_rows",
       doc="layer_norm_backward(g, x, mean, rstd[, weight][, residual], normalized_ndim, has_weight, "
           "has_residual) -> dx: the closed form, one row kernel (+ residual)")

@@ -84,7 +84,7 @@ def _sum_grad(ctx, g):
 
 
 defop("sum", infer=_sum_infer, ref=_sum_ref, grad=_sum_grad, lowering=Reduction("sum", "0"),
-      doc="sum(x, dims, keepdim)", grad_reads_inputs=False)
+      doc="sum(x, dims, keepdim)", grad_reads_inputs=False, autocast="float32")
 
 
 # ---------------------------------------------------------------------- mean
@@ -110,7 +110,8 @@ def _mean_grad(ctx, g):
 
 
 defop("mean", infer=_mean_infer, ref=_mean_ref, grad=_mean_grad, lowering=Reduction("sum", "0", average=True),
-      doc="mean(x, dims, keepdim): the sum over dims divided by their count, rounded once", grad_reads_inputs=False)
+      doc="mean(x, dims, keepdim): the sum over dims divided by their count, rounded once", grad_reads_inputs=False,
+      autocast="float32")
 
 
 # ---------------------------------------------------------------------- max / min
@@ -187,7 +188,7 @@ defop("sum_to", infer=_sum_to_infer, ref=_sum_to_ref,
       grad=lambda ctx, g: (F.expand(g, ctx.inputs[0].shape),),
       lowering=Reduction("sum", "0"),
       doc="sum_to(x, shape): reduce the dims broadcasting added (leading dims, and dims where "
-          "shape has 1 but x does not)", grad_reads_inputs=False)
+          "shape has 1 but x does not)", grad_reads_inputs=False, sbp="sum_to")
 
 
 # ---------------------------------------------------------------------- argmax / argmin

@@ -13,6 +13,10 @@ An `OpDef` holds everything flowgen knows about an op:
   eager tensors (autograd tape) and on lazy tensors (the graph autodiff pass).
 * ``lowering`` — how the graph compiler turns the op into kernel code (see
   `flowgen.ops.lowering`).
+* properties — what the passes ask of an op, answered by keywords of its defop
+  (``fusion="gemm"``, ``autocast="float32"``, ``sbp="matmul"``...): `PROPERTIES` lists each
+  one with its values and its default; a name or value outside them raises. Passes read
+  ``op.extra[name]``, never the op's name.
 
 `apply(name, *inputs, **attrs)` is the single entry point used by functional
 ops, Tensor methods and modules alike.
@@ -26,6 +30,7 @@ import numpy as np
 
 from flowgen import mixed_precision
 from flowgen import dtype as dt
+from flowgen.ops.lowering import Elementwise, Reduction, Template, View
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,141 @@ class TensorMeta:
         return f"{self.dtype.short}[{','.join(map(str, self.shape))}]"
 
 
+@dataclass(frozen=True)
+class ViewOf:
+    """What an op returning a view of its first input, as PyTorch's does, declares (``view=``, read
+    by `record_view`): `strides(base_shape, base_strides, attrs, shape)` is the view's strides, None
+    where PyTorch copies instead; `in_order`: the view lists its base's elements in their order
+    (reshape, detach), so a write to all of them is the base's new value; `differentiable` False
+    (detach): a write through the view changes the base's values, not its gradient."""
+    strides: Callable[[tuple, tuple, dict, tuple], tuple | None]
+    in_order: bool = False
+    differentiable: bool = True
+
+
+@dataclass(frozen=True)
+class Property:
+    """A question the passes ask of every op, answered where the op is defined (a keyword of its
+    defop). `valid(value)` says whether a value is one the property takes; an op that does not
+    answer gets `default(lowering, declared)` (its lowering decides most: an `Elementwise` op
+    fuses into elementwise kernels)."""
+    doc: str
+    valid: Callable[[Any], bool]
+    default: Callable[[Any, dict], Any]
+
+
+def _flag(value) -> bool:
+    return isinstance(value, bool)
+
+
+def _one_of(*choices):
+    return lambda value: any(value is c or (type(value) is type(c) and value == c) for c in choices)
+
+
+def _operand_indices(value) -> bool:
+    return callable(value) or (isinstance(value, tuple) and all(type(i) is int and i >= 0 for i in value))
+
+
+def _by_lowering(**answers):
+    """The default answering by the lowering's kind (`Elementwise`, `Reduction`, `View`), else None."""
+    kinds = {Elementwise: answers.get("elementwise"), Reduction: answers.get("reduction"), View: answers.get("view")}
+    return lambda lowering, declared: kinds.get(type(lowering))
+
+
+def _false(lowering, declared):
+    return False
+
+
+def _none(lowering, declared):
+    return None
+
+
+# The roles of `fusion` and the lowering each needs (the fused kernel renders the op's expression,
+# combine or template); an Elementwise or Reduction op is rendered only inside a fused kernel, so
+# it takes its role.
+FUSION_LOWERING = {"elementwise": Elementwise, "reduction": Reduction, "view": View, "gemm": Template,
+                   "conv": Template, "transpose": Template}
+_fusion_default = _by_lowering(elementwise="elementwise", reduction="reduction", view="view")
+SBP_RULES = ("elementwise", "reduction", "sum_to", "reshape", "matmul", "permute", "rows", "normalized_rows")
+_sbp_by_lowering = _by_lowering(elementwise="elementwise", reduction="reduction")
+
+
+def _sbp_default(lowering, declared):
+    """A row op's rule is "rows"; an Elementwise or Reduction op's its kind's."""
+    return "rows" if declared.get("row_dim") is not None else _sbp_by_lowering(lowering, declared)
+
+
+PROPERTIES: dict[str, Property] = {
+    "view": Property(
+        "a ViewOf: PyTorch returns a view of the first input (record_view), else None",
+        lambda value: value is None or isinstance(value, ViewOf), _none),
+    "grad_reads_inputs": Property(
+        "False: the gradient reads no saved values, only the inputs' shapes and integer indices, so a second "
+        "backward() may go through it without retain_graph (autograd.backward, Tracer.mark_backward)",
+        _flag, lambda lowering, declared: True),
+    "random": Property(
+        "draws random numbers on every call: never shared or precomputed, given a Philox offset per call "
+        "(passes/random_streams.py), refused on global tensors", _flag, _false),
+    "side_effect": Property(
+        "acts beyond its result (a pipeline's send and recv): never shared or precomputed", _flag, _false),
+    "fusion": Property(
+        "its role in passes/fusion.py: 'elementwise' (chains, prologues, epilogues), 'reduction' (an anchor "
+        "taking a prologue and an epilogue), 'view' (free inside a chain), 'gemm' / 'conv' (anchors taking an "
+        "epilogue), 'transpose' (a permutation of its `dims` attribute, read in place by the GEMM it feeds or "
+        "follows when it swaps the last two), None (a kernel of its own)",
+        _one_of(None, *FUSION_LOWERING), _fusion_default),
+    "cast_scale": Property(
+        "its part in the cast/scale fusion family (graph.config.allow_fuse_cast_scale): 'cast', or 'scale' "
+        "(with one operand of one element), else None", _one_of(None, "cast", "scale"), _none),
+    "residual_add": Property(
+        "the sum of its two operands: with both of the result's size a residual add, which "
+        "allow_fuse_add_to_output keeps out of GEMM/conv epilogues and a layer_norm row kernel takes in",
+        _flag, _false),
+    "autocast": Property(
+        "its class under autocast (flowgen/mixed_precision.py): 'lower_precision' (runs in the 16-bit dtype), "
+        "'float32' (runs in float32), None (runs in its inputs' dtypes)",
+        _one_of(None, "lower_precision", "float32"), _none),
+    "sbp": Property(
+        "the rule deducing its result's sbp from global operands' (distributed/global_ops.py), None: broadcast "
+        "operands only", _one_of(None, *SBP_RULES), _sbp_default),
+    "row_dim": Property(
+        "row ops: row_dim(attrs), the dim each row runs along (sbp rule 'rows')",
+        lambda value: value is None or callable(value), _none),
+    "linear_in": Property(
+        "the operands it is linear in, each alone with the others fixed (a partial_sum operand stays partial "
+        "beside broadcast ones): a tuple of operand indices, or linear_in(attrs) -> tuple",
+        _operand_indices, lambda lowering, declared: ()),
+    "additive": Property(
+        "linear in all operands together, f(a + a', b + b') = f(a, b) + f(a', b') (partial_sum operands give "
+        "a partial_sum)", _flag, _false),
+    "local_shape_attr": Property(
+        "its `shape` attribute is the result's logical shape: on split operands each rank runs it with its "
+        "piece's", _flag, _false),
+}
+
+
+def _checked_properties(name: str, lowering, declared: dict) -> dict:
+    """`declared` validated against `PROPERTIES`, completed with their defaults."""
+    unknown = sorted(declared.keys() - PROPERTIES.keys())
+    if unknown:
+        raise ValueError(f"op {name!r}: unknown propert{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown)} "
+                         f"(an op's properties are {', '.join(PROPERTIES)}: flowgen/ops/registry.py PROPERTIES)")
+    for key, value in declared.items():
+        if not PROPERTIES[key].valid(value):
+            raise ValueError(f"op {name!r}: {key}={value!r} is not a value of {key}: {PROPERTIES[key].doc}")
+    properties = {key: declared[key] if key in declared else prop.default(lowering, declared)
+                  for key, prop in PROPERTIES.items()}
+    role, needs = properties["fusion"], FUSION_LOWERING.get(properties["fusion"])
+    if (needs is not None and not isinstance(lowering, needs)) or \
+            (isinstance(lowering, (Elementwise, Reduction)) and role != _fusion_default(lowering, declared)):
+        raise ValueError(f"op {name!r}: fusion={role!r} does not go with its lowering {lowering!r} (an Elementwise "
+                         f"op is 'elementwise', a Reduction 'reduction'; 'gemm', 'conv' and 'transpose' take a "
+                         f"Template, 'view' a View)")
+    if (properties["sbp"] == "rows") != (properties["row_dim"] is not None):
+        raise ValueError(f"op {name!r}: sbp='rows' and row_dim go together (row_dim names the rows' dim)")
+    return properties
+
+
 @dataclass
 class OpDef:
     name: str
@@ -45,23 +185,24 @@ class OpDef:
     grad: Callable[..., tuple] | None = None
     lowering: Any = None
     num_outputs: int = 1
-    # Attributes whose value is random state drawn at call time (dropout seed).
     doc: str = ""
+    # Its properties (`PROPERTIES`), each name present: what it declared, else the default.
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.extra = _checked_properties(self.name, self.lowering, self.extra)
 
 
 REGISTRY: dict[str, OpDef] = {}
 
 
-def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "", **extra) -> OpDef:
-    """Register op `name`. `extra` holds its properties, among them: ``view=True`` (PyTorch returns
-    a view of the first input: record_view), ``grad_reads_inputs=False`` (the gradient reads no
-    saved values, only the inputs' shapes and integer indices, so a second backward() may go
-    through it without retain_graph: autograd.backward, Tracer.mark_backward), ``random=True``
-    (draws on every call)."""
+def defop(name: str, *, infer, ref, grad=None, lowering=None, num_outputs: int = 1, doc: str = "",
+          **properties) -> OpDef:
+    """Register op `name`; `properties` answer what the passes ask of it (`PROPERTIES`: e.g.
+    ``fusion="gemm"``, ``autocast="float32"``), the others take their defaults."""
     if name in REGISTRY:
         raise ValueError(f"op {name!r} is defined twice")
-    op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, extra)
+    op = OpDef(name, infer, ref, grad, lowering, num_outputs, doc, properties)
     REGISTRY[name] = op
     return op
 
@@ -166,7 +307,7 @@ def apply(name: str, *inputs, **attrs):
     tensors = inputs if all_tensors else [x if isinstance(x, Tensor) else _eager.as_tensor_like(x, like)
                                           for x in inputs]
     if mixed_precision.active() is not None:   # autocast: the dtypes flowgen/mixed_precision.py gives the op
-        plan = mixed_precision.plan(name, [t.dtype for t in tensors], mixed_precision.active())
+        plan = mixed_precision.plan(op, [t.dtype for t in tensors], mixed_precision.active())
         if plan is not None:
             return mixed_precision.run(plan, name, tensors, attrs, apply)
     lazy = False
@@ -187,7 +328,7 @@ def apply(name: str, *inputs, **attrs):
         metas = op.infer(*[TensorMeta(a.shape, t._dtype) for a, t in zip(arrays, tensors)], **attrs)
         result = op.ref(*arrays, **attrs)
         out = _eager.wrap_outputs(op, tensors, attrs, result, metas)
-    if op.extra.get("view"):
+    if op.extra["view"] is not None:
         record_view(out, tensors[0], name, attrs)
     return out
 
@@ -202,19 +343,20 @@ class View(NamedTuple):
 
 
 def record_view(out, base, name: str, attrs: dict) -> None:
-    """`out` is a view of `base` (an op defined with ``view=True``, or Tensor.detach: PyTorch
-    returns one sharing base's memory): it keeps a `View` of the tensor at the bottom of its
-    chain of views, and the strides PyTorch's view has (stride(), is_contiguous()). flowgen's
-    tensors own their data (a permute is a copy), so aliasing is carried by this record instead:
+    """`out` is a view of `base` made by op `name` (an op declaring ``view=ViewOf(...)``, among them
+    detach for Tensor.detach: PyTorch returns one sharing base's memory): it keeps a `View` of the
+    tensor at the bottom of its chain of views, and the strides PyTorch's view has (stride(),
+    is_contiguous()). flowgen's tensors own their data (a permute is a copy), so aliasing is
+    carried by this record instead:
     an in-place write to `out` is written back into the root (Tensor._write_through), and a read
     of `out` after the root was written recomputes it (Tensor._refresh_view), in eager mode and
     while tracing alike. A reshape that base's strides do not allow (of a permuted or step-sliced
     tensor) is a copy in PyTorch, so it is not recorded."""
-    strides = _view_strides(name, base, attrs, tuple(out.shape))
+    of_base = get_op(name).extra["view"]
+    strides = of_base.strides(tuple(base.shape), base.stride(), attrs, tuple(out.shape))
     if strides is None:
         return
-    in_order = name in ("reshape", "detach")   # the view lists the root's elements in their order
-    differentiable = name != "detach"
+    in_order, differentiable = of_base.in_order, of_base.differentiable
     if base._view is not None:
         root, base_replay = base._view.root, base._view.replay
         replay = lambda r: apply(name, base_replay(r), **attrs)   # noqa: E731
@@ -224,48 +366,6 @@ def record_view(out, base, name: str, attrs: dict) -> None:
         root, replay = base, (lambda r: apply(name, r, **attrs))
     out._view = View(root, replay, root._version, in_order and out.numel() == root.numel(), differentiable)
     out._view_strides = None if strides == out._row_major_strides() else strides
-
-
-def _view_strides(name: str, base, attrs: dict, shape: tuple) -> tuple | None:
-    """The strides of PyTorch's view of `base` made by op `name`, or None where PyTorch copies."""
-    strides = base.stride()
-    if name == "permute":
-        return tuple(strides[d] for d in attrs["dims"])
-    if name == "slice":
-        return tuple(stride * step for stride, step in zip(strides, attrs["steps"]))
-    if name == "expand":
-        lead = len(shape) - len(base.shape)
-        return (0,) * lead + tuple(0 if size == 1 and new != 1 else stride
-                                   for size, new, stride in zip(base.shape, shape[lead:], strides))
-    if name == "reshape":
-        return _reshape_strides(tuple(base.shape), strides, shape)
-    return strides   # detach
-
-
-def _reshape_strides(old_shape: tuple, old_strides: tuple, new_shape: tuple) -> tuple | None:
-    """The strides of `new_shape` viewing memory laid out as `old_shape` with `old_strides`, or
-    None when no view can (PyTorch's computeStride: dims are split or merged only within runs of
-    dims contiguous with each other; size-1 dims go anywhere)."""
-    if not old_shape or 0 in old_shape:
-        return tuple(int(np.prod(new_shape[i + 1:], dtype=np.int64)) for i in range(len(new_shape)))
-    new_strides = [0] * len(new_shape)
-    view_d = len(new_shape) - 1
-    chunk_base_stride = old_strides[-1]
-    tensor_numel = view_numel = 1
-    for tensor_d in reversed(range(len(old_shape))):
-        tensor_numel *= old_shape[tensor_d]
-        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
-                             and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
-            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
-                new_strides[view_d] = view_numel * chunk_base_stride
-                view_numel *= new_shape[view_d]
-                view_d -= 1
-            if view_numel != tensor_numel:
-                return None
-            if tensor_d > 0:
-                chunk_base_stride = old_strides[tensor_d - 1]
-                tensor_numel = view_numel = 1
-    return tuple(new_strides) if view_d == -1 else None
 
 
 class _EagerRuntime:

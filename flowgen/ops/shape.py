@@ -19,7 +19,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen import functional as F
 from flowgen.ops.lowering import Template, View
-from flowgen.ops.registry import TensorMeta, defop, normalize_dim
+from flowgen.ops.registry import TensorMeta, ViewOf, defop, normalize_dim
 
 
 def _numel(shape) -> int:
@@ -41,15 +41,44 @@ def _reshape_infer(a, shape):
     return TensorMeta(shape, a.dtype)
 
 
+def _reshape_strides(old_shape: tuple, old_strides: tuple, attrs: dict, new_shape: tuple) -> tuple | None:
+    """The strides of `new_shape` viewing memory laid out as `old_shape` with `old_strides`, or
+    None when no view can (PyTorch's computeStride: dims are split or merged only within runs of
+    dims contiguous with each other; size-1 dims go anywhere)."""
+    if not old_shape or 0 in old_shape:
+        return tuple(int(np.prod(new_shape[i + 1:], dtype=np.int64)) for i in range(len(new_shape)))
+    new_strides = [0] * len(new_shape)
+    view_d = len(new_shape) - 1
+    chunk_base_stride = old_strides[-1]
+    tensor_numel = view_numel = 1
+    for tensor_d in reversed(range(len(old_shape))):
+        tensor_numel *= old_shape[tensor_d]
+        if tensor_d == 0 or (old_shape[tensor_d - 1] != 1
+                             and old_strides[tensor_d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or new_shape[view_d] == 1):
+                new_strides[view_d] = view_numel * chunk_base_stride
+                view_numel *= new_shape[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return None
+            if tensor_d > 0:
+                chunk_base_stride = old_strides[tensor_d - 1]
+                tensor_numel = view_numel = 1
+    return tuple(new_strides) if view_d == -1 else None
+
+
 defop("reshape", infer=_reshape_infer, ref=lambda a, shape: a.reshape(shape),
       grad=lambda ctx, g: (F.reshape(g, ctx.inputs[0].shape),),
-      lowering=View(), view=True, doc="reshape(x, shape): explicit target shape; a view of contiguous memory", grad_reads_inputs=False)
+      lowering=View(), view=ViewOf(_reshape_strides, in_order=True),
+      doc="reshape(x, shape): explicit target shape; a view of contiguous memory", grad_reads_inputs=False,
+      sbp="reshape")
 
 
 # ---------------------------------------------------------------------- depend
 defop("depend", infer=lambda a, *deps: TensorMeta(a.shape, a.dtype), ref=lambda a, *deps: a,
       grad=lambda ctx, g: (g,) + (None,) * (len(ctx.inputs) - 1),
-      lowering=View(), doc="depend(x, *deps): x itself, ordered after the kernels computing deps (graph mode)")
+      lowering=View(), doc="depend(x, *deps): x itself, ordered after the kernels computing deps (graph mode)",
+      fusion=None)
 
 
 # ---------------------------------------------------------------------- permute
@@ -69,8 +98,13 @@ def _permute_grad(ctx, g):
     return (F.apply("permute", g, dims=tuple(inverse)),)
 
 
+def _permute_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    return tuple(strides[d] for d in attrs["dims"])
+
+
 defop("permute", infer=_permute_infer, ref=lambda a, dims: np.transpose(a, tuple(dims)),
-      grad=_permute_grad, lowering=Template("copy"), view=True, doc="permute(x, dims)", grad_reads_inputs=False)
+      grad=_permute_grad, lowering=Template("copy"), view=ViewOf(_permute_strides), doc="permute(x, dims)", grad_reads_inputs=False,
+      fusion="transpose", sbp="permute")
 
 
 # ---------------------------------------------------------------------- slice
@@ -92,13 +126,18 @@ def _slices(starts, stops, steps):
     return tuple(slice(b, e, s) for b, e, s in zip(starts, stops, steps))
 
 
+def _slice_strides(shape: tuple, strides: tuple, attrs: dict, out_shape: tuple) -> tuple:
+    return tuple(stride * step for stride, step in zip(strides, attrs["steps"]))
+
+
 def _slice_infer(a, starts, stops, steps):
     return TensorMeta(_slice_shape("slice", a.shape, starts, stops, steps), a.dtype)
 
 
 defop("slice", infer=_slice_infer, ref=lambda a, starts, stops, steps: a[_slices(starts, stops, steps)],
       grad=lambda ctx, g: (F.apply("slice_backward", g, shape=tuple(ctx.inputs[0].shape), **ctx.attrs),),
-      lowering=Template("copy"), view=True, doc="slice(x, starts, stops, steps): one entry per dim", grad_reads_inputs=False)
+      lowering=Template("copy"), view=ViewOf(_slice_strides), doc="slice(x, starts, stops, steps): one entry per dim",
+      grad_reads_inputs=False)
 
 
 def _slice_backward_infer(g, shape, starts, stops, steps):

@@ -127,6 +127,6 @@ def _cumprod_grad(ctx, g):
 
 
 defop("cumsum", infer=_scan_infer("cumsum"), ref=_scan_ref(np.cumsum), grad=_cumsum_grad, lowering=Template("scan"),
-      doc="cumsum(x, dim, reverse); sequential in the dtype")
+      doc="cumsum(x, dim, reverse); sequential in the dtype", autocast="float32")
 defop("cumprod", infer=_scan_infer("cumprod"), ref=_scan_ref(np.cumprod), grad=_cumprod_grad,
-      lowering=Template("scan"), doc="cumprod(x, dim, reverse); sequential in the dtype")
+      lowering=Template("scan"), doc="cumprod(x, dim, reverse); sequential in the dtype", autocast="float32")

@@ -23,6 +23,11 @@
   layer_norm it becomes ``add_layer_norm`` (which also writes the sum); adding a gradient to
   layer_norm_backward's dx it becomes that op's ``residual`` operand.
 
+What an op is to this pass is a property declared with its defop (flowgen/ops/registry.py
+PROPERTIES): its ``fusion`` role (elementwise, reduction, view, gemm, conv, transpose, or None:
+a kernel of its own), whether it is a ``residual_add`` and its ``cast_scale`` part; only the
+LayerNorm rewrite above names the ops it rewrites.
+
 Four families can be switched off (``graph.config.allow_fuse_*`` and
 ``enable_multi_tensor_update``, all on by default):
 
@@ -45,7 +50,6 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.ir.graph import Node
-from flowgen.ops.lowering import Elementwise, Reduction, View
 from flowgen.ops.registry import get_op
 
 
@@ -62,22 +66,8 @@ def _swaps_last_two(dims) -> bool:
 
 
 def _kind(node) -> str:
-    if node.op == "constant":
-        return "constant"
-    if node.op == "depend":
-        return "other"   # stays a view of its first input, ordered after the others: joins no kernel
-    if node.op == "matmul":
-        return "gemm"
-    if node.op == "conv2d":
-        return "conv"
-    lowering = get_op(node.op).lowering
-    if isinstance(lowering, Elementwise):
-        return "elementwise"
-    if isinstance(lowering, View):
-        return "view"
-    if isinstance(lowering, Reduction):
-        return "reduction"
-    return "other"
+    """The node's op's fusion role, "other" for an op that is a kernel of its own."""
+    return get_op(node.op).extra["fusion"] or "other"
 
 
 def _transposes_gemm_result(node, group, producer_index, users, live_out) -> bool:
@@ -116,16 +106,17 @@ def _is_update(node) -> bool:
 
 def _is_add_to_output(node) -> bool:
     """A residual add: both operands have the result's full size (a bias broadcasts)."""
-    return node.op == "add" and all(v.numel == node.output.numel for v in node.inputs)
+    return get_op(node.op).extra["residual_add"] and all(v.numel == node.output.numel for v in node.inputs)
 
 
 def _is_cast_or_scale(node) -> bool:
     """Outside the optimizer: its casts and scales belong to the model-update family."""
     if _is_update(node):
         return False
-    if node.op == "cast":
-        return True
-    return node.op in ("mul", "div") and sorted(v.numel == 1 for v in node.inputs) == [False, True]
+    part = get_op(node.op).extra["cast_scale"]
+    if part == "scale":
+        return sorted(v.numel == 1 for v in node.inputs) == [False, True]
+    return part == "cast"
 
 
 def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: bool = True,
@@ -296,14 +287,14 @@ def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: 
             g.reduction = i
             for v in node.inputs:
                 p = producer_index.get(v)
-                if (p is not None and nodes[p].op == "permute" and _swaps_last_two(nodes[p].attrs["dims"])
+                if (p is not None and _kind(nodes[p]) == "transpose" and _swaps_last_two(nodes[p].attrs["dims"])
                         and group_of.get(p) is None and v not in live_out
                         and all(u is node for u in users.get(v, []))):
                     add(g, p)
                     g.first = min(g.first, p)
             groups.append(g)
             add(g, i)
-        elif (kind == "other" and enabled and node.op == "permute" and _swaps_last_two(node.attrs["dims"])
+        elif (kind == "transpose" and enabled and _swaps_last_two(node.attrs["dims"])
               and _transposes_gemm_result(node, group_of.get(producer_index.get(node.inputs[0])),
                                           producer_index, users, live_out)
               and can_join(group_of[producer_index[node.inputs[0]]], i)):
@@ -311,7 +302,7 @@ def fuse(graph, enabled: bool = True, model_update: bool = True, add_to_output: 
             g = group_of[producer_index[node.inputs[0]]]
             g.shape = tuple(node.output.shape)
             add(g, i)
-        # template families, views and constants stay as they are
+        # template families, views, constants and transposes no GEMM reads stay as they are
 
     if enabled and multi_tensor_update:
         _merge_update_groups(groups, nodes, users, live_out, group_of)
@@ -396,20 +387,20 @@ def _fused_node(graph, group: _Group, nodes, users) -> Node:
 
 
 def _lone_residual_add(node):
-    """(add, views) of a kernel that is one `add` of two float32/float64 operands of the result's
-    shape and dtype (a residual stream's sum, or its gradient's), then only views (reshapes) of
-    its result; else None."""
+    """(add, views) of a kernel that is one residual add of two float32/float64 operands of the
+    result's shape and dtype (a residual stream's sum, or its gradient's), then only views
+    (reshapes) of its result; else None."""
     if node.op != "fused" or node.attrs["kind"] != "elementwise":
         return None
     add, *views = node.attrs["body"]
     out = add.output
-    if add.op != "add" or out.dtype not in (dt.float32, dt.float64):
+    if not get_op(add.op).extra["residual_add"] or out.dtype not in (dt.float32, dt.float64):
         return None
     if any(tuple(v.shape) != tuple(out.shape) or v.dtype != out.dtype for v in add.inputs):
         return None
     made = {out}
     for view in views:
-        if not isinstance(get_op(view.op).lowering, View) or view.inputs[0] not in made:
+        if _kind(view) != "view" or view.inputs[0] not in made:
             return None
         made.add(view.output)
     return add, views

@@ -10,7 +10,7 @@ def impure(op_name: str) -> bool:
     """Ops whose result must not be shared or precomputed: they draw random numbers per call, or
     act beyond their result (a pipeline's send and recv)."""
     op = REGISTRY.get(op_name)   # None for "fused"
-    return op is not None and bool(op.extra.get("random") or op.extra.get("side_effect"))
+    return op is not None and (op.extra["random"] or op.extra["side_effect"])
 
 
 def dce(graph):
