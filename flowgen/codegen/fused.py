@@ -377,7 +377,7 @@ def render_reduction(node, ctx: RenderContext) -> list:
     else:
         em_loop = Emitter(_Part([v for v in node.inputs if v in prologue_values], []), producers, stream_values)
         em_epi = Emitter(_Part([v for v in node.inputs if v in epilogue_inputs], node.outputs), producers,
-                          stream_values)
+                         stream_values)
 
     kept = [d for d in range(len(in_shape)) if d not in dims]
     kept_shape = [in_shape[d] for d in kept]
