@@ -24,7 +24,7 @@ from flowgen.distributed.sbp import broadcast
 from flowgen.errors import internal_checks
 from flowgen.nn.graph.backend import cuda_arch, make_backend_once
 from flowgen.nn.graph.io import flatten_call
-from flowgen.nn.graph.trace_step import trace_step, zero_settings
+from flowgen.nn.graph.trace_step import device_of, trace_step, zero_settings
 from flowgen.passes.pipeline import ir_passes_start, run_passes, step_passes
 from flowgen.runtime import program_cache
 from flowgen.runtime.executor import Executor
@@ -54,7 +54,7 @@ class CompiledGraph:
         self.output_combine = step.output_combine       # per output, how a data-parallel step makes it global
         self.output_placements = None       # per output, the placement it is global on (None: outputs are local)
         self.runs_here = True               # False on a rank outside the placement of a graph on some ranks
-        self.sharded_slots = list(step.sharded_slots)   # ShardedSlot: optimizer slots (stage 3: parameters too) ZeRO split
+        self.sharded_slots = list(step.sharded_slots)   # ShardedSlot: slots (stage 3: parameters too) ZeRO split
         self.pipeline = step.stage_program              # StageProgram: this rank's stage of a set_stage pipeline
         self.program_cache = "off"          # "hit" (passes and codegen loaded), "miss" (built, stored) or "off"
 
@@ -157,18 +157,6 @@ class CompiledGraph:
         return self.output_structure(tensors)
 
 
-def _device_of(graph, args):
-    """The device of the graph's inputs and parameters; None when it has neither (the tracer then
-    takes the device of the tensors build() makes)."""
-    devices = {a.device for a in args}
-    for module in graph._modules.values():
-        devices.update(p.device for p in module.parameters())
-    if len(devices) > 1:
-        raise RuntimeError(f"{graph.name}: inputs and parameters are on different devices "
-                           f"({', '.join(sorted(map(str, devices)))}); move them with .to(device)")
-    return devices.pop() if devices else None
-
-
 def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_placements: tuple = ()):
     """Trace `graph.build(*args, **kwargs)` (tensors anywhere in them become graph inputs,
     other values are constants of this variant) and compile it. The tensors are this rank's
@@ -185,7 +173,7 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_pla
 def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress):
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
-    device = _device_of(graph, inputs)
+    device = device_of(graph, inputs)
     zero = zero_settings(graph, data_parallel)
     pipeline = pipeline_of(graph, data_parallel, input_placements)
     placement = graph_placement(graph, input_placements, data_parallel, pipeline is not None)

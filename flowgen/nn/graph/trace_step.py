@@ -157,6 +157,18 @@ def trace_step(graph, inputs: list, rebuild_call, args: tuple, kwargs: dict, dev
     return step, settings
 
 
+def device_of(graph, args):
+    """The device of the graph's inputs and parameters; None when it has neither (the tracer then
+    takes the device of the tensors build() makes)."""
+    devices = {a.device for a in args}
+    for module in graph._modules.values():
+        devices.update(p.device for p in module.parameters())
+    if len(devices) > 1:
+        raise RuntimeError(f"{graph.name}: inputs and parameters are on different devices "
+                           f"({', '.join(sorted(map(str, devices)))}); move them with .to(device)")
+    return devices.pop() if devices else None
+
+
 def _check_trained_parameters(graph, tracer) -> None:
     """A backward() needs an optimizer, and the parameters it trains inside the graph's modules."""
     if not graph._optimizers:
