@@ -89,14 +89,15 @@ def _ir_of(subject):
     return subject.ir if isinstance(subject, Step) else subject
 
 
-def run_passes(subject, passes, log=None, check: bool = False):
+def run_passes(subject, passes, log=None, check: bool = False, check_types: bool = True):
     """Apply `passes` in order to `subject`: a Step and passes over steps (a graph's compile), or
     an IR graph and IR passes (`default_passes` alone). Every pass is timed and reported to `log`
     (level 1: a line with its node count and time, or "no change" where it returned its input;
     level 2: the IR after it). The IR is verified after each pass when `check`, else once after
     the last: a pass that broke the IR's contract -- an update whose value no longer matches its
     state's type -- raises IRError naming the first pass whose IR fails, instead of compiling
-    into wrong numbers. Returns (subject, {pass name: seconds})."""
+    into wrong numbers. `check_types` False leaves out re-inferring each node's type (passes whose
+    nodes a Tracer emitted, typed by their op's shape rule). Returns (subject, {pass name: seconds})."""
     timings, after = {}, [(None, _ir_of(subject))]
     for name, fn in passes:
         start = time.perf_counter()
@@ -105,7 +106,7 @@ def run_passes(subject, passes, log=None, check: bool = False):
         ir = _ir_of(result)
         after.append((name, ir))
         if check:
-            _verify_after(name, ir)
+            _verify_after(name, ir, check_types)
         if log is not None:
             if result is subject:
                 log(1, f"(PASS:{name}) no change, {timings[name] * 1e3:.1f} ms")
@@ -115,16 +116,16 @@ def run_passes(subject, passes, log=None, check: bool = False):
         subject = result
     if not check:
         try:
-            verify(_ir_of(subject))
+            verify(_ir_of(subject), check_types)
         except IRError:
             for name, ir in after:   # the first IR that fails: the one given, or a pass's
-                _verify_after(name, ir)
+                _verify_after(name, ir, check_types)
             raise
     return subject, timings
 
 
-def _verify_after(name: str | None, ir) -> None:
+def _verify_after(name: str | None, ir, check_types: bool) -> None:
     try:
-        verify(ir)
+        verify(ir, check_types)
     except IRError as exc:
         raise IRError(f"{'the IR given to the passes' if name is None else f'after pass {name}'}: {exc}") from exc

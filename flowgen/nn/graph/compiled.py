@@ -195,7 +195,9 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placeme
     passes = step_passes(settings, graph.config, checkpointed)
     split = ir_passes_start(passes)   # the IR passes, which the program cache may skip, follow the step's stages
     log = graph._log if graph._debug_level >= 1 else None
-    step, _ = run_passes(step, passes[:split], log=log)
+    # Structure and updates here (the stages' nodes are mostly typed by the Tracer that emits them);
+    # types too after the IR passes, where a mistyped node a stage made fails as "the IR given".
+    step, _ = run_passes(step, passes[:split], log=log, check_types=False)
 
     def ir_passes_and_codegen():
         """(optimized IR, Program): the IR passes, then kernels and memory plan."""
