@@ -32,8 +32,11 @@ def _reaches(graph, root) -> set:
     return needed
 
 
-def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
+def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0, first_index: int | None = None):
     """Returns (graph with backward nodes appended, {state name: grad Value}).
+
+    The new values are named t<first_index>, ... (default: after the graph's own); a graph the
+    caller inserts the backward into the middle of gives the first index free in the whole.
 
     `loss_scale` seeds the backward pass with d(loss)/d(loss) = scale (a GradScaler's loss
     scaling, which keeps float16 gradients from underflowing): a number, or the Value of the
@@ -42,7 +45,7 @@ def autodiff(graph, loss, wrt: list, device=None, loss_scale: float = 1.0):
     out = graph.copy_with()
     tracer = Tracer(graph.name, device)
     tracer.graph = out
-    tracer.new_name = NameGen(start=next_value_index(graph))
+    tracer.new_name = NameGen(start=next_value_index(graph) if first_index is None else first_index)
     wrt_set = set(wrt)
     differentiable = _needs_grad(graph, wrt_set) & _reaches(graph, loss)
 
