@@ -3,7 +3,7 @@
 The ranks are started by MPI's `mpiexec` (MPICH's Hydra from the `mpich` wheel, or any on
 PATH; `--mpiexec` picks another), which also gives each its rank (flowgen/distributed/env.py).
 Running `mpiexec -n N python script.py` directly is equivalent. One machine only: for several,
-run the MPI launcher with a host file (see ARCHITECTURE.md, "Beyond one machine").
+run the MPI launcher with a host file (see docs/distributed.md, "Beyond one machine").
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Neural-network primitive ops: softmax, gather/scatter, conv2d, pooling,
 upsampling and dropout.
 
-Every definition follows the op contract (see ARCHITECTURE.md): ``infer``
+Every definition follows the op contract (docs/op_contract.md): ``infer``
 types the output, ``ref`` is the NumPy reference (fast enough to train small
 nets eagerly: convolutions are im2col + BLAS through strided views), ``grad``
 is written with flowgen ops only, and ``lowering`` names the kernel family.
