@@ -2,6 +2,15 @@
 
 Gradient formulas are not here: each op's `grad` in its definition computes
 them with flowgen ops, which is what lets the graph autodiff pass reuse them.
+
+In-place writes (`inplace=True` flags, `copy_`, `add_`, `relu_`, `__setitem__`, a write through a
+view) rebase the tensor's history onto the new value and keep a stand-in with the old value and
+history (`rebase_history`): the ops computing the new value read it, and the gradients of earlier
+readers reach it (`as_read`, PyTorch's edges). An input written after an op read it is handed to
+the op's gradient formula as `_Overwritten`, whose values raise PyTorch's error, so only a
+gradient that needs the old value fails (per-node versions); a second `backward()` through ops
+whose gradient reads saved values needs `retain_graph=True`. The whole story, views included:
+docs/views_and_inplace.md.
 """
 from __future__ import annotations
 

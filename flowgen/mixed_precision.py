@@ -24,6 +24,9 @@ from its ops):
 Parameters stay float32: a 16-bit copy is a `cast` node whose gradient casts back, so every
 parameter's gradient is float32; activation gradients flowing back through 16-bit activations are
 16-bit, as in PyTorch.
+
+How the casts land in a graph's kernels, gradient dtypes, memory and the AMP tests:
+docs/mixed_precision.md.
 """
 from __future__ import annotations
 

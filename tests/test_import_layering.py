@@ -1,10 +1,10 @@
-"""Imports follow the layering (ARCHITECTURE.md, "Invariants"; docs/op_contract.md): no import
-cycle crosses layers (a layer is a folder under flowgen/, e.g. ir/, codegen/, nn/; flowgen's own
-modules such as tensor.py are the tensor core; the package root flowgen/__init__.py is a layer of its own); a lower module
-never imports a higher one inside a function to dodge a cycle; the higher layer installs what the
-lower one needs. A function-local import stays only where the module is costly to load and rarely
-needed, and says so. `import flowgen` loads neither cuda-python's bindings nor Jinja2 (they wait
-for a GPU or a render)."""
+"""Imports follow the layering (ARCHITECTURE.md, "Invariants"; docs/op_contract.md): no import cycle
+crosses layers (a layer is a folder under flowgen/, e.g. ir/, codegen/, nn/; flowgen's own modules
+such as tensor.py are the tensor core; the package root flowgen/__init__.py is a layer of its own);
+a lower module never imports a higher one inside a function to dodge a cycle; the higher layer
+installs what the lower one needs. A function-local import stays only where the module is costly to
+load and rarely needed, and says so. `import flowgen` loads neither cuda-python's bindings nor
+Jinja2 (they wait for a GPU or a render)."""
 import ast
 import subprocess
 import sys

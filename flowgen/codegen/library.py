@@ -18,6 +18,8 @@ headers. `flow.load_compiled(OUT)` (flowgen/deploy/loader.py) loads it through c
 Inference graphs only: a library runs the same step on shared weights from any number of
 threads, so a graph that writes its state (a training step, BatchNorm in train mode) or
 advances it (random ops) is refused by `refusal`.
+
+The C API's contract (workspaces, threads, errors, dynamic dimensions): docs/embedding.md.
 """
 from __future__ import annotations
 

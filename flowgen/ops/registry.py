@@ -20,6 +20,9 @@ An `OpDef` holds everything flowgen knows about an op:
 
 `apply(name, *inputs, **attrs)` is the single entry point used by functional
 ops, Tensor methods and modules alike.
+
+The contract in full (the layers that install into `apply`, closed-form ops, every property and
+lowering kind): docs/op_contract.md; adding an op in short: ARCHITECTURE.md.
 """
 from __future__ import annotations
 

@@ -10,7 +10,10 @@ library and `flowgen build --target cpu` (codegen/aot.py) into the standalone pr
 kernels are compiled with g++'s ThreadSanitizer instrumentation, whose entry points the header
 defines (the library is linked without libtsan, with flowgen_emu_check.ld), and a launch that
 breaks a rule of the hardware raises EmulatorCheckError naming the kernel, block, thread and
-address."""
+address.
+
+What the emulator models and what its checking mode reports: docs/emulator.md.
+"""
 
 from __future__ import annotations
 
