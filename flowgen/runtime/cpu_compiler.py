@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from flowgen.runtime import cpu_blas
 from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import (
@@ -106,6 +107,12 @@ def link_flags() -> list:
     return ["-shared", "-fopenmp", "-Wl,-z,muldefs", *check]
 
 
+def library_link_flags(source: str) -> list:
+    """The libraries a generated kernels.cu links besides the emulator: OpenBLAS when it has the
+    cpu target's native kernels (runtime/cpu_blas.py)."""
+    return cpu_blas.link_flags() if cpu_blas.uses_blas(source) else []
+
+
 @functools.lru_cache(maxsize=None)
 def compiler_version() -> str:
     return subprocess.run([_CXX, "--version"], capture_output=True, text=True, check=True).stdout
@@ -183,7 +190,7 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     `<cache>/cpu-libs/<hash of its objects>/kernels.so`.
     """
     build = compile_kernel_objects(source)
-    flags = link_flags()
+    flags = link_flags() + library_link_flags(source)
     key = hashlib.sha256("\0".join([compiler_version(), *flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
     if not library.is_file():

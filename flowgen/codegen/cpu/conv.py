@@ -1,0 +1,56 @@
+"""Convolutions of the cpu target as native kernels (templates/cpu_conv.cpp.j2): per image and
+group, im2col (none for a 1x1 stride-1 conv, whose input already is the GEMM operand) and an
+OpenBLAS sgemm; grad_input through col2im, grad_weight accumulated image by image. A forward
+conv's fused epilogue (bias, folded BatchNorm, activation, residual add) runs as a loop over the
+outputs, from the same emitter as the emulated kernel's (codegen/fused.py `render_conv`).
+
+Depthwise convs (one input channel per group) and dtypes other than float32 keep the emulated
+kernel: a GEMM of one input channel does not pay.
+"""
+from __future__ import annotations
+
+from flowgen.codegen import fused
+from flowgen.codegen.cpu.gemm import NATIVE_DTYPES
+from flowgen.codegen.families import _args, _comment, _conv_geometry, _conv_text, _params
+from flowgen.codegen.kernel import Kernel, every_output_over
+from flowgen.codegen.templates import get_template
+
+_OPS = {"conv2d": "fwd", "conv2d_grad_input": "dgrad", "conv2d_grad_weight": "wgrad"}
+_NAMES = {"fwd": ("x", "w", "y"), "dgrad": ("grad", "w", "dx"), "wgrad": ("grad", "x", "dw")}
+
+
+def _source(conv, name, params, epilogue_lines, what_extra="") -> tuple:
+    geo = _conv_geometry(conv)
+    op = _OPS[conv.op]
+    pointwise = (geo["KH"], geo["KW"], geo["SH"], geo["SW"], geo["PH"], geo["PW"]) == (1, 1, 1, 1, 0, 0)
+    what = f"{_conv_text(geo)} ({'1x1 as GEMM' if pointwise else 'im2col + GEMM'}, OpenBLAS sgemm){what_extra}"
+    source = get_template("cpu_conv.cpp.j2").render(name=name, comment=_comment(conv, what), op=op, params=params,
+                                                    pointwise=pointwise, epilogue_lines=epilogue_lines, **geo)
+    return source, _comment(conv, what)
+
+
+def render_fused_conv(node, index: int, producers, stream_values=None):
+    """A fused forward conv node (codegen/fused.py render_conv's input) as one native kernel, or
+    None where the emulated kernel stays."""
+    conv, epilogue = node.body[0], node.body[1:]
+    if not all(v.dtype in NATIVE_DTYPES for v in (*conv.inputs, conv.output)) or _conv_geometry(conv)["CG"] == 1:
+        return None
+    x, w = conv.inputs
+    em = fused._Emitter(node, producers, stream_values, names={x: "x", w: "w"})
+    lines, pointwise = fused._epilogue(em, epilogue, conv.output, tuple(conv.output.shape), producers, None)
+    ops = [b.op for b in node.body]
+    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
+    name = fused.kernel_name(index, node, ops)
+    source, comment = _source(conv, name, em.params, lines, extra)
+    return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=ops,
+                   in_place=every_output_over(node.outputs, pointwise - {x, w}))]
+
+
+def render_conv_node(node, name: str):
+    """An unfused conv2d / conv2d_grad_input / conv2d_grad_weight node as one native kernel, or
+    None where the emulated kernel stays."""
+    if not all(v.dtype in NATIVE_DTYPES for v in (*node.inputs, node.output)) or _conv_geometry(node)["CG"] == 1:
+        return None
+    names = _NAMES[_OPS[node.op]]
+    source, comment = _source(node, name, _params(node, names[:2], names[2:]), None)
+    return [Kernel(name, source, _args(node), (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=[node.op])]
