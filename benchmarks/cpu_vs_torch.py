@@ -17,18 +17,22 @@ Cases (float32, seeded weights copied into a PyTorch twin so both sides run the 
   mlp_train         Linear(64,256)-GELU-Linear(256,256)-ReLU-Linear(256,10), batch 128, cross
                     entropy, Adam
 
-Rows: flowgen_graph (the compiled nn.Graph: a whole call, host copies of inputs and outputs
-included), flowgen_eager (the same step in flowgen's eager mode), torch_eager, torch_compile
+Rows: flowgen_graph (the compiled nn.Graph with the cpu target's native kernels: a whole call,
+host copies of inputs and outputs included), flowgen_graph_emulator (the same graph with every
+kernel the CUDA source on the emulator, FLOWGEN_CPU_KERNELS=emulator: the path before native
+kernels), flowgen_eager (the same step in flowgen's eager mode), torch_eager, torch_compile
 (torch.compile(model), Inductor's C++ backend; a failure is recorded in the row). Every side runs
 on the threads this process may use (os.sched_getaffinity; torch.set_num_threads to the same).
 
-Timing: each row is set up and warmed up (first call = compile, then `--warmup` calls), then the
+Timing: each row runs in a process of its own (so no row's idle thread pool spins inside another
+row's timing), set up and warmed up there (first call = compile, then `--warmup` calls); then the
 rows take turns: `--repeats` rounds, in each round every row runs `--iters` timed calls (the host
-clock around each; the call returns a number read back to the host, so its work is done). A row's
-number is the median of its round medians, its spread the min and max of those: interleaving
-spreads a shared machine's load over all rows alike. Ratios (torch_eager / row) are what to read.
+clock around each; the call returns a number read back to the host, so its work is done) while the
+others wait. A row's number is the median of its round medians, its spread the min and max of
+those: interleaving spreads a shared machine's load over all rows alike. Ratios (torch_eager /
+row) are what to read.
 
-`--profile` times every launch of the flowgen_graph row's step on its own (a few steps) and reports
+`--profile` times every launch of the flowgen graph rows' step on its own (a few steps) and reports
 where the time goes: per kernel, per kernel family (GEMM, conv, reduction, elementwise, ...) and
 what the executor adds around the launches (Python, copies of inputs and outputs).
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import multiprocessing
 import os
 import statistics
 import sys
@@ -65,7 +70,11 @@ from torch_vision_models import torch_mobilenet_v2, torch_resnet18  # noqa: E402
 
 CASES = ["mobilenet_train", "mobilenet_infer", "resnet18_train", "resnet18_infer", "gpt_train", "gpt_decode",
          "mlp_train"]
-ROWS = ["flowgen_graph", "flowgen_eager", "torch_eager", "torch_compile"]
+ROWS = ["flowgen_graph", "flowgen_graph_emulator", "flowgen_eager", "torch_eager", "torch_compile"]
+# What a row's worker process sets before it starts: the graph rows' kernels (runtime_cpp's
+# emulator for every kernel, or native GEMMs and convs where codegen/cpu/ has them).
+ROW_ENV = {"flowgen_graph": {"FLOWGEN_CPU_KERNELS": "native"},
+           "flowgen_graph_emulator": {"FLOWGEN_CPU_KERNELS": "emulator"}}
 GPT_BATCH = 4
 
 
@@ -252,13 +261,18 @@ def _first(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-ROW_SETUP = {"flowgen_graph": flowgen_graph_row, "flowgen_eager": flowgen_eager_row,
+ROW_SETUP = {"flowgen_graph": flowgen_graph_row, "flowgen_graph_emulator": flowgen_graph_row,
+             "flowgen_eager": flowgen_eager_row,
              "torch_eager": lambda spec: torch_row(spec, False), "torch_compile": lambda spec: torch_row(spec, True)}
 
 
 # ---- profiling the graph's step ----
 
 def kernel_family(kernel) -> str:
+    return _family(kernel) + (" (native)" if kernel.native else "")
+
+
+def _family(kernel) -> str:
     ops = set(kernel.ops)
     if any(o.startswith("conv") for o in ops):
         return "conv"
@@ -310,41 +324,76 @@ def print_profile(case: str, prof: dict) -> None:
         print(f"    {entry['ms']:7.2f} ms  {entry['kernel'][:100]}")
 
 
-# ---- the run ----
+# ---- the run: one worker process per row, the rows taking turns ----
 
-def run_case(name, rows, args) -> tuple[list, dict | None]:
-    log(f"{name}: setting up {', '.join(rows)}")
-    spec = Spec(name)
-    runners, results, profile = {}, {}, None
-    for row in rows:
-        result = {"case": name, "row": row}
-        results[row] = result
-        try:
-            step, graph = ROW_SETUP[row](spec)
+def row_worker(case: str, row: str, conn, warmup: int, profile: bool) -> None:
+    """Set up `row` of `case` in this process, then time calls on request: ("time", iters) ->
+    the calls' milliseconds; ("stop", None) ends. Its own process, so no row's thread pool (two
+    OpenMP runtimes, OpenBLAS, torch's intra-op pool) waits or spins inside another row's timing."""
+    torch.set_num_threads(threads())
+    os.environ.update(ROW_ENV.get(row, {}))
+    result = {"case": case, "row": row}
+    try:
+        step, graph = ROW_SETUP[row](Spec(case))
+        start = time.perf_counter()
+        step()
+        result["first_call_s"] = time.perf_counter() - start
+        for _ in range(warmup):
+            step()
+        if graph is not None:
+            result["launches"] = graph.compiled.num_launches
+            result["native_launches"] = sum(k.native for k in graph.compiled.program.kernels)
+            if profile:
+                result["profile"] = profile_graph(graph, step)
+    except Exception as exc:   # a row that cannot run (torch.compile on this machine) is recorded
+        text = str(exc).strip()
+        result["error"] = f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else ''}"
+        result["traceback"] = traceback.format_exc()
+        step = None
+    conn.send(result)
+    while True:
+        command, iters = conn.recv()
+        if command == "stop":
+            return
+        times = []
+        for _ in range(iters):
             start = time.perf_counter()
             step()
-            result["first_call_s"] = time.perf_counter() - start
-            for _ in range(args.warmup):
-                step()
-            runners[row] = step
-            if graph is not None and args.profile:
-                profile = profile_graph(graph, step)
-            if graph is not None:
-                result["launches"] = graph.compiled.num_launches
-        except Exception as exc:   # a row that cannot run (torch.compile on this machine) is recorded
-            result["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            times.append((time.perf_counter() - start) * 1e3)
+        conn.send(times)
+
+
+def run_case(name, rows, args) -> tuple[list, dict | None]:
+    """Every row of case `name` in its own worker, set up one after the other; then `repeats`
+    rounds in which each row runs `iters` timed calls in turn."""
+    log(f"{name}: setting up {', '.join(rows)}")
+    context = multiprocessing.get_context("spawn")
+    workers, results, profiles = {}, {}, {}
+    for row in rows:
+        parent, child = context.Pipe()
+        process = context.Process(target=row_worker, args=(name, row, child, args.warmup, args.profile), daemon=True)
+        process.start()
+        result = parent.recv()
+        if "error" in result:
             log(f"{name} {row} failed: {result['error']}")
             if args.verbose:
-                traceback.print_exc()
+                print(result["traceback"])
+            parent.send(("stop", None))
+            process.join()
+        else:
+            workers[row] = (process, parent)
+        result.pop("traceback", None)
+        if "profile" in result:
+            profiles[row] = result.pop("profile")
+        results[row] = result
     medians = defaultdict(list)
     for _ in range(args.repeats):
-        for row, step in runners.items():
-            times = []
-            for _ in range(args.iters):
-                start = time.perf_counter()
-                step()
-                times.append((time.perf_counter() - start) * 1e3)
-            medians[row].append(statistics.median(times))
+        for row, (_, conn) in workers.items():
+            conn.send(("time", args.iters))
+            medians[row].append(statistics.median(conn.recv()))
+    for process, conn in workers.values():
+        conn.send(("stop", None))
+        process.join()
     for row, values in medians.items():
         results[row].update(median_ms=statistics.median(values), min_ms=min(values), max_ms=max(values),
                             round_medians_ms=values)
@@ -352,7 +401,7 @@ def run_case(name, rows, args) -> tuple[list, dict | None]:
     for result in results.values():
         if base and result.get("median_ms"):
             result["speed_vs_torch_eager"] = base / result["median_ms"]
-    return list(results.values()), profile
+    return list(results.values()), profiles
 
 
 def main(argv=None):
@@ -362,7 +411,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--profile", action="store_true", help="per-kernel times of the flowgen_graph row")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times of the flowgen graph rows")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "cpu_vs_torch.json"))
     parser.add_argument("--verbose", action="store_true", help="print a failing row's traceback")
     args = parser.parse_args(argv)
@@ -371,13 +420,12 @@ def main(argv=None):
     torch.set_num_threads(threads())
     env = environment(torch, "cpu")
     env.update(threads=threads(), load_average_start=os.getloadavg(), flowgen_commit=git_commit(),
-               cpu_kernels=os.environ.get("FLOWGEN_CPU_KERNELS", "default"))
+               row_env=ROW_ENV)
     all_rows, profiles = [], {}
     for case in args.cases:
-        rows, profile = run_case(case, args.rows, args)
+        rows, case_profiles = run_case(case, args.rows, args)
         all_rows += rows
-        if profile is not None:
-            profiles[case] = profile
+        profiles.update({f"{case} {row}": p for row, p in case_profiles.items()})
         env["load_average_end"] = os.getloadavg()
         write_json(args.out, {"benchmark": "cpu_vs_torch", "environment": env, "rows": all_rows,
                               "profiles": profiles})

@@ -63,6 +63,7 @@ from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
 from flowgen.serialization import with_self_hash, write_file_atomic
+from flowgen.runtime import cpu_blas
 from flowgen.runtime.cpu_compiler import compile_kernel_objects, compiler_version, kernel_flags
 from flowgen.saved_graph import (CONSTANTS_FILE, GRAPH_FILE, SIGNATURE_FILE, WEIGHTS_FILE, SavedGraph, load_saved_graph,
                                  write_weights)
@@ -640,7 +641,7 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     # The same body compiled by two concurrent processes may sit in two chunks: muldefs keeps one
     # copy (the same code). The index-error record is a weak definition in every chunk (prelude).
     objects = [str(host_object), *map(str, kernels.artifacts)]
-    link_flags = ["-Wl,-z,muldefs"]
+    link_flags = ["-Wl,-z,muldefs", *cpu_blas.program_link_flags(out, text)]
     key = hashlib.sha256("\0".join([*_link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
                                                    sanitize, mpi), compiler_version(), symbol_map]).encode())
     link_dir = cache_dir() / "host" / key.hexdigest()[:32]
@@ -662,6 +663,7 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
                  timings: dict, sanitize: str | None = None) -> dict:
     ir = program.graph
+    native_kernels = [k.name for k in getattr(program, "prepare", []) + program.kernels if k.native]
 
     def kernel_json(k):
         return {"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
@@ -677,6 +679,8 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "arch": arch if target == "cuda" else None,
         "compiler": compiler if target == "cuda" else "g++",
         "sanitize": sanitize,
+        "native_kernels": len(native_kernels),
+        "blas": cpu_blas.record() if native_kernels else None,
         "training": saved.training,
         "world_size": saved.data_parallel["world_size"] if saved.data_parallel else 1,
         "data_parallel": saved.data_parallel,
@@ -703,8 +707,10 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS. `log(text)` receives
     one line per finished stage."""
     log = log or (lambda text: None)
-    if target not in ("cpu", "cuda"):
-        raise BuildError(f"unknown target {target!r}; use cpu or cuda")
+    if target not in ("cpu", "cuda", "emulator"):
+        raise BuildError(f"unknown target {target!r}; use cpu, cuda or emulator")
+    # "emulator": the cpu program with every kernel the CUDA source on the emulator (no native kernels)
+    native, target = (False, "cpu") if target == "emulator" else (None, target)
     if compiler not in ("nvrtc", "nvcc"):
         raise BuildError(f"unknown device compiler {compiler!r}; use nvrtc or nvcc")
     if sanitize is not None and sanitize not in SANITIZERS:
@@ -727,7 +733,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
     # A 'cuda' program is rendered for the GPU `arch` names: on sm_90 its bf16/fp16 (and tf32)
     # GEMMs and convs use warpgroup MMA, and its device code compiles for sm_90a.
-    program = saved.program(target, arch=arch if target == "cuda" else None)
+    program = saved.program(target, arch=arch if target == "cuda" else None, native=native)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     binary = safe_tag(saved.name)

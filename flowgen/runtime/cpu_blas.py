@@ -1,11 +1,12 @@
 """OpenBLAS for the cpu target's native kernels (codegen/cpu/, runtime_cpp/flowgen_cpu.h): the
 `scipy-openblas32` wheel, the build NumPy and SciPy ship (symbols prefixed `scipy_`, 32-bit
-integers), found through its own Python package: its library directory is linked with an rpath,
-so the emulator library and `flowgen build`'s program load it wherever they run from on this
-machine."""
+integers), found through its own Python package. The emulator library links it with an rpath to
+the wheel; `flowgen build`'s program gets a copy beside the binary."""
 from __future__ import annotations
 
 from pathlib import Path
+
+from flowgen.runtime.toolchain import copy_file_atomically
 
 NATIVE_INCLUDE = '#include "flowgen_cpu.h"'
 
@@ -33,6 +34,17 @@ def link_flags() -> list:
     """g++ flags linking OpenBLAS into a library or program of native kernels."""
     lib = library_dir()
     return [f"-L{lib}", f"-l{_package().get_library()}", f"-Wl,-rpath,{lib}"]
+
+
+def program_link_flags(out: Path, source: str) -> list:
+    """g++ flags linking a standalone program (`flowgen build --target cpu`, its program.cu in
+    `source`) in `out`: where it has native kernels, OpenBLAS's library is copied beside the
+    binary, which finds it there ($ORIGIN), else in the wheel it came from."""
+    if not uses_blas(source):
+        return []
+    name = f"lib{_package().get_library()}.so"
+    copy_file_atomically(library_dir() / name, out / name)
+    return ["-Wl,-rpath,$ORIGIN", *link_flags()]
 
 
 def record() -> dict:
