@@ -1,6 +1,6 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions but the
-depthwise ones). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
+depthwise ones, elementwise chains and multi-tensor updates as loops the OpenMP team shares). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
 stay, in the same program, so families move over one at a time.
 
 The emulator remains the checker of the CUDA source: `FLOWGEN_CPU_KERNELS=emulator` (the test
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flowgen.codegen import fused
 from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
+from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
 
 _CONV_OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
@@ -20,7 +21,8 @@ def render_native(node, index: int, producers, stream_values=None):
     if any(v.numel == 0 for v in node.outputs):
         return None
     if node.op == "fused":
-        render = {"gemm": render_fused_gemm, "conv": render_fused_conv}.get(node.attrs["kind"])
+        render = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": render_elementwise,
+                  "multi": render_segments}.get(node.attrs["kind"])
         return render(node, index, producers, stream_values) if render else None
     if node.op == "matmul":
         return render_matmul(node, fused.kernel_name(index, node, [node.op]))
