@@ -84,47 +84,53 @@ inline float* scratch(long long count, int slot = 0) {
   return b.data();
 }
 
-// Convolution geometry of one image and group: `channels` input channels of H x W, a KH x KW
-// window with stride, padding and dilation, an OH x OW output.
+// Convolution geometry of one group: `channels` input channels of H x W, a KH x KW window with
+// stride, padding and dilation, an OH x OW output; `images` in the batch, `image_stride` floats
+// apart in the input (all C channels of an image).
 struct ConvShape {
-  int channels, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW;
+  int channels, H, W, KH, KW, SH, SW, PH, PW, DH, DW, OH, OW, images;
+  long long image_stride;
 };
 
-// col[(c * KH + kh) * KW + kw][oh * OW + ow] = x[c][oh * SH - PH + kh * DH][ow * SW - PW + kw * DW]
-// (0 outside the image): the input patches as the K x OH*OW operand of the conv's GEMM.
+// col[(c * KH + kh) * KW + kw][b * OH * OW + oh * OW + ow] = x[b][c][oh * SH - PH + kh * DH][ow * SW - PW + kw * DW]
+// (0 outside the image): every image's patches side by side, the K x (images * OH * OW) operand of
+// the conv's one GEMM per group. The team splits the rows.
 inline void im2col(const ConvShape& s, const float* x, float* col) {
   const long long rows = (long long)s.channels * s.KH * s.KW, pixels = (long long)s.OH * s.OW;
-#pragma omp parallel for if (rows * pixels >= kParallelElements) schedule(static)
+#pragma omp parallel for if (rows * pixels * s.images >= kParallelElements) schedule(static)
   for (long long r = 0; r < rows; ++r) {
     const int c = (int)(r / (s.KH * s.KW)), kh = (int)(r / s.KW % s.KH), kw = (int)(r % s.KW);
-    const float* plane = x + (long long)c * s.H * s.W;
-    float* out = col + r * pixels;
-    for (int oh = 0; oh < s.OH; ++oh) {
-      const int ih = oh * s.SH - s.PH + kh * s.DH;
-      float* row = out + (long long)oh * s.OW;
-      if (ih < 0 || ih >= s.H) {
-        std::memset(row, 0, sizeof(float) * s.OW);
-        continue;
-      }
-      for (int ow = 0; ow < s.OW; ++ow) {
-        const int iw = ow * s.SW - s.PW + kw * s.DW;
-        row[ow] = iw >= 0 && iw < s.W ? plane[(long long)ih * s.W + iw] : 0.0f;
+    for (int b = 0; b < s.images; ++b) {
+      const float* plane = x + b * s.image_stride + (long long)c * s.H * s.W;
+      float* out = col + (r * s.images + b) * pixels;
+      for (int oh = 0; oh < s.OH; ++oh) {
+        const int ih = oh * s.SH - s.PH + kh * s.DH;
+        float* row = out + (long long)oh * s.OW;
+        if (ih < 0 || ih >= s.H) {
+          std::memset(row, 0, sizeof(float) * s.OW);
+          continue;
+        }
+        for (int ow = 0; ow < s.OW; ++ow) {
+          const int iw = ow * s.SW - s.PW + kw * s.DW;
+          row[ow] = iw >= 0 && iw < s.W ? plane[(long long)ih * s.W + iw] : 0.0f;
+        }
       }
     }
   }
 }
 
-// The adjoint of im2col: x[c][ih][iw] = the sum of the col entries that im2col reads from there
-// (x is overwritten). Channels are independent, so the team splits them.
+// The adjoint of im2col: x[b][c][ih][iw] = the sum of the col entries im2col reads from there (x
+// is overwritten). Images and channels are independent, so the team splits them.
 inline void col2im(const ConvShape& s, const float* col, float* x) {
-  const long long pixels = (long long)s.OH * s.OW;
-#pragma omp parallel for if ((long long)s.channels * s.KH * s.KW * pixels >= kParallelElements) schedule(static)
-  for (int c = 0; c < s.channels; ++c) {
-    float* plane = x + (long long)c * s.H * s.W;
+  const long long pixels = (long long)s.OH * s.OW, planes = (long long)s.images * s.channels;
+#pragma omp parallel for if (planes * s.KH * s.KW * pixels >= kParallelElements) schedule(static)
+  for (long long bc = 0; bc < planes; ++bc) {
+    const int b = (int)(bc / s.channels), c = (int)(bc % s.channels);
+    float* plane = x + b * s.image_stride + (long long)c * s.H * s.W;
     std::memset(plane, 0, sizeof(float) * s.H * s.W);
     for (int kh = 0; kh < s.KH; ++kh)
       for (int kw = 0; kw < s.KW; ++kw) {
-        const float* in = col + (((long long)c * s.KH + kh) * s.KW + kw) * pixels;
+        const float* in = col + ((((long long)c * s.KH + kh) * s.KW + kw) * s.images + b) * pixels;
         for (int oh = 0; oh < s.OH; ++oh) {
           const int ih = oh * s.SH - s.PH + kh * s.DH;
           if (ih < 0 || ih >= s.H) continue;
@@ -135,6 +141,16 @@ inline void col2im(const ConvShape& s, const float* col, float* x) {
         }
       }
   }
+}
+
+// dst[c][b][p] = src[b][c][p] for `images` x `channels` x `pixels` (NCHW to channel-major: the
+// conv's gradient as the (channels x images * pixels) GEMM operand).
+inline void channel_major(const float* src, int images, int channels, long long pixels, float* dst) {
+#pragma omp parallel for if ((long long)images * channels * pixels >= kParallelElements) schedule(static)
+  for (int c = 0; c < channels; ++c)
+    for (int b = 0; b < images; ++b)
+      std::memcpy(dst + ((long long)c * images + b) * pixels, src + ((long long)b * channels + c) * pixels,
+                  sizeof(float) * pixels);
 }
 
 }  // namespace flowgen_cpu

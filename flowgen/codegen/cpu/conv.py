@@ -1,8 +1,9 @@
-"""Convolutions of the cpu target as native kernels (templates/cpu_conv.cpp.j2): per image and
-group, im2col (none for a 1x1 stride-1 conv, whose input already is the GEMM operand) and an
-OpenBLAS sgemm; grad_input through col2im, grad_weight accumulated image by image. A forward
-conv's fused epilogue (bias, folded BatchNorm, activation, residual add) runs as a loop over the
-outputs, from the same emitter as the emulated kernel's (codegen/fused.py `render_conv`).
+"""Convolutions of the cpu target as native kernels (templates/cpu_conv.cpp.j2): per group one
+OpenBLAS sgemm over the whole batch (im2col of every image side by side; the gradient copied
+channel-major; grad_input through col2im), so a conv opens a few OpenMP regions, not a few per
+image. A forward conv's fused epilogue (bias, folded BatchNorm, activation, residual add) runs
+in the pass that stores the outputs, from the same emitter as the emulated kernel's
+(codegen/fused.py `render_conv`).
 
 Depthwise convs (one input channel per group) and dtypes other than float32 keep the emulated
 kernel: a GEMM of one input channel does not pay.
@@ -22,10 +23,9 @@ _NAMES = {"fwd": ("x", "w", "y"), "dgrad": ("grad", "w", "dx"), "wgrad": ("grad"
 def _source(conv, name, params, epilogue_lines, what_extra="") -> tuple:
     geo = _conv_geometry(conv)
     op = _OPS[conv.op]
-    pointwise = (geo["KH"], geo["KW"], geo["SH"], geo["SW"], geo["PH"], geo["PW"]) == (1, 1, 1, 1, 0, 0)
-    what = f"{_conv_text(geo)} ({'1x1 as GEMM' if pointwise else 'im2col + GEMM'}, OpenBLAS sgemm){what_extra}"
+    what = f"{_conv_text(geo)} (im2col + OpenBLAS sgemm over the batch){what_extra}"
     source = get_template("cpu_conv.cpp.j2").render(name=name, comment=_comment(conv, what), op=op, params=params,
-                                                    pointwise=pointwise, epilogue_lines=epilogue_lines, **geo)
+                                                    epilogue_lines=epilogue_lines, **geo)
     return source, _comment(conv, what)
 
 
