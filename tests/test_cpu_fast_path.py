@@ -1,6 +1,6 @@
 """The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS) against eager:
 training steps and inference of an MLP, conv nets with BatchNorm (strides, padding, groups,
-dilation, depthwise layers left to the emulator), the example GPT; and the switch that keeps every
+dilation, depthwise), the example GPT; and the switch that keeps every
 kernel on the emulator."""
 import copy
 import os
@@ -42,8 +42,8 @@ def test_mlp_training_matches_eager():
 
 
 class SmallConvNet(nn.Module):
-    """A stem with stride and padding, a grouped and a dilated conv, a depthwise-separable block
-    (the depthwise conv stays emulated), 1x1 convs with BatchNorm and a residual add."""
+    """A stem with stride and padding, a grouped and a dilated conv, a depthwise-separable block,
+    1x1 convs with BatchNorm and a residual add."""
 
     def __init__(self):
         super().__init__()
@@ -69,8 +69,8 @@ def test_conv_net_with_batch_norm_training_matches_eager():
     names = native_names(graph)
     for op in ("conv2d_grad_input", "conv2d_grad_weight"):
         assert any(op in n for n in names), f"no native {op} kernel in {names}"
-    emulated = [k.name for k in graph.compiled.program.kernels if not k.native and "depthwise" in k.comment]
-    assert emulated, "the depthwise conv should stay on the emulator"
+    depthwise = [k for k in graph.compiled.program.kernels if k.ops[0].startswith("conv2d") and "groups 8" in k.comment]
+    assert len(depthwise) == 3 and all(k.native for k in depthwise), [k.comment for k in depthwise]
 
 
 def test_conv_net_inference_matches_eager():

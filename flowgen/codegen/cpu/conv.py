@@ -1,12 +1,12 @@
 """Convolutions of the cpu target as native kernels (templates/cpu_conv.cpp.j2): per group one
 OpenBLAS sgemm over the whole batch (im2col of every image side by side; the gradient copied
 channel-major; grad_input through col2im), so a conv opens a few OpenMP regions, not a few per
-image. A forward conv's fused epilogue (bias, folded BatchNorm, activation, residual add) runs
-in the pass that stores the outputs, from the same emitter as the emulated kernel's
-(codegen/fused.py `render_conv`).
+image. Depthwise convs (one input channel per group), where a GEMM of one channel does not pay,
+are direct loops with the emulated kernels' arithmetic in the same order. A forward conv's fused
+epilogue (bias, folded BatchNorm, activation, residual add) runs in the pass that stores the
+outputs, from the same emitter as the emulated kernel's (codegen/fused.py `render_conv`).
 
-Depthwise convs (one input channel per group) and dtypes other than float32 keep the emulated
-kernel: a GEMM of one input channel does not pay.
+Dtypes other than float32 keep the emulated kernels.
 """
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ _NAMES = {"fwd": ("x", "w", "y"), "dgrad": ("grad", "w", "dx"), "wgrad": ("grad"
 def _source(conv, name, params, epilogue_lines, what_extra="") -> tuple:
     geo = _conv_geometry(conv)
     op = _OPS[conv.op]
+    if geo["CG"] == 1:
+        what = f"{_conv_text(geo)} (depthwise, direct loops){what_extra}"
+        source = get_template("cpu_depthwise.cpp.j2").render(
+            name=name, comment=_comment(conv, what), op=op, params=params, epilogue_lines=epilogue_lines,
+            numel=conv.output.numel, **geo)
+        return source, _comment(conv, what)
     what = f"{_conv_text(geo)} (im2col + OpenBLAS sgemm over the batch){what_extra}"
     source = get_template("cpu_conv.cpp.j2").render(name=name, comment=_comment(conv, what), op=op, params=params,
                                                     epilogue_lines=epilogue_lines, **geo)
@@ -33,7 +39,7 @@ def render_fused_conv(node, index: int, producers, stream_values=None):
     """A fused forward conv node (codegen/fused.py render_conv's input) as one native kernel, or
     None where the emulated kernel stays."""
     conv, epilogue = node.body[0], node.body[1:]
-    if not all(v.dtype in NATIVE_DTYPES for v in (*conv.inputs, conv.output)) or _conv_geometry(conv)["CG"] == 1:
+    if not all(v.dtype in NATIVE_DTYPES for v in (*conv.inputs, conv.output)):
         return None
     x, w = conv.inputs
     em = fused._Emitter(node, producers, stream_values, names={x: "x", w: "w"})
@@ -49,7 +55,7 @@ def render_fused_conv(node, index: int, producers, stream_values=None):
 def render_conv_node(node, name: str):
     """An unfused conv2d / conv2d_grad_input / conv2d_grad_weight node as one native kernel, or
     None where the emulated kernel stays."""
-    if not all(v.dtype in NATIVE_DTYPES for v in (*node.inputs, node.output)) or _conv_geometry(node)["CG"] == 1:
+    if not all(v.dtype in NATIVE_DTYPES for v in (*node.inputs, node.output)):
         return None
     names = _NAMES[_OPS[node.op]]
     source, comment = _source(node, name, _params(node, names[:2], names[2:]), None)
