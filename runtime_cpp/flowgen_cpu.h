@@ -1,22 +1,22 @@
 // flowgen_cpu.h — what the cpu target's native kernels (flowgen/codegen/cpu/) share: float32
-// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build), spread
-// over the OpenMP team, and the im2col / col2im copies of convolutions.
+// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build) and the
+// im2col / col2im copies of convolutions, their loops spread over flowgen_cpu_pool.h's threads.
 //
 // A native kernel is written like an emulated one, `extern "C" __global__ void k(...)` followed
 // by `FLOWGEN_EMU_KERNEL(k, flowgen_cpu::Native{})`, so it lives in the same kernels.cu, library
 // and launch list; launched with a 1x1x1 grid, its body runs once on the calling thread, which
-// opens OpenMP regions itself.
+// hands loops to the pool (`parallel_for`).
 //
-// Threads: one pool, OpenMP's. OpenBLAS runs single-threaded inside it (set when the library
-// loads): a GEMM large enough to share is split into column (or row) slices, one BLAS call per
-// team member, so BLAS's own pthreads never compete with the team for the cores.
+// Threads: one pool (flowgen_cpu_pool.h). OpenBLAS runs single-threaded inside it (set when the
+// library loads): a GEMM large enough to share is split into column (or row) slices, one BLAS
+// call per piece, so BLAS's own threads never compete with the pool for the cores.
 #pragma once
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
+
+#include "flowgen_cpu_pool.h"
 
 // The two entry points used, as scipy-openblas32's cblas.h declares them (symbols prefixed
 // `scipy_`, 32-bit integers).
@@ -37,42 +37,32 @@ struct Native {};
 // OpenBLAS single-threaded in every library holding a native kernel, before any kernel runs.
 inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), true);
 
-// Below this many multiply-adds a GEMM stays on the calling thread (waking the team costs more).
-constexpr long long kParallelWork = 1LL << 18;
-// Below this many elements an elementwise pass stays on the calling thread.
+// A piece of a parallel loop holds at least this many multiply-adds of a GEMM, or elements of a
+// pass over memory: less is not worth handing to another thread.
+constexpr long long kParallelWork = 1LL << 17;
 constexpr long long kParallelElements = 1LL << 15;
 
-// C[M, N] = alpha * op(A) @ op(B) + beta * C, all row-major with leading dimensions lda, ldb,
-// ldc; op transposes where asked. Large products are split over the OpenMP team along N (or M
-// when it is the larger), slices of whole 16-column blocks, one single-threaded BLAS call each.
+// C[M, N] = op(A) @ op(B) + beta * C, all row-major with leading dimensions lda, ldb, ldc; op
+// transposes where asked. Large products are split along N (or M when it is the larger) into
+// slices of whole 16-column blocks, one single-threaded BLAS call per piece of the pool's loop.
 inline void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda, const float* B,
                   int ldb, float* C, int ldc, float beta = 0.0f) {
   const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans, tb = trans_b ? CblasTrans : CblasNoTrans;
-  const long long work = (long long)M * N * K;
-  // Inside a parallel loop (a batched GEMM's entries) each call stays on its own thread.
-  const int team = work >= kParallelWork && !omp_in_parallel() ? omp_get_max_threads() : 1;
-  if (team <= 1 || std::max(M, N) < 32) {
-    scipy_cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
-    return;
-  }
   const bool split_n = N >= M;
-  const int extent = split_n ? N : M;
-#pragma omp parallel num_threads(team)
-  {
-    const int t = omp_get_thread_num(), T = omp_get_num_threads();
-    const int blocks = (extent + 15) / 16;
-    const int first = (int)((long long)blocks * t / T) * 16, last = std::min(extent, (int)((long long)blocks * (t + 1) / T) * 16);
-    if (first < last) {
-      if (split_n) {  // columns [first, last) of B and C
-        const float* b = trans_b ? B + (long long)first * ldb : B + first;
-        scipy_cblas_sgemm(CblasRowMajor, ta, tb, M, last - first, K, 1.0f, A, lda, b, ldb, beta, C + first, ldc);
-      } else {        // rows [first, last) of A and C
-        const float* a = trans_a ? A + first : A + (long long)first * lda;
-        scipy_cblas_sgemm(CblasRowMajor, ta, tb, last - first, N, K, 1.0f, a, lda, B, ldb, beta,
-                          C + (long long)first * ldc, ldc);
-      }
+  const int extent = split_n ? N : M, other = split_n ? M : N;
+  const long long blocks = (extent + 15) / 16;
+  const long long block_work = 16LL * other * std::max(K, 1);
+  parallel_for(blocks, (kParallelWork + block_work - 1) / block_work, [&](long long b0, long long b1) {
+    const int first = (int)(b0 * 16), last = std::min(extent, (int)(b1 * 16));
+    if (split_n) {  // columns [first, last) of B and C
+      const float* b = trans_b ? B + (long long)first * ldb : B + first;
+      scipy_cblas_sgemm(CblasRowMajor, ta, tb, M, last - first, K, 1.0f, A, lda, b, ldb, beta, C + first, ldc);
+    } else {        // rows [first, last) of A and C
+      const float* a = trans_a ? A + first : A + (long long)first * lda;
+      scipy_cblas_sgemm(CblasRowMajor, ta, tb, last - first, N, K, 1.0f, a, lda, B, ldb, beta,
+                        C + (long long)first * ldc, ldc);
     }
-  }
+  });
 }
 
 // A per-thread scratch buffer of at least `count` floats, kept between launches (the GEMM's
@@ -94,11 +84,11 @@ struct ConvShape {
 
 // col[(c * KH + kh) * KW + kw][b * OH * OW + oh * OW + ow] = x[b][c][oh * SH - PH + kh * DH][ow * SW - PW + kw * DW]
 // (0 outside the image): every image's patches side by side, the K x (images * OH * OW) operand of
-// the conv's one GEMM per group. The team splits the rows.
+// the conv's one GEMM per group. The pool splits the rows.
 inline void im2col(const ConvShape& s, const float* x, float* col) {
   const long long rows = (long long)s.channels * s.KH * s.KW, pixels = (long long)s.OH * s.OW;
-#pragma omp parallel for if (rows * pixels * s.images >= kParallelElements) schedule(static)
-  for (long long r = 0; r < rows; ++r) {
+  parallel_for(rows, kParallelElements / (pixels * s.images) + 1, [&](long long r0, long long r1) {
+  for (long long r = r0; r < r1; ++r) {
     const int c = (int)(r / (s.KH * s.KW)), kh = (int)(r / s.KW % s.KH), kw = (int)(r % s.KW);
     for (int b = 0; b < s.images; ++b) {
       const float* plane = x + b * s.image_stride + (long long)c * s.H * s.W;
@@ -117,14 +107,15 @@ inline void im2col(const ConvShape& s, const float* x, float* col) {
       }
     }
   }
+  });
 }
 
 // The adjoint of im2col: x[b][c][ih][iw] = the sum of the col entries im2col reads from there (x
-// is overwritten). Images and channels are independent, so the team splits them.
+// is overwritten). Images and channels are independent, so the pool splits them.
 inline void col2im(const ConvShape& s, const float* col, float* x) {
   const long long pixels = (long long)s.OH * s.OW, planes = (long long)s.images * s.channels;
-#pragma omp parallel for if (planes * s.KH * s.KW * pixels >= kParallelElements) schedule(static)
-  for (long long bc = 0; bc < planes; ++bc) {
+  parallel_for(planes, kParallelElements / (s.KH * s.KW * pixels) + 1, [&](long long p0, long long p1) {
+  for (long long bc = p0; bc < p1; ++bc) {
     const int b = (int)(bc / s.channels), c = (int)(bc % s.channels);
     float* plane = x + b * s.image_stride + (long long)c * s.H * s.W;
     std::memset(plane, 0, sizeof(float) * s.H * s.W);
@@ -141,16 +132,18 @@ inline void col2im(const ConvShape& s, const float* col, float* x) {
         }
       }
   }
+  });
 }
 
 // dst[c][b][p] = src[b][c][p] for `images` x `channels` x `pixels` (NCHW to channel-major: the
 // conv's gradient as the (channels x images * pixels) GEMM operand).
 inline void channel_major(const float* src, int images, int channels, long long pixels, float* dst) {
-#pragma omp parallel for if ((long long)images * channels * pixels >= kParallelElements) schedule(static)
-  for (int c = 0; c < channels; ++c)
-    for (int b = 0; b < images; ++b)
-      std::memcpy(dst + ((long long)c * images + b) * pixels, src + ((long long)b * channels + c) * pixels,
-                  sizeof(float) * pixels);
+  parallel_for(channels, kParallelElements / (images * pixels) + 1, [&](long long c0, long long c1) {
+    for (long long c = c0; c < c1; ++c)
+      for (int b = 0; b < images; ++b)
+        std::memcpy(dst + (c * images + b) * pixels, src + ((long long)b * channels + c) * pixels,
+                    sizeof(float) * pixels);
+  });
 }
 
 }  // namespace flowgen_cpu

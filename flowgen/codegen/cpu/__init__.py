@@ -1,6 +1,7 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions but the
-depthwise ones, elementwise chains and multi-tensor updates as loops the OpenMP team shares). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
+depthwise ones, elementwise chains and multi-tensor updates as loops spread over a thread pool,
+runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
 stay, in the same program, so families move over one at a time.
 
 The emulator remains the checker of the CUDA source: `FLOWGEN_CPU_KERNELS=emulator` (the test

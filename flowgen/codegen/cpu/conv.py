@@ -1,6 +1,6 @@
 """Convolutions of the cpu target as native kernels (templates/cpu_conv.cpp.j2): per group one
 OpenBLAS sgemm over the whole batch (im2col of every image side by side; the gradient copied
-channel-major; grad_input through col2im), so a conv opens a few OpenMP regions, not a few per
+channel-major; grad_input through col2im), so a conv hands the pool a few loops, not a few per
 image. Depthwise convs (one input channel per group), where a GEMM of one channel does not pay,
 are direct loops with the emulated kernels' arithmetic in the same order. A forward conv's fused
 epilogue (bias, folded BatchNorm, activation, residual add) runs in the pass that stores the

@@ -1,7 +1,7 @@
 """Elementwise chains and multi-tensor updates of the cpu target as native kernels
 (templates/cpu_elementwise.cpp.j2): the per-element lines of codegen/fused.py's kernels (the same
-emitter, so the same expression per element and the same numbers), run by loops the OpenMP team
-shares instead of by emulated threads, in one parallel region per launch."""
+emitter, so the same expression per element and the same numbers), run by loops spread over the
+thread pool (runtime_cpp/flowgen_cpu_pool.h) instead of by emulated threads, one loop per launch."""
 from __future__ import annotations
 
 import numpy as np
@@ -35,7 +35,7 @@ def render_elementwise(node, index: int, producers, stream_values=None):
 
 def render_segments(node, index: int, producers, stream_values=None):
     """A multi-tensor node (fused.render_segments' input: independent elementwise bodies, a
-    parameter update) as one native kernel: a loop per segment, the team sharing each."""
+    parameter update) as one native kernel: the segments' elements laid end to end as one loop."""
     em = fused._Emitter(node, producers, stream_values)
     segments, ops, in_place = [], [], set()
     for positions in node.attrs["segments"]:
