@@ -1,7 +1,7 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions but the
-depthwise ones, elementwise chains and multi-tensor updates as loops spread over a thread pool,
-runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
+depthwise ones, elementwise chains, multi-tensor updates and permutes as loops spread over a
+thread pool, runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
 stay, in the same program, so families move over one at a time.
 
 The emulator remains the checker of the CUDA source: `FLOWGEN_CPU_KERNELS=emulator` (the test
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from flowgen.codegen import fused
 from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
+from flowgen.codegen.cpu.copy import render_permute
 from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
 
@@ -29,4 +30,6 @@ def render_native(node, index: int, producers, stream_values=None):
         return render_matmul(node, fused.kernel_name(index, node, [node.op]))
     if node.op in _CONV_OPS:
         return render_conv_node(node, fused.kernel_name(index, node, [node.op]))
+    if node.op == "permute":
+        return render_permute(node, fused.kernel_name(index, node, [node.op]))
     return None
