@@ -21,8 +21,11 @@ Rows: flowgen_graph (the compiled nn.Graph with the cpu target's native kernels:
 host copies of inputs and outputs included), flowgen_graph_emulator (the same graph with every
 kernel the CUDA source on the emulator, FLOWGEN_CPU_KERNELS=emulator: the path before native
 kernels), flowgen_eager (the same step in flowgen's eager mode), torch_eager, torch_compile
-(torch.compile(model), Inductor's C++ backend; a failure is recorded in the row). Every side runs
-on the threads this process may use (os.sched_getaffinity; torch.set_num_threads to the same).
+(torch.compile(model), Inductor's C++ backend; a failure is recorded in the row), and
+torch_eager_1thread (torch.set_num_threads(1)). Every other row runs on the threads this process
+may use (os.sched_getaffinity; torch.set_num_threads to the same): on a machine with more runnable
+threads than cores, PyTorch's OpenMP regions wait at their barriers for threads the scheduler has
+not run (a time slice each), which the one-thread row shows apart.
 
 Timing: each row runs in a process of its own (so no row's idle thread pool spins inside another
 row's timing), set up and warmed up there (first call = compile, then `--warmup` calls); then the
@@ -70,7 +73,8 @@ from torch_vision_models import torch_mobilenet_v2, torch_resnet18  # noqa: E402
 
 CASES = ["mobilenet_train", "mobilenet_infer", "resnet18_train", "resnet18_infer", "gpt_train", "gpt_decode",
          "mlp_train"]
-ROWS = ["flowgen_graph", "flowgen_graph_emulator", "flowgen_eager", "torch_eager", "torch_compile"]
+ROWS = ["flowgen_graph", "flowgen_graph_emulator", "flowgen_eager", "torch_eager", "torch_eager_1thread",
+        "torch_compile"]
 # What a row's worker process sets before it starts: the graph rows' kernels (runtime_cpp's
 # emulator for every kernel, or native GEMMs and convs where codegen/cpu/ has them).
 ROW_ENV = {"flowgen_graph": {"FLOWGEN_CPU_KERNELS": "native"},
@@ -263,7 +267,8 @@ def _first(out):
 
 ROW_SETUP = {"flowgen_graph": flowgen_graph_row, "flowgen_graph_emulator": flowgen_graph_row,
              "flowgen_eager": flowgen_eager_row,
-             "torch_eager": lambda spec: torch_row(spec, False), "torch_compile": lambda spec: torch_row(spec, True)}
+             "torch_eager": lambda spec: torch_row(spec, False), "torch_eager_1thread": lambda spec: torch_row(spec, False),
+             "torch_compile": lambda spec: torch_row(spec, True)}
 
 
 # ---- profiling the graph's step ----
@@ -330,7 +335,7 @@ def row_worker(case: str, row: str, conn, warmup: int, profile: bool) -> None:
     """Set up `row` of `case` in this process, then time calls on request: ("time", iters) ->
     the calls' milliseconds; ("stop", None) ends. Its own process, so no row's thread pool (two
     OpenMP runtimes, OpenBLAS, torch's intra-op pool) waits or spins inside another row's timing."""
-    torch.set_num_threads(threads())
+    torch.set_num_threads(1 if row == "torch_eager_1thread" else threads())
     os.environ.update(ROW_ENV.get(row, {}))
     result = {"case": case, "row": row}
     try:
