@@ -159,3 +159,35 @@ def test_standalone_program_links_openblas_and_matches_the_graph(tmp_path):
             assert (out / os.path.basename(manifest["blas"]["library"])).is_file()
         else:
             assert manifest["native_kernels"] == 0 and manifest["blas"] is None
+
+
+def test_gemm_layouts_and_permutes_match_eager():
+    """Broadcast batches on either side, batched, transposed operands read in place, a transposed
+    store, float64 (the emulated GEMM), products large enough to split over threads, a permute."""
+    rng = np.random.default_rng(4)
+
+    def t(*shape, dtype=np.float32):
+        return flow.tensor(rng.standard_normal(shape).astype(dtype))
+
+    cases = [(lambda a, b: flow.matmul(a, b) + 1.0, (t(2, 3, 4, 5), t(5, 6))),
+             (lambda a, b: flow.matmul(a, b).relu(), (t(4, 5), t(2, 3, 5, 6))),
+             (lambda a, b: flow.matmul(a.transpose(-1, -2), b) * 2, (t(3, 5, 4), t(3, 5, 6))),
+             (lambda a, b: flow.matmul(a, b.transpose(-1, -2)), (t(3, 4, 5), t(3, 6, 5))),
+             (lambda a, b: flow.matmul(a, b).transpose(0, 1) + 1, (t(40, 50), t(50, 60))),
+             (lambda a, b: flow.matmul(a, b).tanh(), (t(4, 5, dtype=np.float64), t(5, 6, dtype=np.float64))),
+             (lambda a, b: flow.matmul(a.t(), b.t()) - 0.5, (t(200, 300), t(500, 200))),
+             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),))]
+
+    class All(nn.Graph):
+        def build(self, *xs):
+            outs, at = [], 0
+            for fn, args in cases:
+                outs.append(fn(*xs[at:at + len(args)]))
+                at += len(args)
+            return tuple(outs)
+
+    inputs = [x for _, args in cases for x in args]
+    graph = All()
+    for (fn, args), got in zip(cases, graph(*inputs)):
+        np.testing.assert_allclose(got.numpy(), fn(*args).numpy(), rtol=1e-5, atol=1e-5)
+    assert len(native_names(graph)) >= 7
