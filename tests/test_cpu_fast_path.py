@@ -3,6 +3,7 @@ training steps and inference of an MLP, conv nets with BatchNorm (strides, paddi
 dilation, depthwise), the example GPT; and the switch that keeps every
 kernel on the emulator."""
 import copy
+import json
 import os
 import subprocess
 import sys
@@ -191,3 +192,16 @@ def test_gemm_layouts_and_permutes_match_eager():
     for (fn, args), got in zip(cases, graph(*inputs)):
         np.testing.assert_allclose(got.numpy(), fn(*args).numpy(), rtol=1e-5, atol=1e-5)
     assert len(native_names(graph)) >= 7
+
+
+@pytest.mark.slow
+def test_cpu_vs_torch_benchmark_runs(tmp_path):
+    """benchmarks/cpu_vs_torch.py end to end on its smallest case (it times, this only checks it runs)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cpu_vs_torch.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cpu_vs_torch.py"), "--cases", "mlp_train",
+                           "--rows", "flowgen_graph", "torch_eager", "--repeats", "3", "--iters", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["flowgen_graph"]["native_launches"] > 0 and rows["torch_eager"]["median_ms"] > 0
