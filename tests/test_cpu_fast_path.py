@@ -205,3 +205,15 @@ def test_cpu_vs_torch_benchmark_runs(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
     assert rows["flowgen_graph"]["native_launches"] > 0 and rows["torch_eager"]["median_ms"] > 0
+
+
+def test_cross_entropy_rows_and_their_label_check():
+    """The native cross-entropy rows (ignore_index, label smoothing off) train as eager, and a label
+    out of range raises the emulated kernels' IndexError after the step."""
+    model = nn.Linear(6, 5)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=2)
+    data = [(x, y) for x, y in batches((7, 6), 5)]
+    graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.1), data, loss_fn=loss_fn)
+    assert any("cross_entropy_rows" in n for n in native_names(graph))
+    with pytest.raises(IndexError, match="label 7 out of range"):
+        graph(data[0][0], flow.tensor(np.array([0, 1, 7, 3, 4, 0, 1], np.int64)))
