@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 import os
 
+from flowgen.runtime.cpu_compiler import emulator_check
+
 # Blocks that fill the device a program is rendered for: an H100 (132 SMs, two resident tiles
 # each), or the CPU emulator, which runs blocks on its cores and pays per thread switch, so few
 # large tiles are best there. `rendering_for(target)` sets it while a program is built.
@@ -64,11 +66,12 @@ CPU_KERNELS = ("native", "emulator")
 def native_cpu_kernels() -> bool:
     """Whether a 'cpu' program gets native kernels where codegen/cpu/ has them: `$FLOWGEN_CPU_KERNELS`
     is "native" (the default: speed) or "emulator" (every kernel the CUDA source on the emulator,
-    to check that source)."""
+    to check that source). The checking emulator (`$FLOWGEN_EMULATOR_CHECK=1`) checks CUDA
+    kernels only, so it gets every kernel as CUDA."""
     value = os.environ.get("FLOWGEN_CPU_KERNELS", "native").strip() or "native"
     if value not in CPU_KERNELS:
         raise ValueError(f"FLOWGEN_CPU_KERNELS={value!r}: must be one of {', '.join(CPU_KERNELS)}")
-    return value == "native"
+    return value == "native" and not emulator_check()
 
 
 def warpgroup_mma() -> bool:
