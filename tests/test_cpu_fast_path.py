@@ -45,12 +45,13 @@ def test_mlp_training_matches_eager():
 
 
 class SmallConvNet(nn.Module):
-    """A stem with stride and padding, a grouped and a dilated conv, a depthwise-separable block,
-    1x1 convs with BatchNorm and a residual add."""
+    """A stem with stride and padding and a max pool, a grouped and a dilated conv, a
+    depthwise-separable block, 1x1 convs with BatchNorm and a residual add."""
 
     def __init__(self):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.MaxPool2d(3, stride=1, padding=1))
         self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)
         self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2)
         self.depthwise = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(8),
@@ -70,7 +71,7 @@ def test_conv_net_with_batch_norm_training_matches_eager():
     graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.05, momentum=0.9),
                                    batches((4, 3, 12, 12), 4), loss_rtol=1e-4)
     names = native_names(graph)
-    for op in ("conv2d_grad_input", "conv2d_grad_weight"):
+    for op in ("conv2d_grad_input", "conv2d_grad_weight", "max_pool2d_grad"):
         assert any(op in n for n in names), f"no native {op} kernel in {names}"
     depthwise = [k for k in graph.compiled.program.kernels if k.ops[0].startswith("conv2d") and "groups 8" in k.comment]
     assert len(depthwise) == 3 and all(k.native for k in depthwise), [k.comment for k in depthwise]

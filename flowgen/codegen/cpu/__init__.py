@@ -1,7 +1,7 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions but the
-depthwise ones, elementwise chains, multi-tensor updates, permutes and cross-entropy rows as loops
-spread over a thread pool, runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
+depthwise ones, elementwise chains, multi-tensor updates, permutes, cross-entropy rows and max-pool
+gradients as loops spread over a thread pool, runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated CUDA kernels
 stay, in the same program, so families move over one at a time.
 
 The emulator remains the checker of the CUDA source: `FLOWGEN_CPU_KERNELS=emulator` (the test
@@ -14,6 +14,7 @@ from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
 from flowgen.codegen.cpu.copy import render_permute
 from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
+from flowgen.codegen.cpu.pool import render_max_pool_grad
 from flowgen.codegen.cpu.rows import render_cross_entropy
 
 _CONV_OPS = ("conv2d", "conv2d_grad_input", "conv2d_grad_weight")
@@ -33,6 +34,8 @@ def render_native(node, index: int, producers, stream_values=None):
         return render_conv_node(node, fused.kernel_name(index, node, [node.op]))
     if node.op == "permute":
         return render_permute(node, fused.kernel_name(index, node, [node.op]))
+    if node.op == "max_pool2d_grad":
+        return render_max_pool_grad(node, fused.kernel_name(index, node, [node.op]))
     if node.op in ("cross_entropy_rows", "cross_entropy_rows_grad"):   # its label check is numbered index + 1
         return render_cross_entropy(node, fused.kernel_name(index, node, [node.op]), index + 1)
     return None
