@@ -1,7 +1,7 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
-    flowgen build SAVED_DIR|MODEL.pt2|MODEL.onnx -o BUILD_DIR [--target cpu|cuda] [--arch sm_90] [--compiler nvrtc|nvcc]
-                  [--sanitize address|undefined|address,undefined] [--lib]
+    flowgen build SAVED_DIR|MODEL.pt2|MODEL.onnx -o BUILD_DIR [--target cpu|cuda|emulator] [--arch sm_90]
+                  [--compiler nvrtc|nvcc] [--sanitize address|undefined|address,undefined] [--lib]
     flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
     flowgen inspect SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx [--source] [--ir] [--memory]
     flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
@@ -131,8 +131,9 @@ def cli():
 @click.argument("saved_dir", metavar="SAVED_DIR|MODEL.pt2|MODEL.onnx", type=click.Path(exists=True))
 @click.option("-o", "--out", "out_dir", metavar="BUILD_DIR", required=True, type=click.Path(file_okay=False),
               help="Where the program goes: program.cu, the binary, weights.safetensors, manifest.json.")
-@click.option("--target", type=click.Choice(["cpu", "cuda"]), default="cuda", show_default=True,
-              help="cuda: GPU binary (builds without a GPU); cpu: the CPU emulator, runs anywhere.")
+@click.option("--target", type=click.Choice(["cpu", "cuda", "emulator"]), default="cuda", show_default=True,
+              help="cuda: GPU binary (builds without a GPU); cpu: runs anywhere, GEMMs and convs through OpenBLAS, "
+                   "the other kernels on the CPU emulator; emulator: every kernel the CUDA source on the emulator.")
 @click.option("--arch", default="sm_90", show_default=True,
               help="GPU architecture the program is rendered and compiled for (cuda target); sm_90 uses Hopper's "
                    "warpgroup MMA (an sm_90a cubin), others mma.sync.")

@@ -431,7 +431,7 @@ class SavedGraph:
         self.skipped = int(skipped)     # how many of them a GradScaler skipped
         self.path = path
         self.data_parallel = data_parallel   # graph.json's data_parallel entry (module doc), or None
-        self._programs: dict = {}   # (target, arch) -> Program
+        self._programs: dict = {}   # (target, arch, native) -> Program
         self._executor = None
 
     @property
@@ -450,16 +450,19 @@ class SavedGraph:
     def outputs(self) -> list:
         return self.signature["outputs"]
 
-    def program(self, target: str = "cuda", arch: str = None):
+    def program(self, target: str = "cuda", arch: str = None, native: bool = None):
         """The `Program` (kernels, memory plan, kernels.cu) rendered from the IR for `target`
         ("cuda" or "cpu": tile shapes and reduction splits differ) and, for "cuda", the GPU
-        architecture `arch` ("sm_90": Hopper's warpgroup MMA; None: any sm_80 or newer)."""
-        key = (target, arch)
+        architecture `arch` ("sm_90": Hopper's warpgroup MMA; None: any sm_80 or newer); for
+        "cpu", `native` False keeps every kernel on the emulator (None: `$FLOWGEN_CPU_KERNELS`,
+        codegen/program.py build_program)."""
+        key = (target, arch, native)
         if key not in self._programs:
-            options = {"target": target} | ({"arch": arch} if arch else {})
+            options = ({"target": target} | ({"arch": arch} if arch else {})
+                       | ({"native": native} if native is not None else {}))
             with internal_checks(self.name, lambda: f"codegen for {target}"):
-                self._programs[key], _ = program_cache.cached(self.ir, options,
-                                                              functools.partial(_build_program, self.ir, target, arch))
+                self._programs[key], _ = program_cache.cached(
+                    self.ir, options, functools.partial(_build_program, self.ir, target, arch, native))
         return self._programs[key]
 
     def _check_inputs(self, arrays) -> list:
@@ -510,8 +513,8 @@ class SavedGraph:
 
 
 # ------------------------------------------------------------------ saving
-def _build_program(ir, target: str, arch: str = None):
-    program = build_program(ir, target=target, arch=arch)
+def _build_program(ir, target: str, arch: str = None, native: bool = None):
+    program = build_program(ir, target=target, arch=arch, native=native)
     program.kernels_before_fusion = count_unfused_kernels(ir)
     return program
 

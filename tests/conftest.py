@@ -8,6 +8,9 @@ import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("FLOWGEN_CACHE", os.path.join(ROOT, ".flowgen-cache"))
+# The suite checks the CUDA source: 'cpu' graphs run every kernel on the emulator. The cpu target's
+# native kernels (GEMMs and convs through OpenBLAS) have their own tests (test_cpu_fast_path.py).
+os.environ.setdefault("FLOWGEN_CPU_KERNELS", "emulator")
 # The tensor-core kernel cases the tests share with the first-contact GPU run
 # (benchmarks/first_contact_cases.py); appended, so no benchmark script shadows a test module.
 sys.path.append(os.path.join(ROOT, "benchmarks"))

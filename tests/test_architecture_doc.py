@@ -11,13 +11,6 @@ ARCHITECTURE = ROOT / "ARCHITECTURE.md"
 PAGES = [ARCHITECTURE, *sorted((ROOT / "docs").glob("*.md"))]
 LINKING_PAGES = [*PAGES, ROOT / "README.md"]   # README's backticks also name a user's files (train.py)
 
-# Paths a page may name before they exist, each with the branch that brings it. Remove an entry
-# when its code lands (the test then checks it like any other path).
-PENDING = {
-    "flowgen/codegen/cpu/": "the cpu target's fast path, from another helper's branch",
-    "codegen/cpu/": "the same, as ARCHITECTURE.md's diagram names it",
-}
-
 # Where a short path is looked up: `passes/autodiff.py` means flowgen/passes/autodiff.py,
 # `kernels/gemm.py` flowgen/codegen/kernels/gemm.py, `_mma.j2` templates/_mma.j2.
 BASES = [ROOT, ROOT / "flowgen", ROOT / "flowgen" / "codegen", ROOT / "flowgen" / "runtime", ROOT / "templates",
@@ -60,7 +53,7 @@ def test_architecture_is_one_page():
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_named_path_exists(page):
-    missing = sorted(p for p in _named_paths(page.read_text()) if not _exists(p) and p not in PENDING)
+    missing = sorted(p for p in _named_paths(page.read_text()) if not _exists(p))
     assert not missing, f"{page.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 
@@ -85,9 +78,3 @@ def test_links_land_on_files_and_headings(page):
             if anchor not in {_anchor(h) for h in headings}:
                 broken.append(target)
     assert not broken, f"{page.relative_to(ROOT)} has links to missing files or headings: {broken}"
-
-
-def test_pending_paths_are_still_pending():
-    """A PENDING path that now exists is checked like any other: take it off the list."""
-    landed = sorted(p for p in PENDING if _exists(p))
-    assert not landed, f"these paths exist now, remove them from PENDING: {landed}"

@@ -62,6 +62,7 @@ from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
+from flowgen.runtime import cpu_blas
 from flowgen.runtime.cpu_compiler import compile_kernel_objects
 from flowgen.runtime.toolchain import (MULDEFS, BuildError, CompileError, cache_dir, compiler_version,
                                       copy_file_atomically, host_command, link_command, mpi_flags, nvcc_command,
@@ -435,7 +436,8 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     symbol_map = "".join(f"flowgen_launch_{name} = flowgen_launch_{symbol};\n"
                          for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol)
     objects = [str(host_object), *map(str, kernels.artifacts)]
-    key = hashlib.sha256("\0".join([*link_command("program", [*objects, "kernel_symbols.ld", MULDEFS],
+    link_flags = [MULDEFS, *cpu_blas.program_link_flags(out, text)]
+    key = hashlib.sha256("\0".join([*link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
                                                    sanitize, mpi), compiler_version(), symbol_map]).encode())
     link_dir = cache_dir() / "host" / key.hexdigest()[:32]
     if not (link_dir / "program").is_file():
@@ -443,7 +445,8 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
         link_dir.mkdir(parents=True, exist_ok=True)
         _write(link_dir / "kernel_symbols.ld", symbol_map)
         partial = link_dir / f".program.{os.getpid()}"
-        command = link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), MULDEFS], sanitize, mpi)
+        command = link_command(str(partial), [*objects, str(link_dir / "kernel_symbols.ld"), *link_flags], sanitize,
+                               mpi)
         _run_compiler(command, out, "link", text)
         os.replace(partial, link_dir / "program")
     partial = f".{binary}.partial"
@@ -455,6 +458,7 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
                  timings: dict, sanitize: str | None = None) -> dict:
     ir = program.graph
+    native_kernels = [k.name for k in getattr(program, "prepare", []) + program.kernels if k.native]
 
     def kernel_json(k):
         return {"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
@@ -470,6 +474,8 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "arch": arch if target == "cuda" else None,
         "compiler": compiler if target == "cuda" else "g++",
         "sanitize": sanitize,
+        "native_kernels": len(native_kernels),
+        "blas": cpu_blas.record() if native_kernels else None,
         "training": saved.training,
         "world_size": saved.data_parallel["world_size"] if saved.data_parallel else 1,
         "data_parallel": saved.data_parallel,
@@ -496,8 +502,10 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS; `lib`: also the shared
     library with the C API (codegen/library.py). `log(text)` receives one line per finished stage."""
     log = log or (lambda text: None)
-    if target not in ("cpu", "cuda"):
-        raise BuildError(f"unknown target {target!r}; use cpu or cuda")
+    if target not in ("cpu", "cuda", "emulator"):
+        raise BuildError(f"unknown target {target!r}; use cpu, cuda or emulator")
+    # "emulator": the cpu program with every kernel the CUDA source on the emulator (no native kernels)
+    native, target = (False, "cpu") if target == "emulator" else (None, target)
     if compiler not in ("nvrtc", "nvcc"):
         raise BuildError(f"unknown device compiler {compiler!r}; use nvrtc or nvcc")
     if sanitize is not None and sanitize not in SANITIZERS:
@@ -523,7 +531,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         raise BuildError(f"--lib: {refusal}")
     # A 'cuda' program is rendered for the GPU `arch` names: on sm_90 its bf16/fp16 (and tf32)
     # GEMMs and convs use warpgroup MMA, and its device code compiles for sm_90a.
-    program = saved.program(target, arch=arch if target == "cuda" else None)
+    program = saved.program(target, arch=arch if target == "cuda" else None, native=native)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     binary = safe_tag(saved.name)

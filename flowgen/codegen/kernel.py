@@ -72,6 +72,9 @@ class Kernel:
     # A collective (the op's attributes): no device code; the executor exchanges the input
     # buffers with the other ranks on the host and writes the outputs (ops/lowering.Collective).
     collective: dict | None = None
+    # A native kernel of the cpu target (codegen/cpu/): plain C++ run once per launch (a 1x1x1
+    # grid) that calls OpenBLAS and opens its own OpenMP loops; its program includes flowgen_cpu.h.
+    native: bool = False
 
 
 def every_output_over(outputs, inputs) -> frozenset:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext, kernel_name
-from flowgen.codegen.target import rendering_for
+from flowgen.codegen.target import native_cpu_kernels, native_kernels, rendering_for
 from flowgen.memory.planner import MemoryPlan, Step, plan_memory
 from flowgen.memory.search import compress
 from flowgen.ops.lowering import Collective, Elementwise, Template, View
@@ -21,6 +21,14 @@ KERNELS_HEADER = """\
 // emulator g++ compiles the same text with -DFLOWGEN_EMULATOR (the prelude then pulls in
 // runtime_cpp/flowgen_emu.h).
 #include "flowgen_cuda_prelude.h"
+
+"""
+
+
+# Included after the prelude when a cpu program has native kernels (codegen/cpu/).
+NATIVE_HEADER = """\
+// Native kernels (the cpu target's GEMMs and convs through OpenBLAS) run their body once per launch.
+#include "flowgen_cpu.h"
 
 """
 
@@ -57,6 +65,7 @@ class Program:
 def render_kernels(graph):
     """Kernels in schedule order, plus the view aliases and constants they rely on."""
     # Imported here, not at the top: the kernel renderers (~0.1 s to load) wait for the first render.
+    from flowgen.codegen.cpu import render_native
     from flowgen.codegen.kernels import render_node
 
     producers = graph.producers()
@@ -69,6 +78,13 @@ def render_kernels(graph):
             if node.output.numel > 1:
                 constants[node.output] = node.attrs["value"]
             continue
+        # The node's first kernel number, plus one, is unique: it numbers the node's index check.
+        ctx = RenderContext(index=len(kernels), check_id=len(kernels) + 1, stream_values=stream_values,
+                            producers=producers)
+        native = render_native(node, ctx) if native_kernels() else None
+        if native is not None:   # the cpu target's native rendering (codegen/cpu/), where it has one
+            kernels.extend(native)
+            continue
         lowering = None if node.op == "fused" else get_op(node.op).lowering
         if isinstance(lowering, View):
             aliases[node.output] = node.inputs[0]
@@ -78,9 +94,7 @@ def render_kernels(graph):
         if isinstance(lowering, Collective):
             kernels.append(collective_step(node, kernel_name(len(kernels), node, [node.op])))
             continue
-        # The node's first kernel number, plus one, is unique: it numbers the node's index check.
-        kernels += render_node(node, RenderContext(index=len(kernels), check_id=len(kernels) + 1,
-                                                   stream_values=stream_values, producers=producers))
+        kernels += render_node(node, ctx)
     # Scalar constants that a template kernel reads as a buffer must be uploaded too.
     for k in kernels:
         for arg in k.args:
@@ -255,14 +269,18 @@ def _planner_in_place(k: Kernel) -> frozenset:
 
 
 def build_program(graph, naive_memory: bool = False, target: str = "cuda", compress_memory: bool = False,
-                  allow_tf32: bool = False, arch: str = None) -> Program:
+                  allow_tf32: bool = False, arch: str = None, native: bool = None) -> Program:
     """Kernels, memory plan and kernels.cu for `graph`, with tile shapes and reduction splits
-    chosen for `target` ("cuda": a GPU; "cpu": the emulator); `compress_memory` searches
+    chosen for `target` ("cuda": a GPU; "cpu": the emulator, with native kernels (codegen/cpu/:
+    GEMMs and convs through OpenBLAS) where they exist unless `native` is False; None:
+    `$FLOWGEN_CPU_KERNELS`, target.native_cpu_kernels); `compress_memory` searches
     placement orders for a smaller arena (memory/search.py); `allow_tf32` runs float32
     GEMMs on tensor cores with TF32 inputs; `arch` ("sm_90", ...) is the GPU a "cuda" program
     is for (None: any sm_80 or newer; "sm_90": warpgroup MMA GEMMs)."""
 
-    with rendering_for(target, allow_tf32, arch=arch):
+    if native is None:
+        native = target == "cpu" and native_cpu_kernels()
+    with rendering_for(target, allow_tf32, arch=arch, native=native):
         kernels, aliases, constants = render_kernels(graph)
     prepare, kernels = split_prepare(graph, kernels, aliases, constants)
     state_writes = direct_state_writes(graph, kernels, aliases)
@@ -275,7 +293,10 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)
     kernels = declare_shared_memory(kernels, plan, aliases, state_writes)
-    source = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0]) + "\n".join(
+    header = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0])
+    if any(k.native for k in prepare + kernels):
+        header += NATIVE_HEADER
+    source = header + "\n".join(
         k.source for k in prepare + kernels if k.collective is None)
     return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)
 

@@ -11,6 +11,8 @@ import contextlib
 import contextvars
 import os
 
+from flowgen.runtime.cpu_compiler import emulator_check
+
 # Blocks that fill the device a program is rendered for: an H100 (132 SMs, two resident tiles
 # each), or the CPU emulator, which runs blocks on its cores and pays per thread switch, so few
 # large tiles are best there. `rendering_for(target)` sets it while a program is built.
@@ -28,6 +30,9 @@ _serial_blocks = contextvars.ContextVar("serial_blocks", default=False)
 # MMA (wgmma, _wgmma.j2; NVRTC compiles them for sm_90a); elsewhere mma.sync (_mma.j2). The
 # emulator runs both.
 _cuda_arch = contextvars.ContextVar("cuda_arch", default=None)
+# Whether the cpu target renders the nodes codegen/cpu/ has native kernels for (GEMMs, convs
+# through OpenBLAS) instead of running their CUDA kernels on the emulator (`native_cpu_kernels`).
+_native_kernels = contextvars.ContextVar("native_kernels", default=False)
 # Whether GEMMs, convs and attention may use tensor cores at all (off: their SIMT kernels, which the
 # runtime's tensor-core check compares against and falls back to: runtime/tensor_core_check.py).
 _tensor_cores = contextvars.ContextVar("tensor_cores", default=True)
@@ -51,6 +56,24 @@ def tensor_cores() -> bool:
     return _tensor_cores.get()
 
 
+def native_kernels() -> bool:
+    return _native_kernels.get()
+
+
+CPU_KERNELS = ("native", "emulator")
+
+
+def native_cpu_kernels() -> bool:
+    """Whether a 'cpu' program gets native kernels where codegen/cpu/ has them: `$FLOWGEN_CPU_KERNELS`
+    is "native" (the default: speed) or "emulator" (every kernel the CUDA source on the emulator,
+    to check that source). The checking emulator (`$FLOWGEN_EMULATOR_CHECK=1`) checks CUDA
+    kernels only, so it gets every kernel as CUDA."""
+    value = os.environ.get("FLOWGEN_CPU_KERNELS", "native").strip() or "native"
+    if value not in CPU_KERNELS:
+        raise ValueError(f"FLOWGEN_CPU_KERNELS={value!r}: must be one of {', '.join(CPU_KERNELS)}")
+    return value == "native" and not emulator_check()
+
+
 def warpgroup_mma() -> bool:
     """Whether GEMMs and convs may use Hopper's warpgroup MMA (the program is rendered for sm_90)."""
     return _cuda_arch.get() in ("sm_90", "sm_90a")
@@ -58,13 +81,16 @@ def warpgroup_mma() -> bool:
 
 @contextlib.contextmanager
 def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = None, arch: str = None,
-                  tensor_cores: bool = True):
+                  tensor_cores: bool = True, native: bool = False):
     """Tile shapes, reduction splits and row layouts are chosen for `target` ("cuda" or "cpu");
     `allow_tf32` lets float32 GEMMs run on tensor cores with TF32 inputs; `serial_blocks`
     (default: on for "cpu") renders SIMT GEMM tiles (_gemm_tile_cpu.j2) and reductions as one
     thread per block; `arch` ("sm_90", ...; "cuda" only) is the GPU the program is for (None:
     any sm_80 or newer); `tensor_cores=False` renders every GEMM, conv and attention as its SIMT
-    kernel (16-bit attention as a thread per row)."""
+    kernel (16-bit attention as a thread per row); `native` ("cpu" only) renders GEMMs and convs as
+    native kernels (codegen/cpu/) where they have one."""
+    if native and target != "cpu":
+        raise ValueError(f"rendering_for: native kernels are for the 'cpu' target, not {target!r}")
     if arch is not None and target != "cuda":
         raise ValueError(f"rendering_for: arch={arch!r} is for the 'cuda' target, not {target!r}")
     token = _target_blocks.set(TARGET_BLOCKS[target])
@@ -72,9 +98,11 @@ def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = N
     tf32_token = _allow_tf32.set(bool(allow_tf32))
     serial_token = _serial_blocks.set(target == "cpu" if serial_blocks is None else serial_blocks)
     tensor_cores_token = _tensor_cores.set(bool(tensor_cores))
+    native_token = _native_kernels.set(bool(native))
     try:
         yield
     finally:
+        _native_kernels.reset(native_token)
         _tensor_cores.reset(tensor_cores_token)
         _cuda_arch.reset(arch_token)
         _serial_blocks.reset(serial_token)

@@ -26,6 +26,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+from flowgen.runtime import cpu_blas
 from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import (
@@ -48,6 +49,12 @@ class EmulatorCheckError(RuntimeError):
     """A launch on the checking emulator broke a rule of the hardware (a shared-memory race, a
     divergent barrier, a misaligned or out-of-bounds access, ...); the message names the kernel,
     block, thread and address."""
+
+
+def library_link_flags(source: str) -> list:
+    """The libraries a generated kernels.cu links besides the emulator: OpenBLAS when it has the
+    cpu target's native kernels (runtime/cpu_blas.py)."""
+    return cpu_blas.link_flags() if cpu_blas.uses_blas(source) else []
 
 
 def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
@@ -122,7 +129,7 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     `<cache>/cpu-libs/<hash of its objects>/kernels.so`.
     """
     build = compile_kernel_objects(source)
-    flags = link_flags()
+    flags = link_flags() + library_link_flags(source)
     key = hashlib.sha256("\0".join([compiler_version(), *flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
     if not library.is_file():

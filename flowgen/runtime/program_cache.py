@@ -107,7 +107,9 @@ def source_fingerprint() -> str:
 
 def _process_options() -> dict:
     """What codegen reads from the process rather than from its arguments."""
-    return {"naive_memory_env": os.environ.get("FLOWGEN_NAIVE_MEMORY", "")}
+    return {"naive_memory_env": os.environ.get("FLOWGEN_NAIVE_MEMORY", ""),
+            "cpu_kernels_env": os.environ.get("FLOWGEN_CPU_KERNELS", ""),
+            "emulator_check_env": os.environ.get("FLOWGEN_EMULATOR_CHECK", "")}   # no native cpu kernels when on
 
 
 @functools.lru_cache(maxsize=1)

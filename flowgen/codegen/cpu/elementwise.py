@@ -1,0 +1,59 @@
+"""Elementwise chains and multi-tensor updates of the cpu target as native kernels
+(templates/cpu_elementwise.cpp.j2): the per-element lines of codegen/fused.py's kernels (the same
+emitter, so the same expression per element and the same numbers), run by loops spread over the
+thread pool (runtime_cpp/flowgen_cpu_pool.h) instead of by emulated threads, one loop per launch."""
+from __future__ import annotations
+
+import numpy as np
+
+from flowgen.codegen import fused
+from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.templates import get_template
+
+
+def _source(name, comment, ops, params, segments, what) -> str:
+    return get_template("cpu_elementwise.cpp.j2").render(
+        name=name, comment=comment, ops=ops, params=params, segments=segments, what=what,
+        total=sum(seg["numel"] for seg in segments))
+
+
+def render_elementwise(node, index: int, producers, stream_values=None):
+    """A fused elementwise node (fused.render_elementwise's input) as one native kernel."""
+    em = fused.Emitter(node, producers, stream_values)
+    shape, index_lines, lines = fused._elementwise_lines(em, node.body, node.inputs, node.outputs, producers)
+    numel = int(np.prod(shape, dtype=np.int64))
+    ops = [b.op for b in node.body]
+    name = kernel_name(index, node, ops)
+    shape_text = f"[{', '.join(map(str, shape))}]"
+    source = _source(name, f"{node.scope or 'graph'}: elementwise", ops, em.params,
+                     [{"numel": numel, "index_lines": index_lines, "body_lines": lines, "what": shape_text}],
+                     f"one iteration per element of {shape_text}")
+    return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True,
+                   comment=f"{node.scope or 'graph'}: {', '.join(ops)}", ops=ops,
+                   in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))]
+
+
+def render_segments(node, index: int, producers, stream_values=None):
+    """A multi-tensor node (fused.render_segments' input: independent elementwise bodies, a
+    parameter update) as one native kernel: the segments' elements laid end to end as one loop."""
+    em = fused.Emitter(node, producers, stream_values)
+    segments, ops, in_place = [], [], set()
+    for positions in node.attrs["segments"]:
+        body = [node.body[p] for p in positions]
+        inside = {v for b in body for v in b.outputs}
+        inputs = [v for v in node.inputs if any(v in b.inputs for b in body)]
+        em.var = {v: n for v, n in em.var.items() if fused.scalar_constant(v, producers) is not None}
+        outputs = [v for v in node.outputs if v in inside]
+        shape, index_lines, lines = fused._elementwise_lines(em, body, inputs, outputs, producers)
+        numel = int(np.prod(shape, dtype=np.int64))
+        in_place |= every_output_over(outputs, [v for v in inputs if v.numel == numel])
+        segments.append({"numel": numel, "index_lines": index_lines, "body_lines": lines,
+                         "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over "
+                                 f"[{', '.join(map(str, shape))}]"})
+        ops += [b.op for b in body]
+    name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
+    source = _source(name, f"{node.scope or 'graph'}: multi-tensor", sorted(set(ops)), em.params, segments,
+                     f"{len(segments)} independent segments (a multi-tensor update)")
+    return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True,
+                   comment=f"{node.scope or 'graph'}: {len(segments)} segments of {', '.join(sorted(set(ops)))}",
+                   ops=ops, in_place=frozenset(in_place), horizontal=True)]

@@ -1,0 +1,82 @@
+"""GEMMs of the cpu target as native kernels: OpenBLAS sgemm per batch entry, then the fused
+epilogue as a loop over the output elements (templates/cpu_gemm.cpp.j2).
+
+The fused node is read as codegen/fused.py's `render_gemm` reads it (transposes folded into the
+operands, an optional transposed store, the epilogue's lines from the same emitter), so both
+renderings compute the same expression per element; only the products' summation order is
+BLAS's. float32 only: other dtypes keep the emulated kernel.
+"""
+from __future__ import annotations
+
+from flowgen import dtype as dt
+from flowgen.codegen import fused
+from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, shape_text
+from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
+from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.templates import get_template
+
+NATIVE_DTYPES = (dt.float32,)
+
+
+def _native(*values) -> bool:
+    return all(v.dtype in NATIVE_DTYPES for v in values)
+
+
+def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a_ptr, b_ptr, what_extra=""):
+    """The native kernel computing c = op(a) @ op(b) then `epilogue_lines` per element (with
+    `val`, `m`, `n`, `c_base`, `GM`, `GN` in scope, as in the emulated gemm template)."""
+    M, K = (a.shape[-1], a.shape[-2]) if a_trans else a.shape[-2:]
+    N = b.shape[-2] if b_trans else b.shape[-1]
+    out_batch = tuple(c.shape[:-2])
+    what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
+            f" (OpenBLAS sgemm){what_extra}")
+    source = get_template("cpu_gemm.cpp.j2").render(
+        name=name, comment=node_comment(node, what), params=params, M=M, N=N, K=K, batch=numel_of(out_batch),
+        batch_text=_batch_text(out_batch), a_desc="A^T" if a_trans else "A", b_desc="B^T" if b_trans else "B",
+        batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
+        a_trans=a_trans, b_trans=b_trans, a_ptr=a_ptr, b_ptr=b_ptr, lda=M if a_trans else K, ldb=K if b_trans else N,
+        epilogue_lines=epilogue_lines)
+    return source, node_comment(node, what)
+
+
+def render_fused_gemm(node, index: int, producers, stream_values=None):
+    """A fused GEMM node (codegen/fused.py render_gemm's input) as one native kernel, or None
+    where its operands are not float32."""
+    body = node.body
+    mm_at = next(k for k, b in enumerate(body) if b.op == "matmul")
+    mm, prologue, epilogue = body[mm_at], body[:mm_at], body[mm_at + 1:]
+    transposed = {p.output: p.inputs[0] for p in prologue}
+    a_val, b_val = mm.inputs
+    a_src, b_src = transposed.get(a_val, a_val), transposed.get(b_val, b_val)
+    if not _native(a_src, b_src, mm.output):
+        return None
+    em = fused.Emitter(node, producers, stream_values)
+    if any(fused.scalar_constant(v, producers) is not None for v in (a_src, b_src)):
+        return None
+    out_value = mm.output
+    store_transposed = bool(epilogue) and epilogue[0].op == "permute"
+    if store_transposed:
+        out_value, epilogue = epilogue[0].output, epilogue[1:]
+    index_line = ("const long long i = c_base + (long long)n * GM + m;" if store_transposed
+                  else "const long long i = c_base + (long long)m * GN + n;")
+    lines, pointwise = fused.anchor_epilogue(em, epilogue, out_value, tuple(out_value.shape), producers, index_line)
+    ops = [b.op for b in body]
+    name = kernel_name(index, node, [o for o in ops if o != "permute"])
+    extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
+    source, comment = gemm_source(node, name, a_src, b_src, mm.output, em.params, lines, a_val in transposed,
+                                  b_val in transposed, f"in{node.inputs.index(a_src)}", f"in{node.inputs.index(b_src)}",
+                                  extra)
+    return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=ops,
+                   in_place=every_output_over(node.outputs, pointwise - {a_src, b_src}))]
+
+
+def render_matmul(node, name: str):
+    """An unfused `matmul` node as one native kernel, or None where it is not float32."""
+    a, b = node.inputs
+    c = node.output
+    if not _native(a, b, c):
+        return None
+    params = ["const float* __restrict__ a", "const float* __restrict__ b", "float* __restrict__ c"]
+    source, comment = gemm_source(node, name, a, b, c, params, ["c[c_base + (long long)m * GN + n] = val;"],
+                                  False, False, "a", "b")
+    return [Kernel(name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=[node.op])]

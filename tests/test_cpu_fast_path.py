@@ -1,0 +1,220 @@
+"""The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS) against eager:
+training steps and inference of an MLP, conv nets with BatchNorm (strides, padding, groups,
+dilation, depthwise), the example GPT; and the switch that keeps every
+kernel on the emulator."""
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen.codegen import aot
+from graphs import InferGraph, train_like_eager
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import gpt_char  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def native_kernels(monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")
+
+
+def native_names(graph) -> list:
+    program = graph.compiled.program
+    return [k.name for k in program.prepare + program.kernels if k.native]
+
+
+def batches(shape, classes, count=2):
+    rng = np.random.default_rng(1)
+    return [(flow.tensor(rng.standard_normal(shape).astype(np.float32)),
+             flow.tensor(rng.integers(0, classes, shape[0]).astype(np.int64))) for _ in range(count)]
+
+
+def test_mlp_training_matches_eager():
+    model = nn.Sequential(nn.Linear(20, 48), nn.GELU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 5))
+    graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.1, momentum=0.9), batches((16, 20), 5, 3))
+    names = native_names(graph)
+    assert len(names) >= 6   # three forward GEMMs, their grad-input and grad-weight GEMMs
+    assert any("permute" in n for n in names)   # a weight transposed for a backward GEMM
+
+
+class SmallConvNet(nn.Module):
+    """A stem with stride and padding and a max pool, a grouped and a dilated conv, a
+    depthwise-separable block, 1x1 convs with BatchNorm and a residual add."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                  nn.MaxPool2d(3, stride=1, padding=1))
+        self.grouped = nn.Conv2d(8, 8, 3, padding=1, groups=2)
+        self.dilated = nn.Conv2d(8, 8, 3, padding=2, dilation=2)
+        self.depthwise = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1, groups=8, bias=False), nn.BatchNorm2d(8),
+                                       nn.ReLU6())
+        self.pointwise = nn.Sequential(nn.Conv2d(8, 12, 1, bias=False), nn.BatchNorm2d(12))
+        self.head = nn.Linear(12, 4)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = x + self.dilated(self.grouped(x))
+        x = self.pointwise(self.depthwise(x))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def test_conv_net_with_batch_norm_training_matches_eager():
+    model = SmallConvNet()
+    graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.05, momentum=0.9),
+                                   batches((4, 3, 12, 12), 4), loss_rtol=1e-4)
+    names = native_names(graph)
+    for op in ("conv2d_grad_input", "conv2d_grad_weight", "max_pool2d_grad"):
+        assert any(op in n for n in names), f"no native {op} kernel in {names}"
+    depthwise = [k for k in graph.compiled.program.kernels if k.ops[0].startswith("conv2d") and "groups 8" in k.comment]
+    assert len(depthwise) == 3 and all(k.native for k in depthwise), [k.comment for k in depthwise]
+
+
+def test_conv_net_inference_matches_eager():
+    model = SmallConvNet().eval()
+    x = flow.tensor(np.random.default_rng(2).standard_normal((1, 3, 12, 12)).astype(np.float32))
+    graph = InferGraph(model)
+    np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-4, atol=1e-5)
+    assert native_names(graph)
+
+
+def test_gpt_training_and_decoding_match_eager():
+    config = gpt_char.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    model = gpt_char.define(flow)(config)
+    eager = copy.deepcopy(model)
+    opt_g = model.configure_optimizer(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95))
+    opt_e = eager.configure_optimizer(weight_decay=0.1, learning_rate=1e-2, betas=(0.9, 0.95))
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt_g)
+
+        def build(self, x, y):
+            loss = self.model(x, y)[1]
+            loss.backward()
+            flow.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            return loss
+
+    step = Step()
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        x, y = (flow.tensor(rng.integers(0, 32, (2, 16)).astype(np.int64)) for _ in range(2))
+        got = step(x, y)
+        loss = eager(x, y)[1]
+        opt_e.zero_grad()
+        loss.backward()
+        flow.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
+        opt_e.step()
+        np.testing.assert_allclose(got.numpy(), loss.numpy(), rtol=1e-5)
+    assert native_names(step)
+
+    model.eval()
+    decode = InferGraph(model)
+    context = flow.tensor(rng.integers(0, 32, (1, 16)).astype(np.int64))
+    np.testing.assert_allclose(decode(context)[0].numpy(), model.eval()(context)[0].numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_emulator_switch_renders_every_kernel_as_cuda(monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "emulator")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = flow.randn(4, 8)
+    graph = InferGraph(model)
+    np.testing.assert_allclose(graph(x).numpy(), model(x).numpy(), rtol=1e-5, atol=1e-6)
+    assert native_names(graph) == []
+    assert "flowgen_cpu.h" not in graph.compiled.program.source
+
+
+def test_unknown_cpu_kernels_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "fast")
+    with pytest.raises(ValueError, match="FLOWGEN_CPU_KERNELS"):
+        InferGraph(nn.Linear(2, 2))(flow.randn(1, 2))
+
+
+def test_standalone_program_links_openblas_and_matches_the_graph(tmp_path):
+    """`flowgen build --target cpu` of a graph with native kernels: OpenBLAS copied beside the
+    binary and recorded in the manifest, the same logits as the graph; `--target emulator` none."""
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(6 * 6 * 6, 4)).eval()
+    graph = InferGraph(model)
+    x = flow.randn(2, 3, 6, 6)
+    expected = graph(x).numpy()
+    flow.save(graph, tmp_path / "saved")
+    np.save(tmp_path / "x.npy", x.numpy())
+    for target in ("cpu", "emulator"):
+        out = tmp_path / target
+        manifest = aot.build(tmp_path / "saved", out, target=target).manifest
+        proc = subprocess.run([str(out / manifest["binary"]), "--input", str(tmp_path / "x.npy"), "--out",
+                               str(out / "res")], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_allclose(np.load(out / "res" / "output_0.npy"), expected, rtol=1e-4, atol=1e-5)
+        if target == "cpu":
+            assert manifest["native_kernels"] >= 2 and manifest["blas"]["package"] == "scipy-openblas32"
+            assert (out / os.path.basename(manifest["blas"]["library"])).is_file()
+        else:
+            assert manifest["native_kernels"] == 0 and manifest["blas"] is None
+
+
+def test_gemm_layouts_and_permutes_match_eager():
+    """Broadcast batches on either side, batched, transposed operands read in place, a transposed
+    store, float64 (the emulated GEMM), products large enough to split over threads, a permute."""
+    rng = np.random.default_rng(4)
+
+    def t(*shape, dtype=np.float32):
+        return flow.tensor(rng.standard_normal(shape).astype(dtype))
+
+    cases = [(lambda a, b: flow.matmul(a, b) + 1.0, (t(2, 3, 4, 5), t(5, 6))),
+             (lambda a, b: flow.matmul(a, b).relu(), (t(4, 5), t(2, 3, 5, 6))),
+             (lambda a, b: flow.matmul(a.transpose(-1, -2), b) * 2, (t(3, 5, 4), t(3, 5, 6))),
+             (lambda a, b: flow.matmul(a, b.transpose(-1, -2)), (t(3, 4, 5), t(3, 6, 5))),
+             (lambda a, b: flow.matmul(a, b).transpose(0, 1) + 1, (t(40, 50), t(50, 60))),
+             (lambda a, b: flow.matmul(a, b).tanh(), (t(4, 5, dtype=np.float64), t(5, 6, dtype=np.float64))),
+             (lambda a, b: flow.matmul(a.t(), b.t()) - 0.5, (t(200, 300), t(500, 200))),
+             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),))]
+
+    class All(nn.Graph):
+        def build(self, *xs):
+            outs, at = [], 0
+            for fn, args in cases:
+                outs.append(fn(*xs[at:at + len(args)]))
+                at += len(args)
+            return tuple(outs)
+
+    inputs = [x for _, args in cases for x in args]
+    graph = All()
+    for (fn, args), got in zip(cases, graph(*inputs)):
+        np.testing.assert_allclose(got.numpy(), fn(*args).numpy(), rtol=1e-5, atol=1e-5)
+    assert len(native_names(graph)) >= 7
+
+
+@pytest.mark.slow
+def test_cpu_vs_torch_benchmark_runs(tmp_path):
+    """benchmarks/cpu_vs_torch.py end to end on its smallest case (it times, this only checks it runs)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "cpu_vs_torch.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "cpu_vs_torch.py"), "--cases", "mlp_train",
+                           "--rows", "flowgen_graph", "torch_eager", "--repeats", "3", "--iters", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["flowgen_graph"]["native_launches"] > 0 and rows["torch_eager"]["median_ms"] > 0
+
+
+def test_cross_entropy_rows_and_their_label_check():
+    """The native cross-entropy rows (ignore_index, label smoothing off) train as eager, and a label
+    out of range raises the emulated kernels' IndexError after the step."""
+    model = nn.Linear(6, 5)
+    loss_fn = nn.CrossEntropyLoss(ignore_index=2)
+    data = [(x, y) for x, y in batches((7, 6), 5)]
+    graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.1), data, loss_fn=loss_fn)
+    assert any("cross_entropy_rows" in n for n in native_names(graph))
+    with pytest.raises(IndexError, match="label 7 out of range"):
+        graph(data[0][0], flow.tensor(np.array([0, 1, 7, 3, 4, 0, 1], np.int64)))
