@@ -96,6 +96,7 @@ import functools
 import hashlib
 import math
 import os
+import warnings
 
 import numpy as np
 
@@ -248,6 +249,8 @@ def encode_graph(ir, training: bool) -> tuple:
         entry = dict(enc.define(s.value), kind=s.kind)
         if s.schedule:
             entry["schedule"] = s.schedule   # how a hyper value advances per step (program.cu does it)
+            if "note" in s.schedule:         # a schedule the program cannot follow (passes/optimizer.py)
+                warnings.warn(f"flow.save: {s.name}: {s.schedule['note']}", stacklevel=3)
         doc["state"].append(entry)
     doc["nodes"] = [enc.node(n) for n in ir.nodes]
     doc["outputs"] = [enc.ref(v) for v in ir.outputs]

@@ -136,7 +136,9 @@ def test_schedules_that_run_python_keep_the_saved_lr():
                  lambda o: sch.MultiplicativeLR(o, lambda e: 0.9),
                  lambda o: sch.ChainedScheduler([sch.CosineAnnealingLR(o, T_max=3)])):
         scheduler = make(_sgd())
-        assert lr_schedule(scheduler, scheduler.optimizer.param_groups[0], 0) == {"kind": "constant"}
+        schedule = lr_schedule(scheduler, scheduler.optimizer.param_groups[0], 0)
+        assert schedule["kind"] == "constant"
+        assert schedule["note"].startswith(type(scheduler).__name__), schedule
     lambda_lr = sch.LambdaLR(_sgd(), lambda e: 0.5 ** e)
     assert lambda_lr.closed_form(1, 3) == 0.3 * 0.5 ** 3
     with pytest.raises(ValueError, match="the LR formula calls Python"):
@@ -181,3 +183,13 @@ def test_a_saved_graph_with_a_malformed_formula_does_not_build(tmp_path):
     _rewrite_graph_json(tmp_path / "saved", doc)
     with pytest.raises(aot.BuildError, match="its lr_StepLR schedule has no formula .* save the graph again"):
         aot.build(tmp_path / "saved", tmp_path / "out", target="cpu")
+
+
+def test_saving_a_schedule_the_program_cannot_follow_warns(tmp_path):
+    """flow.save says when the standalone program will keep the saved LR instead of the schedule."""
+    model = nn.Sequential(nn.Linear(3, 1), nn.Flatten(0, 1))
+    opt = optim.SGD(model.parameters(), lr=0.1)
+    graph = TrainGraph(model, nn.MSELoss(), (opt, sch.LambdaLR(opt, lambda e: 0.5 ** e)))
+    graph(flow.randn(4, 3), flow.randn(4))
+    with pytest.warns(UserWarning, match="LambdaLR runs Python code to compute the LR: a standalone program"):
+        flow.save(graph, tmp_path / "saved")

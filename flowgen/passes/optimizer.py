@@ -92,10 +92,16 @@ def lr_schedule(scheduler, group: dict, g_index: int) -> dict:
     (optim/closed_form.py) at epoch e = t + offset of graph call t, times `scale` (the group's
     lr_scale). Without a scheduler, or with one that has no formula or runs Python code
     (LambdaLR, MultiplicativeLR, CyclicLR with a scale_fn, ChainedScheduler of others than
-    multiplicative schedulers), the program keeps the saved LR ("constant")."""
-    formula = scheduler.formula(g_index, EPOCH) if scheduler is not None else None
-    if formula is None or uses_python(formula):
+    multiplicative schedulers), the program keeps the saved LR ("constant"); with a scheduler, a
+    "note" says so, which `flow.save` shows as a warning."""
+    if scheduler is None:
         return {"kind": "constant"}
+    formula = scheduler.formula(g_index, EPOCH)
+    if formula is None or uses_python(formula):
+        what = "runs Python code" if formula is not None else "has no closed form"
+        return {"kind": "constant",
+                "note": f"{type(scheduler).__name__} {what} to compute the LR: a standalone program built from "
+                        f"this save keeps the LR the graph was saved with for every step"}
     return {"kind": "lr_" + type(scheduler).__name__, "formula": to_data(formula), "offset": int(scheduler.last_epoch),
             "scale": float(group.get("lr_scale", 1.0))}
 
