@@ -106,7 +106,8 @@ def value_param_name(v, producers) -> str:
     return f"{made_by.op}_out"
 
 
-def _unique(name: str, taken: set) -> str:
+def unique_name(name: str, taken: set) -> str:
+    """`name`, or `name_2`, `name_3`, ... the first not in `taken` (which it joins)."""
     k, unique = 2, name
     while unique in taken:
         unique, k = f"{name}_{k}", k + 1
@@ -152,12 +153,12 @@ class Emitter:
         for v in node.inputs:
             if scalar_constant(v, producers) is not None:
                 continue
-            self.param_name[v] = names.get(v) or _unique(value_param_name(v, producers), taken)
+            self.param_name[v] = names.get(v) or unique_name(value_param_name(v, producers), taken)
             self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
         for v in node.outputs:
             made_by = next((b for b in getattr(node, "body", None) or [] if v in b.outputs), None)
-            self.out_name[v] = _unique(f"{made_by.op}_out" if made_by else "out", taken)
+            self.out_name[v] = unique_name(f"{made_by.op}_out" if made_by else "out", taken)
             self.params.append(f"{v.dtype.ctype}* __restrict__ {self.out_name[v]}")
             self.args.append(BufferArg(v, f"{v.dtype.ctype}*"))
 

@@ -3,6 +3,7 @@ output element with a baked index map (slice_backward writes zeros outside the s
 that moves the innermost dim goes through 32 x 32 shared-memory tiles instead."""
 from __future__ import annotations
 
+from flowgen.codegen.fused import unique_name, value_param_name
 from flowgen.codegen.kernel import RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, contiguous_strides, converter, coordinates, grid_1d, index_type,
                                             node_comment, node_kernel, numel_of, offset_expr, render_template,
@@ -10,8 +11,10 @@ from flowgen.codegen.kernels.common import (BLOCK, contiguous_strides, converter
 
 
 def render(node, ctx: RenderContext) -> list:
-    return {"permute": _permute, "slice": _slice, "slice_backward": _slice_backward,
-            "cat": _cat}[node.op](node, ctx.kernel_name(node, [node.op]))
+    if node.op == "cat":
+        return _cat(node, ctx.kernel_name(node, [node.op]), ctx.producers)
+    return {"permute": _permute, "slice": _slice, "slice_backward": _slice_backward}[node.op](
+        node, ctx.kernel_name(node, [node.op]))
 
 
 def _copy_map(node, kernel_name, src_offset, map_text, what) -> list:
@@ -116,8 +119,10 @@ def _slice_backward(node, kernel_name):
     return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 
 
-def _cat(node, kernel_name):
+def _cat(node, kernel_name, producers):
     out = node.output
+    taken = {"out"}
+    names = [unique_name(value_param_name(v, producers), taken) for v in node.inputs]
     dim = node.attrs["dim"] % len(out.shape)
     lines, coords = coordinates(out.shape, "i", "c")
     if coords[dim] == "0":                     # size-1 cat dim: a single non-empty input
@@ -130,10 +135,10 @@ def _cat(node, kernel_name):
             continue
         cs = list(coords)
         cs[dim] = coords[dim] if start == 0 else f"(c{dim} - {start})"
-        parts.append(dict(name=f"in{k}", end=start + n, offset=offset_expr(cs, contiguous_strides(v.shape)),
+        parts.append(dict(name=names[k], end=start + n, offset=offset_expr(cs, contiguous_strides(v.shape)),
                           convert=converter(v.dtype, out.dtype)))
         start += n
-    params = [f"const {v.dtype.ctype}* __restrict__ in{k}" for k, v in enumerate(node.inputs)]
+    params = [f"const {v.dtype.ctype}* __restrict__ {name}" for v, name in zip(node.inputs, names)]
     params.append(f"{out.dtype.ctype}* __restrict__ out")
     what = f"{len(node.inputs)} inputs along dim {dim} -> {shape_text(out.shape)}"
     source = render_template("copy.cu.j2", kind="cat", name=kernel_name, comment=node_comment(node, what),
