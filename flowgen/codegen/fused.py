@@ -95,14 +95,19 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
 def value_param_name(v, producers) -> str:
     """A C identifier for the kernel parameter carrying `v`: a graph input's or state's own name
     (module path, `model.0.weight` -> `model_0_weight`; optimizer state, `optim0.group0.lr`),
-    else the op that produced it (`relu_out`). Every name holds an underscore, so it shadows
-    neither a math function (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
+    a converted or transposed copy's source (`model_0_weight_bfloat16`), else the op that produced
+    it (`relu_out`). Every name holds an underscore, so it shadows neither a math function
+    (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
     node = producers.get(v)
     if node is None:
         name = re.sub(r"_+", "_", re.sub(r"\W", "_", v.name)).strip("_") or "value"
         name = f"v_{name}" if name[0].isdigit() else name
         return name if "_" in name else f"{name}_in"
     made_by = next((b for b in node.body if v in b.outputs), node) if getattr(node, "body", None) else node
+    source = made_by.inputs[0] if made_by.op in ("cast", "permute") else None
+    if source is not None and not any(source in b.outputs for b in getattr(node, "body", None) or []):
+        # a copy of another buffer, converted or transposed, is named after it: model_0_weight_bfloat16
+        return f"{value_param_name(source, producers)}_{v.dtype.name if made_by.op == 'cast' else 'permuted'}"
     return f"{made_by.op}_out"
 
 
@@ -115,11 +120,14 @@ def unique_name(name: str, taken: set) -> str:
     return unique
 
 
+DECLARED_NAME = re.compile(r"const [\w ]+ (\w+) = ")
+
+
 def declared_if_read(declarations, code) -> list:
     """The `const long long <name> = ...;` lines of `declarations` whose name `code` (lines)
     reads: a coordinate no load uses is not computed (and leaves no unused variable)."""
-    text = "\n".join(code)
-    return [d for d in declarations if re.search(rf"\b{d.split()[3]}\b", text)]
+    read = set(re.findall(r"\w+", "\n".join(code)))
+    return [d for d in declarations if DECLARED_NAME.match(d)[1] in read]
 
 
 def _unwrapped(text: str) -> str:
@@ -156,9 +164,8 @@ class Emitter:
             self.param_name[v] = names.get(v) or unique_name(value_param_name(v, producers), taken)
             self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
-        for v in node.outputs:
-            made_by = next((b for b in getattr(node, "body", None) or [] if v in b.outputs), None)
-            self.out_name[v] = unique_name(f"{made_by.op}_out" if made_by else "out", taken)
+        for v in node.outputs:   # named as the kernels reading it name it
+            self.out_name[v] = unique_name(value_param_name(v, producers), taken)
             self.params.append(f"{v.dtype.ctype}* __restrict__ {self.out_name[v]}")
             self.args.append(BufferArg(v, f"{v.dtype.ctype}*"))
 
