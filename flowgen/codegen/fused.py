@@ -95,19 +95,26 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
 def value_param_name(v, producers) -> str:
     """A C identifier for the kernel parameter carrying `v`: a graph input's or state's own name
     (module path, `model.0.weight` -> `model_0_weight`; optimizer state, `optim0.group0.lr`),
-    a converted or transposed copy's source (`model_0_weight_bfloat16`), else the op that produced
-    it (`relu_out`). Every name holds an underscore, so it shadows neither a math function
-    (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
+    a view's or a converted or transposed copy's source (`model_0_weight_bfloat16`), else the op
+    that produced it (`relu_out`). Every name holds an underscore, so it shadows neither a math
+    function (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
     node = producers.get(v)
     if node is None:
         name = re.sub(r"_+", "_", re.sub(r"\W", "_", v.name)).strip("_") or "value"
         name = f"v_{name}" if name[0].isdigit() else name
         return name if "_" in name else f"{name}_in"
-    made_by = next((b for b in node.body if v in b.outputs), node) if getattr(node, "body", None) else node
-    source = made_by.inputs[0] if made_by.op in ("cast", "permute") else None
-    if source is not None and not any(source in b.outputs for b in getattr(node, "body", None) or []):
-        # a copy of another buffer, converted or transposed, is named after it: model_0_weight_bfloat16
-        return f"{value_param_name(source, producers)}_{v.dtype.name if made_by.op == 'cast' else 'permuted'}"
+    body = getattr(node, "body", None) or []
+    made_by = next((b for b in body if v in b.outputs), node)
+    view = isinstance(get_op(made_by.op).lowering, View)
+    while view and any(made_by.inputs[0] in b.outputs for b in body):   # a view of a value computed here
+        made_by = next(b for b in body if made_by.inputs[0] in b.outputs)
+        view = isinstance(get_op(made_by.op).lowering, View)
+    source = made_by.inputs[0] if view or made_by.op in ("cast", "permute") else None
+    if source is not None and not any(source in b.outputs for b in body):
+        # a view of another buffer is that buffer; a copy, converted or transposed, is named after
+        # it: model_0_weight_bfloat16
+        name = value_param_name(source, producers)
+        return name if view else f"{name}_{v.dtype.name if made_by.op == 'cast' else 'permuted'}"
     return f"{made_by.op}_out"
 
 
@@ -131,12 +138,13 @@ def declared_if_read(declarations, code) -> list:
 
 
 def _unwrapped(text: str) -> str:
-    """`text` without parentheses around the whole of it: `(a + b)` -> `a + b`, `(a) + (b)` stays."""
+    """`text` without parentheses around the whole of it: `(a + b)` -> `a + b`; `(a) + (b)` and
+    `(a, b)` (a comma would end the declaration it initialises) stay."""
     while text.startswith("(") and text.endswith(")"):
         depth = 0
         for pos, ch in enumerate(text):
             depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0 and pos < len(text) - 1:
+            if (depth == 0 and pos < len(text) - 1) or (depth == 1 and ch == ","):
                 return text
         text = text[1:-1]
     return text
