@@ -25,7 +25,7 @@ import flowgen.nn as nn
 from flowgen.codegen.program import build_program
 from flowgen.runtime import nvrtc
 from flowgen.runtime.toolchain import CXX, kernel_flags, nvrtc_options, runtime_cpp_dir
-from graphs import TrainGraph
+from graphs import TrainGraph, train_like_eager
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt_char  # noqa: E402
@@ -143,3 +143,19 @@ def test_kernels_compile_with_nvrtc_without_unused_variables(make, amp, tmp_path
     nvrtc._compile_into(source, nvrtc_options(nvrtc.cubin_arch(source, "sm_90")), tmp_path, "kernels.cubin")
     log = (tmp_path / "compile.log").read_text()
     assert not NVRTC_UNUSED.search(log), log[-4000:]
+
+
+def test_a_permute_keeping_the_memory_order_is_a_view():
+    """Linear(16, 1)'s weight [1, 16] transposed to [16, 1] lists the same elements in the same
+    order: the GEMM reads the weight's own buffer (no permute kernel), and training still equals
+    eager; a transpose that moves elements ([16, 4] -> [4, 16], under autocast where a cast sits
+    between it and the GEMM) stays a copy kernel."""
+    flow.manual_seed(0)
+    rng = np.random.default_rng(0)
+    batches = [(flow.tensor(rng.standard_normal((8, 4)).astype(np.float32)),
+                flow.tensor(rng.standard_normal((8, 1)).astype(np.float32))) for _ in range(2)]
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    graph, _, _ = train_like_eager(model, lambda p: flow.optim.SGD(p, lr=0.1), batches, loss_fn=nn.MSELoss())
+    assert not [k.name for k in graph.compiled.program.kernels if k.ops == ["permute"]]
+    copies = [k for k in mlp_step(amp=True).compiled.program.kernels if k.ops == ["permute"]]
+    assert copies and all(sorted(k.args[0].value.shape) == [4, 16] for k in copies), [k.comment for k in copies]
