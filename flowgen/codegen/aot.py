@@ -59,6 +59,7 @@ from flowgen import dtype as dt
 from flowgen.codegen import library
 from flowgen.codegen.hyper_schedule import schedule_lines
 from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.manifest import manifest_for
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
@@ -73,8 +74,6 @@ from flowgen.serialization import with_self_hash, write_file_atomic
 from flowgen.version import __version__
 
 SANITIZERS = ("address", "undefined", "address,undefined")
-MANIFEST_FORMAT = "flowgen.manifest"
-MANIFEST_VERSION = 1
 MAX_DIMS = 8
 
 _DTYPE_ENUM = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.float64: "f64",
@@ -453,47 +452,6 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     copy_file_atomically(link_dir / "program", out / partial)
     os.replace(out / partial, out / binary)
     return hit
-
-
-def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
-                 timings: dict, sanitize: str | None = None) -> dict:
-    ir = program.graph
-    native_kernels = [k.name for k in getattr(program, "prepare", []) + program.kernels if k.native]
-
-    def kernel_json(k):
-        return {"name": k.name, "comment": k.comment, "ops": list(k.ops), "grid": list(k.grid),
-                "block": list(k.block), "smem": int(k.smem)}
-
-    return {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "flowgen_version": __version__,
-        "graph": saved.name,
-        "binary": binary,
-        "target": target,
-        "arch": arch if target == "cuda" else None,
-        "compiler": compiler if target == "cuda" else "g++",
-        "sanitize": sanitize,
-        "native_kernels": len(native_kernels),
-        "blas": cpu_blas.record() if native_kernels else None,
-        "training": saved.training,
-        "world_size": saved.data_parallel["world_size"] if saved.data_parallel else 1,
-        "data_parallel": saved.data_parallel,
-        "program_sha256": program_sha256,
-        "inputs": saved.signature["inputs"],
-        "outputs": saved.signature["outputs"],
-        "state": [{"name": s.name, "shape": list(s.value.shape), "dtype": s.value.dtype.name, "kind": s.kind}
-                  for s in ir.state],
-        "step": saved.step,
-        "prepare_kernels": [kernel_json(k) for k in getattr(program, "prepare", [])],
-        "kernels": [kernel_json(k) for k in program.kernels],
-        "launches_per_step": program.num_launches,
-        "kernels_before_fusion": program.kernels_before_fusion,
-        "memory": {"arena_bytes": program.plan.arena_bytes, "lower_bound_bytes": program.plan.lower_bound_bytes,
-                   "naive_bytes": program.plan.naive_bytes, "buffers": program.plan.n_buffers,
-                   "summary": program.plan.describe()},
-        "build_seconds": {k: round(v, 3) for k, v in timings.items()},
-    }
 
 
 def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compiler: str = "nvrtc",

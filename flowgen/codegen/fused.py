@@ -9,6 +9,8 @@ converted once at load and store.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from flowgen import dtype as dt
@@ -90,6 +92,64 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
     return lines
 
 
+def value_param_name(v, producers) -> str:
+    """A C identifier for the kernel parameter carrying `v`: a graph input's or state's own name
+    (module path, `model.0.weight` -> `model_0_weight`; optimizer state, `optim0.group0.lr`),
+    a view's or a converted or transposed copy's source (`model_0_weight_bfloat16`), else the op
+    that produced it (`relu_out`). Every name holds an underscore, so it shadows neither a math
+    function (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
+    node = producers.get(v)
+    if node is None:
+        name = re.sub(r"_+", "_", re.sub(r"\W", "_", v.name)).strip("_") or "value"
+        name = f"v_{name}" if name[0].isdigit() else name
+        return name if "_" in name else f"{name}_in"
+    body = getattr(node, "body", None) or []
+    made_by = next((b for b in body if v in b.outputs), node)
+    view = isinstance(get_op(made_by.op).lowering, View)
+    while view and any(made_by.inputs[0] in b.outputs for b in body):   # a view of a value computed here
+        made_by = next(b for b in body if made_by.inputs[0] in b.outputs)
+        view = isinstance(get_op(made_by.op).lowering, View)
+    source = made_by.inputs[0] if view or made_by.op in ("cast", "permute") else None
+    if source is not None and not any(source in b.outputs for b in body):
+        # a view of another buffer is that buffer; a copy, converted or transposed, is named after
+        # it: model_0_weight_bfloat16
+        name = value_param_name(source, producers)
+        return name if view else f"{name}_{v.dtype.name if made_by.op == 'cast' else 'permuted'}"
+    return f"{made_by.op}_out"
+
+
+def unique_name(name: str, taken: set) -> str:
+    """`name`, or `name_2`, `name_3`, ... the first not in `taken` (which it joins)."""
+    k, unique = 2, name
+    while unique in taken:
+        unique, k = f"{name}_{k}", k + 1
+    taken.add(unique)
+    return unique
+
+
+DECLARED_NAME = re.compile(r"const [\w ]+ (\w+) = ")
+
+
+def declared_if_read(declarations, code) -> list:
+    """The `const long long <name> = ...;` lines of `declarations` whose name `code` (lines)
+    reads: a coordinate no load uses is not computed (and leaves no unused variable)."""
+    read = set(re.findall(r"\w+", "\n".join(code)))
+    return [d for d in declarations if DECLARED_NAME.match(d)[1] in read]
+
+
+def _unwrapped(text: str) -> str:
+    """`text` without parentheses around the whole of it: `(a + b)` -> `a + b`; `(a) + (b)` and
+    `(a, b)` (a comma would end the declaration it initialises) stay."""
+    while text.startswith("(") and text.endswith(")"):
+        depth = 0
+        for pos, ch in enumerate(text):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if (depth == 0 and pos < len(text) - 1) or (depth == 1 and ch == ","):
+                return text
+        text = text[1:-1]
+    return text
+
+
 class Emitter:
     """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
 
@@ -104,14 +164,17 @@ class Emitter:
         self.var: dict = {}
         self.counter = 0
         self.param_name: dict = {}   # input Value -> the name of the parameter it arrives in
-        for k, v in enumerate(node.inputs):
+        self.out_name: dict = {}     # output Value -> the name of the parameter it is stored through
+        taken = set(names.values())
+        for v in node.inputs:
             if scalar_constant(v, producers) is not None:
                 continue
-            self.param_name[v] = names.get(v, f"in{k}")
+            self.param_name[v] = names.get(v) or unique_name(value_param_name(v, producers), taken)
             self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")
             self.args.append(BufferArg(v, f"const {v.dtype.ctype}*"))
-        for k, v in enumerate(node.outputs):
-            self.params.append(f"{v.dtype.ctype}* __restrict__ out{k}")
+        for v in node.outputs:   # named as the kernels reading it name it
+            self.out_name[v] = unique_name(value_param_name(v, producers), taken)
+            self.params.append(f"{v.dtype.ctype}* __restrict__ {self.out_name[v]}")
             self.args.append(BufferArg(v, f"{v.dtype.ctype}*"))
 
     def fresh(self) -> str:
@@ -155,13 +218,16 @@ class Emitter:
         out = body_node.output
         name = self.fresh()
         self.var[out] = name
-        return f"const {COMPUTE_TYPE[out.dtype]} {name} = ({COMPUTE_TYPE[out.dtype]})({text});"
+        ctype = COMPUTE_TYPE[out.dtype]
+        if body_node.inputs and all(COMPUTE_TYPE[v.dtype] == ctype for v in body_node.inputs):
+            return f"const {ctype} {name} = {_unwrapped(text)};"   # operands of the result's type: no cast
+        return f"const {ctype} {name} = ({ctype})({text});"
 
     def stores(self, values, index: str) -> list:
         lines = []
-        for k, v in enumerate(self.node.outputs):
+        for v in self.node.outputs:
             if v in values:
-                lines.append(f"out{k}[{index}] = {_store(v.dtype, self.var[v])};")
+                lines.append(f"{self.out_name[v]}[{index}] = {_store(v.dtype, self.var[v])};")
         return lines
 
 
@@ -195,7 +261,7 @@ def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
     for b in body:
         lines.append(em.compute(b))
     lines += em.stores(set(outputs), "i")
-    return shape, index_lines, lines
+    return shape, declared_if_read(index_lines, lines), lines
 
 
 def render_elementwise(node, ctx: RenderContext) -> list:
@@ -381,9 +447,8 @@ def render_reduction(node, ctx: RenderContext) -> list:
 
     kept = [d for d in range(len(in_shape)) if d not in dims]
     kept_shape = [in_shape[d] for d in kept]
-    out_index_lines = [f"// output element o -> coordinates of the kept dims {tuple(kept)}"]
-    out_index_lines += coordinate_lines(kept_shape, "o", "k") if kept else []
-    in_index_lines = coordinate_lines(reduce_shape, "j", "r") if dims else []
+    out_coordinates = coordinate_lines(kept_shape, "o", "k") if kept else []
+    in_coordinates = coordinate_lines(reduce_shape, "j", "r") if dims else []
     coord = {}
     for pos, d in enumerate(kept):
         coord[d] = f"k{pos}"
@@ -426,10 +491,16 @@ def render_reduction(node, ctx: RenderContext) -> list:
     ops = [b.op for b in body]
     name = ctx.kernel_name(node, ops)
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
-    flat_line = [f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"] if prologue else []
+    flat_line = declared_if_read([f"const long long flat = {broadcast_offset(in_shape, in_shape, full_coords)};"],
+                                 prologue_lines)
+    in_index_lines = declared_if_read(in_coordinates, prologue_lines + flat_line) + flat_line
+    out_index_lines = declared_if_read(out_coordinates, prologue_lines + flat_line)
+    if out_index_lines:
+        out_index_lines.insert(0, f"// output element o -> coordinates of the kept dims {tuple(kept)}")
+    epilogue_index_lines = declared_if_read(epilogue_index_lines, epilogue_lines)
     common = dict(comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx,
                   in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
-                  out_index_lines=out_index_lines, in_index_lines=in_index_lines + flat_line,
+                  out_index_lines=out_index_lines, in_index_lines=in_index_lines,
                   prologue_lines=prologue_lines, epilogue_index_lines=epilogue_index_lines,
                   epilogue_lines=epilogue_lines, splits=splits)
     in_place = every_output_over(node.outputs, [v for v in epilogue_inputs
@@ -466,11 +537,11 @@ def anchor_epilogue(em, body_after, out_value, out_shape, producers, index_line)
     lines = [index_line] if index_line else []
     numel = int(np.prod(out_shape, dtype=np.int64))
     index_lines, offset = _flat_index_reads(body_after, externals, numel, producers, prefix="e")
-    lines += index_lines
     em.var[out_value] = "val"
-    lines += em.load_inputs(externals, offset)
+    body_lines = em.load_inputs(externals, offset)
     for b in body_after:
-        lines.append(em.compute(b))
-    lines += em.stores(set(em.node.outputs), "i")
+        body_lines.append(em.compute(b))
+    body_lines += em.stores(set(em.node.outputs), "i")
+    lines += declared_if_read(index_lines, body_lines) + body_lines
     pointwise = frozenset(v for v in externals if v.numel == numel)
     return lines, pointwise

@@ -78,16 +78,16 @@ def render_kernels(graph):
             if node.output.numel > 1:
                 constants[node.output] = node.attrs["value"]
             continue
+        lowering = None if node.op == "fused" else get_op(node.op).lowering
+        if isinstance(lowering, View) or (lowering is not None and moves_no_element(node)):
+            aliases[node.output] = node.inputs[0]
+            continue
         # The node's first kernel number, plus one, is unique: it numbers the node's index check.
         ctx = RenderContext(index=len(kernels), check_id=len(kernels) + 1, stream_values=stream_values,
                             producers=producers)
         native = render_native(node, ctx) if native_kernels() else None
         if native is not None:   # the cpu target's native rendering (codegen/cpu/), where it has one
             kernels.extend(native)
-            continue
-        lowering = None if node.op == "fused" else get_op(node.op).lowering
-        if isinstance(lowering, View):
-            aliases[node.output] = node.inputs[0]
             continue
         if isinstance(lowering, Elementwise):
             raise AssertionError(f"elementwise node {node.op} reached codegen unfused")
@@ -103,6 +103,21 @@ def render_kernels(graph):
                     and producers[v].op == "constant":
                 constants[v] = producers[v].attrs["value"]
     return kernels, aliases, constants
+
+
+def moves_no_element(node) -> bool:
+    """A view op (``view=ViewOf``: a permute, a slice) whose view of its contiguous input holds
+    every element in memory order -- a permute that keeps the order of the dims larger than one,
+    [1, 16] -> [16, 1] -- is the input's buffer read as is, like a reshape: no copy kernel."""
+    from flowgen.codegen.kernels.common import contiguous_strides   # loaded with the renderers
+
+    view = get_op(node.op).extra["view"]
+    x, out = node.inputs[0], node.output
+    if view is None or out.numel != x.numel or out.dtype != x.dtype:
+        return False
+    strides = view.strides(tuple(x.shape), tuple(contiguous_strides(x.shape)), node.attrs, tuple(out.shape))
+    return strides is not None and all(st == want for size, st, want in
+                                       zip(out.shape, strides, contiguous_strides(out.shape)) if size != 1)
 
 
 def collective_step(node, name: str) -> Kernel:

@@ -53,7 +53,7 @@ def _fused_gemm(node, ctx: RenderContext) -> Kernel:
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     kernel = gemm_kernel(node, name, a_src, b_src, mm.output, params=em.params, args=em.args, epilogue_lines=lines,
                          a_trans=a_val in transposed, b_trans=b_val in transposed, ops=ops, what_extra=extra,
-                         a_ptr=f"in{node.inputs.index(a_src)}", b_ptr=f"in{node.inputs.index(b_src)}")
+                         a_ptr=em.param_name[a_src], b_ptr=em.param_name[b_src])
     kernel.in_place = every_output_over(node.outputs, pointwise - {a_src, b_src})
     return kernel
 

@@ -3,6 +3,7 @@ output element with a baked index map (slice_backward writes zeros outside the s
 that moves the innermost dim goes through 32 x 32 shared-memory tiles instead."""
 from __future__ import annotations
 
+from flowgen.codegen.fused import unique_name, value_param_name
 from flowgen.codegen.kernel import RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, contiguous_strides, converter, coordinates, grid_1d, index_type,
                                             node_comment, node_kernel, numel_of, offset_expr, render_template,
@@ -10,14 +11,23 @@ from flowgen.codegen.kernels.common import (BLOCK, contiguous_strides, converter
 
 
 def render(node, ctx: RenderContext) -> list:
-    return {"permute": _permute, "slice": _slice, "slice_backward": _slice_backward,
-            "cat": _cat}[node.op](node, ctx.kernel_name(node, [node.op]))
+    return {"permute": _permute, "slice": _slice, "slice_backward": _slice_backward, "cat": _cat}[node.op](
+        node, ctx.kernel_name(node, [node.op]), ctx.producers)
 
 
-def _copy_map(node, kernel_name, src_offset, map_text, what) -> list:
+def _names(node, producers) -> tuple:
+    """The parameter names of the node's inputs and of its output (fused.value_param_name)."""
+    taken = set()
+    return ([unique_name(value_param_name(v, producers), taken) for v in node.inputs],
+            unique_name(value_param_name(node.output, producers), taken))
+
+
+def _copy_map(node, kernel_name, producers, src_offset, map_text, what) -> list:
     x, out = node.inputs[0], node.output
+    (x_name,), out_name = _names(node, producers)
     lines, coords = coordinates(out.shape, "i", "c")
     source = render_template("copy.cu.j2", kind="map", name=kernel_name, comment=node_comment(node, what),
+                             x_name=x_name, out_name=out_name,
                              out_shape=shape_text(out.shape), map_text=map_text, in_t=x.dtype.ctype,
                              out_t=out.dtype.ctype, numel=out.numel, idx_t=index_type(out.numel, x.numel),
                              coord_lines=lines, src_offset=src_offset(coords), convert=converter(x.dtype, out.dtype))
@@ -36,14 +46,14 @@ def _transpose_plan(in_shape, dims):
     return a, b
 
 
-def _permute(node, kernel_name):
+def _permute(node, kernel_name, producers):
     x, out = node.inputs[0], node.output
     dims = tuple(d % max(len(x.shape), 1) for d in node.attrs["dims"])
     xs = contiguous_strides(x.shape)
     what = f"dims {tuple(dims)}: {shape_text(x.shape)} -> {shape_text(out.shape)}"
     plan = _transpose_plan(x.shape, dims)
     if plan is None:
-        return _copy_map(node, kernel_name, lambda c: offset_expr(c, [xs[d] for d in dims]),
+        return _copy_map(node, kernel_name, producers, lambda c: offset_expr(c, [xs[d] for d in dims]),
                          f"permuted index, dims {tuple(dims)}", what)
     what += " (tiled)"
     a, b = plan
@@ -55,8 +65,10 @@ def _permute(node, kernel_name):
     tile, rows = 32, 8
     tiles_a, tiles_b = -(-x.shape[a] // tile), -(-x.shape[b] // tile)
     nrest = numel_of(rest_shape)
+    (x_name,), out_name = _names(node, producers)
     source = render_template(
         "copy.cu.j2", kind="transpose", name=kernel_name, comment=node_comment(node, what), dim_a=a, last_in=b,
+        x_name=x_name, out_name=out_name,
         tile=tile, rows=rows, tiles_a=tiles_a, tiles_b=tiles_b, rest=nrest, size_a=x.shape[a], size_b=x.shape[b],
         in_t=x.dtype.ctype, out_t=out.dtype.ctype, rest_lines=lines,
         in_base=offset_expr(coords, [xs[d] for d in rest]),
@@ -68,7 +80,7 @@ def _permute(node, kernel_name):
     return [node_kernel(node, kernel_name, source, (grid, 1, 1), (tile, rows, 1), True, what)]
 
 
-def _slice(node, kernel_name):
+def _slice(node, kernel_name, producers):
     x = node.inputs[0]
     starts, steps = node.attrs["starts"], node.attrs["steps"]
     xs = contiguous_strides(x.shape)
@@ -79,11 +91,12 @@ def _slice(node, kernel_name):
         return str(base) if off == "0" else (off if base == 0 else f"{base} + {off}")
 
     text = ", ".join(f"{b}:{e}:{st}" for b, e, st in zip(starts, node.attrs["stops"], steps))
-    return _copy_map(node, kernel_name, src, f"slice [{text}]", f"[{text}] of {shape_text(x.shape)}")
+    return _copy_map(node, kernel_name, producers, src, f"slice [{text}]", f"[{text}] of {shape_text(x.shape)}")
 
 
-def _slice_backward(node, kernel_name):
+def _slice_backward(node, kernel_name, producers):
     g, out = node.inputs[0], node.output
+    (g_name,), out_name = _names(node, producers)
     starts, stops, steps = node.attrs["starts"], node.attrs["stops"], node.attrs["steps"]
     lines, coords = coordinates(out.shape, "i", "c")
     gs = contiguous_strides(g.shape)
@@ -109,6 +122,7 @@ def _slice_backward(node, kernel_name):
     text = ", ".join(f"{b}:{e}:{st}" for b, e, st in zip(starts, stops, steps))
     what = f"[{text}] of {shape_text(out.shape)}"
     source = render_template("copy.cu.j2", kind="slice_backward", name=kernel_name, comment=node_comment(node, what),
+                             g_name=g_name, out_name=out_name,
                              out_shape=shape_text(out.shape), slice_text=text, in_t=g.dtype.ctype,
                              out_t=out.dtype.ctype, numel=out.numel, idx_t=index_type(out.numel), coord_lines=lines,
                              conditions=conditions, src_offset=" + ".join(terms) if terms else "0",
@@ -116,8 +130,9 @@ def _slice_backward(node, kernel_name):
     return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 
 
-def _cat(node, kernel_name):
+def _cat(node, kernel_name, producers):
     out = node.output
+    names, out_name = _names(node, producers)
     dim = node.attrs["dim"] % len(out.shape)
     lines, coords = coordinates(out.shape, "i", "c")
     if coords[dim] == "0":                     # size-1 cat dim: a single non-empty input
@@ -130,13 +145,13 @@ def _cat(node, kernel_name):
             continue
         cs = list(coords)
         cs[dim] = coords[dim] if start == 0 else f"(c{dim} - {start})"
-        parts.append(dict(name=f"in{k}", end=start + n, offset=offset_expr(cs, contiguous_strides(v.shape)),
+        parts.append(dict(name=names[k], end=start + n, offset=offset_expr(cs, contiguous_strides(v.shape)),
                           convert=converter(v.dtype, out.dtype)))
         start += n
-    params = [f"const {v.dtype.ctype}* __restrict__ in{k}" for k, v in enumerate(node.inputs)]
-    params.append(f"{out.dtype.ctype}* __restrict__ out")
+    params = [f"const {v.dtype.ctype}* __restrict__ {name}" for v, name in zip(node.inputs, names)]
+    params.append(f"{out.dtype.ctype}* __restrict__ {out_name}")
     what = f"{len(node.inputs)} inputs along dim {dim} -> {shape_text(out.shape)}"
     source = render_template("copy.cu.j2", kind="cat", name=kernel_name, comment=node_comment(node, what),
-                             out_shape=shape_text(out.shape), dim=dim, params=params, numel=out.numel,
+                             out_shape=shape_text(out.shape), dim=dim, params=params, out_name=out_name, numel=out.numel,
                              idx_t=index_type(out.numel), coord_lines=lines, parts=parts)
     return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
