@@ -64,8 +64,7 @@ def render_fused_gemm(node, index: int, producers, stream_values=None):
     name = kernel_name(index, node, [o for o in ops if o != "permute"])
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     source, comment = gemm_source(node, name, a_src, b_src, mm.output, em.params, lines, a_val in transposed,
-                                  b_val in transposed, f"in{node.inputs.index(a_src)}", f"in{node.inputs.index(b_src)}",
-                                  extra)
+                                  b_val in transposed, em.param_name[a_src], em.param_name[b_src], extra)
     return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=ops,
                    in_place=every_output_over(node.outputs, pointwise - {a_src, b_src}))]
 
