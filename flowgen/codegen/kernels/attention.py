@@ -4,8 +4,9 @@ attention(q, k, v[, mask]) writes the output and the rows' logsumexp; attention_
 dQ kernel, which also writes D = rowsum(dO * O) to a scratch buffer, then the dK/dV kernel. The
 `_dropout` variants drop P_ij with F.dropout's Philox mask, reading the rng state like randperm.
 The [L, S] scores never reach memory; no atomics. On a GPU (templates/attention_tiled.cu.j2): a
-block of 4 warps per (slice, 64 query rows), or 64 key rows for dK/dV, streaming 64-row K/V (Q/dO)
-tiles through shared memory, an online softmax across key tiles, causal tiles above the diagonal
+block of 4 warps per (slice, 64 query rows), or 64 key rows for dK/dV, streaming K/V (Q/dO) tiles
+of 64 rows (16 or 32 in the backward kernels at wide head dims) through shared memory (cp.async,
+double-buffered, for 16-bit inputs), an online softmax across key tiles, causal tiles above the diagonal
 never loaded; float16/bfloat16 on tensor cores (mma.sync m16n8k16, fp32 accumulation and
 statistics, P and dS fed from the accumulators as A fragments), float32/float64 on scalar loops.
 On the cpu target (and head dims over 128, or float64 tiles over the shared memory)
@@ -114,7 +115,7 @@ def _attention_tiling(dtype, E: int, Ev: int, acc: str):
     EP, EvP = -(-E // 16) * 16, -(-Ev // 16) * 16        # head dims zero-padded to the k step
     pad = 8 if mma else 1                                # 16 bytes (ldmatrix rows); 1 (odd: no bank conflicts)
     T = ATTENTION_TILE
-    tiling = dict(engine="mma" if mma else "simt", NT=ATTENTION_THREADS, BM=T, BN=T,
+    tiling = dict(engine="mma" if mma else "simt", NT=ATTENTION_THREADS, BM=T,
                   RA=2 if mma else T // (ATTENTION_THREADS // 16), EP=EP, EvP=EvP, LDE=EP + pad, LDV=EvP + pad,
                   LDP=T + 1, smem_t=dtype.ctype if mma else acc, elem_bytes=dtype.itemsize if mma else
                   (4 if acc == "float" else 8), acc_bytes=4 if acc == "float" else 8, stages=2 if mma else 1,
@@ -122,8 +123,14 @@ def _attention_tiling(dtype, E: int, Ev: int, acc: str):
                   mma=f"mma_m16n8k16_{'bf16' if dtype == dt.bfloat16 else 'f16'}" if mma else None,
                   to_smem=(lambda expr: expr) if mma else loader(dtype, acc),
                   smem_zero=store_as("0.0f", dtype) if mma else "0")
-    tiling["BN_dkdv"] = T // 2 if max(EP, EvP) > 64 else T   # dK and dV fill the registers: half the score tile
-    if max(_shared_tiles(kind, tiling, acc)[1] for kind in ("forward", "backward_dq", "backward_dkdv")) \
+    # Key (query) rows per streamed tile, by kernel: narrower score tiles where the accumulators of the
+    # rows' gradients fill the registers (dQ: EP / 2 floats a thread; dK and dV: EP / 2 + EvP / 2).
+    # ptxas, sm_90, bf16, head dim 128 (double-buffered tiles): dQ 249 registers with 64 columns, 172
+    # with 32; dK/dV 248 with 32, 233 with 16.
+    wide = max(EP, EvP)
+    tiling["BN_of"] = {"forward": T, "backward_dq": T if wide <= 96 else T // 2,
+                       "backward_dkdv": T if wide <= 64 else T // 2 if wide <= 96 else T // 4}
+    if max(_shared_tiles(kind, dict(tiling, BN=BN), acc)[1] for kind, BN in tiling["BN_of"].items()) \
             > ATTENTION_SMEM_LIMIT:
         return None
     return tiling
@@ -137,10 +144,10 @@ def _copy_vector(width: int) -> int:
 
 def _shared_tiles(kind: str, tiling: dict, acc: str) -> tuple:
     """([(name, ctype, rows, row length, buffers, byte offset)], total bytes): the shared-memory
-    tiles of a tiled kernel, 16-byte aligned one after another; the streamed tiles (the K and V
+    tiles of a tiled kernel `kind` (tiling["BN"]: its streamed tiles' rows), 16-byte aligned one after another; the streamed tiles (the K and V
     tiles, or Q and dO for dK/dV) have `stages` buffers. The launch requests the total."""
     t = tiling
-    BN = t["BN_dkdv"] if kind == "backward_dkdv" else t["BN"]
+    BN = t["BN"]
     e, stages = t["smem_t"], t["stages"]
     if kind == "backward_dkdv":
         tiles = [("ks", e, t["BM"], t["LDE"], 1), ("vs", e, t["BM"], t["LDV"], 1),
@@ -202,8 +209,7 @@ def _attention_kernel(node, ctx, tiling, name, kind, what, rows_per_slice, reads
                                  idx_t=index_type(rows), params=params, **ctx)
         return Kernel(name=name, source=source, args=args, grid=grid_1d(rows), block=(BLOCK, 1, 1),
                       needs_fibers=False, comment=comment, ops=[node.op])
-    if kind == "backward_dkdv":
-        tiling = dict(tiling, BN=tiling["BN_dkdv"])
+    tiling = dict(tiling, BN=tiling["BN_of"][kind])
     tiles, smem = _shared_tiles(kind, tiling, ctx["acc"])
     blocks_per_slice = -(-rows_per_slice // tiling["BM"])
     source = render_template("attention_tiled.cu.j2", kind=kind, name=name, comment=comment, params=params,
