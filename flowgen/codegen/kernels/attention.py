@@ -51,7 +51,7 @@ def _attention(node, kernel_name, rng=None):
                keys_of_row=f"(i + 1 < {S} ? i + 1 : {S})" if causal else str(S), first_query="j" if causal else "0",
                dropout=_attention_dropout(node.attrs, rng is not None),
                **_attention_mask_context(mask, q.shape[:-2], L, S, acc))
-    tiling = _attention_tiling(q.dtype, E, Ev, acc)
+    tiling = _attention_tiling(q.dtype, E, Ev, acc, dropout=ctx["dropout"] is not None)
     shapes = f"{shape_text(q.shape)} x {shape_text(k.shape)}" + (" causal" if causal else "") + \
         (f" mask {shape_text(mask.shape)}" if mask is not None else "") + \
         (f" dropout {node.attrs['dropout_p']}" if ctx["dropout"] else "")
@@ -101,7 +101,7 @@ ATTENTION_MAX_HEAD_DIM = 128
 ATTENTION_SMEM_LIMIT = 200 * 1024
 
 
-def _attention_tiling(dtype, E: int, Ev: int, acc: str):
+def _attention_tiling(dtype, E: int, Ev: int, acc: str, dropout: bool):
     """The tiled kernels' constants, or None for a thread per row: on the cpu target (one thread
     per block there: the tiles' barriers and shuffles would run as fibers, while a thread per row
     streams K and V from cache), and for head dims over ATTENTION_MAX_HEAD_DIM or tiles over
@@ -126,10 +126,11 @@ def _attention_tiling(dtype, E: int, Ev: int, acc: str):
     # Key (query) rows per streamed tile, by kernel: narrower score tiles where the accumulators of the
     # rows' gradients fill the registers (dQ: EP / 2 floats a thread; dK and dV: EP / 2 + EvP / 2).
     # ptxas, sm_90, bf16, head dim 128 (double-buffered tiles): dQ 249 registers with 64 columns, 172
-    # with 32; dK/dV 248 with 32, 233 with 16.
+    # with 32; dK/dV 248 with 32, 233 with 16. With dropout (the Philox rounds' state too), dK/dV at
+    # head dim 64: 253 registers with 64 columns.
     wide = max(EP, EvP)
     tiling["BN_of"] = {"forward": T, "backward_dq": T if wide <= 96 else T // 2,
-                       "backward_dkdv": T if wide <= 64 else T // 2 if wide <= 96 else T // 4}
+                       "backward_dkdv": T if wide <= (32 if dropout else 64) else T // 2 if wide <= 96 else T // 4}
     if max(_shared_tiles(kind, dict(tiling, BN=BN), acc)[1] for kind, BN in tiling["BN_of"].items()) \
             > ATTENTION_SMEM_LIMIT:
         return None
