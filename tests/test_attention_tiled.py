@@ -60,6 +60,7 @@ CASES = [  # (id, dtype, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask sha
     ("f16_causal_e17", "float16", (1, 1, 40, 70, 17, 17), dict(is_causal=True), None, None),
     # causal with L < S: the dK/dV blocks of keys past the last query tile have no query tile at all
     ("bf16_causal_L_lt_S", "bfloat16", (1, 1, 40, 200, 32, 32), dict(is_causal=True), None, None),
+    ("bf16_dropout_e64", "bfloat16", (1, 2, 70, 70, 64, 64), dict(dropout_p=0.2), None, None),   # 32-row dK/dV tiles
 ]
 
 
