@@ -9,7 +9,7 @@ cpu target keeps a thread per row.
 Each case is a training step (SGD with lr 1 on q, k, v: the step's change is the gradient)
 against eager flowgen and a float64 NumPy reference: ragged L and S (not multiples of the tile),
 L != S both ways, causal or not, bool and additive masks (broadcast, with a fully masked row),
-dropout (F.dropout's Philox mask), head dims 16 to 128. Half-precision bounds are stated in units
+dropout (F.dropout's Philox mask), head dims 16 to 128 (and 17 to 20: narrower copies). Half-precision bounds are stated in units
 of the format's roundoff u (2^-8 bfloat16, 2^-11 float16) times the magnitude of each sum.
 """
 import re
@@ -55,6 +55,12 @@ CASES = [  # (id, dtype, (B, H, L, S, E, Ev), sdpa keywords, mask kind, mask sha
     ("bf16_float_mask_e80", "bfloat16", (1, 2, 40, 66, 80, 48), {}, "float", (40, 66)),
     ("bf16_dropout_causal_e128", "bfloat16", (1, 1, 70, 70, 128, 128), dict(is_causal=True, dropout_p=0.2),
      None, None),
+    # head dims that are not multiples of 8: 8-byte (E 20) and 4-byte (Ev 18) cp.async, plain stores (E 17)
+    ("bf16_e20_ev18_L_gt_S", "bfloat16", (1, 2, 70, 45, 20, 18), {}, None, None),
+    ("f16_causal_e17", "float16", (1, 1, 40, 70, 17, 17), dict(is_causal=True), None, None),
+    # causal with L < S: the dK/dV blocks of keys past the last query tile have no query tile at all
+    ("bf16_causal_L_lt_S", "bfloat16", (1, 1, 40, 200, 32, 32), dict(is_causal=True), None, None),
+    ("bf16_dropout_e64", "bfloat16", (1, 2, 70, 70, 64, 64), dict(dropout_p=0.2), None, None),   # 32-row dK/dV tiles
 ]
 
 

@@ -132,7 +132,8 @@ def test_tf32_conv_rounds_its_inputs_to_nearest_ties_away(conv_launch):
 
 # ---------------------------------------------------------------------------------------
 # TF32 GEMMs on warpgroup MMA (gemm_wgmma.cu.j2): both operands gathered into K-major tiles
-# whatever their order in memory, every tile width.
+# whatever their order in memory (4 elements a load where their contiguous dim is a multiple of 4),
+# every tile width.
 
 class Tf32Gemm:
     """A TF32 GEMM rendered for sm_90 (`wgmma`) and, for comparison, for any sm_80 or newer (`mma`)."""
@@ -144,7 +145,8 @@ class Tf32Gemm:
 
 
 TF32_GEMMS = [Tf32Gemm(250, 250, 100), Tf32Gemm(130, 120, 70, True, True), Tf32Gemm(37, 45, 90, False, True),
-              Tf32Gemm(64, 64, 33, True, False, blocks=None)]
+              Tf32Gemm(64, 64, 33, True, False, blocks=None),
+              Tf32Gemm(72, 56, 44, False, True)]   # K % 4 == 0: both operands in 16-byte loads, k fastest
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,7 @@ def test_tf32_gemms_run_on_warpgroup_mma_k8():
         assert "tf32 wgmma" in case.kernel.comment and "k8_tf32<0, 0>" in case.kernel.source
         assert "cp_async" not in case.kernel.source     # gathered: rounded on the way in
     assert {re.search(r"GEMM (\d+x\d+)", c.kernel.comment).group(1) for c in TF32_GEMMS} == {
-        "128x256", "64x128", "64x64"}
+        "128x256", "128x64", "64x128", "64x64"}
 
 
 @pytest.mark.parametrize("case", TF32_GEMMS, ids=[c.id for c in TF32_GEMMS])

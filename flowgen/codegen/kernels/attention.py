@@ -4,8 +4,9 @@ attention(q, k, v[, mask]) writes the output and the rows' logsumexp; attention_
 dQ kernel, which also writes D = rowsum(dO * O) to a scratch buffer, then the dK/dV kernel. The
 `_dropout` variants drop P_ij with F.dropout's Philox mask, reading the rng state like randperm.
 The [L, S] scores never reach memory; no atomics. On a GPU (templates/attention_tiled.cu.j2): a
-block of 4 warps per (slice, 64 query rows), or 64 key rows for dK/dV, streaming 64-row K/V (Q/dO)
-tiles through shared memory, an online softmax across key tiles, causal tiles above the diagonal
+block of 4 warps per (slice, 64 query rows), or 64 key rows for dK/dV, streaming K/V (Q/dO) tiles
+of 64 rows (16 or 32 in the backward kernels at wide head dims) through shared memory (cp.async,
+double-buffered, for 16-bit inputs), an online softmax across key tiles, causal tiles above the diagonal
 never loaded; float16/bfloat16 on tensor cores (mma.sync m16n8k16, fp32 accumulation and
 statistics, P and dS fed from the accumulators as A fragments), float32/float64 on scalar loops.
 On the cpu target (and head dims over 128, or float64 tiles over the shared memory)
@@ -50,7 +51,7 @@ def _attention(node, kernel_name, rng=None):
                keys_of_row=f"(i + 1 < {S} ? i + 1 : {S})" if causal else str(S), first_query="j" if causal else "0",
                dropout=_attention_dropout(node.attrs, rng is not None),
                **_attention_mask_context(mask, q.shape[:-2], L, S, acc))
-    tiling = _attention_tiling(q.dtype, E, Ev, acc)
+    tiling = _attention_tiling(q.dtype, E, Ev, acc, dropout=ctx["dropout"] is not None)
     shapes = f"{shape_text(q.shape)} x {shape_text(k.shape)}" + (" causal" if causal else "") + \
         (f" mask {shape_text(mask.shape)}" if mask is not None else "") + \
         (f" dropout {node.attrs['dropout_p']}" if ctx["dropout"] else "")
@@ -100,31 +101,72 @@ ATTENTION_MAX_HEAD_DIM = 128
 ATTENTION_SMEM_LIMIT = 200 * 1024
 
 
-def _attention_tiling(dtype, E: int, Ev: int, acc: str):
+def _attention_tiling(dtype, E: int, Ev: int, acc: str, dropout: bool):
     """The tiled kernels' constants, or None for a thread per row: on the cpu target (one thread
     per block there: the tiles' barriers and shuffles would run as fibers, while a thread per row
     streams K and V from cache), and for head dims over ATTENTION_MAX_HEAD_DIM or tiles over
     ATTENTION_SMEM_LIMIT (float64 with head dims over 64). 16-bit inputs run on tensor cores
     ("mma" engine; a thread per row when rendered without tensor cores), float32/float64 on scalar
-    loops ("simt")."""
+    loops ("simt"). The mma engine copies tiles with cp.async, `vec_e`/`vec_v` elements per copy
+    (16 bytes where the head dim allows), and double-buffers the streamed tiles."""
     mma = dtype in (dt.bfloat16, dt.float16)
     if serial_blocks() or max(E, Ev) > ATTENTION_MAX_HEAD_DIM or (mma and not tensor_cores()):
         return None
     EP, EvP = -(-E // 16) * 16, -(-Ev // 16) * 16        # head dims zero-padded to the k step
     pad = 8 if mma else 1                                # 16 bytes (ldmatrix rows); 1 (odd: no bank conflicts)
-    elem, acc_bytes = (2 if mma else 4 if acc == "float" else 8), 4 if acc == "float" else 8
     T = ATTENTION_TILE
-    tile_e, tile_v = T * (EP + pad) * elem, T * (EvP + pad) * elem
-    smem = 2 * tile_e + 2 * tile_v + 2 * T * acc_bytes + (0 if mma else T * (T + 1) * acc_bytes)
-    if smem > ATTENTION_SMEM_LIMIT:
+    tiling = dict(engine="mma" if mma else "simt", NT=ATTENTION_THREADS, BM=T,
+                  RA=2 if mma else T // (ATTENTION_THREADS // 16), EP=EP, EvP=EvP, LDE=EP + pad, LDV=EvP + pad,
+                  LDP=T + 1, smem_t=dtype.ctype if mma else acc, elem_bytes=dtype.itemsize if mma else
+                  (4 if acc == "float" else 8), acc_bytes=4 if acc == "float" else 8, stages=2 if mma else 1,
+                  vec_e=_copy_vector(E) if mma else 1, vec_v=_copy_vector(Ev) if mma else 1,
+                  mma=f"mma_m16n8k16_{'bf16' if dtype == dt.bfloat16 else 'f16'}" if mma else None,
+                  to_smem=(lambda expr: expr) if mma else loader(dtype, acc),
+                  smem_zero=store_as("0.0f", dtype) if mma else "0")
+    # Key (query) rows per streamed tile, by kernel: narrower score tiles where the accumulators of the
+    # rows' gradients fill the registers (dQ: EP / 2 floats a thread; dK and dV: EP / 2 + EvP / 2).
+    # ptxas, sm_90, bf16, head dim 128 (double-buffered tiles): dQ 249 registers with 64 columns, 172
+    # with 32; dK/dV 248 with 32, 233 with 16. With dropout (the Philox rounds' state too), dK/dV at
+    # head dim 64: 253 registers with 64 columns.
+    wide = max(EP, EvP)
+    tiling["BN_of"] = {"forward": T, "backward_dq": T if wide <= 96 else T // 2,
+                       "backward_dkdv": T if wide <= (32 if dropout else 64) else T // 2 if wide <= 96 else T // 4}
+    if max(_shared_tiles(kind, dict(tiling, BN=BN), acc)[1] for kind, BN in tiling["BN_of"].items()) \
+            > ATTENTION_SMEM_LIMIT:
         return None
-    smem_t = dtype.ctype if mma else acc
-    return dict(engine="mma" if mma else "simt", NT=ATTENTION_THREADS, BM=T, BN=T,
-                RA=2 if mma else T // (ATTENTION_THREADS // 16), EP=EP, EvP=EvP, LDE=EP + pad, LDV=EvP + pad,
-                LDP=T + 1, smem_t=smem_t, tile_bytes_e=tile_e, tile_bytes_v=tile_v, acc_bytes=acc_bytes,
-                smem=smem, mma=f"mma_m16n8k16_{'bf16' if dtype == dt.bfloat16 else 'f16'}" if mma else None,
-                to_smem=(lambda expr: expr) if mma else loader(dtype, acc),
-                smem_zero=store_as("0.0f", dtype) if mma else "0")
+    return tiling
+
+
+def _copy_vector(width: int) -> int:
+    """16-bit elements per cp.async of a row of `width` (rows start 16-byte aligned when width is a
+    multiple of 8): 8 (16 bytes), 4 or 2; 1: plain stores (odd widths)."""
+    return next(v for v in (8, 4, 2, 1) if width % v == 0)
+
+
+def _shared_tiles(kind: str, tiling: dict, acc: str) -> tuple:
+    """([(name, ctype, rows, row length, buffers, byte offset)], total bytes): the shared-memory
+    tiles of a tiled kernel `kind` (tiling["BN"]: its streamed tiles' rows), 16-byte aligned one after another; the streamed tiles (the K and V
+    tiles, or Q and dO for dK/dV) have `stages` buffers. The launch requests the total."""
+    t = tiling
+    BN = t["BN"]
+    e, stages = t["smem_t"], t["stages"]
+    if kind == "backward_dkdv":
+        tiles = [("ks", e, t["BM"], t["LDE"], 1), ("vs", e, t["BM"], t["LDV"], 1),
+                 ("qs", e, BN, t["LDE"], stages), ("dos", e, BN, t["LDV"], stages),
+                 ("col_lse", acc, 1, BN, stages), ("col_d", acc, 1, BN, stages)]
+    else:
+        tiles = [("qs", e, t["BM"], t["LDE"], 1)]
+        if kind == "backward_dq":
+            tiles += [("dos", e, t["BM"], t["LDV"], 1), ("row_lse", acc, 1, t["BM"], 1), ("row_d", acc, 1, t["BM"], 1)]
+        tiles += [("ks", e, BN, t["LDE"], stages), ("vs", e, BN, t["LDV"], stages)]
+    if t["engine"] == "simt":
+        tiles.append(("ps", acc, t["BM"], t["LDP"], 1))   # the probabilities between the two products
+    layout, offset = [], 0
+    for name, ctype, rows, length, buffers in tiles:
+        layout.append((name, ctype, rows, length, buffers, offset))
+        size = {"float": 4, "double": 8}.get(ctype, t["elem_bytes"]) * rows * length * buffers
+        offset += -(-size // 16) * 16
+    return layout, offset
 
 
 def _attention_layout(tiling, rows: str) -> str:
@@ -168,11 +210,11 @@ def _attention_kernel(node, ctx, tiling, name, kind, what, rows_per_slice, reads
                                  idx_t=index_type(rows), params=params, **ctx)
         return Kernel(name=name, source=source, args=args, grid=grid_1d(rows), block=(BLOCK, 1, 1),
                       needs_fibers=False, comment=comment, ops=[node.op])
-    if kind == "backward_dkdv" and max(tiling["EP"], tiling["EvP"]) > 64:
-        tiling = dict(tiling, BN=tiling["BN"] // 2)   # dK and dV fill the registers: half the score tile
-    tiles = -(-rows_per_slice // tiling["BM"])
+    tiling = dict(tiling, BN=tiling["BN_of"][kind])
+    tiles, smem = _shared_tiles(kind, tiling, ctx["acc"])
+    blocks_per_slice = -(-rows_per_slice // tiling["BM"])
     source = render_template("attention_tiled.cu.j2", kind=kind, name=name, comment=comment, params=params,
-                             tiles_per_slice=tiles, **ctx, **tiling)
-    return Kernel(name=name, source=source, args=args, grid=(ctx["slices"] * tiles, 1, 1),
-                  block=(tiling["NT"], 1, 1), smem=tiling["smem"], needs_fibers=True, comment=comment,
+                             tiles_per_slice=blocks_per_slice, shared_tiles=tiles, smem=smem, **ctx, **tiling)
+    return Kernel(name=name, source=source, args=args, grid=(ctx["slices"] * blocks_per_slice, 1, 1),
+                  block=(tiling["NT"], 1, 1), smem=smem, needs_fibers=True, comment=comment,
                   ops=[node.op])

@@ -231,7 +231,22 @@ def _wgmma_implicit_gemm_tile(kind, geo: dict, sizes, op: str, pointwise: bool, 
     if kind != "tf32":
         copies = _wgmma_conv_copies(geo, op, pointwise, (BM, BN, BK), dtype, (a_what, b_what))
         a_op, b_op = copies.get("a", a_op), copies.get("b", b_op)
+    else:
+        a_op.update(_tf32_vector_gather(geo, op))
     return wgmma_tile_config(kind, BM, BN, dtype, a_op, b_op)
+
+
+def _tf32_vector_gather(geo: dict, op: str) -> dict:
+    """How a tf32 conv's A tile is gathered 4 float32 elements (one 16-byte load) at a time, where
+    its rows are runs of memory whose length is a multiple of 4 (so no 4 cross from one run to the
+    next): forward weights (rows of GK) and grad_weight's output gradients (runs of OH x OW
+    pixels); {} (element by element) otherwise. `index`: the element offset of (m, k)."""
+    O, OG, OHW, GK = geo["O"], geo["OG"], geo["OH"] * geo["OW"], geo["CG"] * geo["KH"] * geo["KW"]
+    if op == "fwd" and GK % 4 == 0:
+        return dict(vec=4, ptr="w", index=f"(long long)(grp * {OG} + m) * GK + k")
+    if op == "wgrad" and OHW % 4 == 0:
+        return dict(vec=4, ptr="grad", index=f"((long long)(k / {OHW}) * {O} + grp * {OG} + m) * {OHW} + k % {OHW}")
+    return {}
 
 
 def _wgmma_conv_copies(geo: dict, op: str, pointwise: bool, tile, dtype, whats) -> dict:

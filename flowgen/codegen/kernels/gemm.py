@@ -338,11 +338,14 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
     a_what = f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
     b_what = f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})"
     loads = {}
-    if kind == "tf32":
-        a_op = Tile(name="a", major="k", order="mn" if a_trans else "k", copy_kind="gather", what=a_what)
-        b_op = Tile(name="b", major="k", order="k" if b_trans else "mn", copy_kind="gather", what=b_what)
-        loads = dict(a_load=f"v = {a_ptr}[a_base + {'(long long)k * GM + m' if a_trans else '(long long)m * GK + k'}];",
-                     b_load=f"v = {b_ptr}[b_base + {'(long long)n * GK + k' if b_trans else '(long long)k * GN + n'}];")
+    if kind == "tf32":   # 4 elements (16 bytes) per load where the contiguous dim is a multiple of 4
+        a_op = Tile(name="a", major="k", order="mn" if a_trans else "k", copy_kind="gather", what=a_what,
+                    vec=4 if (M if a_trans else K) % 4 == 0 else 1, ptr=a_ptr,
+                    index=f"a_base + {'(long long)k * GM + m' if a_trans else '(long long)m * GK + k'}")
+        b_op = Tile(name="b", major="k", order="k" if b_trans else "mn", copy_kind="gather", what=b_what,
+                    vec=4 if (K if b_trans else N) % 4 == 0 else 1, ptr=b_ptr,
+                    index=f"b_base + {'(long long)n * GK + k' if b_trans else '(long long)k * GN + n'}")
+        loads = dict(a_load=f"v = {a_ptr}[{a_op.index}];", b_load=f"v = {b_ptr}[{b_op.index}];")
     else:
         a_op = staged_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, a_what)
         b_op = staged_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, b_what)
