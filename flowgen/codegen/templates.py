@@ -8,6 +8,7 @@ under ``<cache>/jinja`` (Jinja2's bytecode cache), so a new process does not com
 from __future__ import annotations
 
 import hashlib
+import re
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,9 +32,17 @@ def environment() -> jinja2.Environment:
     # Imported here, not at the top: Jinja2 takes ~0.15 s to load; `import flowgen` renders nothing.
     import jinja2
 
-    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                              bytecode_cache=jinja2.FileSystemBytecodeCache(str(_bytecode_dir(jinja2.__version__))),
-                              undefined=jinja2.StrictUndefined, **_OPTIONS)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
+                             bytecode_cache=jinja2.FileSystemBytecodeCache(str(_bytecode_dir(jinja2.__version__))),
+                             undefined=jinja2.StrictUndefined, **_OPTIONS)
+    env.tests["reads"] = reads
+    return env
+
+
+def reads(code: str, name: str) -> bool:
+    """`{% if body is reads("r") %}`: does the C++ text `code` use the identifier `name`? A
+    template declares a variable only for the bodies that read it (no unused variables)."""
+    return re.search(rf"(?<![\w.]){re.escape(name)}\b", str(code)) is not None
 
 
 def _bytecode_dir(jinja2_version: str) -> Path:
