@@ -109,11 +109,14 @@ def moves_no_element(node) -> bool:
     """A view op (``view=ViewOf``: a permute, a slice) whose view of its contiguous input holds
     every element in memory order -- a permute that keeps the order of the dims larger than one,
     [1, 16] -> [16, 1] -- is the input's buffer read as is, like a reshape: no copy kernel."""
-    from flowgen.codegen.kernels.common import contiguous_strides   # loaded with the renderers
+    # Imported here, not at the top: the kernels package loads every family (`import flowgen` does not).
+    from flowgen.codegen.kernels.common import contiguous_strides
 
     view = get_op(node.op).extra["view"]
+    if view is None or len(node.inputs) != 1 or len(node.outputs) != 1:
+        return False
     x, out = node.inputs[0], node.output
-    if view is None or out.numel != x.numel or out.dtype != x.dtype:
+    if out.numel != x.numel or out.dtype != x.dtype:
         return False
     strides = view.strides(tuple(x.shape), tuple(contiguous_strides(x.shape)), node.attrs, tuple(out.shape))
     return strides is not None and all(st == want for size, st, want in
