@@ -158,3 +158,21 @@ def test_the_gpu_table_is_the_committed_mobilenet_cuda_json():
     assert f"| training, batch {result['batch']} (images/s) | {' | '.join(train)} |" in README
     assert f"| inference, batch 1 (ms) | {' | '.join(infer)} |" in README
     assert f"the {result['train_launches_fused']}-launch training step" in README
+
+
+CPU_VS_TORCH_ROWS = {"mobilenet_train": "MobileNetV2-CIFAR training", "mobilenet_infer": "MobileNetV2-CIFAR inference",
+                     "resnet18_train": "ResNet-18 training", "resnet18_infer": "ResNet-18 inference",
+                     "gpt_train": "GPT of `examples/gpt_char.py`, training",
+                     "gpt_decode": "the same GPT, decoding a token", "mlp_train": "3-layer MLP training"}
+CPU_VS_TORCH_COLUMNS = ("flowgen_graph", "flowgen_graph_emulator", "flowgen_eager", "torch_eager",
+                        "torch_eager_1thread", "torch_compile")
+
+
+def test_the_cpu_vs_torch_table_is_the_committed_json():
+    data = json.loads((RESULTS / "cpu_vs_torch.json").read_text())
+    rows = {(row["case"], row["row"]): row for row in data["rows"]}
+    for case, label in CPU_VS_TORCH_ROWS.items():
+        cells = [_three_figures(rows[case, column]["median_ms"]) for column in CPU_VS_TORCH_COLUMNS]
+        assert f"| {label} | {' | '.join(cells)} |" in README, case
+    environment = data["environment"]
+    assert f"flowgen {environment['flowgen_commit'][:7]}" in README and environment["date_utc"][:10] in README
