@@ -48,9 +48,37 @@ def _slice(x, dim=0, start=None, end=None, step=1):
 
 
 def _index(x, indices):
-    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim)."""
-    key = tuple(slice(None) if i is None else i for i in indices)
-    return x[key]
+    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim). Several
+    integer index tensors (NumPy's advanced indexing, as Hugging Face's causal masks index) are one
+    index into the indexed dims merged: sum(i_j * stride_j), broadcast, each i_j checked and wrapped
+    like a single index; the broadcast dims stand where the indexed dims were if these are adjacent,
+    else first (NumPy's and PyTorch's rule), which moving the indexed dims to the front gives."""
+    tensor_dims = [d for d, i in enumerate(indices) if i is not None]
+    if len(tensor_dims) <= 1:
+        return x[tuple(slice(None) if i is None else i for i in indices)]
+    if any(indices[d].dtype == dt.bool_ for d in tensor_dims):
+        raise NotImplementedError("aten.index.Tensor with a boolean mask among several index tensors: flowgen "
+                                  "takes several integer index tensors, or one mask")
+    if tensor_dims != list(range(tensor_dims[0], tensor_dims[-1] + 1)):
+        x = ops.permute(x, *(tensor_dims + [d for d in range(x.ndim) if d not in tensor_dims]))
+        start, sizes = 0, [x.shape[i] for i in range(len(tensor_dims))]
+    else:
+        start, sizes = tensor_dims[0], [x.shape[d] for d in tensor_dims]
+    linear, stride = None, 1
+    for d, n in reversed(list(zip(tensor_dims, sizes))):
+        index = indices[d] if indices[d].dtype == dt.int64 else ops.cast(indices[d], dt.int64)
+        if not index.is_lazy:
+            values = index.numpy()
+            bad = (values < -n) | (values >= n)
+            if bad.any():
+                raise IndexError(f"aten.index.Tensor: index {int(values[bad].flat[0])} is out of bounds for "
+                                 f"dimension {d} with size {n}")
+        term = ops.where(index < 0, index + n, index) * stride
+        linear = term if linear is None else linear + term
+        stride *= n
+    shape = tuple(x.shape)
+    merged = ops.reshape(x, shape[:start] + (stride,) + shape[start + len(sizes):])
+    return merged[(slice(None),) * start + (linear,)]
 
 
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
