@@ -1,0 +1,139 @@
+"""flow.from_torch on real model families: Hugging Face GPT-2, BERT and Llama (RoPE, grouped-query
+attention, RMSNorm, SiLU gating) and torchvision ResNet-18, MobileNetV3-small and a Vision
+Transformer, each built from a small config with random weights (nothing is downloaded), imported
+through torch.export and run eagerly: float32 outputs equal PyTorch's to 1e-5 of their scale.
+
+transformers / torchvision are optional: a test skips when its library does not import. The
+fastest models (GPT-2, Llama, the ViT) run by default, the rest are marked slow."""
+import numpy as np
+import pytest
+
+import flowgen as flow
+
+torch = pytest.importorskip("torch")
+# torch.export's own use of a pytree API it deprecated (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+RTOL = 1e-5
+
+
+def _hf(*names):
+    """The transformers classes `names`; skips when transformers, or a model module it imports
+    lazily (a broken torchvision breaks them), does not import."""
+    transformers = pytest.importorskip("transformers")
+    try:
+        return [getattr(transformers, name) for name in names]
+    except Exception as e:  # noqa: BLE001 - any failure to import means: not available here
+        pytest.skip(f"transformers.{names[-1]} does not import: {type(e).__name__}: {e}")
+
+
+def _torchvision_models():
+    try:   # a torchvision built for another torch raises RuntimeError (its C++ ops), not ImportError
+        import torchvision.models
+    except Exception as e:  # noqa: BLE001 - any failure to import means: not available here
+        pytest.skip(f"torchvision does not import: {type(e).__name__}: {e}")
+    return torchvision.models
+
+
+def _check(model, args, kwargs=None, key=None):
+    """Import `model` (eval mode) with the example arguments, run both, compare: |flow - torch| <=
+    RTOL * max|torch| everywhere (a relative error at the output's scale)."""
+    model.eval()
+    kwargs = kwargs or {}
+    imported = flow.from_torch(model, args, kwargs)
+    got = imported(*[flow.from_dlpack(a) for a in args], **{k: flow.from_dlpack(v) for k, v in kwargs.items()})
+    with torch.no_grad():
+        expected = model(*args, **kwargs)
+    if key is not None:
+        got, expected = got[key], expected[key]
+    expected = expected.numpy()
+    scale = float(np.abs(expected).max())
+    assert scale > 0, "the reference output is all zeros: the check would prove nothing"
+    np.testing.assert_allclose(got.numpy(), expected, rtol=RTOL, atol=RTOL * scale)
+    return got
+
+
+def _tokens(vocab, shape=(2, 8)):
+    return torch.randint(0, vocab, shape)
+
+
+# ------------------------------------------------------------------ Hugging Face transformers
+def test_gpt2_lm_head():
+    GPT2Config, GPT2LMHeadModel = _hf("GPT2Config", "GPT2LMHeadModel")
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
+                          bos_token_id=0, eos_token_id=0)
+    _check(GPT2LMHeadModel(config), (_tokens(100),), key="logits")
+
+
+def test_llama_gqa_rope_rmsnorm():
+    LlamaConfig, LlamaForCausalLM = _hf("LlamaConfig", "LlamaForCausalLM")
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=100, max_position_embeddings=32, use_cache=False,
+                           bos_token_id=0, eos_token_id=0)
+    assert config.num_key_value_heads < config.num_attention_heads and config.hidden_act == "silu"
+    _check(LlamaForCausalLM(config), (_tokens(100),), key="logits")
+
+
+@pytest.mark.slow
+def test_bert_with_padding_mask():
+    BertConfig, BertModel = _hf("BertConfig", "BertModel")
+    torch.manual_seed(0)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                          vocab_size=100, max_position_embeddings=32, use_cache=False)
+    ids = _tokens(100)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0   # the second sequence is padded
+    model = BertModel(config)
+    _check(model, (ids,), {"attention_mask": mask}, key="last_hidden_state")
+    _check(model, (ids,), key="pooler_output")
+
+
+# ------------------------------------------------------------------ torchvision
+def test_vision_transformer():
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    model = models.VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=32,
+                                     mlp_dim=64)
+    torch.nn.init.normal_(model.heads.head.weight, std=0.02)   # torchvision zero-initializes the head
+    _check(model, (torch.randn(2, 3, 32, 32),))
+
+
+@pytest.mark.slow
+def test_resnet18():
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    _check(models.resnet18(weights=None), (torch.randn(1, 3, 32, 32),))
+
+
+@pytest.mark.slow
+def test_mobilenet_v3_small():
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    _check(models.mobilenet_v3_small(weights=None), (torch.randn(1, 3, 32, 32),))
+
+
+# ------------------------------------------------------------------ the ops these models brought in
+class _AdvancedIndexing(torch.nn.Module):
+    """aten.index.Tensor with several index tensors: adjacent (broadcast dims in place), separated
+    by a full slice (broadcast dims first), negative, int32, and all four dims (a causal mask's)."""
+
+    def forward(self, x, i, j):
+        a = x[i, j]                                   # [3, 5, 6]
+        b = x[:, i[:, None], j.int()]                 # [3, 3, 3, 6]
+        c = x[i, :, j]                                # [3, 4, 6]
+        d = x[torch.arange(3)[:, None, None, None], torch.arange(4)[None, :, None, None],
+              torch.arange(5)[None, None, :, None], torch.arange(6)[None, None, None, :]]
+        return a.sum() + b.sum((0, 1)) + c.sum(1)[:, :1] + d[:, 0, 0, :]
+
+
+def test_index_with_several_tensors():
+    x = torch.randn(3, 4, 5, 6)
+    i, j = torch.tensor([0, 2, -1]), torch.tensor([1, -3, 0])
+    module = _AdvancedIndexing()
+    imported = flow.from_torch(module, (x, i, j))
+    got = imported(*(flow.from_dlpack(t) for t in (x, i, j)))
+    np.testing.assert_allclose(got.numpy(), module(x, i, j).numpy(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(IndexError, match="out of bounds"):
+        imported(*(flow.from_dlpack(t) for t in (x, torch.tensor([0, 3, 1]), j)))
