@@ -137,3 +137,13 @@ def test_index_with_several_tensors():
     np.testing.assert_allclose(got.numpy(), module(x, i, j).numpy(), rtol=1e-6, atol=1e-6)
     with pytest.raises(IndexError, match="out of bounds"):
         imported(*(flow.from_dlpack(t) for t in (x, torch.tensor([0, 3, 1]), j)))
+
+
+@pytest.mark.slow
+def test_from_torch_example(capsys):
+    """examples/from_torch.py (GPT-2, or its hand-written stand-in): eager and nn.Graph logits match."""
+    import runpy
+    from pathlib import Path
+    runpy.run_path(str(Path(__file__).parent.parent / "examples" / "from_torch.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "eager" in out and "nn.Graph" in out
