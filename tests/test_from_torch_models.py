@@ -147,3 +147,34 @@ def test_from_torch_example(capsys):
     runpy.run_path(str(Path(__file__).parent.parent / "examples" / "from_torch.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "eager" in out and "nn.Graph" in out
+
+
+class _SwinOps(torch.nn.Module):
+    """What a Swin Transformer's shifted windows export to: constant_pad_nd (padding and cropping),
+    slice_scatter / select_scatter (its attention mask built by slice assignment), fmod, remainder."""
+
+    def forward(self, x):
+        padded = torch.nn.functional.pad(x, (1, 2, 0, 3), value=0.5) + torch.nn.functional.pad(x, (-1, 4, 1, 2))
+        mask = torch.zeros_like(padded)
+        mask[:, :, 1:5:2] = padded[:, :, :2] * 2
+        mask[:, 0] = 1.0
+        i = torch.arange(-7, 8)
+        rests = torch.fmod(i, 3) + torch.remainder(i, 4) + torch.fmod(i, 2.5) + torch.fmod(i, torch.tensor([2, -3]).repeat(8)[:15])
+        return (mask + torch.fmod(padded, 0.3) + torch.remainder(padded, 0.7) + torch.fmod(padded, mask + 1.5)
+                + rests[:8].float())
+
+
+def test_swin_ops():
+    x = torch.randn(2, 3, 4, 5)
+    module = _SwinOps()
+    got = flow.from_torch(module, (x,))(flow.from_dlpack(x))
+    np.testing.assert_allclose(got.numpy(), module(x).numpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_swin_transformer():
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    model = models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2],
+                                   window_size=[4, 4], num_classes=10)
+    _check(model, (torch.randn(1, 3, 32, 32),))

@@ -40,11 +40,15 @@ def _tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def _slice(x, dim=0, start=None, end=None, step=1):
+def _slice_key(x, dim, start, end, step):
     dim = dim % x.ndim
     start = None if start is None or start <= -_UNBOUNDED else start
     end = None if end is None or end >= _UNBOUNDED else end
-    return x[(slice(None),) * dim + (slice(start, end, step),)]
+    return (slice(None),) * dim + (slice(start, end, step),)
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    return x[_slice_key(x, dim, start, end, step)]
 
 
 def _index(x, indices):
@@ -79,6 +83,15 @@ def _index(x, indices):
     shape = tuple(x.shape)
     merged = ops.reshape(x, shape[:start] + (stride,) + shape[start + len(sizes):])
     return merged[(slice(None),) * start + (linear,)]
+
+
+def _slice_scatter(input, src, dim=0, start=None, end=None, step=1):
+    """`input` with `input[..., start:end:step]` (on `dim`) replaced by `src` (a functional setitem)."""
+    return ops.setitem_value(input, _slice_key(input, dim, start, end, step), src)
+
+
+def _select_scatter(input, src, dim, index):
+    return ops.setitem_value(input, (slice(None),) * (dim % input.ndim) + (index,), src)
 
 
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -385,6 +398,20 @@ def _clamp(x, min=None, max=None):  # noqa: A002 - ATen's names
     return ops.clamp(x, min, max)
 
 
+def _integer_division_rest(rounding_mode, float_op):
+    """fmod (rounding_mode "trunc": the sign of the dividend) or remainder ("floor": the sign of the
+    divisor): flowgen's op for floating point, a - b * div(a, b) for integers (a Swin Transformer's
+    shifted-window indices are integer fmods)."""
+    def rest(a, b):
+        integral = [not t.dtype.is_floating if hasattr(t, "dtype") else isinstance(t, int) for t in (a, b)]
+        if all(integral):
+            return ops.sub(a, ops.mul(ops.div(a, b, rounding_mode=rounding_mode), b))
+        # an integer tensor with a floating-point operand: PyTorch promotes it to float32
+        a, b = (ops.cast(t, dt.float32) if whole and hasattr(t, "dtype") else t for t, whole in zip((a, b), integral))
+        return float_op(a, b)
+    return rest
+
+
 def _pow(a, b):
     return ops.pow(a, b)
 
@@ -407,6 +434,10 @@ ATEN_OPS = {
     "aten.log1p.default": ops.log1p, "aten.expm1.default": ops.expm1, "aten.sign.default": ops.sign,
     "aten.floor.default": ops.floor, "aten.ceil.default": ops.ceil, "aten.round.default": ops.round,
     "aten.trunc.default": ops.trunc,
+    "aten.fmod.Scalar": _integer_division_rest("trunc", ops.fmod),
+    "aten.fmod.Tensor": _integer_division_rest("trunc", ops.fmod),
+    "aten.remainder.Scalar": _integer_division_rest("floor", ops.remainder),
+    "aten.remainder.Tensor": _integer_division_rest("floor", ops.remainder),
     "aten.maximum.default": ops.maximum, "aten.minimum.default": ops.minimum,
     "aten.clamp.default": _clamp, "aten.clamp.Tensor": _clamp,
     "aten.clamp_min.default": ops.clamp_min, "aten.clamp_max.default": ops.clamp_max,
@@ -453,6 +484,8 @@ ATEN_OPS = {
     "aten.slice.Tensor": _slice, "aten.select.int": ops.select, "aten.narrow.default": ops.narrow,
     "aten.index.Tensor": _index, "aten.index_select.default": ops.index_select,
     "aten.index_put.default": _index_put,
+    "aten.slice_scatter.default": _slice_scatter, "aten.select_scatter.default": _select_scatter,
+    "aten.constant_pad_nd.default": lambda input, pad, value=0: F.pad(input, tuple(pad), "constant", value),
     "aten.gather.default": lambda x, dim, index, sparse_grad=False: ops.gather(x, dim, index),
     "aten.tril.default": ops.tril, "aten.triu.default": ops.triu,
     "aten.repeat.default": lambda x, repeats: ops.repeat(x, *repeats),
