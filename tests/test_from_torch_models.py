@@ -3,6 +3,10 @@ attention, RMSNorm, SiLU gating) and torchvision ResNet-18, MobileNetV3-small an
 Transformer, each built from a small config with random weights (nothing is downloaded), imported
 through torch.export and run eagerly: float32 outputs equal PyTorch's to 1e-5 of their scale.
 
+Slow: BERT, ResNet-18, MobileNetV3, a Swin Transformer, MaxViT, and more families at tiny sizes
+(Mistral with a sliding window, Qwen2, Phi, GPT-NeoX, Gemma, T5's encoder, DistilBERT; EfficientNet,
+ConvNeXt, DenseNet, ShuffleNetV2, RegNet, MNASNet, SqueezeNet, AlexNet, VGG).
+
 transformers / torchvision are optional: a test skips when its library does not import. The
 fastest models (GPT-2, Llama, the ViT) run by default, the rest are marked slow."""
 import numpy as np
@@ -178,3 +182,63 @@ def test_swin_transformer():
     model = models.SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[2, 2], num_heads=[2, 2],
                                    window_size=[4, 4], num_classes=10)
     _check(model, (torch.randn(1, 3, 32, 32),))
+
+
+# ------------------------------------------------------------------ more families (slow): tiny configs
+_TOKENS_CONFIG = dict(num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, vocab_size=100,
+                      use_cache=False)
+MORE_CAUSAL_LMS = {   # transformers class names -> config keywords
+    ("MistralConfig", "MistralForCausalLM"): dict(hidden_size=64, num_key_value_heads=2, sliding_window=4),
+    ("Qwen2Config", "Qwen2ForCausalLM"): dict(hidden_size=64, num_key_value_heads=2),
+    ("PhiConfig", "PhiForCausalLM"): dict(hidden_size=64),
+    ("GPTNeoXConfig", "GPTNeoXForCausalLM"): dict(hidden_size=64),
+    ("GemmaConfig", "GemmaForCausalLM"): dict(hidden_size=64, num_key_value_heads=1, head_dim=16),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", list(MORE_CAUSAL_LMS), ids=lambda names: names[1])
+def test_more_causal_lms(names):
+    config_class, model_class = _hf(*names)
+    torch.manual_seed(0)
+    model = model_class(config_class(**_TOKENS_CONFIG, **MORE_CAUSAL_LMS[names]))
+    _check(model, (_tokens(100),), key="logits")
+
+
+@pytest.mark.slow
+def test_t5_encoder_and_distilbert():
+    T5Config, T5EncoderModel, DistilBertConfig, DistilBertModel = _hf("T5Config", "T5EncoderModel",
+                                                                      "DistilBertConfig", "DistilBertModel")
+    torch.manual_seed(0)
+    ids = _tokens(100)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    t5 = T5EncoderModel(T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100))
+    _check(t5, (ids,), {"attention_mask": mask}, key="last_hidden_state")
+    distilbert = DistilBertModel(DistilBertConfig(dim=32, n_layers=2, n_heads=4, hidden_dim=64, vocab_size=100))
+    _check(distilbert, (ids,), {"attention_mask": mask}, key="last_hidden_state")
+
+
+MORE_VISION_MODELS = {   # torchvision builder -> (keywords, input size)
+    "efficientnet_b0": ({}, 64), "convnext_tiny": ({}, 64), "densenet121": ({}, 64),
+    "shufflenet_v2_x0_5": ({}, 64), "regnet_y_400mf": ({}, 64), "mnasnet0_5": ({}, 64),
+    "squeezenet1_0": ({}, 64), "alexnet": ({}, 64), "vgg11": ({}, 32),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", list(MORE_VISION_MODELS))
+def test_more_vision_models(builder):
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    keywords, size = MORE_VISION_MODELS[builder]
+    _check(getattr(models, builder)(weights=None, **keywords), (torch.randn(1, 3, size, size),))
+
+
+@pytest.mark.slow
+def test_maxvit():
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    model = models.MaxVit(input_size=(64, 64), stem_channels=16, partition_size=2, block_channels=[16, 32],
+                          block_layers=[1, 1], head_dim=8, stochastic_depth_prob=0.0, num_classes=10)
+    _check(model, (torch.randn(1, 3, 64, 64),))
