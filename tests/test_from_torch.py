@@ -225,7 +225,7 @@ def test_readme_snippet_runs_as_written(tmp_path, monkeypatch):
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     section = readme.split("## Bring your PyTorch model", 1)[1].split("\n## ", 1)[0]
-    (block,) = re.findall(r"^```py\n(.*?)^```", section, flags=re.S | re.M)
+    block, _ = re.findall(r"^```py\n(.*?)^```", section, flags=re.S | re.M)   # the second: Hugging Face
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": "__readme__"}
     torch._dynamo.reset()
@@ -234,6 +234,25 @@ def test_readme_snippet_runs_as_written(tmp_path, monkeypatch):
     net, logits = namespace["net"], namespace["logits"]
     assert np.isfinite(namespace["step_loss"].numpy()) and tuple(logits.shape) == (16, 10)
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_readme_hugging_face_snippet_runs_as_written():
+    """The section's second ```py block: a tiny GPT-2 from transformers (optional; a broken install
+    skips too), its logits against PyTorch's."""
+    import re
+    from pathlib import Path
+
+    try:
+        from transformers import GPT2LMHeadModel  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"README's Hugging Face snippet needs transformers: {type(e).__name__}: {e}")
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Bring your PyTorch model", 1)[1].split("\n## ", 1)[0]
+    _, hugging_face_block = re.findall(r"^```py\n(.*?)^```", section, flags=re.S | re.M)
+    namespace = {"__name__": "__readme__"}
+    exec(compile(hugging_face_block, "README.md Hugging Face snippet", "exec"), namespace)
+    expected = namespace["gpt2"](namespace["idx"]).logits.detach().numpy()
+    np.testing.assert_allclose(namespace["logits"].numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
 _X = np.array([[0.5, -1.0, 0.0], [2.0, 3.0, -0.25]], np.float32)

@@ -40,17 +40,58 @@ def _tuple(value):
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
-def _slice(x, dim=0, start=None, end=None, step=1):
+def _slice_key(x, dim, start, end, step):
     dim = dim % x.ndim
     start = None if start is None or start <= -_UNBOUNDED else start
     end = None if end is None or end >= _UNBOUNDED else end
-    return x[(slice(None),) * dim + (slice(start, end, step),)]
+    return (slice(None),) * dim + (slice(start, end, step),)
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    return x[_slice_key(x, dim, start, end, step)]
 
 
 def _index(x, indices):
-    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim)."""
-    key = tuple(slice(None) if i is None else i for i in indices)
-    return x[key]
+    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim). Several
+    integer index tensors (NumPy's advanced indexing, as Hugging Face's causal masks index) are one
+    index into the indexed dims merged: sum(i_j * stride_j), broadcast, each i_j checked and wrapped
+    like a single index; the broadcast dims stand where the indexed dims were if these are adjacent,
+    else first (NumPy's and PyTorch's rule), which moving the indexed dims to the front gives."""
+    tensor_dims = [d for d, i in enumerate(indices) if i is not None]
+    if len(tensor_dims) <= 1:
+        return x[tuple(slice(None) if i is None else i for i in indices)]
+    if any(indices[d].dtype == dt.bool_ for d in tensor_dims):
+        raise NotImplementedError("aten.index.Tensor with a boolean mask among several index tensors: flowgen "
+                                  "takes several integer index tensors, or one mask")
+    if tensor_dims != list(range(tensor_dims[0], tensor_dims[-1] + 1)):
+        x = ops.permute(x, *(tensor_dims + [d for d in range(x.ndim) if d not in tensor_dims]))
+        start, sizes = 0, [x.shape[i] for i in range(len(tensor_dims))]
+    else:
+        start, sizes = tensor_dims[0], [x.shape[d] for d in tensor_dims]
+    linear, stride = None, 1
+    for d, n in reversed(list(zip(tensor_dims, sizes))):
+        index = indices[d] if indices[d].dtype == dt.int64 else ops.cast(indices[d], dt.int64)
+        if not index.is_lazy:
+            values = index.numpy()
+            bad = (values < -n) | (values >= n)
+            if bad.any():
+                raise IndexError(f"aten.index.Tensor: index {int(values[bad].flat[0])} is out of bounds for "
+                                 f"dimension {d} with size {n}")
+        term = ops.where(index < 0, index + n, index) * stride
+        linear = term if linear is None else linear + term
+        stride *= n
+    shape = tuple(x.shape)
+    merged = ops.reshape(x, shape[:start] + (stride,) + shape[start + len(sizes):])
+    return merged[(slice(None),) * start + (linear,)]
+
+
+def _slice_scatter(input, src, dim=0, start=None, end=None, step=1):
+    """`input` with `input[..., start:end:step]` (on `dim`) replaced by `src` (a functional setitem)."""
+    return ops.setitem_value(input, _slice_key(input, dim, start, end, step), src)
+
+
+def _select_scatter(input, src, dim, index):
+    return ops.setitem_value(input, (slice(None),) * (dim % input.ndim) + (index,), src)
 
 
 def _convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
@@ -357,6 +398,20 @@ def _clamp(x, min=None, max=None):  # noqa: A002 - ATen's names
     return ops.clamp(x, min, max)
 
 
+def _integer_division_rest(rounding_mode, float_op):
+    """fmod (rounding_mode "trunc": the sign of the dividend) or remainder ("floor": the sign of the
+    divisor): flowgen's op for floating point, a - b * div(a, b) for integers (a Swin Transformer's
+    shifted-window indices are integer fmods)."""
+    def rest(a, b):
+        integral = [not t.dtype.is_floating if hasattr(t, "dtype") else isinstance(t, int) for t in (a, b)]
+        if all(integral):
+            return ops.sub(a, ops.mul(ops.div(a, b, rounding_mode=rounding_mode), b))
+        # an integer tensor with a floating-point operand: PyTorch promotes it to float32
+        a, b = (ops.cast(t, dt.float32) if whole and hasattr(t, "dtype") else t for t, whole in zip((a, b), integral))
+        return float_op(a, b)
+    return rest
+
+
 def _pow(a, b):
     return ops.pow(a, b)
 
@@ -379,6 +434,10 @@ ATEN_OPS = {
     "aten.log1p.default": ops.log1p, "aten.expm1.default": ops.expm1, "aten.sign.default": ops.sign,
     "aten.floor.default": ops.floor, "aten.ceil.default": ops.ceil, "aten.round.default": ops.round,
     "aten.trunc.default": ops.trunc,
+    "aten.fmod.Scalar": _integer_division_rest("trunc", ops.fmod),
+    "aten.fmod.Tensor": _integer_division_rest("trunc", ops.fmod),
+    "aten.remainder.Scalar": _integer_division_rest("floor", ops.remainder),
+    "aten.remainder.Tensor": _integer_division_rest("floor", ops.remainder),
     "aten.maximum.default": ops.maximum, "aten.minimum.default": ops.minimum,
     "aten.clamp.default": _clamp, "aten.clamp.Tensor": _clamp,
     "aten.clamp_min.default": ops.clamp_min, "aten.clamp_max.default": ops.clamp_max,
@@ -425,6 +484,8 @@ ATEN_OPS = {
     "aten.slice.Tensor": _slice, "aten.select.int": ops.select, "aten.narrow.default": ops.narrow,
     "aten.index.Tensor": _index, "aten.index_select.default": ops.index_select,
     "aten.index_put.default": _index_put,
+    "aten.slice_scatter.default": _slice_scatter, "aten.select_scatter.default": _select_scatter,
+    "aten.constant_pad_nd.default": lambda input, pad, value=0: F.pad(input, tuple(pad), "constant", value),
     "aten.gather.default": lambda x, dim, index, sparse_grad=False: ops.gather(x, dim, index),
     "aten.tril.default": ops.tril, "aten.triu.default": ops.triu,
     "aten.repeat.default": lambda x, repeats: ops.repeat(x, *repeats),
