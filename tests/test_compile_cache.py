@@ -246,10 +246,13 @@ def test_flowgen_build_reuses_the_cached_device_and_host_builds(cache, tmp_path,
     assert os.access(result.binary, os.X_OK)
 
 
-def test_cpu_program_links_the_kernels_its_graph_compiled(cache, tmp_path):
+@pytest.mark.parametrize("kernels", ["emulator", "native"])
+def test_cpu_program_links_the_kernels_its_graph_compiled(cache, tmp_path, monkeypatch, kernels):
     """After the graph ran on the emulator, `flowgen build --target cpu` compiles no kernel (it
     links the emulator's objects) and the program computes the graph's numbers; the commands in
-    program.cu's header build OUT by hand into a program with the same numbers."""
+    program.cu's header build OUT by hand into a program with the same numbers (with native
+    kernels, the link line names OpenBLAS)."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", kernels)
     graph = InferGraph(nn.Sequential(nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 2)).eval())
     x = flow.randn(3, 5)
     expected = graph(x).numpy()

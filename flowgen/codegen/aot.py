@@ -500,8 +500,9 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
         from flowgen.runtime import nvrtc
 
         device_arch = nvrtc.cubin_arch(program.source, arch)   # sm_90a for warpgroup MMA
+    libraries = tuple(cpu_blas.link_flags()) if target == "cpu" and cpu_blas.uses_blas(program.source) else ()
     commands = program_build_commands(target, binary, sanitize, mpi, compiler,
-                                      device_arch if target == "cuda" else arch)
+                                      device_arch if target == "cuda" else arch, libraries)
     text, constants_inc = render_program(program, name=saved.name, training=saved.training, target=target,
                                          arch=device_arch if target == "cuda" else arch, build_commands=commands,
                                          data_parallel=saved.data_parallel)

@@ -312,16 +312,18 @@ def nvcc_command(arch: str) -> list:
 
 
 def program_build_commands(target: str, binary: str, sanitize: str | None, mpi: list, compiler: str,
-                           device_arch: str) -> list:
-    """The lines of program.cu's header that say how to build OUT by hand."""
+                           device_arch: str, libraries: tuple = ()) -> list:
+    """The lines of program.cu's header that say how to build OUT by hand; `libraries`: the
+    link flags of what the kernels call (OpenBLAS for the cpu target's native kernels)."""
     if target == "cuda":
         device = (" ".join(nvcc_command(device_arch)) if compiler == "nvcc"
                   else f"NVRTC --gpu-architecture={device_arch} {CXX_STANDARD} -I<runtime_cpp> -I<CUDA include> "
                        f"program.cu -> cubin")
         return [f"device: {device} (written as program_cubin.inc)",
                 f"host:   {' '.join(host_command(target, binary, sanitize, mpi))}"]
+    link = link_command(binary, ["program_kernels.o", "program_host.o", *libraries], sanitize, mpi)
     return [f"kernels: {' '.join(kernels_command(sanitize))}",
             "         (flowgen build compiles the kernels with these flags in parallel chunks, cached and",
             "         shared with the emulator's; each renamed by its body's hash, named back at the link)",
             f"host:    {' '.join(host_command(target, 'program_host.o', sanitize, mpi))}",
-            f"link:    {' '.join(link_command(binary, ['program_kernels.o', 'program_host.o'], sanitize, mpi))}"]
+            f"link:    {' '.join(link)}"]
