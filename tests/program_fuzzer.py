@@ -582,7 +582,9 @@ def _place(g, t, shape, contiguous: bool = True) -> tuple:
         n = int(np.prod(shape))
         a = rng.randrange(n)
         b = rng.randint(a + 1, n)
-        return f"{t}.view(-1)[{a}:{b}]", (b - a,), b - a == n, True
+        if b - a == n:   # all of it: PyTorch's `view[0:n] += p` reuses the view for its setitem, which
+            return f"{t}.view(-1)", (n,), True, False   # raises once t needs a gradient (a torch quirk)
+        return f"{t}.view(-1)[{a}:{b}]", (b - a,), False, True
     if kind == "narrow":
         d = rng.randrange(rank)
         start = rng.randrange(shape[d])
