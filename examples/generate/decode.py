@@ -53,7 +53,7 @@ def define_decode_step(torch):
             x = transformer.drop(transformer.wte(token) + transformer.wpe(pos))   # [1, 1, C]
             positions = torch.arange(0, self.capacity, dtype=torch.long, device=token.device)
             this_slot = (positions == pos).view(1, 1, self.capacity, 1)   # where pos's key/value go
-            visible = positions <= pos                                    # the causal mask at pos
+            visible = (positions <= pos).view(1, 1, 1, self.capacity)    # the causal mask at pos
             updated = []
             for layer, block in enumerate(blocks):
                 attn = block.attn
