@@ -116,6 +116,7 @@ def main(argv=None):
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "generate_tokens.json"))
     args = parser.parse_args(argv)
 
+    load_at_start = os.getloadavg()
     model, corpus = generate.make_model(args.steps, seed=0, block_size=BLOCK_SIZE)
     twin = gpt_char.define(torch)(model.config).eval()
     twin.load_state_dict({k: torch.from_numpy(v.numpy().copy()) for k, v in model.state_dict().items()})
@@ -147,7 +148,8 @@ def main(argv=None):
     rows = [{"runner": name, "threads": n, "median_tokens_per_s": statistics.median(r), "min_tokens_per_s": min(r),
              "max_tokens_per_s": max(r), "repeat_tokens_per_s": r} for (name, n), r in rates.items()]
     env = environment(torch, "cpu")
-    env.update(threads=threads(), load_average_start=os.getloadavg(), flowgen_commit=git_commit())
+    env.update(cpu_threads=threads(), load_average_start=load_at_start, load_average_end=os.getloadavg(),
+               flowgen_commit=git_commit())
     write_json(args.out, {"benchmark": "generate_tokens", "environment": env,
                           "model": {"n_layer": model.config.n_layer, "n_head": model.config.n_head,
                                     "n_embd": model.config.n_embd, "vocab_size": model.config.vocab_size,
@@ -155,7 +157,7 @@ def main(argv=None):
                           "calls_per_repeat": BLOCK_SIZE - 1, "repeats": args.repeats, "tokens": tokens["flowgen run.c"],
                           "rows": rows})
     print(f"\n{BLOCK_SIZE - 1} greedy steps from one token, {args.repeats} repeats; load average "
-          f"{env['load_average_start']} at the start")
+          f"{env['load_average_start']} at the start, {env['load_average_end']} at the end")
     print_table(rows, [("runner", lambda r: r["runner"]), ("threads", lambda r: str(r["threads"])),
                        ("median tok/s", lambda r: f"{r['median_tokens_per_s']:.0f}"),
                        ("min", lambda r: f"{r['min_tokens_per_s']:.0f}"),

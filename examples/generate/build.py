@@ -1,6 +1,6 @@
 """Build the GPT of examples/gpt_char.py as a decoding step with a KV cache, for examples/generate/run.c.
 
-    python examples/generate/build.py --out gen            # train 300 steps, then build gen/build
+    python examples/generate/build.py --out gen            # train 1500 steps, then build gen/build
     cc -std=c99 -O2 examples/generate/run.c ...            # the command this script prints
     ./gen/run gen/build -p "A graph is" -n 40              # text, greedily; -t 0.8 -k 10 samples
 
@@ -90,7 +90,8 @@ def compile_command(manifest: dict, build: Path, binary: Path, compiler: str = "
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="generate_out", help="where the saved graph and the build go")
-    parser.add_argument("--steps", type=int, default=300, help="training steps (0: random weights)")
+    parser.add_argument("--steps", type=int, default=1500,
+                        help="training steps (about 2 minutes on two cores; 0: random weights)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=64, help="the longest sequence (the KV cache's capacity)")
     parser.add_argument("--target", default="cpu", choices=["cpu", "cuda"])

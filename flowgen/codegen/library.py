@@ -13,7 +13,9 @@ which writes::
 On the cpu target the library links the kernels' cached emulator objects (the ones the
 program links) with library.cpp's host unit; on the cuda target it is one g++ unit holding the
 embedded cubin and opening ``libcuda.so.1`` at run time, so it builds without a GPU or the CUDA
-headers. `flow.load_compiled(OUT)` (flowgen/deploy/loader.py) loads it through ctypes.
+headers. Native cpu kernels call OpenBLAS, which the library links (a copy in OUT, found through
+$ORIGIN), so a C program links the library alone. `flow.load_compiled(OUT)`
+(flowgen/deploy/loader.py) loads it through ctypes.
 
 Inference graphs only: a library runs the same step on shared weights from any number of
 threads, so a graph that writes its state (a training step, BatchNorm in train mode) or
