@@ -132,23 +132,35 @@ def test_a_text_prompt_reads_the_vocabulary_beside_the_build(built):
 
 
 def test_bad_prompts_and_files_are_refused_with_a_message(built, tmp_path):
+    """Each refused with its reason, by run.c as built and by run.c under AddressSanitizer and
+    UndefinedBehaviorSanitizer (leaks included), which also generates a sampled sequence cleanly."""
     corpus = built["corpus"]
+    sanitized = tmp_path / "run_asan"
+    command = generate.compile_command(built["manifest"], built["build"], sanitized, compiler="gcc")
+    subprocess.run([*command, "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"], check=True,
+                   capture_output=True, text=True)
     too_long = ",".join(["1"] * (BLOCK_SIZE + 1))
-    for args, message in [
-            (("-i", too_long), rf"more than {BLOCK_SIZE} tokens; the model's KV cache holds {BLOCK_SIZE} positions"),
-            (("-p", corpus.decode(corpus.ids[:BLOCK_SIZE + 3])),
-             rf"has {BLOCK_SIZE + 3} characters; the model's KV cache holds {BLOCK_SIZE} positions"),
-            (("-i", "0,37"), r"token id 37 \(prompt position 1\) is outside the vocabulary: 0 to 36"),
-            (("-i", "-2"), r"token id -2 \(prompt position 0\) is outside the vocabulary"),
-            (("-i", "4,x"), r"expected token ids separated by commas, at \"x\""),
-            (("-p", "Q"), r"character 0 \('Q'\) is not in the vocabulary"),
-            (("-p", ""), r"the prompt is empty")]:
-        proc = run_c(built, *args)
-        assert proc.returncode == 1 and re.search(message, proc.stderr), (args, proc.stderr)
-        assert proc.stdout == ""
-    proc = subprocess.run([str(built["run"]), str(tmp_path)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 1 and "flowgen_create: cannot open weights file" in proc.stderr, proc.stderr
-    assert run_c(built, "-q").returncode == 2
+    cases = [(("-i", too_long), rf"more than {BLOCK_SIZE} tokens; the model's KV cache holds {BLOCK_SIZE} positions"),
+             (("-p", corpus.decode(corpus.ids[:BLOCK_SIZE + 3])),
+              rf"has {BLOCK_SIZE + 3} characters; the model's KV cache holds {BLOCK_SIZE} positions"),
+             (("-i", "0,37"), r"token id 37 \(prompt position 1\) is outside the vocabulary: 0 to 36"),
+             (("-i", "-2"), r"token id -2 \(prompt position 0\) is outside the vocabulary"),
+             (("-i", "4,x"), r"expected token ids separated by commas, at \"x\""),
+             (("-p", "Q"), r"character 0 \('Q'\) is not in the vocabulary"),
+             (("-p", ""), r"the prompt is empty"),
+             (("-t", "-1"), r"must not be negative")]
+    for binary in (built["run"], sanitized):
+        for args, message in cases:
+            proc = subprocess.run([str(binary), str(built["build"]), *args], capture_output=True, text=True,
+                                  timeout=120)
+            assert proc.returncode == 1 and re.search(message, proc.stderr), (binary.name, args, proc.stderr)
+            assert proc.stdout == "" and "Sanitizer" not in proc.stderr
+        proc = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 1 and "flowgen_create: cannot open weights file" in proc.stderr, proc.stderr
+        assert subprocess.run([str(binary), str(built["build"]), "-q"], capture_output=True).returncode == 2
+    proc = subprocess.run([str(sanitized), str(built["build"]), "-i", "1,2", "-n", "100", "-t", "0.9", "-k", "3"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
     # Past run.c's checks, the library refuses them too: the embeddings check their indices.
     library = flow.load_compiled(built["build"])
     caches = [np.zeros(t.shape, np.float32) for t in library.inputs[2:]]
