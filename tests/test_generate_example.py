@@ -203,3 +203,21 @@ def test_generate_tokens_benchmark_runs(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {row["runner"] for row in rows} >= {"flowgen run.c", "torch eager, KV cache"}
     assert all(row["median_tokens_per_s"] > 0 for row in rows)
+
+
+def test_readme_numbers_are_the_committed_benchmark():
+    data = json.loads((ROOT / "benchmarks" / "results" / "generate_tokens.json").read_text())
+    median = {(row["runner"], row["threads"]): row["median_tokens_per_s"] for row in data["rows"]}
+    rate = {key: f"{value:.0f}" for key, value in median.items()}
+    text = " ".join(_readme_section().split())
+    assert (f"`run.c` on the library {rate['flowgen run.c', 1]} tok/s on one thread and {rate['flowgen run.c', 2]} "
+            f"on two") in text
+    assert (f"growing KV cache {rate['torch eager, KV cache', 1]} and {rate['torch eager, KV cache', 2]}, and running "
+            f"the same at-capacity step {rate['torch eager, at capacity', 1]} and "
+            f"{rate['torch eager, at capacity', 2]}") in text
+    environment = data["environment"]
+    assert f"flowgen {environment['flowgen_commit'][:7]}, {environment['date_utc'][:10]}" in text
+    assert f"the median of {data['repeats']} repeats" in text
+    assert f"load average of {environment['load_average_start'][0]:.1f}" in text
+    speedup = median["flowgen run.c", 1] / median["torch eager, KV cache", 1]
+    assert f"about {speedup:.1f} times as fast" in text
