@@ -148,7 +148,9 @@ def test_bad_prompts_and_files_are_refused_with_a_message(built, tmp_path):
              (("-i", "4,x"), r"expected token ids separated by commas, at \"x\""),
              (("-p", "Q"), r"character 0 \('Q'\) is not in the vocabulary"),
              (("-p", ""), r"the prompt is empty"),
-             (("-t", "-1"), r"must not be negative")]
+             (("-t", "-1"), r"must not be negative"),
+             (("-n", "ten"), r"-n ten: expected a whole number"),
+             (("-k", "2.5"), r"-k 2.5: expected a whole number")]
     for binary in (built["run"], sanitized):
         for args, message in cases:
             proc = subprocess.run([str(binary), str(built["build"]), *args], capture_output=True, text=True,

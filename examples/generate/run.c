@@ -231,6 +231,18 @@ static double now_s(void) {
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* An option's value as a number; non-zero with the reason printed when it is not one (or, with
+ * `whole`, not a whole number). */
+static int parse_number(char flag, const char* value, int whole, double* number) {
+  char* end;
+  *number = strtod(value, &end);
+  if (end == value || *end || !isfinite(*number) || (whole && (*number != floor(*number) || fabs(*number) > 1e9))) {
+    fprintf(stderr, "run: -%c %s: expected %s\n", flag, value, whole ? "a whole number" : "a number");
+    return 1;
+  }
+  return 0;
+}
+
 static int usage(void) {
   fprintf(stderr, "usage: run BUILD_DIR [-p TEXT | -i IDS] [-n N] [-t TEMPERATURE] [-k TOP_K] [-s SEED] [-r]\n"
           "  (examples/generate/run.c's header says what each option does)\n");
@@ -251,18 +263,23 @@ int main(int argc, char** argv) {
       continue;
     }
     if (flag[0] != '-' || strlen(flag) != 2 || i + 1 == argc) return usage();
+    if (!strchr("pintks", flag[1])) return usage();
     const char* value = argv[++i];
+    double number = 0.0;
+    if (flag[1] != 'p' && flag[1] != 'i') {
+      if (parse_number(flag[1], value, flag[1] != 't', &number)) return 1;
+      if (number < 0.0) return fail("options", "-n, -t, -k and -s must not be negative");
+    }
     switch (flag[1]) {
       case 'p': prompt_text = value; break;
       case 'i': prompt_ids = value; break;
-      case 'n': steps = atoi(value); break;
-      case 't': temperature = (float)atof(value); break;
-      case 'k': top_k = atoi(value); break;
-      case 's': seed = strtoull(value, NULL, 10); break;
+      case 'n': steps = (int)number; break;
+      case 't': temperature = (float)number; break;
+      case 'k': top_k = (int)number; break;
+      case 's': seed = (unsigned long long)number; break;
       default: return usage();
     }
   }
-  if (steps < 0 || top_k < 0 || temperature < 0.0f) return fail("options", "-n, -k and -t must not be negative");
 
   char weights[4096];
   snprintf(weights, sizeof weights, "%s/weights.safetensors", build_dir);
