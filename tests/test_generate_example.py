@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import flowgen as flow
+from flowgen.codegen import aot
 from torch_oracle import get_torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,10 +93,10 @@ def test_run_c_greedy_equals_eager_and_pytorch_without_a_cache(built):
     assert theirs[0].tolist() == eager
 
 
-def test_the_library_step_gives_the_full_forwards_logits_at_every_position(built):
+def check_step_logits(build: Path, built) -> None:
     """The decoding step through flow.load_compiled, caches carried from call to call as run.c
     does: position t's logits are the full forward's at t."""
-    library = flow.load_compiled(built["build"])
+    library = flow.load_compiled(build)
     assert [str(t) for t in library.inputs[:3]] == ["input_0: int64[1, 1]", "input_1: int64[1]",
                                                     f"input_2: float32[1, 4, {BLOCK_SIZE}, 16]"]
     assert len(library.inputs) == 2 + 2 * built["model"].config.n_layer == len(library.outputs) + 1
@@ -107,6 +108,19 @@ def test_the_library_step_gives_the_full_forwards_logits_at_every_position(built
         logits, *caches = library(np.array([[token]], np.int64), np.array([pos], np.int64), *caches)
         np.testing.assert_allclose(logits[0], expected[pos], rtol=1e-4, atol=1e-5)
     assert np.count_nonzero(caches[0][0, :, :, 0]) == 4 * BLOCK_SIZE   # every position written
+    library.close()
+
+
+def test_the_library_step_gives_the_full_forwards_logits_at_every_position(built):
+    check_step_logits(built["build"], built)
+
+
+@pytest.mark.slow
+def test_the_step_as_cuda_source_on_the_emulator(built, tmp_path):
+    """The same saved step built with every kernel the CUDA source (what a cuda build runs), on
+    the emulator."""
+    aot.build(built["build"].parent / "saved", tmp_path / "emulator", target="emulator", lib=True)
+    check_step_logits(tmp_path / "emulator", built)
 
 
 def test_sampling_is_seeded_and_stays_in_the_top_k(built):
