@@ -154,8 +154,8 @@ def main(argv=None):
                           "model": {"n_layer": model.config.n_layer, "n_head": model.config.n_head,
                                     "n_embd": model.config.n_embd, "vocab_size": model.config.vocab_size,
                                     "block_size": BLOCK_SIZE, "training_steps": args.steps},
-                          "calls_per_repeat": BLOCK_SIZE - 1, "repeats": args.repeats, "tokens": tokens["flowgen run.c"],
-                          "rows": rows})
+                          "calls_per_repeat": BLOCK_SIZE - 1, "repeats": args.repeats,
+                          "tokens": tokens["flowgen run.c"], "rows": rows})
     print(f"\n{BLOCK_SIZE - 1} greedy steps from one token, {args.repeats} repeats; load average "
           f"{env['load_average_start']} at the start, {env['load_average_end']} at the end")
     print_table(rows, [("runner", lambda r: r["runner"]), ("threads", lambda r: str(r["threads"])),

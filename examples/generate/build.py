@@ -19,7 +19,6 @@ output 0 the logits (float32 [1, vocab]), then the updated caches in the inputs'
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 from pathlib import Path

@@ -181,7 +181,8 @@ def build_library(program, saved, out: Path, *, target: str, optimise: list, san
             _run(commands["link"], out, out / "library.cpp")
             Path(host_object).unlink()
         else:
-            _run(_commands(target, str(partial), "", optimise, sanitizers, [], [], [])["library"], out, out / "library.cpp")
+            library_command = _commands(target, str(partial), "", optimise, sanitizers, [], [], [])["library"]
+            _run(library_command, out, out / "library.cpp")
         os.replace(partial, cached)
     copy_file_atomically(cached, out / files["library"])
     line = f"{files['library']} + {files['header']} (C API" + (f"; calls run one at a time: {serial_reason}"
