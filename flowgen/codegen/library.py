@@ -13,7 +13,9 @@ which writes::
 On the cpu target the library links the kernels' cached emulator objects (the ones the
 program links) with library.cpp's host unit; on the cuda target it is one g++ unit holding the
 embedded cubin and opening ``libcuda.so.1`` at run time, so it builds without a GPU or the CUDA
-headers. `flow.load_compiled(OUT)` (flowgen/deploy/loader.py) loads it through ctypes.
+headers. Native cpu kernels call OpenBLAS, which the library links (a copy in OUT, found through
+$ORIGIN), so a C program links the library alone. `flow.load_compiled(OUT)`
+(flowgen/deploy/loader.py) loads it through ctypes.
 
 Inference graphs only: a library runs the same step on shared weights from any number of
 threads, so a graph that writes its state (a training step, BatchNorm in train mode) or
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import flowgen
 from flowgen.codegen.templates import get_template
+from flowgen.runtime import cpu_blas
 from flowgen.runtime.cpu_compiler import compiler_version
 from flowgen.runtime.toolchain import CompileError, cache_dir, copy_file_atomically, safe_tag
 from flowgen.serialization import write_file_atomic
@@ -90,11 +93,12 @@ def _host_flags(optimise: list) -> list:
 
 
 def _commands(target: str, library: str, host_object: str, optimise: list, sanitizers: list, kernel_objects: list,
-              symbol_script: list) -> dict:
+              symbol_script: list, libraries: list) -> dict:
     """The g++ commands of the library, run in OUT: {"host": ..., "link": ...} on the cpu target,
     {"library": ...} on the cuda target. `library`, `host_object`: the files they write;
     `kernel_objects`: the program's kernel objects (cpu); `symbol_script`: [] or the linker
-    script that names the kernels' entries back (cached objects name them by their body's hash)."""
+    script that names the kernels' entries back (cached objects name them by their body's hash);
+    `libraries`: what the kernels link (OpenBLAS for native cpu kernels)."""
     # Only the C API is exported, and the library's own calls bind to its own definitions (-Bsymbolic):
     # a process may hold several models' libraries, whose API functions share their names.
     exports = ["-Wl,--version-script=library.map", "-Wl,-Bsymbolic", "-ldl"]
@@ -104,7 +108,7 @@ def _commands(target: str, library: str, host_object: str, optimise: list, sanit
     return {"host": [*_host_flags(optimise), "-DFLOWGEN_EMULATOR", "-DFLOWGEN_HOST_UNIT", "-I.", "-c", "-x", "c++",
                      "library.cpp", "-o", host_object],
             "link": ["g++", "-shared", "-fopenmp", *sanitizers, host_object, *kernel_objects, *symbol_script,
-                     "-Wl,-z,muldefs", *exports, "-o", library]}
+                     "-Wl,-z,muldefs", *libraries, *exports, "-o", library]}
 
 
 def _run(command: list, cwd: Path, source: Path) -> None:
@@ -132,9 +136,12 @@ def build_library(program, saved, out: Path, *, target: str, optimise: list, san
     of the program's kernels. Returns (manifest entries, one line for the build log, cache hit)."""
     files = library_files(saved.name)
     serial_reason = _SERIAL_CUDA if target == "cuda" else (_SERIAL_INDEX_CHECKS if program.index_checks else "")
+    # Native cpu kernels call OpenBLAS: the library links it (a copy beside it in OUT, found through
+    # $ORIGIN), so a C program linking the library needs nothing more.
+    libraries = cpu_blas.program_link_flags(out, program.source) if target == "cpu" else []
     # As built by hand in OUT: the kernels compiled from program.cu (its header says how).
     shown = _commands(target, files["library"], "library_host.o", optimise, sanitizers,
-                      ["program_kernels.o"] if target == "cpu" else [], [])
+                      ["program_kernels.o"] if target == "cpu" else [], [], libraries)
     context = {
         "name": saved.name,
         "version": flowgen.__version__,
@@ -157,7 +164,8 @@ def build_library(program, saved, out: Path, *, target: str, optimise: list, san
     # The cached kernel objects name each entry by its body's hash; a linker script names them back.
     symbol_map = "".join(f"flowgen_launch_{name} = flowgen_launch_{symbol};\n"
                          for name, (_, symbol) in sorted(kernels.symbols.items()) if name != symbol) if kernels else ""
-    key_commands = _commands(target, files["library"], "library_host.o", optimise, sanitizers, kernel_objects, [])
+    key_commands = _commands(target, files["library"], "library_host.o", optimise, sanitizers, kernel_objects, [],
+                             libraries)
     cached = cache_dir() / "library" / _cache_key(key_commands, out, symbol_map) / files["library"]
     hit = cached.is_file()
     if not hit:
@@ -168,12 +176,13 @@ def build_library(program, saved, out: Path, *, target: str, optimise: list, san
             _write(build_dir / "kernel_symbols.ld", symbol_map)
             host_object = str(build_dir / f".library_host.{os.getpid()}.o")
             commands = _commands(target, str(partial), host_object, optimise, sanitizers, kernel_objects,
-                                 [str(build_dir / "kernel_symbols.ld")])
+                                 [str(build_dir / "kernel_symbols.ld")], libraries)
             _run(commands["host"], out, out / "library.cpp")
             _run(commands["link"], out, out / "library.cpp")
             Path(host_object).unlink()
         else:
-            _run(_commands(target, str(partial), "", optimise, sanitizers, [], [])["library"], out, out / "library.cpp")
+            library_command = _commands(target, str(partial), "", optimise, sanitizers, [], [], [])["library"]
+            _run(library_command, out, out / "library.cpp")
         os.replace(partial, cached)
     copy_file_atomically(cached, out / files["library"])
     line = f"{files['library']} + {files['header']} (C API" + (f"; calls run one at a time: {serial_reason}"
