@@ -28,6 +28,7 @@ from flowgen.codegen.kernel import RenderContext
 from flowgen.codegen.kernels import render_node
 from flowgen.codegen.program import build_program
 from flowgen.codegen.target import rendering_for
+from flowgen.codegen.templates import reads
 from flowgen.ir.graph import Node, Value
 from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime import nvrtc
@@ -185,6 +186,13 @@ def test_every_conv_variant_compiles_with_nvrtc_without_unused_variables(dtype, 
     nvrtc._compile_into(source, nvrtc_options(nvrtc.cubin_arch(source, "sm_90")), tmp_path, "kernels.cubin")
     log = (tmp_path / "compile.log").read_text()
     assert not NVRTC_UNUSED.search(log), log[-4000:]
+
+
+def test_a_template_declares_what_the_code_reads_outside_its_comments():
+    """templates.reads, the test a template asks before declaring a variable: a use counts, a
+    comment's mention (a wgmma tile's `C(m, n)`), a member (`t.C`) or a longer name (`x_C`) does not."""
+    assert reads("y[i] = C * x[i];", "C") and reads("if (ih < H) v = x[ih];", "H")
+    assert not reads("float acc[32];   // register r: C(64 group, ...)\n/* C = A * B */ y = t.C + x_C;", "C")
 
 
 def test_a_permute_keeping_the_memory_order_is_a_view():
