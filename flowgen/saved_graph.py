@@ -623,7 +623,7 @@ def data_parallel_entry(graph_name: str, compiled) -> dict | None:
                                   f"flow.sbp.split(0))) and save that")
     # every collective but an all_reduce (the one a standalone program runs: codegen/aot.py) leaves
     # each rank part of the state: ZeRO's reduce_scatter / all_gather, a pipeline's send / recv
-    lowerings = [(n.op, get_op(n.op).lowering) for n in compiled.ir.nodes]
+    lowerings = [(n.op, get_op(n.op).lowering) for n in compiled.ir.nodes if n.op != "fused"]   # not a registry op
     sharded = [op for op, lowering in lowerings if isinstance(lowering, Collective) and lowering.kind != "all_reduce"]
     if compiled.sharded_slots or sharded:
         raise NotImplementedError(f"{where}: the graph shards its optimizer state or parameters over the ranks "
