@@ -107,6 +107,7 @@ from flowgen.distributed.collectives import world
 from flowgen.errors import internal_checks
 from flowgen.ir.graph import Graph, Node, StateVar, Value
 from flowgen.ir.verify import IRError, verify
+from flowgen.ops.lowering import Collective
 from flowgen.ops.registry import get_op
 from flowgen.runtime import program_cache
 from flowgen.runtime.executor import CpuBackend, Executor
@@ -620,7 +621,10 @@ def data_parallel_entry(graph_name: str, compiled) -> dict | None:
                                   f"input over the ranks, as a graph called with flow.sbp.split(0) global inputs "
                                   f"does: call the graph with global inputs (x.to_global(placement, "
                                   f"flow.sbp.split(0))) and save that")
-    sharded = [n.op for n in compiled.ir.nodes if n.op in ("all_gather", "reduce_scatter", "send", "recv")]
+    # every collective but an all_reduce (the one a standalone program runs: codegen/aot.py) leaves
+    # each rank part of the state: ZeRO's reduce_scatter / all_gather, a pipeline's send / recv
+    lowerings = [(n.op, get_op(n.op).lowering) for n in compiled.ir.nodes if n.op != "fused"]   # not a registry op
+    sharded = [op for op, lowering in lowerings if isinstance(lowering, Collective) and lowering.kind != "all_reduce"]
     if compiled.sharded_slots or sharded:
         raise NotImplementedError(f"{where}: the graph shards its optimizer state or parameters over the ranks "
                                   f"(enable_zero: {', '.join(sorted(set(sharded)))}); the standalone program "

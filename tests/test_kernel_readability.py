@@ -2,11 +2,13 @@
 and parameters named after what they carry.
 
 * the kernels of an MLP training step (examples/linear_graph.py's model, trained), a conv net with
-  BatchNorm and the GPT of examples/gpt_char.py, in float32 and under bf16 autocast, compile with
+  BatchNorm and the GPT of examples/gpt_char.py, in float32 and under bf16 autocast (and the MLP
+  under fp16 autocast with a GradScaler), compile with
   g++ -Wall -Wextra -Werror=unused-variable -Werror=unused-but-set-variable against the emulator
   header (the CPU build's kernel flags, runtime/toolchain.kernel_flags), and for the GPU
   (rendered for the cuda target, sm_90) with NVRTC, whose log then holds no unused-variable
-  warning ("declared but never referenced", "set but never used");
+  warning ("declared but never referenced", "set but never used"); so do the conv family's
+  variants (SIMT, tf32, bf16 warpgroup MMA, 1x1, split-k, depthwise) rendered alone;
 * naming rule: no kernel parameter is named in<k> or out<k> (a generic name for a buffer):
   every buffer a kernel reads or writes has a value behind it whose name (a parameter's module
   path, a graph input) or producing op names it better;
@@ -22,7 +24,13 @@ import pytest
 
 import flowgen as flow
 import flowgen.nn as nn
+from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernels import render_node
 from flowgen.codegen.program import build_program
+from flowgen.codegen.target import rendering_for
+from flowgen.codegen.templates import reads
+from flowgen.ir.graph import Node, Value
+from flowgen.ops.registry import TensorMeta, get_op
 from flowgen.runtime import nvrtc
 from flowgen.runtime.toolchain import CXX, kernel_flags, nvrtc_options, runtime_cpp_dir
 from graphs import TrainGraph, train_like_eager
@@ -36,7 +44,12 @@ GENERIC_PARAMETER = re.compile(r"\b(in|out)\d+$")
 
 
 def _amp(graph, amp):
-    if amp:
+    """amp: False (float32), True (bf16 autocast) or "fp16" (fp16 autocast with a GradScaler in the
+    step, whose nonfinite_flag kernel scans every gradient)."""
+    if amp == "fp16":
+        graph.config.enable_amp(True, dtype=flow.float16)
+        graph.set_grad_scaler(flow.amp.GradScaler(init_scale=2.0 ** 10, growth_interval=2))
+    elif amp:
         graph.config.enable_amp(True, dtype=flow.bfloat16)
     return graph
 
@@ -91,6 +104,7 @@ def gpt_step(amp):
 GRAPHS = [pytest.param(make, amp, id=f"{make.__name__}-{'bf16' if amp else 'fp32'}",
                        marks=[pytest.mark.slow] if make is gpt_step else [])
           for make in (mlp_step, convnet_step, gpt_step) for amp in (False, True)]
+GRAPHS.append(pytest.param(mlp_step, "fp16", id="mlp_step-fp16-grad_scaler"))
 
 
 def _gxx_diagnostics(source: str, tmp_path) -> subprocess.CompletedProcess:
@@ -124,20 +138,61 @@ def test_kernels_compile_with_gxx_without_unused_variables(make, amp, tmp_path):
         assert not generic, generic
 
 
-# Left to fix (strict: remove the mark once fixed): conv2d.cu.j2 declares the convolution's
-# geometry (C, H, W, O, OH, OW) at the top of every implicit-GEMM kernel, and the tensor-core
-# gathers of a bf16 conv do not read all of them.
-NVRTC_GRAPHS = [pytest.param(*p.values, id=p.id, marks=[*p.marks, pytest.mark.xfail(
-                    strict=True, reason="conv2d.cu.j2: geometry constants the bf16 gathers do not read")])
-                if p.id == "convnet_step-bf16" else p for p in GRAPHS]
-
-
-@pytest.mark.parametrize("make, amp", NVRTC_GRAPHS)
+@pytest.mark.parametrize("make, amp", GRAPHS)
 def test_kernels_compile_with_nvrtc_without_unused_variables(make, amp, tmp_path):
     source = _gpu_source(make(amp))
     nvrtc._compile_into(source, nvrtc_options(nvrtc.cubin_arch(source, "sm_90")), tmp_path, "kernels.cubin")
     log = (tmp_path / "compile.log").read_text()
     assert not NVRTC_UNUSED.search(log), log[-4000:]
+
+
+# (name, x shape [N, C, H, W], weight shape [O, C / groups, KH, KW], stride, padding, groups): the
+# implicit-GEMM variants (3x3, strided and grouped, 1x1 as a plain GEMM, one whose grad_weight
+# splits its reduction across blocks) and a depthwise one
+CONV_GEOMETRIES = [("3x3", (2, 4, 9, 7), (6, 4, 3, 3), 1, 1, 1),
+                   ("3x3_s2_g2", (2, 6, 11, 9), (4, 3, 3, 3), 2, 1, 2),
+                   ("1x1", (2, 5, 6, 7), (7, 5, 1, 1), 1, 0, 1),
+                   ("3x3_split_k", (8, 16, 32, 32), (16, 16, 3, 3), 1, 1, 1),
+                   ("depthwise", (2, 6, 7, 7), (6, 1, 3, 3), 1, 1, 6)]
+
+
+def _conv_nodes(dtype) -> list:
+    """conv2d, conv2d_grad_input and conv2d_grad_weight of every CONV_GEOMETRIES entry."""
+    nodes = []
+    for name, x_shape, w_shape, stride, padding, groups in CONV_GEOMETRIES:
+        attrs = dict(stride=(stride, stride), padding=(padding, padding), dilation=(1, 1), groups=groups)
+        x, w = Value("x", x_shape, dtype), Value("w", w_shape, dtype)
+        y = Value("y", get_op("conv2d").infer(TensorMeta(x_shape, dtype), TensorMeta(w_shape, dtype), **attrs).shape,
+                  dtype)
+        nodes += [Node("conv2d", [x, w], [y], attrs, scope=f"fwd_{name}"),
+                  Node("conv2d_grad_input", [y, w], [Value("dx", x_shape, dtype)], dict(attrs, input_shape=x_shape),
+                       scope=f"dgrad_{name}"),
+                  Node("conv2d_grad_weight", [y, x], [Value("dw", w_shape, dtype)],
+                       dict(attrs, weight_shape=w_shape), scope=f"wgrad_{name}")]
+    return nodes
+
+
+@pytest.mark.parametrize("dtype, tf32", [(flow.float32, False), (flow.float32, True), (flow.bfloat16, False)],
+                         ids=["fp32", "tf32", "bf16"])
+def test_every_conv_variant_compiles_with_nvrtc_without_unused_variables(dtype, tf32, tmp_path):
+    """conv2d.cu.j2 declares only the geometry constants each variant's gathers read: SIMT, tf32
+    and 16-bit warpgroup-MMA implicit GEMMs (forward, grad_input, grad_weight, split-k), 1x1
+    convs and depthwise convs, rendered for sm_90."""
+    with rendering_for("cuda", allow_tf32=tf32, arch="sm_90"):
+        kernels = [k for i, node in enumerate(_conv_nodes(dtype))
+                   for k in render_node(node, RenderContext(name=f"k{i}_{node.scope}"))]
+    assert any("_combine" in k.name for k in kernels)   # a split-k grad_weight is among them
+    source = f'#include "{nvrtc.PRELUDE}"\n' + "\n".join(k.source for k in kernels)
+    nvrtc._compile_into(source, nvrtc_options(nvrtc.cubin_arch(source, "sm_90")), tmp_path, "kernels.cubin")
+    log = (tmp_path / "compile.log").read_text()
+    assert not NVRTC_UNUSED.search(log), log[-4000:]
+
+
+def test_a_template_declares_what_the_code_reads_outside_its_comments():
+    """templates.reads, the test a template asks before declaring a variable: a use counts, a
+    comment's mention (a wgmma tile's `C(m, n)`), a member (`t.C`) or a longer name (`x_C`) does not."""
+    assert reads("y[i] = C * x[i];", "C") and reads("if (ih < H) v = x[ih];", "H")
+    assert not reads("float acc[32];   // register r: C(64 group, ...)\n/* C = A * B */ y = t.C + x_C;", "C")
 
 
 def test_a_permute_keeping_the_memory_order_is_a_view():
@@ -154,3 +209,14 @@ def test_a_permute_keeping_the_memory_order_is_a_view():
     assert not [k.name for k in graph.compiled.program.kernels if k.ops == ["permute"]]
     copies = [k for k in mlp_step(amp=True).compiled.program.kernels if k.ops == ["permute"]]
     assert copies and all(sorted(k.args[0].value.shape) == [4, 16] for k in copies), [k.comment for k in copies]
+
+
+def test_the_grad_scalers_scan_names_the_gradients_it_reads():
+    """The GradScaler's nonfinite_flag kernel (one launch over every gradient of the fp16 MLP: two
+    weights, two biases) names each buffer after the value it carries, and its output `flag`."""
+    scans = [k for k in mlp_step("fp16").compiled.program.kernels
+             if k.ops == ["nonfinite_flag"] and "isfinite(" in k.source]   # not its flag-zeroing kernel
+    assert len(scans) == 1, [k.name for k in scans]
+    names = _parameter_names(scans[0].source)
+    assert len(set(names)) == 5 and names[-1] == "flag", names
+    assert not [n for n in names if GENERIC_PARAMETER.fullmatch(n)], names

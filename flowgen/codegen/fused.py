@@ -109,12 +109,14 @@ def value_param_name(v, producers) -> str:
     while view and any(made_by.inputs[0] in b.outputs for b in body):   # a view of a value computed here
         made_by = next(b for b in body if made_by.inputs[0] in b.outputs)
         view = isinstance(get_op(made_by.op).lowering, View)
-    source = made_by.inputs[0] if view or made_by.op in ("cast", "permute") else None
+    made_as = get_op(made_by.op).extra
+    converted, transposed = made_as["cast_scale"] == "cast", made_as["fusion"] == "transpose"
+    source = made_by.inputs[0] if view or converted or transposed else None
     if source is not None and not any(source in b.outputs for b in body):
         # a view of another buffer is that buffer; a copy, converted or transposed, is named after
         # it: model_0_weight_bfloat16
         name = value_param_name(source, producers)
-        return name if view else f"{name}_{v.dtype.name if made_by.op == 'cast' else 'permuted'}"
+        return name if view else f"{name}_{v.dtype.name if converted else 'permuted'}"
     return f"{made_by.op}_out"
 
 

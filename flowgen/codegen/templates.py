@@ -39,10 +39,14 @@ def environment() -> jinja2.Environment:
     return env
 
 
+_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
+
+
 def reads(code: str, name: str) -> bool:
-    """`{% if body is reads("r") %}`: does the C++ text `code` use the identifier `name`? A
-    template declares a variable only for the bodies that read it (no unused variables)."""
-    return re.search(rf"(?<![\w.]){re.escape(name)}\b", str(code)) is not None
+    """`{% if body is reads("r") %}`: does the C++ text `code` use the identifier `name` (outside
+    comments: a comment's `C(m, n)` reads no `C`)? A template declares a variable only for the
+    bodies that read it (no unused variables)."""
+    return re.search(rf"(?<![\w.]){re.escape(name)}\b", _COMMENT.sub("", str(code))) is not None
 
 
 def _bytecode_dir(jinja2_version: str) -> Path:

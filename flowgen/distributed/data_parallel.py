@@ -72,6 +72,7 @@ class BatchReduction:
 
 def _constant_scalar(producers, value):
     node = producers.get(value)
+    # the op by name: a constant factor in the loss's formula (batch_reduction)
     if node is None or node.op != "constant" or value.numel != 1:
         return None
     return float(np.asarray(node.attrs["value"]).reshape(-1)[0])
@@ -80,6 +81,7 @@ def _constant_scalar(producers, value):
 def _full_sum(producers, value):
     """The node summing (or averaging) a whole tensor into `value`, or None."""
     node = producers.get(value)
+    # the ops by name: the loss formula's sum over a whole tensor (a mean is that sum over numel)
     if node is None or node.op not in ("sum", "mean"):
         return None
     return node if set(node.attrs["dims"]) == set(range(len(node.inputs[0].shape))) else None
@@ -97,6 +99,8 @@ def batch_reduction(ir, value):
         node = producers.get(v)
         if node is None:
             return None
+        # the formula by op name: a reshape or cast of the loss keeps its form, a mul / div by a
+        # constant scales it, a div of two sums is a ratio; any other op leaves it unknown (None)
         if node.op in ("reshape", "cast"):
             v = node.inputs[0]
             continue

@@ -153,6 +153,7 @@ def split_pipeline_stage(step, settings):
 
 
 def _refuse_sync_batch_norm(graph_name, ir):
+    # the op is the subject: SyncBatchNorm's statistics over the ranks, refused by name with its fix
     synced = [n.scope for n in ir.nodes if n.op == "sync_batch_norm_affine"]
     if synced:
         raise NotImplementedError(f"{graph_name}: SyncBatchNorm ({synced[0]}) in a pipelined graph: it reduces its "
