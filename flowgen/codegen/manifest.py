@@ -11,7 +11,8 @@ MANIFEST_VERSION = 1
 
 
 def manifest_for(saved, program, *, target: str, arch: str, compiler: str, name: str, binary: str,
-                 program_sha256: str, timings: dict, cpu_kernels: str | None = None, sanitize: str | None = None) -> dict:
+                 program_sha256: str, timings: dict, cpu_kernels: str | None = None,
+                 sanitize: str | None = None) -> dict:
     """The manifest of a build. `name`: the program's name (binary, library, header; `--name`);
     `cpu_kernels`: on the cpu target "native" (native kernels where codegen/cpu/ has them) or
     "emulator" (every kernel the CUDA source on the emulator), None on the cuda target."""
