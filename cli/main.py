@@ -277,7 +277,8 @@ def bench(out_dir, inputs, steps, json_path):
         _fail(f"{binary.name} did not report its timing:\n{proc.stderr}")
     seconds = float(found.group(3))
     result = {"graph": manifest.get("graph", binary.name), "device": found.group(2), "steps": steps,
-              "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "target": manifest.get("target")}
+              "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "target": manifest.get("target"),
+              "cpu_kernels": _cpu_kernels(manifest) if manifest.get("target") == "cpu" else None}
     click.echo(f"{'graph':<24}{'device':<28}{'steps':>8}{'total s':>10}{'ms/step':>10}")
     click.echo(f"{result['graph']:<24}{result['device'][:27]:<28}{steps:>8}{seconds:>10.3f}"
                f"{result['ms_per_step']:>10.3f}")

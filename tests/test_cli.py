@@ -126,6 +126,8 @@ def test_bench_times_the_program_and_writes_json(built):
     assert "ms/step" in result.output
     data = json.loads((tmp / "bench.json").read_text())
     assert data["steps"] == 20 and data["seconds"] > 0 and abs(data["ms_per_step"] - data["seconds"] / 20 * 1e3) < 1e-9
+    manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+    assert data["target"] == "cpu" and data["cpu_kernels"] == manifest["cpu_kernels"] == "emulator"   # conftest's
 
 
 def test_inspect_summary_ir_source_memory(built):
