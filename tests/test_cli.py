@@ -198,6 +198,9 @@ def test_build_name_names_the_program_library_and_header(built, tmp_path):
     x = np.sin(0.37 * np.arange(3 * 6)).astype(np.float32).reshape(3, 6)   # the example's input pattern
     values = [float(v) for v in proc.stdout.split("\n") if re.fullmatch(r"-?[0-9.e+-]+", v)]
     np.testing.assert_allclose(values, built["graph"](flow.tensor(x)).numpy().ravel(), rtol=1e-5, atol=1e-6)
+    model = flow.load_compiled(out)   # finds libmlp_v2.so through the manifest
+    np.testing.assert_allclose(model(x), built["graph"](flow.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
+    model.close()
     run = CliRunner().invoke(cli, ["run", str(out), str(built["tmp"] / "x.npy"), "-o", str(tmp_path / "res")])
     assert run.exit_code == 0, run.output
     np.testing.assert_allclose(np.load(tmp_path / "res" / "output_0.npy"), built["expected"], rtol=1e-6, atol=1e-6)
