@@ -174,6 +174,11 @@ def test_inspect_describes_the_kernels_the_build_compiled(built, monkeypatch):
         else:
             assert "OpenBLAS" not in summary.output and "flowgen_cpu.h" not in program_cu
             assert "every kernel the CUDA source on the emulator" in summary.output, what
+    # a build whose kernels this flowgen would render otherwise (an older version's) says so
+    manifest["kernels"][0]["name"] = "k0_from_another_version"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    summary = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert summary.exit_code == 0 and "note: this flowgen" in summary.output, summary.output
 
 
 def test_build_name_names_the_program_library_and_header(built, tmp_path):
