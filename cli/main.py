@@ -1,7 +1,7 @@
 """`flowgen`: build, run and inspect graphs saved with `flow.save(graph, dir)`.
 
     flowgen build SAVED_DIR|MODEL.pt2|MODEL.onnx -o BUILD_DIR [--target cpu|cuda|emulator] [--arch sm_90]
-                  [--compiler nvrtc|nvcc] [--sanitize address|undefined|address,undefined] [--lib]
+                  [--compiler nvrtc|nvcc] [--sanitize address|undefined|address,undefined] [--lib] [--name NAME]
     flowgen run BUILD_DIR INPUT.npy... -o RESULTS_DIR [--steps N] [--nproc N]
     flowgen inspect SAVED_DIR|BUILD_DIR|MODEL.pt2|MODEL.onnx [--source] [--ir] [--memory]
     flowgen bench BUILD_DIR INPUT.npy... [--steps N] [--json FILE]
@@ -145,21 +145,24 @@ def cli():
 @click.option("--lib", is_flag=True,
               help="Also build BUILD_DIR/lib<name>.so and <name>.h: the graph as a shared library with a C API "
                    "(inference graphs; load it from Python with flow.load_compiled(BUILD_DIR)).")
-def build(saved_dir, out_dir, target, arch, compiler, sanitize, lib):
+@click.option("--name", metavar="NAME", default=None,
+              help="The program's name, a C identifier: the binary BUILD_DIR/<name>, and with --lib lib<name>.so "
+                   "and <name>.h (default: the graph's name, e.g. InferGraph_0).")
+def build(saved_dir, out_dir, target, arch, compiler, sanitize, lib, name):
     """Build the standalone program for the graph saved in SAVED_DIR (by `flow.save(graph, dir)`), or
     an inference program for the model in MODEL.pt2 (by `torch.export.save`; for its example inputs'
     shapes) or MODEL.onnx (for its static input shapes).
 
-    Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<graph name>, and
-    writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json. With --lib, also the shared
-    library BUILD_DIR/lib<name>.so and its C header BUILD_DIR/<name>.h.
+    Renders BUILD_DIR/program.cu (kernels + host code), compiles it to BUILD_DIR/<name> (--name, by
+    default the graph's name), and writes BUILD_DIR/weights.safetensors and BUILD_DIR/manifest.json.
+    With --lib, also the shared library BUILD_DIR/lib<name>.so and its C header BUILD_DIR/<name>.h.
     """
     start = time.perf_counter()
     with _saved_graph_dir(saved_dir) as directory:
-        _build(saved_dir, directory, out_dir, target, arch, compiler, sanitize, lib, start)
+        _build(saved_dir, directory, out_dir, target, arch, compiler, sanitize, lib, name, start)
 
 
-def _build(source, saved_dir, out_dir, target, arch, compiler, sanitize, lib, start):
+def _build(source, saved_dir, out_dir, target, arch, compiler, sanitize, lib, name, start):
     flowgen = _flowgen()
     BuildError, build_program = flowgen.codegen.aot.BuildError, flowgen.codegen.aot.build
     CompileError = flowgen.runtime.toolchain.CompileError
@@ -170,7 +173,7 @@ def _build(source, saved_dir, out_dir, target, arch, compiler, sanitize, lib, st
     click.echo(f"  {'load':<22} {time.perf_counter() - start:7.2f} s   {source}", err=True)
     try:
         result = build_program(saved, out_dir, target=target, arch=arch, compiler=compiler, sanitize=sanitize,
-                               lib=lib, log=lambda line: click.echo(line, err=True))
+                               lib=lib, name=name, log=lambda line: click.echo(line, err=True))
     except (BuildError, CompileError, ValueError) as e:
         _fail(str(e))
     built = result.binary if not lib else f"{result.binary} and {result.out_dir / result.manifest['library']}"
@@ -274,7 +277,8 @@ def bench(out_dir, inputs, steps, json_path):
         _fail(f"{binary.name} did not report its timing:\n{proc.stderr}")
     seconds = float(found.group(3))
     result = {"graph": manifest.get("graph", binary.name), "device": found.group(2), "steps": steps,
-              "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "target": manifest.get("target")}
+              "seconds": seconds, "ms_per_step": seconds / steps * 1e3, "target": manifest.get("target"),
+              "cpu_kernels": _cpu_kernels(manifest) if manifest.get("target") == "cpu" else None}
     click.echo(f"{'graph':<24}{'device':<28}{'steps':>8}{'total s':>10}{'ms/step':>10}")
     click.echo(f"{result['graph']:<24}{result['device'][:27]:<28}{steps:>8}{seconds:>10.3f}"
                f"{result['ms_per_step']:>10.3f}")
@@ -308,20 +312,46 @@ def inspect(path, source, ir, memory):
         _inspect(directory, source, ir, memory)
 
 
+def _cpu_kernels(manifest: dict) -> str:
+    """What a cpu build's kernels are, "native" or "emulator", as its manifest records it; a manifest
+    written before flowgen recorded it had native kernels exactly when it counted some."""
+    return manifest.get("cpu_kernels") or ("native" if manifest.get("native_kernels") else "emulator")
+
+
+def _built_program(saved, manifest: dict):
+    """The program a build compiled, rendered again as the manifest says it was: for its target, its
+    GPU architecture and (cpu) its kernels, whatever $FLOWGEN_CPU_KERNELS says now."""
+    if manifest["target"] == "cpu":
+        return saved.program("cpu", native=_cpu_kernels(manifest) == "native")
+    return saved.program(manifest["target"], arch=manifest.get("arch"))
+
+
 def _inspect(path, source, ir, memory):
     manifest = None
     if (Path(path) / "manifest.json").is_file():
         manifest = _read_manifest(path)
     saved = _load(path)
-    # a build's program as it was rendered (for its GPU architecture), else the any-sm_80 one
-    program = saved.program(manifest["target"], arch=manifest.get("arch")) if manifest else saved.program("cuda")
+    # a build's program as it was rendered, else the any-sm_80 one
+    program = _built_program(saved, manifest) if manifest else saved.program("cuda")
     plan = program.plan
     kind = "training" if saved.training else "inference"
     lines = [f"graph {saved.name} ({kind}, saved at step {saved.step})"]
     if manifest:
-        arch = f" {manifest['arch']}" if manifest.get("arch") else ""
-        lines.append(f"  build: {manifest['binary']} for {manifest['target']}{arch} ({manifest['compiler']}), "
-                     f"flowgen {manifest['flowgen_version']}, program.cu sha256 {manifest['program_sha256'][:16]}...")
+        if manifest["target"] == "cpu":
+            how = (f"{manifest['compiler']}, every kernel the CUDA source on the emulator"
+                   if _cpu_kernels(manifest) == "emulator"
+                   else f"{manifest['compiler']}, native kernels where flowgen has them")
+            built_for = f"cpu ({how})"
+        else:
+            arch = f" {manifest['arch']}" if manifest.get("arch") else ""
+            built_for = f"{manifest['target']}{arch} ({manifest['compiler']})"
+        lines.append(f"  build: {manifest['binary']} for {built_for}, flowgen {manifest['flowgen_version']}, "
+                     f"program.cu sha256 {manifest['program_sha256'][:16]}...")
+        built_kernels = [k["name"] for k in manifest.get("prepare_kernels", []) + manifest.get("kernels", [])]
+        if built_kernels != [k.name for k in getattr(program, "prepare", []) + program.kernels]:
+            lines.append(f"  note: this flowgen ({_version()}) renders the graph into other kernels than the build "
+                         f"did (flowgen {manifest['flowgen_version']}); the kernels and memory below are this "
+                         f"version's, program.cu (--source) is what was built")
     lines.append("  inputs:")
     lines += _io_lines(saved.inputs)
     lines.append("  outputs:")

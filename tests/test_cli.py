@@ -1,6 +1,7 @@
 """The `flowgen` command line: build / run / inspect, and examples/deploy.py end to end."""
 import json
 import os
+import re
 import runpy
 import subprocess
 import sys
@@ -125,6 +126,8 @@ def test_bench_times_the_program_and_writes_json(built):
     assert "ms/step" in result.output
     data = json.loads((tmp / "bench.json").read_text())
     assert data["steps"] == 20 and data["seconds"] > 0 and abs(data["ms_per_step"] - data["seconds"] / 20 * 1e3) < 1e-9
+    manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+    assert data["target"] == "cpu" and data["cpu_kernels"] == manifest["cpu_kernels"] == "emulator"   # conftest's
 
 
 def test_inspect_summary_ir_source_memory(built):
@@ -140,6 +143,81 @@ def test_inspect_summary_ir_source_memory(built):
     assert f"graph {built['graph'].name}(" in built_only.output   # the IR text
     assert "static void run_step(" in built_only.output       # program.cu
     assert "arena layout" in built_only.output
+
+
+def test_inspect_describes_the_kernels_the_build_compiled(built, monkeypatch):
+    """`inspect BUILD_DIR` renders the program as the manifest says it was built, whatever
+    $FLOWGEN_CPU_KERNELS says when inspecting: a --target emulator build (and a --target cpu build
+    made with FLOWGEN_CPU_KERNELS=emulator) shows the CUDA source's GEMMs, a native cpu build
+    OpenBLAS's, and each shows the kernels program.cu holds."""
+    tmp = built["tmp"]
+    builds = {"emulator": (tmp / "emulator", ["--target", "emulator"], "native"),
+              "cpu, emulator kernels": (tmp / "cpu_emulated", ["--target", "cpu"], "emulator"),
+              "cpu, native kernels": (tmp / "cpu_native", ["--target", "cpu"], "native")}
+    for what, (out, args, environment) in builds.items():
+        monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native" if what == "cpu, native kernels" else "emulator")
+        result = CliRunner().invoke(cli, ["build", str(tmp / "saved"), "-o", str(out), *args])
+        assert result.exit_code == 0, result.output
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["target"] == "cpu"
+        assert manifest["cpu_kernels"] == ("native" if what == "cpu, native kernels" else "emulator"), what
+        monkeypatch.setenv("FLOWGEN_CPU_KERNELS", environment)   # the other kind than was built
+        summary = CliRunner().invoke(cli, ["inspect", str(out)])
+        assert summary.exit_code == 0, summary.output
+        program_cu = (out / "program.cu").read_text()
+        kernels = [line.split()[1].rstrip(":") for line in summary.output.split("  kernels:\n")[1].splitlines()]
+        assert kernels == [k["name"] for k in manifest["kernels"]] and "note:" not in summary.output
+        for name in kernels:
+            assert f"void {name}(" in program_cu, (what, name)
+        if manifest["cpu_kernels"] == "native":
+            assert "OpenBLAS" in summary.output and "native kernels where flowgen has them" in summary.output
+        else:
+            assert "OpenBLAS" not in summary.output and "flowgen_cpu.h" not in program_cu
+            assert "every kernel the CUDA source on the emulator" in summary.output, what
+    # a build whose kernels this flowgen would render otherwise (an older version's) says so
+    manifest["kernels"][0]["name"] = "k0_from_another_version"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    summary = CliRunner().invoke(cli, ["inspect", str(out)])
+    assert summary.exit_code == 0 and "note: this flowgen" in summary.output, summary.output
+
+
+def test_build_name_names_the_program_library_and_header(built, tmp_path):
+    """`flowgen build --lib --name NAME`: OUT/NAME, libNAME.so and NAME.h, recorded in the manifest;
+    a C program (examples/embed/main.c) links against them and computes what the graph does."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(cli, ["build", str(built["tmp"] / "saved"), "-o", str(out), "--target", "cpu",
+                                      "--lib", "--name", "mlp_v2"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["name"], manifest["binary"], manifest["library"], manifest["header"]) == (
+        "mlp_v2", "mlp_v2", "libmlp_v2.so", "mlp_v2.h")
+    assert manifest["graph"] == built["graph"].name   # the graph keeps its name
+    assert not any(out.glob(f"*{built['graph'].name}*"))
+    assert "#define FLOWGEN_MODEL_MLP_V2_H" in (out / "mlp_v2.h").read_text()
+    demo = tmp_path / "demo"
+    subprocess.run(["gcc", "-std=c99", "-O2", "-Wall", "-Werror", str(REPO / "examples" / "embed" / "main.c"),
+                    f"-I{out}", '-DFLOWGEN_MODEL_HEADER="mlp_v2.h"', f"-L{out}", "-lmlp_v2", f"-Wl,-rpath,{out}",
+                    "-lm", "-o", str(demo)], check=True, capture_output=True, text=True)
+    proc = subprocess.run([str(demo)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    x = np.sin(0.37 * np.arange(3 * 6)).astype(np.float32).reshape(3, 6)   # the example's input pattern
+    values = [float(v) for v in proc.stdout.split("\n") if re.fullmatch(r"-?[0-9.e+-]+", v)]
+    np.testing.assert_allclose(values, built["graph"](flow.tensor(x)).numpy().ravel(), rtol=1e-5, atol=1e-6)
+    model = flow.load_compiled(out)   # finds libmlp_v2.so through the manifest
+    np.testing.assert_allclose(model(x), built["graph"](flow.tensor(x)).numpy(), rtol=1e-5, atol=1e-6)
+    model.close()
+    run = CliRunner().invoke(cli, ["run", str(out), str(built["tmp"] / "x.npy"), "-o", str(tmp_path / "res")])
+    assert run.exit_code == 0, run.output
+    np.testing.assert_allclose(np.load(tmp_path / "res" / "output_0.npy"), built["expected"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name, message", [("9lives", "must be a C identifier"), ("my-model", "must be a C identifier"),
+                                           ("flowgen_emu", "runtime header")])
+def test_build_name_must_be_a_c_identifier(built, tmp_path, name, message):
+    result = CliRunner().invoke(cli, ["build", str(built["tmp"] / "saved"), "-o", str(tmp_path / "out"),
+                                      "--target", "cpu", "--name", name])
+    assert result.exit_code == 1 and f"--name {name}" in result.output.replace("'", "") and message in result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_build_errors_are_messages_not_tracebacks(tmp_path):

@@ -4,9 +4,11 @@ and resuming training from flow.save(graph.state_dict()).
 Every program here is built for the CPU emulator (`--target cpu`) and compared with the
 graph it came from; the CUDA target is built too (no GPU needed) and run where a GPU exists.
 """
+import ast
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen import serialization
 from flowgen.codegen import aot
+from flowgen.codegen.fused import GRAPH_VALUE_PREFIX
 from flowgen.saved_graph import FormatError, SavedGraph
 from graphs import InferGraph, TrainGraph
 
@@ -602,3 +605,72 @@ def test_training_program_carries_a_dynamic_grad_scaler(make_opt, tmp_path):
     for name in ("0.weight", "2.weight"):
         np.testing.assert_allclose(weights[f"model.{name}"], graph.state_dict()["model"][name].numpy(), rtol=1e-5,
                                    atol=1e-7)
+
+
+# ------------------------------------------------------------------------ names from the graph
+class _Named(nn.Module):
+    """Parameters named as the caller says (state `<attribute>.<name>`)."""
+
+    def __init__(self, **shapes):
+        super().__init__()
+        for name, shape in shapes.items():
+            setattr(self, name, nn.Parameter(flow.randn(*shape)))
+
+
+class _TemplateNamesGraph(nn.Graph):
+    """State whose C names, made the old way (`b.base` -> `b_base`), were locals of the GEMM
+    templates (`a_base`, `b_base`, `c_base`) and of the copy and sort kernels (`in_base`, `k_begin`):
+    the GEMM's kernel redeclared its own parameter and did not compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = _Named(base=(6, 8))
+        self.b = _Named(base=(8, 5))
+        self.c = _Named(base=(5,))
+        self.k = _Named(begin=(5,))
+        setattr(self, "in", _Named(base=(5, 3)))   # `in`: a Python keyword, a fine module name
+
+    def build(self, x):
+        y = (x @ self.a.base) @ self.b.base + self.c.base
+        return (y * self.k.begin).relu() @ getattr(self, "in").base
+
+
+def test_state_named_like_a_template_local_compiles_and_matches_eager(tmp_path):
+    graph = _TemplateNamesGraph()
+    x = flow.randn(4, 6)
+    expected = graph.build(x).numpy()        # eager: build() on the eager modules
+    np.testing.assert_allclose(graph(x).numpy(), expected, rtol=1e-5, atol=1e-5)   # emulator kernels
+    flow.save(graph, tmp_path / "saved")
+    np.save(tmp_path / "x.npy", x.numpy())
+    for target in ("emulator", "cpu"):
+        out = tmp_path / target
+        aot.build(tmp_path / "saved", out, target=target)
+        run_binary(out, "--input", tmp_path / "x.npy", "--out", out / "res")
+        np.testing.assert_allclose(np.load(out / "res" / "output_0.npy"), expected, rtol=1e-5, atol=1e-5)
+    source = (tmp_path / "emulator" / "program.cu").read_text()
+    assert "const float* __restrict__ g_b_base" in source and "g_in_base" in source
+
+
+def test_no_generated_identifier_but_a_graph_values_starts_with_its_prefix():
+    """fused.GRAPH_VALUE_PREFIX marks the kernel parameters named after graph inputs and state; a
+    template, a runtime header or a code string in flowgen/codegen using it for anything else could
+    meet a user's name again."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    pattern = re.compile(rf"\b{GRAPH_VALUE_PREFIX}\w*")
+    found = []
+    for folder, suffixes in (("templates", (".j2",)), ("runtime_cpp", (".h",))):
+        for name in sorted(os.listdir(os.path.join(root, folder))):
+            if name.endswith(suffixes):
+                with open(os.path.join(root, folder, name)) as f:
+                    text = re.sub(r"\{\{.*?\}\}|\{%.*?%\}|\{#.*?#\}", " ", f.read(), flags=re.S)   # Jinja's own names
+                found += [(name, hit) for hit in pattern.findall(text)]
+    for folder, _, files in os.walk(os.path.join(root, "flowgen", "codegen")):
+        for name in sorted(n for n in files if n.endswith(".py")):
+            with open(os.path.join(folder, name)) as f:
+                tree = ast.parse(f.read())
+            docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                        and node.value != GRAPH_VALUE_PREFIX):
+                    found += [(name, hit) for hit in pattern.findall(node.value)]
+    assert found == []

@@ -159,7 +159,7 @@ def test_graphs_that_change_their_state_are_refused(tmp_path):
 
 # ------------------------------------------------------------------------------------- C callers
 def _compile_c(source, out, manifest, binary, *flags):
-    name = manifest["graph"]
+    name = manifest["name"]
     command = ["gcc", "-std=c99", "-Wall", "-Wextra", "-Werror", *flags, str(source), f"-I{out}",
                f'-DFLOWGEN_MODEL_HEADER="{manifest["header"]}"', f"-L{out}", f"-l{name}", f"-Wl,-rpath,{out}",
                "-lm", "-lpthread", "-o", str(binary)]

@@ -3,7 +3,7 @@
  * Build a model as a library (README.md, "Embedding a model"), then compile this file
  * against it, with the header's name given as FLOWGEN_MODEL_HEADER:
  *
- *   flowgen build SAVED_DIR -o out --target cpu --lib
+ *   flowgen build SAVED_DIR -o out --target cpu --lib [--name NAME]   # <name>: NAME, or the graph's name
  *   cc -std=c99 -O2 examples/embed/main.c -Iout -DFLOWGEN_MODEL_HEADER='"<name>.h"' \
  *      -Lout -l<name> -Wl,-rpath,"$PWD/out" -o embed_demo
  *   ./embed_demo [WEIGHTS.safetensors]

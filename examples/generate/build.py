@@ -82,7 +82,7 @@ def compile_command(manifest: dict, build: Path, binary: Path, compiler: str = "
     """The command that compiles run.c against the library in `build`."""
     build = build.resolve()
     return [compiler, "-std=c99", "-O2", "-Wall", "-Wextra", "-Werror", str(HERE / "run.c"), f"-I{build}",
-            f'-DFLOWGEN_MODEL_HEADER="{manifest["header"]}"', f"-L{build}", f"-l{manifest['graph']}",
+            f'-DFLOWGEN_MODEL_HEADER="{manifest["header"]}"', f"-L{build}", f"-l{manifest['name']}",
             f"-Wl,-rpath,{build}", "-lm", "-o", str(binary)]
 
 

@@ -9,7 +9,7 @@ copy state updates back, read outputs.
 `build` writes an output directory::
 
     OUT/program.cu              the program (host + device code)
-    OUT/<graph name>            the binary
+    OUT/<name>                  the binary (<name>: `name`, by default the graph's name)
     OUT/weights.safetensors     the state it starts from
     OUT/manifest.json           inputs/outputs, state, kernels, memory, program.cu's sha256
     OUT/flowgen_*.h, program_constants.inc[, program_cubin.inc]   (everything program.cu includes)
@@ -60,6 +60,7 @@ from flowgen.codegen import library
 from flowgen.codegen.hyper_schedule import schedule_lines
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.manifest import manifest_for
+from flowgen.codegen.target import native_cpu_kernels
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
@@ -75,6 +76,7 @@ from flowgen.version import __version__
 
 SANITIZERS = ("address", "undefined", "address,undefined")
 MAX_DIMS = 8
+PROGRAM_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 _DTYPE_ENUM = {dt.float32: "f32", dt.float16: "f16", dt.bfloat16: "bf16", dt.float64: "f64",
                dt.int64: "i64", dt.int32: "i32", dt.bool_: "boolean"}
@@ -86,6 +88,22 @@ class BuildResult:
     binary: Path
     manifest: dict
     timings: dict = field(default_factory=dict)   # stage -> seconds
+
+
+def program_name(name: str | None, graph_name: str) -> str:
+    """The name of a build's binary, library and header (OUT/<name>, lib<name>.so, <name>.h):
+    `name` (`flowgen build --name`), which must be a C identifier, or by default the graph's name
+    made safe for a file name."""
+    if name is None:
+        return safe_tag(graph_name)
+    if not isinstance(name, str) or not PROGRAM_NAME.fullmatch(name):
+        raise BuildError(f"--name {name!r}: a program's name must be a C identifier (letters, digits and "
+                         f"underscores, not starting with a digit), as it names the binary, lib<name>.so and "
+                         f"<name>.h")
+    if (runtime_cpp_dir() / f"{name}.h").is_file():
+        raise BuildError(f"--name {name}: {name}.h (the library's header) is the name of a runtime header that "
+                         f"program.cu includes; choose another name")
+    return name
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -455,15 +473,15 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
 
 
 def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compiler: str = "nvrtc",
-          sanitize: str | None = None, lib: bool = False, log=None) -> BuildResult:
+          sanitize: str | None = None, lib: bool = False, name: str | None = None, log=None) -> BuildResult:
     """Build the program for a saved graph (`source`: a `flow.save(graph, dir)` directory or a
     `SavedGraph`) into `out_dir`; `sanitize` is None or one of SANITIZERS; `lib`: also the shared
-    library with the C API (codegen/library.py). `log(text)` receives one line per finished stage."""
+    library with the C API (codegen/library.py); `name`: the binary's, library's and header's
+    name (a C identifier; default: the graph's name, `program_name`). `log(text)` receives one
+    line per finished stage."""
     log = log or (lambda text: None)
     if target not in ("cpu", "cuda", "emulator"):
         raise BuildError(f"unknown target {target!r}; use cpu, cuda or emulator")
-    # "emulator": the cpu program with every kernel the CUDA source on the emulator (no native kernels)
-    native, target = (False, "cpu") if target == "emulator" else (None, target)
     if compiler not in ("nvrtc", "nvcc"):
         raise BuildError(f"unknown device compiler {compiler!r}; use nvrtc or nvcc")
     if sanitize is not None and sanitize not in SANITIZERS:
@@ -484,15 +502,23 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
 
     start = time.perf_counter()
     saved = source if isinstance(source, SavedGraph) else load_saved_graph(source)
+    binary = program_name(name, saved.name)
+    # A cpu program's kernels: native where codegen/cpu/ has them, or every kernel the CUDA source on
+    # the emulator ("emulator": --target emulator, or $FLOWGEN_CPU_KERNELS=emulator), decided once
+    # here and recorded in the manifest, so that `flowgen inspect` describes what was built.
+    if target == "emulator":
+        cpu_kernels, target = "emulator", "cpu"
+    else:
+        cpu_kernels = ("native" if native_cpu_kernels() else "emulator") if target == "cpu" else None
     refusal = library.refusal(saved) if lib else None
     if refusal:
         raise BuildError(f"--lib: {refusal}")
     # A 'cuda' program is rendered for the GPU `arch` names: on sm_90 its bf16/fp16 (and tf32)
     # GEMMs and convs use warpgroup MMA, and its device code compiles for sm_90a.
-    program = saved.program(target, arch=arch if target == "cuda" else None, native=native)
+    program = saved.program(target, arch=arch if target == "cuda" else None,
+                            native=None if cpu_kernels is None else cpu_kernels == "native")
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    binary = safe_tag(saved.name)
     world_size = saved.data_parallel["world_size"] if saved.data_parallel else 1
     mpi = mpi_flags() if world_size > 1 else []
     if target == "cuda":
@@ -546,7 +572,7 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     if lib:
         start = begin("build library")
         library_entries, what, hit = library.build_library(
-            program, saved, out, target=target, optimise=program_kernel_optimisation(sanitize) or ["-O1"],
+            program, saved, out, name=binary, target=target, optimise=program_kernel_optimisation(sanitize) or ["-O1"],
             sanitizers=[f"-fsanitize={sanitize}"] if sanitize else [], kernels=kernels if target == "cpu" else None)
         stage("build library", what + (" (cached)" if hit else ""), start)
 
@@ -565,7 +591,8 @@ def build(source, out_dir, *, target: str = "cuda", arch: str = "sm_90", compile
     stage("write weights", f"{WEIGHTS_FILE}: {len(saved.weights)} tensors, {nbytes} bytes", start)
     timings["total"] = time.perf_counter() - total
 
-    manifest = manifest_for(saved, program, target=target, arch=arch, compiler=compiler, binary=binary,
+    manifest = manifest_for(saved, program, target=target, cpu_kernels=cpu_kernels, arch=arch, compiler=compiler,
+                            name=binary, binary=binary,
                             program_sha256=hashlib.sha256(text.encode()).hexdigest(), timings=timings,
                             sanitize=sanitize)
     if lib:

@@ -92,17 +92,23 @@ def coordinate_lines(shape, index: str, prefix: str) -> list:
     return lines
 
 
+# Kernel parameters named after a graph input or state (names the user chose) start with this, and
+# no other identifier in generated code does (tests/test_deploy.py checks the templates, the
+# runtime headers and codegen's code strings): a state `b.base` may not become a template's local
+# (`b_base`), a keyword or a macro.
+GRAPH_VALUE_PREFIX = "g_"
+
+
 def value_param_name(v, producers) -> str:
     """A C identifier for the kernel parameter carrying `v`: a graph input's or state's own name
-    (module path, `model.0.weight` -> `model_0_weight`; optimizer state, `optim0.group0.lr`),
-    a view's or a converted or transposed copy's source (`model_0_weight_bfloat16`), else the op
-    that produced it (`relu_out`). Every name holds an underscore, so it shadows neither a math
-    function (`exp`) nor a kernel's one-word locals (`i`, `n`, `val`)."""
+    behind GRAPH_VALUE_PREFIX (module path, `model.0.weight` -> `g_model_0_weight`; optimizer
+    state, `g_optim0_group0_lr`), a view's or a converted or transposed copy's source
+    (`g_model_0_weight_bfloat16`), else the op that produced it (`relu_out`). Every name holds an
+    underscore, so it shadows neither a math function (`exp`) nor a kernel's one-word locals (`i`,
+    `n`, `val`), and a name from the graph can equal no identifier the templates declare."""
     node = producers.get(v)
     if node is None:
-        name = re.sub(r"_+", "_", re.sub(r"\W", "_", v.name)).strip("_") or "value"
-        name = f"v_{name}" if name[0].isdigit() else name
-        return name if "_" in name else f"{name}_in"
+        return GRAPH_VALUE_PREFIX + (re.sub(r"_+", "_", re.sub(r"\W", "_", v.name)).strip("_") or "value")
     body = getattr(node, "body", None) or []
     made_by = next((b for b in body if v in b.outputs), node)
     view = isinstance(get_op(made_by.op).lowering, View)

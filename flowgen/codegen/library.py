@@ -50,9 +50,10 @@ _SERIAL_INDEX_CHECKS = ("the graph checks indices read from its inputs, and its 
                         "index in the library's one index-error record, which each call reads and clears")
 
 
-def library_files(graph_name: str) -> dict:
-    """The manifest entries of a library build: {"library": "lib<name>.so", "header": "<name>.h"}."""
-    tag = safe_tag(graph_name)
+def library_files(name: str) -> dict:
+    """The manifest entries of a library build named `name` (aot.program_name: `--name`, or the
+    graph's name): {"library": "lib<name>.so", "header": "<name>.h"}."""
+    tag = safe_tag(name)
     return {"library": f"lib{tag}.so", "header": f"{tag}.h"}
 
 
@@ -127,14 +128,15 @@ def _cache_key(commands: dict, out: Path, extra: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def build_library(program, saved, out: Path, *, target: str, optimise: list, sanitizers: list,
+def build_library(program, saved, out: Path, *, name: str, target: str, optimise: list, sanitizers: list,
                   kernels=None) -> tuple:
     """Render and compile the library of `saved` (its `program`, as program.cu was rendered) into
-    `out`, which already holds program.cu and the files it includes. `optimise`: the host code's
+    `out`, which already holds program.cu and the files it includes; `name` names the library and
+    its header (lib<name>.so, <name>.h). `optimise`: the host code's
     g++ optimisation flags (a sanitized build's sanitizer flags); `sanitizers`: the link's
     -fsanitize flags; `kernels`: on the cpu target, cpu_compiler.compile_kernel_objects' build
     of the program's kernels. Returns (manifest entries, one line for the build log, cache hit)."""
-    files = library_files(saved.name)
+    files = library_files(name)
     serial_reason = _SERIAL_CUDA if target == "cuda" else (_SERIAL_INDEX_CHECKS if program.index_checks else "")
     # Native cpu kernels call OpenBLAS: the library links it (a copy beside it in OUT, found through
     # $ORIGIN), so a C program linking the library needs nothing more.
@@ -148,7 +150,7 @@ def build_library(program, saved, out: Path, *, target: str, optimise: list, san
         "target": target,
         "library": files["library"],
         "header": files["header"],
-        "guard": re.sub(r"[^0-9A-Za-z]", "_", safe_tag(saved.name)).upper(),
+        "guard": re.sub(r"[^0-9A-Za-z]", "_", safe_tag(name)).upper(),
         "inputs": _tensor_lines(saved.inputs),
         "outputs": _tensor_lines(saved.outputs),
         "serial_reason": serial_reason,

@@ -10,8 +10,12 @@ MANIFEST_FORMAT = "flowgen.manifest"
 MANIFEST_VERSION = 1
 
 
-def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binary: str, program_sha256: str,
-                 timings: dict, sanitize: str | None = None) -> dict:
+def manifest_for(saved, program, *, target: str, arch: str, compiler: str, name: str, binary: str,
+                 program_sha256: str, timings: dict, cpu_kernels: str | None = None,
+                 sanitize: str | None = None) -> dict:
+    """The manifest of a build. `name`: the program's name (binary, library, header; `--name`);
+    `cpu_kernels`: on the cpu target "native" (native kernels where codegen/cpu/ has them) or
+    "emulator" (every kernel the CUDA source on the emulator), None on the cuda target."""
     ir = program.graph
     native_kernels = [k.name for k in getattr(program, "prepare", []) + program.kernels if k.native]
 
@@ -24,8 +28,10 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, binar
         "version": MANIFEST_VERSION,
         "flowgen_version": __version__,
         "graph": saved.name,
+        "name": name,
         "binary": binary,
         "target": target,
+        "cpu_kernels": cpu_kernels if target == "cpu" else None,
         "arch": arch if target == "cuda" else None,
         "compiler": compiler if target == "cuda" else "g++",
         "sanitize": sanitize,
