@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import operator
 
-from flowgen import creation
+from flowgen import creation, mixed_precision
 from flowgen import dtype as dt
 from flowgen import functional as ops
 from flowgen.autograd import no_grad
@@ -234,6 +234,16 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's SDPA. Under autocast, its floating operands are cast to the autocast dtype first, as
+    torch.autocast does (SDPA is on its lower-precision list): operands that autocast left in mixed
+    dtypes (Llama's RoPE multiplies a bf16 query and key by float32 cos/sin, the value stays bf16)
+    still reach flowgen's one attention op, which takes one dtype."""
+    low = mixed_precision.active()
+    if low is not None:
+        query, key, value = (ops.cast(t, low) if t.dtype in (dt.float32,) + mixed_precision.LOW_DTYPES else t
+                             for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dtype.is_floating and attn_mask.dtype != dt.float64:
+            attn_mask = ops.cast(attn_mask, low)
     return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

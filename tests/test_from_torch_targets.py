@@ -1,0 +1,249 @@
+"""Issue 26's targets per Hugging Face model (GPT-2, Llama, BERT, ViT, T5), each built from a tiny
+config with random weights (nothing is downloaded) and imported with flow.from_torch:
+
+* inside nn.Graph, float32 outputs equal PyTorch's to 1e-5 of the output's scale, and the graph's
+  IR runs every attention layer as flowgen's fused `attention` op (masked, causal or GQA alike);
+* under the graph's bf16 autocast (`config.enable_amp(True, dtype=flow.bfloat16)`) and eager
+  `flow.autocast("cpu", dtype=flow.bfloat16)`, outputs equal PyTorch's under
+  `torch.autocast("cpu", dtype=torch.bfloat16)` to 1e-2 of the output's scale;
+* two training steps through nn.Graph with flowgen's AdamW equal two steps of torch's AdamW (same
+  hyper-parameters, dropout off) to 1e-4 on the losses and 1e-3 on the parameters;
+* `torch.compile(model, backend="flowgen")` equals eager PyTorch for inference and for one
+  training step with torch's AdamW.
+
+GPT-2 and Llama run the graph, bf16 and AdamW checks by default (the tiniest configs); everything
+else is marked slow. Eager float32 imports of these families (and more) are in test_from_torch_models.py.
+"""
+import copy
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
+# torch.export's own use of a pytree API it deprecated (torch 2.13)
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+F = flow.nn.functional
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _tokens(shape=(2, 8)):
+    return torch.randint(0, 100, shape)
+
+
+def _gpt2():
+    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config), (_tokens(),), {}, "logits", 2
+
+
+def _llama():
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=100, max_position_embeddings=32,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0)
+    assert config.num_key_value_heads < config.num_attention_heads    # grouped-query attention
+    return transformers.LlamaForCausalLM(config), (_tokens(),), {}, "logits", 2
+
+
+def _bert():
+    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                                     vocab_size=100, max_position_embeddings=32, use_cache=False,
+                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    ids = _tokens()
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0   # the second sequence is padded: a masked attention
+    return transformers.BertModel(config), (ids,), {"attention_mask": mask}, "last_hidden_state", 2
+
+
+def _vit():
+    config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0)
+    return transformers.ViTModel(config), (torch.randn(2, 3, 32, 32),), {}, "last_hidden_state", 2
+
+
+def _t5():
+    """The whole encoder-decoder (self-attention both sides, cross-attention, relative position
+    bias). The self-attentions add the learned position bias to the scores as a float mask that
+    needs a gradient, which flowgen's attention op does not give: those run as matmul/softmax, the
+    cross-attentions (the encoder's padding mask only) as the attention op."""
+    config = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
+                                   dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
+    return (transformers.T5ForConditionalGeneration(config), (_tokens(),), {"decoder_input_ids": _tokens((2, 6))},
+            "logits", 2)
+
+
+MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "t5": _t5}
+DEFAULT = ("gpt2", "llama")
+ALL = [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow) for name in MODELS]
+
+
+def _build(name):
+    torch.manual_seed(0)
+    model, args, kwargs, key, attention_layers = MODELS[name]()
+    return model, args, kwargs, key, attention_layers
+
+
+def _flow_inputs(args, kwargs):
+    return [flow.from_dlpack(a) for a in args], {k: flow.from_dlpack(v) for k, v in kwargs.items()}
+
+
+def _assert_close_at_scale(got, expected, rtol, what):
+    """|got - expected| <= rtol * max|expected| everywhere: a relative error at the output's scale."""
+    expected = expected.detach().float().numpy()
+    scale = float(np.abs(expected).max())
+    assert scale > 0, f"{what}: the reference is all zeros, the check would prove nothing"
+    error = float(np.abs(got - expected).max()) / scale
+    assert error <= rtol, f"{what}: max |flowgen - torch| is {error:.3g} of the output's scale (allowed {rtol})"
+    return error
+
+
+class Inference(flow.nn.Graph):
+    def __init__(self, model, key, amp=None):
+        super().__init__()
+        self.model = model
+        self.key = key
+        if amp is not None:
+            self.config.enable_amp(True, dtype=amp)
+
+    def build(self, *args, **kwargs):
+        return self.model(*args, **kwargs)[self.key]
+
+
+def _ops(graph):
+    return [node.op for node in graph.compiled.ir.nodes]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_graph_float32_and_bf16_autocast_match_torch(name):
+    model, args, kwargs, key, attention_layers = _build(name)
+    model.eval()
+    imported = flow.from_torch(model, args, kwargs)
+    f_args, f_kwargs = _flow_inputs(args, kwargs)
+    with torch.no_grad():
+        expected = model(*args, **kwargs)[key]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected_bf16 = model(*args, **kwargs)[key]
+    assert not torch.equal(expected_bf16.float(), expected), "torch's autocast changed nothing"
+
+    graph = Inference(imported, key)
+    _assert_close_at_scale(graph(*f_args, **f_kwargs).numpy(), expected, 1e-5, f"{name} nn.Graph float32")
+    attention = [node for node in graph.compiled.ir.nodes if node.op == "attention"]
+    if name != "t5":
+        assert len(attention) == attention_layers, f"{name}: {len(attention)} fused attention op(s) in {_ops(graph)}"
+    else:   # the two decoder layers' cross-attentions (see _t5)
+        assert len(attention) == 2, f"t5: {len(attention)} fused attention op(s) in {_ops(graph)}"
+
+    amp = Inference(imported, key, amp=flow.bfloat16)
+    got = amp(*f_args, **f_kwargs)
+    attention = [node for node in amp.compiled.ir.nodes if node.op == "attention"]
+    assert attention and all(node.inputs[0].dtype == flow.bfloat16 for node in attention), \
+        f"{name}: the bf16 graph's attention runs in {[node.inputs[0].dtype for node in attention]}"
+    _assert_close_at_scale(got.float().numpy(), expected_bf16, 1e-2, f"{name} nn.Graph bf16 autocast")
+    with flow.autocast("cpu", dtype=flow.bfloat16):
+        eager = imported(*f_args, **f_kwargs)[key]
+    _assert_close_at_scale(eager.float().numpy(), expected_bf16, 1e-2, f"{name} eager bf16 autocast")
+
+
+def _loss_flow(out, target, key):
+    if key == "logits":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return ((out - target) ** 2).mean()
+
+
+def _loss_torch(out, target, key):
+    if key == "logits":
+        return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return ((out - target) ** 2).mean()
+
+
+def _targets(model, args, kwargs, key, steps):
+    with torch.no_grad():
+        out = model(*args, **kwargs)[key]
+    if key == "logits":
+        return [torch.randint(0, out.shape[-1], out.shape[:-1]) for _ in range(steps)]
+    return [torch.randn(out.shape) for _ in range(steps)]
+
+
+def _assert_parameters_close(current, torch_module, before, what):
+    """Each parameter to 1e-3 relative, with an absolute floor of 5e-5 (5% of one AdamW step of lr
+    1e-3) for entries near zero. A key projection's bias gets a gradient that is 0 up to rounding
+    (softmax ignores a per-row shift; |g| ~ 1e-10 here), which Adam turns into steps of
+    lr * |g| / (|g| + eps), about 1% of lr with eps 1e-8, of either sign. Every parameter that
+    got a gradient must have moved, so the check compares steps, not just the initial values (one
+    without, as a pooler the output does not use, stays as it was both ways)."""
+    for name, p in torch_module.named_parameters():
+        want = p.detach().numpy()
+        got = current(name)
+        if p.grad is not None:
+            assert np.abs(want - before[name]).max() > 0, f"{what}: torch's step left {name} unchanged"
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=5e-5, err_msg=f"{what}: parameter {name}")
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_adamw_training_graph_matches_torch_steps(name):
+    model, args, kwargs, key, _ = _build(name)
+    model.train()       # dropout probabilities are 0 in every config: the steps are deterministic
+    reference = copy.deepcopy(model)
+    targets = _targets(reference, args, kwargs, key, 2)
+    before = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
+    imported = flow.from_torch(model, args, kwargs)
+    assert imported.training
+
+    class Train(flow.nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = imported
+            self.add_optimizer(flow.optim.AdamW(imported.parameters(), **ADAMW))
+
+        def build(self, target, *args, **kwargs):
+            loss = _loss_flow(self.model(*args, **kwargs)[key], target, key)
+            loss.backward()
+            return loss
+
+    graph = Train()
+    optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    f_args, f_kwargs = _flow_inputs(args, kwargs)
+    for step, target in enumerate(targets):
+        loss = graph(flow.from_dlpack(target), *f_args, **f_kwargs)
+        optimizer.zero_grad()
+        expected = _loss_torch(reference(*args, **kwargs)[key], target, key)
+        expected.backward()
+        optimizer.step()
+        np.testing.assert_allclose(float(loss.numpy()), expected.item(), rtol=1e-4, err_msg=f"{name} loss {step}")
+    assert "attention_backward" in _ops(graph), f"{name}: no fused attention gradient in {sorted(set(_ops(graph)))}"
+    _assert_parameters_close(lambda n: imported.get_parameter(n).numpy(), reference, before, f"{name} AdamW graph")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_torch_compile_inference_and_adamw_step_match_eager(name):
+    torch._dynamo.reset()
+    model, args, kwargs, key, _ = _build(name)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="flowgen")
+    model.eval()
+    reference.eval()
+    with torch.no_grad():
+        expected = reference(*args, **kwargs)[key]
+        _assert_close_at_scale(compiled(*args, **kwargs)[key].numpy(), expected, 1e-5, f"{name} torch.compile")
+
+    model.train()
+    reference.train()
+    target = _targets(reference, args, kwargs, key, 1)[0]
+    before = {n: p.detach().numpy().copy() for n, p in reference.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    loss = _loss_torch(compiled(*args, **kwargs)[key], target, key)
+    expected = _loss_torch(reference(*args, **kwargs)[key], target, key)
+    loss.backward()
+    expected.backward()
+    optimizer.step()
+    reference_optimizer.step()
+    np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-4, err_msg=f"{name} torch.compile loss")
+    _assert_parameters_close(lambda n: model.get_parameter(n).detach().numpy(), reference, before,
+                             f"{name} torch.compile AdamW step")
