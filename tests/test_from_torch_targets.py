@@ -70,7 +70,8 @@ def _t5():
     """The whole encoder-decoder (self-attention both sides, cross-attention, relative position
     bias). The self-attentions add the learned position bias to the scores as a float mask that
     needs a gradient, which flowgen's attention op does not give: those run as matmul/softmax, the
-    cross-attentions (the encoder's padding mask only) as the attention op."""
+    cross-attentions (the encoder's padding mask only) as the attention op. With the parameters
+    frozen (requires_grad False) all six attentions are attention ops."""
     config = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
                                    dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
     return (transformers.T5ForConditionalGeneration(config), (_tokens(),), {"decoder_input_ids": _tokens((2, 6))},
@@ -137,6 +138,11 @@ def test_graph_float32_and_bf16_autocast_match_torch(name):
         assert len(attention) == attention_layers, f"{name}: {len(attention)} fused attention op(s) in {_ops(graph)}"
     else:   # the two decoder layers' cross-attentions (see _t5)
         assert len(attention) == 2, f"t5: {len(attention)} fused attention op(s) in {_ops(graph)}"
+        for p in imported.parameters():   # frozen: the position bias needs no gradient, all six fuse
+            p.requires_grad_(False)
+        frozen = Inference(imported, key)
+        _assert_close_at_scale(frozen(*f_args, **f_kwargs).numpy(), expected, 1e-5, "t5 nn.Graph float32, frozen")
+        assert _ops(frozen).count("attention") == 6, f"t5 frozen: {_ops(frozen)}"
 
     amp = Inference(imported, key, amp=flow.bfloat16)
     got = amp(*f_args, **f_kwargs)
