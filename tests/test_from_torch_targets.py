@@ -1,8 +1,9 @@
 """Issue 26's targets per Hugging Face model (GPT-2, Llama, BERT, ViT, T5), each built from a tiny
 config with random weights (nothing is downloaded) and imported with flow.from_torch:
 
-* inside nn.Graph, float32 outputs equal PyTorch's to 1e-5 of the output's scale, and the graph's
-  IR runs every attention layer as flowgen's fused `attention` op (masked, causal or GQA alike);
+* eagerly and inside nn.Graph, float32 outputs equal PyTorch's to 1e-5 of the output's scale,
+  and the graph's IR runs every attention layer as flowgen's fused `attention` op (masked, causal
+  or GQA alike);
 * under the graph's bf16 autocast (`config.enable_amp(True, dtype=flow.bfloat16)`) and eager
   `flow.autocast("cpu", dtype=flow.bfloat16)`, outputs equal PyTorch's under
   `torch.autocast("cpu", dtype=torch.bfloat16)` to 1e-2 of the output's scale;
@@ -120,7 +121,7 @@ def _ops(graph):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_graph_float32_and_bf16_autocast_match_torch(name):
+def test_eager_graph_float32_and_bf16_autocast_match_torch(name):
     model, args, kwargs, key, attention_layers = _build(name)
     model.eval()
     imported = flow.from_torch(model, args, kwargs)
@@ -131,6 +132,8 @@ def test_graph_float32_and_bf16_autocast_match_torch(name):
             expected_bf16 = model(*args, **kwargs)[key]
     assert not torch.equal(expected_bf16.float(), expected), "torch's autocast changed nothing"
 
+    eager = imported(*f_args, **f_kwargs)[key]
+    _assert_close_at_scale(eager.numpy(), expected, 1e-5, f"{name} eager float32")
     graph = Inference(imported, key)
     _assert_close_at_scale(graph(*f_args, **f_kwargs).numpy(), expected, 1e-5, f"{name} nn.Graph float32")
     attention = [node for node in graph.compiled.ir.nodes if node.op == "attention"]
@@ -151,8 +154,8 @@ def test_graph_float32_and_bf16_autocast_match_torch(name):
         f"{name}: the bf16 graph's attention runs in {[node.inputs[0].dtype for node in attention]}"
     _assert_close_at_scale(got.float().numpy(), expected_bf16, 1e-2, f"{name} nn.Graph bf16 autocast")
     with flow.autocast("cpu", dtype=flow.bfloat16):
-        eager = imported(*f_args, **f_kwargs)[key]
-    _assert_close_at_scale(eager.float().numpy(), expected_bf16, 1e-2, f"{name} eager bf16 autocast")
+        eager_bf16 = imported(*f_args, **f_kwargs)[key]
+    _assert_close_at_scale(eager_bf16.float().numpy(), expected_bf16, 1e-2, f"{name} eager bf16 autocast")
 
 
 def _loss_flow(out, target, key):
