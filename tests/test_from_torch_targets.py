@@ -113,7 +113,8 @@ class Inference(flow.nn.Graph):
             self.config.enable_amp(True, dtype=amp)
 
     def build(self, *args, **kwargs):
-        return self.model(*args, **kwargs)[self.key]
+        out = self.model(*args, **kwargs)
+        return out if self.key is None else out[self.key]
 
 
 def _ops(graph):
@@ -256,3 +257,25 @@ def test_torch_compile_inference_and_adamw_step_match_eager(name):
     np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-4, err_msg=f"{name} torch.compile loss")
     _assert_parameters_close(lambda n: model.get_parameter(n).detach().numpy(), reference, before,
                              f"{name} torch.compile AdamW step")
+
+
+class _SdpaForms(torch.nn.Module):
+    """SDPA as models call it: causal with grouped-query heads (enable_gqa), a float mask, a boolean
+    mask broadcast over the heads, and a scale."""
+
+    def forward(self, q, k, v, bias, keep):
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        causal = sdpa(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        return causal + sdpa(q, k, v, attn_mask=bias) + sdpa(q, k, v, attn_mask=keep, scale=0.3)
+
+
+def test_sdpa_forms_are_attention_ops_in_a_graph():
+    torch.manual_seed(0)
+    args = (torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 4, 6, 6),
+            torch.rand(2, 1, 6, 6) > 0.3)
+    module = _SdpaForms()
+    graph = Inference(flow.from_torch(module, args), key=None)
+    got = graph(*_flow_inputs(args, {})[0])
+    _assert_close_at_scale(got.numpy(), module(*args), 1e-5, "SDPA forms in nn.Graph")
+    assert _ops(graph).count("attention") == 3, _ops(graph)
