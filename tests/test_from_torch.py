@@ -10,7 +10,7 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-from from_torch_models import MLP, OpZoo, SmallCNN, TinyGPT  # noqa: E402
+from from_torch_models import MLP, OpZoo, SmallCNN, TinyGPT, Upsampler  # noqa: E402
 
 F = flow.nn.functional
 # torch.export's own use of a pytree API it deprecated (torch 2.13)
@@ -120,6 +120,22 @@ def test_many_aten_ops_give_torch_outputs_and_gradients():
     (expected[0] + expected[1].sum()).backward()
     for name, p in imported.named_parameters():
         _close(p.grad, model.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
+
+
+def test_upsampling_and_transposed_convolution_give_torch_outputs_and_gradients():
+    """aten.upsample_nearest2d.vec / upsample_bilinear2d.vec (by a size, by scale factors, with and
+    without align_corners) and a transposed convolution with output_padding, eagerly with gradients."""
+    torch.manual_seed(0)
+    model = Upsampler()
+    x = torch.randn(2, 3, 5, 6)
+    imported = flow.from_torch(model, (x,))
+    out, expected = imported(_flow(x)), model(x)
+    _close(out, expected, atol=1e-5 * float(expected.abs().max()))
+    out.sum().backward()
+    expected.sum().backward()
+    for name, p in imported.named_parameters():
+        want = model.get_parameter(name).grad
+        _close(p.grad, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4, what=f"grad of {name}")
 
 
 def test_inference_graph_runs_the_imported_cnn_in_eval_mode():
