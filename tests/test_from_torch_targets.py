@@ -89,9 +89,10 @@ def _unet():
 MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "vit": _vit, "t5": _t5, "unet": _unet}
 DEFAULT = ("gpt2", "llama")
 # bf16 tolerance at the output's scale: the target's 1e-2, except for the UNet, ten convolutions
-# deep with bf16 activations between them, where bf16 itself moves the output further: PyTorch's
-# own autocast output is 1.2e-2 from its float32 one, flowgen's 1.4e-2, the two 1.3e-2 apart.
-BF16_RTOL = {"unet": 2e-2}
+# deep with bf16 activations between them, where bf16 itself moves the output by more than that:
+# over three seeds PyTorch's autocast output is 1.1e-2 to 1.4e-2 from its own float32 one, and
+# flowgen's (graph 1.3e-2, eager 1.3e-2 to 1.8e-2 from PyTorch's) is as far from float32.
+BF16_RTOL = {"unet": 3e-2}
 ALL = [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow) for name in MODELS]
 
 
