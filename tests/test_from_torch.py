@@ -273,6 +273,8 @@ def test_readme_hugging_face_snippet_runs_as_written():
 
 _X = np.array([[0.5, -1.0, 0.0], [2.0, 3.0, -0.25]], np.float32)
 _B = np.random.default_rng(0).standard_normal((3, 2, 2)).astype(np.float32)
+_RNG = np.random.default_rng(1)
+_UP = _RNG.standard_normal((2, 4, 4, 6)).astype(np.float32)
 _TABLE_CASES = [   # (ATen overload, positional arguments, keyword arguments): arrays become tensors
     ("aten.pow.Scalar", (2.0, _X), {}), ("aten.where.ScalarSelf", (_X > 0, 1.5, _X), {}),
     ("aten.baddbmm.default", (_B, _B, _B), {"beta": 0.5, "alpha": 2.0}), ("aten.rsub.Scalar", (_X, 2.0, 3), {}),
@@ -292,6 +294,23 @@ _TABLE_CASES = [   # (ATen overload, positional arguments, keyword arguments): a
     ("aten.max_pool2d_with_indices_backward.default", (_B[None, :, :1, :1], _B[None], [2, 2], [2, 2], [0, 0], [1, 1],
                                                        False, np.zeros((1, 3, 1, 1), np.int64)), {}),
     ("aten._adaptive_avg_pool2d_backward.default", (_B[None, :, :1], _B[None]), {}),
+    # accumulating over two adjacent index tensors (a nearest upsampling's gradient under torch.compile)
+    ("aten.index_put.default", (np.zeros((2, 3, 3), np.float32), [None, np.array([[0], [2], [0]]), np.array([1, 1])],
+                                np.arange(12, dtype=np.float32).reshape(2, 3, 2), True), {}),
+    # a transposed convolution's gradients: stride 2, padding 1, output_padding 1
+    ("aten.convolution_backward.default", (_RNG.standard_normal((2, 3, 6, 4)).astype(np.float32),
+                                          _RNG.standard_normal((2, 2, 3, 2)).astype(np.float32),
+                                          _RNG.standard_normal((2, 3, 3, 3)).astype(np.float32), [3], [2, 2],
+                                          [1, 1], [1, 1], True, [1, 1], 1, [True, True, True]), {}),
+    ("aten.upsample_nearest2d.default", (_UP, [5, 7]), {}),
+    ("aten.upsample_nearest2d.default", (_UP, [8, 12], 2.0, 2.0), {}),
+    ("aten.upsample_bilinear2d.default", (_UP, [6, 9], True), {}),
+    ("aten.upsample_bilinear2d.default", (_UP, [6, 9], False, 1.5, 1.5), {}),
+    ("aten.upsample_nearest2d.vec", (_UP, None, [1.5, 2.0]), {}),
+    ("aten.upsample_bilinear2d.vec", (_UP, [3, 5], False, None), {}),
+    ("aten.upsample_nearest2d_backward.default", (_UP[:, :, :3, :5], [3, 5], [2, 4, 4, 6]), {}),
+    ("aten.upsample_bilinear2d_backward.default", (np.tile(_UP[:, :, :3, :5], (1, 1, 2, 2)), [6, 10], [2, 4, 4, 6],
+                                                   False, 1.5, 1.5), {}),
 ]
 
 

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 @pytest.mark.parametrize("make, example", [
     (MLP, lambda: torch.randn(4, 8)), (SmallCNN, lambda: torch.randn(4, 3, 8, 8)),
-    # a transposed convolution's backward; nearest upsampling decomposed to an index whose backward
-    # is an index_put accumulating over two index tensors; bilinear's backward
+    # a transposed convolution's backward; nearest and bilinear upsampling, which AOTAutograd
+    # decomposes to indexing, whose backward is an index_put accumulating over two index tensors
     (Upsampler, lambda: torch.randn(2, 3, 5, 6)),
     # SDPA's backward and the embeddings' index_put: two more graphs to compile
     pytest.param(TinyGPT, lambda: torch.randint(0, 32, (2, 8)), marks=pytest.mark.slow)],

@@ -67,21 +67,8 @@ def _compiler(what: str):
     return compile_graph
 
 
-# Core-ATen ops whose decomposition flowgen does not take: an op of its own runs them whole, and
-# their gradients too (upsample_nearest2d decomposes to an index, whose gradient is an index_put
-# accumulating over two index tensors; kept, its backward is upsample_nearest2d_backward).
-KEEP_WHOLE = ("aten.upsample_nearest2d.default",)
-
-
-def _decompositions():
-    table = core_aten_decompositions()
-    for op in [op for op in table if str(op) in KEEP_WHOLE]:
-        table.pop(op)
-    return table
-
-
 flowgen_backend = aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
-                               inference_compiler=_compiler("inference"), decompositions=_decompositions)
+                               inference_compiler=_compiler("inference"), decompositions=core_aten_decompositions)
 
 
 def register() -> None:
