@@ -1,5 +1,5 @@
-"""Issue 26's targets per Hugging Face model (GPT-2, Llama, BERT, ViT, T5), each built from a tiny
-config with random weights (nothing is downloaded) and imported with flow.from_torch:
+"""Issue 26's targets per model (Hugging Face GPT-2, Llama, BERT, ViT, T5; a small UNet), each built
+from a tiny config with random weights (nothing is downloaded) and imported with flow.from_torch:
 
 * eagerly and inside nn.Graph, float32 outputs equal PyTorch's to 1e-5 of the output's scale,
   and the graph's IR runs every attention layer as flowgen's fused `attention` op (masked, causal
@@ -23,7 +23,6 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 from from_torch_models import UNet  # noqa: E402
 
 flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
@@ -34,39 +33,49 @@ F = flow.nn.functional
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 
 
+def _hf():
+    """transformers, or a skip of the Hugging Face model's test when it does not import (the UNet
+    needs torch only)."""
+    return pytest.importorskip("transformers")
+
+
 def _tokens(shape=(2, 8)):
     return torch.randint(0, 100, shape)
 
 
 def _gpt2():
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return transformers.GPT2LMHeadModel(config), (_tokens(),), {}, "logits", 2
+    hf = _hf()
+    config = hf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, n_positions=32, use_cache=False,
+                           bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return hf.GPT2LMHeadModel(config), (_tokens(),), {}, "logits", 2
 
 
 def _llama():
-    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, vocab_size=100, max_position_embeddings=32,
-                                      use_cache=False, bos_token_id=0, eos_token_id=0)
+    hf = _hf()
+    config = hf.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, vocab_size=100, max_position_embeddings=32, use_cache=False,
+                            bos_token_id=0, eos_token_id=0)
     assert config.num_key_value_heads < config.num_attention_heads    # grouped-query attention
-    return transformers.LlamaForCausalLM(config), (_tokens(),), {}, "logits", 2
+    return hf.LlamaForCausalLM(config), (_tokens(),), {}, "logits", 2
 
 
 def _bert():
-    config = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                                     vocab_size=100, max_position_embeddings=32, use_cache=False,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf = _hf()
+    config = hf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                           vocab_size=100, max_position_embeddings=32, use_cache=False, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)
     ids = _tokens()
     mask = torch.ones_like(ids)
     mask[1, 5:] = 0   # the second sequence is padded: a masked attention
-    return transformers.BertModel(config), (ids,), {"attention_mask": mask}, "last_hidden_state", 2
+    return hf.BertModel(config), (ids,), {"attention_mask": mask}, "last_hidden_state", 2
 
 
 def _vit():
-    config = transformers.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                                    num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
-                                    attention_probs_dropout_prob=0.0)
-    return transformers.ViTModel(config), (torch.randn(2, 3, 32, 32),), {}, "last_hidden_state", 2
+    hf = _hf()
+    config = hf.ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0,
+                          attention_probs_dropout_prob=0.0)
+    return hf.ViTModel(config), (torch.randn(2, 3, 32, 32),), {}, "last_hidden_state", 2
 
 
 def _t5():
@@ -75,10 +84,10 @@ def _t5():
     needs a gradient, which flowgen's attention op does not give: those run as matmul/softmax, the
     cross-attentions (the encoder's padding mask only) as the attention op. With the parameters
     frozen (requires_grad False) all six attentions are attention ops."""
-    config = transformers.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100,
-                                   dropout_rate=0.0, use_cache=False, decoder_start_token_id=0)
-    return (transformers.T5ForConditionalGeneration(config), (_tokens(),), {"decoder_input_ids": _tokens((2, 6))},
-            "logits", 2)
+    hf = _hf()
+    config = hf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, vocab_size=100, dropout_rate=0.0,
+                         use_cache=False, decoder_start_token_id=0)
+    return hf.T5ForConditionalGeneration(config), (_tokens(),), {"decoder_input_ids": _tokens((2, 6))}, "logits", 2
 
 
 def _unet():
