@@ -25,6 +25,8 @@ import flowgen as flow
 torch = pytest.importorskip("torch")
 from from_torch_models import UNet  # noqa: E402
 
+from flowgen.frontends import dynamo_backend  # noqa: E402 - imports torch
+
 flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
 # torch.export's own use of a pytree API it deprecated (torch 2.13)
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -270,9 +272,24 @@ def test_adamw_training_graph_matches_torch_steps(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
-def test_torch_compile_inference_and_adamw_step_match_eager(name):
+def test_torch_compile_inference_and_adamw_step_match_eager(name, monkeypatch):
+    """torch.compile equals eager PyTorch, inference and one AdamW step; every attention of the
+    inference graph, and in training each one whose mask needs no gradient (T5: the
+    cross-attentions), is flowgen's attention op, its gradient attention_backward."""
+    graphs = []
+    build = dynamo_backend.TorchCompileGraph.build
+
+    def recording_build(self, *inputs):
+        graphs.append(self)
+        return build(self, *inputs)
+
+    monkeypatch.setattr(dynamo_backend.TorchCompileGraph, "build", recording_build)
+
+    def ops():
+        return [node.op for graph in graphs for node in graph.compiled.ir.nodes]
+
     torch._dynamo.reset()
-    model, args, kwargs, key, _ = _build(name)
+    model, args, kwargs, key, attention_layers = _build(name)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="flowgen")
     model.eval()
@@ -280,6 +297,8 @@ def test_torch_compile_inference_and_adamw_step_match_eager(name):
     with torch.no_grad():
         expected = _pick(reference(*args, **kwargs), key)
         _assert_close_at_scale(_pick(compiled(*args, **kwargs), key).numpy(), expected, 1e-5, f"{name} torch.compile")
+    assert ops().count("attention") == (6 if name == "t5" else attention_layers), ops()
+    graphs.clear()
 
     model.train()
     reference.train()
@@ -294,6 +313,7 @@ def test_torch_compile_inference_and_adamw_step_match_eager(name):
     optimizer.step()
     reference_optimizer.step()
     np.testing.assert_allclose(loss.item(), expected.item(), rtol=1e-4, err_msg=f"{name} torch.compile loss")
+    assert ops().count("attention_backward") == (2 if name == "t5" else attention_layers), ops()
     _assert_parameters_close(lambda n: model.get_parameter(n).detach().numpy(), reference, before,
                              f"{name} torch.compile AdamW step")
 
