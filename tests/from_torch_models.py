@@ -81,3 +81,53 @@ class OpZoo(nn.Module):
         r = torch.rsqrt(d.abs() + 1) / (1 + d.sigmoid()) - d.sin() * d.cos() + torch.erf(d) - d.abs().sqrt() * d.sign()
         mask = (e > 0.1) & (e < 0.9) | ~(e != 0)
         return self.prelu(d).sum() + F.log_softmax(f, -1).sum(), r, mask, f.flatten()
+
+
+class _UNetBlock(nn.Module):
+    """conv -> GroupNorm -> SiLU -> conv (no bias: BatchNorm follows) -> BatchNorm -> ReLU."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.conv1, self.norm1 = nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout)
+        self.conv2, self.norm2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return F.relu(self.norm2(self.conv2(F.silu(self.norm1(self.conv1(x))))))
+
+
+class UNet(nn.Module):
+    """A small UNet: two max-pooled downsamplings, a transposed-convolution and a nearest-neighbour
+    upsampling, skip connections concatenated on the channels, a 1x1 convolution head."""
+
+    def __init__(self, width=8, classes=2):
+        super().__init__()
+        c = width
+        self.down1, self.down2, self.mid = _UNetBlock(3, c), _UNetBlock(c, 2 * c), _UNetBlock(2 * c, 4 * c)
+        self.up2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
+        self.dec2, self.dec1 = _UNetBlock(4 * c, 2 * c), _UNetBlock(3 * c, c)
+        self.head = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x):
+        d1 = self.down1(x)
+        d2 = self.down2(F.max_pool2d(d1, 2))
+        m = self.mid(F.max_pool2d(d2, 2))
+        u2 = self.dec2(torch.cat([self.up2(m), d2], 1))
+        u1 = self.dec1(torch.cat([F.interpolate(u2, scale_factor=2, mode="nearest"), d1], 1))
+        return self.head(u1)
+
+
+class Upsampler(nn.Module):
+    """Resizing as decoders do: a transposed convolution with output_padding, nearest upsampling by
+    a size and by a scale factor, bilinear with and without align_corners (a non-integer scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1, output_padding=1)
+        self.conv = nn.Conv2d(4, 2, 3, padding=1)
+
+    def forward(self, x):
+        y = self.up(x)                                             # [N, 4, 2H, 2W]
+        a = F.interpolate(x, size=tuple(y.shape[2:]), mode="nearest")
+        b = F.interpolate(F.interpolate(x, scale_factor=2, mode="nearest"), scale_factor=0.5, mode="bilinear")
+        c = F.interpolate(y, scale_factor=1.5, mode="bilinear", align_corners=True)
+        return self.conv(y + a.mean(1, keepdim=True)).mean((2, 3)) + b.mean() + c.square().mean((1, 2, 3))[:, None]

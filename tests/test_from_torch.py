@@ -10,7 +10,7 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-from from_torch_models import MLP, OpZoo, SmallCNN, TinyGPT  # noqa: E402
+from from_torch_models import MLP, OpZoo, SmallCNN, TinyGPT, Upsampler  # noqa: E402
 
 F = flow.nn.functional
 # torch.export's own use of a pytree API it deprecated (torch 2.13)
@@ -120,6 +120,22 @@ def test_many_aten_ops_give_torch_outputs_and_gradients():
     (expected[0] + expected[1].sum()).backward()
     for name, p in imported.named_parameters():
         _close(p.grad, model.get_parameter(name).grad, atol=1e-4, what=f"grad of {name}")
+
+
+def test_upsampling_and_transposed_convolution_give_torch_outputs_and_gradients():
+    """aten.upsample_nearest2d.vec / upsample_bilinear2d.vec (by a size, by scale factors, with and
+    without align_corners) and a transposed convolution with output_padding, eagerly with gradients."""
+    torch.manual_seed(0)
+    model = Upsampler()
+    x = torch.randn(2, 3, 5, 6)
+    imported = flow.from_torch(model, (x,))
+    out, expected = imported(_flow(x)), model(x)
+    _close(out, expected, atol=1e-5 * float(expected.abs().max()))
+    out.sum().backward()
+    expected.sum().backward()
+    for name, p in imported.named_parameters():
+        want = model.get_parameter(name).grad
+        _close(p.grad, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4, what=f"grad of {name}")
 
 
 def test_inference_graph_runs_the_imported_cnn_in_eval_mode():
@@ -257,6 +273,8 @@ def test_readme_hugging_face_snippet_runs_as_written():
 
 _X = np.array([[0.5, -1.0, 0.0], [2.0, 3.0, -0.25]], np.float32)
 _B = np.random.default_rng(0).standard_normal((3, 2, 2)).astype(np.float32)
+_RNG = np.random.default_rng(1)
+_UP = _RNG.standard_normal((2, 4, 4, 6)).astype(np.float32)
 _TABLE_CASES = [   # (ATen overload, positional arguments, keyword arguments): arrays become tensors
     ("aten.pow.Scalar", (2.0, _X), {}), ("aten.where.ScalarSelf", (_X > 0, 1.5, _X), {}),
     ("aten.baddbmm.default", (_B, _B, _B), {"beta": 0.5, "alpha": 2.0}), ("aten.rsub.Scalar", (_X, 2.0, 3), {}),
@@ -276,6 +294,23 @@ _TABLE_CASES = [   # (ATen overload, positional arguments, keyword arguments): a
     ("aten.max_pool2d_with_indices_backward.default", (_B[None, :, :1, :1], _B[None], [2, 2], [2, 2], [0, 0], [1, 1],
                                                        False, np.zeros((1, 3, 1, 1), np.int64)), {}),
     ("aten._adaptive_avg_pool2d_backward.default", (_B[None, :, :1], _B[None]), {}),
+    # accumulating over two adjacent index tensors (a nearest upsampling's gradient under torch.compile)
+    ("aten.index_put.default", (np.zeros((2, 3, 3), np.float32), [None, np.array([[0], [2], [0]]), np.array([1, 1])],
+                                np.arange(12, dtype=np.float32).reshape(2, 3, 2), True), {}),
+    # a transposed convolution's gradients: stride 2, padding 1, output_padding 1
+    ("aten.convolution_backward.default", (_RNG.standard_normal((2, 3, 6, 4)).astype(np.float32),
+                                          _RNG.standard_normal((2, 2, 3, 2)).astype(np.float32),
+                                          _RNG.standard_normal((2, 3, 3, 3)).astype(np.float32), [3], [2, 2],
+                                          [1, 1], [1, 1], True, [1, 1], 1, [True, True, True]), {}),
+    ("aten.upsample_nearest2d.default", (_UP, [5, 7]), {}),
+    ("aten.upsample_nearest2d.default", (_UP, [8, 12], 2.0, 2.0), {}),
+    ("aten.upsample_bilinear2d.default", (_UP, [6, 9], True), {}),
+    ("aten.upsample_bilinear2d.default", (_UP, [6, 9], False, 1.5, 1.5), {}),
+    ("aten.upsample_nearest2d.vec", (_UP, None, [1.5, 2.0]), {}),
+    ("aten.upsample_bilinear2d.vec", (_UP, [3, 5], False, None), {}),
+    ("aten.upsample_nearest2d_backward.default", (_UP[:, :, :3, :5], [3, 5], [2, 4, 4, 6]), {}),
+    ("aten.upsample_bilinear2d_backward.default", (np.tile(_UP[:, :, :3, :5], (1, 1, 2, 2)), [6, 10], [2, 4, 4, 6],
+                                                   False, 1.5, 1.5), {}),
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 import flowgen as flow
 
 torch = pytest.importorskip("torch")
-from from_torch_models import MLP, SmallCNN, TinyGPT  # noqa: E402
+from from_torch_models import MLP, SmallCNN, TinyGPT, Upsampler  # noqa: E402
 
 flow.frontends.register_torch_compile_backend()   # flowgen was imported before torch here
 pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
@@ -16,8 +16,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 @pytest.mark.parametrize("make, example", [
     (MLP, lambda: torch.randn(4, 8)), (SmallCNN, lambda: torch.randn(4, 3, 8, 8)),
+    # a transposed convolution's backward; nearest and bilinear upsampling, which AOTAutograd
+    # decomposes to indexing, whose backward is an index_put accumulating over two index tensors
+    (Upsampler, lambda: torch.randn(2, 3, 5, 6)),
     # SDPA's backward and the embeddings' index_put: two more graphs to compile
-    pytest.param(TinyGPT, lambda: torch.randint(0, 32, (2, 8)), marks=pytest.mark.slow)], ids=["mlp", "cnn", "gpt"])
+    pytest.param(TinyGPT, lambda: torch.randint(0, 32, (2, 8)), marks=pytest.mark.slow)],
+    ids=["mlp", "cnn", "upsampler", "gpt"])
 def test_training_steps_and_inference_match_torch_eager(make, example):
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import operator
 
-from flowgen import creation
+from flowgen import creation, mixed_precision
 from flowgen import dtype as dt
 from flowgen import functional as ops
 from flowgen.autograd import no_grad
@@ -51,23 +51,11 @@ def _slice(x, dim=0, start=None, end=None, step=1):
     return x[_slice_key(x, dim, start, end, step)]
 
 
-def _index(x, indices):
-    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim). Several
-    integer index tensors (NumPy's advanced indexing, as Hugging Face's causal masks index) are one
-    index into the indexed dims merged: sum(i_j * stride_j), broadcast, each i_j checked and wrapped
-    like a single index; the broadcast dims stand where the indexed dims were if these are adjacent,
-    else first (NumPy's and PyTorch's rule), which moving the indexed dims to the front gives."""
-    tensor_dims = [d for d, i in enumerate(indices) if i is not None]
-    if len(tensor_dims) <= 1:
-        return x[tuple(slice(None) if i is None else i for i in indices)]
-    if any(indices[d].dtype == dt.bool_ for d in tensor_dims):
-        raise NotImplementedError("aten.index.Tensor with a boolean mask among several index tensors: flowgen "
-                                  "takes several integer index tensors, or one mask")
-    if tensor_dims != list(range(tensor_dims[0], tensor_dims[-1] + 1)):
-        x = ops.permute(x, *(tensor_dims + [d for d in range(x.ndim) if d not in tensor_dims]))
-        start, sizes = 0, [x.shape[i] for i in range(len(tensor_dims))]
-    else:
-        start, sizes = tensor_dims[0], [x.shape[d] for d in tensor_dims]
+def _merged_index(op, x, indices, tensor_dims):
+    """The indexed dims `tensor_dims` (adjacent) of `x` as one: (x reshaped with them merged, the
+    merged dim's position, the linear index sum(i_j * stride_j) broadcast over the index tensors),
+    each i_j checked and wrapped like a single index."""
+    start, sizes = tensor_dims[0], [x.shape[d] for d in tensor_dims]
     linear, stride = None, 1
     for d, n in reversed(list(zip(tensor_dims, sizes))):
         index = indices[d] if indices[d].dtype == dt.int64 else ops.cast(indices[d], dt.int64)
@@ -75,13 +63,33 @@ def _index(x, indices):
             values = index.numpy()
             bad = (values < -n) | (values >= n)
             if bad.any():
-                raise IndexError(f"aten.index.Tensor: index {int(values[bad].flat[0])} is out of bounds for "
-                                 f"dimension {d} with size {n}")
+                raise IndexError(f"{op}: index {int(values[bad].flat[0])} is out of bounds for dimension {d} with "
+                                 f"size {n}")
         term = ops.where(index < 0, index + n, index) * stride
         linear = term if linear is None else linear + term
         stride *= n
     shape = tuple(x.shape)
-    merged = ops.reshape(x, shape[:start] + (stride,) + shape[start + len(sizes):])
+    return ops.reshape(x, shape[:start] + (stride,) + shape[start + len(sizes):]), start, linear
+
+
+def _index(x, indices):
+    """`x[i0, i1, ...]` with ATen's list of optional index tensors (None: the whole dim). Several
+    integer index tensors (NumPy's advanced indexing, as Hugging Face's causal masks index) are one
+    index into the indexed dims merged (_merged_index); the broadcast dims stand where the indexed
+    dims were if these are adjacent, else first (NumPy's and PyTorch's rule), which moving the
+    indexed dims to the front gives."""
+    tensor_dims = [d for d, i in enumerate(indices) if i is not None]
+    if len(tensor_dims) <= 1:
+        return x[tuple(slice(None) if i is None else i for i in indices)]
+    if any(indices[d].dtype == dt.bool_ for d in tensor_dims):
+        raise NotImplementedError("aten.index.Tensor with a boolean mask among several index tensors: flowgen "
+                                  "takes several integer index tensors, or one mask")
+    if tensor_dims != list(range(tensor_dims[0], tensor_dims[-1] + 1)):
+        order = tensor_dims + [d for d in range(x.ndim) if d not in tensor_dims]
+        x = ops.permute(x, *order)
+        indices = [indices[d] if d in tensor_dims else None for d in order]
+        tensor_dims = list(range(len(tensor_dims)))
+    merged, start, linear = _merged_index("aten.index.Tensor", x, indices, tensor_dims)
     return merged[(slice(None),) * start + (linear,)]
 
 
@@ -175,18 +183,24 @@ def _max_pool2d_with_indices(input, kernel_size, stride=(), padding=0, dilation=
 
 
 def _index_put(self, indices, values, accumulate=False):
-    """`self` with `values` written (accumulate=True: added) at `self[indices]`: one index tensor
-    over the leading dim (an embedding's gradient), or, without accumulation, any index flowgen's
-    setitem takes."""
-    if accumulate:
-        index = indices[0] if len(indices) == 1 else None
-        if index is None or index.dtype == dt.bool_:
-            raise NotImplementedError("aten.index_put with accumulate=True: flowgen takes one integer index tensor "
-                                      "over the leading dim")
-        rows = tuple(index.shape) + tuple(self.shape[1:])
-        return ops.index_add(self, 0, ops.reshape(index, (-1,)),
-                              ops.reshape(ops.broadcast_to(values, rows), (-1,) + tuple(self.shape[1:])))
-    return ops.setitem_value(self, tuple(slice(None) if i is None else i for i in indices), values)
+    """`self` with `values` written (accumulate=True: added, repeated positions adding up) at
+    `self[indices]`. With accumulation (an embedding's gradient, a nearest upsampling's), the
+    integer index tensors must index adjacent dims: they merge into one index (_merged_index) of
+    an index_add; without, any index flowgen's setitem takes."""
+    if not accumulate:
+        return ops.setitem_value(self, tuple(slice(None) if i is None else i for i in indices), values)
+    tensor_dims = [d for d, i in enumerate(indices) if i is not None]
+    if (not tensor_dims or any(indices[d].dtype == dt.bool_ for d in tensor_dims)
+            or tensor_dims != list(range(tensor_dims[0], tensor_dims[-1] + 1))):
+        raise NotImplementedError("aten.index_put with accumulate=True: flowgen takes integer index tensors over "
+                                  "adjacent dims (no boolean mask)")
+    merged, start, linear = _merged_index("aten.index_put", self, indices, tensor_dims)
+    shape = tuple(self.shape)
+    trailing = shape[start + len(tensor_dims):]
+    rows = shape[:start] + tuple(linear.shape) + trailing
+    added = ops.index_add(merged, start, ops.reshape(linear, (-1,)),
+                          ops.reshape(ops.broadcast_to(values, rows), shape[:start] + (-1,) + trailing))
+    return ops.reshape(added, shape)
 
 
 def _attention_scale(query, scale):
@@ -234,6 +248,16 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """PyTorch's SDPA. Under autocast, its floating operands are cast to the autocast dtype first, as
+    torch.autocast does (SDPA is on its lower-precision list): operands that autocast left in mixed
+    dtypes (Llama's RoPE multiplies a bf16 query and key by float32 cos/sin, the value stays bf16)
+    still reach flowgen's one attention op, which takes one dtype."""
+    low = mixed_precision.active()
+    if low is not None:
+        query, key, value = (ops.cast(t, low) if t.dtype in (dt.float32,) + mixed_precision.LOW_DTYPES else t
+                             for t in (query, key, value))
+        if attn_mask is not None and attn_mask.dtype.is_floating and attn_mask.dtype != dt.float64:
+            attn_mask = ops.cast(attn_mask, low)
     return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
@@ -265,17 +289,25 @@ def _pair(value):
 
 def _convolution_backward(grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
                           output_padding, groups, output_mask):
-    """(grad_input, grad_weight, grad_bias) of a convolution, by flowgen's conv2d gradient ops."""
-    if transposed or input.ndim != 4:
-        raise NotImplementedError(f"aten.convolution_backward: flowgen has the gradients of 2-d convolutions that "
-                                  f"are not transposed; this one is {input.ndim - 2}-d"
-                                  f"{' and transposed' if transposed else ''}")
+    """(grad_input, grad_weight, grad_bias) of a 2-d convolution, by flowgen's conv2d gradient ops.
+    A transposed convolution is the adjoint of conv2d(., weight) (from its output space to its
+    input space): its input's gradient is that conv2d of grad_output, its weight's gradient the
+    conv2d weight gradient with input and grad_output in swapped roles (output_padding only adds
+    rows that conv2d's floor drops)."""
+    if input.ndim != 4:
+        raise NotImplementedError(f"aten.convolution_backward: flowgen has the gradients of 2-d convolutions; this "
+                                  f"one is {input.ndim - 2}-d{' and transposed' if transposed else ''}")
     attrs = dict(stride=_pair(stride), padding=_pair(padding), dilation=_pair(dilation), groups=int(groups))
     grad_input = grad_weight = grad_bias = None
     if output_mask[0]:
-        grad_input = apply("conv2d_grad_input", grad_output, weight, input_shape=tuple(input.shape), **attrs)
+        if transposed:
+            grad_input = F.conv2d(grad_output, weight, None, attrs["stride"], attrs["padding"], attrs["dilation"],
+                                  attrs["groups"])
+        else:
+            grad_input = apply("conv2d_grad_input", grad_output, weight, input_shape=tuple(input.shape), **attrs)
     if output_mask[1]:
-        grad_weight = apply("conv2d_grad_weight", grad_output, input, weight_shape=tuple(weight.shape), **attrs)
+        grad, source = (input, grad_output) if transposed else (grad_output, input)
+        grad_weight = apply("conv2d_grad_weight", grad, source, weight_shape=tuple(weight.shape), **attrs)
     if output_mask[2]:
         grad_bias = ops.sum(grad_output, (0, 2, 3))
     return grad_input, grad_weight, grad_bias
@@ -298,6 +330,57 @@ def _adaptive_avg_pool2d_backward(grad_output, input):
                                   f"{tuple(input.shape)}")
     return apply("adaptive_avg_pool2d_grad", grad_output, input_shape=tuple(input.shape),
                  output_size=tuple(grad_output.shape[2:]))
+
+
+def _upsample_scales(scales_h, scales_w):
+    return None if scales_h is None and scales_w is None else (scales_h, scales_w)
+
+
+def _upsample_vec_size(input, output_size, scale_factors):
+    """(output size, scales) of an upsample `.vec` overload: the size given, or floor(in * scale)
+    with the scales kept (PyTorch then maps indices by 1 / scale, not in / out)."""
+    if output_size is not None:
+        return tuple(output_size), None
+    return tuple(int(math.floor(n * s)) for n, s in zip(input.shape[2:], scale_factors)), tuple(scale_factors)
+
+
+def _check_upsample_2d(name, input):
+    if input.ndim != 4:
+        raise NotImplementedError(f"aten.{name}: flowgen upsamples (N, C, H, W) inputs, got {tuple(input.shape)}")
+
+
+def _upsample_nearest2d_vec(input, output_size, scale_factors):
+    _check_upsample_2d("upsample_nearest2d", input)
+    size, scales = _upsample_vec_size(input, output_size, scale_factors)
+    return apply("upsample_nearest2d", input, size=size, scales=scales)
+
+
+def _upsample_nearest2d(input, output_size, scales_h=None, scales_w=None):
+    _check_upsample_2d("upsample_nearest2d", input)
+    return apply("upsample_nearest2d", input, size=tuple(output_size), scales=_upsample_scales(scales_h, scales_w))
+
+
+def _upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
+    _check_upsample_2d("upsample_bilinear2d", input)
+    size, scales = _upsample_vec_size(input, output_size, scale_factors)
+    return apply("upsample_bilinear2d", input, size=size, align_corners=bool(align_corners), scales=scales)
+
+
+def _upsample_bilinear2d(input, output_size, align_corners, scales_h=None, scales_w=None):
+    _check_upsample_2d("upsample_bilinear2d", input)
+    return apply("upsample_bilinear2d", input, size=tuple(output_size), align_corners=bool(align_corners),
+                 scales=_upsample_scales(scales_h, scales_w))
+
+
+def _upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    return apply("upsample_nearest2d_grad", grad_output, input_shape=tuple(input_size), size=tuple(output_size),
+                 scales=_upsample_scales(scales_h, scales_w))
+
+
+def _upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None,
+                                  scales_w=None):
+    return apply("upsample_bilinear2d_grad", grad_output, input_shape=tuple(input_size), size=tuple(output_size),
+                 align_corners=bool(align_corners), scales=_upsample_scales(scales_h, scales_w))
 
 
 def _filled(value):
@@ -516,6 +599,8 @@ ATEN_OPS = {
     "aten.native_group_norm.default": _native_group_norm,
     "aten.max_pool2d.default": _max_pool2d, "aten.max_pool2d_with_indices.default": _max_pool2d_with_indices,
     "aten.avg_pool2d.default": _avg_pool2d,
+    "aten.upsample_nearest2d.vec": _upsample_nearest2d_vec, "aten.upsample_nearest2d.default": _upsample_nearest2d,
+    "aten.upsample_bilinear2d.vec": _upsample_bilinear2d_vec, "aten.upsample_bilinear2d.default": _upsample_bilinear2d,
     "aten.adaptive_avg_pool2d.default": F.adaptive_avg_pool2d,
     "aten._adaptive_avg_pool2d.default": F.adaptive_avg_pool2d,
     "aten.softmax.int": _softmax(F.softmax), "aten._softmax.default": _softmax(F.softmax),
@@ -530,5 +615,7 @@ ATEN_OPS = {
     "aten.convolution_backward.default": _convolution_backward,
     "aten.max_pool2d_with_indices_backward.default": _max_pool2d_with_indices_backward,
     "aten._adaptive_avg_pool2d_backward.default": _adaptive_avg_pool2d_backward,
+    "aten.upsample_nearest2d_backward.default": _upsample_nearest2d_backward,
+    "aten.upsample_bilinear2d_backward.default": _upsample_bilinear2d_backward,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default": _flash_attention_backward,
 }

@@ -1,7 +1,8 @@
 """`torch.compile(model, backend="flowgen")`: Dynamo's graphs compiled and run by flowgen.
 
 AOTAutograd (`torch._dynamo.backends.common.aot_autograd`) turns each graph Dynamo captures into
-ATen-level graphs decomposed to the core ATen opset: one inference graph when no gradient is
+ATen-level graphs decomposed to the core ATen opset (but for `KEEP_WHOLE`, ops flowgen runs as
+one op of its own): one inference graph when no gradient is
 needed, else a forward graph and a backward graph (AOTAutograd's own differentiation). Each is
 imported through the one ATen table (aten_table.py; refused at once if an op is missing) and
 becomes a flowgen `nn.Graph` whose inputs are the ATen graph's inputs, parameters included (so a
@@ -67,8 +68,21 @@ def _compiler(what: str):
     return compile_graph
 
 
+# Core-ATen decompositions flowgen does without: ATen's CPU flash attention decomposes into
+# matmul/softmax (the [L, S] scores in memory); kept, it is flowgen's one attention op, as its
+# backward (never decomposed) is attention_backward.
+KEEP_WHOLE = ("aten._scaled_dot_product_flash_attention_for_cpu.default",)
+
+
+def _decompositions():
+    table = core_aten_decompositions()
+    for op in [op for op in table if str(op) in KEEP_WHOLE]:
+        del table[op]
+    return table
+
+
 flowgen_backend = aot_autograd(fw_compiler=_compiler("forward"), bw_compiler=_compiler("backward"),
-                               inference_compiler=_compiler("inference"), decompositions=core_aten_decompositions)
+                               inference_compiler=_compiler("inference"), decompositions=_decompositions)
 
 
 def register() -> None:
