@@ -1,7 +1,7 @@
 """Compile time of the MobileNetV2 (CIFAR shapes) training graph, cold and warm cache.
 
     python benchmarks/compile_time.py [--batch 8] [--width 1.0] [--arch sm_90] [--skip-cpu-build]
-                                      [--skip-cuda-call] [--note TEXT] [--out FILE]
+                                      [--skip-cuda-call] [--cpu-only] [--note TEXT] [--out FILE]
 
 Every stage runs in a fresh Python process. "cold" uses an empty build cache ($FLOWGEN_CACHE in
 a temporary directory), "warm" runs the same stage again on that cache (a new process, the same
@@ -9,14 +9,19 @@ graph: compiled kernels, the program cache's passes + codegen and compiled templ
 there; the emulator row's stages_s then shows "program cache" instead of "passes" and "codegen").
 Stages:
 
-  emulator first call   graph(x, y) on the CPU: trace, passes, codegen, g++ build, one step
+  native first call     graph(x, y) on the CPU with the cpu target's native kernels (the default,
+                        FLOWGEN_CPU_KERNELS=native): trace, passes, codegen, g++ build, one step
+  emulator first call   the same with every kernel the CUDA source on the emulator
+                        (FLOWGEN_CPU_KERNELS=emulator)
   nvrtc (cuda target)   the cuda program's kernels.cu through NVRTC (no GPU needed)
   flowgen build cuda    `flowgen build --target cuda` of the saved graph (NVRTC + host g++)
   cuda first call       graph(x, y) on 'cuda': the same for the cuda target (without a GPU,
                         FLOWGEN_EMULATE_CUDA=1: its CUDA program built by g++ and run on the
                         emulator, whose step is slow; "nvrtc_s" is then its kernels.cu through
                         NVRTC and the kernel cache, which the GPU backend runs instead of g++)
-  flowgen build cpu     `flowgen build --target cpu` (the emulator program)
+  flowgen build cpu     `flowgen build --target cpu` (native kernels)
+
+`--cpu-only` runs the first two and the last (the cuda stages take most of the time).
 
 Each row reports wall seconds and CPU seconds (user + sys of the process and the compilers it
 ran); the first-call rows also "import_s" (`import flowgen`) and "inner_s", the graph call alone,
@@ -110,6 +115,7 @@ def main():
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--skip-cpu-build", action="store_true", help="skip `flowgen build --target cpu`")
     parser.add_argument("--skip-cuda-call", action="store_true", help="skip the graph call on 'cuda'")
+    parser.add_argument("--cpu-only", action="store_true", help="only the cpu stages: native, emulator, build cpu")
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept in the JSON)")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "compile_time.json"))
     args = parser.parse_args()
@@ -122,21 +128,24 @@ def main():
     flowgen_cli = [sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
                    "from cli.main import main; main()"]
     first_call = [sys.executable, "-c", _FIRST_CALL, str(args.batch), str(args.width)]
-    stages = [
-        ("emulator first call", [*first_call, "cpu", saved, args.arch]),
-        ("nvrtc (cuda target)", [sys.executable, "-c", _NVRTC, saved, args.arch]),
-        ("flowgen build cuda", [*flowgen_cli, "build", saved, "-o", os.path.join(work, "out_cuda"),
-                                "--target", "cuda", "--arch", args.arch]),
+    native, emulator = dict(env, FLOWGEN_CPU_KERNELS="native"), dict(env, FLOWGEN_CPU_KERNELS="emulator")
+    stages = [   # (name, command, environment)
+        ("native first call", [*first_call, "cpu", saved, args.arch], native),
+        ("emulator first call", [*first_call, "cpu", saved, args.arch], emulator),
     ]
-    if not args.skip_cuda_call:
-        stages.append(("cuda first call", [*first_call, "cuda", saved, args.arch]))
+    if not args.cpu_only:
+        stages += [("nvrtc (cuda target)", [sys.executable, "-c", _NVRTC, saved, args.arch], env),
+                   ("flowgen build cuda", [*flowgen_cli, "build", saved, "-o", os.path.join(work, "out_cuda"),
+                                           "--target", "cuda", "--arch", args.arch], env)]
+    if not (args.skip_cuda_call or args.cpu_only):
+        stages.append(("cuda first call", [*first_call, "cuda", saved, args.arch], env))
     if not args.skip_cpu_build:
         stages.append(("flowgen build cpu", [*flowgen_cli, "build", saved, "-o", os.path.join(work, "out_cpu"),
-                                             "--target", "cpu"]))
+                                             "--target", "cpu"], native))
     rows = []
-    for name, command in stages:
+    for name, command, stage_env in stages:
         for cache in ("cold", "warm"):
-            result = _run(command, env)
+            result = _run(command, stage_env)
             rows.append({"stage": name, "cache": cache, **result})
             print(f"{name:<22} {cache:<5} wall {result['wall_s']:8.2f} s   cpu {result['cpu_s']:8.2f} s"
                   + (f"   (inner {result['inner_s']:.2f} s)" if "inner_s" in result else ""), flush=True)
