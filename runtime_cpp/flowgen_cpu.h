@@ -38,9 +38,12 @@ struct Native {};
 inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), true);
 
 // A piece of a parallel loop holds at least this many multiply-adds of a GEMM, or elements of a
-// pass over memory: less is not worth handing to another thread.
+// pass over memory: less is not worth handing to another thread (a helper takes a piece within
+// about a microsecond while it spins between launches).
 constexpr long long kParallelWork = 1LL << 17;
 constexpr long long kParallelElements = 1LL << 15;
+// Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...).
+constexpr long long kParallelCostly = 1LL << 11;
 
 // C[M, N] = op(A) @ op(B) + beta * C, all row-major with leading dimensions lda, ldb, ldc; op
 // transposes where asked. Large products are split along N (or M when it is the larger) into
@@ -73,6 +76,46 @@ inline float* scratch(long long count, int slot = 0) {
   if ((long long)b.size() < count) b.resize(count);
   return b.data();
 }
+
+// The Philox4x32-10 stream of dropout and the random ops (flowgen_philox.h's rounds, which
+// flowgen/random.py defines), drawn a block at a time: word idx of stream (seed, offset) is word
+// idx % 4 of the block with counter (idx / 4, offset), so a loop over consecutive indices computes
+// each block once where flowgen_philox_uniform computes it for every word. One per loop piece (it
+// keeps the last block); `uniform` is flowgen_philox_uniform's number.
+class Philox {
+ public:
+  float uniform(unsigned long long seed, unsigned long long offset, long long idx) {
+    const unsigned int counter = (unsigned int)((unsigned long long)idx >> 2);
+    if (!filled_ || counter != counter_ || seed != seed_ || offset != offset_) fill(seed, offset, counter);
+    return (float)(words_[idx & 3] >> 8) * (1.0f / 16777216.0f);
+  }
+
+ private:
+  void fill(unsigned long long seed, unsigned long long offset, unsigned int counter) {
+    unsigned int c0 = counter, c1 = (unsigned int)offset, c2 = (unsigned int)(offset >> 32), c3 = 0u;
+    unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      if (round) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+      }
+      const unsigned long long p0 = (unsigned long long)0xD2511F53u * c0;
+      const unsigned long long p1 = (unsigned long long)0xCD9E8D57u * c2;
+      const unsigned int n0 = (unsigned int)(p1 >> 32) ^ c1 ^ k0, n1 = (unsigned int)p1;
+      const unsigned int n2 = (unsigned int)(p0 >> 32) ^ c3 ^ k1, n3 = (unsigned int)p0;
+      c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    }
+    words_[0] = c0; words_[1] = c1; words_[2] = c2; words_[3] = c3;
+    seed_ = seed;
+    offset_ = offset;
+    counter_ = counter;
+    filled_ = true;
+  }
+
+  unsigned long long seed_ = 0, offset_ = 0;
+  unsigned int counter_ = 0, words_[4] = {0, 0, 0, 0};
+  bool filled_ = false;
+};
 
 // Convolution geometry of one group: `channels` input channels of H x W, a KH x KW window with
 // stride, padding and dilation, an OH x OW output; `images` in the batch, `image_stride` floats

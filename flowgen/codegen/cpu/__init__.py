@@ -10,8 +10,9 @@ suite's default) or `flowgen build --target emulator` renders every node as CUDA
 """
 from __future__ import annotations
 
+from flowgen.codegen.cpu.attention import render_attention
 from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
-from flowgen.codegen.cpu.copy import render_permute
+from flowgen.codegen.cpu.copy import render_cat, render_permute, render_slice, render_slice_backward
 from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
 from flowgen.codegen.cpu.pool import render_max_pool_grad
@@ -22,7 +23,11 @@ from flowgen.codegen.kernel import RenderContext
 _FUSED = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": render_elementwise,
           "multi": render_segments}
 _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_input": render_conv_node,
-          "conv2d_grad_weight": render_conv_node, "permute": render_permute, "max_pool2d_grad": render_max_pool_grad}
+          "conv2d_grad_weight": render_conv_node, "permute": render_permute, "slice": render_slice,
+          "slice_backward": render_slice_backward, "cat": render_cat, "max_pool2d_grad": render_max_pool_grad}
+# Random ops: they read their rng state too.
+_RANDOM = {"attention": render_attention, "attention_backward": render_attention,
+           "attention_dropout": render_attention, "attention_dropout_backward": render_attention}
 _INDEXED = {"cross_entropy_rows": render_cross_entropy, "cross_entropy_rows_grad": render_cross_entropy}
 
 
@@ -35,6 +40,8 @@ def render_native(node, ctx: RenderContext):
         return render(node, ctx.index, ctx.producers, ctx.stream_values) if render else None
     if node.op in _NODES:
         return _NODES[node.op](node, ctx.kernel_name(node, [node.op]))
+    if node.op in _RANDOM:
+        return _RANDOM[node.op](node, ctx.kernel_name(node, [node.op]), ctx.rng_state(node))
     if node.op in _INDEXED:   # reads labels: its index check is numbered ctx.check_id
         return _INDEXED[node.op](node, ctx.kernel_name(node, [node.op]), ctx.check_id)
     return None

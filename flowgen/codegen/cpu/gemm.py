@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen import fused
+from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
 from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, shape_text
 from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
 from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
@@ -28,6 +29,7 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
     M, K = (a.shape[-1], a.shape[-2]) if a_trans else a.shape[-2:]
     N = b.shape[-2] if b_trans else b.shape[-1]
     out_batch = tuple(c.shape[:-2])
+    epilogue_lines, costly = element_loop(epilogue_lines)
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" (OpenBLAS sgemm){what_extra}")
     source = get_template("cpu_gemm.cpp.j2").render(
@@ -35,7 +37,7 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
         batch_text=_batch_text(out_batch), a_desc="A^T" if a_trans else "A", b_desc="B^T" if b_trans else "B",
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         a_trans=a_trans, b_trans=b_trans, a_ptr=a_ptr, b_ptr=b_ptr, lda=M if a_trans else K, ldb=K if b_trans else N,
-        epilogue_lines=epilogue_lines)
+        epilogue_lines=epilogue_lines, grain=grain(costly), piece_lines=piece_lines(epilogue_lines))
     return source, node_comment(node, what)
 
 
