@@ -41,6 +41,9 @@ inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), tru
 // pass over memory: less is not worth handing to another thread (a helper takes a piece within
 // about a microsecond while it spins between launches).
 constexpr long long kParallelWork = 1LL << 17;
+// Multiply-adds per piece of one GEMM split over the pool: each piece is a BLAS call that packs
+// its operands again, so a GEMM is cut into few.
+constexpr long long kGemmPieceWork = 1LL << 19;
 constexpr long long kParallelElements = 1LL << 15;
 // Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...).
 constexpr long long kParallelCostly = 1LL << 11;
@@ -55,7 +58,7 @@ inline void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* 
   const int extent = split_n ? N : M, other = split_n ? M : N;
   const long long blocks = (extent + 15) / 16;
   const long long block_work = 16LL * other * std::max(K, 1);
-  parallel_for(blocks, (kParallelWork + block_work - 1) / block_work, [&](long long b0, long long b1) {
+  parallel_for(blocks, (kGemmPieceWork + block_work - 1) / block_work, [&](long long b0, long long b1) {
     const int first = (int)(b0 * 16), last = std::min(extent, (int)(b1 * 16));
     if (split_n) {  // columns [first, last) of B and C
       const float* b = trans_b ? B + (long long)first * ldb : B + first;
