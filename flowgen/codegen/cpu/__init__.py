@@ -15,6 +15,7 @@ from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
 from flowgen.codegen.cpu.copy import render_cat, render_permute, render_slice, render_slice_backward
 from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
+from flowgen.codegen.cpu.indexing import render_select
 from flowgen.codegen.cpu.pool import render_max_pool_grad
 from flowgen.codegen.cpu.rows import render_cross_entropy
 from flowgen.codegen.kernel import RenderContext
@@ -25,10 +26,11 @@ _FUSED = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": r
 _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_input": render_conv_node,
           "conv2d_grad_weight": render_conv_node, "permute": render_permute, "slice": render_slice,
           "slice_backward": render_slice_backward, "cat": render_cat, "max_pool2d_grad": render_max_pool_grad}
-# Random ops: they read their rng state too.
+# Attention (its dropout variants read their rng state).
 _RANDOM = {"attention": render_attention, "attention_backward": render_attention,
            "attention_dropout": render_attention, "attention_dropout_backward": render_attention}
-_INDEXED = {"cross_entropy_rows": render_cross_entropy, "cross_entropy_rows_grad": render_cross_entropy}
+_INDEXED = {"cross_entropy_rows": render_cross_entropy, "cross_entropy_rows_grad": render_cross_entropy,
+            "embedding": render_select, "index_select": render_select}
 
 
 def render_native(node, ctx: RenderContext):
@@ -42,6 +44,6 @@ def render_native(node, ctx: RenderContext):
         return _NODES[node.op](node, ctx.kernel_name(node, [node.op]))
     if node.op in _RANDOM:
         return _RANDOM[node.op](node, ctx.kernel_name(node, [node.op]), ctx.rng_state(node))
-    if node.op in _INDEXED:   # reads labels: its index check is numbered ctx.check_id
+    if node.op in _INDEXED:   # reads labels or indices: its index check is numbered ctx.check_id
         return _INDEXED[node.op](node, ctx.kernel_name(node, [node.op]), ctx.check_id)
     return None

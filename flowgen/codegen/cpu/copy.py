@@ -20,15 +20,28 @@ def _kernel(node, name, what, **context) -> list:
 
 
 def render_permute(node, name: str):
-    """A `permute` node as one native kernel."""
+    """A `permute` node as one native kernel: rows copied whole where the last dim stays last, 32 x 32
+    tiles where only the last two dims swap, else a loop over the output elements."""
     x, out = node.inputs[0], node.output
-    dims = tuple(d % max(len(x.shape), 1) for d in node.attrs["dims"])
+    n = len(x.shape)
+    dims = tuple(d % max(n, 1) for d in node.attrs["dims"])
     strides = contiguous_strides(x.shape)
+    text = f"dims {dims}: {shape_text(x.shape)} -> {shape_text(out.shape)}"
+    context = dict(in_t=x.dtype.ctype, out_t=out.dtype.ctype, convert=converter(x.dtype, out.dtype),
+                   out_shape=shape_text(out.shape), in_shape=shape_text(x.shape))
+    if n >= 2 and dims[-1] == n - 1:
+        rows, width, lines, coords = _rows(out.shape)
+        return _kernel(node, name, f"{text} (a row per iteration)", kind="slice", slice_text=f"permuted, dims {dims}",
+                       rows=rows, width=width, row_lines=lines, step=1,
+                       src_offset=offset_expr(coords, [strides[d] for d in dims[:-1]]), **context)
+    if n >= 2 and dims == (*range(n - 2), n - 1, n - 2):
+        R, C = x.shape[-2:]
+        return _kernel(node, name, f"{text} (32 x 32 tiles)", kind="transpose", batch=numel_of(x.shape[:-2]), R=R, C=C,
+                       tiles_r=-(-R // 32), tiles_c=-(-C // 32), **context)
     lines, coords = coordinates(out.shape, "i", "c")
-    return _kernel(node, name, f"dims {dims}: {shape_text(x.shape)} -> {shape_text(out.shape)} (a loop over the output)",
-                   kind="map", out_shape=shape_text(out.shape), map_text=f"permuted index, dims {dims}",
-                   in_t=x.dtype.ctype, out_t=out.dtype.ctype, numel=out.numel, coord_lines=lines,
-                   src_offset=offset_expr(coords, [strides[d] for d in dims]), convert=converter(x.dtype, out.dtype))
+    return _kernel(node, name, f"{text} (a loop over the output)", kind="map", map_text=f"permuted index, dims {dims}",
+                   numel=out.numel, coord_lines=lines, src_offset=offset_expr(coords, [strides[d] for d in dims]),
+                   **context)
 
 
 def _slice_text(attrs) -> str:
