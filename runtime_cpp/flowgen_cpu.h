@@ -120,6 +120,33 @@ class Philox {
   bool filled_ = false;
 };
 
+// out[t] = sum over d < n of a[d] * rows[t * stride + d], for t < count: each sum from 0 in the
+// order d = 0, 1, ... with every product rounded (attention.cu.j2's order, so the same numbers),
+// four rows at a time so their dependency chains overlap instead of waiting on one another.
+inline void row_dots(const float* a, const float* rows, long long stride, int n, int count, float* out) {
+  int t = 0;
+  for (; t + 4 <= count; t += 4) {
+    const float *r0 = rows + t * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (int d = 0; d < n; ++d) {
+      s0 += a[d] * r0[d];
+      s1 += a[d] * r1[d];
+      s2 += a[d] * r2[d];
+      s3 += a[d] * r3[d];
+    }
+    out[t] = s0;
+    out[t + 1] = s1;
+    out[t + 2] = s2;
+    out[t + 3] = s3;
+  }
+  for (; t < count; ++t) {
+    const float* r = rows + t * stride;
+    float s = 0;
+    for (int d = 0; d < n; ++d) s += a[d] * r[d];
+    out[t] = s;
+  }
+}
+
 // Convolution geometry of one group: `channels` input channels of H x W, a KH x KW window with
 // stride, padding and dilation, an OH x OW output; `images` in the batch, `image_stride` floats
 // apart in the input (all C channels of an image).
