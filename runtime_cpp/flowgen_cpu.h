@@ -120,30 +120,30 @@ class Philox {
   bool filled_ = false;
 };
 
-// out[t] = sum over d < n of a[d] * rows[t * stride + d], for t < count: each sum from 0 in the
-// order d = 0, 1, ... with every product rounded (attention.cu.j2's order, so the same numbers),
-// four rows at a time so their dependency chains overlap instead of waiting on one another.
-inline void row_dots(const float* a, const float* rows, long long stride, int n, int count, float* out) {
-  int t = 0;
-  for (; t + 4 <= count; t += 4) {
-    const float *r0 = rows + t * stride, *r1 = r0 + stride, *r2 = r1 + stride, *r3 = r2 + stride;
-    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-    for (int d = 0; d < n; ++d) {
-      s0 += a[d] * r0[d];
-      s1 += a[d] * r1[d];
-      s2 += a[d] * r2[d];
-      s3 += a[d] * r3[d];
-    }
-    out[t] = s0;
-    out[t + 1] = s1;
-    out[t + 2] = s2;
-    out[t + 3] = s3;
+// Keys (or queries) per chunk of attention's dot products (column_dots).
+constexpr int kDotColumns = 16;
+
+// out[t] = sum over d < n of a[d] * cols[d * ld + t], for t < kDotColumns: each sum from 0 in the
+// order d = 0, 1, ... with every product rounded (attention.cu.j2's order for q_i . k_j, so the
+// same numbers), the kDotColumns sums side by side in vector lanes. `cols` holds the other
+// operands transposed (transpose_padded), one per column.
+inline void column_dots(const float* a, const float* cols, long long ld, int n, float* out) {
+  float acc[kDotColumns] = {};
+  for (int d = 0; d < n; ++d) {
+    const float ad = a[d];
+    const float* c = cols + d * ld;
+    for (int t = 0; t < kDotColumns; ++t) acc[t] += ad * c[t];
   }
-  for (; t < count; ++t) {
-    const float* r = rows + t * stride;
-    float s = 0;
-    for (int d = 0; d < n; ++d) s += a[d] * r[d];
-    out[t] = s;
+  for (int t = 0; t < kDotColumns; ++t) out[t] = acc[t];
+}
+
+// dst[c * ld + r] = src[r * cols + c] for r < rows, and 0 for rows <= r < ld: a [rows, cols] matrix
+// transposed into rows of ld (column_dots' operand, its tail chunk reading zeros).
+inline void transpose_padded(const float* src, long long rows, int cols, long long ld, float* dst) {
+  for (int c = 0; c < cols; ++c) {
+    float* out = dst + c * ld;
+    for (long long r = 0; r < rows; ++r) out[r] = src[r * cols + c];
+    for (long long r = rows; r < ld; ++r) out[r] = 0.0f;
   }
 }
 

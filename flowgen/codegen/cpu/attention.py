@@ -1,10 +1,12 @@
 """Attention of the cpu target as native kernels (templates/cpu_attention.cpp.j2): the emulated
 kernels' thread-per-row loops (templates/attention.cu.j2: an online softmax per query row; the
 backward's D and dQ per query row, dK and dV per key row), each row's arithmetic in the same
-order, but with the rows spread over the pool and the dropout's Philox words drawn four at a
-time (one Philox4x32 block serves four consecutive keys; the emulated kernels draw a block per
-key and keep one word). The backward is one kernel: its query-row pass keeps D and each
-(query, key) pair's keep flag in scratch, so the key-row pass draws no Philox at all.
+order, so the same numbers, but with the rows spread over the pool, the scores' dot products
+computed 16 keys at a time in vector lanes from the operands transposed once per slice, and the
+dropout's Philox words drawn four at a time (one Philox4x32 block serves four consecutive keys;
+the emulated kernels draw a block per key and keep one word). The backward is one kernel: its
+query-row pass keeps D and each (query, key) pair's keep flag in scratch, so the key-row pass
+draws no Philox at all.
 
 float32 only: other dtypes keep the emulated kernels.
 """
@@ -16,6 +18,15 @@ from flowgen.codegen.kernels.attention import _attention_dropout, _attention_mas
 from flowgen.codegen.kernels.common import (f32_literal, loader, neg_inf, node_comment, numel_of, shape_text,
                                             storer)
 from flowgen.codegen.templates import get_template
+
+
+# flowgen_cpu::kDotColumns: the keys (queries) of one chunk of dot products.
+_DOT_COLUMNS = 16
+
+
+def _padded(rows: int) -> int:
+    """`rows` rounded up to whole chunks of dot products (the transposed operands' row length)."""
+    return -(-rows // _DOT_COLUMNS) * _DOT_COLUMNS
 
 
 def render_attention(node, name: str, rng):
@@ -48,7 +59,7 @@ def render_attention(node, name: str, rng):
         kind="backward" if backward else "forward", name=name, comment=comment,
         params=[f"const {x.dtype.ctype}* __restrict__ {n}" for x, n in reads] +
                [f"{x.dtype.ctype}* __restrict__ {n}" for x, n in writes],
-        slices=numel_of(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal=causal,
+        slices=numel_of(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal=causal, Sp=_padded(S), Lp=_padded(L),
         causal_text=", causal (keys j <= i)" if causal else "", q_t="float", acc="float", out_t="float",
         load=loader(q.dtype, "float"), store=storer(q.dtype, "float"), exp="expf", log="logf", one="1.0f",
         neg_inf=neg_inf("float"), scale=f32_literal(node.attrs["scale"]),
