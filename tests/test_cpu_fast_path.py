@@ -342,26 +342,33 @@ def test_slices_their_gradients_and_cat_match_eager():
         assert any(op in n for n in names), f"no native {op} kernel in {names}"
 
 
-def test_embedding_and_index_select_rows_and_their_index_check():
-    """Rows gathered by an embedding and by index_select (outer > 1) train as eager; an index out
-    of range raises the emulated kernels' IndexError after the step."""
+def test_embedding_and_index_select_rows_their_gradients_and_index_check():
+    """Rows gathered by an embedding (with a padding_idx, repeated ids) and by index_select (outer >
+    1, a repeated index) train as eager, their gradients (embedding_backward, index_add: entries
+    added in order in double) bit for bit as the emulated kernels; an index out of range raises
+    the emulated kernels' IndexError after the step."""
     rng = np.random.default_rng(7)
 
     class Lookup(nn.Module):
         def __init__(self):
             super().__init__()
-            self.table = nn.Embedding(11, 6)
+            self.table = nn.Embedding(11, 20, padding_idx=4)
             self.w = nn.Parameter(flow.tensor(_randn(rng, 3, 9, 4)))
 
         def forward(self, ids, weights):
-            rows = self.table(ids)                                      # [5, 6]
+            rows = self.table(ids)                                      # [5, 20]
             picked = flow.index_select(self.w, 1, flow.tensor(np.array([8, 0, 3, 3, 5])))   # [3, 5, 4]
-            return (rows.sum() + (picked * weights).sum())
+            return (rows * rows).sum() + (picked * weights).sum()
 
     model = Lookup()
-    data = [(flow.tensor(np.array([0, 10, 4, 4, 7])), flow.tensor(_randn(rng, 3, 5, 4))) for _ in range(2)]
-    step, _ = steps_like_eager(model, data)
+    emulated = copy.deepcopy(model)
+    data = [(flow.tensor(np.array([0, 10, 4, 0, 7])), flow.tensor(_randn(rng, 3, 5, 4))) for _ in range(2)]
+    step, native = steps_like_eager(model, data)
     names = native_names(step)
-    assert any("embedding" in n for n in names) and any("index_select" in n for n in names), names
+    for op in ("embedding", "index_select", "embedding_backward", "index_add"):
+        assert any(f"_{op}" in n for n in names), f"no native {op} kernel in {names}"
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator")
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)
     with pytest.raises(IndexError, match="index 11 out of range"):
         step(flow.tensor(np.array([0, 11, 4, 4, 7])), data[0][1])

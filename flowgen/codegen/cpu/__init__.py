@@ -15,7 +15,7 @@ from flowgen.codegen.cpu.conv import render_conv_node, render_fused_conv
 from flowgen.codegen.cpu.copy import render_cat, render_permute, render_slice, render_slice_backward
 from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
-from flowgen.codegen.cpu.indexing import render_select
+from flowgen.codegen.cpu.indexing import render_row_scatter, render_select
 from flowgen.codegen.cpu.pool import render_max_pool_grad
 from flowgen.codegen.cpu.rows import render_cross_entropy
 from flowgen.codegen.kernel import RenderContext
@@ -30,7 +30,8 @@ _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_inpu
 _RANDOM = {"attention": render_attention, "attention_backward": render_attention,
            "attention_dropout": render_attention, "attention_dropout_backward": render_attention}
 _INDEXED = {"cross_entropy_rows": render_cross_entropy, "cross_entropy_rows_grad": render_cross_entropy,
-            "embedding": render_select, "index_select": render_select}
+            "embedding": render_select, "index_select": render_select,
+            "embedding_backward": render_row_scatter, "index_add": render_row_scatter}
 
 
 def render_native(node, ctx: RenderContext):
