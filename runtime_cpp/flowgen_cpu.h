@@ -38,15 +38,19 @@ struct Native {};
 inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), true);
 
 // A piece of a parallel loop holds at least this many multiply-adds of a GEMM, or elements of a
-// pass over memory: less is not worth handing to another thread (a helper takes a piece within
-// about a microsecond while it spins between launches).
+// pass over memory: less is not worth handing to another thread (waking a helper and waiting for
+// its piece cost microseconds, more on a loaded machine).
 constexpr long long kParallelWork = 1LL << 17;
-// Multiply-adds per piece of one GEMM split over the pool: each piece is a BLAS call that packs
-// its operands again, so a GEMM is cut into few.
-constexpr long long kGemmPieceWork = 1LL << 19;
 constexpr long long kParallelElements = 1LL << 15;
-// Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...).
-constexpr long long kParallelCostly = 1LL << 11;
+// Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...):
+// tens of microseconds of work.
+constexpr long long kParallelCostly = 1LL << 13;
+// (query, key) pairs per piece of attention's row loops (an exp, two dot products and a Philox
+// word each, about 10 ns).
+constexpr long long kParallelPairs = 1LL << 12;
+// Multiply-adds per piece of one GEMM split over the pool: each piece is a BLAS call that packs
+// its operands again, so a GEMM is cut into few (about 15 us of work each).
+constexpr long long kGemmPieceWork = 1LL << 21;
 
 // C[M, N] = op(A) @ op(B) + beta * C, all row-major with leading dimensions lda, ldb, ldc; op
 // transposes where asked. Large products are split along N (or M when it is the larger) into
