@@ -1,6 +1,7 @@
 // flowgen_cpu.h — what the cpu target's native kernels (flowgen/codegen/cpu/) share: float32
-// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build) and the
-// im2col / col2im copies of convolutions, their loops spread over flowgen_cpu_pool.h's threads.
+// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build), the
+// im2col / col2im copies of convolutions, the Philox stream drawn a block at a time and
+// attention's dot products, their loops spread over flowgen_cpu_pool.h's threads.
 //
 // A native kernel is written like an emulated one, `extern "C" __global__ void k(...)` followed
 // by `FLOWGEN_EMU_KERNEL(k, flowgen_cpu::Native{})`, so it lives in the same kernels.cu, library

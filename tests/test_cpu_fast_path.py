@@ -1,7 +1,8 @@
-"""The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS) against eager:
-training steps and inference of an MLP, conv nets with BatchNorm (strides, padding, groups,
-dilation, depthwise), the example GPT; and the switch that keeps every
-kernel on the emulator."""
+"""The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS, loops for the
+rest) against eager: training steps and inference of an MLP, conv nets with BatchNorm (strides,
+padding, groups, dilation, depthwise), the example GPT; attention (masks, causal, dropout), slices
+and their gradients, cat, row gathers and their gradients, also against the emulated kernels bit
+for bit where both keep the same order; and the switch that keeps every kernel on the emulator."""
 import copy
 import json
 import os
