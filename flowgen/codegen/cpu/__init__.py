@@ -27,7 +27,9 @@ _FUSED = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": r
           "multi": render_segments}
 _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_input": render_conv_node,
           "conv2d_grad_weight": render_conv_node, "permute": render_permute, "slice": render_slice,
-          "slice_backward": render_slice_backward, "cat": render_cat, "max_pool2d_grad": render_max_pool_grad}
+          "slice_backward": render_slice_backward, "max_pool2d_grad": render_max_pool_grad}
+# Parameters named after the values they carry, whose producers say what they are.
+_NAMED = {"cat": render_cat}
 # Attention (its dropout variants read their rng state).
 _RANDOM = {"attention": render_attention, "attention_backward": render_attention,
            "attention_dropout": render_attention, "attention_dropout_backward": render_attention}
@@ -45,6 +47,8 @@ def render_native(node, ctx: RenderContext):
         return render(node, ctx.index, ctx.producers, ctx.stream_values) if render else None
     if node.op in _NODES:
         return _NODES[node.op](node, ctx.kernel_name(node, [node.op]))
+    if node.op in _NAMED:
+        return _NAMED[node.op](node, ctx.kernel_name(node, [node.op]), ctx.producers)
     if node.op in _RANDOM:
         return _RANDOM[node.op](node, ctx.kernel_name(node, [node.op]), ctx.rng_state(node))
     if node.op in _INDEXED:   # reads labels or indices: its index check is numbered ctx.check_id

@@ -7,6 +7,7 @@ last dim) at a time, the row's source found once; a cat copies each input's cont
 Copies move values unchanged (or converted as the emulated kernels convert), so any dtype."""
 from __future__ import annotations
 
+from flowgen.codegen.fused import unique_name, value_param_name
 from flowgen.codegen.kernels.common import (contiguous_strides, converter, coordinates, node_args, node_comment,
                                             numel_of, offset_expr, shape_text, zero_literal)
 from flowgen.codegen.kernel import Kernel
@@ -113,19 +114,21 @@ def render_slice_backward(node, name: str):
                    zero=zero_literal(out.dtype), convert=converter(g.dtype, out.dtype))
 
 
-def render_cat(node, name: str):
+def render_cat(node, name: str, producers):
     """A `cat` node as one native kernel: the output as [outer, length along dim, inner], each
     input's [outer, its length, inner] block copied to its place, (outer, input) pairs spread
-    over the pool."""
+    over the pool. Parameters are named after the values they carry (fused.value_param_name)."""
     out = node.output
     dim = node.attrs["dim"] % len(out.shape)
     outer, inner = numel_of(out.shape[:dim]), numel_of(out.shape[dim + 1:])
+    taken = {"out"}
+    names = [unique_name(value_param_name(v, producers), taken) for v in node.inputs]
     parts, start = [], 0
     for k, v in enumerate(node.inputs):
-        parts.append(dict(k=k, ctype=v.dtype.ctype, run=v.shape[dim] * inner, at=start * inner,
+        parts.append(dict(k=k, name=names[k], run=v.shape[dim] * inner, at=start * inner,
                           convert=converter(v.dtype, out.dtype)))
         start += v.shape[dim]
-    params = [f"const {v.dtype.ctype}* __restrict__ in{k}" for k, v in enumerate(node.inputs)]
+    params = [f"const {v.dtype.ctype}* __restrict__ {n}" for v, n in zip(node.inputs, names)]
     params.append(f"{out.dtype.ctype}* __restrict__ out")
     return _kernel(node, name, f"{len(node.inputs)} inputs along dim {dim} -> {shape_text(out.shape)} (block copies)",
                    kind="cat", out_shape=shape_text(out.shape), dim=dim, params=params, parts=parts, outer=outer,
