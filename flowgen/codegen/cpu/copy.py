@@ -32,7 +32,8 @@ def render_permute(node, name: str):
                    out_shape=shape_text(out.shape), in_shape=shape_text(x.shape))
     if n >= 2 and dims[-1] == n - 1:
         rows, width, lines, coords = _rows(out.shape)
-        return _kernel(node, name, f"{text} (a row per iteration)", kind="slice", slice_text=f"permuted, dims {dims}",
+        return _kernel(node, name, f"{text} (a row per iteration)", kind="slice",
+                       source_text=f"in {shape_text(x.shape)} with its dims permuted {dims}",
                        rows=rows, width=width, row_lines=lines, step=1,
                        src_offset=offset_expr(coords, [strides[d] for d in dims[:-1]]), **context)
     if n >= 2 and dims == (*range(n - 2), n - 1, n - 2):
@@ -57,7 +58,9 @@ def _rows(shape) -> tuple:
 
 
 def _times(coord: str, stride: int) -> str:
-    return "0" if coord == "0" else coord if stride == 1 else f"({coord}) * {stride}"
+    if coord == "0" or stride == 1:
+        return coord
+    return f"({coord}) * {stride}" if " " in coord else f"{coord} * {stride}"
 
 
 def render_slice(node, name: str):
@@ -74,8 +77,8 @@ def render_slice(node, name: str):
     src = str(base) if offset == "0" else (offset if base == 0 else f"{base} + {offset}")
     text = _slice_text(node.attrs)
     return _kernel(node, name, f"[{text}] of {shape_text(x.shape)} (a row per iteration)", kind="slice",
-                   slice_text=text, in_shape=shape_text(x.shape), out_shape=shape_text(out.shape), rows=rows,
-                   width=width, row_lines=lines, src_offset=src, step=steps[-1] * xs[-1], in_t=x.dtype.ctype,
+                   source_text=f"in[{text}] of {shape_text(x.shape)}", in_shape=shape_text(x.shape),
+                   out_shape=shape_text(out.shape), rows=rows, width=width, row_lines=lines, src_offset=src, step=steps[-1] * xs[-1], in_t=x.dtype.ctype,
                    out_t=out.dtype.ctype, convert=converter(x.dtype, out.dtype))
 
 
