@@ -166,7 +166,8 @@ def test_standalone_program_links_openblas_and_matches_the_graph(tmp_path):
 
 def test_gemm_layouts_and_permutes_match_eager():
     """Broadcast batches on either side, batched, transposed operands read in place, a transposed
-    store, float64 (the emulated GEMM), products large enough to split over threads, a permute."""
+    store, float64 (the emulated GEMM), products large enough to split over threads, permutes
+    (an index map, tiles, whole rows)."""
     rng = np.random.default_rng(4)
 
     def t(*shape, dtype=np.float32):
@@ -179,7 +180,11 @@ def test_gemm_layouts_and_permutes_match_eager():
              (lambda a, b: flow.matmul(a, b).transpose(0, 1) + 1, (t(40, 50), t(50, 60))),
              (lambda a, b: flow.matmul(a, b).tanh(), (t(4, 5, dtype=np.float64), t(5, 6, dtype=np.float64))),
              (lambda a, b: flow.matmul(a.t(), b.t()) - 0.5, (t(200, 300), t(500, 200))),
-             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),))]
+             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),)),
+             # permutes: 32 x 32 tiles with ragged edges (batched, and one matrix), rows kept whole
+             (lambda a: a.transpose(-1, -2) * 1.5, (t(3, 40, 50),)),
+             (lambda a: a.t() - 1.0, (t(33, 70),)),
+             (lambda a: a.permute(2, 0, 1, 3) + 0.5, (t(2, 3, 5, 7),))]
 
     class All(nn.Graph):
         def build(self, *xs):
