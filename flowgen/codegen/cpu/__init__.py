@@ -2,7 +2,7 @@
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions, elementwise
 chains, multi-tensor updates, copies (permute, slice, slice_backward, cat), float32 attention and
 its backward, row gathers and scatters (embedding, index_select and their gradients),
-layer_norm and its backward, cross-entropy rows and max-pool gradients as loops spread over a thread pool,
+cross-entropy rows and max-pool gradients as loops spread over a thread pool,
 runtime_cpp/flowgen_cpu_pool.h). `render_native`
 returns a node's kernels, or None: the emulated CUDA kernels stay, in the same program, so families
 move over one at a time.
@@ -19,7 +19,7 @@ from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
 from flowgen.codegen.cpu.indexing import render_row_scatter, render_select
 from flowgen.codegen.cpu.pool import render_max_pool_grad
-from flowgen.codegen.cpu.rows import render_cross_entropy, render_layer_norm
+from flowgen.codegen.cpu.rows import render_cross_entropy
 from flowgen.codegen.kernel import RenderContext
 
 # The fused kinds and the template families with a native kernel; the others stay emulated.
@@ -27,9 +27,7 @@ _FUSED = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": r
           "multi": render_segments}
 _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_input": render_conv_node,
           "conv2d_grad_weight": render_conv_node, "permute": render_permute, "slice": render_slice,
-          "slice_backward": render_slice_backward, "max_pool2d_grad": render_max_pool_grad,
-          "layer_norm": render_layer_norm, "add_layer_norm": render_layer_norm,
-          "layer_norm_backward": render_layer_norm}
+          "slice_backward": render_slice_backward, "max_pool2d_grad": render_max_pool_grad}
 # Parameters named after the values they carry, whose producers say what they are.
 _NAMED = {"cat": render_cat}
 # Attention (its dropout variants read their rng state).
