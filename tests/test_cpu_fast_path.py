@@ -378,3 +378,31 @@ def test_embedding_and_index_select_rows_their_gradients_and_index_check():
         np.testing.assert_array_equal(got, want)
     with pytest.raises(IndexError, match="index 11 out of range"):
         step(flow.tensor(np.array([0, 11, 4, 4, 7])), data[0][1])
+
+
+def test_fused_reductions_match_eager_and_the_emulated_kernels():
+    """Sums, means, max and min over leading, trailing and middle dims with their prologues and
+    epilogues (a norm, BatchNorm-like sums of g and g * x, keepdim, a whole-tensor sum), in
+    float32 (sums in double) and float64."""
+    rng = np.random.default_rng(9)
+
+    def reductions(x, a, b):
+        s1 = (a * a).sum(dim=1)                                   # rows of [6, 40]
+        s2 = a.abs().mean(dim=0, keepdim=True)                    # columns
+        m = a.amax(dim=1) - a.amin(dim=1)                         # max and min rows
+        g = b * 0.5
+        bn = g.sum(dim=(0, 2, 3)) + (g * b).sum(dim=(0, 2, 3))    # per channel over N, H, W
+        total = (x * x).sum().sqrt()                              # whole tensor
+        return flow.cat([s1, s2.reshape(-1), m, bn, total.reshape(1), b.double().mean(dim=2).reshape(-1).float()])
+
+    a, b = _randn(rng, 6, 40), _randn(rng, 3, 5, 4, 7)
+    model = Probe(reductions, a, b)
+    width = 6 + 40 + 6 + 5 + 1 + 3 * 5 * 7
+    emulated = copy.deepcopy(model)
+    data = [(flow.tensor(_randn(rng, 6, 40)), flow.tensor(_randn(rng, width))) for _ in range(2)]
+    step, native = steps_like_eager(model, data, rtol=1e-5, atol=1e-5)
+    reductions_native = [k for k in step.compiled.program.kernels if k.native and "output per iteration" in k.comment]
+    assert len(reductions_native) >= 4, [k.comment for k in step.compiled.program.kernels]
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
+    for got, want in zip(native, cuda):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -1,6 +1,6 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions, elementwise
-chains, multi-tensor updates, copies (permute, slice, slice_backward, cat), float32 attention and
+chains, multi-tensor updates, fused reductions, copies (permute, slice, slice_backward, cat), float32 attention and
 its backward, row gathers and scatters (embedding, index_select and their gradients),
 cross-entropy rows and max-pool gradients as loops spread over a thread pool,
 runtime_cpp/flowgen_cpu_pool.h). `render_native`
@@ -19,12 +19,13 @@ from flowgen.codegen.cpu.elementwise import render_elementwise, render_segments
 from flowgen.codegen.cpu.gemm import render_fused_gemm, render_matmul
 from flowgen.codegen.cpu.indexing import render_row_scatter, render_select
 from flowgen.codegen.cpu.pool import render_max_pool_grad
+from flowgen.codegen.cpu.reduction import render_reduction
 from flowgen.codegen.cpu.rows import render_cross_entropy
 from flowgen.codegen.kernel import RenderContext
 
 # The fused kinds and the template families with a native kernel; the others stay emulated.
 _FUSED = {"gemm": render_fused_gemm, "conv": render_fused_conv, "elementwise": render_elementwise,
-          "multi": render_segments}
+          "multi": render_segments, "reduction": render_reduction}
 _NODES = {"matmul": render_matmul, "conv2d": render_conv_node, "conv2d_grad_input": render_conv_node,
           "conv2d_grad_weight": render_conv_node, "permute": render_permute, "slice": render_slice,
           "slice_backward": render_slice_backward, "max_pool2d_grad": render_max_pool_grad}
