@@ -1,11 +1,10 @@
 """The cpu target's native kernels: the nodes where plain C++ over OpenBLAS beats running the
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions, elementwise
-chains, multi-tensor updates, fused reductions, copies (permute, slice, slice_backward, cat), float32 attention and
-its backward, row gathers and scatters (embedding, index_select and their gradients),
-cross-entropy rows and max-pool gradients as loops spread over a thread pool,
-runtime_cpp/flowgen_cpu_pool.h). `render_native`
-returns a node's kernels, or None: the emulated CUDA kernels stay, in the same program, so families
-move over one at a time.
+chains, multi-tensor updates, fused reductions, copies (permute, slice, slice_backward, cat),
+float32 attention and its backward, row gathers and scatters (embedding, index_select and their
+gradients), cross-entropy rows and max-pool gradients as loops spread over a thread pool,
+runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated
+CUDA kernels stay, in the same program, so families move over one at a time.
 
 The emulator remains the checker of the CUDA source: `FLOWGEN_CPU_KERNELS=emulator` (the test
 suite's default) or `flowgen build --target emulator` renders every node as CUDA.

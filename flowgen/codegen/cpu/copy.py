@@ -78,8 +78,9 @@ def render_slice(node, name: str):
     text = _slice_text(node.attrs)
     return _kernel(node, name, f"[{text}] of {shape_text(x.shape)} (a row per iteration)", kind="slice",
                    source_text=f"in[{text}] of {shape_text(x.shape)}", in_shape=shape_text(x.shape),
-                   out_shape=shape_text(out.shape), rows=rows, width=width, row_lines=lines, src_offset=src, step=steps[-1] * xs[-1], in_t=x.dtype.ctype,
-                   out_t=out.dtype.ctype, convert=converter(x.dtype, out.dtype))
+                   out_shape=shape_text(out.shape), rows=rows, width=width, row_lines=lines, src_offset=src,
+                   step=steps[-1] * xs[-1], in_t=x.dtype.ctype, out_t=out.dtype.ctype,
+                   convert=converter(x.dtype, out.dtype))
 
 
 def render_slice_backward(node, name: str):
@@ -88,7 +89,7 @@ def render_slice_backward(node, name: str):
     g, out = node.inputs[0], node.output
     if not out.shape:
         return None
-    starts, stops, steps = node.attrs["starts"], node.attrs["stops"], node.attrs["steps"]
+    starts, steps = node.attrs["starts"], node.attrs["steps"]
     gs = contiguous_strides(g.shape)
     rows, width, lines, coords = _rows(out.shape)
     conditions, terms = [], []

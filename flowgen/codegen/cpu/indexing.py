@@ -31,7 +31,8 @@ def render_select(node, name: str, check_id: int):
     comment = node_comment(node, what)
     source = get_template("cpu_gather.cpp.j2").render(
         name=name, comment=comment, what=node.op, params=node_params(node, names, ("out",)), outer=outer,
-        n=index.numel, size=size, inner=inner, index_name=names[1], x_name=names[0], zero=zero_literal(node.output.dtype),
+        n=index.numel, size=size, inner=inner, index_name=names[1], x_name=names[0],
+        zero=zero_literal(node.output.dtype),
         x_t=x.dtype.ctype, out_t=node.output.dtype.ctype,
         check_id=check_id, wrap_negative=node.attrs.get("wrap_negative", False))
     return [Kernel(name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=[node.op],

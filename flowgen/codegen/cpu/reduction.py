@@ -67,8 +67,8 @@ def render_reduction(node, index: int, producers, stream_values=None):
     epilogue_lines += em.stores(set(node.outputs), "i")
 
     # `flat` is the input element's linear index, for prologue ops that use {idx} (dropout).
-    flat_line = fused.declared_if_read([f"const long long flat = {fused.broadcast_offset(in_shape, in_shape, full_coords)};"],
-                                       prologue_lines)
+    flat = fused.broadcast_offset(in_shape, in_shape, full_coords)
+    flat_line = fused.declared_if_read([f"const long long flat = {flat};"], prologue_lines)
     prologue_lines, costly = element_loop(prologue_lines)
     epilogue_lines, _ = element_loop(epilogue_lines)
     ops = [b.op for b in body]
@@ -78,7 +78,8 @@ def render_reduction(node, index: int, producers, stream_values=None):
         in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,
         numel_out=numel_out, out_index_lines=fused.declared_if_read(out_coordinates, prologue_lines + flat_line),
         in_index_lines=fused.declared_if_read(in_coordinates, prologue_lines + flat_line) + flat_line,
-        prologue_lines=prologue_lines, epilogue_index_lines=fused.declared_if_read(epilogue_index_lines, epilogue_lines),
+        prologue_lines=prologue_lines,
+        epilogue_index_lines=fused.declared_if_read(epilogue_index_lines, epilogue_lines),
         epilogue_lines=epilogue_lines, grain=f"{grain(costly)} / {reduce_size} + 1",
         piece_lines=piece_lines(prologue_lines + epilogue_lines))
     in_place = every_output_over(node.outputs, [v for v in epilogue_inputs
