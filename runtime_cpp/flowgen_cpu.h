@@ -1,6 +1,7 @@
 // flowgen_cpu.h — what the cpu target's native kernels (flowgen/codegen/cpu/) share: float32
-// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build) and the
-// im2col / col2im copies of convolutions, their loops spread over flowgen_cpu_pool.h's threads.
+// GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build), the
+// im2col / col2im copies of convolutions, the Philox stream drawn a block at a time and
+// attention's dot products, their loops spread over flowgen_cpu_pool.h's threads.
 //
 // A native kernel is written like an emulated one, `extern "C" __global__ void k(...)` followed
 // by `FLOWGEN_EMU_KERNEL(k, flowgen_cpu::Native{})`, so it lives in the same kernels.cu, library
@@ -38,9 +39,19 @@ struct Native {};
 inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), true);
 
 // A piece of a parallel loop holds at least this many multiply-adds of a GEMM, or elements of a
-// pass over memory: less is not worth handing to another thread.
+// pass over memory: less is not worth handing to another thread (waking a helper and waiting for
+// its piece cost microseconds, more on a loaded machine).
 constexpr long long kParallelWork = 1LL << 17;
 constexpr long long kParallelElements = 1LL << 15;
+// Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...):
+// tens of microseconds of work.
+constexpr long long kParallelCostly = 1LL << 13;
+// (query, key) pairs per piece of attention's row loops (an exp, two dot products and a Philox
+// word each, about 10 ns).
+constexpr long long kParallelPairs = 1LL << 12;
+// Multiply-adds per piece of one GEMM split over the pool: each piece is a BLAS call that packs
+// its operands again, so a GEMM is cut into few (about 15 us of work each).
+constexpr long long kGemmPieceWork = 1LL << 21;
 
 // C[M, N] = op(A) @ op(B) + beta * C, all row-major with leading dimensions lda, ldb, ldc; op
 // transposes where asked. Large products are split along N (or M when it is the larger) into
@@ -52,7 +63,7 @@ inline void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* 
   const int extent = split_n ? N : M, other = split_n ? M : N;
   const long long blocks = (extent + 15) / 16;
   const long long block_work = 16LL * other * std::max(K, 1);
-  parallel_for(blocks, (kParallelWork + block_work - 1) / block_work, [&](long long b0, long long b1) {
+  parallel_for(blocks, (kGemmPieceWork + block_work - 1) / block_work, [&](long long b0, long long b1) {
     const int first = (int)(b0 * 16), last = std::min(extent, (int)(b1 * 16));
     if (split_n) {  // columns [first, last) of B and C
       const float* b = trans_b ? B + (long long)first * ldb : B + first;
@@ -72,6 +83,73 @@ inline float* scratch(long long count, int slot = 0) {
   std::vector<float>& b = buffers[slot];
   if ((long long)b.size() < count) b.resize(count);
   return b.data();
+}
+
+// The Philox4x32-10 stream of dropout and the random ops (flowgen_philox.h's rounds, which
+// flowgen/random.py defines), drawn a block at a time: word idx of stream (seed, offset) is word
+// idx % 4 of the block with counter (idx / 4, offset), so a loop over consecutive indices computes
+// each block once where flowgen_philox_uniform computes it for every word. One per loop piece (it
+// keeps the last block); `uniform` is flowgen_philox_uniform's number.
+class Philox {
+ public:
+  float uniform(unsigned long long seed, unsigned long long offset, long long idx) {
+    const unsigned int counter = (unsigned int)((unsigned long long)idx >> 2);
+    if (!filled_ || counter != counter_ || seed != seed_ || offset != offset_) fill(seed, offset, counter);
+    return (float)(words_[idx & 3] >> 8) * (1.0f / 16777216.0f);
+  }
+
+ private:
+  void fill(unsigned long long seed, unsigned long long offset, unsigned int counter) {
+    unsigned int c0 = counter, c1 = (unsigned int)offset, c2 = (unsigned int)(offset >> 32), c3 = 0u;
+    unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      if (round) {
+        k0 += 0x9E3779B9u;
+        k1 += 0xBB67AE85u;
+      }
+      const unsigned long long p0 = (unsigned long long)0xD2511F53u * c0;
+      const unsigned long long p1 = (unsigned long long)0xCD9E8D57u * c2;
+      const unsigned int n0 = (unsigned int)(p1 >> 32) ^ c1 ^ k0, n1 = (unsigned int)p1;
+      const unsigned int n2 = (unsigned int)(p0 >> 32) ^ c3 ^ k1, n3 = (unsigned int)p0;
+      c0 = n0; c1 = n1; c2 = n2; c3 = n3;
+    }
+    words_[0] = c0; words_[1] = c1; words_[2] = c2; words_[3] = c3;
+    seed_ = seed;
+    offset_ = offset;
+    counter_ = counter;
+    filled_ = true;
+  }
+
+  unsigned long long seed_ = 0, offset_ = 0;
+  unsigned int counter_ = 0, words_[4] = {0, 0, 0, 0};
+  bool filled_ = false;
+};
+
+// Keys (or queries) per chunk of attention's dot products (column_dots).
+constexpr int kDotColumns = 16;
+
+// out[t] = sum over d < n of a[d] * cols[d * ld + t], for t < kDotColumns: each sum from 0 in the
+// order d = 0, 1, ... with every product rounded (attention.cu.j2's order for q_i . k_j, so the
+// same numbers), the kDotColumns sums side by side in vector lanes. `cols` holds the other
+// operands transposed (transpose_padded), one per column.
+inline void column_dots(const float* a, const float* cols, long long ld, int n, float* out) {
+  float acc[kDotColumns] = {};
+  for (int d = 0; d < n; ++d) {
+    const float ad = a[d];
+    const float* c = cols + d * ld;
+    for (int t = 0; t < kDotColumns; ++t) acc[t] += ad * c[t];
+  }
+  for (int t = 0; t < kDotColumns; ++t) out[t] = acc[t];
+}
+
+// dst[c * ld + r] = src[r * cols + c] for r < rows, and 0 for rows <= r < ld: a [rows, cols] matrix
+// transposed into rows of ld (column_dots' operand, its tail chunk reading zeros).
+inline void transpose_padded(const float* src, long long rows, int cols, long long ld, float* dst) {
+  for (int c = 0; c < cols; ++c) {
+    float* out = dst + c * ld;
+    for (long long r = 0; r < rows; ++r) out[r] = src[r * cols + c];
+    for (long long r = rows; r < ld; ++r) out[r] = 0.0f;
+  }
 }
 
 // Convolution geometry of one group: `channels` input channels of H x W, a KH x KW window with

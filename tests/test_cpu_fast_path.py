@@ -1,7 +1,8 @@
-"""The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS) against eager:
-training steps and inference of an MLP, conv nets with BatchNorm (strides, padding, groups,
-dilation, depthwise), the example GPT; and the switch that keeps every
-kernel on the emulator."""
+"""The cpu target's native kernels (codegen/cpu/: GEMMs and convs through OpenBLAS, loops for the
+rest) against eager: training steps and inference of an MLP, conv nets with BatchNorm (strides,
+padding, groups, dilation, depthwise), the example GPT; attention (masks, causal, dropout), slices
+and their gradients, cat, row gathers and their gradients, also against the emulated kernels bit
+for bit where both keep the same order; and the switch that keeps every kernel on the emulator."""
 import copy
 import json
 import os
@@ -165,7 +166,8 @@ def test_standalone_program_links_openblas_and_matches_the_graph(tmp_path):
 
 def test_gemm_layouts_and_permutes_match_eager():
     """Broadcast batches on either side, batched, transposed operands read in place, a transposed
-    store, float64 (the emulated GEMM), products large enough to split over threads, a permute."""
+    store, float64 (the emulated GEMM), products large enough to split over threads, permutes
+    (an index map, tiles, whole rows)."""
     rng = np.random.default_rng(4)
 
     def t(*shape, dtype=np.float32):
@@ -178,7 +180,11 @@ def test_gemm_layouts_and_permutes_match_eager():
              (lambda a, b: flow.matmul(a, b).transpose(0, 1) + 1, (t(40, 50), t(50, 60))),
              (lambda a, b: flow.matmul(a, b).tanh(), (t(4, 5, dtype=np.float64), t(5, 6, dtype=np.float64))),
              (lambda a, b: flow.matmul(a.t(), b.t()) - 0.5, (t(200, 300), t(500, 200))),
-             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),))]
+             (lambda a: a.permute(0, 2, 3, 1) * 1.5, (t(2, 3, 40, 50),)),
+             # permutes: 32 x 32 tiles with ragged edges (batched, and one matrix), rows kept whole
+             (lambda a: a.transpose(-1, -2) * 1.5, (t(3, 40, 50),)),
+             (lambda a: a.t() - 1.0, (t(33, 70),)),
+             (lambda a: a.permute(2, 0, 1, 3) + 0.5, (t(2, 3, 5, 7),))]
 
     class All(nn.Graph):
         def build(self, *xs):
@@ -218,3 +224,185 @@ def test_cross_entropy_rows_and_their_label_check():
     assert any("cross_entropy_rows" in n for n in native_names(graph))
     with pytest.raises(IndexError, match="label 7 out of range"):
         graph(data[0][0], flow.tensor(np.array([0, 1, 7, 3, 4, 0, 1], np.int64)))
+
+
+# ---- the families of the GPT step: attention, slices and their gradients, cat, embedding ----
+
+class Probe(nn.Module):
+    """Parameters `tensors` fed to `fn` with the step's input x: (fn(x, *params) * weights).sum()
+    is the loss, so every output element gets its own gradient."""
+
+    def __init__(self, fn, *tensors):
+        super().__init__()
+        self.fn = fn
+        self.params = nn.ParameterList([nn.Parameter(flow.tensor(t)) for t in tensors])
+
+    def forward(self, x, weights):
+        return (self.fn(x, *self.params) * weights).sum()
+
+
+def steps_like_eager(model, data, kernels="native", rtol=1e-5, atol=1e-6):
+    """Two SGD steps on `model` as an nn.Graph (the cpu target's kernels: `kernels`) and eagerly on
+    a copy, each from flow.manual_seed(0) (the same dropout draws): equal losses and parameters.
+    Returns the graph's parameters after the steps."""
+    os.environ["FLOWGEN_CPU_KERNELS"] = kernels
+    eager = copy.deepcopy(model)
+    opt_g, opt_e = flow.optim.SGD(model.parameters(), lr=0.5), flow.optim.SGD(eager.parameters(), lr=0.5)
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(opt_g)
+
+        def build(self, x, weights):
+            loss = self.model(x, weights)
+            loss.backward()
+            return loss
+
+    step = Step()
+    flow.manual_seed(0)
+    got = [step(*inputs).numpy() for inputs in data]
+    assert bool(native_names(step)) == (kernels == "native")
+    flow.manual_seed(0)
+    want = []
+    for inputs in data:
+        loss = eager(*inputs)
+        opt_e.zero_grad()
+        loss.backward()
+        opt_e.step()
+        want.append(loss.numpy())
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=rtol, atol=atol, err_msg=name)
+    return step, [p.numpy() for p in model.parameters()]
+
+
+def _randn(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+ATTENTION_CASES = {
+    # rows not a multiple of the threads, keys != queries, head dims apart, no mask
+    "plain": dict(lead=(2, 3), L=5, S=7, E=3, Ev=5),
+    "causal": dict(lead=(2, 3), L=5, S=7, E=3, Ev=5, is_causal=True),
+    "bool_mask": dict(lead=(2, 3), L=5, S=7, E=4, Ev=4, mask="bool"),
+    "float_mask": dict(lead=(2, 3), L=5, S=7, E=4, Ev=4, mask="float"),
+    # dropout over a Philox block boundary in every row (S = 7), with a mask and causal
+    "dropout_bool_mask": dict(lead=(2, 3), L=5, S=7, E=4, Ev=4, mask="bool", dropout_p=0.3),
+    "dropout_causal": dict(lead=(2, 3), L=6, S=6, E=4, Ev=4, is_causal=True, dropout_p=0.2),
+    # more rows than one piece of the pool's loop, more keys than one chunk of dot products (64)
+    "long_causal_dropout": dict(lead=(2, 2), L=80, S=80, E=8, Ev=8, is_causal=True, dropout_p=0.1),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_forward_and_backward_match_eager_and_the_emulated_kernels(case):
+    c = ATTENTION_CASES[case]
+    rng = np.random.default_rng(5)
+    lead, L, S, E, Ev = c["lead"], c["L"], c["S"], c["E"], c["Ev"]
+    mask = None
+    if c.get("mask") == "bool":
+        keep = rng.random((L, S)) > 0.3
+        keep[1] = False                        # a fully masked row: output 0
+        mask = flow.tensor(keep)
+    elif c.get("mask") == "float":
+        mask = flow.tensor(np.where(rng.random((1, L, S)) > 0.3, rng.standard_normal((1, L, S)), -np.inf)
+                           .astype(np.float32))
+
+    def attention(x, q, k, v):
+        return flow.nn.functional.scaled_dot_product_attention(q + x, k, v, attn_mask=mask,
+                                                               dropout_p=c.get("dropout_p", 0.0),
+                                                               is_causal=c.get("is_causal", False))
+
+    model = Probe(attention, _randn(rng, *lead, L, E), _randn(rng, *lead, S, E), _randn(rng, *lead, S, Ev))
+    data = [(flow.tensor(_randn(rng, *lead, L, E)), flow.tensor(_randn(rng, *lead, L, Ev))) for _ in range(2)]
+    emulated = copy.deepcopy(model)
+    step, native = steps_like_eager(model, data)
+    assert sum("attention" in k.name and k.native for k in step.compiled.program.kernels) == 2   # forward, backward
+    # the native rows keep the emulated kernels' arithmetic per row: the same bits
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator")
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_slices_their_gradients_and_cat_match_eager():
+    """Slices with steps and offsets on several dims (the rows of their gradients partly or not at
+    all selected), a slice of the last dim (a GPT's q, k, v split), cat along a middle and the last
+    dim, float32 and float64."""
+    rng = np.random.default_rng(6)
+
+    def pieces(x, a, b):
+        q, k, v = a.split(4, dim=2)
+        parts = [a[1:3, ::2, 5:11:3], b[:, 1:, :2], q * k + v]
+        mixed = flow.cat([a[:, :2, :], b.to(flow.float32)[:, :, :12]], dim=1)
+        return flow.cat([p.reshape(3, -1) for p in parts] + [mixed.reshape(3, -1), x], dim=1)
+
+    a, b = _randn(rng, 3, 5, 12), rng.standard_normal((3, 7, 13))
+    model = Probe(pieces, a, b)
+    width = pieces(flow.zeros(3, 0), flow.tensor(a), flow.tensor(b)).shape[1]
+    data = [(flow.tensor(_randn(rng, 3, 4)), flow.tensor(_randn(rng, 3, width + 4))) for _ in range(2)]
+    step, _ = steps_like_eager(model, data)
+    names = native_names(step)
+    for op in ("slice", "slice_backward", "cat"):
+        assert any(op in n for n in names), f"no native {op} kernel in {names}"
+
+
+def test_embedding_and_index_select_rows_their_gradients_and_index_check():
+    """Rows gathered by an embedding (with a padding_idx, repeated ids) and by index_select (outer >
+    1, a repeated index) train as eager, their gradients (embedding_backward, index_add: entries
+    added in order in double) bit for bit as the emulated kernels; an index out of range raises
+    the emulated kernels' IndexError after the step."""
+    rng = np.random.default_rng(7)
+
+    class Lookup(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(11, 20, padding_idx=4)
+            self.w = nn.Parameter(flow.tensor(_randn(rng, 3, 9, 4)))
+
+        def forward(self, ids, weights):
+            rows = self.table(ids)                                      # [5, 20]
+            picked = flow.index_select(self.w, 1, flow.tensor(np.array([8, 0, 3, 3, 5])))   # [3, 5, 4]
+            return (rows * rows).sum() + (picked * weights).sum()
+
+    model = Lookup()
+    emulated = copy.deepcopy(model)
+    data = [(flow.tensor(np.array([0, 10, 4, 0, 7])), flow.tensor(_randn(rng, 3, 5, 4))) for _ in range(2)]
+    step, native = steps_like_eager(model, data)
+    names = native_names(step)
+    for op in ("embedding", "index_select", "embedding_backward", "index_add"):
+        assert any(f"_{op}" in n for n in names), f"no native {op} kernel in {names}"
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator")
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(IndexError, match="index 11 out of range"):
+        step(flow.tensor(np.array([0, 11, 4, 4, 7])), data[0][1])
+
+
+def test_fused_reductions_match_eager_and_the_emulated_kernels():
+    """Sums, means, max and min over leading, trailing and middle dims with their prologues and
+    epilogues (a norm, BatchNorm-like sums of g and g * x, keepdim, a whole-tensor sum), in
+    float32 (sums in double) and float64."""
+    rng = np.random.default_rng(9)
+
+    def reductions(x, a, b):
+        s1 = (a * a).sum(dim=1)                                   # rows of [6, 40]
+        s2 = a.abs().mean(dim=0, keepdim=True)                    # columns
+        m = a.amax(dim=1) - a.amin(dim=1)                         # max and min rows
+        g = b * 0.5
+        bn = g.sum(dim=(0, 2, 3)) + (g * b).sum(dim=(0, 2, 3))    # per channel over N, H, W
+        total = (x * x).sum().sqrt()                              # whole tensor
+        return flow.cat([s1, s2.reshape(-1), m, bn, total.reshape(1), b.double().mean(dim=2).reshape(-1).float()])
+
+    a, b = _randn(rng, 6, 40), _randn(rng, 3, 5, 4, 7)
+    model = Probe(reductions, a, b)
+    width = 6 + 40 + 6 + 5 + 1 + 3 * 5 * 7
+    emulated = copy.deepcopy(model)
+    data = [(flow.tensor(_randn(rng, 6, 40)), flow.tensor(_randn(rng, width))) for _ in range(2)]
+    step, native = steps_like_eager(model, data, rtol=1e-5, atol=1e-5)
+    reductions_native = [k for k in step.compiled.program.kernels if k.native and "output per iteration" in k.comment]
+    assert len(reductions_native) >= 4, [k.comment for k in step.compiled.program.kernels]
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
+    for got, want in zip(native, cuda):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)

@@ -11,6 +11,7 @@ Dtypes other than float32 keep the emulated kernels.
 from __future__ import annotations
 
 from flowgen.codegen import fused
+from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
 from flowgen.codegen.cpu.gemm import NATIVE_DTYPES
 from flowgen.codegen.kernels.common import node_args, node_comment, node_params
 from flowgen.codegen.kernels.conv import _conv_geometry, _conv_text
@@ -24,15 +25,17 @@ _NAMES = {"fwd": ("x", "w", "y"), "dgrad": ("grad", "w", "dx"), "wgrad": ("grad"
 def _source(conv, name, params, epilogue_lines, what_extra="") -> tuple:
     geo = _conv_geometry(conv)
     op = _OPS[conv.op]
+    epilogue_lines, costly = element_loop(epilogue_lines or [])
+    loop = dict(grain=grain(costly), piece_lines=piece_lines(epilogue_lines))
     if geo["CG"] == 1:
         what = f"{_conv_text(geo)} (depthwise, direct loops){what_extra}"
         source = get_template("cpu_depthwise.cpp.j2").render(
             name=name, comment=node_comment(conv, what), op=op, params=params, epilogue_lines=epilogue_lines,
-            numel=conv.output.numel, **geo)
+            numel=conv.output.numel, **geo, **loop)
         return source, node_comment(conv, what)
     what = f"{_conv_text(geo)} (im2col + OpenBLAS sgemm over the batch){what_extra}"
     source = get_template("cpu_conv.cpp.j2").render(name=name, comment=node_comment(conv, what), op=op, params=params,
-                                                    epilogue_lines=epilogue_lines, **geo)
+                                                    epilogue_lines=epilogue_lines, **geo, **loop)
     return source, node_comment(conv, what)
 
 

@@ -1,8 +1,15 @@
 """Elementwise chains and multi-tensor updates of the cpu target as native kernels
 (templates/cpu_elementwise.cpp.j2): the per-element lines of codegen/fused.py's kernels (the same
 emitter, so the same expression per element and the same numbers), run by loops spread over the
-thread pool (runtime_cpp/flowgen_cpu_pool.h) instead of by emulated threads, one loop per launch."""
+thread pool (runtime_cpp/flowgen_cpu_pool.h) instead of by emulated threads, one loop per launch.
+
+`element_loop` adapts such lines (here and in the GEMM and conv epilogues) to a loop: dropout's
+Philox draws go through a per-piece block cache (flowgen_cpu::Philox: one Philox4x32 block per
+four consecutive elements, not one per element; the same words), and lines calling a costly
+function (exp, erf, a Philox draw, ...) are split over the pool in smaller pieces."""
 from __future__ import annotations
+
+import re
 
 import numpy as np
 
@@ -11,10 +18,38 @@ from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
 from flowgen.codegen.templates import get_template
 
 
+# Calls that cost tens of cycles per element or more: a loop of them is worth splitting finer.
+_COSTLY = re.compile(r"\b(flowgen_philox_\w+|philox\.uniform|expm1f?|expf?|log1pf?|logf?|erfcf?|erff?|tanhf?|powf?|"
+                     r"flowgen_pow|sinf?|cosf?|atan2f?)\(")
+_PHILOX = "flowgen_philox_uniform("
+
+
+def element_loop(lines) -> tuple:
+    """(lines, costly) of per-element `lines` run in a pool loop: the lines with each
+    flowgen_philox_uniform call drawn through the piece's `philox` block cache (piece_lines
+    declares it), and whether they call a costly function."""
+    lines = [line.replace(_PHILOX, "philox.uniform(") for line in lines]
+    return lines, any(_COSTLY.search(line) for line in lines)
+
+
+def grain(costly: bool) -> str:
+    """The minimum piece of a loop over elements (a constant of runtime_cpp/flowgen_cpu.h)."""
+    return "flowgen_cpu::kParallelCostly" if costly else "flowgen_cpu::kParallelElements"
+
+
+def piece_lines(lines) -> list:
+    """The lines opening each piece of a loop running `lines` (element_loop's)."""
+    return ["flowgen_cpu::Philox philox;   // the last Philox block drawn (dropout)"] \
+        if any("philox.uniform(" in line for line in lines) else []
+
+
 def _source(name, comment, ops, params, segments, what) -> str:
+    loops = [element_loop(seg["body_lines"]) for seg in segments]
+    segments = [dict(seg, body_lines=lines) for seg, (lines, _) in zip(segments, loops)]
     return get_template("cpu_elementwise.cpp.j2").render(
         name=name, comment=comment, ops=ops, params=params, segments=segments, what=what,
-        total=sum(seg["numel"] for seg in segments))
+        total=sum(seg["numel"] for seg in segments), grain=grain(any(costly for _, costly in loops)),
+        piece_lines=piece_lines([line for lines, _ in loops for line in lines]))
 
 
 def render_elementwise(node, index: int, producers, stream_values=None):

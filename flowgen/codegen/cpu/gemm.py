@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen import fused
+from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
 from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, shape_text
 from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
 from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
@@ -22,20 +23,30 @@ def _native(*values) -> bool:
     return all(v.dtype in NATIVE_DTYPES for v in values)
 
 
-def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a_ptr, b_ptr, what_extra=""):
+def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a_ptr, b_ptr, what_extra="",
+                transposed=False):
     """The native kernel computing c = op(a) @ op(b) then `epilogue_lines` per element (with
-    `val`, `m`, `n`, `c_base`, `GM`, `GN` in scope, as in the emulated gemm template)."""
+    `val`, `m`, `n`, `c_base`, `GM`, `GN` in scope, as in the emulated gemm template). With
+    `transposed` (an epilogue storing element (m, n) at c_base + n * GM + m) BLAS computes the
+    transposed product, so the epilogue walks both the accumulators and the stores in order."""
     M, K = (a.shape[-1], a.shape[-2]) if a_trans else a.shape[-2:]
     N = b.shape[-2] if b_trans else b.shape[-1]
     out_batch = tuple(c.shape[:-2])
+    epilogue_lines, costly = element_loop(epilogue_lines)
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" (OpenBLAS sgemm){what_extra}")
+    # A batch over A alone, A not transposed and not broadcast, C not transposed: [batch, M, K] @
+    # [K, N] is one [batch * M, K] @ [K, N] product, whose accumulators are laid out alike (one BLAS
+    # call, not one per batch entry).
+    stacked = numel_of(out_batch) > 1 and not a_trans and not transposed and numel_of(b.shape[:-2]) == 1 and \
+        tuple(a.shape[:-2]) == out_batch
     source = get_template("cpu_gemm.cpp.j2").render(
         name=name, comment=node_comment(node, what), params=params, M=M, N=N, K=K, batch=numel_of(out_batch),
+        stacked=stacked, transposed=transposed,
         batch_text=_batch_text(out_batch), a_desc="A^T" if a_trans else "A", b_desc="B^T" if b_trans else "B",
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         a_trans=a_trans, b_trans=b_trans, a_ptr=a_ptr, b_ptr=b_ptr, lda=M if a_trans else K, ldb=K if b_trans else N,
-        epilogue_lines=epilogue_lines)
+        epilogue_lines=epilogue_lines, grain=grain(costly), piece_lines=piece_lines(epilogue_lines))
     return source, node_comment(node, what)
 
 
@@ -64,7 +75,8 @@ def render_fused_gemm(node, index: int, producers, stream_values=None):
     name = kernel_name(index, node, [o for o in ops if o != "permute"])
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     source, comment = gemm_source(node, name, a_src, b_src, mm.output, em.params, lines, a_val in transposed,
-                                  b_val in transposed, em.param_name[a_src], em.param_name[b_src], extra)
+                                  b_val in transposed, em.param_name[a_src], em.param_name[b_src], extra,
+                                  transposed=store_transposed)
     return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=ops,
                    in_place=every_output_over(node.outputs, pointwise - {a_src, b_src}))]
 
