@@ -149,6 +149,13 @@ def test_compile_times_are_the_committed_compile_time_json():
     assert f"finds it in the cache in\n{warm['inner_s']:.1f} s" in README
 
 
+def test_native_compile_times_are_the_committed_compile_time_cpu_json():
+    stages = {(s["stage"], s["cache"]): s for s in json.loads((RESULTS / "compile_time_cpu.json").read_text())["stages"]}
+    assert (f"its first call\ntakes {stages['native first call', 'cold']['wall_s']:.1f} s cold (the emulator program "
+            f"{stages['emulator first call', 'cold']['wall_s']:.1f} s) and "
+            f"{stages['native first call', 'warm']['wall_s']:.1f} s warm") in README
+
+
 def test_the_gpu_table_is_the_committed_mobilenet_cuda_json():
     result = json.loads((RESULTS / "mobilenet_cuda.json").read_text())["result"]
     train = [f"{result[k]:,.0f}" for k in ("train_images_per_s", "torch_eager_train_images_per_s",
