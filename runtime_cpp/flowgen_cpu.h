@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "flowgen_cpu_pool.h"
+#include "flowgen_philox.h"
 
 // The two entry points used, as scipy-openblas32's cblas.h declares them (symbols prefixed
 // `scipy_`, 32-bit integers).
@@ -101,20 +102,7 @@ class Philox {
 
  private:
   void fill(unsigned long long seed, unsigned long long offset, unsigned int counter) {
-    unsigned int c0 = counter, c1 = (unsigned int)offset, c2 = (unsigned int)(offset >> 32), c3 = 0u;
-    unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
-    for (int round = 0; round < 10; ++round) {
-      if (round) {
-        k0 += 0x9E3779B9u;
-        k1 += 0xBB67AE85u;
-      }
-      const unsigned long long p0 = (unsigned long long)0xD2511F53u * c0;
-      const unsigned long long p1 = (unsigned long long)0xCD9E8D57u * c2;
-      const unsigned int n0 = (unsigned int)(p1 >> 32) ^ c1 ^ k0, n1 = (unsigned int)p1;
-      const unsigned int n2 = (unsigned int)(p0 >> 32) ^ c3 ^ k1, n3 = (unsigned int)p0;
-      c0 = n0; c1 = n1; c2 = n2; c3 = n3;
-    }
-    words_[0] = c0; words_[1] = c1; words_[2] = c2; words_[3] = c3;
+    flowgen_philox_block(seed, offset, counter, words_);
     seed_ = seed;
     offset_ = offset;
     counter_ = counter;

@@ -5,10 +5,10 @@
 // a uniform in [0, 1) is (word >> 8) * 2^-24.
 #pragma once
 
-__device__ __forceinline__ unsigned int flowgen_philox_word(unsigned long long seed, unsigned long long offset,
-                                                            long long idx) {
-  unsigned int c0 = (unsigned int)((unsigned long long)idx >> 2), c1 = (unsigned int)offset;
-  unsigned int c2 = (unsigned int)(offset >> 32), c3 = 0u;
+// Philox4x32-10 block `counter` of stream (seed, offset): its four words.
+__device__ __forceinline__ void flowgen_philox_block(unsigned long long seed, unsigned long long offset,
+                                                     unsigned int counter, unsigned int words[4]) {
+  unsigned int c0 = counter, c1 = (unsigned int)offset, c2 = (unsigned int)(offset >> 32), c3 = 0u;
   unsigned int k0 = (unsigned int)seed, k1 = (unsigned int)(seed >> 32);
   for (int round = 0; round < 10; ++round) {
     if (round) {
@@ -21,7 +21,15 @@ __device__ __forceinline__ unsigned int flowgen_philox_word(unsigned long long s
     const unsigned int n2 = (unsigned int)(p0 >> 32) ^ c3 ^ k1, n3 = (unsigned int)p0;
     c0 = n0; c1 = n1; c2 = n2; c3 = n3;
   }
-  return ((idx & 3) == 0) ? c0 : ((idx & 3) == 1) ? c1 : ((idx & 3) == 2) ? c2 : c3;
+  words[0] = c0; words[1] = c1; words[2] = c2; words[3] = c3;
+}
+
+__device__ __forceinline__ unsigned int flowgen_philox_word(unsigned long long seed, unsigned long long offset,
+                                                            long long idx) {
+  unsigned int w[4];
+  flowgen_philox_block(seed, offset, (unsigned int)((unsigned long long)idx >> 2), w);
+  // Constant indices only, so the block stays in registers on a GPU.
+  return ((idx & 3) == 0) ? w[0] : ((idx & 3) == 1) ? w[1] : ((idx & 3) == 2) ? w[2] : w[3];
 }
 
 __device__ __forceinline__ float flowgen_philox_uniform(unsigned long long seed, unsigned long long offset,
