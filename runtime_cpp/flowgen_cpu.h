@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -76,6 +77,37 @@ inline void sgemm(bool trans_a, bool trans_b, int M, int N, int K, const float* 
                         C + (long long)first * ldc, ldc);
     }
   });
+}
+
+// sgemm's product for small sizes (ops/linalg.py's is_fma_chain), the way eager and the emulated
+// GEMM kernels compute it: each C[m, n] one chain c = fmaf(op(A)[m, k], op(B)[k, n], c) for
+// k = 0, 1, ... from 0, so a graph's small matmuls equal eager's bit for bit. One thread (these
+// products take microseconds). Columns go 64 at a time: op(B)'s [K, 64] slab is copied in order
+// (zeros past N), then each row of C keeps 64 chains in flight, which g++ vectorizes (-mfma) into
+// independent vector FMAs, every lane's chain unchanged.
+inline void fma_chain_gemm(bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda,
+                           const float* B, int ldb, float* C, int ldc) {
+  constexpr int kCols = 64;
+  static thread_local std::vector<float> slab;
+  slab.resize((size_t)std::max(K, 1) * kCols);
+  for (int n0 = 0; n0 < N; n0 += kCols) {
+    const int cols = std::min(kCols, N - n0);
+    for (int k = 0; k < K; ++k) {
+      float* __restrict__ row = slab.data() + (size_t)k * kCols;
+      for (int j = 0; j < cols; ++j)
+        row[j] = trans_b ? B[(long long)(n0 + j) * ldb + k] : B[(long long)k * ldb + n0 + j];
+      std::fill(row + cols, row + kCols, 0.0f);
+    }
+    for (int m = 0; m < M; ++m) {
+      float acc[kCols] = {};
+      for (int k = 0; k < K; ++k) {
+        const float a = trans_a ? A[(long long)k * lda + m] : A[(long long)m * lda + k];
+        const float* __restrict__ b = slab.data() + (size_t)k * kCols;
+        for (int j = 0; j < kCols; ++j) acc[j] = std::fma(a, b[j], acc[j]);
+      }
+      std::copy(acc, acc + cols, C + (long long)m * ldc + n0);
+    }
+  }
 }
 
 // A per-thread scratch buffer of at least `count` floats, kept between launches (the GEMM's

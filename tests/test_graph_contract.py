@@ -403,13 +403,17 @@ def test_to_the_tensor_class_returns_the_tensor():
     assert w.to(flow.Tensor) is w
 
 
+@pytest.mark.parametrize("kernels", ["emulator", "native"])
 @pytest.mark.parametrize("a_shape,b_shape", [((9, 5), (5, 7)), ((1, 128), (128, 128)), ((3, 16, 40), (40, 24)),
-                                             ((128, 200), (200, 2))])
-def test_small_matmuls_are_fused_multiply_add_chains_in_graphs_and_eager(a_shape, b_shape):
+                                             ((128, 200), (200, 2)), ((40, 33), (33, 16)), ((7, 64), (64, 1))])
+def test_small_matmuls_are_fused_multiply_add_chains_in_graphs_and_eager(a_shape, b_shape, kernels, monkeypatch):
     """Flowgen's GEMM kernels accumulate c = fma(a, b, c) along k, as the GPU's FFMA does; eager
-    computes small float32 products the same way (large ones go to BLAS), so a graph's small
-    matmuls equal eager's bit for bit (OneFlow's graph tests compare Linear outputs with
-    np.array_equal) and both equal a sequential fused-multiply-add reference."""
+    computes small float32 products the same way (large ones go to BLAS), and so does the cpu
+    target's native GEMM for those sizes (where OpenBLAS's GEMV and small-matrix paths would sum in
+    other orders), so a graph's small matmuls equal eager's bit for bit (OneFlow's graph tests
+    compare Linear outputs with np.array_equal) and both equal a sequential fused-multiply-add
+    reference."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", kernels)
     rng = np.random.default_rng(3)
     a = rng.standard_normal(a_shape).astype(np.float32)
     b = rng.standard_normal(b_shape).astype(np.float32)

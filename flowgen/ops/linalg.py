@@ -48,22 +48,28 @@ def _matmul_ref(a, b):
     if a.dtype != b.dtype:
         target = dt.promote(dt.from_numpy(a.dtype), dt.from_numpy(b.dtype)).np_dtype
         a, b = a.astype(target, copy=False), b.astype(target, copy=False)
-    if a.dtype == np.float32 and a.ndim >= 2 and b.ndim >= 2 and _small(a, b):
+    if a.dtype == np.float32 and a.ndim >= 2 and b.ndim >= 2 and \
+            is_fma_chain(a.shape[-1], _batch_count(a.shape, b.shape) * a.shape[-2] * b.shape[-1]):
         return _fused_chain(a, b)
     return np.matmul(a, b)
 
 
 # Small float32 products are computed as flowgen's GEMM kernels compute them: each output a chain
-# of fused multiply-adds along k (the GPU's FFMA), so a graph's small matmuls equal eager's bit for
-# bit. Large ones go to BLAS, whose blocking orders the sums its own way (the same error bound).
+# of fused multiply-adds along k (the GPU's FFMA; the cpu target's native GEMM computes the same
+# chain for these sizes, codegen/cpu/gemm.py), so a graph's small matmuls equal eager's bit for bit.
+# Large ones go to BLAS, whose blocking orders the sums its own way (the same error bound).
 SMALL_MATMUL_MACS = 1 << 18
 SMALL_MATMUL_K = 256
 
 
-def _small(a, b) -> bool:
-    k = a.shape[-1]
-    outputs = int(np.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), dtype=np.int64)) * a.shape[-2] * b.shape[-1]
+def is_fma_chain(k: int, outputs: int) -> bool:
+    """Whether a float32 product with inner size `k` and `outputs` elements (batch included) is
+    small enough to be computed as one fused multiply-add chain per output, in eager and graphs."""
     return k <= SMALL_MATMUL_K and outputs * k <= SMALL_MATMUL_MACS
+
+
+def _batch_count(a_shape, b_shape) -> int:
+    return int(np.prod(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]), dtype=np.int64))
 
 
 def _fused_chain(a, b):

@@ -1,5 +1,8 @@
 """GEMMs of the cpu target as native kernels: OpenBLAS sgemm per batch entry, then the fused
-epilogue as a loop over the output elements (templates/cpu_gemm.cpp.j2).
+epilogue as a loop over the output elements (templates/cpu_gemm.cpp.j2). Small products (the
+sizes ops/linalg.py's `is_fma_chain` names) are one fused multiply-add chain per output in k
+order instead, as eager and the emulated kernels compute them: a graph's small matmuls equal
+eager's bit for bit (OpenBLAS's small-matrix and GEMV paths sum in other orders).
 
 The fused node is read as codegen/fused.py's `render_gemm` reads it (transposes folded into the
 operands, an optional transposed store, the epilogue's lines from the same emitter), so both
@@ -15,6 +18,7 @@ from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, sh
 from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
 from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
 from flowgen.codegen.templates import get_template
+from flowgen.ops.linalg import is_fma_chain
 
 NATIVE_DTYPES = (dt.float32,)
 
@@ -33,8 +37,9 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
     N = b.shape[-2] if b_trans else b.shape[-1]
     out_batch = tuple(c.shape[:-2])
     epilogue_lines, costly = element_loop(epilogue_lines)
+    chain = is_fma_chain(K, numel_of(out_batch) * M * N)
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
-            f" (OpenBLAS sgemm){what_extra}")
+            f" ({'fused multiply-add chains' if chain else 'OpenBLAS sgemm'}){what_extra}")
     # A batch over A alone, A not transposed and not broadcast, C not transposed: [batch, M, K] @
     # [K, N] is one [batch * M, K] @ [K, N] product, whose accumulators are laid out alike (one BLAS
     # call, not one per batch entry).
@@ -42,7 +47,8 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
         tuple(a.shape[:-2]) == out_batch
     source = get_template("cpu_gemm.cpp.j2").render(
         name=name, comment=node_comment(node, what), params=params, M=M, N=N, K=K, batch=numel_of(out_batch),
-        stacked=stacked, transposed=transposed,
+        stacked=stacked, transposed=transposed, product="fma_chain_gemm" if chain else "sgemm",
+        product_text="one fused multiply-add chain per output" if chain else "OpenBLAS sgemm",
         batch_text=_batch_text(out_batch), a_desc="A^T" if a_trans else "A", b_desc="B^T" if b_trans else "B",
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         a_trans=a_trans, b_trans=b_trans, a_ptr=a_ptr, b_ptr=b_ptr, lda=M if a_trans else K, ldb=K if b_trans else N,
