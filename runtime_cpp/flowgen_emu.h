@@ -1254,3 +1254,20 @@ void launch(void (*kernel)(Params...), const char* name, const unsigned* grid, c
       const unsigned* grid3, const unsigned* block3, size_t dyn_smem_bytes, void** args) {    \
     ::flowgen_emu::launch(&kname, #kname, grid3, block3, dyn_smem_bytes, args, needs_fibers); \
   }
+
+// A step's launches in one call (runtime/executor.py): entry points with their grids and
+// arguments, run in order. Called from Python one by one, each launch costs about a microsecond
+// of ctypes, as much as a small native kernel. Weak: every chunk of a library defines it.
+struct FlowgenLaunch {
+  void (*launch)(const unsigned* grid3, const unsigned* block3, size_t dyn_smem_bytes, void** args);
+  unsigned grid[3];
+  unsigned block[3];
+  size_t dyn_smem_bytes;
+  void** args;
+};
+
+extern "C" __attribute__((weak, visibility("default"))) void flowgen_run_launches(const FlowgenLaunch* launches,
+                                                                                  int count) {
+  for (int i = 0; i < count; ++i)
+    launches[i].launch(launches[i].grid, launches[i].block, launches[i].dyn_smem_bytes, launches[i].args);
+}

@@ -32,6 +32,24 @@ def test_inference_graph_equals_eager_and_exposes_compiled():
     assert "%input_0" in str(compiled.ir)
 
 
+@pytest.mark.parametrize("kernels", ["emulator", "native"])
+def test_a_cpu_step_is_one_call_that_equals_launching_each_kernel(kernels, monkeypatch):
+    """On the CPU the executor runs a step's launches from a table in one call into the library
+    (flowgen_run_launches); the numbers are those of calling each launch from Python."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", kernels)
+    model = nn.Sequential(nn.Linear(5, 7), nn.GELU(), nn.LayerNorm(7), nn.Linear(7, 3), nn.Softmax(-1))
+    x = flow.randn(4, 5)
+    graph = InferGraph(model)
+    out = graph(x).numpy()
+    executor = graph.compiled.executor
+    assert executor.sequence is not None and len(executor.launches) > 1
+    output = graph.compiled.program.graph.outputs[0]
+    for launch in executor.launches:   # the same step, one ctypes call per launch
+        launch()
+    np.testing.assert_array_equal(executor.read_value(output), out)
+    np.testing.assert_allclose(out, model(x).numpy(), rtol=1e-5, atol=1e-6)
+
+
 def _train_pair(make_opt, steps=6, make_sch=None, seed=0):
     """The MLP trained on `steps` random batches in a graph and in eager (see _train_like_eager)."""
     flow.manual_seed(seed)

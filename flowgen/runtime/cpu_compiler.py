@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from flowgen.runtime import cpu_blas
 from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
@@ -212,6 +212,12 @@ def _bound_openmp_spinning() -> None:
         os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 
+class _Launch(ctypes.Structure):
+    """runtime_cpp/flowgen_emu.h's FlowgenLaunch."""
+    _fields_ = [("launch", ctypes.c_void_p), ("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3),
+                ("dyn_smem_bytes", ctypes.c_size_t), ("args", ctypes.POINTER(ctypes.c_void_p))]
+
+
 class CpuModule:
     """An emulator library built by `build_cpu_library` or `build_kernel_library`; `symbols`
     maps a kernel name to its function's name in the library where they differ. A library of the
@@ -266,6 +272,23 @@ class CpuModule:
             launcher(grid, block, dyn_smem, params)
             self.raise_check_report(context)
         return checked_launch
+
+    def launch_sequence(self, launches) -> Callable[[], None] | None:
+        """One call running `launches`, (kernel name, grid, block, dynamic shared bytes, kernel
+        params) tuples, in order in the library (flowgen_run_launches), or None on the checking
+        emulator, whose launches each go through `launcher` to raise their report. The params
+        arrays must outlive the returned function."""
+        if self.checked:
+            return None
+        table = (_Launch * len(launches))()
+        for entry, (name, grid, block, smem, params) in zip(table, launches):
+            entry.launch = ctypes.cast(self._launcher(name), ctypes.c_void_p)
+            entry.grid[:], entry.block[:] = tuple(grid), tuple(block)
+            entry.dyn_smem_bytes = smem
+            entry.args = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        run, count = self._library.flowgen_run_launches, len(launches)
+        run.restype, run.argtypes = None, [ctypes.POINTER(_Launch), ctypes.c_int]
+        return lambda: run(table, count)
 
     def raise_check_report(self, context: str = "") -> None:
         """Raise EmulatorCheckError if the last launch on the checking emulator reported a hazard."""

@@ -72,9 +72,19 @@ class CpuBackend:
         launcher = (module or self.module).launcher(kernel.name, f"launched as {kernel.name} ({kernel.comment})")
         grid = (ctypes.c_uint * 3)(*kernel.grid)
         block = (ctypes.c_uint * 3)(*kernel.block)
+        params = self._params(args)
+        return lambda: launcher(grid, block, kernel.smem, params)
+
+    def prepare_sequence(self, kernels, args):
+        """One call launching the program's `kernels` (with their `args`) in order, or None where
+        each launch must be its own call (the checking emulator reports after every launch)."""
+        return self.module.launch_sequence([(k.name, k.grid, k.block, k.smem, self._params(a))
+                                            for k, a in zip(kernels, args)])
+
+    def _params(self, args):
         params = kernel_params(args)
         self._keep.append((args, params))
-        return lambda: launcher(grid, block, kernel.smem, params)
+        return params
 
     def load_kernels(self, source: str):
         """Kernels besides the program's (a generated kernels.cu), for `prepare(..., module=)`."""
@@ -202,8 +212,12 @@ class Executor:
         for v, array in program.constants.items():
             self.address[v] = backend.alloc(v.nbytes)
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))
-        self.launches = [self._host_collective(k) if k.collective is not None
-                         else backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.kernels]
+        args = [[self._arg(a) for a in k.args] for k in program.kernels]
+        self.launches = [self._host_collective(k) if k.collective is not None else backend.prepare(k, a)
+                         for k, a in zip(program.kernels, args)]
+        # On the CPU the whole step is one call into the library where no launch needs Python.
+        self.sequence = (backend.prepare_sequence(program.kernels, args)
+                         if backend.name == "cpu" and all(k.collective is None for k in program.kernels) else None)
         # Host collectives (data parallelism) cannot be captured into a CUDA graph.
         self.capturable = all(k.collective is None for k in program.kernels)
         self.prepare_launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.prepare]
@@ -248,8 +262,11 @@ class Executor:
         return out
 
     def _step(self):
-        for launch in self.launches:
-            launch()
+        if self.sequence is not None:
+            self.sequence()
+        else:
+            for launch in self.launches:
+                launch()
         for dst, src, nbytes in self.updates:
             self.backend.copy(dst, src, nbytes)
 
