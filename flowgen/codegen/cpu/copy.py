@@ -10,6 +10,7 @@ from __future__ import annotations
 from flowgen.codegen.fused import unique_name, value_param_name
 from flowgen.codegen.kernels.common import (contiguous_strides, converter, coordinates, node_args, node_comment,
                                             numel_of, offset_expr, shape_text, zero_literal)
+from flowgen.codegen.kernels.layout import slice_selection
 from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.templates import get_template
 
@@ -63,12 +64,6 @@ def _rows(shape) -> tuple:
     return numel_of(shape[:-1]), shape[-1], lines, coords
 
 
-def _times(coord: str, stride: int) -> str:
-    if coord == "0" or stride == 1:
-        return coord
-    return f"({coord}) * {stride}" if " " in coord else f"{coord} * {stride}"
-
-
 def _slice(node, ctx):
     """A `slice` node as one native kernel: per output row, the source row's start once, then its
     elements `step` apart."""
@@ -96,30 +91,12 @@ def _slice_backward(node, ctx):
     if not out.shape:
         return None
     starts, steps = node.attrs["starts"], node.attrs["steps"]
-    gs = contiguous_strides(g.shape)
     rows, width, lines, coords = _rows(out.shape)
-    conditions, terms = [], []
-    for d in range(len(out.shape) - 1):   # the leading dims: is the row selected, and which row of g
-        n, b, st = g.shape[d], starts[d], steps[d]
-        if n == 0:
-            conditions.append("false")
-            continue
-        if b == 0 and st == 1 and n == out.shape[d]:
-            terms.append(_times(coords[d], gs[d]))
-            continue
-        rel = coords[d] if b == 0 else f"(s{d})"
-        if b != 0:
-            lines.append(f"const long long s{d} = {coords[d]} - {b};")
-            conditions.append(f"s{d} >= 0")
-        conditions.append(f"{rel} < {(n - 1) * st + 1}")
-        if st != 1:
-            conditions.append(f"{rel} % {st} == 0")
-        terms.append(_times(rel if st == 1 else f"{rel} / {st}", gs[d]))
-    terms = [t for t in terms if t != "0"]
+    relative, conditions, g_offset = slice_selection(g.shape, out.shape, starts, steps, coords)
     text = _slice_text(node.attrs)
     return _kernel(node, ctx, f"[{text}] of {shape_text(out.shape)} (a row per iteration)", kind="slice_backward",
-                   slice_text=text, out_shape=shape_text(out.shape), rows=rows, width=width, row_lines=lines,
-                   conditions=conditions, g_offset=" + ".join(terms) or "0", g_width=g.shape[-1],
+                   slice_text=text, out_shape=shape_text(out.shape), rows=rows, width=width, row_lines=lines + relative,
+                   conditions=conditions, g_offset=g_offset, g_width=g.shape[-1],
                    first=starts[-1], step=steps[-1], in_t=g.dtype.ctype, out_t=out.dtype.ctype,
                    zero=zero_literal(out.dtype), convert=converter(g.dtype, out.dtype))
 
