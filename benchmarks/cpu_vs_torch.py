@@ -212,53 +212,42 @@ def flowgen_graph_row(spec):
     return (lambda: _first(call()).numpy().ravel()[0]), graph
 
 
-def flowgen_eager_row(spec):
-    model = copy.deepcopy(spec.flow_model)
-    x = [flow.tensor(a) for a in spec.inputs]
+def eager_row(spec, framework, model, runner, tensor, host_number):
+    """(step, None) of an eager row: one training step of `model` (loss, backward, clip, optimizer
+    step) or one inference call, in `framework` (flowgen or torch), the model called through
+    `runner` (itself, or torch.compile's wrapper); inputs made by `tensor` from NumPy arrays. The
+    step returns a host number (the loss, or `host_number` of the first output), so its work is done."""
+    x = [tensor(a) for a in spec.inputs]
     if spec.task == "train":
         model.train()
-        optimizer = spec.make_optimizer(flow, model)
-        y = flow.tensor(spec.target)
+        optimizer = spec.make_optimizer(framework, model)
+        y = tensor(spec.target)
 
         def step():
-            loss = spec.loss(flow, model, *x, y)
-            optimizer.zero_grad()
+            loss = spec.loss(framework, runner, *x, y)
+            optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            spec.clip(flow, model)
+            spec.clip(framework, model)
             optimizer.step()
             return loss.item()
         return step, None
     model.eval()
 
     def infer():
-        with flow.no_grad():
-            return _first(spec.infer(model, *x)).numpy().ravel()[0]
+        with framework.no_grad():
+            return host_number(_first(spec.infer(runner, *x)))
     return infer, None
+
+
+def flowgen_eager_row(spec):
+    model = copy.deepcopy(spec.flow_model)
+    return eager_row(spec, flow, model, model, flow.tensor, lambda out: out.numpy().ravel()[0])
 
 
 def torch_row(spec, compiled: bool):
     model = copy.deepcopy(spec.twin)
-    runner = torch.compile(model) if compiled else model
-    x = [torch.from_numpy(a) for a in spec.inputs]
-    if spec.task == "train":
-        model.train()
-        optimizer = spec.make_optimizer(torch, model)
-        y = torch.from_numpy(spec.target)
-
-        def step():
-            loss = spec.loss(torch, runner, *x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            spec.clip(torch, model)
-            optimizer.step()
-            return loss.item()
-        return step, None
-    model.eval()
-
-    def infer():
-        with torch.no_grad():
-            return float(_first(spec.infer(runner, *x)).reshape(-1)[0])
-    return infer, None
+    return eager_row(spec, torch, model, torch.compile(model) if compiled else model, torch.from_numpy,
+                     lambda out: float(out.reshape(-1)[0]))
 
 
 def _first(out):

@@ -13,7 +13,7 @@ float32 only: other dtypes keep the emulated kernels.
 from __future__ import annotations
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import BufferArg, Kernel
+from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext
 from flowgen.codegen.kernels.attention import _attention_dropout, _attention_mask_context
 from flowgen.codegen.kernels.common import (f32_literal, loader, neg_inf, node_comment, numel_of, shape_text,
                                             storer)
@@ -29,9 +29,10 @@ def _padded(rows: int) -> int:
     return -(-rows // _DOT_COLUMNS) * _DOT_COLUMNS
 
 
-def render_attention(node, name: str, rng):
-    """An attention / attention_backward node (or a `_dropout` one, `rng`: its rng state Value or
-    None) as one native kernel, or None where it is not float32."""
+def render(node, ctx: RenderContext):
+    """An attention / attention_backward node (or a `_dropout` one, which reads its rng state) as
+    one native kernel, or None where it is not float32."""
+    name, rng = ctx.kernel_name(node, [node.op]), ctx.rng_state(node)
     q, k, v = node.inputs[:3]
     backward = node.op.endswith("_backward")
     plain = 6 if backward else 3   # inputs before the optional mask

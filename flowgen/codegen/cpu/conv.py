@@ -15,7 +15,7 @@ from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
 from flowgen.codegen.cpu.gemm import NATIVE_DTYPES
 from flowgen.codegen.kernels.common import node_args, node_comment, node_params
 from flowgen.codegen.kernels.conv import _conv_geometry, _conv_text
-from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.templates import get_template
 
 _OPS = {"conv2d": "fwd", "conv2d_grad_input": "dgrad", "conv2d_grad_weight": "wgrad"}
@@ -39,26 +39,34 @@ def _source(conv, name, params, epilogue_lines, what_extra="") -> tuple:
     return source, node_comment(conv, what)
 
 
-def render_fused_conv(node, index: int, producers, stream_values=None):
+def render(node, ctx: RenderContext):
+    """A conv op, or a fused node anchored on a forward conv (passes/fusion.py), as one native
+    kernel, or None where the emulated kernel stays."""
+    return render_fused_conv(node, ctx) if node.op == "fused" else render_conv_node(node, ctx)
+
+
+def render_fused_conv(node, ctx: RenderContext):
     """A fused forward conv node (codegen/fused.py render_conv's input) as one native kernel, or
     None where the emulated kernel stays."""
     conv, epilogue = node.body[0], node.body[1:]
     if not all(v.dtype in NATIVE_DTYPES for v in (*conv.inputs, conv.output)):
         return None
     x, w = conv.inputs
-    em = fused.Emitter(node, producers, stream_values, names={x: "x", w: "w"})
-    lines, pointwise = fused.anchor_epilogue(em, epilogue, conv.output, tuple(conv.output.shape), producers, None)
+    em = fused.Emitter(node, ctx.producers, ctx.stream_values, names={x: "x", w: "w"})
+    lines, pointwise = fused.anchor_epilogue(em, epilogue, conv.output, tuple(conv.output.shape), ctx.producers,
+                                             None)
     ops = [b.op for b in node.body]
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
-    name = kernel_name(index, node, ops)
+    name = ctx.kernel_name(node, ops)
     source, comment = _source(conv, name, em.params, lines, extra)
     return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=ops,
                    in_place=every_output_over(node.outputs, pointwise - {x, w}))]
 
 
-def render_conv_node(node, name: str):
+def render_conv_node(node, ctx: RenderContext):
     """An unfused conv2d / conv2d_grad_input / conv2d_grad_weight node as one native kernel, or
     None where the emulated kernel stays."""
+    name = ctx.kernel_name(node, [node.op])
     if not all(v.dtype in NATIVE_DTYPES for v in (*node.inputs, node.output)):
         return None
     names = _NAMES[_OPS[node.op]]

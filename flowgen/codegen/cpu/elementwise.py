@@ -14,7 +14,7 @@ import re
 import numpy as np
 
 from flowgen.codegen import fused
-from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.templates import get_template
 
 
@@ -52,13 +52,14 @@ def _source(name, comment, ops, params, segments, what) -> str:
         piece_lines=piece_lines([line for lines, _ in loops for line in lines]))
 
 
-def render_elementwise(node, index: int, producers, stream_values=None):
+def render_elementwise(node, ctx: RenderContext) -> list:
     """A fused elementwise node (fused.render_elementwise's input) as one native kernel."""
-    em = fused.Emitter(node, producers, stream_values)
+    producers = ctx.producers
+    em = fused.Emitter(node, producers, ctx.stream_values)
     shape, index_lines, lines = fused._elementwise_lines(em, node.body, node.inputs, node.outputs, producers)
     numel = int(np.prod(shape, dtype=np.int64))
     ops = [b.op for b in node.body]
-    name = kernel_name(index, node, ops)
+    name = ctx.kernel_name(node, ops)
     shape_text = f"[{', '.join(map(str, shape))}]"
     source = _source(name, f"{node.scope or 'graph'}: elementwise", ops, em.params,
                      [{"numel": numel, "index_lines": index_lines, "body_lines": lines, "what": shape_text}],
@@ -68,10 +69,11 @@ def render_elementwise(node, index: int, producers, stream_values=None):
                    in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))]
 
 
-def render_segments(node, index: int, producers, stream_values=None):
+def render_segments(node, ctx: RenderContext) -> list:
     """A multi-tensor node (fused.render_segments' input: independent elementwise bodies, a
     parameter update) as one native kernel: the segments' elements laid end to end as one loop."""
-    em = fused.Emitter(node, producers, stream_values)
+    producers = ctx.producers
+    em = fused.Emitter(node, producers, ctx.stream_values)
     segments, ops, in_place = [], [], set()
     for positions in node.attrs["segments"]:
         body = [node.body[p] for p in positions]
@@ -86,7 +88,7 @@ def render_segments(node, index: int, producers, stream_values=None):
                          "what": f"{body[-1].scope}: {', '.join(b.op for b in body)} over "
                                  f"[{', '.join(map(str, shape))}]"})
         ops += [b.op for b in body]
-    name = kernel_name(index, node, ["multi_tensor"] + sorted(set(ops)))
+    name = ctx.kernel_name(node, ["multi_tensor"] + sorted(set(ops)))
     source = _source(name, f"{node.scope or 'graph'}: multi-tensor", sorted(set(ops)), em.params, segments,
                      f"{len(segments)} independent segments (a multi-tensor update)")
     return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True,

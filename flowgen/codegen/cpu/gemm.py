@@ -16,7 +16,7 @@ from flowgen.codegen import fused
 from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
 from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, shape_text
 from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
-from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.templates import get_template
 from flowgen.ops.linalg import is_fma_chain
 
@@ -56,9 +56,16 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
     return source, node_comment(node, what)
 
 
-def render_fused_gemm(node, index: int, producers, stream_values=None):
+def render(node, ctx: RenderContext):
+    """A matmul, or a fused node anchored on one (passes/fusion.py), as one native kernel, or None
+    where its operands are not float32."""
+    return render_fused_gemm(node, ctx) if node.op == "fused" else render_matmul(node, ctx)
+
+
+def render_fused_gemm(node, ctx: RenderContext):
     """A fused GEMM node (codegen/fused.py render_gemm's input) as one native kernel, or None
     where its operands are not float32."""
+    producers, stream_values = ctx.producers, ctx.stream_values
     body = node.body
     mm_at = next(k for k, b in enumerate(body) if b.op == "matmul")
     mm, prologue, epilogue = body[mm_at], body[:mm_at], body[mm_at + 1:]
@@ -78,7 +85,7 @@ def render_fused_gemm(node, index: int, producers, stream_values=None):
                   else "const long long i = c_base + (long long)m * GN + n;")
     lines, pointwise = fused.anchor_epilogue(em, epilogue, out_value, tuple(out_value.shape), producers, index_line)
     ops = [b.op for b in body]
-    name = kernel_name(index, node, [o for o in ops if o != "permute"])
+    name = ctx.kernel_name(node, [o for o in ops if o != "permute"])
     extra = f"; epilogue: {', '.join(b.op for b in epilogue)}" if epilogue else ""
     source, comment = gemm_source(node, name, a_src, b_src, mm.output, em.params, lines, a_val in transposed,
                                   b_val in transposed, em.param_name[a_src], em.param_name[b_src], extra,
@@ -87,8 +94,9 @@ def render_fused_gemm(node, index: int, producers, stream_values=None):
                    in_place=every_output_over(node.outputs, pointwise - {a_src, b_src}))]
 
 
-def render_matmul(node, name: str):
+def render_matmul(node, ctx: RenderContext):
     """An unfused `matmul` node as one native kernel, or None where it is not float32."""
+    name = ctx.kernel_name(node, [node.op])
     a, b = node.inputs
     c = node.output
     if not _native(a, b, c):

@@ -10,12 +10,16 @@ from __future__ import annotations
 from flowgen import dtype as dt
 from flowgen.codegen.kernels.common import (make_index_check, node_args, node_comment, node_params, numel_of,
                                             shape_text, zero_literal)
-from flowgen.codegen.kernel import Kernel
+from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.templates import get_template
 
 
-def render_select(node, name: str, check_id: int):
-    """An `embedding` or `index_select` node as one native kernel."""
+def render_gather(node, ctx: RenderContext):
+    """An `embedding` or `index_select` node as one native kernel, or None (a `gather` keeps the
+    emulated kernel)."""
+    if node.op not in ("embedding", "index_select"):
+        return None
+    name, check_id = ctx.kernel_name(node, [node.op]), ctx.check_id
     x, index = node.inputs
     if node.op == "index_select":
         shape = tuple(x.shape) or (1,)
@@ -39,14 +43,20 @@ def render_select(node, name: str, check_id: int):
                    index_check=check)]
 
 
-def render_row_scatter(node, name: str, check_id: int):
+# The parameter names of the inputs of the scatters with a native kernel.
+_SCATTER_NAMES = {"embedding_backward": ("src", "index"), "index_add": ("index", "src")}
+
+
+def render_scatter(node, ctx: RenderContext):
     """An `embedding_backward` or `index_add` node (float32 or float64) as one native kernel: per
     block of output columns, one pass over the entries in ascending order adding each source row
     into a double accumulator per output element, then each element stored once: the emulated
-    kernels' segments (np.bincount's order and precision), the same bits, without sorting."""
+    kernels' segments (np.bincount's order and precision), the same bits, without sorting. None
+    for other dtypes and for `scatter_add` (the emulated kernels)."""
     out = node.output
-    if out.dtype not in (dt.float32, dt.float64):
+    if node.op not in _SCATTER_NAMES or out.dtype not in (dt.float32, dt.float64):
         return None
+    name, check_id = ctx.kernel_name(node, [node.op]), ctx.check_id
     if node.op == "embedding_backward":
         src, index = node.inputs
         outer, size, inner, dim = 1, out.shape[0], out.shape[1], None
@@ -72,5 +82,3 @@ def render_row_scatter(node, name: str, check_id: int):
     return [Kernel(name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True, comment=comment, ops=[node.op],
                    index_check=make_index_check(node, check_id, "index", size, dim))]
 
-
-_SCATTER_NAMES = {"embedding_backward": ("src", "index"), "index_add": ("index", "src")}

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernels.common import node_args, node_comment, pair_of
-from flowgen.codegen.kernel import Kernel
+from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.templates import get_template
 
 
-def render_max_pool_grad(node, name: str):
-    """A float32 `max_pool2d_grad` node as one native kernel, or None."""
-    if any(v.dtype != dt.float32 for v in (*node.inputs, node.output)):
+def render_pool2d(node, ctx: RenderContext):
+    """A float32 `max_pool2d_grad` node as one native kernel, or None (the other pools of the
+    family, and other dtypes, keep the emulated kernels)."""
+    if node.op != "max_pool2d_grad" or any(v.dtype != dt.float32 for v in (*node.inputs, node.output)):
         return None
+    name = ctx.kernel_name(node, [node.op])
     a = node.attrs
     N, C, H, W = node.output.shape
     OH, OW = node.inputs[0].shape[2:]

@@ -10,13 +10,14 @@ import numpy as np
 
 from flowgen.codegen import fused
 from flowgen.codegen.cpu.elementwise import element_loop, grain, piece_lines
-from flowgen.codegen.kernel import Kernel, every_output_over, kernel_name
+from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.templates import get_template
 from flowgen.ops.registry import get_op
 
 
-def render_reduction(node, index: int, producers, stream_values=None):
-    """A fused reduction node (fused.render_reduction's input) as one native kernel."""
+def render_reduction(node, ctx: RenderContext):
+    """A fused reduction node (fused.render_reduction's input) as one native kernel, or None."""
+    producers, stream_values = ctx.producers, ctx.stream_values
     body = node.body
     prologue, reds, epilogue = fused._split_reduction_body(body)
     in_shape, _, dims = fused._reduce_geometry(reds[0])
@@ -72,7 +73,7 @@ def render_reduction(node, index: int, producers, stream_values=None):
     prologue_lines, costly = element_loop(prologue_lines)
     epilogue_lines, _ = element_loop(epilogue_lines)
     ops = [b.op for b in body]
-    name = kernel_name(index, node, ops)
+    name = ctx.kernel_name(node, ops)
     source = get_template("cpu_reduction.cpp.j2").render(
         name=name, comment=f"{node.scope or 'graph'}: reduction", ops=ops, reds=red_ctx, params=em.params,
         in_shape_text=str(list(in_shape)), out_shape_text=str(list(out_shape)), reduce_size=reduce_size,

@@ -7,14 +7,17 @@ from __future__ import annotations
 from flowgen.codegen.kernels.common import (acc_type, declared_in_place, loader, make_index_check, node_args,
                                             node_comment, node_params, shape_text, storer)
 from flowgen.codegen.kernels.rows import _ROW_SOFTMAX_MODES
-from flowgen.codegen.kernel import Kernel
+from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.templates import get_template
 from flowgen.ops.lowering import cpp_literal
 
 
-def render_cross_entropy(node, name: str, check_id: int):
+def render_softmax(node, ctx: RenderContext):
     """A cross_entropy_rows / cross_entropy_rows_grad node on (N, C) logits as one native kernel,
-    or None (other layouts keep the emulated kernel)."""
+    or None (other layouts, and softmax / log_softmax, keep the emulated kernels)."""
+    if node.op not in ("cross_entropy_rows", "cross_entropy_rows_grad"):
+        return None
+    name, check_id = ctx.kernel_name(node, [node.op]), ctx.check_id
     in_names, out_names = _ROW_SOFTMAX_MODES[node.op]
     x, y = node.inputs[in_names.index("x")], node.output
     if len(x.shape) != 2 or node.attrs.get("dim", 1) % 2 != 1:   # (N, C), classes along dim 1

@@ -94,38 +94,47 @@ def _slice(node, kernel_name, producers):
     return _copy_map(node, kernel_name, producers, src, f"slice [{text}]", f"[{text}] of {shape_text(x.shape)}")
 
 
-def _slice_backward(node, kernel_name, producers):
-    g, out = node.inputs[0], node.output
-    (g_name,), out_name = _names(node, producers)
-    starts, stops, steps = node.attrs["starts"], node.attrs["stops"], node.attrs["steps"]
-    lines, coords = coordinates(out.shape, "i", "c")
-    gs = contiguous_strides(g.shape)
-    conditions, terms = [], []
-    for d, (size, b, e, st) in enumerate(zip(out.shape, starts, stops, steps)):
-        n = g.shape[d]
+def slice_selection(g_shape, out_shape, starts, steps, coords) -> tuple:
+    """Where the gradient g of out[starts:stops:steps] lands in out, over out's leading dims whose
+    coordinates are `coords` (all of them, or all but the last): (lines declaring the coordinates
+    relative to the starts, the conditions that they are selected, g's offset for them). Shared
+    by this family's slice_backward and the cpu target's native one (codegen/cpu/copy.py)."""
+    gs = contiguous_strides(g_shape)
+    lines, conditions, terms = [], [], []
+    for d, coord in enumerate(coords):
+        n, b, st = g_shape[d], starts[d], steps[d]
         if n == 0:
             conditions.append("false")
             continue
-        if b == 0 and st == 1 and e == size:
-            if coords[d] != "0":
-                terms.append(coords[d] if gs[d] == 1 else f"{coords[d]} * {gs[d]}")
+        if b == 0 and st == 1 and n == out_shape[d]:   # the whole dim
+            if coord != "0":
+                terms.append(coord if gs[d] == 1 else f"{coord} * {gs[d]}")
             continue
-        rel = coords[d] if b == 0 else f"s{d}"
+        rel = coord if b == 0 else f"s{d}"
         if b != 0:
-            lines.append(f"const long long s{d} = {coords[d]} - {b};")
+            lines.append(f"const long long s{d} = {coord} - {b};")
             conditions.append(f"s{d} >= 0")
         conditions.append(f"{rel} < {(n - 1) * st + 1}")
         if st != 1:
             conditions.append(f"{rel} % {st} == 0")
         q = rel if st == 1 else f"({rel} / {st})"
         terms.append(q if gs[d] == 1 else f"{q} * {gs[d]}")
+    return lines, conditions, " + ".join(terms) or "0"
+
+
+def _slice_backward(node, kernel_name, producers):
+    g, out = node.inputs[0], node.output
+    (g_name,), out_name = _names(node, producers)
+    starts, stops, steps = node.attrs["starts"], node.attrs["stops"], node.attrs["steps"]
+    lines, coords = coordinates(out.shape, "i", "c")
+    relative, conditions, src_offset = slice_selection(g.shape, out.shape, starts, steps, coords)
     text = ", ".join(f"{b}:{e}:{st}" for b, e, st in zip(starts, stops, steps))
     what = f"[{text}] of {shape_text(out.shape)}"
     source = render_template("copy.cu.j2", kind="slice_backward", name=kernel_name, comment=node_comment(node, what),
                              g_name=g_name, out_name=out_name,
                              out_shape=shape_text(out.shape), slice_text=text, in_t=g.dtype.ctype,
-                             out_t=out.dtype.ctype, numel=out.numel, idx_t=index_type(out.numel), coord_lines=lines,
-                             conditions=conditions, src_offset=" + ".join(terms) if terms else "0",
+                             out_t=out.dtype.ctype, numel=out.numel, idx_t=index_type(out.numel),
+                             coord_lines=lines + relative, conditions=conditions, src_offset=src_offset,
                              zero=zero_literal(out.dtype), convert=converter(g.dtype, out.dtype))
     return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 

@@ -1,0 +1,44 @@
+"""The cpu target's one table of native renderers (codegen/cpu/ NATIVE_RENDERERS), keyed as the
+CUDA renderers (codegen/kernels/ RENDERERS): a family's ops without a native kernel (softmax and
+log_softmax beside cross-entropy rows, gather beside embedding, scatter_add beside index_add,
+pools other than max-pool gradients) keep their emulated kernels, with eager's numbers."""
+import numpy as np
+import pytest
+
+import flowgen as flow
+import flowgen.nn as nn
+from flowgen.codegen.cpu import NATIVE_RENDERERS
+from flowgen.codegen.kernels import RENDERERS
+
+
+@pytest.fixture(autouse=True)
+def native_kernels(monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")
+
+
+def test_native_renderers_are_keyed_as_the_cuda_renderers():
+    assert set(NATIVE_RENDERERS) <= set(RENDERERS)
+
+
+def test_ops_of_a_native_family_without_a_native_kernel_stay_emulated():
+    index = flow.tensor(np.array([[0, 2, 1], [3, 3, 0]]))
+
+    def outputs(a, img):
+        return (a.softmax(dim=1), a.log_softmax(dim=1), flow.gather(a, 1, index),
+                flow.zeros(2, 4).scatter_add(1, index, a[:, :3]), flow.nn.functional.avg_pool2d(img, 2),
+                flow.nn.functional.max_pool2d(img, 2))
+
+    class Outputs(nn.Graph):
+        def build(self, a, img):
+            return outputs(a, img)
+
+    rng = np.random.default_rng(0)
+    a = flow.tensor(rng.standard_normal((2, 4)).astype(np.float32))
+    img = flow.tensor(rng.standard_normal((1, 2, 6, 6)).astype(np.float32))
+    graph = Outputs()
+    for got, want in zip(graph(a, img), outputs(a, img)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    kernels = graph.compiled.program.kernels
+    for op in ("softmax", "log_softmax", "gather", "scatter_add", "avg_pool2d", "max_pool2d"):
+        emulated = [k for k in kernels if op in k.ops]
+        assert emulated and not any(k.native for k in emulated), (op, [(k.name, k.native) for k in kernels])
