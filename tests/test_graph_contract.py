@@ -99,20 +99,31 @@ def configured(model, config, value, momentum=0.0):
     return graph
 
 
+class _Gated(nn.Module):
+    """Linear layers whose transposed weight two GEMMs read (a ReLU branch gated by a sigmoid one):
+    an instance where the greedy plan leaves room that compress_memory's search finds."""
+
+    def __init__(self, widths):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+
+    def forward(self, x):
+        for layer in self.layers:
+            wt = layer.weight.t()
+            x = (x @ wt + layer.bias).relu() * (x @ wt).sigmoid()
+        return x
+
+
 def test_compress_memory_finds_a_smaller_arena_with_the_same_numbers():
-    widths = [100, 30, 100, 30, 100, 1]
-    layers = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.ReLU()]
-    state = nn.Sequential(*layers).state_dict()
+    widths = [100, 30, 120, 20, 90, 1]
+    state = _Gated(widths).state_dict()
     x = flow.randn(8, 100)
     results = []
     for compress_memory in (False, True):
-        model = nn.Sequential(*[type(m)(m.in_features, m.out_features) if isinstance(m, nn.Linear) else nn.ReLU()
-                                for m in layers])
+        model = _Gated(widths)
         model.load_state_dict(state)
         graph = configured(model, "enable_compress_memory", compress_memory)
-        results.append((graph(x).numpy(), graph.compiled.memory, model[0].weight.numpy()))
+        results.append((graph(x).numpy(), graph.compiled.memory, model.layers[0].weight.numpy()))
     (loss, greedy, w), (loss_c, compressed, w_c) = results
     assert compressed.lower_bound_bytes <= compressed.arena_bytes < greedy.arena_bytes
     assert "[compressed: " in compressed.describe()

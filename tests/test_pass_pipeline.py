@@ -2,6 +2,8 @@
 import copy
 import re
 
+import numpy as np
+
 import pytest
 
 import flowgen as flow
@@ -66,3 +68,42 @@ def test_a_broken_pass_in_the_list_is_named_by_verification(monkeypatch):
     monkeypatch.setattr(compiled_mod, "step_passes", with_broken_pass)
     with pytest.raises(flow.FlowgenInternalError, match="after pass retype_first_update: .* does not match"):
         _train_graph()(flow.randn(8, 5), flow.randn(8, 3))
+
+
+def test_a_weights_transpose_and_its_transpose_back_leave_no_copy_kernel():
+    """compose_permutes: the input gradient's GEMM reads a Linear's weight transposed back, so only
+    the forward GEMM's transpose is left, which it reads in place: no permute kernel in the step,
+    and training equals eager."""
+    graph = _train_graph()
+    flow.manual_seed(1)
+    x, y = flow.randn(8, 5), flow.randn(8, 3)
+    losses = [float(graph(x, y)) for _ in range(3)]
+    assert not [k.name for k in graph.compiled.program.kernels if k.ops == ["permute"]]
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    opt = flow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for want in losses:
+        loss = nn.MSELoss()(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert abs(float(loss) - want) <= 1e-5 * abs(want)
+
+
+@pytest.mark.parametrize("inner,outer", [((1, 2, 0), (2, 0, 1)), ((1, 0, 2), (2, 1, 0)), ((0, 2, 1), (0, 2, 1))])
+def test_permutes_of_permutes_compose(inner, outer):
+    """permute(permute(x, p), q) reads x once, with the composed dims (or is x where they cancel);
+    a permute the step returns keeps its own node."""
+    class Twice(nn.Graph):
+        def build(self, x):
+            y = x.permute(*inner)
+            return y.permute(*outer) * 2, y
+
+    x = flow.randn(2, 3, 4)
+    graph = Twice()
+    got, inner_out = graph(x)
+    np.testing.assert_array_equal(got.numpy(), x.numpy().transpose(inner).transpose(outer) * 2)
+    np.testing.assert_array_equal(inner_out.numpy(), x.numpy().transpose(inner))
+    permutes = [n for n in graph.compiled.ir.nodes if n.op == "permute"]
+    assert all(producer.op != "permute" for n in permutes
+               for producer in [graph.compiled.ir.producers().get(n.inputs[0])] if producer is not None)

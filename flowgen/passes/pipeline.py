@@ -21,7 +21,7 @@ from flowgen.passes.checkpointing import checkpoint_activations
 from flowgen.passes.fusion import fuse
 from flowgen.passes.rematerialize import rematerialize
 from flowgen.passes.schedule import hoist, schedule
-from flowgen.passes.simplify import cse, dce, fold_constants
+from flowgen.passes.simplify import compose_permutes, cse, dce, fold_constants
 from flowgen.passes.step import Step
 from flowgen.passes.step_stages import (bind_step_random_streams, combine_data_parallel_outputs, differentiate,
                                         lower_step_optimizers, reduce_gradients, shard_for_zero,
@@ -49,6 +49,7 @@ def default_passes(config, checkpointed_scopes=()):
     return [
         ("fold_constants", fold_constants),
         ("cse", cse),
+        ("compose_permutes", compose_permutes),
         ("dce", dce),
         ("activation_checkpointing", lambda g: checkpoint_activations(g, checkpointed_scopes)),
         ("rematerialize", lambda g: rematerialize(g) if config.fusion else g),

@@ -1,4 +1,5 @@
-"""Clean-up passes: dead-code elimination, common-subexpression elimination, folding."""
+"""Clean-up passes: dead-code elimination, common-subexpression elimination, folding, composing
+permutes."""
 from __future__ import annotations
 
 import numpy as np
@@ -53,9 +54,7 @@ def cse(graph):
         if key is not None:
             seen[key] = node
         nodes.append(node)
-    outputs = [replace.get(v, v) for v in graph.outputs]
-    updates = [(n, replace.get(v, v)) for n, v in graph.updates]
-    return graph.copy_with(nodes=nodes, outputs=outputs, updates=updates)
+    return graph.copy_with(nodes=nodes)
 
 
 def fold_constants(graph):
@@ -76,5 +75,34 @@ def fold_constants(graph):
             value = np.asarray(value).astype(node.output.dtype.np_dtype).reshape(node.output.shape)
             node = type(node)("constant", [], node.outputs, {"value": value}, node.scope, node.loc)
             producers[node.output] = node
+        nodes.append(node)
+    return graph.copy_with(nodes=nodes)
+
+
+def compose_permutes(graph):
+    """A permute of a permute reads the first one's input: permute(permute(x, p), q) is
+    permute(x, (p[q[0]], p[q[1]], ...)), and x itself where that is the identity. A Linear's weight
+    transposed for the forward GEMM and transposed back for its input gradient's GEMM then leaves one
+    transpose, read in place by the forward GEMM (passes/fusion.py), instead of a copy kernel every
+    step. A result the step returns or writes to state stays a node of its own (so no output or
+    update is renamed)."""
+    live_out = set(graph.live_out())
+    producers: dict = {}
+    replace: dict = {}
+    nodes = []
+    for node in graph.nodes:
+        inputs = [replace.get(v, v) for v in node.inputs]
+        if inputs != node.inputs:
+            node = type(node)(node.op, inputs, node.outputs, node.attrs, node.scope, node.loc)
+        inner = producers.get(inputs[0]) if node.op == "permute" else None
+        if inner is not None and inner.op == "permute":
+            dims = tuple(inner.attrs["dims"][d] for d in node.attrs["dims"])
+            if dims == tuple(range(len(dims))) and node.output not in live_out:
+                replace[node.output] = inner.inputs[0]
+                continue
+            node = type(node)("permute", [inner.inputs[0]], node.outputs, {**node.attrs, "dims": dims},
+                              node.scope, node.loc)
+        for v in node.outputs:
+            producers[v] = node
         nodes.append(node)
     return graph.copy_with(nodes=nodes)

@@ -276,9 +276,10 @@ class CpuModule:
     def launch_sequence(self, launches) -> Callable[[], None] | None:
         """One call running `launches`, (kernel name, grid, block, dynamic shared bytes, kernel
         params) tuples, in order in the library (flowgen_run_launches), or None on the checking
-        emulator, whose launches each go through `launcher` to raise their report. The params
-        arrays must outlive the returned function."""
-        if self.checked:
+        emulator, whose launches each go through `launcher` to raise their report, and for no
+        launches (a library without kernels has no flowgen_emu.h). The params arrays must outlive
+        the returned function."""
+        if self.checked or not launches:
             return None
         table = (_Launch * len(launches))()
         for entry, (name, grid, block, smem, params) in zip(table, launches):
