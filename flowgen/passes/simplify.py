@@ -35,18 +35,23 @@ def _attr_key(value):
     return (type(value).__name__, repr(value))
 
 
+def _reading(node, replace: dict):
+    """`node` reading, for each input `replace` maps, the value it maps to."""
+    inputs = [replace.get(v, v) for v in node.inputs]
+    return node if inputs == node.inputs else type(node)(node.op, inputs, node.outputs, node.attrs, node.scope,
+                                                         node.loc)
+
+
 def cse(graph):
     """Merge nodes that compute the same op on the same inputs with the same attributes."""
     replace: dict = {}
     seen: dict = {}
     nodes = []
     for node in graph.nodes:
-        inputs = [replace.get(v, v) for v in node.inputs]
-        if inputs != node.inputs:
-            node = type(node)(node.op, inputs, node.outputs, node.attrs, node.scope, node.loc)
+        node = _reading(node, replace)
         key = None
         if not impure(node.op):
-            key = (node.op, tuple(id(v) for v in inputs), _attr_key(node.attrs))
+            key = (node.op, tuple(id(v) for v in node.inputs), _attr_key(node.attrs))
         if key is not None and key in seen:
             for old, new in zip(node.outputs, seen[key].outputs):
                 replace[old] = new
@@ -91,10 +96,8 @@ def compose_permutes(graph):
     replace: dict = {}
     nodes = []
     for node in graph.nodes:
-        inputs = [replace.get(v, v) for v in node.inputs]
-        if inputs != node.inputs:
-            node = type(node)(node.op, inputs, node.outputs, node.attrs, node.scope, node.loc)
-        inner = producers.get(inputs[0]) if node.op == "permute" else None
+        node = _reading(node, replace)
+        inner = producers.get(node.inputs[0]) if node.op == "permute" else None
         if inner is not None and inner.op == "permute":
             dims = tuple(inner.attrs["dims"][d] for d in node.attrs["dims"])
             if dims == tuple(range(len(dims))) and node.output not in live_out:
