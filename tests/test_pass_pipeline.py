@@ -107,3 +107,35 @@ def test_permutes_of_permutes_compose(inner, outer):
     permutes = [n for n in graph.compiled.ir.nodes if n.op == "permute"]
     assert all(producer.op != "permute" for n in permutes
                for producer in [graph.compiled.ir.producers().get(n.inputs[0])] if producer is not None)
+
+
+def test_cse_renames_the_outputs_and_updates_it_merges():
+    """Values computed alike are one node after cse: two returned ones, and the gradients of two
+    backward() calls through the same product (the fuzzer's seed 400359), whose sum the optimizer's
+    update reads. The step's outputs and state updates name the node kept."""
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(flow.randn(3))
+
+    class Twice(nn.Graph):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            h = x * self.model.p
+            loss, aux = (h * h).mean(), (h * h).mean() * 0.1
+            loss.backward(retain_graph=True)
+            aux.backward()
+            return (x * 2).sum(0), (x * 2).sum(0)
+
+    x = flow.randn(4, 3)
+    model = Scale()
+    start = model.p.numpy().copy()
+    a, b = Twice(model)(x)
+    np.testing.assert_allclose(a.numpy(), (x.numpy() * 2).sum(0), rtol=1e-6)
+    np.testing.assert_array_equal(b.numpy(), a.numpy())
+    grad = 1.1 * 2 * (x.numpy() ** 2 * start).sum(0) / x.numpy().size   # d/dp of 1.1 * mean((x p)^2)
+    np.testing.assert_allclose(model.p.numpy(), start - 0.1 * grad, rtol=1e-5)

@@ -59,7 +59,9 @@ def cse(graph):
         if key is not None:
             seen[key] = node
         nodes.append(node)
-    return graph.copy_with(nodes=nodes)
+    outputs = [replace.get(v, v) for v in graph.outputs]
+    updates = [(n, replace.get(v, v)) for n, v in graph.updates]
+    return graph.copy_with(nodes=nodes, outputs=outputs, updates=updates)
 
 
 def fold_constants(graph):
