@@ -139,6 +139,10 @@ __attribute__((noinline)) inline void parallel_loop(long long n, long long grain
 // function that calls its body.
 template <class Body>
 inline void parallel_for(long long n, long long grain, const Body& body) {
+  if (n / std::max(grain, 1LL) <= 1) {   // one piece: the loop inlined here, where g++ sees the kernel's pointers
+    if (n > 0) body(0LL, n);
+    return;
+  }
   parallel_loop(n, grain, &body,
                 [](const void* f, long long begin, long long end) { (*static_cast<const Body*>(f))(begin, end); });
 }
