@@ -22,6 +22,9 @@
 
 namespace flowgen_cpu {
 
+// A loop body behind a pointer: call(body, begin, end) runs items [begin, end).
+using LoopBody = void (*)(const void* body, long long begin, long long end);
+
 class Pool {
  public:
   static Pool& get() {
@@ -31,19 +34,16 @@ class Pool {
 
   int threads() const { return (int)helpers_.size() + 1; }
 
-  // Run body(begin, end) over [0, n) in `chunks` pieces of about equal size, on the caller and
-  // whichever helpers are running; returns when every piece is done. A loop posted from inside a
-  // piece (a GEMM slice inside a parallel loop) runs on its caller alone.
-  template <class Body>
-  void run(long long n, long long chunks, const Body& body) {
+  // Run call(body, begin, end) over [0, n) in `chunks` pieces of about equal size, on the caller
+  // and whichever helpers are running; returns when every piece is done. A loop posted from
+  // inside a piece (a GEMM slice inside a parallel loop) runs on its caller alone.
+  void run(long long n, long long chunks, const void* body, LoopBody call) {
     chunks = std::min(chunks, n);
     if (chunks <= 1 || helpers_.empty() || in_piece_) {
-      if (n > 0) body(0LL, n);
+      if (n > 0) call(body, 0LL, n);
       return;
     }
-    Job job{n, chunks, &body, [](const void* f, long long begin, long long end) {
-              (*static_cast<const Body*>(f))(begin, end);
-            }};
+    Job job{n, chunks, body, call};
     {
       std::lock_guard<std::mutex> lock(mutex_);
       job_ = &job;
@@ -65,7 +65,7 @@ class Pool {
   struct Job {
     long long n, chunks;
     const void* body;
-    void (*call)(const void*, long long, long long);
+    LoopBody call;
     std::atomic<long long> next{0}, done{0};
     std::atomic<int> inside{0};   // helpers inside this job
   };
@@ -125,12 +125,26 @@ class Pool {
   static inline thread_local bool in_piece_ = false;
 };
 
-// body(begin, end) over [0, n), in pieces of at least `grain` items (fewer pieces than that: one
-// call on this thread), at most four per thread so a late helper leaves little to wait for.
+// call(body, begin, end) over [0, n), in pieces of at least `grain` items (fewer pieces than that:
+// one call on this thread), at most four per thread so a late helper leaves little to wait for.
+// Not a template and never inlined: one compiled copy per object file, which every kernel calls.
+// (When the pool's posting and waiting code was a template over the body, inlined into every
+// kernel, g++ spent about 6 ms of CPU per native kernel on it: a fifth of a cold build.)
+__attribute__((noinline)) inline void parallel_loop(long long n, long long grain, const void* body, LoopBody call) {
+  Pool& pool = Pool::get();
+  pool.run(n, std::min(n / std::max(grain, 1LL), 4LL * pool.threads()), body, call);
+}
+
+// body(begin, end) over [0, n) as parallel_loop spreads it: a kernel's loop instantiates only the
+// function that calls its body.
 template <class Body>
 inline void parallel_for(long long n, long long grain, const Body& body) {
-  Pool& pool = Pool::get();
-  pool.run(n, std::min(n / std::max(grain, 1LL), 4LL * pool.threads()), body);
+  if (n / std::max(grain, 1LL) <= 1) {   // one piece: the loop inlined here, where g++ sees the kernel's pointers
+    if (n > 0) body(0LL, n);
+    return;
+  }
+  parallel_loop(n, grain, &body,
+                [](const void* f, long long begin, long long end) { (*static_cast<const Body*>(f))(begin, end); });
 }
 
 }  // namespace flowgen_cpu

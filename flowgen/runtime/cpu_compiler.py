@@ -22,12 +22,11 @@ import hashlib
 import os
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
-from flowgen.runtime import cpu_blas
-from flowgen.runtime.kernel_cache import KernelBuild, build_kernels
+from flowgen.runtime import cpu_blas, precompiled_header
+from flowgen.runtime.kernel_cache import KernelBuild, build_kernels, preamble_of
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import (
     CXX,
@@ -35,7 +34,6 @@ from flowgen.runtime.toolchain import (
     atomic_write_bytes,
     cache_dir,
     compiler_version,
-    copy_file_atomically,
     emulator_check,
     kernel_flags,
     kernel_params,
@@ -67,55 +65,34 @@ def _build_key(source: str, flags: Sequence[str], runtime: Path) -> str:
     return digest.hexdigest()
 
 
-def _object_flags(flags: list, runtime: Path, header: Path) -> list:
-    return [*flags, "-c", f"-I{runtime}", "-include", str(header)]
-
-
-def _precompiled_header(runtime: Path, flags: list, salt: str) -> Path:
-    """flowgen_emu.h with a precompiled `.gch` beside it, built once per compiler, flags and
-    headers (`<cache>/cpu-pch/<salt>/`): each g++ call then loads it in ~0.4 s of CPU instead of
-    parsing it and the standard headers in ~0.8 s. The copy keeps the original's size and
-    modification time, so the prelude's `#include "flowgen_emu.h"` is recognised as the same
-    `#pragma once` file. If the .gch cannot be used, g++ reads the copied header instead."""
-    pch_dir = cache_dir() / "cpu-pch" / salt[:32]
-    header = pch_dir / "flowgen_emu.h"
-    with _pch_lock:   # chunks compile in parallel threads; one builds the header
-        if not (pch_dir / "flowgen_emu.h.gch").is_file():
-            _build_precompiled_header(runtime, flags, header)
-    return header
-
-
-def _build_precompiled_header(runtime: Path, flags: list, header: Path) -> None:
-    pch_dir = header.parent
-    copy_file_atomically(runtime / "flowgen_emu.h", header)
-    fd, partial = tempfile.mkstemp(dir=pch_dir, prefix=".flowgen_emu.h.", suffix=".gch")
-    os.close(fd)
-    command = [CXX, *flags, f"-I{runtime}", "-x", "c++-header", str(header), "-o", partial]
-    if subprocess.run(command, capture_output=True).returncode == 0:
-        os.replace(partial, pch_dir / "flowgen_emu.h.gch")
-    else:
-        Path(partial).unlink(missing_ok=True)
-
-
-_pch_lock = threading.Lock()
-
 # A chunk of kernels should hold at least this much source (about 2 s of g++ CPU): each g++
-# call spends about 0.8 s on flowgen_emu.h and the standard headers it includes.
+# call spends 0.25 to 0.5 s on the preamble's headers (precompiled_header.py).
 _MIN_CHUNK_CHARS = 50_000
 
 
 def compile_kernel_objects(source: str, optimisation: Sequence[str] | None = None) -> KernelBuild:
     """The kernels of a generated kernels.cu as object files, compiled with
     kernel_flags(optimisation) kernel by kernel through the kernel cache (`<cache>/cpu-kernels`;
-    the flags are part of every key, so a sanitized build's objects are its own). Each kernel's
-    entry point in them is `flowgen_launch_<symbols[kernel name][1]>`."""
+    the flags are part of every key, so a sanitized build's objects are its own), with the
+    preamble's headers precompiled once a cache has compiled a few chunks (precompiled_header.py).
+    Each kernel's entry point in them is `flowgen_launch_<symbols[kernel name][1]>`."""
     runtime = runtime_cpp_dir()
-    flags = kernel_flags(optimisation)
-    salt = _build_key("", _object_flags(flags, runtime, runtime / "flowgen_emu.h"), runtime)
+    flags = [*kernel_flags(optimisation), "-c", f"-I{runtime}"]
+    salt = _build_key("", flags, runtime)
 
     def compile_chunk(text: str, build_dir: Path) -> None:
-        _run_gxx(_object_flags(flags, runtime, _precompiled_header(runtime, flags, salt)), text, build_dir,
-                 "kernels.o")
+        header = precompiled_header.header_for(preamble_of(text), flags, salt)
+        if header is not None:
+            try:
+                _run_gxx([*flags, "-Winvalid-pch", "-include", str(header)], text, build_dir, "kernels.o")
+                return
+            except CompileError as error:
+                failure = error.log
+        # Without a .gch: none yet, or the chunk failed with it. A damaged .gch fails every chunk;
+        # a chunk that fails by itself fails here again, with its own error.
+        _run_gxx(flags, text, build_dir, "kernels.o")
+        if header is not None:
+            precompiled_header.discard(header, failure)
 
     return build_kernels(source, root=cache_dir() / "cpu-kernels", salt=salt, artifact="kernels.o",
                          compiler="g++", min_chunk_chars=_MIN_CHUNK_CHARS, compile_chunk=compile_chunk)

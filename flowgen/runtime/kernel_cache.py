@@ -83,14 +83,24 @@ def _replace_identifier(text: str, name: str, replacement: str) -> str:
     return "".join(out)
 
 
+def _split_preamble(lines: list) -> tuple[str, int]:
+    """(the preprocessor lines before the first kernel, the index of the line after the last)."""
+    first = next((i for i, line in enumerate(lines) if _KERNEL_START.match(line)), len(lines))
+    directives = [i for i in range(first) if lines[i].startswith("#")]
+    return "".join(lines[i] for i in directives), directives[-1] + 1 if directives else 0
+
+
+def preamble_of(source: str) -> str:
+    """The preprocessor lines of a generated kernels.cu, or of a chunk of it, before its first
+    kernel: what every chunk of that source starts with."""
+    return _split_preamble(source.splitlines(keepends=True))[0]
+
+
 def split_kernels(source: str) -> tuple[str, list[KernelUnit]]:
     """(preamble, kernels) of a generated kernels.cu. The preamble is its preprocessor lines
     before the first kernel (comments dropped: they name the graph)."""
     lines = source.splitlines(keepends=True)
-    first = next((i for i, line in enumerate(lines) if _KERNEL_START.match(line)), len(lines))
-    directives = [i for i in range(first) if lines[i].startswith("#")]
-    body_start = directives[-1] + 1 if directives else 0
-    preamble = "".join(lines[i] for i in directives)
+    preamble, body_start = _split_preamble(lines)
     units, pending = [], []
     for line in lines[body_start:]:
         pending.append(line)
@@ -157,10 +167,11 @@ def build_kernels(source: str, *, root: Path, salt: str, artifact: str, compiler
                   compile_chunk: Callable[[str, Path], None], min_chunk_chars: int) -> KernelBuild:
     """Compile the kernels of `source` through the cache under `root`.
 
-    `compile_chunk(text, chunk_dir)` compiles one chunk's source into `chunk_dir / artifact`
-    (raising CompileError on failure); `salt` holds everything besides the source that changes
-    its output. Chunks hold at least `min_chunk_chars` of source each (a compiler call has a
-    fixed cost: headers, start-up), at most two per job.
+    `compile_chunk(text, chunk_dir)` compiles one chunk's source (the preamble, then its
+    kernels) into `chunk_dir / artifact` (raising CompileError on failure); `salt` holds
+    everything besides the source that changes its output. Chunks hold at least
+    `min_chunk_chars` of source each (a compiler call has a fixed cost: headers, start-up), at
+    most two per job.
     """
     source_key = _digest(salt, source)[:_KEY_CHARS]
     known = _lookup_source(root, source_key, artifact)
