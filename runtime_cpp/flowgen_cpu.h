@@ -1,7 +1,8 @@
 // flowgen_cpu.h — what the cpu target's native kernels (flowgen/codegen/cpu/) share: float32
 // GEMMs through OpenBLAS (the scipy-openblas32 wheel's library, NumPy's own BLAS build), the
 // im2col / col2im copies of convolutions, the Philox stream drawn a block at a time and
-// attention's dot products, their loops spread over flowgen_cpu_pool.h's threads.
+// attention's dot products, their loops spread over flowgen_cpu_pool.h's threads; the loops' float
+// exp, erf, erfc and tanh are flowgen_cpu_math.h's.
 //
 // A native kernel is written like an emulated one, `extern "C" __global__ void k(...)` followed
 // by `FLOWGEN_EMU_KERNEL(k, flowgen_cpu::Native{})`, so it lives in the same kernels.cu, library
@@ -18,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "flowgen_cpu_math.h"
 #include "flowgen_cpu_pool.h"
 #include "flowgen_philox.h"
 

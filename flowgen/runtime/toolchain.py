@@ -161,18 +161,27 @@ CXX_STANDARD = "-std=c++17"   # g++, NVRTC and nvcc alike
 MULDEFS = "-Wl,-z,muldefs"
 
 
-def _host_has_fma() -> bool:
-    """Whether this x86 CPU has FMA instructions: kernels call fmaf (one rounding, as the GPU's
-    FFMA); with -mfma g++ inlines it instead of calling libm, and -ffp-contract=off keeps g++
-    from fusing any other a * b + c (eager rounds those twice)."""
+def _host_cpu_flags() -> frozenset:
+    """The instruction-set flags of this x86 CPU (/proc/cpuinfo), empty elsewhere."""
     try:
         with open("/proc/cpuinfo") as f:
-            return platform.machine() in ("x86_64", "AMD64") and " fma " in f" {f.read()} ".replace("\n", " ")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(line.partition(":")[2].split()) if platform.machine() in ("x86_64", "AMD64") else frozenset()
 
 
-_FMA_FLAGS = ("-mfma", "-ffp-contract=off") if _host_has_fma() else ()
+# Kernels call fmaf (one rounding, as the GPU's FFMA): with -mfma g++ inlines it instead of calling
+# libm, and -ffp-contract=off keeps g++ from fusing any other a * b + c (eager rounds those twice).
+# With AVX2 as well, vectorized loops keep integer lanes (flowgen_cpu_math.h's exponent bits) as
+# wide as their float lanes. Neither changes a number: the same IEEE operations, other instructions.
+_HOST_FLAGS = _host_cpu_flags()
+_ISA_FLAGS = (("-mfma", "-ffp-contract=off") if "fma" in _HOST_FLAGS else ()) + \
+    (("-mavx2",) if {"fma", "avx2"} <= _HOST_FLAGS else ())
+# Floating-point operations raise no trap a kernel could observe (none unmasks one), so g++ may
+# compute both sides of a select and blend them: without this, a loop with `c ? a : b` over floats
+# (flowgen_cpu_math.h's clamps, a ReLU before a division) does not vectorize. Values are unchanged.
+_NO_TRAPS = "-fno-trapping-math"
 _OPT_LEVELS = ("0", "1", "2")
 
 
@@ -211,7 +220,7 @@ def kernel_flags(optimisation: Sequence[str] | None = None) -> list:
     without -fsanitize=thread (link_flags)."""
     opt = emulator_optimisation() if optimisation is None else tuple(optimisation)
     check = _CHECK_FLAGS if optimisation is None and emulator_check() else ()
-    return [CXX_STANDARD, *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_FMA_FLAGS, *check]
+    return [CXX_STANDARD, *opt, "-fopenmp", "-fPIC", "-DFLOWGEN_EMULATOR", *_ISA_FLAGS, _NO_TRAPS, *check]
 
 
 def link_flags() -> list:

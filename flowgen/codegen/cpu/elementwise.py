@@ -3,10 +3,12 @@
 emitter, so the same expression per element and the same numbers), run by loops spread over the
 thread pool (runtime_cpp/flowgen_cpu_pool.h) instead of by emulated threads, one loop per launch.
 
-`element_loop` adapts such lines (here and in the GEMM and conv epilogues) to a loop: dropout's
-Philox draws go through a per-piece block cache (flowgen_cpu::Philox: one Philox4x32 block per
-four consecutive elements, not one per element; the same words), and lines calling a costly
-function (exp, erf, a Philox draw, ...) are split over the pool in smaller pieces."""
+`element_loop` adapts such lines (here and in the GEMM, conv and reduction loops) to a loop: float
+exp, erf, erfc and tanh are runtime_cpp/flowgen_cpu_math.h's (NATIVE_MATH), which g++ vectorizes, not
+libm's scalar calls; dropout's Philox draws go through a per-piece block cache (flowgen_cpu::Philox:
+one Philox4x32 block per four consecutive elements, not one per element; the same words), and
+lines calling a costly function (exp, erf, a Philox draw, ...) are split over the pool in smaller
+pieces. The emulated CUDA kernels keep libm's."""
 from __future__ import annotations
 
 import re
@@ -22,13 +24,19 @@ from flowgen.codegen.templates import get_template
 _COSTLY = re.compile(r"\b(flowgen_philox_\w+|philox\.uniform|expm1f?|expf?|log1pf?|logf?|erfcf?|erff?|tanhf?|powf?|"
                      r"flowgen_pow|sinf?|cosf?|atan2f?)\(")
 _PHILOX = "flowgen_philox_uniform("
+# The native loops' float math: libm's name -> runtime_cpp/flowgen_cpu_math.h's (inline and
+# branch-free, so a loop of them vectorizes; the same bits at every g++ optimisation level).
+NATIVE_MATH = {"expf": "flowgen_cpu::expf", "erff": "flowgen_cpu::erff", "erfcf": "flowgen_cpu::erfcf",
+               "tanhf": "flowgen_cpu::tanhf"}
+_LIBM_CALL = re.compile(r"(?<![\w:.])(" + "|".join(NATIVE_MATH) + r")\(")
 
 
 def element_loop(lines) -> tuple:
-    """(lines, costly) of per-element `lines` run in a pool loop: the lines with each
-    flowgen_philox_uniform call drawn through the piece's `philox` block cache (piece_lines
-    declares it), and whether they call a costly function."""
-    lines = [line.replace(_PHILOX, "philox.uniform(") for line in lines]
+    """(lines, costly) of per-element `lines` run in a pool loop: the lines with NATIVE_MATH's
+    functions for libm's and each flowgen_philox_uniform call drawn through the piece's `philox`
+    block cache (piece_lines declares it), and whether they call a costly function."""
+    lines = [_LIBM_CALL.sub(lambda call: NATIVE_MATH[call.group(1)] + "(", line).replace(_PHILOX, "philox.uniform(")
+             for line in lines]
     return lines, any(_COSTLY.search(line) for line in lines)
 
 

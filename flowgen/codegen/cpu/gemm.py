@@ -27,6 +27,25 @@ def _native(*values) -> bool:
     return all(v.dtype in NATIVE_DTYPES for v in values)
 
 
+def _loop_coordinates(lines, rows_cols, batch: int, names: str) -> list:
+    """The epilogue's `lines` with the flat index's coordinates along C's rows and columns as
+    stored (`rows_cols`; codegen/fused.py's coordinate_lines: `(i / cols) % rows`, `(i) % cols`,
+    and `i / cols` without a batch) read as the loop's own (`names`: m, n; n, m when stored
+    transposed), which equal them: a broadcast read (a bias) is then affine in the inner loop, which
+    g++ vectorizes, where a read at i % cols is a gather it does not."""
+    rows, cols = rows_cols
+    row, col = names
+    known = {f"(i) % {cols}LL": col, f"(i / {cols}LL) % {rows}LL": row}
+    if batch == 1:
+        known[f"i / {cols}LL"] = row
+    out = []
+    for line in lines:
+        declared, _, value = line.partition(" = ")
+        known_value = known.get(value.rstrip(";")) if declared.startswith("const long long ") else None
+        out.append(f"{declared} = {known_value};" if known_value else line)
+    return out
+
+
 def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a_ptr, b_ptr, what_extra="",
                 transposed=False):
     """The native kernel computing c = op(a) @ op(b) then `epilogue_lines` per element (with
@@ -37,6 +56,8 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
     N = b.shape[-2] if b_trans else b.shape[-1]
     out_batch = tuple(c.shape[:-2])
     epilogue_lines, costly = element_loop(epilogue_lines)
+    epilogue_lines = _loop_coordinates(epilogue_lines, (N, M) if transposed else (M, N), numel_of(out_batch),
+                                       "nm" if transposed else "mn")
     chain = is_fma_chain(K, numel_of(out_batch) * M * N)
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" ({'fused multiply-add chains' if chain else 'OpenBLAS sgemm'}){what_extra}")
