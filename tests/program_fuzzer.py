@@ -979,11 +979,21 @@ def _sum(values):
 
 
 def initial_states(programs) -> list:
-    """Each program's initial state dict (float32, seeded by the program) as NumPy arrays."""
+    """Each program's initial state dict (float32, seeded by the program) as NumPy arrays. A
+    normalization's affine parameters start away from their defaults (weight 1, bias 0), as a
+    trained model's are: with the defaults a mean over a normalized group is 0 in exact arithmetic,
+    and its sign in floating point, which abs() or a threshold turns into a gradient of 1 or 0,
+    depends on the summation order (seed 412317: GroupNorm, a mean, log(abs(.) + 1))."""
     states = []
     for p in programs:
         flow.manual_seed(p.seed)
-        states.append({k: v.numpy().copy() for k, v in model_class(p)().state_dict().items()})
+        rng = np.random.default_rng(p.seed)
+        state = {k: v.numpy().copy() for k, v in model_class(p)().state_dict().items()}
+        for k, v in state.items():
+            if k.rsplit(".", 1)[-1] in ("weight", "bias") and v.dtype.kind == "f" and v.size and \
+                    (np.all(v == 0) or np.all(v == 1)):
+                state[k] = (v + rng.uniform(-0.3, 0.3, v.shape)).astype(v.dtype)
+        states.append(state)
     return states
 
 
