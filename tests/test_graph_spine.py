@@ -666,3 +666,38 @@ def test_broadcast_chain_fused_with_a_reshape_reads_the_right_elements():
     graph = Flat()
     np.testing.assert_allclose(graph(x, b).numpy(), flow.relu(x * b + b).reshape(16, 256).numpy(), rtol=1e-6)
     assert len(graph.compiled.program.kernels) == 1
+
+
+def test_a_step_whose_loss_folds_to_a_constant_returns_it():
+    """Every element of the output overwritten with a constant (fuzz seed 422408): the loss folds to
+    a scalar constant, which the step returns; kernels inline scalar constants, so a returned one
+    needs a buffer of its own."""
+    class Overwritten(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(flow.randn(2, 3))
+
+        def forward(self, x):
+            h = x.sum(2) * 1.0
+            h[0] = self.p[0]
+            h[[0, 1]] = -0.5
+            return h
+
+    class Step(nn.Graph):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.Adagrad(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            out = self.model(x)
+            loss = (out * out).mean()
+            loss.backward()
+            return loss, out
+
+    model = Overwritten()
+    start = model.p.numpy().copy()
+    loss, out = Step(model)(flow.randn(2, 3, 4))
+    assert float(loss) == 0.25
+    np.testing.assert_array_equal(out.numpy(), np.full((2, 3), -0.5, np.float32))
+    np.testing.assert_array_equal(model.p.numpy(), start)   # its gradient is 0

@@ -73,9 +73,11 @@ def render_kernels(graph):
     kernels: list = []
     aliases: dict = {}
     constants: dict = {}
+    live_out = graph.live_out()
     for node in graph.nodes:
         if node.op == "constant":
-            if node.output.numel > 1:
+            # Kernels inline a scalar constant; one the step returns or writes to state needs a buffer.
+            if node.output.numel > 1 or node.output in live_out:
                 constants[node.output] = node.attrs["value"]
             continue
         lowering = None if node.op == "fused" else get_op(node.op).lowering
