@@ -31,6 +31,16 @@ class SumLossGraph(nn.Graph):
         return loss
 
 
+class MeanSquareGraph(SumLossGraph):
+    """A training step on mean(model(x) ** 2), returning (loss, model(x))."""
+
+    def build(self, x):
+        out = self.model(x)
+        loss = (out * out).mean()
+        loss.backward()
+        return loss, out
+
+
 class TrainGraph(nn.Graph):
     def __init__(self, model, loss_fn, *optimizers):
         super().__init__()

@@ -14,6 +14,7 @@ import pytest
 import flowgen as flow
 import flowgen.nn as nn
 from flowgen.runtime import toolchain
+from graphs import MeanSquareGraph
 
 FUNCTIONS = ("expf", "erff", "erfcf", "tanhf")
 # The bounds flowgen_cpu_math.h states, in units in the last place of the float result.
@@ -149,19 +150,8 @@ def _train_step(monkeypatch, opt_level=None):
     x = flow.tensor((np.random.default_rng(4).standard_normal((33, 24)) * 3).astype(np.float32))
     before = copy.deepcopy(model)
 
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
-
-        def build(self, x):
-            out = self.model(x)
-            (out * out).mean().backward()
-            return out
-
-    step = Step()
-    got = [step(x).numpy(), model.linear.weight.numpy(), model.linear.bias.numpy()]
+    step = MeanSquareGraph(model, flow.optim.SGD(model.parameters(), lr=0.1))
+    got = [step(x)[1].numpy(), model.linear.weight.numpy(), model.linear.bias.numpy()]
     names = [k.name for k in step.compiled.program.kernels if k.native]
     sources = next(iter(step._variants.values())).sources["kernels.cu"]
     return before, x, got, names, sources

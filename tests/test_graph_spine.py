@@ -10,7 +10,7 @@ from flowgen.ir.trace import TraceError
 from flowgen.ir.interpret import interpret
 from flowgen.ir.verify import IRError, verify
 from flowgen.passes.pipeline import default_passes, run_passes
-from graphs import InferGraph, TrainGraph, train_like_eager
+from graphs import InferGraph, MeanSquareGraph, SumLossGraph, TrainGraph, train_like_eager
 
 
 def _mlp():
@@ -263,18 +263,8 @@ def test_dropout_in_a_training_graph_draws_the_eager_masks():
     model = nn.Sequential(nn.Linear(16, 32), nn.Dropout(0.3), nn.Linear(32, 4))
     eager = copy.deepcopy(model)
 
-    class Step(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
-
-        def build(self, x):
-            loss = self.model(x).sum()
-            loss.backward()
-            return loss
-
-    graph, opt = Step(), flow.optim.SGD(eager.parameters(), lr=0.1)
+    graph = SumLossGraph(model, flow.optim.SGD(model.parameters(), lr=0.1))
+    opt = flow.optim.SGD(eager.parameters(), lr=0.1)
     x = flow.randn(8, 16)
     flow.manual_seed(5)
     graph_losses = [float(graph(x)) for _ in range(3)]
@@ -683,21 +673,9 @@ def test_a_step_whose_loss_folds_to_a_constant_returns_it():
             h[[0, 1]] = -0.5
             return h
 
-    class Step(nn.Graph):
-        def __init__(self, model):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(flow.optim.Adagrad(model.parameters(), lr=0.1))
-
-        def build(self, x):
-            out = self.model(x)
-            loss = (out * out).mean()
-            loss.backward()
-            return loss, out
-
     model = Overwritten()
     start = model.p.numpy().copy()
-    loss, out = Step(model)(flow.randn(2, 3, 4))
+    loss, out = MeanSquareGraph(model, flow.optim.Adagrad(model.parameters(), lr=0.1))(flow.randn(2, 3, 4))
     assert float(loss) == 0.25
     np.testing.assert_array_equal(out.numpy(), np.full((2, 3), -0.5, np.float32))
     np.testing.assert_array_equal(model.p.numpy(), start)   # its gradient is 0
