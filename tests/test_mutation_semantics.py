@@ -519,3 +519,53 @@ def test_transposed_select_of_a_leading_1_writes_through_in_graphs():
     want = program(torch.tensor(x0)).numpy()
     np.testing.assert_array_equal(program(flow.tensor(x0)).numpy(), want)
     np.testing.assert_array_equal(FnGraph(program)(flow.tensor(x0)).numpy(), want)
+
+
+class _ConstantOperandStep(nn.Module):
+    """Fuzz seeds 431291/435551: `h[0] = 2.0` makes a one-element slice a constant, which a
+    Linear(1, 4) then multiplies (K = 1): the GEMM renderers refused the constant operand."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 4)
+        self.back = nn.Linear(4, 1, bias=False)
+
+    def forward(self, x):
+        h = x[2:3:2, 1:2]
+        h[0] = 2.0
+        left = self.lin(h)                       # [1, 1] constant @ weight^T
+        right = self.back(left) * h              # ... then multiplied by the constant again
+        col = x[:, :1] @ h                       # [N, 1] @ [1, 1] constant
+        return left.sum() + right.sum() + (col * col).sum()
+
+
+@pytest.mark.parametrize("kernels", ["emulator", "native"])
+def test_a_one_element_constant_gemm_operand_compiles_and_trains_like_eager(kernels, monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", kernels)
+    flow.manual_seed(0)
+    model = _ConstantOperandStep()
+    twin = _ConstantOperandStep()
+    twin.load_state_dict(model.state_dict())
+    x = flow.tensor(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32))
+
+    class Step(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = twin
+            self.add_optimizer(flow.optim.SGD(twin.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.model(x)
+            loss.backward()
+            return loss
+
+    opt = flow.optim.SGD(model.parameters(), lr=0.1)
+    graph = Step()
+    for _ in range(2):
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        np.testing.assert_allclose(graph(x).numpy(), loss.numpy(), rtol=1e-6)
+    for name, p in model.state_dict().items():
+        np.testing.assert_allclose(twin.state_dict()[name].numpy(), p.numpy(), rtol=1e-6, err_msg=name)

@@ -161,10 +161,12 @@ def _unwrapped(text: str) -> str:
 class Emitter:
     """Turns body nodes into C++ lines; tracks params and value -> C variable names."""
 
-    def __init__(self, node, producers, stream_values=None, names=None):
+    def __init__(self, node, producers, stream_values=None, names=None, buffered=()):
         self.node = node
         self.producers = producers
         names = names or {}   # input Value -> parameter name, where a template expects one (x, w)
+        # `buffered`: inputs the kernel reads through a pointer even if they are one-element
+        # constants (a GEMM's operands); program.py uploads such a constant.
         self.stream_values = stream_values or {}   # rng state name -> its Value
         self.streams: set = set()
         self.params: list = []
@@ -174,8 +176,8 @@ class Emitter:
         self.param_name: dict = {}   # input Value -> the name of the parameter it arrives in
         self.out_name: dict = {}     # output Value -> the name of the parameter it is stored through
         taken = set(names.values())
-        for v in node.inputs:
-            if scalar_constant(v, producers) is not None:
+        for v in node.inputs:   # scalar constants are inlined, except where a template reads a buffer
+            if scalar_constant(v, producers) is not None and v not in buffered:
                 continue
             self.param_name[v] = names.get(v) or unique_name(value_param_name(v, producers), taken)
             self.params.append(f"const {v.dtype.ctype}* __restrict__ {self.param_name[v]}")

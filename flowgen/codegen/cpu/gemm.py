@@ -95,9 +95,7 @@ def render_fused_gemm(node, ctx: RenderContext):
     a_src, b_src = transposed.get(a_val, a_val), transposed.get(b_val, b_val)
     if not _native(a_src, b_src, mm.output):
         return None
-    em = fused.Emitter(node, producers, stream_values)
-    if any(fused.scalar_constant(v, producers) is not None for v in (a_src, b_src)):
-        return None
+    em = fused.Emitter(node, producers, stream_values, buffered=(a_src, b_src))
     out_value = mm.output
     store_transposed = bool(epilogue) and epilogue[0].op == "permute"
     if store_transposed:

@@ -14,7 +14,7 @@ emits their lines).
 from __future__ import annotations
 
 from flowgen import dtype as dt
-from flowgen.codegen.fused import Emitter, anchor_epilogue, scalar_constant
+from flowgen.codegen.fused import Emitter, anchor_epilogue
 from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.kernels.common import (BLOCK, acc_type, contiguous_strides, coordinates, grid_1d, loader,
                                             node_args, node_comment, numel_of, offset_expr, render_template,
@@ -37,9 +37,7 @@ def _fused_gemm(node, ctx: RenderContext) -> Kernel:
     transposed = {p.output: p.inputs[0] for p in prologue}   # operands read in place, transposed
     a_val, b_val = mm.inputs
     a_src, b_src = transposed.get(a_val, a_val), transposed.get(b_val, b_val)
-    em = Emitter(node, ctx.producers, ctx.stream_values)
-    if any(scalar_constant(v, ctx.producers) is not None for v in (a_src, b_src)):
-        raise NotImplementedError(f"matmul ({node.scope or 'graph'}): a one-element constant operand")
+    em = Emitter(node, ctx.producers, ctx.stream_values, buffered=(a_src, b_src))
 
     out_value = mm.output
     store_transposed = bool(epilogue) and epilogue[0].op == "permute"
