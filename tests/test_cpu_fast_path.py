@@ -408,3 +408,31 @@ def test_fused_reductions_match_eager_and_the_emulated_kernels():
     _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
     for got, want in zip(native, cuda):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_broadcast_elementwise_rows_match_eager_and_the_emulated_kernels():
+    """Elementwise kernels whose inputs are broadcast run as rows (codegen/cpu/elementwise.py
+    rows_of): per-channel inputs over NCHW planes of 37 * 41 pixels (rows that the pool's pieces
+    cut: 3 * 7 * 1517 elements), a bias along the last dim, both with a per-channel input of
+    another layout, and a dropout whose Philox draws run in the rows. The same bits as the
+    emulated kernels, and eager's numbers."""
+    rng = np.random.default_rng(11)
+
+    def broadcasts(x, scale, shift, bias, col):
+        planes = (x * scale - shift).relu() * 0.5                    # [3, 7, 37, 41] by [7, 1, 1]
+        rows = (x + bias) * col                                      # [41] along the last dim, [37, 1] per row
+        dropped = flow.nn.functional.dropout(x * scale, p=0.25, training=True)
+        return flow.cat([planes.reshape(-1), rows.reshape(-1), dropped.reshape(-1)])
+
+    shapes = [(3, 7, 37, 41), (7, 1, 1), (7, 1, 1), (41,), (37, 1)]
+    model = Probe(broadcasts, *[_randn(rng, *s) for s in shapes[1:]])
+    numel = 3 * 3 * 7 * 37 * 41
+    data = [(flow.tensor(_randn(rng, *shapes[0])), flow.tensor(_randn(rng, numel))) for _ in range(2)]
+    emulated = copy.deepcopy(model)
+    step, native = steps_like_eager(model, data)
+    rows = [k for k in step.compiled.program.kernels if k.native and "consecutive elements" in k.source]
+    assert len(rows) >= 2, [k.comment for k in step.compiled.program.kernels]
+    assert any("i - row_start" in k.source for k in rows)   # the bias along the last dim
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator")
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)

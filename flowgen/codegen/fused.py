@@ -10,6 +10,7 @@ converted once at load and store.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -81,15 +82,32 @@ def broadcast_offset(in_shape, out_shape, coord_names) -> str:
     return " + ".join(terms) if terms else "0"
 
 
+@dataclass(frozen=True)
+class Coordinate:
+    """Coordinate `name` of a flat index into a row-major shape: `(index / stride) % size`, with
+    no modulo for the outermost dim."""
+    name: str
+    stride: int
+    size: int
+    outermost: bool
+
+    def expr(self, index: str) -> str:
+        expr = index if self.stride == 1 else f"{index} / {self.stride}LL"
+        return expr if self.outermost else f"({expr}) % {self.size}LL"
+
+    def line(self, index: str) -> str:
+        return f"const long long {self.name} = {self.expr(index)};"
+
+
+def coordinates(shape, prefix: str) -> list:
+    """The Coordinate of each dim of `shape`, named prefix0, prefix1, ..."""
+    return [Coordinate(f"{prefix}{d}", stride, size, d == 0)
+            for d, (size, stride) in enumerate(zip(shape, strides(shape)))]
+
+
 def coordinate_lines(shape, index: str, prefix: str) -> list:
     """`const long long c0 = (i / 12) % 4;` ... for each dim of `shape`."""
-    lines = []
-    for d, (size, stride) in enumerate(zip(shape, strides(shape))):
-        expr = index if stride == 1 else f"{index} / {stride}LL"
-        if d > 0:
-            expr = f"({expr}) % {size}LL"
-        lines.append(f"const long long {prefix}{d} = {expr};")
-    return lines
+    return [c.line(index) for c in coordinates(shape, prefix)]
 
 
 # Kernel parameters named after a graph input or state (names the user chose) start with this, and
@@ -141,8 +159,13 @@ DECLARED_NAME = re.compile(r"const [\w ]+ (\w+) = ")
 def declared_if_read(declarations, code) -> list:
     """The `const long long <name> = ...;` lines of `declarations` whose name `code` (lines)
     reads: a coordinate no load uses is not computed (and leaves no unused variable)."""
-    read = set(re.findall(r"\w+", "\n".join(code)))
+    read = names_read(code)
     return [d for d in declarations if DECLARED_NAME.match(d)[1] in read]
+
+
+def names_read(code) -> set:
+    """Every word of `code` (lines): the names it may read."""
+    return set(re.findall(r"\w+", "\n".join(code)))
 
 
 def _unwrapped(text: str) -> str:
@@ -241,9 +264,9 @@ class Emitter:
         return lines
 
 
-def _flat_index_reads(body, inputs, numel: int, producers, index: str = "i", prefix: str = "c") -> tuple:
-    """(coordinate lines, offset function) for reading `inputs` in a fused body whose nodes all
-    have `numel` elements and run at the same flat index: full-size inputs are read at the flat
+def _flat_index_coordinates(body, inputs, numel: int, producers, index: str = "i", prefix: str = "c") -> tuple:
+    """(Coordinates, offset function) for reading `inputs` in a fused body whose nodes all have
+    `numel` elements and run at the same flat index `index`: full-size inputs are read at the flat
     index; a broadcast input at the coordinates of the index in the shape of the node that reads
     it (a reshape may sit between the nodes)."""
     reader_shape = {}
@@ -251,27 +274,41 @@ def _flat_index_reads(body, inputs, numel: int, producers, index: str = "i", pre
         for v in b.inputs:
             reader_shape.setdefault(v, tuple(b.output.shape))
     broadcast = [v for v in inputs if v.numel != numel and scalar_constant(v, producers) is None]
-    index_lines, coords = [], {}
+    index_coords, coords = [], {}
     for k, shape in enumerate(dict.fromkeys(reader_shape[v] for v in broadcast)):
         name = prefix if k == 0 else f"{prefix}{k}_"
-        index_lines += coordinate_lines(shape, index, name)
+        index_coords += coordinates(shape, name)
         coords[shape] = [f"{name}{d}" for d in range(len(shape))]
 
     def offset(v):
         return index if v.numel == numel else broadcast_offset(v.shape, reader_shape[v], coords[reader_shape[v]])
 
-    return index_lines, offset
+    return index_coords, offset
 
 
-def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
-    """(shape, coordinate lines, body lines) of an elementwise body evaluated at flat index `i`."""
+def _flat_index_reads(body, inputs, numel: int, producers, index: str = "i", prefix: str = "c") -> tuple:
+    """_flat_index_coordinates with the coordinates as lines declaring them."""
+    index_coords, offset = _flat_index_coordinates(body, inputs, numel, producers, index, prefix)
+    return [c.line(index) for c in index_coords], offset
+
+
+def elementwise_coordinates(em, body, inputs, outputs, producers) -> tuple:
+    """(shape, the Coordinates the lines read, body lines) of an elementwise body evaluated at
+    flat index `i`."""
     shape = tuple(body[-1].output.shape)
-    index_lines, offset = _flat_index_reads(body, inputs, int(np.prod(shape, dtype=np.int64)), producers)
+    index_coords, offset = _flat_index_coordinates(body, inputs, int(np.prod(shape, dtype=np.int64)), producers)
     lines = em.load_inputs(set(inputs), offset)
     for b in body:
         lines.append(em.compute(b))
     lines += em.stores(set(outputs), "i")
-    return shape, declared_if_read(index_lines, lines), lines
+    read = names_read(lines)
+    return shape, [c for c in index_coords if c.name in read], lines
+
+
+def _elementwise_lines(em, body, inputs, outputs, producers) -> tuple:
+    """(shape, coordinate lines, body lines) of an elementwise body evaluated at flat index `i`."""
+    shape, index_coords, lines = elementwise_coordinates(em, body, inputs, outputs, producers)
+    return shape, [c.line("i") for c in index_coords], lines
 
 
 def render_elementwise(node, ctx: RenderContext) -> list:

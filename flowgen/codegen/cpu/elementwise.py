@@ -51,27 +51,59 @@ def piece_lines(lines) -> list:
         if any("philox.uniform(" in line for line in lines) else []
 
 
-def _source(name, comment, ops, params, segments, what) -> str:
+# The shortest run of elements worth a loop of its own (below it, a row costs more than the
+# divisions it saves).
+_MIN_ROW = 8
+
+
+def rows_of(coords) -> dict | None:
+    """Runs of consecutive elements over which the broadcast inputs' coordinates (`coords`,
+    fused.Coordinate) are computed once, not per element: their 64-bit divisions do not vectorize,
+    and the inputs they index (a BatchNorm's per-channel statistics) become loop-invariant.
+    {"length", "row_lines", "inner_lines"}, or None where the runs would be too short:
+    - every coordinate's stride a multiple of `length` (>= _MIN_ROW): all are the same along a run
+      (an NCHW channel's H*W pixels), computed from `row` = i / length;
+    - the coordinates of stride 1 all of one size, `length`, and the others' strides multiples of
+      it (a bias along the last dim): those are `i - row_start` inside the run, the others as above."""
+    if not coords:
+        return None
+    length = int(np.gcd.reduce([c.stride for c in coords]))
+    inner = []
+    if length < _MIN_ROW:
+        inner = [c for c in coords if c.stride == 1]
+        sizes = {c.size for c in inner}
+        length = sizes.pop() if len(sizes) == 1 and not any(c.outermost for c in inner) else 0
+        if length < _MIN_ROW or any(c.stride % length for c in coords if c not in inner):
+            return None
+    row_lines = [fused.Coordinate(c.name, c.stride // length, c.size, c.outermost).line("row")
+                 for c in coords if c not in inner]
+    return {"length": length, "row_lines": row_lines,
+            "inner_lines": [f"const long long {c.name} = i - row_start;" for c in inner]}
+
+
+def _source(name, comment, ops, params, segments, what, rows=None) -> str:
     loops = [element_loop(seg["body_lines"]) for seg in segments]
     segments = [dict(seg, body_lines=lines) for seg, (lines, _) in zip(segments, loops)]
     return get_template("cpu_elementwise.cpp.j2").render(
-        name=name, comment=comment, ops=ops, params=params, segments=segments, what=what,
+        name=name, comment=comment, ops=ops, params=params, segments=segments, what=what, rows=rows,
         total=sum(seg["numel"] for seg in segments), grain=grain(any(costly for _, costly in loops)),
         piece_lines=piece_lines([line for lines, _ in loops for line in lines]))
 
 
 def render_elementwise(node, ctx: RenderContext) -> list:
-    """A fused elementwise node (fused.render_elementwise's input) as one native kernel."""
+    """A fused elementwise node (fused.render_elementwise's input) as one native kernel: a loop
+    over the elements, or over rows of them (rows_of) where inputs are broadcast."""
     producers = ctx.producers
     em = fused.Emitter(node, producers, ctx.stream_values)
-    shape, index_lines, lines = fused._elementwise_lines(em, node.body, node.inputs, node.outputs, producers)
+    shape, coords, lines = fused.elementwise_coordinates(em, node.body, node.inputs, node.outputs, producers)
     numel = int(np.prod(shape, dtype=np.int64))
     ops = [b.op for b in node.body]
     name = ctx.kernel_name(node, ops)
     shape_text = f"[{', '.join(map(str, shape))}]"
     source = _source(name, f"{node.scope or 'graph'}: elementwise", ops, em.params,
-                     [{"numel": numel, "index_lines": index_lines, "body_lines": lines, "what": shape_text}],
-                     f"one iteration per element of {shape_text}")
+                     [{"numel": numel, "index_lines": [c.line("i") for c in coords], "body_lines": lines,
+                       "what": shape_text}],
+                     f"one iteration per element of {shape_text}", rows=rows_of(coords))
     return [Kernel(name, source, em.args, (1, 1, 1), (1, 1, 1), native=True,
                    comment=f"{node.scope or 'graph'}: {', '.join(ops)}", ops=ops,
                    in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))]
