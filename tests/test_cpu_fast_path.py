@@ -436,3 +436,41 @@ def test_broadcast_elementwise_rows_match_eager_and_the_emulated_kernels():
     _, cuda = steps_like_eager(emulated, data, kernels="emulator")
     for got, want in zip(native, cuda):
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("stride,padding,dilation,multiplier,kernel", [
+    (1, 1, 1, 1, 3), (2, 1, 1, 1, 3), (2, 2, 2, 2, 3), (1, 0, 1, 1, 5), (3, 2, 1, 1, (3, 2))])
+def test_depthwise_conv_rows_match_the_emulated_kernels(stride, padding, dilation, multiplier, kernel):
+    """Depthwise convs (forward with a fused epilogue, grad_input, grad_weight) as row loops
+    (templates/cpu_depthwise.cpp.j2): strides, padding wider than some taps' reach, dilation, a
+    channel multiplier, non-square kernels; the same bits as the emulated kernels."""
+    rng = np.random.default_rng(13)
+    channels = 5
+
+    def depthwise(x, w, b):
+        y = flow.nn.functional.conv2d(x, w, b, stride=stride, padding=padding, dilation=dilation, groups=channels)
+        return y.relu()
+
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    model = Probe(depthwise, _randn(rng, channels * multiplier, 1, kh, kw), _randn(rng, channels * multiplier))
+    x = flow.tensor(_randn(rng, 2, channels, 13, 11))
+    out_shape = depthwise(x, *model.params).shape
+    data = [(flow.tensor(_randn(rng, 2, channels, 13, 11)), flow.tensor(_randn(rng, *out_shape))) for _ in range(2)]
+
+    class WithInput(nn.Module):   # the input a parameter too, so grad_input runs
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+            self.shift = nn.Parameter(flow.tensor(_randn(rng, 2, channels, 13, 11)))
+
+        def forward(self, x, weights):
+            return self.inner(x * self.shift, weights)
+
+    wrapped = WithInput()
+    emulated = copy.deepcopy(wrapped)
+    step, native = steps_like_eager(wrapped, data, rtol=1e-5, atol=1e-5)
+    ops = {op for k in step.compiled.program.kernels if k.native and "depthwise" in k.comment for op in k.ops}
+    assert {"conv2d", "conv2d_grad_input", "conv2d_grad_weight"} <= ops, ops
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)
