@@ -28,6 +28,7 @@ from flowgen import nn, optim, utils, amp, models, one_embedding, backends  # no
 from flowgen.mixed_precision import autocast  # noqa: E402
 from flowgen import _C  # noqa: E402,F401  (OneFlow's functional namespace, flow._C)
 from flowgen.serialization import save, load  # noqa: E402
+from flowgen.dims import Dim  # noqa: E402,F401  (a dynamic dimension: graph.config.dynamic_shapes)
 from flowgen.deploy import load_compiled  # noqa: E402,F401  (a `flowgen build --lib` library, through ctypes)
 from flowgen.errors import FlowgenInternalError  # noqa: E402,F401  (a failed internal check while compiling)
 from flowgen.distributed import env, sbp  # noqa: E402

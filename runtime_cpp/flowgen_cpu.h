@@ -112,6 +112,16 @@ inline void fma_chain_gemm(bool trans_a, bool trans_b, int M, int N, int K, cons
   }
 }
 
+// C = op(A) @ op(B) as eager computes it (ops/linalg.py is_fma_chain decides `chain`, which a
+// kernel works out from its sizes): fused multiply-add chains for a small product, else sgemm.
+inline void gemm(bool chain, bool trans_a, bool trans_b, int M, int N, int K, const float* A, int lda,
+                 const float* B, int ldb, float* C, int ldc) {
+  if (chain)
+    fma_chain_gemm(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc);
+  else
+    sgemm(trans_a, trans_b, M, N, K, A, lda, B, ldb, C, ldc);
+}
+
 // A per-thread scratch buffer of at least `count` floats, kept between launches (the GEMM's
 // accumulators before the epilogue, a convolution's columns).
 inline float* scratch(long long count, int slot = 0) {

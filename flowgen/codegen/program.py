@@ -45,6 +45,7 @@ class Program:
     state_writes: dict = field(default_factory=dict)  # update Value -> state Value it is written into
     kernels_before_fusion: int = 0
     timings: dict = field(default_factory=dict)
+    dynamic: object = None            # codegen/dynamic.py DynamicDims: sizes given at run time (None: fixed)
 
     @property
     def num_launches(self) -> int:
@@ -313,12 +314,16 @@ def build_program(graph, naive_memory: bool = False, target: str = "cuda", compr
     plan = plan_memory(steps, aliases=aliases, external=external, live_out=graph.live_out(),
                        naive=naive_memory or None, placement=compress if compress_memory else None)
     kernels = declare_shared_memory(kernels, plan, aliases, state_writes)
+    return Program(graph, kernels, prepare, aliases, constants, plan, kernels_source(graph, prepare, kernels),
+                   state_writes=state_writes)
+
+
+def kernels_source(graph, prepare, kernels) -> str:
+    """kernels.cu: the header, then every kernel's source in launch order (prepare kernels first)."""
     header = KERNELS_HEADER.format(name=graph.name.rsplit("_", 1)[0])
     if any(k.native for k in prepare + kernels):
         header += NATIVE_HEADER
-    source = header + "\n".join(
-        k.source for k in prepare + kernels if k.collective is None)
-    return Program(graph, kernels, prepare, aliases, constants, plan, source, state_writes=state_writes)
+    return header + "\n".join(k.source for k in prepare + kernels if k.collective is None)
 
 
 __all__ = ["Program", "build_program", "Kernel", "count_unfused_kernels"]

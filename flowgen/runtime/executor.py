@@ -212,6 +212,10 @@ class Executor:
         for v, array in program.constants.items():
             self.address[v] = backend.alloc(v.nbytes)
             backend.upload(self.address[v], np.asarray(array, v.dtype.np_dtype).reshape(v.shape))
+        # Dynamic dimensions (codegen/dynamic.py): the sizes of this call, which the kernels read.
+        self.dynamic = program.dynamic
+        if self.dynamic is not None:
+            self.address[self.dynamic.value] = backend.alloc(self.dynamic.value.nbytes)
         args = [[self._arg(a) for a in k.args] for k in program.kernels]
         self.launches = [self._host_collective(k) if k.collective is not None else backend.prepare(k, a)
                          for k, a in zip(program.kernels, args)]
@@ -254,8 +258,9 @@ class Executor:
     def write_state(self, state_value, array: np.ndarray):
         self.backend.upload(self.address[state_value], np.asarray(array, state_value.dtype.np_dtype))
 
-    def read_value(self, value) -> np.ndarray:
-        out = np.empty(value.shape, value.dtype.np_dtype)
+    def read_value(self, value, shape=None) -> np.ndarray:
+        """`value`'s contents (its first elements in `shape`, for a size given at run time)."""
+        out = np.empty(value.shape if shape is None else shape, value.dtype.np_dtype)
         if out.size == 0:   # nothing to read, and no kernel may have given it a place in the arena
             return out
         self.backend.download(out, self.resolve(value))
@@ -293,6 +298,11 @@ class Executor:
         (they read only state the graph never writes) run when `state_changed`."""
         for v, array in zip(self.program.graph.inputs, inputs):
             self.backend.upload(self.address[v], array)
+        sizes = None
+        if self.dynamic is not None:   # the inputs' sizes were checked against the Dims (flowgen/dims.py)
+            by_dim = {dim: int(inputs[uses[0].input].shape[uses[0].axis]) for dim, uses in self.dynamic.uses.items()}
+            sizes = self.dynamic.sizes(by_dim)
+            self.backend.upload(self.address[self.dynamic.value], sizes)
         if state_changed:
             for launch in self.prepare_launches:
                 launch()
@@ -305,6 +315,9 @@ class Executor:
             self.backend.download(self.index_error, address)
             if self.index_error["check"]:
                 break
+        if sizes is not None:
+            return [self.read_value(v, self.dynamic.output_shape(k, sizes))
+                    for k, v in enumerate(self.program.graph.outputs)]
         return [self.read_value(v) for v in self.program.graph.outputs]
 
     def raise_index_error(self):

@@ -18,7 +18,7 @@ from flowgen.codegen.kernels.common import node_args, node_comment, numel_of, sh
 from flowgen.codegen.kernels.gemm import _batch_offset_lines, _batch_text
 from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
 from flowgen.codegen.templates import get_template
-from flowgen.ops.linalg import is_fma_chain
+from flowgen.ops.linalg import SMALL_MATMUL_K, SMALL_MATMUL_MACS, is_fma_chain
 
 NATIVE_DTYPES = (dt.float32,)
 
@@ -68,7 +68,7 @@ def gemm_source(node, name, a, b, c, params, epilogue_lines, a_trans, b_trans, a
         tuple(a.shape[:-2]) == out_batch
     source = get_template("cpu_gemm.cpp.j2").render(
         name=name, comment=node_comment(node, what), params=params, M=M, N=N, K=K, batch=numel_of(out_batch),
-        stacked=stacked, transposed=transposed, product="fma_chain_gemm" if chain else "sgemm",
+        stacked=stacked, transposed=transposed, small_k=SMALL_MATMUL_K, small_macs=SMALL_MATMUL_MACS,
         product_text="one fused multiply-add chain per output" if chain else "OpenBLAS sgemm",
         batch_text=_batch_text(out_batch), a_desc="A^T" if a_trans else "A", b_desc="B^T" if b_trans else "B",
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),

@@ -14,13 +14,16 @@ import warnings
 
 import numpy as np
 
-from flowgen.codegen.program import build_program, count_unfused_kernels
+from flowgen.codegen.dynamic import fit_programs
+from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
 from flowgen.distributed import env
 from flowgen.distributed.data_parallel import broadcast_state, global_outputs, graph_placement
 from flowgen.distributed.global_tensor import absent, holds
 from flowgen.distributed.pipeline import pipeline_of
 from flowgen.distributed.placement import placement as Placement
 from flowgen.distributed.sbp import broadcast
+from flowgen.dims import sample_sizes
+from flowgen.creation import zeros
 from flowgen.errors import internal_checks
 from flowgen.nn.graph.backend import cuda_arch, make_backend_once
 from flowgen.nn.graph.io import flatten_call
@@ -171,6 +174,19 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_pla
 
 
 def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress):
+    built = _build_program(graph, args, kwargs, data_parallel, input_placements, progress)
+    return _compiled(graph, built, built.program, data_parallel, input_placements)
+
+
+class _Built:
+    """A traced, optimized and rendered step: what a CompiledGraph is made from."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _build_program(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress) -> _Built:
+    """Trace, the passes and codegen: the step's IR and Program (no compiler runs yet)."""
     cls = type(graph).__name__
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     device = device_of(graph, inputs)
@@ -215,19 +231,62 @@ def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placeme
         (ir, program), cache_status = program_cache.cached(step.ir, options, ir_passes_and_codegen)
     if cache_status == "hit":
         timings["program cache"] = time.perf_counter() - start
+    return _Built(step=step, settings=settings, ir=ir, program=program, timings=timings, cache_status=cache_status,
+                  placement=placement, pipeline=pipeline)
+
+
+def _compiled(graph, built: _Built, program, data_parallel, input_placements) -> CompiledGraph:
+    """The CompiledGraph running `program` (built's, or one fitted from several builds)."""
+    cls = type(graph).__name__
     graph._log(1, program.plan.describe())
     start = time.perf_counter()
-    executor = Executor(program, make_backend_once(settings.device, program.source, data_parallel))
-    timings["compile"] = time.perf_counter() - start
+    executor = Executor(program, make_backend_once(built.settings.device, program.source, data_parallel))
+    built.timings["compile"] = time.perf_counter() - start
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) end compiling plan and init graph rumtime.")
     graph._log(0, f"(GRAPH:{graph.name}:{cls}) compiling plan and init graph runtime Done! Cost time: "
-                  f"{sum(t for k, t in timings.items() if k != 'trace'):.2f}s.")
-    compiled = CompiledGraph(graph, step.with_ir(ir), settings, program, executor, timings)
-    compiled.program_cache = cache_status
-    compiled.runs_here = placement is None or holds(placement)
-    compiled.output_placements = _output_placements(len(ir.outputs), input_placements, placement, pipeline,
-                                                    step.stage_program)
+                  f"{sum(t for k, t in built.timings.items() if k != 'trace'):.2f}s.")
+    compiled = CompiledGraph(graph, built.step.with_ir(built.ir), built.settings, program, executor, built.timings)
+    compiled.program_cache = built.cache_status
+    compiled.runs_here = built.placement is None or holds(built.placement)
+    compiled.output_placements = _output_placements(len(built.ir.outputs), input_placements, built.placement,
+                                                    built.pipeline, built.step.stage_program)
     return compiled
+
+
+def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
+    """compile_step for a graph with dynamic dimensions (flowgen/dims.py): rendered with every
+    Dim at its max and at the sample sizes, fitted into one Program whose kernels read the sizes
+    at run time (codegen/dynamic.py)."""
+    if graph._optimizers:
+        raise NotImplementedError(f"{graph.name}: dynamic_shapes on a training graph (add_optimizer) is not "
+                                  f"supported yet; compile the training step for fixed shapes")
+    inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
+    dims = list(uses)
+
+    def at(sizes):
+        """The call's inputs with each Dim's axes at `sizes` (zeros: tracing reads no values)."""
+        shaped = []
+        for k, t in enumerate(inputs):
+            shape = list(t.shape)
+            for d, size in zip(dims, sizes):
+                for use in uses[d]:
+                    if use.input == k:
+                        shape[use.axis] = size
+            shaped.append(t if list(t.shape) == shape else zeros(tuple(shape), dtype=t.dtype, device=t.device))
+        return rebuild_call(shaped)
+
+    points = []
+    for k, dim in enumerate(dims):
+        for size in sample_sizes(dim):
+            points.append([size if j == k else d.max for j, d in enumerate(dims)])
+    if len(dims) > 1:   # the fits are sums over the Dims: checked where all of them move
+        points.append([d.min for d in dims])
+    with reporting(graph.name) as progress, program_cache.collector_paused(), \
+            internal_checks(graph.name, lambda: progress.stage_name):
+        base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)
+        renderings = [(p, _build_program(graph, *at(p), None, (), progress).program) for p in points]
+        program = fit_programs(base.program, renderings, dims, uses, kernels_source)
+        return _compiled(graph, base, program, None, ())
 
 
 def _output_placements(num_outputs: int, input_placements: tuple, placement, pipeline, stage_program):

@@ -57,6 +57,7 @@ class GraphConfig:
         self.cudnn_conv_heuristic_search_algo = cudnn.conv_search_for_new_graphs()
         self.straighten = False
         self.compress_memory = False
+        self.dynamic = None             # flowgen: per input of build(), {axis: flow.Dim} or None (dynamic_shapes)
 
     def enable_amp(self, mode: bool = True, dtype=dt.float16):
         """Mixed precision with PyTorch's autocast semantics (the op lists: flowgen/mixed_precision.py):
@@ -125,6 +126,14 @@ class GraphConfig:
     def enable_compress_memory(self, mode: bool = True):
         """Search placement orders for the smallest arena (slower planning; see memory/search.py)."""
         self.compress_memory = bool(mode)
+
+    def dynamic_shapes(self, spec):
+        """Sizes given at run time (flowgen/dims.py): one entry per input of build(), a dict
+        {axis: flow.Dim} or None, as torch.export's dynamic_shapes. The step compiles once, its
+        memory planned for each Dim's max, and takes any size from the Dim's min to its max without
+        recompiling; a size out of range is an error naming the input. None: fixed shapes again.
+        Inference graphs only for now."""
+        self.dynamic = None if spec is None else list(spec)
 
     def set_outputs_buffer_size(self, value: int = 2):
         """OneFlow keeps the outputs of the last `value` calls valid. flowgen copies every output into a

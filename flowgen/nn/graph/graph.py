@@ -15,11 +15,12 @@ import warnings
 
 from flowgen.nn.graph import lr_log
 from flowgen.nn.graph.config import GraphConfig
-from flowgen.nn.graph.io import flatten_call, signature
+from flowgen.nn.graph.io import abstract_inputs, flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
-from flowgen.nn.graph.compiled import CompiledGraph, compile_step
+from flowgen.dims import normalize_spec, sizes_of
+from flowgen.nn.graph.compiled import CompiledGraph, compile_dynamic_step, compile_step
 from flowgen.nn.module import Module
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
 from flowgen.optim.lr_scheduler import LRScheduler
@@ -157,14 +158,19 @@ class Graph:
         layouts = [a.sbp[0].kind if a.is_global else "local" for a in inputs]
         inputs, placements, split = split_inputs(self, inputs)
         args, kwargs = rebuild_call(inputs)
-        key = (signature((args, kwargs)), placements)
+        uses = self._dynamic_uses(inputs, placements)
+        key = (signature((args, kwargs)) if uses is None else signature(rebuild_call(abstract_inputs(inputs, uses))),
+               placements)
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
                              f"{[meta_repr(a, lazy=False) for a in inputs]}: tracing and compiling a new variant "
                              f"({len(self._variants) + 1} cached)")
-            variant = compile_step(self, args, kwargs, data_parallel_of(self, split), placements)
+            if uses is not None:
+                variant = compile_dynamic_step(self, args, kwargs, uses)
+            else:
+                variant = compile_step(self, args, kwargs, data_parallel_of(self, split), placements)
             variant.input_layouts = layouts     # "split" | "broadcast" | "local" per input (flow.save reads it)
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
@@ -173,6 +179,18 @@ class Graph:
             self._variants.move_to_end(key)
         object.__setattr__(self, "_last", variant)
         return variant, inputs
+
+    def _dynamic_uses(self, inputs, placements):
+        """{Dim: [DimUse]} of config.dynamic_shapes for these flat inputs, their sizes checked
+        (flowgen/dims.py); None without dynamic dimensions."""
+        if self.config.dynamic is None:
+            return None
+        if any(p is not None for p in placements):
+            raise NotImplementedError(f"{self._name}: dynamic_shapes with global (distributed) inputs is not "
+                                      f"supported yet")
+        uses = normalize_spec(self.config.dynamic, len(inputs), [len(t.shape) for t in inputs], self._name)
+        sizes_of(uses, [t.shape for t in inputs], self._name)
+        return uses
 
     @property
     def compiled(self) -> CompiledGraph:

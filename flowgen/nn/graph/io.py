@@ -66,6 +66,14 @@ def signature(obj):
     return (type(obj).__name__, obj)
 
 
+def abstract_inputs(inputs, uses: dict) -> list:
+    """The flat input tensors as what a dynamic-shapes variant is keyed by: dtype, device and
+    shape with each dynamic axis the Dim (flowgen/dims.py) instead of its size."""
+    dynamic = {(use.input, use.axis): dim for dim, places in uses.items() for use in places}
+    return [("tensor", tuple(dynamic.get((k, axis), size) for axis, size in enumerate(t.shape)), t.dtype, t.device)
+            for k, t in enumerate(inputs)]
+
+
 def leaf_names(args, kwargs: dict, prefix: str) -> list:
     """(name, leaf) for every leaf in order, named as OneFlow's debug lines name them:
     `prefix_0`, `prefix_1.0` inside a sequence, `prefix_1.key` inside a dict, `prefix_kw` for a keyword."""

@@ -1,0 +1,230 @@
+"""One Program for every size of the dynamic dimensions (flowgen/dims.py): fitted from renderings.
+
+The compiler renders a step with every Dim at its maximum (the base Program: its memory plan is
+the one used at every size) and again at other sizes (flowgen/dims.py sample_sizes, one Dim at a
+time, and all Dims at their minimum when there are several). The renderings must be the same
+program but for integer literals: the same kernels, names, arguments and launch shapes, the same
+source text token by token. Each integer literal that changes is fitted as `b + sum(a_d * d)` over
+the Dims, with integer coefficients that every rendering satisfies exactly; it becomes that
+expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
+(the executor, program or library writes the sizes there before each step). Anything else that
+changes with a size is refused, naming the kernel, its module path and the Dim: a float literal (a
+mean dividing by the batch), a token (a tile or loop form chosen by size), a launch grid, a buffer
+that shrinks as a size grows (the plan is made for the maximum). Comments keep the base's text,
+whose sizes are the maximum's.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from flowgen import dtype as dt
+from flowgen.codegen.kernel import BufferArg
+from flowgen.ir.graph import Value
+
+# Code split into what a rendering may change: comments and literals (strings, characters,
+# numbers: decimal with an optional fraction, exponent and suffix; hex ones are plain text).
+_TOKEN = re.compile(r'//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\''
+                    r'|(?<![\w.])(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[fFlLuU]*(?![\w.])')
+_INT = re.compile(r"(\d+)([lLuU]*)\Z")
+DIMS_PARAM = "flowgen_dims"
+
+
+class DynamicShapeError(NotImplementedError):
+    """A step that cannot take its dynamic dimensions at run time (the message says where)."""
+
+
+@dataclass(frozen=True)
+class Affine:
+    """b + sum(a * size of Dim k) over `coeffs` ((k, a), ...)."""
+
+    b: int
+    coeffs: tuple = ()
+
+    def at(self, sizes) -> int:
+        """The value for `sizes` (a sequence: the size of Dim k at k)."""
+        return self.b + sum(a * sizes[k] for k, a in self.coeffs)
+
+    def c_expr(self, names) -> str:
+        terms = [names[k] if a == 1 else f"{a}LL * {names[k]}" for k, a in self.coeffs]
+        if self.b:
+            terms.append(f"{self.b}LL")
+        if len(terms) == 1 and " " not in terms[0]:
+            return terms[0]
+        return "(" + " + ".join(terms).replace("+ -", "- ") + ")"
+
+
+@dataclass
+class DynamicDims:
+    """What a Program with dynamic dimensions needs at run time."""
+
+    dims: list                # flowgen.dims.Dim, in the order of the sizes in `value`
+    uses: dict                # Dim -> [DimUse]: where each size is read from the inputs
+    value: Value              # the int64 buffer of the sizes, one per Dim (the kernels' flowgen_dims)
+    output_shapes: list       # per graph output, per axis: an int or an Affine
+
+    def sizes(self, sizes_by_dim: dict) -> np.ndarray:
+        return np.array([sizes_by_dim[d] for d in self.dims], np.int64)
+
+    def output_shape(self, k: int, sizes) -> tuple:
+        return tuple(s if isinstance(s, int) else s.at(sizes) for s in self.output_shapes[k])
+
+
+def c_name(dim) -> str:
+    """The kernels' local holding `dim`'s size."""
+    return f"dim_{dim.name}"
+
+
+def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
+    """The Program computing every rendering: `base` (all Dims at their maximum) with its kernels
+    reading the sizes at run time. `renderings`: [(sizes: a list, one per Dim, Program)], other
+    sizes than the base's; `source_of(graph, prepare, kernels)` gives a Program's kernels.cu."""
+    base_sizes = [d.max for d in dims]
+    points = [base_sizes] + [sizes for sizes, _ in renderings]
+    programs = [base] + [program for _, program in renderings]
+    value = Value("flowgen_dims", (len(dims),), dt.int64)
+    names = [c_name(d) for d in dims]
+
+    def fit(values, where) -> int | Affine:
+        return _fit(values, points, base_sizes, dims, where)
+
+    all_kernels = [p.prepare + p.kernels for p in programs]
+    if len({len(k) for k in all_kernels}) != 1:
+        raise DynamicShapeError(f"dynamic_shapes: {_dims_text(dims)}: the step has {len(all_kernels[0])} kernels at the "
+                                f"maximum sizes and {len(all_kernels[1])} at {_sizes_text(dims, points[1])}: flowgen "
+                                f"compiles it differently by size")
+    fitted = [_fit_kernel(list(column), dims, names, value, fit, points) for column in zip(*all_kernels)]
+    _check_values(programs, dims, points)
+    outputs = [[fit([p.graph.outputs[k].shape[axis] for p in programs], f"output {k}, axis {axis}")
+                for axis in range(len(out.shape))] for k, out in enumerate(base.graph.outputs)]
+    for k, shape in enumerate(outputs):
+        for axis, size in enumerate(shape):
+            if isinstance(size, Affine) and any(a < 0 for _, a in size.coeffs):
+                raise DynamicShapeError(f"dynamic_shapes: output {k}'s axis {axis} shrinks as {_dims_text(dims)} grows")
+    prepare, kernels = fitted[:len(base.prepare)], fitted[len(base.prepare):]
+    return replace(base, prepare=prepare, kernels=kernels, source=source_of(base.graph, prepare, kernels),
+                   dynamic=DynamicDims(list(dims), uses, value, outputs))
+
+
+def _fit(values, points, base_sizes, dims, where):
+    """`values` (one per point) as an int or an Affine of the sizes, or DynamicShapeError."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    coeffs = []
+    for k, dim in enumerate(dims):
+        slopes = set()
+        for sizes, v in zip(points, values):
+            if all(s == b for j, (s, b) in enumerate(zip(sizes, base_sizes)) if j != k) and sizes[k] != base_sizes[k]:
+                step = sizes[k] - base_sizes[k]
+                slopes.add((v - values[0]) / step)
+        if len(slopes) > 1 or any(s != int(s) for s in slopes):
+            raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not an affine function of {dim} "
+                                    f"({_values_text(dims, points, values, k)})")
+        slope = int(slopes.pop()) if slopes else 0
+        if slope:
+            coeffs.append((k, slope))
+    form = Affine(values[0] - sum(a * base_sizes[k] for k, a in coeffs), tuple(coeffs))
+    for sizes, v in zip(points, values):
+        if form.at(sizes) != v:
+            raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not an affine function of "
+                                    f"{_dims_text(dims)} ({v} at {_sizes_text(dims, sizes)})")
+    return form
+
+
+def _fit_kernel(kernels, dims, names, value, fit, points):
+    """The base kernel (kernels[0]) with its changing literals as expressions of the sizes."""
+    base = kernels[0]
+    where = f"dynamic_shapes: kernel {base.name} ({base.comment or base.name})"
+    for k, p in zip(kernels[1:], points[1:]):
+        at = _sizes_text(dims, p)
+        if k.name != base.name or len(k.args) != len(base.args):
+            raise DynamicShapeError(f"{where}: rendered as {k.name} with {len(k.args)} arguments at {at}: flowgen "
+                                    f"compiles this node differently by size")
+        if (k.grid, k.block, k.smem) != (base.grid, base.block, base.smem):
+            raise DynamicShapeError(f"{where}: its launch (grid {base.grid}, block {base.block}) changes with "
+                                    f"{_dims_text(dims)} (grid {k.grid}, block {k.block} at {at}); flowgen cannot "
+                                    f"launch it for a size given at run time yet")
+        for a, b in zip(base.args, k.args):
+            if isinstance(a, BufferArg) != isinstance(b, BufferArg) or \
+                    (isinstance(a, BufferArg) and a.value.name != b.value.name) or \
+                    (not isinstance(a, BufferArg) and a != b):
+                raise DynamicShapeError(f"{where}: an argument changes with {_dims_text(dims)} ({a} at the maximum "
+                                        f"sizes, {b} at {at})")
+    pieces = [_TOKEN.split(k.source) for k in kernels]
+    tokens = [_TOKEN.findall(k.source) for k in kernels]
+    for k, p in zip(range(1, len(kernels)), points[1:]):
+        if pieces[k] != pieces[0] or len(tokens[k]) != len(tokens[0]):
+            raise DynamicShapeError(f"{where}: its code changes with {_dims_text(dims)} beyond sizes (at "
+                                    f"{_sizes_text(dims, p)}: {_first_difference(pieces[0], pieces[k])}); "
+                                    f"flowgen chooses this kernel's form by size")
+    out, used = [], set()
+    for position, token in enumerate(tokens[0]):
+        column = [t[position] for t in tokens]
+        if token.startswith("//") or all(t == token for t in column):
+            out.append(token)
+            continue
+        ints = [_INT.match(t) for t in column]
+        if not all(ints) or len({m.group(2) for m in ints}) != 1:
+            other = next(k for k, t in enumerate(column) if t != token)
+            what = ("a text" if token[0] in "\"'" else
+                    "only integer sizes can follow a Dim (a float, such as a mean's 1/n, cannot)")
+            raise DynamicShapeError(f"{where}: {token} at the maximum sizes is {column[other]} at "
+                                    f"{_sizes_text(dims, points[other])}: {what}")
+        form = fit([int(m.group(1)) for m in ints], f"{where}: the literal {token}")
+        used.update(k for k, _ in form.coeffs)
+        out.append(form.c_expr(names))
+    if not used:
+        return base
+    source = "".join(piece + token for piece, token in zip(pieces[0], out + [""]))
+    source = _add_dims_parameter(source, base.name, [(names[k], dims[k]) for k in sorted(used)])
+    return replace(base, source=source, args=list(base.args) + [BufferArg(value, "const long long*")])
+
+
+def _add_dims_parameter(source: str, name: str, locals_: list) -> str:
+    """`source` with the kernel taking `flowgen_dims` last and reading the sizes it uses first."""
+    start = source.index(f" {name}(", source.index("__global__")) + len(name) + 2
+    depth, end = 1, start
+    while depth:
+        depth += {"(": 1, ")": -1}.get(source[end], 0)
+        end += 1
+    body = source.index("{", end) + 1
+    reads = "".join(f"\n  const long long {n} = {DIMS_PARAM}[{k}];   // {d}" for k, (n, d) in enumerate(locals_))
+    return (source[:end - 1] + f", const long long* __restrict__ {DIMS_PARAM}" + source[end - 1:body] + reads
+            + source[body:])
+
+
+def _check_values(programs, dims, points):
+    """Every buffer at a smaller size fits in its place in the plan made for the maximum."""
+    bases = {a.value.name: a.value for k in programs[0].prepare + programs[0].kernels for a in k.args
+             if isinstance(a, BufferArg)}
+    for program, sizes in zip(programs[1:], points[1:]):
+        for k in program.prepare + program.kernels:
+            for a in k.args:
+                if isinstance(a, BufferArg) and a.value.nbytes > bases[a.value.name].nbytes:
+                    raise DynamicShapeError(f"dynamic_shapes: {a.value.type_str} (%{a.value.name}, kernel {k.name}) is "
+                                            f"larger at {_sizes_text(dims, sizes)} than at the maximum sizes; the "
+                                            f"memory plan is made for the maximum")
+
+
+def _dims_text(dims) -> str:
+    return ", ".join(map(repr, dims))
+
+
+def _sizes_text(dims, sizes) -> str:
+    return ", ".join(f"{d.name}={s}" for d, s in zip(dims, sizes))
+
+
+def _values_text(dims, points, values, k) -> str:
+    return ", ".join(f"{v} at {dims[k].name}={p[k]}" for p, v in zip(points, values))
+
+
+def _first_difference(a: list, b: list) -> str:
+    """The first of the code pieces (between literals and comments) that differs."""
+    for piece_a, piece_b in zip(a, b):
+        if piece_a != piece_b:
+            at = next((k for k, (x, y) in enumerate(zip(piece_a, piece_b)) if x != y), min(len(piece_a), len(piece_b)))
+            start = max(0, at - 30)
+            return f"{piece_a[start:at + 40].strip()!r} became {piece_b[start:at + 40].strip()!r}"
+    return "a literal more or less"
