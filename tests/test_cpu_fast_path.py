@@ -474,3 +474,25 @@ def test_depthwise_conv_rows_match_the_emulated_kernels(stride, padding, dilatio
     _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
     for got, want in zip(native, cuda):
         np.testing.assert_array_equal(got, want)
+
+
+def test_layer_norm_rows_match_the_emulated_kernels():
+    """layer_norm, add_layer_norm (a residual sum normalized) and their backward as native row
+    loops (codegen/cpu/rows.py): rows wider than the 32 lanes' first pass and narrower ones, with
+    and without the affine; the same bits as the emulated kernels."""
+    rng = np.random.default_rng(17)
+
+    def norms(x, w, b, r):
+        wide = flow.nn.functional.layer_norm(x + r, (70,), w, b, eps=1e-5)     # add_layer_norm
+        narrow = flow.nn.functional.layer_norm(x[..., :6] * 2.0, (6,))          # no affine
+        return flow.cat([wide.reshape(-1), narrow.reshape(-1)])
+
+    model = Probe(norms, _randn(rng, 70), _randn(rng, 70), _randn(rng, 3, 5, 70))
+    data = [(flow.tensor(_randn(rng, 3, 5, 70)), flow.tensor(_randn(rng, 3 * 5 * 76))) for _ in range(2)]
+    emulated = copy.deepcopy(model)
+    step, native = steps_like_eager(model, data, rtol=1e-5, atol=1e-5)
+    ops = {op for k in step.compiled.program.kernels if k.native for op in k.ops}
+    assert {"layer_norm_backward"} <= ops and ops & {"layer_norm", "add_layer_norm"}, ops
+    _, cuda = steps_like_eager(emulated, data, kernels="emulator", rtol=1e-5, atol=1e-5)
+    for got, want in zip(native, cuda):
+        np.testing.assert_array_equal(got, want)

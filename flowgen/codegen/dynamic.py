@@ -22,6 +22,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.program import IN_PLACE_NOTE
 from flowgen.ir.graph import Value
 
 # Code split into what a rendering may change: comments and literals (strings, characters,
@@ -85,6 +86,9 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
     points = [base_sizes] + [sizes for sizes, _ in renderings]
     programs = [base] + [program for _, program in renderings]
     value = Value("flowgen_dims", (len(dims),), dt.int64)
+    # Prepare kernels run once, not every call (codegen/program.py split_prepare): they compute
+    # their persistent outputs (a position embedding's rows, a mask) at the maximum sizes.
+    max_value = Value("flowgen_dims_max", (len(dims),), dt.int64)
     names = [c_name(d) for d in dims]
 
     def fit(values, where) -> int | Affine:
@@ -95,7 +99,8 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
         raise DynamicShapeError(f"dynamic_shapes: {_dims_text(dims)}: the step has {len(all_kernels[0])} kernels at the "
                                 f"maximum sizes and {len(all_kernels[1])} at {_sizes_text(dims, points[1])}: flowgen "
                                 f"compiles it differently by size")
-    fitted = [_fit_kernel(list(column), dims, names, value, fit, points) for column in zip(*all_kernels)]
+    fitted = [_fit_kernel(list(column), dims, names, max_value if k < len(base.prepare) else value, fit, points)
+              for k, column in enumerate(zip(*all_kernels))]
     _check_values(programs, dims, points)
     outputs = [[fit([p.graph.outputs[k].shape[axis] for p in programs], f"output {k}, axis {axis}")
                 for axis in range(len(out.shape))] for k, out in enumerate(base.graph.outputs)]
@@ -104,8 +109,11 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
             if isinstance(size, Affine) and any(a < 0 for _, a in size.coeffs):
                 raise DynamicShapeError(f"dynamic_shapes: output {k}'s axis {axis} shrinks as {_dims_text(dims)} grows")
     prepare, kernels = fitted[:len(base.prepare)], fitted[len(base.prepare):]
+    constants = dict(base.constants)
+    if any(a.value is max_value for k in prepare for a in k.args if isinstance(a, BufferArg)):
+        constants[max_value] = np.array(base_sizes, np.int64)
     return replace(base, prepare=prepare, kernels=kernels, source=source_of(base.graph, prepare, kernels),
-                   dynamic=DynamicDims(list(dims), uses, value, outputs))
+                   constants=constants, dynamic=DynamicDims(list(dims), uses, value, outputs))
 
 
 def _fit(values, points, base_sizes, dims, where):
@@ -152,18 +160,21 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
                     (not isinstance(a, BufferArg) and a != b):
                 raise DynamicShapeError(f"{where}: an argument changes with {_dims_text(dims)} ({a} at the maximum "
                                         f"sizes, {b} at {at})")
-    pieces = [_TOKEN.split(k.source) for k in kernels]
-    tokens = [_TOKEN.findall(k.source) for k in kernels]
+    normalized = [_planless(k.source) for k in kernels]
+    pieces = [_TOKEN.split(text) for text in normalized]
+    tokens = [_TOKEN.findall(text) for text in normalized]
     for k, p in zip(range(1, len(kernels)), points[1:]):
         if pieces[k] != pieces[0] or len(tokens[k]) != len(tokens[0]):
             raise DynamicShapeError(f"{where}: its code changes with {_dims_text(dims)} beyond sizes (at "
                                     f"{_sizes_text(dims, p)}: {_first_difference(pieces[0], pieces[k])}); "
                                     f"flowgen chooses this kernel's form by size")
-    out, used = [], set()
+    fitted, used = [], set()
     for position, token in enumerate(tokens[0]):
         column = [t[position] for t in tokens]
-        if token.startswith("//") or all(t == token for t in column):
-            out.append(token)
+        if token.startswith("//"):
+            continue
+        if all(t == token for t in column):
+            fitted.append(token)
             continue
         ints = [_INT.match(t) for t in column]
         if not all(ints) or len({m.group(2) for m in ints}) != 1:
@@ -174,12 +185,24 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit([int(m.group(1)) for m in ints], f"{where}: the literal {token}")
         used.update(k for k, _ in form.coeffs)
-        out.append(form.c_expr(names))
+        fitted.append(form.c_expr(names))
     if not used:
         return base
-    source = "".join(piece + token for piece, token in zip(pieces[0], out + [""]))
+    # The base's own text (its memory plan's __restrict__ and in-place note), its literals fitted.
+    base_pieces, base_tokens = _TOKEN.split(base.source), _TOKEN.findall(base.source)
+    code = iter(fitted)
+    out = [token if token.startswith("//") else next(code) for token in base_tokens]
+    source = "".join(piece + token for piece, token in zip(base_pieces, out + [""]))
     source = _add_dims_parameter(source, base.name, [(names[k], dims[k]) for k in sorted(used)])
     return replace(base, source=source, args=list(base.args) + [BufferArg(value, "const long long*")])
+
+
+def _planless(source: str) -> str:
+    """A kernel's source without what its program's memory plan decided (codegen/program.py
+    declare_shared_memory: parameters in place lose __restrict__, a comment names them): the plan
+    of the maximum sizes is the one every size runs with."""
+    lines = [line for line in source.split("\n") if not line.startswith(IN_PLACE_NOTE)]
+    return "\n".join(lines).replace(" __restrict__", "")
 
 
 def _add_dims_parameter(source: str, name: str, locals_: list) -> str:

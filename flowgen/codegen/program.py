@@ -25,6 +25,9 @@ KERNELS_HEADER = """\
 """
 
 
+# The comment above a kernel's signature naming the parameters its memory plan puts in place.
+IN_PLACE_NOTE = "// in place, so these parameters are not __restrict__: "
+
 # Included after the prelude when a cpu program has native kernels (codegen/cpu/).
 NATIVE_HEADER = """\
 // Native kernels (the cpu target's GEMMs and convs through OpenBLAS) run their body once per launch.
@@ -233,7 +236,7 @@ def _drop_restrict(kernel: Kernel, pairs: list) -> Kernel:
 
     note = "; ".join(f"{named(w)} overwrites {named(r)}" for w, r in pairs)
     signature_line = kernel.source.rindex("\n", 0, start) + 1
-    source = (kernel.source[:signature_line] + f"// in place, so these parameters are not __restrict__: {note}\n"
+    source = (kernel.source[:signature_line] + f"{IN_PLACE_NOTE}{note}\n"
               + kernel.source[signature_line:start] + ", ".join(params) + kernel.source[end:])
     return replace(kernel, source=source)
 

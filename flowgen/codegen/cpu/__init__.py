@@ -2,7 +2,7 @@
 CUDA kernel on the emulator (float32 GEMMs with their fused epilogues, convolutions, elementwise
 chains, multi-tensor updates, fused reductions, copies (permute, slice, slice_backward, cat),
 float32 attention and its backward, row gathers and scatters (embedding, index_select and their
-gradients), cross-entropy rows and max-pool gradients as loops spread over a thread pool,
+gradients), cross-entropy rows, layer norms and max-pool gradients as loops spread over a thread pool,
 runtime_cpp/flowgen_cpu_pool.h). `render_native` returns a node's kernels, or None: the emulated
 CUDA kernels stay, in the same program, so families move over one at a time.
 
@@ -30,6 +30,7 @@ NATIVE_RENDERERS = {
     "conv2d": conv.render,
     "attention": attention.render,
     "softmax": rows.render_softmax,
+    "layer_norm": rows.render_layer_norm,
     "gather": indexing.render_gather,
     "scatter": indexing.render_scatter,
     "pool2d": pool.render_pool2d,

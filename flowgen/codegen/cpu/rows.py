@@ -1,12 +1,16 @@
-"""Cross-entropy rows of the cpu target as native kernels (templates/cpu_cross_entropy.cpp.j2):
+"""Row kernels of the cpu target as native kernels: cross-entropy rows (templates/cpu_cross_entropy.cpp.j2),
 the loss and its gradient on (N, C) logits, one row per loop iteration in order, with the
-emulated kernel's formulas and label check. The emulated kernels reduce each row across a
-block's threads with barriers, which the emulator runs as fibers."""
+emulated kernel's formulas and label check (the emulated kernels reduce each row across a
+block's threads with barriers, which the emulator runs as fibers); layer_norm and its backward,
+the emulated one-thread-per-row code (templates/layer_norm.cu.j2, kind "serial") with its rows in a
+loop over the pool."""
 from __future__ import annotations
+
+from flowgen import dtype as dt
 
 from flowgen.codegen.kernels.common import (acc_type, declared_in_place, loader, make_index_check, node_args,
                                             node_comment, node_params, shape_text, storer)
-from flowgen.codegen.kernels.rows import _ROW_SOFTMAX_MODES
+from flowgen.codegen.kernels.rows import _ROW_SOFTMAX_MODES, _layer_norm
 from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.templates import get_template
 from flowgen.ops.lowering import cpp_literal
@@ -36,3 +40,11 @@ def render_softmax(node, ctx: RenderContext):
     return [Kernel(name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True, comment=node_comment(node, what),
                    ops=[node.op], in_place=declared_in_place(node, in_names, out_names),
                    index_check=make_index_check(node, check_id, "label", D))]
+
+
+def render_layer_norm(node, ctx: RenderContext):
+    """A layer_norm / add_layer_norm / layer_norm_backward node on float32 as one native kernel, or
+    None (other dtypes keep the emulated kernel)."""
+    if not all(v.dtype == dt.float32 for v in (*node.inputs, *node.outputs)):
+        return None
+    return _layer_norm(node, ctx.kernel_name(node, [node.op]), native=True)

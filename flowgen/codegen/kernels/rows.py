@@ -16,9 +16,9 @@
 from __future__ import annotations
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernel import Kernel, RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, MAX_BLOCKS, acc_type, declared_in_place, grid_1d, index_type,
-                                            loader, make_index_check, node_comment, node_kernel, node_params,
+                                            loader, make_index_check, node_args, node_comment, node_kernel, node_params,
                                             numel_of, render_template, row_element, row_layout, serial_rows_launch,
                                             shape_text, storer)
 from flowgen.codegen.target import reduce_block, serial_blocks, target_blocks
@@ -126,11 +126,12 @@ def _layer_norm_names(node) -> tuple:
     return list(fixed) + [n for n, on in zip(optional, flags) if on], out_names
 
 
-def _layer_norm(node, kernel_name):
+def _layer_norm(node, kernel_name, native: bool = False):
     """One row kernel: the forward (statistics by Welford per lane, merged in the op's fixed tree;
     add_layer_norm also writes the residual sum) or the backward's dx (two row sums, same tree).
-    A block of L threads per row, or on the cpu target one thread per row with L accumulators:
-    the same arithmetic in the same order either way (ops/norm_ops.py)."""
+    A block of L threads per row, or on the cpu target one thread per row with L accumulators
+    (`native`: the rows in a loop over the thread pool, codegen/cpu/rows.py): the same arithmetic
+    in the same order every way (ops/norm_ops.py)."""
     attrs = node.attrs
     backward = node.op == "layer_norm_backward"
     in_names, out_names = _layer_norm_names(node)
@@ -153,11 +154,15 @@ def _layer_norm(node, kernel_name):
                store_dx=storer(node.outputs[0].dtype, ct))
     # load_x, load_weight, ...: an operand's element in the compute type (add_layer_norm's sum reads as x)
     ctx.update({f"load_{n}": loader(v.dtype, ct) for n, v in operand.items()}, load_x=loader(x.dtype, ct))
-    serial = serial_blocks()
-    what = f"over the last {k} dims of {shape_text(x.shape)} ({'thread' if serial else 'block'} per row)"
-    source = render_template("layer_norm.cu.j2", kind="serial" if serial else "block",
+    serial = serial_blocks() or native
+    what = (f"over the last {k} dims of {shape_text(x.shape)} "
+            f"({'row per iteration' if native else 'thread per row' if serial else 'block per row'})")
+    source = render_template("layer_norm.cu.j2", kind="serial" if serial else "block", native=native,
                              comment=node_comment(node, what), **ctx)
-    if serial:
+    if native:
+        kernel = Kernel(kernel_name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True,
+                        comment=node_comment(node, what), ops=[node.op])
+    elif serial:
         kernel = node_kernel(node, kernel_name, source, *serial_rows_launch(rows), False, what)
     else:
         kernel = node_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
