@@ -105,3 +105,19 @@ def sample_sizes(dim: Dim) -> list:
     lo, hi = max(dim.min, 2), dim.max
     picks = [lo, lo + 1, (lo + hi) // 2, lo + (hi - lo) // 3]
     return sorted({p for p in picks if lo <= p < hi})
+
+
+def sample_points(dims: list) -> list:
+    """The sizes (one per Dim, in order) to render a step at besides every Dim's max: each Dim at
+    its sample sizes with the others at their max, and where there are several Dims, points where
+    all of them move (a size such as batch * seq is a product of two)."""
+    points = []
+    for k, dim in enumerate(dims):
+        for size in sample_sizes(dim):
+            points.append([size if j == k else d.max for j, d in enumerate(dims)])
+    if len(dims) > 1:
+        samples = [sample_sizes(d) for d in dims]
+        points.append([s[0] for s in samples])
+        points.append([s[len(s) // 2] for s in samples])
+        points.append([s[0] if j % 2 else s[-1] for j, s in enumerate(samples)])
+    return points

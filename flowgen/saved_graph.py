@@ -581,6 +581,11 @@ def save_graph(graph, path) -> None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
+    if compiled.program.dynamic is not None:
+        raise NotImplementedError(f"flow.save: {graph.name} has dynamic dimensions "
+                                  f"({', '.join(map(repr, compiled.program.dynamic.dims))}); the standalone program "
+                                  f"and library take fixed shapes for now: call graph.config.dynamic_shapes(None) and "
+                                  f"call the graph once at the shapes to save")
     if not compiled.runs_here:     # a graph on some of the ranks: they save it, this rank holds none of it
         return
     data_parallel = data_parallel_entry(graph.name, compiled)

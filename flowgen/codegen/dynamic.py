@@ -4,8 +4,9 @@ The compiler renders a step with every Dim at its maximum (the base Program: its
 the one used at every size) and again at other sizes (flowgen/dims.py sample_sizes, one Dim at a
 time, and all Dims at their minimum when there are several). The renderings must be the same
 program but for integer literals: the same kernels, names, arguments and launch shapes, the same
-source text token by token. Each integer literal that changes is fitted as `b + sum(a_d * d)` over
-the Dims, with integer coefficients that every rendering satisfies exactly; it becomes that
+source text token by token. Each integer literal that changes is fitted as `b + sum(a * d ...)`
+over the Dims and their products (batch * seq), with integer coefficients that every rendering
+satisfies exactly; it becomes that
 expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
 (the executor, program or library writes the sizes there before each step). Anything else that
 changes with a size is refused, naming the kernel, its module path and the Dim: a float literal (a
@@ -15,6 +16,8 @@ whose sizes are the maximum's.
 """
 from __future__ import annotations
 
+import itertools
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -38,18 +41,28 @@ class DynamicShapeError(NotImplementedError):
 
 
 @dataclass(frozen=True)
-class Affine:
-    """b + sum(a * size of Dim k) over `coeffs` ((k, a), ...)."""
+class SizeExpr:
+    """b + sum(a * the product of the sizes of the Dims in `dims`) over `terms` ((dims, a), ...):
+    a size such as 32 * batch * seq + 1 (each Dim at most once in a term)."""
 
     b: int
-    coeffs: tuple = ()
+    terms: tuple = ()
 
     def at(self, sizes) -> int:
         """The value for `sizes` (a sequence: the size of Dim k at k)."""
-        return self.b + sum(a * sizes[k] for k, a in self.coeffs)
+        return self.b + sum(a * math.prod(sizes[k] for k in dims) for dims, a in self.terms)
+
+    @property
+    def dims(self) -> set:
+        return {k for dims, _ in self.terms for k in dims}
+
+    @property
+    def grows(self) -> bool:
+        """No size gets smaller as a Dim grows (every coefficient positive)."""
+        return all(a > 0 for _, a in self.terms)
 
     def c_expr(self, names) -> str:
-        terms = [names[k] if a == 1 else f"{a}LL * {names[k]}" for k, a in self.coeffs]
+        terms = [" * ".join(([] if a == 1 else [f"{a}LL"]) + [names[k] for k in dims]) for dims, a in self.terms]
         if self.b:
             terms.append(f"{self.b}LL")
         if len(terms) == 1 and " " not in terms[0]:
@@ -64,7 +77,7 @@ class DynamicDims:
     dims: list                # flowgen.dims.Dim, in the order of the sizes in `value`
     uses: dict                # Dim -> [DimUse]: where each size is read from the inputs
     value: Value              # the int64 buffer of the sizes, one per Dim (the kernels' flowgen_dims)
-    output_shapes: list       # per graph output, per axis: an int or an Affine
+    output_shapes: list       # per graph output, per axis: an int or a SizeExpr
 
     def sizes(self, sizes_by_dim: dict) -> np.ndarray:
         return np.array([sizes_by_dim[d] for d in self.dims], np.int64)
@@ -91,14 +104,16 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
     max_value = Value("flowgen_dims_max", (len(dims),), dt.int64)
     names = [c_name(d) for d in dims]
 
-    def fit(values, where) -> int | Affine:
+    def fit(values, where) -> int | SizeExpr:
         return _fit(values, points, base_sizes, dims, where)
 
     all_kernels = [p.prepare + p.kernels for p in programs]
-    if len({len(k) for k in all_kernels}) != 1:
-        raise DynamicShapeError(f"dynamic_shapes: {_dims_text(dims)}: the step has {len(all_kernels[0])} kernels at the "
-                                f"maximum sizes and {len(all_kernels[1])} at {_sizes_text(dims, points[1])}: flowgen "
-                                f"compiles it differently by size")
+    for kernels, sizes in zip(all_kernels[1:], points[1:]):
+        if [k.name for k in kernels] != [k.name for k in all_kernels[0]]:
+            raise DynamicShapeError(f"dynamic_shapes: {_dims_text(dims)}: the step's kernels at "
+                                    f"{_sizes_text(dims, sizes)} are not those at the maximum sizes "
+                                    f"({_first_name_difference(all_kernels[0], kernels)}): flowgen compiles it "
+                                    f"differently by size")
     fitted = [_fit_kernel(list(column), dims, names, max_value if k < len(base.prepare) else value, fit, points)
               for k, column in enumerate(zip(*all_kernels))]
     _check_values(programs, dims, points)
@@ -106,7 +121,7 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
                 for axis in range(len(out.shape))] for k, out in enumerate(base.graph.outputs)]
     for k, shape in enumerate(outputs):
         for axis, size in enumerate(shape):
-            if isinstance(size, Affine) and any(a < 0 for _, a in size.coeffs):
+            if isinstance(size, SizeExpr) and not size.grows:
                 raise DynamicShapeError(f"dynamic_shapes: output {k}'s axis {axis} shrinks as {_dims_text(dims)} grows")
     prepare, kernels = fitted[:len(base.prepare)], fitted[len(base.prepare):]
     constants = dict(base.constants)
@@ -117,23 +132,15 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
 
 
 def _fit(values, points, base_sizes, dims, where):
-    """`values` (one per point) as an int or an Affine of the sizes, or DynamicShapeError."""
+    """`values` (one per point) as an int or a SizeExpr of the sizes (multilinear: a term per set
+    of Dims, integer coefficients, exact at every point), or DynamicShapeError."""
     if all(v == values[0] for v in values):
         return values[0]
-    coeffs = []
-    for k, dim in enumerate(dims):
-        slopes = set()
-        for sizes, v in zip(points, values):
-            if all(s == b for j, (s, b) in enumerate(zip(sizes, base_sizes)) if j != k) and sizes[k] != base_sizes[k]:
-                step = sizes[k] - base_sizes[k]
-                slopes.add((v - values[0]) / step)
-        if len(slopes) > 1 or any(s != int(s) for s in slopes):
-            raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not an affine function of {dim} "
-                                    f"({_values_text(dims, points, values, k)})")
-        slope = int(slopes.pop()) if slopes else 0
-        if slope:
-            coeffs.append((k, slope))
-    form = Affine(values[0] - sum(a * base_sizes[k] for k, a in coeffs), tuple(coeffs))
+    subsets = [c for r in range(1, len(dims) + 1) for c in itertools.combinations(range(len(dims)), r)]
+    basis = np.array([[1.0] + [math.prod(p[k] for k in c) for c in subsets] for p in points])
+    solution = np.linalg.lstsq(basis, np.array(values, float), rcond=None)[0]
+    coeffs = [int(round(x)) for x in solution]
+    form = SizeExpr(coeffs[0], tuple((c, a) for c, a in zip(subsets, coeffs[1:]) if a))
     for sizes, v in zip(points, values):
         if form.at(sizes) != v:
             raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not an affine function of "
@@ -184,7 +191,7 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             raise DynamicShapeError(f"{where}: {token} at the maximum sizes is {column[other]} at "
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit([int(m.group(1)) for m in ints], f"{where}: the literal {token}")
-        used.update(k for k, _ in form.coeffs)
+        used |= form.dims
         fitted.append(form.c_expr(names))
     if not used:
         return base
@@ -193,7 +200,7 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
     code = iter(fitted)
     out = [token if token.startswith("//") else next(code) for token in base_tokens]
     source = "".join(piece + token for piece, token in zip(base_pieces, out + [""]))
-    source = _add_dims_parameter(source, base.name, [(names[k], dims[k]) for k in sorted(used)])
+    source = _add_dims_parameter(source, base.name, [(k, names[k], dims[k]) for k in sorted(used)])
     return replace(base, source=source, args=list(base.args) + [BufferArg(value, "const long long*")])
 
 
@@ -206,14 +213,15 @@ def _planless(source: str) -> str:
 
 
 def _add_dims_parameter(source: str, name: str, locals_: list) -> str:
-    """`source` with the kernel taking `flowgen_dims` last and reading the sizes it uses first."""
+    """`source` with the kernel taking `flowgen_dims` last and reading the sizes it uses first
+    (`locals_`: (the Dim's place in flowgen_dims, the local's name, the Dim))."""
     start = source.index(f" {name}(", source.index("__global__")) + len(name) + 2
     depth, end = 1, start
     while depth:
         depth += {"(": 1, ")": -1}.get(source[end], 0)
         end += 1
     body = source.index("{", end) + 1
-    reads = "".join(f"\n  const long long {n} = {DIMS_PARAM}[{k}];   // {d}" for k, (n, d) in enumerate(locals_))
+    reads = "".join(f"\n  const long long {n} = {DIMS_PARAM}[{k}];   // {d}" for k, n, d in locals_)
     return (source[:end - 1] + f", const long long* __restrict__ {DIMS_PARAM}" + source[end - 1:body] + reads
             + source[body:])
 
@@ -241,6 +249,13 @@ def _sizes_text(dims, sizes) -> str:
 
 def _values_text(dims, points, values, k) -> str:
     return ", ".join(f"{v} at {dims[k].name}={p[k]}" for p, v in zip(points, values))
+
+
+def _first_name_difference(a: list, b: list) -> str:
+    for k, (x, y) in enumerate(zip(a, b)):
+        if x.name != y.name:
+            return f"launch {k} is {y.name}, not {x.name}"
+    return f"{len(b)} launches, not {len(a)}"
 
 
 def _first_difference(a: list, b: list) -> str:

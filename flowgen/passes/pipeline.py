@@ -19,7 +19,7 @@ from flowgen.ops.lowering import View
 from flowgen.ops.registry import get_op
 from flowgen.passes.checkpointing import checkpoint_activations
 from flowgen.passes.fusion import fuse
-from flowgen.passes.rematerialize import rematerialize
+from flowgen.passes.rematerialize import MIN_NUMEL, rematerialize
 from flowgen.passes.schedule import hoist, schedule
 from flowgen.passes.simplify import compose_permutes, cse, dce, fold_constants
 from flowgen.passes.step import Step
@@ -52,7 +52,8 @@ def default_passes(config, checkpointed_scopes=()):
         ("compose_permutes", compose_permutes),
         ("dce", dce),
         ("activation_checkpointing", lambda g: checkpoint_activations(g, checkpointed_scopes)),
-        ("rematerialize", lambda g: rematerialize(g) if config.fusion else g),
+        ("rematerialize", lambda g: (rematerialize(g, 0 if config.dynamic is not None else MIN_NUMEL)
+                                     if config.fusion else g)),
         ("hoist_views_and_updates", lambda g: hoist(g, _hoistable)),
         ("fusion", lambda g: fuse(g, enabled=config.fusion, model_update=config.fuse_model_update_ops,
                                   add_to_output=config.fuse_add_to_output, cast_scale=config.fuse_cast_scale,

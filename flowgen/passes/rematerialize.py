@@ -35,7 +35,9 @@ def _copy_scope(original: str, consumer: str) -> str:
     return original
 
 
-def rematerialize(graph):
+def rematerialize(graph, min_numel: int = MIN_NUMEL):
+    """`graph` with each shared cheap value of at least `min_numel` elements recomputed by its
+    consumers (0 for a step with dynamic dimensions: the choice may not depend on a size)."""
     producers = graph.producers()
     users = graph.users()
     live_out = graph.live_out()
@@ -57,7 +59,7 @@ def rematerialize(graph):
             sources[node.output] = found
 
     def shared(v) -> bool:
-        return v in sources and v.numel >= MIN_NUMEL and len(users.get(v, [])) + (v in live_out) > 1
+        return v in sources and v.numel >= min_numel and len(users.get(v, [])) + (v in live_out) > 1
 
     order = {id(n): i for i, n in enumerate(graph.nodes)}
 

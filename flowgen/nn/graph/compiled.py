@@ -22,7 +22,7 @@ from flowgen.distributed.global_tensor import absent, holds
 from flowgen.distributed.pipeline import pipeline_of
 from flowgen.distributed.placement import placement as Placement
 from flowgen.distributed.sbp import broadcast
-from flowgen.dims import sample_sizes
+from flowgen.dims import sample_points
 from flowgen.creation import zeros
 from flowgen.errors import internal_checks
 from flowgen.nn.graph.backend import cuda_arch, make_backend_once
@@ -275,12 +275,7 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
             shaped.append(t if list(t.shape) == shape else zeros(tuple(shape), dtype=t.dtype, device=t.device))
         return rebuild_call(shaped)
 
-    points = []
-    for k, dim in enumerate(dims):
-        for size in sample_sizes(dim):
-            points.append([size if j == k else d.max for j, d in enumerate(dims)])
-    if len(dims) > 1:   # the fits are sums over the Dims: checked where all of them move
-        points.append([d.min for d in dims])
+    points = sample_points(dims)
     with reporting(graph.name) as progress, program_cache.collector_paused(), \
             internal_checks(graph.name, lambda: progress.stage_name):
         base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)

@@ -1,0 +1,194 @@
+"""Dynamic dimensions (issue 27): flow.Dim and graph.config.dynamic_shapes compile an inference
+graph once for every size in range (flowgen/dims.py, codegen/dynamic.py); numbers equal eager's
+at each size, nothing recompiles, and what cannot follow a size is refused with its reason."""
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+from flowgen import nn
+from flowgen.codegen.dynamic import DynamicShapeError, SizeExpr, _fit
+from flowgen.dims import Dim, sample_sizes
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+from graphs import InferGraph  # noqa: E402
+import gpt_char  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def native_kernels(monkeypatch):
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")
+
+
+def _runs_like_eager(model, spec, inputs_at, sizes, rtol=1e-5, atol=1e-6):
+    """The dynamic graph at each of `sizes` equals eager, from one compiled variant."""
+    model.eval()
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes(spec)
+    compiled = None
+    for size in sizes:
+        inputs = inputs_at(size)
+        got, want = graph(*inputs), model(*inputs)
+        assert tuple(got.shape) == tuple(want.shape)
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=rtol, atol=atol, err_msg=f"size {size}")
+        compiled = compiled or graph.compiled
+        assert graph.compiled is compiled and len(graph._variants) == 1   # no recompile
+    return graph
+
+
+def test_mlp_at_any_batch_size():
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(20, 48), nn.GELU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 5))
+    batch = flow.Dim("batch", min=1, max=300)
+    graph = _runs_like_eager(model, [{0: batch}], lambda n: [flow.randn(n, 20)], [7, 1, 300, 2, 129])
+    source = graph.compiled.program.source
+    assert "const long long dim_batch = flowgen_dims[0];" in source
+    # the GEMMs choose eager's product by size at run time: fused multiply-add chains below
+    # outputs * K = 2^18 (batch 300: 300 * 48 * 48 is above), sgemm above
+    assert "flowgen_cpu::gemm(chain" in source
+
+
+def test_convnet_with_batch_norm_and_depthwise_at_any_batch_size():
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+                          nn.Conv2d(8, 8, 3, stride=2, padding=1, groups=8), nn.BatchNorm2d(8), nn.ReLU6(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    for m in model.modules():   # trained-looking statistics, so the folded BatchNorms do something
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.copy_(flow.randn(8) * 0.1)
+            m.running_var.copy_(flow.rand(8) + 0.5)
+    batch = flow.Dim("batch", min=1, max=16)
+    _runs_like_eager(model, [{0: batch}], lambda n: [flow.randn(n, 3, 9, 9)], [3, 16, 1, 5])
+
+
+def _gpt():
+    flow.manual_seed(0)
+    config = gpt_char.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    return gpt_char.define(flow)(config)
+
+
+class _Logits(nn.Module):
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx):
+        return self.gpt(idx)[0]
+
+
+def test_gpt_at_any_batch_and_sequence_length():
+    """Two Dims at once; a sequence shorter than an earlier call's, then the longest (the
+    position embedding is prepared once at the maximum)."""
+    rng = np.random.default_rng(3)
+    batch, seq = flow.Dim("batch", min=1, max=8), flow.Dim("seq", min=1, max=16)
+
+    def tokens(size):
+        return [flow.tensor(rng.integers(0, 32, size).astype(np.int64))]
+
+    _runs_like_eager(_Logits(_gpt()), [{0: batch, 1: seq}], tokens, [(2, 3), (1, 1), (8, 16), (3, 16), (8, 2)])
+
+
+def test_sizes_out_of_range_and_tied_dims_are_refused():
+    model = nn.Linear(4, 3).eval()
+    batch = flow.Dim("batch", min=2, max=8)
+
+    class Pair(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def build(self, x, y):
+            return self.model(x) + self.model(y)
+
+    graph = Pair()
+    graph.config.dynamic_shapes([{0: batch}, {0: batch}])
+    with pytest.raises(ValueError, match=r"input 0 has size 9 at axis 0, which is Dim\('batch', min=2, max=8\): "
+                                         r"allowed 2 to 8"):
+        graph(flow.randn(9, 4), flow.randn(9, 4))
+    with pytest.raises(ValueError, match=r"Dim\('batch', min=2, max=8\) is 3 at axis 0 of input 0 but 4 at axis 0 "
+                                         r"of input 1: one Dim is one size"):
+        graph(flow.randn(3, 4), flow.randn(4, 4))
+    out = graph(flow.randn(3, 4), flow.randn(3, 4))
+    assert tuple(out.shape) == (3, 3)
+    with pytest.raises(ValueError, match="dynamic_shapes has 1 entries for 2 inputs"):
+        graph.config.dynamic_shapes([{0: batch}])
+        graph(flow.randn(3, 4), flow.randn(3, 4))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(name="batch"), "max is required"),
+    (dict(name="batch", min=4, max=4), "needs 1 <= min < max"),
+    (dict(name="batch size", max=4), "must be an identifier"),
+    (dict(name="batch", max=4.5), "max must be an int"),
+])
+def test_bad_dims_are_refused(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        Dim(**kwargs)
+
+
+def test_what_cannot_follow_a_size_is_refused_with_its_reason(monkeypatch):
+    batch = flow.Dim("batch", min=1, max=8)
+    # a mean over the dynamic batch divides by it: a float literal that changes with the size
+    graph = InferGraph(nn.Linear(4, 3).eval())
+
+    class MeanOverBatch(nn.Module):
+        def forward(self, x):
+            return x.mean(dim=0)
+
+    graph = InferGraph(MeanOverBatch())
+    graph.config.dynamic_shapes([{0: batch}])
+    with pytest.raises(DynamicShapeError, match=r"kernel k0_model_mean.*only integer sizes can follow a Dim"):
+        graph(flow.randn(3, 4))
+    # the emulated CUDA kernels launch grids sized for the data
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "emulator")
+    graph = InferGraph(nn.Linear(64, 64).eval())
+    graph.config.dynamic_shapes([{0: batch}])
+    with pytest.raises(DynamicShapeError, match="its launch .* changes with Dim.*cannot launch it for a size given"):
+        graph(flow.randn(3, 64))
+
+
+def test_training_graphs_and_saving_are_refused(tmp_path):
+    model = nn.Linear(4, 3)
+    batch = flow.Dim("batch", min=1, max=8)
+
+    class Train(nn.Graph):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
+
+        def build(self, x):
+            loss = self.model(x).sum()
+            loss.backward()
+            return loss
+
+    graph = Train()
+    graph.config.dynamic_shapes([{0: batch}])
+    with pytest.raises(NotImplementedError, match="dynamic_shapes on a training graph"):
+        graph(flow.randn(3, 4))
+    infer = InferGraph(model.eval())
+    infer.config.dynamic_shapes([{0: batch}])
+    infer(flow.randn(3, 4))
+    with pytest.raises(NotImplementedError, match="flow.save: .* has dynamic dimensions"):
+        flow.save(infer, str(tmp_path / "out"))
+
+
+def test_size_fits_and_their_c_expressions():
+    dims = [Dim("b", min=1, max=10), Dim("s", min=1, max=6)]
+    points = [[10, 6], [2, 6], [5, 6], [10, 2], [10, 3], [2, 2], [5, 3], [10, 2]]
+    form = _fit([3 * b * 6 + 4 * s + 1 for b, s in points], points, [10, 6], dims, "x")
+    assert form == SizeExpr(1, (((0,), 18), ((1,), 4)))
+    assert form.c_expr(["dim_b", "dim_s"]) == "(18LL * dim_b + 4LL * dim_s + 1LL)"
+    rows = _fit([b * s for b, s in points], points, [10, 6], dims, "x")    # batch * seq rows
+    assert rows.c_expr(["dim_b", "dim_s"]) == "(dim_b * dim_s)" and rows.at([7, 3]) == 21
+    assert SizeExpr(0, (((0,), 48),)).c_expr(["dim_b"]) == "(48LL * dim_b)"   # parenthesized: x / (48LL * dim_b)
+    assert SizeExpr(-1, (((0,), 1),)).c_expr(["dim_b"]) == "(dim_b - 1LL)"
+    assert _fit([7] * len(points), points, [10, 6], dims, "x") == 7
+    with pytest.raises(DynamicShapeError, match="not an affine function"):
+        _fit([b * b for b, _ in points], points, [10, 6], dims, "x")   # quadratic
+    assert sample_sizes(Dim("b", min=1, max=10)) == [2, 3, 4, 6]
+    assert sample_sizes(Dim("b", min=1, max=3)) == [2]
