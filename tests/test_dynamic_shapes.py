@@ -3,7 +3,9 @@ graph once for every size in range (flowgen/dims.py, codegen/dynamic.py); number
 at each size, nothing recompiles, and what cannot follow a size is refused with its reason."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -192,3 +194,15 @@ def test_size_fits_and_their_c_expressions():
         _fit([b * b for b, _ in points], points, [10, 6], dims, "x")   # quadratic
     assert sample_sizes(Dim("b", min=1, max=10)) == [2, 3, 4, 6]
     assert sample_sizes(Dim("b", min=1, max=3)) == [2]
+
+
+def test_benchmark_runs_and_checks_numbers(tmp_path):
+    """benchmarks/dynamic_shapes.py end to end on its smallest case (no timing asserted)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "dynamic.json"
+    subprocess.run([sys.executable, os.path.join(root, "benchmarks", "dynamic_shapes.py"), "--cases", "mlp",
+                    "--repeats", "1", "--iters", "1", "--out", str(out)],
+                   check=True, cwd=root, env=dict(os.environ, PYTHONPATH=root), timeout=600)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["size"][0] for r in rows] == [1, 8, 64]
+    assert all(r["dynamic_ms"] > 0 and r["exact_ms"] > 0 for r in rows)

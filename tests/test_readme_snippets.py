@@ -31,6 +31,7 @@ def test_python_snippets_run_as_written_in_order(tmp_path, monkeypatch, capsys):
     """One namespace, as a reader pasting them into one session: the deployment snippet saves
     the graph the first one trained."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLOWGEN_CPU_KERNELS", raising=False)   # a reader's default: the native cpu kernels
     namespace = {"__name__": "__readme__"}
     for number, block in enumerate(_blocks("python")):
         exec(compile(block, f"README.md python snippet {number}", "exec"), namespace)

@@ -1,0 +1,126 @@
+"""A graph with a dynamic batch (or sequence) against graphs compiled for exactly that size.
+
+    PYTHONPATH=. python benchmarks/dynamic_shapes.py [--repeats 7] [--iters 20] [--out FILE]
+
+Cases (inference, the cpu target's native kernels, one process): an MLP (Linear 256-512-512-10,
+GELU) with a dynamic batch up to 64, MobileNetV2-CIFAR with a dynamic batch up to 16, and the small
+GPT of examples/gpt_char.py (2 layers, 64 wide) with a dynamic batch up to 16 and sequence up to 32.
+For each case and size (1, 8 and the maximum), two graphs of the same model: `dynamic` (one
+compile, graph.config.dynamic_shapes, called at every size) and `exact` (compiled for that size
+alone). Their calls alternate: `--repeats` rounds of `--iters` calls each, a round's median per
+row, the row's number the median of its rounds (spread: min and max of the rounds). ratio =
+dynamic / exact; the target (issue 27) is within 1.1x. The standalone program and library take
+fixed shapes for now, so this measures the Python graph, which runs the same kernels.
+Writes JSON (default benchmarks/results/dynamic_shapes_cpu.json).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+os.environ.setdefault("FLOWGEN_CPU_KERNELS", "native")
+
+import flowgen as flow  # noqa: E402
+import flowgen.nn as nn  # noqa: E402
+import gpt_char  # noqa: E402  (examples/gpt_char.py)
+from fair_common import git_commit, log, print_table, write_json  # noqa: E402
+from flowgen.models import mobilenet_v2  # noqa: E402
+from graphs import InferGraph  # noqa: E402
+
+TARGET = 1.1
+
+
+class _Logits(nn.Module):
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx):
+        return self.gpt(idx)[0]
+
+
+def _gpt():
+    config = gpt_char.GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
+    return _Logits(gpt_char.define(flow)(config))
+
+
+def _tokens(batch, seq):
+    return flow.tensor(np.random.default_rng(0).integers(0, 65, (batch, seq)).astype(np.int64))
+
+
+# name: (model maker, the Dims' spec maker, input at a size, sizes)
+CASES = {
+    "mlp": (lambda: nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(), nn.Linear(512, 10)),
+            lambda: [{0: flow.Dim("batch", min=1, max=64)}], lambda n: flow.randn(n, 256), [1, 8, 64]),
+    "mobilenet_v2": (lambda: mobilenet_v2(num_classes=10), lambda: [{0: flow.Dim("batch", min=1, max=16)}],
+                     lambda n: flow.randn(n, 3, 32, 32), [1, 8, 16]),
+    "gpt": (_gpt, lambda: [{0: flow.Dim("batch", min=1, max=16), 1: flow.Dim("seq", min=1, max=32)}],
+            lambda n: _tokens(n, 32 if n > 1 else 1), [1, 8, 16]),
+}
+
+
+def run_case(name, args) -> list:
+    make, spec, inputs_at, sizes = CASES[name]
+    flow.manual_seed(0)
+    model = make().eval()
+    dynamic = InferGraph(model)
+    dynamic.config.dynamic_shapes(spec())
+    start = time.perf_counter()
+    dynamic(inputs_at(sizes[0]))
+    compile_s = time.perf_counter() - start
+    rows = []
+    for size in sizes:
+        x = inputs_at(size)
+        exact = InferGraph(model)
+        np.testing.assert_allclose(dynamic(x).numpy(), exact(x).numpy(), rtol=1e-4, atol=1e-5)
+        rounds = {"dynamic": [], "exact": []}
+        for _ in range(args.repeats):
+            for row, graph in (("dynamic", dynamic), ("exact", exact)):
+                times = []
+                for _ in range(args.iters):
+                    start = time.perf_counter()
+                    graph(x)
+                    times.append((time.perf_counter() - start) * 1e3)
+                rounds[row].append(statistics.median(times))
+        med = {row: statistics.median(values) for row, values in rounds.items()}
+        rows.append({"case": name, "size": list(x.shape), "dynamic_ms": med["dynamic"], "exact_ms": med["exact"],
+                     "dynamic_spread_ms": [min(rounds["dynamic"]), max(rounds["dynamic"])],
+                     "exact_spread_ms": [min(rounds["exact"]), max(rounds["exact"])],
+                     "ratio": med["dynamic"] / med["exact"], "dynamic_compile_s": compile_s})
+        log(f"{name} {list(x.shape)}: dynamic {med['dynamic']:.3f} ms, exact {med['exact']:.3f} ms")
+    assert len(dynamic._variants) == 1
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept in the JSON)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "dynamic_shapes_cpu.json"))
+    args = parser.parse_args(argv)
+    rows = [row for name in args.cases for row in run_case(name, args)]
+    print_table(rows, [("case", lambda r: r["case"]), ("size", lambda r: "x".join(map(str, r["size"]))),
+                       ("dynamic ms", lambda r: f"{r['dynamic_ms']:.3f}"), ("exact ms", lambda r: f"{r['exact_ms']:.3f}"),
+                       ("ratio", lambda r: f"{r['ratio']:.3f}")])
+    worst = max(r["ratio"] for r in rows)
+    print(f"worst ratio {worst:.3f} (target <= {TARGET})")
+    write_json(args.out, {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "cores": len(os.sched_getaffinity(0)),
+                          "load_average": os.getloadavg(), "note": args.note, "target_ratio": TARGET,
+                          "worst_ratio": worst, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
