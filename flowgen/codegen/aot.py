@@ -64,7 +64,7 @@ from flowgen.codegen.target import native_cpu_kernels
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.passes.optimizer import scaler_state_name
-from flowgen.runtime import cpu_blas
+from flowgen.runtime import cache_bound, cpu_blas
 from flowgen.runtime.cpu_compiler import compile_kernel_objects
 from flowgen.runtime.toolchain import (MULDEFS, BuildError, CompileError, cache_dir, compiler_version,
                                       copy_file_atomically, host_command, link_command, mpi_flags, nvcc_command,
@@ -428,6 +428,7 @@ def _build_cuda_host(out: Path, binary: str, sanitize: str | None, mpi: list, te
     cached = cache_dir() / "host" / _host_build_key(host_command("cuda", "program", sanitize, mpi), out) / "program"
     hit = cached.is_file()
     if hit:
+        cache_bound.used(cached.parent)
         copy_file_atomically(cached, out / partial)
     else:
         _run_compiler(host_command("cuda", partial, sanitize, mpi), out, "compile host code", text)
@@ -443,7 +444,9 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     host_object = cache_dir() / "host" / _host_build_key(host_command("cpu", "program_host.o", sanitize, mpi),
                                                          out) / "program_host.o"
     hit = host_object.is_file()
-    if not hit:
+    if hit:
+        cache_bound.used(host_object.parent)
+    else:
         host_object.parent.mkdir(parents=True, exist_ok=True)
         partial_object = host_object.parent / f".program_host.{os.getpid()}.o"
         _run_compiler(host_command("cpu", str(partial_object), sanitize, mpi), out, "compile host code", text)
@@ -457,7 +460,9 @@ def _build_cpu_host(out: Path, binary: str, sanitize: str | None, mpi: list, tex
     key = hashlib.sha256("\0".join([*link_command("program", [*objects, "kernel_symbols.ld", *link_flags],
                                                    sanitize, mpi), compiler_version(), symbol_map]).encode())
     link_dir = cache_dir() / "host" / key.hexdigest()[:32]
-    if not (link_dir / "program").is_file():
+    if (link_dir / "program").is_file():
+        cache_bound.used(link_dir)
+    else:
         hit = False
         link_dir.mkdir(parents=True, exist_ok=True)
         _write(link_dir / "kernel_symbols.ld", symbol_map)

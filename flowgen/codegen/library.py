@@ -33,7 +33,7 @@ from pathlib import Path
 
 import flowgen
 from flowgen.codegen.templates import get_template
-from flowgen.runtime import cpu_blas
+from flowgen.runtime import cache_bound, cpu_blas
 from flowgen.runtime.cpu_compiler import compiler_version
 from flowgen.runtime.toolchain import CompileError, cache_dir, copy_file_atomically, safe_tag
 from flowgen.serialization import write_file_atomic
@@ -170,7 +170,9 @@ def build_library(program, saved, out: Path, *, name: str, target: str, optimise
                              libraries)
     cached = cache_dir() / "library" / _cache_key(key_commands, out, symbol_map) / files["library"]
     hit = cached.is_file()
-    if not hit:
+    if hit:
+        cache_bound.used(cached.parent)
+    else:
         build_dir = cached.parent
         build_dir.mkdir(parents=True, exist_ok=True)
         partial = build_dir / f".{files['library']}.{os.getpid()}"

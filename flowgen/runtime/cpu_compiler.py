@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from flowgen.runtime import cpu_blas, precompiled_header
+from flowgen.runtime import cache_bound, cpu_blas, precompiled_header
 from flowgen.runtime.kernel_cache import KernelBuild, build_kernels, preamble_of
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import (
@@ -109,12 +109,15 @@ def build_kernel_library(source: str) -> tuple[Path, KernelBuild]:
     flags = link_flags() + library_link_flags(source)
     key = hashlib.sha256("\0".join([compiler_version(), *flags, *map(str, build.artifacts)]).encode())
     library = cache_dir() / "cpu-libs" / key.hexdigest()[:32] / "kernels.so"
-    if not library.is_file():
+    if library.is_file():
+        cache_bound.used(library.parent)
+    else:
         with reporting("compile") as progress:
             progress.stage("link")
             # The same body compiled twice by concurrent processes may sit in two chunks:
             # muldefs lets the linker keep either copy (they are the same code).
             _link(flags, build.artifacts, library)
+        cache_bound.wrote()
     return library, build
 
 

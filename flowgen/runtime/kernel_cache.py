@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from flowgen.runtime import cache_bound
 from flowgen.runtime.progress import reporting
 from flowgen.runtime.toolchain import atomic_write_bytes
 
@@ -176,12 +177,16 @@ def build_kernels(source: str, *, root: Path, salt: str, artifact: str, compiler
     source_key = _digest(salt, source)[:_KEY_CHARS]
     known = _lookup_source(root, source_key, artifact)
     if known is not None:
+        cache_bound.used(root / "sources" / source_key)
+        for path in known.artifacts:
+            cache_bound.used(path.parent)
         return known
     build = _build_bodies(source, root, salt, artifact, compiler, compile_chunk, min_chunk_chars)
     chunks = [path.parent.name for path in build.artifacts]
     record = {"chunks": chunks, "symbols": build.symbols, "kernels": build.stats.kernels,
               "distinct": build.stats.distinct}
     atomic_write_bytes(root / "sources" / source_key, json.dumps(record).encode())
+    cache_bound.wrote()
     return build
 
 
@@ -244,7 +249,11 @@ def _lookup(root: Path, key: str, artifact: str):
         chunk, symbol = (root / "kernels" / key).read_text().split()
     except (OSError, ValueError):
         return None
-    return (chunk, symbol) if (root / "chunks" / chunk / artifact).is_file() else None
+    if not (root / "chunks" / chunk / artifact).is_file():
+        return None
+    cache_bound.used(root / "kernels" / key)
+    cache_bound.used(root / "chunks" / chunk)
+    return chunk, symbol
 
 
 def _compile_group(group: list, preamble: str, salt: str, root: Path, artifact: str, compile_chunk) -> None:

@@ -30,6 +30,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from flowgen.runtime import cache_bound
 from flowgen.runtime.toolchain import CXX, atomic_write_bytes, cache_dir
 
 # Plain compiles of one preamble after which the next builds its .gch: four chunks' header
@@ -51,6 +52,7 @@ def header_for(preamble: str, flags: list, salt: str) -> Path | None:
     directory = _directory(preamble, salt)
     header = directory / "preamble.h"
     if (directory / "preamble.h.gch").is_file():
+        cache_bound.used(directory)
         return header
     if (directory / "failed").is_file():
         return None

@@ -61,6 +61,7 @@ from flowgen import dtype as dt
 from flowgen.codegen.templates import templates_dir
 from flowgen.ir.graph import Graph, Node
 from flowgen.ops.registry import get_op
+from flowgen.runtime import cache_bound
 from flowgen.runtime.toolchain import atomic_write_bytes, cache_dir, runtime_cpp_dir
 
 _MAGIC = b"flowgen-program-cache 1\n"
@@ -352,6 +353,7 @@ def _store(k: str, ir, result) -> None:
     digest = hashlib.sha256(payload).hexdigest()
     atomic_write_bytes(_entry(k), _MAGIC + f"{k}\n{digest}\n".encode() + payload)
     STATS.stored += 1
+    cache_bound.wrote()
 
 
 def cached(ir, options: dict, build: Callable[[], object]) -> tuple:
@@ -364,6 +366,7 @@ def cached(ir, options: dict, build: Callable[[], object]) -> tuple:
     result = _load(k, ir)
     if result is not None:
         STATS.hits += 1
+        cache_bound.used(_entry(k))
         return result, "hit"
     STATS.misses += 1
     result = build()
