@@ -36,6 +36,10 @@ class Dim:
                 raise TypeError(f"flow.Dim({self.name!r}): {what} must be an int, got {value!r}")
         if not 1 <= self.min < self.max:
             raise ValueError(f"flow.Dim({self.name!r}): needs 1 <= min < max, got min={self.min}, max={self.max}")
+        if len(sample_sizes(self)) < 2:
+            raise ValueError(f"flow.Dim({self.name!r}, min={self.min}, max={self.max}): too few sizes for flowgen to "
+                             f"check how the step's sizes follow it (it compiles at the max and at two or more sizes "
+                             f"from max(min, 2) below it): give it a max of at least {max(self.min, 2) + 2}")
 
     def __repr__(self) -> str:
         return f"Dim({self.name!r}, min={self.min}, max={self.max})"

@@ -126,6 +126,8 @@ def test_sizes_out_of_range_and_tied_dims_are_refused():
     (dict(name="batch", min=4, max=4), "needs 1 <= min < max"),
     (dict(name="batch size", max=4), "must be an identifier"),
     (dict(name="batch", max=4.5), "max must be an int"),
+    # sizes 1 to 3: renderings at 2 alone (never at 1) cannot show how a size follows the Dim
+    (dict(name="batch", max=3), "too few sizes .* give it a max of at least 4"),
 ])
 def test_bad_dims_are_refused(kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -193,7 +195,7 @@ def test_size_fits_and_their_c_expressions():
     with pytest.raises(DynamicShapeError, match="not an affine function"):
         _fit([b * b for b, _ in points], points, [10, 6], dims, "x")   # quadratic
     assert sample_sizes(Dim("b", min=1, max=10)) == [2, 3, 4, 6]
-    assert sample_sizes(Dim("b", min=1, max=3)) == [2]
+    assert sample_sizes(Dim("b", min=1, max=4)) == [2, 3]
 
 
 def test_benchmark_runs_and_checks_numbers(tmp_path):

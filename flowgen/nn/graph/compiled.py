@@ -279,9 +279,20 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
     with reporting(graph.name) as progress, program_cache.collector_paused(), \
             internal_checks(graph.name, lambda: progress.stage_name):
         base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)
-        renderings = [(p, _build_program(graph, *at(p), None, (), progress).program) for p in points]
+        renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
         program = fit_programs(base.program, renderings, dims, uses, kernels_source)
         return _compiled(graph, base, program, None, ())
+
+
+def _build_at(graph, dims, sizes, call, progress):
+    """The Program of the step traced at `sizes` of the Dims; a step that does not trace at a size
+    the Dims allow raises its error with the sizes named."""
+    try:
+        return _build_program(graph, *call, None, (), progress).program
+    except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+        at = ", ".join(f"{d.name}={s}" for d, s in zip(dims, sizes))
+        raise type(exc)(f"{graph.name}: dynamic_shapes: the step does not trace at {at}, which "
+                        f"{', '.join(map(repr, dims))} allows: {exc}") from exc
 
 
 def _output_placements(num_outputs: int, input_placements: tuple, placement, pipeline, stage_program):

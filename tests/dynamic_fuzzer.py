@@ -1,0 +1,114 @@
+"""Differential fuzzer of dynamic dimensions: tests/program_fuzzer.py's random programs, in eval
+mode, as a graph whose input's batch axis is a flow.Dim, against a graph compiled for each size.
+
+For each program (its input [B, ...]): the model is called eagerly at batch B and at smaller
+sizes; where eager runs at a size (a program may tie the batch to a parameter's shape), the
+dynamic graph (one compile, Dim("batch", 1, B)) must equal a graph compiled for exactly that size
+(the same kernels but for the fitted sizes, so to float32 rounding) or be refused by
+codegen/dynamic.py with its DynamicShapeError (what cannot follow a size). Anything else -- a
+number apart, another exception, a second compile -- is a failure, printed with the program:
+
+    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+os.environ.setdefault("FLOWGEN_CPU_KERNELS", "native")
+
+import flowgen as flow  # noqa: E402
+from flowgen.codegen.dynamic import DynamicShapeError  # noqa: E402
+from graphs import InferGraph  # noqa: E402
+from program_fuzzer import generate, model_class  # noqa: E402
+
+
+class _Out(flow.nn.Module):
+    """The program's output alone (its auxiliary loss dropped)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def check(seed: int) -> str:
+    """"ok", "refused: ...", "skipped: ..." or "FAILED: ..." for program `seed`."""
+    program = generate(seed)
+    if program.dtype != "float32" or len(program.input_shape) < 2:
+        return "skipped: float64"
+    flow.manual_seed(seed)
+    model = _Out(model_class(program)()).eval()
+    rng = np.random.default_rng(seed)
+    valid = {}   # the batch sizes eager runs at (a program may tie its batch to a parameter's shape)
+    for size in range(1, program.input_shape[0] + 6):
+        x = flow.tensor(rng.standard_normal((size, *program.input_shape[1:])).astype(np.float32))
+        try:
+            model(x)
+        except Exception:
+            continue
+        valid[size] = x
+    lo = hi = program.input_shape[0]   # the run of sizes eager takes around the program's own
+    while lo - 1 in valid:
+        lo -= 1
+    while hi + 1 in valid:
+        hi += 1
+    try:
+        batch = flow.Dim("batch", min=lo, max=hi)
+    except ValueError:
+        return "skipped: eager runs at too few batch sizes"
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes([{0: batch}])
+    sizes = [valid[hi], valid[lo], valid[(lo + hi) // 2], valid[hi - 1]]
+    compiled = None
+    for x in sizes:
+        try:
+            got = graph(x).numpy()
+        except DynamicShapeError as error:
+            return f"refused: {str(error)[:160]}"
+        compiled = compiled or graph.compiled
+        if graph.compiled is not compiled:
+            return f"FAILED: compiled again at batch {x.shape[0]}"
+        want = InferGraph(model)(x).numpy()
+        scale = float(np.nanmax(np.abs(want))) if want.size and np.isfinite(want).any() else 1.0
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0),
+                                                      equal_nan=True):
+            diff = np.nanmax(np.abs(got - want)) if got.shape == want.shape else f"shape {got.shape} vs {want.shape}"
+            return f"FAILED: batch {x.shape[0]}: largest difference {diff} (scale {scale:.3g})"
+    return "ok"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    tally = {}
+    failures = []
+    for seed in range(args.seed, args.seed + args.count):
+        try:
+            verdict = check(seed)
+        except Exception as error:
+            verdict = f"FAILED: {type(error).__name__}: {str(error)[:300]}"
+            traceback.print_exc()
+        kind = verdict.split(":")[0] if not verdict.startswith("skipped") else verdict
+        tally[kind] = tally.get(kind, 0) + 1
+        if kind == "FAILED":
+            failures.append((seed, verdict))
+            print(f"seed {seed}: {verdict}\n{generate(seed).source()}", flush=True)
+    print(f"{args.count} programs from seed {args.seed}: {tally}")
+    for seed, verdict in failures:
+        print(f"  seed {seed}: {verdict}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
