@@ -103,9 +103,9 @@ def sizes_of(uses: dict, shapes: list, where: str, names: list | None = None) ->
 def sample_sizes(dim: Dim) -> list:
     """The sizes codegen/dynamic.py renders a step at, besides the maximum: the minimum, the one
     above it, and two between, so a size rule that is not one affine function over the whole
-    range (a choice made by size) shows as a difference between renderings. Never 1: the
-    compiler's special cases for a size of 1 (a broadcast that reads in place, a transpose that
-    moves nothing) are shortcuts of the general code, which a size of 1 then runs."""
+    range (a choice made by size) shows as a difference between renderings. Never 1: a size of 1
+    is compiled as a variant of its own (nn/graph/graph.py), the compiler having special cases for
+    it (a broadcast that reads in place, a transpose that moves nothing, a slice that empties)."""
     lo, hi = max(dim.min, 2), dim.max
     picks = [lo, lo + 1, (lo + hi) // 2, lo + (hi - lo) // 3]
     return sorted({p for p in picks if lo <= p < hi})

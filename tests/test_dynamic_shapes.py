@@ -27,18 +27,20 @@ def native_kernels(monkeypatch):
 
 
 def _runs_like_eager(model, spec, inputs_at, sizes, rtol=1e-5, atol=1e-6):
-    """The dynamic graph at each of `sizes` equals eager, from one compiled variant."""
+    """The dynamic graph at each of `sizes` equals eager, from one compiled variant for the sizes
+    from 2 up (a size of 1 has variants of its own: which Dims are 1)."""
     model.eval()
     graph = InferGraph(model)
     graph.config.dynamic_shapes(spec)
-    compiled = None
+    variants = {}
     for size in sizes:
         inputs = inputs_at(size)
         got, want = graph(*inputs), model(*inputs)
         assert tuple(got.shape) == tuple(want.shape)
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=rtol, atol=atol, err_msg=f"size {size}")
-        compiled = compiled or graph.compiled
-        assert graph.compiled is compiled and len(graph._variants) == 1   # no recompile
+        ones = tuple(np.atleast_1d(size) == 1)
+        assert variants.setdefault(ones, graph.compiled) is graph.compiled   # no recompile
+    assert len(graph._variants) == len(variants)
     return graph
 
 
@@ -92,6 +94,19 @@ def test_gpt_at_any_batch_and_sequence_length():
         return [flow.tensor(rng.integers(0, 32, size).astype(np.int64))]
 
     _runs_like_eager(_Logits(_gpt()), [{0: batch, 1: seq}], tokens, [(2, 3), (1, 1), (8, 16), (3, 16), (8, 2)])
+
+
+def test_a_size_of_one_has_its_own_variant():
+    """x[1:2] is one row of a batch of 2 or more and none of a batch of 1: the kernels fitted from
+    sizes 2 up would return one row (tests/dynamic_fuzzer.py, seed 1027)."""
+
+    class Second(nn.Module):
+        def forward(self, x):
+            return x[1:2].mean(dim=(2, 3)) * 2.0
+
+    batch = flow.Dim("batch", min=1, max=6)
+    graph = _runs_like_eager(Second(), [{0: batch}], lambda n: [flow.randn(n, 3, 5, 5)], [2, 1, 6, 1, 3])
+    assert len(graph._variants) == 2
 
 
 def test_sizes_out_of_range_and_tied_dims_are_refused():

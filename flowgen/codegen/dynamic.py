@@ -34,6 +34,9 @@ _TOKEN = re.compile(r'//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\''
                     r'|(?<![\w.])(?:\d+\.\d*|\.\d+|\d+)(?:[eE][+-]?\d+)?[fFlLuU]*(?![\w.])')
 _INT = re.compile(r"(\d+)([lLuU]*)\Z")
 DIMS_PARAM = "flowgen_dims"
+# An integer literal's suffix -> the cast that keeps a fitted expression (long long) of its type.
+_LITERAL_TYPES = {"": "int", "U": "unsigned", "L": "long", "UL": "unsigned long", "LU": "unsigned long",
+                  "LL": "", "ULL": "unsigned long long", "LLU": "unsigned long long"}
 
 
 class DynamicShapeError(NotImplementedError):
@@ -117,6 +120,7 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
     fitted = [_fit_kernel(list(column), dims, names, max_value if k < len(base.prepare) else value, fit, points)
               for k, column in enumerate(zip(*all_kernels))]
     _check_values(programs, dims, points)
+    _check_constants(programs, dims, points)
     outputs = [[fit([p.graph.outputs[k].shape[axis] for p in programs], f"output {k}, axis {axis}")
                 for axis in range(len(out.shape))] for k, out in enumerate(base.graph.outputs)]
     for k, shape in enumerate(outputs):
@@ -192,7 +196,8 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit([int(m.group(1)) for m in ints], f"{where}: the literal {token}")
         used |= form.dims
-        fitted.append(form.c_expr(names))
+        cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
+        fitted.append(f"({cast}){form.c_expr(names)}" if cast else form.c_expr(names))
     if not used:
         return base
     # The base's own text (its memory plan's __restrict__ and in-place note), its literals fitted.
@@ -237,6 +242,22 @@ def _check_values(programs, dims, points):
                     raise DynamicShapeError(f"dynamic_shapes: {a.value.type_str} (%{a.value.name}, kernel {k.name}) is "
                                             f"larger at {_sizes_text(dims, sizes)} than at the maximum sizes; the "
                                             f"memory plan is made for the maximum")
+
+
+def _check_constants(programs, dims, points):
+    """Every constant buffer at a smaller size holds the first elements of the maximum's, the
+    only ones its kernels read there (an arange of positions does; the indices of a flip along a
+    dynamic axis count from its end and do not)."""
+    for program, sizes in zip(programs[1:], points[1:]):
+        theirs = {v.name: (v, array) for v, array in program.constants.items()}
+        for v, array in programs[0].constants.items():
+            other, values = theirs.get(v.name, (None, None))
+            base = np.asarray(array).reshape(-1)
+            if other is None or not np.array_equal(base[:other.numel], np.asarray(values).reshape(-1)):
+                raise DynamicShapeError(f"dynamic_shapes: the constant %{v.name} ({v.type_str}) holds other values at "
+                                        f"{_sizes_text(dims, sizes)} than the first of the maximum's (indices that "
+                                        f"count from the end of a dynamic axis, as a flip's); flowgen cannot compute "
+                                        f"it for a size given at run time")
 
 
 def _dims_text(dims) -> str:

@@ -14,7 +14,7 @@ import warnings
 
 import numpy as np
 
-from flowgen.codegen.dynamic import fit_programs
+from flowgen.codegen.dynamic import DynamicShapeError, fit_programs
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
 from flowgen.distributed import env
 from flowgen.distributed.data_parallel import broadcast_state, global_outputs, graph_placement
@@ -31,6 +31,7 @@ from flowgen.nn.graph.trace_step import device_of, trace_step, zero_settings
 from flowgen.passes.pipeline import ir_passes_start, run_passes, step_passes
 from flowgen.runtime import program_cache
 from flowgen.runtime.executor import Executor
+from flowgen.runtime.toolchain import CompileError
 from flowgen.runtime.progress import reporting
 from flowgen.tensor import Tensor
 
@@ -281,7 +282,11 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
         base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)
         renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
         program = fit_programs(base.program, renderings, dims, uses, kernels_source)
-        return _compiled(graph, base, program, None, ())
+        try:
+            return _compiled(graph, base, program, None, ())
+        except CompileError as error:   # a fitted size where the compiler needs a constant (an array's)
+            raise DynamicShapeError(f"{graph.name}: dynamic_shapes: the kernels fitted for "
+                                    f"{', '.join(map(repr, dims))} do not compile: {error}") from error
 
 
 def _build_at(graph, dims, sizes, call, progress):

@@ -161,6 +161,8 @@ class Graph:
         uses = self._dynamic_uses(inputs, placements)
         key = (signature((args, kwargs)) if uses is None else signature(rebuild_call(abstract_inputs(inputs, uses))),
                placements)
+        if uses == {}:   # every Dim at 1: the exact variant
+            uses = None
         variant = self._variants.get(key)
         if variant is None:
             if self._variants:
@@ -182,15 +184,18 @@ class Graph:
 
     def _dynamic_uses(self, inputs, placements):
         """{Dim: [DimUse]} of config.dynamic_shapes for these flat inputs, their sizes checked
-        (flowgen/dims.py); None without dynamic dimensions."""
+        (flowgen/dims.py), less the Dims these inputs have at 1: a size of 1 gets variants of its
+        own, since the compiler's special cases for it are not always shortcuts (a slice
+        `x[1:2]` is one row from a batch of 2 up, none of a batch of 1). None without dynamic
+        dimensions; {} when every Dim is at 1."""
         if self.config.dynamic is None:
             return None
         if any(p is not None for p in placements):
             raise NotImplementedError(f"{self._name}: dynamic_shapes with global (distributed) inputs is not "
                                       f"supported yet")
         uses = normalize_spec(self.config.dynamic, len(inputs), [len(t.shape) for t in inputs], self._name)
-        sizes_of(uses, [t.shape for t in inputs], self._name)
-        return uses
+        sizes = sizes_of(uses, [t.shape for t in inputs], self._name)
+        return {dim: places for dim, places in uses.items() if sizes[dim] != 1}
 
     @property
     def compiled(self) -> CompiledGraph:
