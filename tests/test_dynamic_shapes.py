@@ -17,6 +17,7 @@ from flowgen.codegen.dynamic import DynamicShapeError, SizeExpr, _fit
 from flowgen.dims import Dim, sample_sizes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import dynamic_fuzzer  # noqa: E402
 from graphs import InferGraph  # noqa: E402
 import gpt_char  # noqa: E402
 
@@ -162,6 +163,15 @@ def test_what_cannot_follow_a_size_is_refused_with_its_reason(monkeypatch):
     graph.config.dynamic_shapes([{0: batch}])
     with pytest.raises(DynamicShapeError, match=r"kernel k0_model_mean.*only integer sizes can follow a Dim"):
         graph(flow.randn(3, 4))
+    # a flip along the batch reads rows by indices counted from its end: a constant of the maximum's
+    class Flip(nn.Module):
+        def forward(self, x):
+            return x.flip(0) * 2.0
+
+    graph = InferGraph(Flip())
+    graph.config.dynamic_shapes([{0: batch}])
+    with pytest.raises(DynamicShapeError, match="the constant .* holds other values at batch=2"):
+        graph(flow.randn(3, 4))
     # the emulated CUDA kernels launch grids sized for the data
     monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "emulator")
     graph = InferGraph(nn.Linear(64, 64).eval())
@@ -223,3 +233,10 @@ def test_benchmark_runs_and_checks_numbers(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["size"][0] for r in rows] == [1, 8, 64]
     assert all(r["dynamic_ms"] > 0 and r["exact_ms"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("seed", [1027, 1121, 1201])
+def test_fuzz_programs_with_a_dynamic_batch(seed):
+    """tests/dynamic_fuzzer.py's check on programs that found bugs (a slice emptied by a batch of
+    1, a flip's constant indices): equal to graphs compiled per size, or refused."""
+    assert dynamic_fuzzer.check(seed).split(":")[0] in ("ok", "refused")
