@@ -9,6 +9,7 @@ against it; it imports nothing of the compiler.
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -112,16 +113,19 @@ def sample_sizes(dim: Dim) -> list:
 
 
 def sample_points(dims: list) -> list:
-    """The sizes (one per Dim, in order) to render a step at besides every Dim's max: each Dim at
-    its sample sizes with the others at their max, and where there are several Dims, points where
-    all of them move (a size such as batch * seq is a product of two)."""
+    """The sizes (one per Dim, in order) to render a step at besides every Dim's max. One or two
+    Dims: every combination of their sample sizes and maxima (a grid, so that codegen/dynamic.py
+    can fit sizes such as batch * seq * seq, an attention's scores); more: each Dim at its sample
+    sizes with the others at their max, and three points where all of them move."""
+    samples = [sample_sizes(d) + [d.max] for d in dims]
+    if len(dims) <= 2:
+        grid = [list(p) for p in itertools.product(*samples)]
+        return [p for p in grid if p != [d.max for d in dims]]
     points = []
     for k, dim in enumerate(dims):
-        for size in sample_sizes(dim):
+        for size in samples[k][:-1]:
             points.append([size if j == k else d.max for j, d in enumerate(dims)])
-    if len(dims) > 1:
-        samples = [sample_sizes(d) for d in dims]
-        points.append([s[0] for s in samples])
-        points.append([s[len(s) // 2] for s in samples])
-        points.append([s[0] if j % 2 else s[-1] for j, s in enumerate(samples)])
+    points.append([s[0] for s in samples])
+    points.append([s[len(s) // 2 - 1] for s in samples])
+    points.append([s[0] if j % 2 else s[-2] for j, s in enumerate(samples)])
     return points

@@ -4,9 +4,9 @@ The compiler renders a step with every Dim at its maximum (the base Program: its
 the one used at every size) and again at other sizes (flowgen/dims.py sample_sizes, one Dim at a
 time, and all Dims at their minimum when there are several). The renderings must be the same
 program but for integer literals: the same kernels, names, arguments and launch shapes, the same
-source text token by token. Each integer literal that changes is fitted as `b + sum(a * d ...)`
-over the Dims and their products (batch * seq), with integer coefficients that every rendering
-satisfies exactly; it becomes that
+source text token by token. Each integer literal that changes is fitted as a polynomial of the
+Dims (batch * seq, an attention's batch * seq * seq), with integer coefficients that every
+rendering satisfies exactly; it becomes that
 expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
 (the executor, program or library writes the sizes there before each step). Anything else that
 changes with a size is refused, naming the kernel, its module path and the Dim: a float literal (a
@@ -46,7 +46,7 @@ class DynamicShapeError(NotImplementedError):
 @dataclass(frozen=True)
 class SizeExpr:
     """b + sum(a * the product of the sizes of the Dims in `dims`) over `terms` ((dims, a), ...):
-    a size such as 32 * batch * seq + 1 (each Dim at most once in a term)."""
+    a size such as 32 * batch * seq + 1 (`dims` a tuple of Dim places, one repeated for a square)."""
 
     b: int
     terms: tuple = ()
@@ -136,19 +136,24 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
 
 
 def _fit(values, points, base_sizes, dims, where):
-    """`values` (one per point) as an int or a SizeExpr of the sizes (multilinear: a term per set
-    of Dims, integer coefficients, exact at every point), or DynamicShapeError."""
+    """`values` (one per point) as an int or a SizeExpr of the sizes, or DynamicShapeError: a
+    polynomial with integer coefficients, each Dim to the power 1 or, where the points hold four
+    or more of its sizes and there are at most two Dims, 2 (batch * seq * seq); its terms fixed by
+    the points (the least-squares system of full rank) and exact at every one of them."""
     if all(v == values[0] for v in values):
         return values[0]
-    subsets = [c for r in range(1, len(dims) + 1) for c in itertools.combinations(range(len(dims)), r)]
-    basis = np.array([[1.0] + [math.prod(p[k] for k in c) for c in subsets] for p in points])
-    solution = np.linalg.lstsq(basis, np.array(values, float), rcond=None)[0]
+    top = [2 if len(dims) <= 2 and len({p[k] for p in points}) >= 4 else 1 for k in range(len(dims))]
+    powers = [e for e in itertools.product(*(range(t + 1) for t in top)) if any(e)]
+    basis = np.array([[1.0] + [math.prod(p[k] ** n for k, n in enumerate(e)) for e in powers] for p in points])
+    solution, _, rank, _ = np.linalg.lstsq(basis, np.array(values, float), rcond=None)
     coeffs = [int(round(x)) for x in solution]
-    form = SizeExpr(coeffs[0], tuple((c, a) for c, a in zip(subsets, coeffs[1:]) if a))
-    for sizes, v in zip(points, values):
-        if form.at(sizes) != v:
-            raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not an affine function of "
-                                    f"{_dims_text(dims)} ({v} at {_sizes_text(dims, sizes)})")
+    form = SizeExpr(coeffs[0], tuple((tuple(k for k, n in enumerate(e) for _ in range(n)), a)
+                                     for e, a in zip(powers, coeffs[1:]) if a))
+    if rank < basis.shape[1] or any(form.at(sizes) != v for sizes, v in zip(points, values)):
+        bad = next((f"{v} at {_sizes_text(dims, sizes)}" for sizes, v in zip(points, values) if form.at(sizes) != v),
+                   "too few sizes rendered to tell")
+        raise DynamicShapeError(f"{where}: {values[0]} at the maximum sizes is not a polynomial of "
+                                f"{_dims_text(dims)} that flowgen can fit ({bad})")
     return form
 
 
