@@ -41,7 +41,7 @@ import flowgen as flow  # noqa: E402
 import flowgen.nn as nn  # noqa: E402
 import gpt_char  # noqa: E402  (examples/gpt_char.py)
 from fair_common import git_commit, log, print_table, write_json  # noqa: E402
-from graphs import InferGraph  # noqa: E402
+from graphs import FirstOutput, InferGraph  # noqa: E402
 
 TARGET = 1.1
 
@@ -53,18 +53,9 @@ class _SpatialMean(nn.Module):
         return x.mean(dim=(2, 3))
 
 
-class _Logits(nn.Module):
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx):
-        return self.gpt(idx)[0]
-
-
 def _gpt():
     config = gpt_char.GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
-    return _Logits(gpt_char.define(flow)(config))
+    return FirstOutput(gpt_char.define(flow)(config))
 
 
 def _tokens(batch, seq):

@@ -25,20 +25,8 @@ os.environ.setdefault("FLOWGEN_CPU_KERNELS", "native")
 
 import flowgen as flow  # noqa: E402
 from flowgen.codegen.dynamic import DynamicShapeError  # noqa: E402
-from graphs import InferGraph  # noqa: E402
+from graphs import FirstOutput, InferGraph  # noqa: E402
 from program_fuzzer import generate, model_class  # noqa: E402
-
-
-class _Out(flow.nn.Module):
-    """The program's output alone (its auxiliary loss dropped)."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x):
-        out = self.model(x)
-        return out[0] if isinstance(out, tuple) else out
 
 
 def check(seed: int) -> str:
@@ -47,7 +35,7 @@ def check(seed: int) -> str:
     if program.dtype != "float32" or len(program.input_shape) < 2:
         return "skipped: float64"
     flow.manual_seed(seed)
-    model = _Out(model_class(program)()).eval()
+    model = FirstOutput(model_class(program)()).eval()   # its auxiliary loss dropped
     rng = np.random.default_rng(seed)
     valid = {}   # the batch sizes eager runs at (a program may tie its batch to a parameter's shape)
     for size in range(1, program.input_shape[0] + 6):

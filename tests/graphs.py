@@ -16,6 +16,18 @@ class InferGraph(nn.Graph):
         return self.model(x)
 
 
+class FirstOutput(nn.Module):
+    """`model`'s first output where it returns several (a GPT's logits beside its loss)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        out = self.model(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
 class SumLossGraph(nn.Graph):
     """A training step on model(x).sum(), the smallest loss that trains every parameter."""
 

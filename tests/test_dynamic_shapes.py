@@ -18,7 +18,7 @@ from flowgen.dims import Dim, sample_points, sample_sizes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import dynamic_fuzzer  # noqa: E402
-from graphs import InferGraph  # noqa: E402
+from graphs import FirstOutput, InferGraph  # noqa: E402
 import gpt_char  # noqa: E402
 
 
@@ -76,15 +76,6 @@ def _gpt():
     return gpt_char.define(flow)(config)
 
 
-class _Logits(nn.Module):
-    def __init__(self, gpt):
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx):
-        return self.gpt(idx)[0]
-
-
 def test_gpt_at_any_batch_and_sequence_length():
     """Two Dims at once; a sequence shorter than an earlier call's, then the longest (the
     position embedding is prepared once at the maximum)."""
@@ -94,7 +85,7 @@ def test_gpt_at_any_batch_and_sequence_length():
     def tokens(size):
         return [flow.tensor(rng.integers(0, 32, size).astype(np.int64))]
 
-    _runs_like_eager(_Logits(_gpt()), [{0: batch, 1: seq}], tokens, [(2, 3), (1, 1), (8, 16), (3, 16), (8, 2)])
+    _runs_like_eager(FirstOutput(_gpt()), [{0: batch, 1: seq}], tokens, [(2, 3), (1, 1), (8, 16), (3, 16), (8, 2)])
 
 
 def test_a_size_of_one_has_its_own_variant():
