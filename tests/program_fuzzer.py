@@ -72,6 +72,9 @@ TORCH_RTOL = 1e-6
 PERTURBED_RUNS = (None, 1, 2)   # eager float32 runs: exact inputs, and two ulp-perturbed ones
 NOISY_RUNS = (11, 12)           # and two with every op's result moved by up to an ulp (`rounding_noise`)
 STEPS = 3
+# A training step whose loss float32 rounding alone moves by more than this (relative to its
+# magnitude) leaves a state that rounding decided: later steps are not compared (`_Eager.chaotic_after`).
+CHAOS_RELATIVE = 1e-4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1248,15 +1251,46 @@ class _Eager:
                 run_eager(self.program, self.state, flow.float64, noise=13)]
 
     def graph_problem(self, name, graph32) -> str | None:
-        """`mismatch` of the graph's `name` against the eager float32 runs."""
+        """`mismatch` of the graph's `name` against the eager float32 runs; None for what a
+        training step after a chaotic one (`chaotic_after`) computes."""
         value = self.values64[name]
-        return (mismatch(name, graph32, [self.exact32[name]], value)
-                and mismatch(name, graph32, [r[name] for r in self.runs32], value))
+        problem = (mismatch(name, graph32, [self.exact32[name]], value)
+                   and mismatch(name, graph32, [r[name] for r in self.runs32], value))
+        chaotic = self.chaotic_after() if problem else None
+        if chaotic is not None and _step_of(name) > chaotic:
+            return None
+        return problem
+
+    def chaotic_after(self) -> int | None:
+        """The first training step whose loss the eager float32 runs put more than CHAOS_RELATIVE
+        of its magnitude from float64: rounding alone moved it far beyond an ulp (a comparison
+        near a threshold, `where(abs(h) > 0.5, ...)`, going the other way), so the states after it
+        are rounding's choice and later steps may land anywhere (fuzz seed 461359: a loss 2.5e-3
+        apart at step 1 in eager float32, then the graph's step 2 on another branch than eager's)."""
+        for step in range(STEPS):
+            name = f"loss step {step}"
+            r = np.asarray(self.values64[name], np.float64)
+            scale = float(np.max(np.abs(r))) if r.size and np.isfinite(r).all() else 0.0
+            spread = max((float(np.max(np.abs(np.asarray(run[name], np.float64) - r))) for run in self.runs32),
+                         default=0.0)
+            if scale and spread > CHAOS_RELATIVE * scale:
+                return step
+        return None
+
 
     @staticmethod
     def torch_problem(name, flow64, torch64, moved) -> str | None:
         """`torch_mismatch` of `name`; `moved()` lists the perturbed flowgen float64 values."""
         return torch_mismatch(name, flow64, torch64) and torch_mismatch(name, flow64, torch64, moved())
+
+
+def _step_of(name: str) -> float:
+    """The training step a compared value comes from: "loss step 2" -> 2, the state after the
+    steps -> STEPS, the inference output -> -1."""
+    if name.startswith("after "):
+        return STEPS
+    match = re.search(r" step (\d+)$", name)
+    return int(match.group(1)) if match else -1
 
 
 def check_programs(programs, graphs: bool = True, use_torch: bool = True) -> list:
