@@ -1256,9 +1256,10 @@ class _Eager:
         value = self.values64[name]
         problem = (mismatch(name, graph32, [self.exact32[name]], value)
                    and mismatch(name, graph32, [r[name] for r in self.runs32], value))
-        chaotic = self.chaotic_after() if problem else None
-        if chaotic is not None and _step_of(name) > chaotic:
-            return None
+        if problem and _step_of(name) > 0:
+            chaotic = self.chaotic_after()
+            if chaotic is not None and _step_of(name) > chaotic:
+                return None
         return problem
 
     def chaotic_after(self) -> int | None:

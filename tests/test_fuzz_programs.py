@@ -118,6 +118,23 @@ def test_perturbed_eager_runs_are_made_only_when_the_exact_run_does_not_excuse_t
     assert "from torch float64" in eager.torch_problem("out", reference, reference + 1e-3, lambda: [reference])
 
 
+def test_steps_after_one_that_rounding_decided_are_not_compared():
+    """A loss that eager float32 moves by more than CHAOS_RELATIVE at step 1 (rounding going the
+    other way at a threshold) leaves later steps and the final state uncompared; step 1 itself,
+    and every step of a run without such a step, still are (fuzz seed 461359)."""
+    eager = object.__new__(fuzzer._Eager)
+    losses = {f"loss step {k}": np.array([3.0]) for k in range(fuzzer.STEPS)}
+    eager.values64 = dict(losses, **{"after 3 steps: p": np.array([1.0])})
+    eager.exact32 = dict(eager.values64)
+    eager.runs32 = [dict(eager.values64, **{"loss step 1": np.array([3.0 + 3e-3])})]   # 1e-3 relative
+    far = np.array([3.1])
+    assert "from eager float64" in eager.graph_problem("loss step 1", np.array([3.5]))
+    assert eager.graph_problem("loss step 2", far) is None
+    assert eager.graph_problem("after 3 steps: p", np.array([1.2])) is None
+    eager.runs32 = [dict(eager.values64)]                                               # no chaos
+    assert "from eager float64" in eager.graph_problem("loss step 2", far)
+
+
 def test_rounding_noise_moves_op_results_and_cancelled_zeros_by_an_ulp_of_their_terms():
     """The noisy eager runs: every op's float result moves by up to `relative` of itself, an
     exact zero by up to `relative` of the largest magnitude the op saw (so `abs` of a difference
