@@ -49,6 +49,7 @@ class Graph:
         object.__setattr__(self, "_debug_level", -1)
         object.__setattr__(self, "_variants", collections.OrderedDict())
         object.__setattr__(self, "_last", None)
+        object.__setattr__(self, "_dynamic_spec", (None, None, None))   # (config.dynamic, ranks, its uses)
         object.__setattr__(self, "_io", None)
         object.__setattr__(self, "_counter", {"calls": 0})
         object.__setattr__(self, "_zero_slots", {})   # state name -> ShardedSlot (ZeRO, passes/zero.py)
@@ -193,7 +194,11 @@ class Graph:
         if any(p is not None for p in placements):
             raise NotImplementedError(f"{self._name}: dynamic_shapes with global (distributed) inputs is not "
                                       f"supported yet")
-        uses = normalize_spec(self.config.dynamic, len(inputs), [len(t.shape) for t in inputs], self._name)
+        ranks = tuple(len(t.shape) for t in inputs)
+        spec, checked_ranks, uses = self._dynamic_spec
+        if spec is not self.config.dynamic or checked_ranks != ranks:   # checked once per spec and ranks
+            uses = normalize_spec(self.config.dynamic, len(inputs), ranks, self._name)
+            object.__setattr__(self, "_dynamic_spec", (self.config.dynamic, ranks, uses))
         sizes = sizes_of(uses, [t.shape for t in inputs], self._name)
         return {dim: places for dim, places in uses.items() if sizes[dim] != 1}
 
