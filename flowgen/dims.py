@@ -129,3 +129,18 @@ def sample_points(dims: list) -> list:
     points.append([s[len(s) // 2 - 1] for s in samples])
     points.append([s[0] if j % 2 else s[-2] for j, s in enumerate(samples)])
     return points
+
+
+def unit_points(dims: list) -> list:
+    """The sizes with Dims whose minimum is 1 at 1, for a program that serves a size of 1 with
+    the kernels it fits for the others (a saved graph's: the standalone program and the library
+    have one program; the Python graph compiles variants of its own instead): each such Dim at 1
+    with the others at their max, then at their smallest sample size, and all of them at 1."""
+    ones = [k for k, d in enumerate(dims) if d.min == 1]
+    points = []
+    for others in ([d.max for d in dims], [max(d.min, 2) for d in dims]):
+        for k in ones:
+            points.append([1 if j == k else size for j, size in enumerate(others)])
+    if len(ones) > 1:
+        points.append([1 if d.min == 1 else d.max for d in dims])
+    return [p for k, p in enumerate(points) if p not in points[:k]]

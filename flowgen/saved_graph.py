@@ -96,13 +96,17 @@ import functools
 import hashlib
 import math
 import os
+import re
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
-from flowgen.codegen.program import build_program, count_unfused_kernels
+from flowgen.codegen.dynamic import DynamicShapeError, fit_programs
+from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
+from flowgen.dims import Dim, DimUse, sizes_of, unit_points
 from flowgen.distributed.collectives import world
 from flowgen.errors import internal_checks
 from flowgen.ir.graph import Graph, Node, StateVar, Value
@@ -427,7 +431,7 @@ class SavedGraph:
     """
 
     def __init__(self, ir, weights: dict, signature: dict, step: int = 0, path: str | None = None,
-                 skipped: int = 0, data_parallel: dict | None = None):
+                 skipped: int = 0, data_parallel: dict | None = None, dynamic=None):
         self.ir = ir
         self.weights = weights          # state name -> ndarray, in ir.state order
         self.signature = signature
@@ -435,6 +439,7 @@ class SavedGraph:
         self.skipped = int(skipped)     # how many of them a GradScaler skipped
         self.path = path
         self.data_parallel = data_parallel   # graph.json's data_parallel entry (module doc), or None
+        self.dynamic = dynamic               # SavedDynamic: the dynamic dimensions (module doc), or None
         self._programs: dict = {}   # (target, arch, native) -> Program
         self._executor = None
 
@@ -464,25 +469,45 @@ class SavedGraph:
         if key not in self._programs:
             options = ({"target": target} | ({"arch": arch} if arch else {})
                        | ({"native": native} if native is not None else {}))
+
+            def program_of(ir):
+                program, _ = program_cache.cached(ir, options, functools.partial(_build_program, ir, target, arch,
+                                                                                 native))
+                return program
+
             with internal_checks(self.name, lambda: f"codegen for {target}"):
-                self._programs[key], _ = program_cache.cached(
-                    self.ir, options, functools.partial(_build_program, self.ir, target, arch, native))
+                program = program_of(self.ir)
+                if self.dynamic is not None:
+                    d = self.dynamic
+                    renderings = [(sizes, program_of(ir)) for sizes, ir in d.renderings]
+                    try:
+                        program = fit_programs(program, renderings, d.dims, d.uses, kernels_source)
+                    except DynamicShapeError as e:
+                        raise DynamicShapeError(f"{self.name}: for the {target} target: {e}") from None
+                self._programs[key] = program
         return self._programs[key]
 
     def _check_inputs(self, arrays) -> list:
         if len(arrays) != len(self.ir.inputs):
             raise TypeError(f"{self.name}: run() takes {len(self.ir.inputs)} input arrays, got {len(arrays)}")
         result = []
+        dynamic = {} if self.dynamic is None else {(u.input, u.axis): d for d, us in self.dynamic.uses.items()
+                                                     for u in us}
+        arrays = [np.asarray(a.numpy() if hasattr(a, "numpy") else a) for a in arrays]
         for i, (a, v) in enumerate(zip(arrays, self.ir.inputs)):
-            a = np.asarray(a.numpy() if hasattr(a, "numpy") else a)
-            if tuple(a.shape) != tuple(v.shape):
+            if a.ndim != len(v.shape) or any(n != m for axis, (n, m) in enumerate(zip(a.shape, v.shape))
+                                             if (i, axis) not in dynamic):
+                expected = ", ".join(dynamic[i, axis].name if (i, axis) in dynamic else str(m)
+                                     for axis, m in enumerate(v.shape))
                 raise ValueError(f"{self.name}: input {i} ({v.name}) has shape {tuple(a.shape)}, expected "
-                                 f"{tuple(v.shape)}")
+                                 f"({expected})")
             if a.dtype != v.dtype.np_dtype:
                 convert = "ml_dtypes.bfloat16" if v.dtype.name == "bfloat16" else f"np.{np.dtype(v.dtype.np_dtype).name}"
                 raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}; "
                                  f"convert it with x.astype({convert})")
             result.append(_contiguous(a))
+        if dynamic:
+            sizes_of(self.dynamic.uses, [a.shape for a in result], self.name, [v.name for v in self.ir.inputs])
         return result
 
     def run(self, *arrays) -> list:
@@ -544,9 +569,11 @@ def _state_values(compiled) -> dict:
     return result
 
 
-def signature_of(ir, training: bool, graph_name: str, data_parallel: dict | None = None) -> dict:
+def signature_of(ir, training: bool, graph_name: str, data_parallel: dict | None = None,
+                 dynamic: dict | None = None) -> dict:
     outputs = [dict(_value_json(v), name=f"output_{i}", value=v.name) for i, v in enumerate(ir.outputs)]
-    extra = {} if data_parallel is None else {"data_parallel": data_parallel}
+    extra = ({} if data_parallel is None else {"data_parallel": data_parallel}) | \
+        ({} if dynamic is None else {"dynamic": dynamic})
     return {
         "format": SIGNATURE_FORMAT,
         "version": VERSION,
@@ -581,19 +608,19 @@ def save_graph(graph, path) -> None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
-    if compiled.program.dynamic is not None:
-        raise NotImplementedError(f"flow.save: {graph.name} has dynamic dimensions "
-                                  f"({', '.join(map(repr, compiled.program.dynamic.dims))}); the standalone program "
-                                  f"and library take fixed shapes for now: call graph.config.dynamic_shapes(None) and "
-                                  f"call the graph once at the shapes to save")
     if not compiled.runs_here:     # a graph on some of the ranks: they save it, this rank holds none of it
         return
     data_parallel = data_parallel_entry(graph.name, compiled)
     doc, arrays = encode_graph(compiled.ir, graph.training)
     if data_parallel is not None:
         doc["data_parallel"] = data_parallel
+    dynamic = _dynamic_entry(graph.name, compiled)
+    if dynamic is not None:
+        doc["dynamic"], renderings_arrays = dynamic
+        arrays.update(renderings_arrays)
     weights = _state_values(compiled)
-    signature = signature_of(compiled.ir, graph.training, graph.name, data_parallel)
+    signature = signature_of(compiled.ir, graph.training, graph.name, data_parallel,
+                             None if dynamic is None else _dims_only(dynamic[0]))
 
     def write(tmp: str) -> None:
         constants_path = os.path.join(tmp, CONSTANTS_FILE)
@@ -611,6 +638,102 @@ def save_graph(graph, path) -> None:
         write_directory_atomically(path, write)
     else:
         _write_on_rank_0(graph.name, path, write, doc, weights)
+
+
+@dataclass
+class SavedDynamic:
+    """graph.json's `dynamic` entry, decoded: the Dims, where each is read ({Dim: [DimUse]}) and
+    the step's IR at other sizes than the maxima ([(sizes, IR)]), which a build fits into one
+    program for its target (codegen/dynamic.py)."""
+
+    dims: list
+    uses: dict
+    renderings: list
+
+
+def _dynamic_entry(graph_name: str, compiled) -> tuple | None:
+    """(graph.json's `dynamic` entry, its renderings' constant arrays) for a variant compiled with
+    dynamic dimensions, None for fixed shapes. A built program has one set of kernels for every
+    size, so a Dim whose minimum is 1 is rendered at 1 too and must fit them (the Python graph
+    compiles a size of 1 as a variant of its own instead)."""
+    dynamic = compiled.program.dynamic
+    if dynamic is None:
+        return None
+    dims = dynamic.dims
+    renderings = list(dynamic.renderings)
+    at_one = [(sizes, compiled.render_at(sizes)) for sizes in unit_points(dims)]
+    if at_one:
+        try:
+            fit_programs(dynamic.base, renderings + at_one, dims, dynamic.uses, kernels_source)
+        except DynamicShapeError as e:
+            ones = ", ".join(repr(d) for d in dims if d.min == 1)
+            raise DynamicShapeError(f"flow.save: {graph_name}: a saved graph is built into one program for every "
+                                    f"size, and at a size of 1 ({ones}) the step compiles to other kernels than at "
+                                    f"the others ({e}); declare min=2 and save another graph for a size of 1 (the "
+                                    f"Python graph compiles a size of 1 as a variant of its own)") from None
+    entry = {"dims": [{"name": d.name, "min": d.min, "max": d.max} for d in dims],
+             "uses": [[k, use.input, use.axis] for k, d in enumerate(dims) for use in dynamic.uses[d]],
+             "renderings": []}
+    arrays = {}
+    for j, (sizes, program) in enumerate(renderings + at_one):
+        doc, rendering_arrays = encode_graph(program.graph, False)
+        entry["renderings"].append({"sizes": list(sizes), "graph": {k: v for k, v in doc.items() if k not in _HEADER}})
+        arrays.update({f"{_RENDERING_KEY.format(j)}{key}": array for key, array in rendering_arrays.items()})
+    return entry, arrays
+
+
+_HEADER = ("format", "version", "flowgen_version")
+_RENDERING_KEY = "rendering_{}/"   # constants.safetensors keys of rendering j's arrays
+_RENDERING_ARRAY = re.compile(r"rendering_\d+/")
+
+
+def _dims_only(entry: dict) -> dict:
+    """signature.json's `dynamic` entry: graph.json's without the renderings."""
+    return {"dims": entry["dims"], "uses": entry["uses"]}
+
+
+def _decoded_dynamic(entry, arrays: dict, ir, filename: str, source: str) -> SavedDynamic | None:
+    """graph.json's `dynamic` entry (module doc), checked against the graph and decoded."""
+    if entry is None:
+        return None
+
+    def bad(why: str):
+        raise FormatError(f"flow.load: {filename}: the 'dynamic' field {why}")
+
+    if not isinstance(entry, dict) or not all(isinstance(entry.get(k), list) for k in ("dims", "uses", "renderings")):
+        bad("must be an object with the lists dims, uses and renderings")
+    dims = []
+    for d in entry["dims"]:
+        try:
+            dims.append(Dim(d["name"], min=d["min"], max=d["max"]))
+        except (TypeError, KeyError, ValueError) as e:
+            bad(f"has a bad Dim {str(d)[:80]}: {e}")
+    if not dims or len({d.name for d in dims}) != len(dims):
+        bad("must name one or more Dims, each once")
+    uses: dict = {d: [] for d in dims}
+    for use in entry["uses"]:
+        if not (isinstance(use, list) and len(use) == 3 and all(type(n) is int for n in use)
+                and 0 <= use[0] < len(dims) and 0 <= use[1] < len(ir.inputs)
+                and 0 <= use[2] < len(ir.inputs[use[1]].shape)):
+            bad(f"has a bad use {str(use)[:40]} (a [Dim, input, axis] triple in range)")
+        dim = dims[use[0]]
+        if ir.inputs[use[1]].shape[use[2]] != dim.max:
+            bad(f"ties axis {use[2]} of input {use[1]} ({ir.inputs[use[1]].shape[use[2]]}) to {dim}, whose max it "
+                f"must be")
+        uses[dim].append(DimUse(use[1], use[2]))
+    if not all(uses.values()):
+        bad("has a Dim no input uses")
+    renderings = []
+    for j, r in enumerate(entry["renderings"]):
+        sizes = r.get("sizes") if isinstance(r, dict) else None
+        if not (isinstance(sizes, list) and len(sizes) == len(dims) and all(type(n) is int for n in sizes)
+                and all(d.min <= n <= d.max for d, n in zip(dims, sizes)) and isinstance(r.get("graph"), dict)):
+            bad(f"has a bad rendering {j} (sizes in the Dims' ranges and a graph)")
+        prefix = _RENDERING_KEY.format(j)
+        own = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
+        doc = dict(r["graph"], format=FORMAT, version=VERSION)
+        renderings.append((sizes, decode_graph(doc, own, source)))
+    return SavedDynamic(dims, uses, renderings)
 
 
 def data_parallel_entry(graph_name: str, compiled) -> dict | None:
@@ -698,14 +821,14 @@ def _metadata_count(metadata: dict, key: str, filename: str) -> int:
     return int(text)
 
 
-def _check_signature(signature, ir, training: bool, data_parallel, filename: str) -> None:
+def _check_signature(signature, ir, training: bool, data_parallel, dynamic, filename: str) -> None:
     """signature.json must describe the graph it sits beside."""
     if not isinstance(signature, dict) or signature.get("format") != SIGNATURE_FORMAT:
         raise FormatError(f"flow.load: {filename} is not a flowgen signature file")
     if not isinstance(signature.get("graph"), str):
         raise FormatError(f"flow.load: {filename}: the 'graph' field is missing or not a string")
-    expected = signature_of(ir, training, signature["graph"], data_parallel)
-    for key in ("version", "training", "inputs", "outputs", "state", "data_parallel"):
+    expected = signature_of(ir, training, signature["graph"], data_parallel, dynamic)
+    for key in ("version", "training", "inputs", "outputs", "state", "data_parallel", "dynamic"):
         if signature.get(key) != expected.get(key):
             raise FormatError(f"flow.load: {filename}: the {key!r} field does not match {GRAPH_FILE} "
                               f"(found {str(signature.get(key))[:80]}, expected {str(expected.get(key))[:80]})")
@@ -725,17 +848,23 @@ def load_saved_graph(path) -> SavedGraph:
         if file_sha256(filename) != doc.get(key):
             raise FormatError(f"flow.load: {filename} is corrupt: its SHA-256 does not match the {key} field of "
                               f"{GRAPH_FILE} (modified or damaged after saving)")
-    ir = decode_graph(doc, arrays, path)
+    main_arrays = {k: a for k, a in arrays.items() if not _RENDERING_ARRAY.match(k)}
+    ir = decode_graph(doc, main_arrays, path)
     data_parallel = _checked_data_parallel(doc.get("data_parallel"), ir, graph_path)
+    dynamic = _decoded_dynamic(doc.get("dynamic"), arrays, ir, graph_path, path)
+    if dynamic is not None and (data_parallel is not None or doc.get("training")):
+        raise FormatError(f"flow.load: {graph_path}: dynamic dimensions in a training or data-parallel graph")
     check_weights(ir, weights_raw, weights_path)
     weights = {s.name: weights_raw[s.name] for s in ir.state}
     step = _metadata_count(metadata, "step", weights_path)
     skipped = _metadata_count(metadata, "skipped", weights_path)
     signature_path = os.path.join(path, SIGNATURE_FILE)
     signature = read_json_file(signature_path)
-    _check_signature(signature, ir, bool(doc.get("training")), data_parallel, signature_path)
+    _check_signature(signature, ir, bool(doc.get("training")), data_parallel,
+                     None if dynamic is None else _dims_only(doc["dynamic"]), signature_path)
     check_self_hash(signature, "signature_sha256", signature_path)
-    return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped, data_parallel=data_parallel)
+    return SavedGraph(ir, weights, signature, step=step, path=path, skipped=skipped, data_parallel=data_parallel,
+                      dynamic=dynamic)
 
 
 def _checked_data_parallel(entry, ir, filename: str) -> dict | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -81,6 +81,8 @@ class DynamicDims:
     uses: dict                # Dim -> [DimUse]: where each size is read from the inputs
     value: Value              # the int64 buffer of the sizes, one per Dim (the kernels' flowgen_dims)
     output_shapes: list       # per graph output, per axis: an int or a SizeExpr
+    base: object = None       # the Program at the maximum sizes, before fitting
+    renderings: list = field(default_factory=list)   # [(sizes, Program)]: the others fitted (flow.save keeps their IRs)
 
     def sizes(self, sizes_by_dim: dict) -> np.ndarray:
         return np.array([sizes_by_dim[d] for d in self.dims], np.int64)
@@ -132,7 +134,7 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
     if any(a.value is max_value for k in prepare for a in k.args if isinstance(a, BufferArg)):
         constants[max_value] = np.array(base_sizes, np.int64)
     return replace(base, prepare=prepare, kernels=kernels, source=source_of(base.graph, prepare, kernels),
-                   constants=constants, dynamic=DynamicDims(list(dims), uses, value, outputs))
+                   constants=constants, dynamic=DynamicDims(list(dims), uses, value, outputs, base, list(renderings)))
 
 
 def _fit(values, points, base_sizes, dims, where):

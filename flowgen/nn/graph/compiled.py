@@ -61,6 +61,7 @@ class CompiledGraph:
         self.sharded_slots = list(step.sharded_slots)   # ShardedSlot: slots (stage 3: parameters too) ZeRO split
         self.pipeline = step.stage_program              # StageProgram: this rank's stage of a set_stage pipeline
         self.program_cache = "off"          # "hit" (passes and codegen loaded), "miss" (built, stored) or "off"
+        self.render_at = None               # dynamic dimensions: sizes -> the step's Program at those sizes
 
     @property
     def sources(self) -> dict:
@@ -283,10 +284,19 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
         renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
         program = fit_programs(base.program, renderings, dims, uses, kernels_source)
         try:
-            return _compiled(graph, base, program, None, ())
+            compiled = _compiled(graph, base, program, None, ())
         except CompileError as error:   # a fitted size where the compiler needs a constant (an array's)
             raise DynamicShapeError(f"{graph.name}: dynamic_shapes: the kernels fitted for "
                                     f"{', '.join(map(repr, dims))} do not compile: {error}") from error
+
+    def render_at(sizes):
+        """The step's Program with the Dims at `sizes` (flow.save renders a size of 1 with it)."""
+        with reporting(graph.name) as progress, program_cache.collector_paused(), \
+                internal_checks(graph.name, lambda: progress.stage_name):
+            return _build_at(graph, dims, sizes, at(sizes), progress)
+
+    compiled.render_at = render_at
+    return compiled
 
 
 def _build_at(graph, dims, sizes, call, progress):
