@@ -58,6 +58,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen import library
 from flowgen.codegen.hyper_schedule import schedule_lines
+from flowgen.codegen.dynamic import host_shapes
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.manifest import manifest_for
 from flowgen.codegen.target import native_cpu_kernels
@@ -147,15 +148,18 @@ def _scalar_literal(ctype: str, value) -> str:
     return f"{int(value)}{suffix[ctype]}"
 
 
-def _tensor_spec(name: str, value, kind: str) -> str:
+def _tensor_spec(name: str, value, kind: str, dims: list | None = None, text: str | None = None) -> str:
+    """A TensorSpec initializer (program_host.cpp.j2); `dims`: an input's Dim per axis (1 + its
+    index in DIMS, 0 for a fixed size), `text`: the shape as the help shows it ("[batch,20]")."""
     if len(value.shape) > MAX_DIMS:
         raise BuildError(f"{name} has {len(value.shape)} dimensions; the program supports up to {MAX_DIMS}")
     if value.dtype not in _DTYPE_ENUM:
         raise BuildError(f"{name} is {value.dtype.name}; a standalone program reads and writes "
                          f"{', '.join(d.name for d in _DTYPE_ENUM)} tensors (cast it in build())")
     shape = ", ".join(str(int(d)) for d in value.shape)
+    dynamic = "" if text is None else f', {{{", ".join(map(str, dims or []))}}}, "{_c_string(text)}"'
     return f'{{"{_c_string(name)}", DType::{_DTYPE_ENUM[value.dtype]}, {len(value.shape)}, {{{shape}}}, ' \
-           f'{value.nbytes}, "{kind}"}}'
+           f'{value.nbytes}, "{kind}"{dynamic}}}'
 
 
 def _bytes_literal(symbol: str, data: bytes, comment: str) -> str:
@@ -204,14 +208,14 @@ def _collective_entry(k, address, world_size: int) -> dict:
             "mean": k.collective["op"] == "mean"}
 
 
-def _output_spec(i: int, v, combine: str, world_size: int) -> str:
+def _output_spec(i: int, v, combine: str, world_size: int, text: str | None) -> str:
     """The program's view of output i: the global value (a split output: every rank's rows)."""
     if combine == "split":
         v = Value(v.name, (v.shape[0] * world_size, *v.shape[1:]), v.dtype)
     elif combine in ("sum", "mean") and v.dtype not in (dt.float32, dt.float64):
         raise BuildError(f"output_{i} (%{v.name}, {v.dtype.name}) is combined over the ranks by a {combine}; the "
                          f"standalone program adds float32 and float64 outputs")
-    return _tensor_spec(f"output_{i}", v, "output")
+    return _tensor_spec(f"output_{i}", v, "output", [], text)
 
 
 def render_program(program, *, name: str, training: bool, target: str, arch: str,
@@ -240,8 +244,13 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             v = program.aliases[v]
         return v
 
+    dynamic = program.dynamic
+    input_dims, output_dims = host_shapes(dynamic, ir)
+
     def address(v):
         """(C expression for the address of `v`, base Value)."""
+        if dynamic is not None and v is dynamic.value:
+            return "m.dims", v
         base = base_of(v)
         base = state_writes.get(base, base)
         if base in input_index:
@@ -304,8 +313,9 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
     outputs = []
     for i, (v, combine) in enumerate(zip(ir.outputs, combines)):
         expr, _ = address(v)
-        outputs.append({"spec": _output_spec(i, v, combine, world_size), "value": v.name, "address": expr,
-                        "local_nbytes": v.nbytes, "combine": combine})
+        text, sizes = output_dims[i] or (None, [])
+        outputs.append({"spec": _output_spec(i, v, combine, world_size, text), "value": v.name, "address": expr,
+                        "local_nbytes": v.nbytes, "combine": combine, "sizes": sizes})
 
     width = max((len(o["cname"]) + len(str(o["offset"])) for o in offsets.values()), default=0)
     offset_list = []
@@ -338,8 +348,10 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                                           [k["name"] for k in prepare + kernels if not k["collective"]]),
         "inputs_summary": summary(ir.inputs, lambda i, v: v.name),
         "outputs_summary": summary(ir.outputs, lambda i, v: f"output_{i} (%{v.name})"),
-        "inputs": [{"spec": _tensor_spec(v.name, v, "input"), "shards": world_size if layout == "split" else 1}
-                   for v, layout in zip(ir.inputs, layouts)],
+        "inputs": [{"spec": _tensor_spec(v.name, v, "input", shape and shape[1], shape and shape[0]),
+                    "shards": world_size if layout == "split" else 1}
+                   for v, layout, shape in zip(ir.inputs, layouts, input_dims)],
+        "dims": [] if dynamic is None else dynamic.dims,
         "world_size": world_size,
         "distributed": data_parallel is not None,
         "outputs": outputs,

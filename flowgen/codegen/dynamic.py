@@ -91,6 +91,29 @@ class DynamicDims:
         return tuple(s if isinstance(s, int) else s.at(sizes) for s in self.output_shapes[k])
 
 
+def host_shapes(dynamic, ir) -> tuple:
+    """How the host code of the program and library (templates/program_host.cpp.j2) sees a
+    Program's shapes: per input, (its shape text, "[batch,20]"; its Dim per axis: 1 + the Dim's
+    place, 0 for a fixed size) or None; per output, (its shape text, [(axis, C++ expression of the
+    sizes `size[k]`)] for each axis that follows the Dims) or None; all None for fixed shapes."""
+    if dynamic is None:
+        return [None] * len(ir.inputs), [None] * len(ir.outputs)
+    place = {(use.input, use.axis): k for k, d in enumerate(dynamic.dims) for use in dynamic.uses[d]}
+    names = [d.name for d in dynamic.dims]
+    inputs = []
+    for i, v in enumerate(ir.inputs):
+        axes = [place.get((i, axis)) for axis in range(len(v.shape))]
+        inputs.append(("[" + ",".join(str(n) if k is None else names[k] for k, n in zip(axes, v.shape)) + "]",
+                       [0 if k is None else k + 1 for k in axes]))
+    outputs = []
+    for shape in dynamic.output_shapes:
+        text = "[" + ",".join(str(n) if isinstance(n, int) else n.c_expr(names).strip("()").replace(" ", "")
+                              for n in shape) + "]"
+        outputs.append((text, [(axis, n.c_expr([f"size[{k}]" for k in range(len(names))]))
+                               for axis, n in enumerate(shape) if not isinstance(n, int)]))
+    return inputs, outputs
+
+
 def c_name(dim) -> str:
     """The kernels' local holding `dim`'s size."""
     return f"dim_{dim.name}"

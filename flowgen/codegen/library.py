@@ -32,6 +32,7 @@ import subprocess
 from pathlib import Path
 
 import flowgen
+from flowgen.codegen.dynamic import host_shapes
 from flowgen.codegen.templates import get_template
 from flowgen.runtime import cache_bound, cpu_blas
 from flowgen.runtime.cpu_compiler import compiler_version
@@ -84,9 +85,11 @@ def refusal(saved) -> str | None:
     return None
 
 
-def _tensor_lines(specs) -> list:
-    return [{"name": t["name"], "dtype": t["dtype"], "shape": "[" + ", ".join(map(str, t["shape"])) + "]"}
-            for t in specs]
+def _tensor_lines(specs, texts) -> list:
+    """The header's lines for inputs or outputs: a dynamic shape as host_shapes gives it."""
+    return [{"name": t["name"], "dtype": t["dtype"],
+             "shape": shape[0] if shape else "[" + ", ".join(map(str, t["shape"])) + "]"}
+            for t, shape in zip(specs, texts)]
 
 
 def _host_flags(optimise: list) -> list:
@@ -137,6 +140,7 @@ def build_library(program, saved, out: Path, *, name: str, target: str, optimise
     -fsanitize flags; `kernels`: on the cpu target, cpu_compiler.compile_kernel_objects' build
     of the program's kernels. Returns (manifest entries, one line for the build log, cache hit)."""
     files = library_files(name)
+    inputs, outputs = host_shapes(program.dynamic, program.graph)
     serial_reason = _SERIAL_CUDA if target == "cuda" else (_SERIAL_INDEX_CHECKS if program.index_checks else "")
     # Native cpu kernels call OpenBLAS: the library links it (a copy beside it in OUT, found through
     # $ORIGIN), so a C program linking the library needs nothing more.
@@ -151,8 +155,9 @@ def build_library(program, saved, out: Path, *, name: str, target: str, optimise
         "library": files["library"],
         "header": files["header"],
         "guard": re.sub(r"[^0-9A-Za-z]", "_", safe_tag(name)).upper(),
-        "inputs": _tensor_lines(saved.inputs),
-        "outputs": _tensor_lines(saved.outputs),
+        "inputs": _tensor_lines(saved.inputs, inputs),
+        "outputs": _tensor_lines(saved.outputs, outputs),
+        "dims": [] if program.dynamic is None else program.dynamic.dims,
         "serial_reason": serial_reason,
         "index_checks": bool(program.index_checks),
         "build_commands": [f"{what + ':':<8} {' '.join(command)}" for what, command in shown.items()],
