@@ -1,0 +1,181 @@
+"""Dynamic dimensions past Python (issue 27): a graph compiled with graph.config.dynamic_shapes
+is saved with them (flow.save), and its saved form, its standalone program and its library
+(flowgen build --lib, flow.load_compiled) take any size in range with eager's numbers, refusing
+other sizes with the input, the axis, the Dim and its range named."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import flowgen as flow
+from flowgen import nn
+from flowgen.codegen import aot
+from flowgen.codegen.dynamic import DynamicShapeError
+from flowgen.saved_graph import FormatError
+from flowgen.serialization import with_self_hash
+from graphs import FirstOutput, InferGraph
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import gpt_char  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def native():
+    """Native cpu kernels (the emulated ones' launch grids follow the batch: refused for now)."""
+    before = os.environ.get("FLOWGEN_CPU_KERNELS")
+    os.environ["FLOWGEN_CPU_KERNELS"] = "native"
+    yield
+    if before is None:
+        del os.environ["FLOWGEN_CPU_KERNELS"]
+    else:
+        os.environ["FLOWGEN_CPU_KERNELS"] = before
+
+
+def _mlp():
+    flow.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 48), nn.GELU(), nn.Linear(48, 48), nn.ReLU(), nn.Linear(48, 5)).eval()
+
+
+def _eager(model, x):
+    return model(flow.tensor(x)).numpy()
+
+
+@pytest.fixture(scope="module")
+def mlp(native, tmp_path_factory):
+    """An MLP with a dynamic batch (2 to 64), saved and built with --lib for the cpu."""
+    tmp = tmp_path_factory.mktemp("dynamic_deploy")
+    model = _mlp()
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=64)}])
+    graph(flow.randn(5, 20))
+    flow.save(graph, tmp / "saved")
+    result = aot.build(tmp / "saved", tmp / "out", target="cpu", lib=True)
+    return {"tmp": tmp, "model": model, "binary": result.binary, "out": tmp / "out", "manifest": result.manifest}
+
+
+def _rows(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 20)).astype(np.float32)
+
+
+def test_saved_graph_runs_at_every_size(mlp):
+    saved = flow.load(mlp["tmp"] / "saved")
+    assert [d.name for d in saved.dynamic.dims] == ["batch"]
+    for n in (2, 17, 64):
+        x = _rows(n, n)
+        (out,) = saved.run(x)
+        assert out.shape == (n, 5)
+        np.testing.assert_allclose(out, _eager(mlp["model"], x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"input_0 has size 65 at axis 0, which is Dim\('batch', min=2, max=64\): "
+                                         r"allowed 2 to 64"):
+        saved.run(_rows(65))
+    with pytest.raises(ValueError, match=r"input 0 \(input_0\) has shape \(5, 21\), expected \(batch, 20\)"):
+        saved.run(np.zeros((5, 21), np.float32))
+
+
+def _run_program(binary, x, where):
+    np.save(where / "x.npy", x)
+    proc = subprocess.run([str(binary), "--input", str(where / "x.npy"), "--out", str(where / "o")],
+                          capture_output=True, text=True, timeout=120)
+    return proc, (np.load(where / "o" / "output_0.npy") if proc.returncode == 0 else None)
+
+
+def test_program_takes_any_batch_in_range(mlp, tmp_path):
+    for n in (2, 9, 64):
+        x = _rows(n, n)
+        proc, out = _run_program(mlp["binary"], x, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert out.shape == (n, 5)
+        np.testing.assert_allclose(out, _eager(mlp["model"], x), rtol=1e-5, atol=1e-6)
+    for shape, why in (((1, 20), "axis 0 is batch = 1, allowed 2 to 64"),
+                       ((65, 20), "axis 0 is batch = 65, allowed 2 to 64"), ((5, 3), "expected [batch,20]")):
+        proc, _ = _run_program(mlp["binary"], np.zeros(shape, np.float32), tmp_path)
+        assert proc.returncode == 1 and why in proc.stderr, proc.stderr
+    help_text = subprocess.run([str(mlp["binary"]), "--help"], capture_output=True, text=True).stdout
+    assert "input_0 float32[batch,20]" in help_text and "batch: any size from 2 to 64" in help_text
+    assert "batch: 2 to 64" in (mlp["out"] / mlp["manifest"]["header"]).read_text()
+
+
+def test_library_signature_sizes_and_threads(mlp):
+    model = mlp["model"]
+    with flow.load_compiled(mlp["out"]) as compiled:
+        (x_info,), (y_info,) = compiled.inputs, compiled.outputs
+        assert (x_info.shape, x_info.min_shape, x_info.max_shape) == ((None, 20), (2, 20), (64, 20))
+        assert (y_info.shape, y_info.min_shape, y_info.max_shape) == ((None, 5), (2, 5), (64, 5))
+        for n in (64, 3, 31):
+            x = _rows(n, 100 + n)
+            np.testing.assert_allclose(compiled(x), _eager(model, x), rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match=r"input 0 \(input_0\): shape \[70,20\], expected \[batch,20\]: axis 0 is "
+                                             r"batch = 70, allowed 2 to 64"):
+            compiled(np.zeros((70, 20), np.float32))
+        # Threads at different sizes at once: each call its own sizes and activation memory.
+        inputs = [_rows(2 + 5 * t, t) for t in range(8)]
+        expected = [_eager(model, x) for x in inputs]
+        results, failures = [None] * 8, []
+
+        def work(t):
+            try:
+                for _ in range(5):
+                    results[t] = compiled(inputs[t])
+            except Exception as e:   # noqa: BLE001 - reported below
+                failures.append(e)
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not failures
+        for got, want in zip(results, expected):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_with_dynamic_batch_and_sequence_as_a_library(native, tmp_path):
+    """Two Dims, an output whose sizes follow both ([batch, seq, vocab])."""
+    flow.manual_seed(0)
+    config = gpt_char.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    model = FirstOutput(gpt_char.define(flow)(config)).eval()
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=4), 1: flow.Dim("seq", min=2, max=16)}])
+    rng = np.random.default_rng(1)
+    graph(flow.tensor(rng.integers(0, 32, (3, 5)).astype(np.int64)))
+    flow.save(graph, tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", lib=True)
+    with flow.load_compiled(tmp_path / "out") as compiled:
+        assert compiled.outputs[0].shape == (None, None, 32)
+        assert (compiled.outputs[0].min_shape, compiled.outputs[0].max_shape) == ((2, 2, 32), (4, 16, 32))
+        for size in ((2, 2), (4, 16), (3, 7), (2, 16)):
+            tokens = rng.integers(0, 32, size).astype(np.int64)
+            np.testing.assert_allclose(compiled(tokens), model(flow.tensor(tokens)).numpy(), rtol=1e-4, atol=1e-5,
+                                       err_msg=f"size {size}")
+
+
+def test_a_size_of_one_that_compiles_to_other_kernels_is_refused_when_saving(native, tmp_path):
+    graph = InferGraph(_mlp())
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=16)}])
+    np.testing.assert_allclose(graph(flow.ones(1, 20)).numpy(), _eager(graph.model, np.ones((1, 20), np.float32)),
+                               rtol=1e-5)   # the Python graph has a variant of its own for it
+    graph(flow.randn(4, 20))
+    with pytest.raises(DynamicShapeError, match=r"flow.save: InferGraph_\d+: a saved graph is built into one program "
+                                                r"for every size, and at a size of 1 \(Dim\('batch', min=1, max=16\)\) "
+                                                r"the step compiles to other kernels .*declare min=2"):
+        flow.save(graph, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists()
+
+
+def test_a_damaged_dynamic_entry_is_refused_when_loading(mlp, tmp_path):
+    doc = json.loads((mlp["tmp"] / "saved" / "graph.json").read_text())
+    (tmp_path / "bad").mkdir()
+    for name in ("constants.safetensors", "weights.safetensors", "signature.json"):
+        (tmp_path / "bad" / name).write_bytes((mlp["tmp"] / "saved" / name).read_bytes())
+    doc.pop("graph_sha256")
+    doc["dynamic"]["uses"] = [[0, 0, 1]]   # axis 1 (20 wide) as the batch
+    (tmp_path / "bad" / "graph.json").write_text(json.dumps(with_self_hash(doc, "graph_sha256")))
+    with pytest.raises(FormatError, match=r"the 'dynamic' field ties axis 1 of input 0 \(20\) to "
+                                          r"Dim\('batch', min=2, max=64\), whose max it must be"):
+        flow.load(tmp_path / "bad")
