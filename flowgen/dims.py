@@ -144,3 +144,24 @@ def unit_points(dims: list) -> list:
     if len(ones) > 1:
         points.append([1 if d.min == 1 else d.max for d in dims])
     return [p for k, p in enumerate(points) if p not in points[:k]]
+
+
+def unit_subsets(dims: list) -> list:
+    """The sets (tuples of places in `dims`) of Dims whose minimum is 1 that a saved graph may
+    have at 1 together, when its kernels do not fit a size of 1: one program each (codegen/aot.py),
+    as the Python graph compiles a variant for each (nn/graph/graph.py)."""
+    ones = [k for k, d in enumerate(dims) if d.min == 1]
+    return [s for n in range(1, len(ones) + 1) for s in itertools.combinations(ones, n)]
+
+
+def variant_points(dims: list, ones: tuple) -> tuple:
+    """(the sizes of the variant with the Dims at places `ones` at 1 and the others at their max,
+    the sizes to render it at besides: sample_points of the others), each a list over all `dims`."""
+    rest = [k for k in range(len(dims)) if k not in ones]
+
+    def full(sizes):
+        values = dict(zip(rest, sizes))
+        return [1 if k in ones else values[k] for k in range(len(dims))]
+
+    return full([dims[k].max for k in rest]), ([full(p) for p in sample_points([dims[k] for k in rest])]
+                                               if rest else [])

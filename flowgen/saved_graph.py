@@ -104,9 +104,9 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
-from flowgen.codegen.dynamic import DynamicShapeError, fit_programs
+from flowgen.codegen.dynamic import DynamicShapeError, fit_programs, fit_variant
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
-from flowgen.dims import Dim, DimUse, sizes_of, unit_points
+from flowgen.dims import Dim, DimUse, sizes_of, unit_points, unit_subsets, variant_points
 from flowgen.distributed.collectives import world
 from flowgen.errors import internal_checks
 from flowgen.ir.graph import Graph, Node, StateVar, Value
@@ -441,7 +441,7 @@ class SavedGraph:
         self.data_parallel = data_parallel   # graph.json's data_parallel entry (module doc), or None
         self.dynamic = dynamic               # SavedDynamic: the dynamic dimensions (module doc), or None
         self._programs: dict = {}   # (target, arch, native) -> Program
-        self._executor = None
+        self._executors: dict = {}   # id(Program) -> its Executor (one per program of a dynamic graph)
 
     @property
     def name(self) -> str:
@@ -482,6 +482,10 @@ class SavedGraph:
                     renderings = [(sizes, program_of(ir)) for sizes, ir in d.renderings]
                     try:
                         program = fit_programs(program, renderings, d.dims, d.uses, kernels_source)
+                        program.dynamic.variants = [
+                            (ones, fit_variant(program_of(base), [(sizes, program_of(ir)) for sizes, ir in others],
+                                               d.dims, d.uses, ones, kernels_source))
+                            for ones, base, others in d.variants]
                     except DynamicShapeError as e:
                         raise DynamicShapeError(f"{self.name}: for the {target} target: {e}") from None
                 self._programs[key] = program
@@ -518,15 +522,19 @@ class SavedGraph:
         out of range raises IndexError after the step, as a graph call does.
         """
         inputs = self._check_inputs(arrays)
-        if self._executor is None:
-            program = self.program("cpu")
-            self._executor = Executor(program, CpuBackend(program.source))
-        ex = self._executor
-        for s in self.ir.state:
+        program = self.program("cpu")
+        if self.dynamic is not None:   # the program for the Dims at 1, if they have one
+            ones = tuple(k for k, d in enumerate(self.dynamic.dims)
+                         if inputs[self.dynamic.uses[d][0].input].shape[self.dynamic.uses[d][0].axis] == 1)
+            program = dict(program.dynamic.variants).get(ones, program)
+        if id(program) not in self._executors:
+            self._executors[id(program)] = Executor(program, CpuBackend(program.source))
+        ex = self._executors[id(program)]
+        for s in program.graph.state:
             ex.write_state(s.value, self.weights[s.name])
         outputs = ex.run(inputs)
         if self.training:
-            for s in self.ir.state:
+            for s in program.graph.state:
                 self.weights[s.name] = ex.read_value(s.value)
         self.step += 1
         ex.raise_index_error()
@@ -642,49 +650,65 @@ def save_graph(graph, path) -> None:
 
 @dataclass
 class SavedDynamic:
-    """graph.json's `dynamic` entry, decoded: the Dims, where each is read ({Dim: [DimUse]}) and
-    the step's IR at other sizes than the maxima ([(sizes, IR)]), which a build fits into one
-    program for its target (codegen/dynamic.py)."""
+    """graph.json's `dynamic` entry, decoded: the Dims, where each is read ({Dim: [DimUse]}), the
+    step's IR at other sizes than the maxima ([(sizes, IR)]), which a build fits into one program
+    for its target (codegen/dynamic.py), and the programs for sizes of 1 that do not fit it."""
 
     dims: list
     uses: dict
     renderings: list
+    variants: list      # [(places of the Dims at 1, IR at the others' max, [(sizes, IR)])]
 
 
 def _dynamic_entry(graph_name: str, compiled) -> tuple | None:
     """(graph.json's `dynamic` entry, its renderings' constant arrays) for a variant compiled with
-    dynamic dimensions, None for fixed shapes. A built program has one set of kernels for every
-    size, so a Dim whose minimum is 1 is rendered at 1 too and must fit them (the Python graph
-    compiles a size of 1 as a variant of its own instead)."""
+    dynamic dimensions, None for fixed shapes. A Dim whose minimum is 1 is rendered at 1 too: if
+    the kernels fitted for the other sizes fit it, the build has one program; if not, one more
+    program for each set of such Dims at 1 (`variants`), as the Python graph compiles them."""
     dynamic = compiled.program.dynamic
     if dynamic is None:
         return None
-    dims = dynamic.dims
+    dims, uses = dynamic.dims, dynamic.uses
     renderings = list(dynamic.renderings)
     at_one = [(sizes, compiled.render_at(sizes)) for sizes in unit_points(dims)]
+    variants = []
     if at_one:
         try:
-            fit_programs(dynamic.base, renderings + at_one, dims, dynamic.uses, kernels_source)
-        except DynamicShapeError as e:
-            ones = ", ".join(repr(d) for d in dims if d.min == 1)
-            raise DynamicShapeError(f"flow.save: {graph_name}: a saved graph is built into one program for every "
-                                    f"size, and at a size of 1 ({ones}) the step compiles to other kernels than at "
-                                    f"the others ({e}); declare min=2 and save another graph for a size of 1 (the "
-                                    f"Python graph compiles a size of 1 as a variant of its own)") from None
+            fit_programs(dynamic.base, renderings + at_one, dims, uses, kernels_source)
+            renderings += at_one
+        except DynamicShapeError:   # a size of 1 compiles to other kernels: programs of their own
+            for ones in unit_subsets(dims):
+                base_sizes, points = variant_points(dims, ones)
+                base = compiled.render_at(base_sizes)
+                others = [(sizes, compiled.render_at(sizes)) for sizes in points]
+                at = ", ".join(f"{dims[k].name}=1" for k in ones)
+                try:
+                    fit_variant(base, others, dims, uses, ones, kernels_source)
+                except DynamicShapeError as e:
+                    raise DynamicShapeError(f"flow.save: {graph_name}: the program for {at}: {e}") from None
+                variants.append((ones, base, others))
     entry = {"dims": [{"name": d.name, "min": d.min, "max": d.max} for d in dims],
-             "uses": [[k, use.input, use.axis] for k, d in enumerate(dims) for use in dynamic.uses[d]],
-             "renderings": []}
+             "uses": [[k, use.input, use.axis] for k, d in enumerate(dims) for use in uses[d]],
+             "renderings": [], "variants": []}
     arrays = {}
-    for j, (sizes, program) in enumerate(renderings + at_one):
-        doc, rendering_arrays = encode_graph(program.graph, False)
-        entry["renderings"].append({"sizes": list(sizes), "graph": {k: v for k, v in doc.items() if k not in _HEADER}})
-        arrays.update({f"{_RENDERING_KEY.format(j)}{key}": array for key, array in rendering_arrays.items()})
+
+    def encoded(program, prefix):
+        doc, graph_arrays = encode_graph(program.graph, False)
+        arrays.update({f"{prefix}{key}": array for key, array in graph_arrays.items()})
+        return {k: v for k, v in doc.items() if k not in _HEADER}
+
+    def rendering_list(items, prefix):
+        return [{"sizes": list(sizes), "graph": encoded(program, f"{prefix}rendering_{j}/")}
+                for j, (sizes, program) in enumerate(items)]
+
+    entry["renderings"] = rendering_list(renderings, "")
+    for v, (ones, base, others) in enumerate(variants):
+        entry["variants"].append({"ones": list(ones), "graph": encoded(base, f"variant_{v}/"),
+                                  "renderings": rendering_list(others, f"variant_{v}/")})
     return entry, arrays
 
 
 _HEADER = ("format", "version", "flowgen_version")
-_RENDERING_KEY = "rendering_{}/"   # constants.safetensors keys of rendering j's arrays
-_RENDERING_ARRAY = re.compile(r"rendering_\d+/")
 
 
 def _dims_only(entry: dict) -> dict:
@@ -723,17 +747,33 @@ def _decoded_dynamic(entry, arrays: dict, ir, filename: str, source: str) -> Sav
         uses[dim].append(DimUse(use[1], use[2]))
     if not all(uses.values()):
         bad("has a Dim no input uses")
-    renderings = []
-    for j, r in enumerate(entry["renderings"]):
-        sizes = r.get("sizes") if isinstance(r, dict) else None
-        if not (isinstance(sizes, list) and len(sizes) == len(dims) and all(type(n) is int for n in sizes)
-                and all(d.min <= n <= d.max for d, n in zip(dims, sizes)) and isinstance(r.get("graph"), dict)):
-            bad(f"has a bad rendering {j} (sizes in the Dims' ranges and a graph)")
-        prefix = _RENDERING_KEY.format(j)
-        own = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix)}
-        doc = dict(r["graph"], format=FORMAT, version=VERSION)
-        renderings.append((sizes, decode_graph(doc, own, source)))
-    return SavedDynamic(dims, uses, renderings)
+
+    def graph_at(doc, prefix: str):
+        own = {k[len(prefix):]: a for k, a in arrays.items() if k.startswith(prefix) and "/" not in k[len(prefix):]}
+        return decode_graph(dict(doc, format=FORMAT, version=VERSION), own, source)
+
+    def decoded_renderings(items, prefix: str, where: str, ones=None) -> list:
+        renderings = []
+        for j, r in enumerate(items if isinstance(items, list) else [None]):
+            sizes = r.get("sizes") if isinstance(r, dict) else None
+            if not (isinstance(sizes, list) and len(sizes) == len(dims) and all(type(n) is int for n in sizes)
+                    and all(d.min <= n <= d.max and (ones is None or (n == 1) == (k in ones))
+                            for k, (d, n) in enumerate(zip(dims, sizes))) and isinstance(r.get("graph"), dict)):
+                bad(f"has a bad rendering {j}{where} (sizes in the Dims' ranges, 1 where the program says, and a graph)")
+            renderings.append((sizes, graph_at(r["graph"], f"{prefix}rendering_{j}/")))
+        return renderings
+
+    renderings = decoded_renderings(entry["renderings"], "", "")
+    variants = []
+    for v, variant in enumerate(entry.get("variants", [])):
+        ones = variant.get("ones") if isinstance(variant, dict) else None
+        if not (isinstance(ones, list) and ones and all(type(k) is int and 0 <= k < len(dims) and dims[k].min == 1
+                                                         for k in ones) and isinstance(variant.get("graph"), dict)):
+            bad(f"has a bad variant {v} (the places of Dims with min 1, and a graph)")
+        ones = tuple(ones)
+        variants.append((ones, graph_at(variant["graph"], f"variant_{v}/"),
+                         decoded_renderings(variant.get("renderings"), f"variant_{v}/", f" of variant {v}", ones)))
+    return SavedDynamic(dims, uses, renderings, variants)
 
 
 def data_parallel_entry(graph_name: str, compiled) -> dict | None:
@@ -848,7 +888,7 @@ def load_saved_graph(path) -> SavedGraph:
         if file_sha256(filename) != doc.get(key):
             raise FormatError(f"flow.load: {filename} is corrupt: its SHA-256 does not match the {key} field of "
                               f"{GRAPH_FILE} (modified or damaged after saving)")
-    main_arrays = {k: a for k, a in arrays.items() if not _RENDERING_ARRAY.match(k)}
+    main_arrays = {k: a for k, a in arrays.items() if "/" not in k}   # not a rendering's (dynamic entry)
     ir = decode_graph(doc, main_arrays, path)
     data_parallel = _checked_data_parallel(doc.get("data_parallel"), ir, graph_path)
     dynamic = _decoded_dynamic(doc.get("dynamic"), arrays, ir, graph_path, path)

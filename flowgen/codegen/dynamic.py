@@ -83,6 +83,9 @@ class DynamicDims:
     output_shapes: list       # per graph output, per axis: an int or a SizeExpr
     base: object = None       # the Program at the maximum sizes, before fitting
     renderings: list = field(default_factory=list)   # [(sizes, Program)]: the others fitted (flow.save keeps their IRs)
+    # A build's programs for sizes of 1 its kernels do not fit: [(places in `dims` of the Dims at
+    # 1, the Program for them, fitted to the other Dims)]; these sizes never reach this Program.
+    variants: list = field(default_factory=list)
 
     def sizes(self, sizes_by_dim: dict) -> np.ndarray:
         return np.array([sizes_by_dim[d] for d in self.dims], np.int64)
@@ -158,6 +161,17 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
         constants[max_value] = np.array(base_sizes, np.int64)
     return replace(base, prepare=prepare, kernels=kernels, source=source_of(base.graph, prepare, kernels),
                    constants=constants, dynamic=DynamicDims(list(dims), uses, value, outputs, base, list(renderings)))
+
+
+def fit_variant(base, renderings: list, dims: list, uses: dict, ones: tuple, source_of):
+    """The Program of a size-1 variant: `base` and `renderings` ([(sizes over every Dim, Program)])
+    rendered with the Dims at places `ones` at 1 (flowgen/dims.py variant_points), fitted to the
+    other Dims; `base` itself when every Dim is at 1."""
+    rest = [k for k in range(len(dims)) if k not in ones]
+    if not rest:
+        return base
+    return fit_programs(base, [([sizes[k] for k in rest], program) for sizes, program in renderings],
+                        [dims[k] for k in rest], {dims[k]: uses[dims[k]] for k in rest}, source_of)
 
 
 def _fit(values, points, base_sizes, dims, where):
