@@ -104,7 +104,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen import random
-from flowgen.codegen.dynamic import DynamicShapeError, fit_programs, fit_variant
+from flowgen.codegen.dynamic import DynamicShapeError, fit_programs, fit_variant, with_variants
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
 from flowgen.dims import Dim, DimUse, sizes_of, unit_points, unit_subsets, variant_points
 from flowgen.distributed.collectives import world
@@ -482,10 +482,10 @@ class SavedGraph:
                     renderings = [(sizes, program_of(ir)) for sizes, ir in d.renderings]
                     try:
                         program = fit_programs(program, renderings, d.dims, d.uses, kernels_source)
-                        program.dynamic.variants = [
+                        program = with_variants(program, [
                             (ones, fit_variant(program_of(base), [(sizes, program_of(ir)) for sizes, ir in others],
                                                d.dims, d.uses, ones, kernels_source))
-                            for ones, base, others in d.variants]
+                            for ones, base, others in d.variants], kernels_source)
                     except DynamicShapeError as e:
                         raise DynamicShapeError(f"{self.name}: for the {target} target: {e}") from None
                 self._programs[key] = program

@@ -16,7 +16,6 @@ import pytest
 import flowgen as flow
 from flowgen import nn
 from flowgen.codegen import aot
-from flowgen.codegen.dynamic import DynamicShapeError
 from flowgen.saved_graph import FormatError
 from flowgen.serialization import with_self_hash
 from graphs import FirstOutput, InferGraph
@@ -136,36 +135,50 @@ def test_library_signature_sizes_and_threads(mlp):
 
 
 def test_gpt_with_dynamic_batch_and_sequence_as_a_library(native, tmp_path):
-    """Two Dims, an output whose sizes follow both ([batch, seq, vocab])."""
+    """Two Dims, an output whose sizes follow both ([batch, seq, vocab]), each Dim from 1."""
     flow.manual_seed(0)
     config = gpt_char.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
     model = FirstOutput(gpt_char.define(flow)(config)).eval()
     graph = InferGraph(model)
-    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=4), 1: flow.Dim("seq", min=2, max=16)}])
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=4), 1: flow.Dim("seq", min=1, max=16)}])
     rng = np.random.default_rng(1)
     graph(flow.tensor(rng.integers(0, 32, (3, 5)).astype(np.int64)))
     flow.save(graph, tmp_path / "saved")
     aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", lib=True)
     with flow.load_compiled(tmp_path / "out") as compiled:
         assert compiled.outputs[0].shape == (None, None, 32)
-        assert (compiled.outputs[0].min_shape, compiled.outputs[0].max_shape) == ((2, 2, 32), (4, 16, 32))
-        for size in ((2, 2), (4, 16), (3, 7), (2, 16)):
+        assert (compiled.outputs[0].min_shape, compiled.outputs[0].max_shape) == ((1, 1, 32), (4, 16, 32))
+        # programs for batch 1, seq 1 and both, beside the one for the other sizes
+        for size in ((2, 2), (4, 16), (1, 1), (3, 7), (1, 9), (4, 1), (2, 16)):
             tokens = rng.integers(0, 32, size).astype(np.int64)
             np.testing.assert_allclose(compiled(tokens), model(flow.tensor(tokens)).numpy(), rtol=1e-4, atol=1e-5,
                                        err_msg=f"size {size}")
 
 
-def test_a_size_of_one_that_compiles_to_other_kernels_is_refused_when_saving(native, tmp_path):
-    graph = InferGraph(_mlp())
+def test_a_size_of_one_gets_a_program_of_its_own(native, tmp_path):
+    """At batch 1 the MLP compiles to other kernels (a bias read without its broadcast), which the
+    kernels fitted for batches 2 up cannot run: the build holds a second program for it, as the
+    Python graph compiles a variant, and the program and library pick it by size."""
+    model = _mlp()
+    graph = InferGraph(model)
     graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=16)}])
-    np.testing.assert_allclose(graph(flow.ones(1, 20)).numpy(), _eager(graph.model, np.ones((1, 20), np.float32)),
-                               rtol=1e-5)   # the Python graph has a variant of its own for it
     graph(flow.randn(4, 20))
-    with pytest.raises(DynamicShapeError, match=r"flow.save: InferGraph_\d+: a saved graph is built into one program "
-                                                r"for every size, and at a size of 1 \(Dim\('batch', min=1, max=16\)\) "
-                                                r"the step compiles to other kernels .*declare min=2"):
-        flow.save(graph, tmp_path / "saved")
-    assert not (tmp_path / "saved").exists()
+    flow.save(graph, tmp_path / "saved")
+    assert [v["ones"] for v in json.loads((tmp_path / "saved" / "graph.json").read_text())["dynamic"]["variants"]] \
+        == [[0]]
+    result = aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", lib=True)
+    source = (tmp_path / "out" / "program.cu").read_text()
+    assert "static void run_step_batch1(" in source and "k0_model_0_matmul_add_gelu_batch1" in source
+    for n in (1, 5, 16, 1):
+        x = _rows(n, 50 + n)
+        proc, out = _run_program(result.binary, x, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_allclose(out, _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
+    with flow.load_compiled(tmp_path / "out") as compiled:
+        assert (compiled.outputs[0].min_shape, compiled.outputs[0].max_shape) == ((1, 5), (16, 5))
+        for n in (16, 1, 2):
+            x = _rows(n, n)
+            np.testing.assert_allclose(compiled(x), _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
 
 
 def test_a_damaged_dynamic_entry_is_refused_when_loading(mlp, tmp_path):

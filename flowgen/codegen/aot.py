@@ -218,62 +218,60 @@ def _output_spec(i: int, v, combine: str, world_size: int, text: str | None) -> 
     return _tensor_spec(f"output_{i}", v, "output", [], text)
 
 
-def render_program(program, *, name: str, training: bool, target: str, arch: str,
-                   build_commands: list, data_parallel: dict | None = None) -> tuple:
-    """(program.cu text, program_constants.inc text) for `program`; `data_parallel` is the saved
-    graph's entry (flowgen/saved_graph.py) for a program run by mpiexec, else None."""
-    ir = program.graph
-    names = _Names()
-    producers = _producers(ir)
-    input_index = {v: i for i, v in enumerate(ir.inputs)}
-    state_cname = {s.value: names("S_", s.name) for s in ir.state}
-    state_index = {s.value: j for j, s in enumerate(ir.state)}
-    constants = list(program.constants.items())
-    const_cname = {v: names("C_", v.name) for v, _ in constants}
-    # Updates the step writes straight into their state buffer (no arena slot, no copy).
-    state_writes = getattr(program, "state_writes", {})
-    # Prepare kernels read only state the step never writes: they run once, after the weights
-    # are loaded, into buffers of their own (persistent values).
-    prepare_kernels = list(getattr(program, "prepare", []))
-    persistent = list(getattr(program, "persistent_values", []))
-    persistent_cname = {v: names("P_", v.name) for v in persistent}
-    offsets: dict = {}     # base Value -> context entry, in order of first use
+class _StepRender:
+    """One program's part of program.cu (a build holds one, or one more per set of Dims at 1,
+    codegen/dynamic.py with_variants): its arena offsets, constants, prepared values, launches,
+    state write-backs and where its outputs are. `names` makes the C names of the whole file."""
 
-    def base_of(v):
-        while v in program.aliases:
-            v = program.aliases[v]
+    def __init__(self, program, names, state_cname: dict, world_size: int):
+        self.program, self.names, self.world_size = program, names, world_size
+        ir = program.graph
+        self.producers = _producers(ir)
+        self.input_index = {v: i for i, v in enumerate(ir.inputs)}
+        self.state_index = {s.value: s.name for s in ir.state}
+        self.state_cname = state_cname
+        self.const_cname = {v: names("C_", v.name) for v in program.constants}
+        # Updates the step writes straight into their state buffer (no arena slot, no copy).
+        self.state_writes = program.state_writes
+        # Prepare kernels read only state the step never writes: they run once, after the weights
+        # are loaded, into buffers of their own (persistent values).
+        self.persistent_cname = {v: names("P_", v.name) for v in program.persistent_values}
+        self.offsets: dict = {}     # base Value -> context entry, in order of first use
+
+    def base_of(self, v):
+        while v in self.program.aliases:
+            v = self.program.aliases[v]
         return v
 
-    dynamic = program.dynamic
-    input_dims, output_dims = host_shapes(dynamic, ir)
-
-    def address(v):
+    def address(self, v):
         """(C expression for the address of `v`, base Value)."""
+        dynamic = self.program.dynamic
         if dynamic is not None and v is dynamic.value:
             return "m.dims", v
-        base = base_of(v)
-        base = state_writes.get(base, base)
-        if base in input_index:
-            return f"m.input[{input_index[base]}]", base
-        if base in state_index:
-            return f"m.state[{state_cname[base]}]", base
-        if base in persistent_cname:
-            return f"m.persistent[{persistent_cname[base]}]", base
-        if base in const_cname:
-            return f"m.constant[{const_cname[base]}]", base
-        if base not in offsets:
-            if base not in program.plan.offsets:
+        base = self.base_of(v)
+        base = self.state_writes.get(base, base)
+        if base in self.input_index:
+            return f"m.input[{self.input_index[base]}]", base
+        if base in self.state_index:
+            return f"m.state[{self.state_cname[self.state_index[base]]}]", base
+        if base in self.persistent_cname:
+            return f"m.persistent[{self.persistent_cname[base]}]", base
+        if base in self.const_cname:
+            return f"m.constant[{self.const_cname[base]}]", base
+        if base not in self.offsets:
+            if base not in self.program.plan.offsets:
                 raise BuildError(f"%{base.name} has no place in the memory plan")
-            offsets[base] = {"cname": names("OFF_", base.name), "offset": program.plan.offsets[base],
-                             "comment": f"%{base.name} {_describe_value(base, producers)}, {base.nbytes} bytes"}
-        return f"m.arena + {offsets[base]['cname']}", base
+            self.offsets[base] = {"cname": self.names("OFF_", base.name), "offset": self.program.plan.offsets[base],
+                                  "comment": f"%{base.name} {_describe_value(base, self.producers)}, "
+                                             f"{base.nbytes} bytes"}
+        return f"m.arena + {self.offsets[base]['cname']}", base
 
-    def launch_entry(k):
+    def launch_entry(self, k) -> dict:
         lines, refs = [], []
         for j, arg in enumerate(k.args):
             if isinstance(arg, BufferArg):
-                expr, base = address(arg.value)
-                if base_of(arg.value) in state_writes:
+                expr, base = self.address(arg.value)
+                if self.base_of(arg.value) in self.state_writes:
                     view = f" (written straight into state %{base.name})"
                 else:
                     view = "" if base is arg.value else f" (view of %{base.name})"
@@ -284,7 +282,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         return {
             "collective": False,
             "name": k.name,
-            "cname": names("K_", k.name),
+            "cname": self.names("K_", k.name),
             "comment": _one_line(k.comment),
             "comment_c": _c_string(_one_line(k.comment)),
             "smem": int(k.smem),
@@ -294,49 +292,112 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
             "args_decl": f"void* args[] = {{{', '.join(refs)}}};" if refs else "void** args = nullptr;",
         }
 
+    def context(self, suffix: str, title: str, dims: list, ones: tuple, output_shapes: list) -> dict:
+        """The template's entry for this program: `dims`, every Dim of the build; `ones`, the
+        places of those it serves at 1; `output_shapes`, OUTPUTS' shapes (the first program's)."""
+        program, ir = self.program, self.program.graph
+        prepare = [self.launch_entry(k) for k in program.prepare]
+        kernels = [self.launch_entry(k) if k.collective is None else _collective_entry(k, self.address,
+                                                                                        self.world_size)
+                   for k in program.kernels]
+        updates = []
+        for state_name, v in ir.updates:
+            target_value = next(s.value for s in ir.state if s.name == state_name)
+            src, base = self.address(v)
+            if base is target_value:
+                continue   # the step already wrote the state in place
+            updates.append({"dst": f"m.state[{self.state_cname[state_name]}]", "src": src, "nbytes": v.nbytes,
+                            "comment": f"{state_name} <- %{v.name}"})
+        outputs = [{"value": v.name, "address": self.address(v)[0], "local_nbytes": v.nbytes,
+                    "sizes": _output_sizes(program, k, dims, output_shapes[k])} for k, v in enumerate(ir.outputs)]
+        width = max((len(o["cname"]) + len(str(o["offset"])) for o in self.offsets.values()), default=0)
+        dynamic = program.dynamic
+        return {
+            "suffix": suffix,
+            "title": title,
+            "ones": list(ones),
+            "reads": [] if dynamic is None else [dims.index(d) for d in dynamic.dims],
+            "arena_bytes": program.plan.arena_bytes,
+            "memory_line": program.plan.describe(),
+            "offsets": [dict(o, pad=" " * (width - len(o["cname"]) - len(str(o["offset"]))))
+                        for o in self.offsets.values()],
+            "prepare": prepare,
+            "kernels": kernels,
+            "updates": updates,
+            "outputs": outputs,
+        }
+
+    def constants(self, inc_parts: list) -> list:
+        """Its constant tensors' table entries; their bytes go to `inc_parts` (program_constants.inc)."""
+        entries = []
+        for v, array in self.program.constants.items():
+            data = np.asarray(array, v.dtype.np_dtype).reshape(v.shape).tobytes()
+            symbol = self.names("CONST_DATA_", v.name)
+            comment = f"%{v.name} {_describe_value(v, self.producers)}, {len(data)} bytes"
+            inc_parts.append(_bytes_literal(symbol, data, comment))
+            entries.append({"name": v.name, "cname": self.const_cname[v], "symbol": symbol, "nbytes": len(data),
+                            "comment": comment})
+        return entries
+
+    def persistent(self) -> list:
+        return [{"name": v.name, "cname": cname, "nbytes": v.nbytes,
+                 "comment": f"%{v.name} {_describe_value(v, self.producers)}"} for v, cname in
+                self.persistent_cname.items()]
+
+
+def _output_sizes(program, k: int, dims: list, spec_shape) -> list:
+    """[(axis, C++ expression of the build's sizes `size[j]`)] for each axis of `program`'s output
+    k other than OUTPUTS' `spec_shape`: those that follow the Dims, or a size of 1's program's."""
+    fitted = (program.dynamic.output_shapes[k] if program.dynamic is not None
+              else list(program.graph.outputs[k].shape))
+    names = [f"size[{dims.index(d)}]" for d in program.dynamic.dims] if program.dynamic is not None else []
+    return [(axis, str(n) if isinstance(n, int) else n.c_expr(names))
+            for axis, (n, fixed) in enumerate(zip(fitted, spec_shape)) if not (isinstance(n, int) and n == fixed)]
+
+
+def render_program(program, *, name: str, training: bool, target: str, arch: str,
+                   build_commands: list, data_parallel: dict | None = None) -> tuple:
+    """(program.cu text, program_constants.inc text) for `program` (and the programs for sizes of 1
+    it holds, codegen/dynamic.py with_variants); `data_parallel` is the saved graph's entry
+    (flowgen/saved_graph.py) for a program run by mpiexec, else None."""
+    ir = program.graph
+    names = _Names()
+    state_cname = {s.name: names("S_", s.name) for s in ir.state}
     world_size = data_parallel["world_size"] if data_parallel else 1
     layouts = data_parallel["inputs"] if data_parallel else ["broadcast"] * len(ir.inputs)
-    prepare = [launch_entry(k) for k in prepare_kernels]
-    kernels = [launch_entry(k) if k.collective is None else _collective_entry(k, address, world_size)
-               for k in program.kernels]
-
-    updates = []
-    for state_name, v in ir.updates:
-        target_value = next(s.value for s in ir.state if s.name == state_name)
-        src, base = address(v)
-        if base is target_value:
-            continue   # the step already wrote the state in place
-        updates.append({"dst": f"m.state[{state_cname[target_value]}]", "src": src, "nbytes": v.nbytes,
-                        "comment": f"{state_name} <- %{v.name}"})
-
+    dynamic = program.dynamic
+    dims = [] if dynamic is None else dynamic.dims
+    input_dims, output_dims = host_shapes(dynamic, ir)
+    programs = [((), program)] + ([] if dynamic is None else dynamic.variants)
+    for ones, p in programs[1:]:
+        if [(s.name, s.value.shape, s.value.dtype) for s in p.graph.state] != \
+                [(s.name, s.value.shape, s.value.dtype) for s in ir.state]:
+            raise BuildError(f"the program for {', '.join(dims[k].name for k in ones)} = 1 has other state than the "
+                             f"one for other sizes")
+    renders = [_StepRender(p, names, state_cname, world_size) for _, p in programs]
+    output_shapes = [v.shape for v in ir.outputs]
+    steps = [r.context("_" + "_".join(f"{dims[k].name}1" for k in ones) if ones else "",
+                       " at " + ", ".join(f"{dims[k].name} = 1" for k in ones) if ones else "",
+                       dims, ones, output_shapes)
+             for r, (ones, _) in zip(renders, programs)]
+    inc_parts = [f"// program_constants.inc: the constant tensors of graph {name}, generated by flowgen {__version__} "
+                 f"with program.cu.\n"]
+    constant_list = [c for r in renders for c in r.constants(inc_parts)]
     combines = data_parallel["outputs"] if data_parallel else ["global"] * len(ir.outputs)
-    outputs = []
-    for i, (v, combine) in enumerate(zip(ir.outputs, combines)):
-        expr, _ = address(v)
-        text, sizes = output_dims[i] or (None, [])
-        outputs.append({"spec": _output_spec(i, v, combine, world_size, text), "value": v.name, "address": expr,
-                        "local_nbytes": v.nbytes, "combine": combine, "sizes": sizes})
-
-    width = max((len(o["cname"]) + len(str(o["offset"])) for o in offsets.values()), default=0)
-    offset_list = []
-    for o in offsets.values():
-        o = dict(o, pad=" " * (width - len(o["cname"]) - len(str(o["offset"]))))
-        offset_list.append(o)
-
-    constant_list, inc_parts = [], [f"// program_constants.inc: the constant tensors of graph {name}, generated by "
-                                    f"flowgen {__version__} with program.cu.\n"]
-    for v, array in constants:
-        data = np.asarray(array, v.dtype.np_dtype).reshape(v.shape).tobytes()
-        symbol = names("CONST_DATA_", v.name)
-        comment = f"%{v.name} {_describe_value(v, producers)}, {len(data)} bytes"
-        inc_parts.append(_bytes_literal(symbol, data, comment))
-        constant_list.append({"name": v.name, "cname": const_cname[v], "symbol": symbol, "nbytes": len(data),
-                              "comment": comment})
+    outputs = [{"spec": _output_spec(i, v, combine, world_size, (output_dims[i] or (None,))[0]), "value": v.name,
+                "local_nbytes": v.nbytes, "combine": combine} for i, (v, combine) in enumerate(zip(ir.outputs, combines))]
+    index_checks = {}
+    for _, p in programs:
+        for check in p.index_checks.values():
+            parts = check.message_parts()
+            if index_checks.setdefault(check.id, parts) != parts:
+                raise BuildError(f"index check {check.id} says other things in the programs for different sizes "
+                                 f"({index_checks[check.id][0]!r}, {parts[0]!r})")
 
     def summary(values, label):
         return ", ".join(f"{label(i, v)}: {v.type_str}" for i, v in enumerate(values)) or "none"
 
-    plan = program.plan
+    launches = [k for step in steps for k in step["prepare"] + step["kernels"] if not k["collective"]]
     context = {
         "name": name,
         "version": __version__,
@@ -344,31 +405,24 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "arch": arch,
         "training": training,
         "build_commands": build_commands,
-        "kernels_source": _device_section(program.source, target,
-                                          [k["name"] for k in prepare + kernels if not k["collective"]]),
+        "kernels_source": _device_section(program.source, target, [k["name"] for k in launches]),
         "inputs_summary": summary(ir.inputs, lambda i, v: v.name),
         "outputs_summary": summary(ir.outputs, lambda i, v: f"output_{i} (%{v.name})"),
         "inputs": [{"spec": _tensor_spec(v.name, v, "input", shape and shape[1], shape and shape[0]),
                     "shards": world_size if layout == "split" else 1}
                    for v, layout, shape in zip(ir.inputs, layouts, input_dims)],
-        "dims": [] if dynamic is None else dynamic.dims,
+        "dims": dims,
         "world_size": world_size,
         "distributed": data_parallel is not None,
         "outputs": outputs,
-        "state": [{"spec": _tensor_spec(s.name, s.value, s.kind), "cname": state_cname[s.value]} for s in ir.state],
-        "arena_bytes": plan.arena_bytes,
-        "memory_line": plan.describe(),
-        "offsets": offset_list,
+        "state": [{"spec": _tensor_spec(s.name, s.value, s.kind), "cname": state_cname[s.name]} for s in ir.state],
+        "arena_bytes": max(step["arena_bytes"] for step in steps),
+        "steps": steps,
         "constants": constant_list,
-        "kernels": kernels,
-        "prepare": prepare,
-        "all_kernels": prepare + [k for k in kernels if not k["collective"]],
-        "persistent": [{"name": v.name, "cname": persistent_cname[v], "nbytes": v.nbytes,
-                        "comment": f"%{v.name} {_describe_value(v, producers)}"} for v in persistent],
-        "updates": updates,
-        "index_checks": [{"id": check.id, "before": _c_string(check.message_parts()[0]),
-                          "after": _c_string(check.message_parts()[1])}
-                         for check in program.index_checks.values()],
+        "all_kernels": [k for step in steps for k in step["prepare"] + step["kernels"] if not k["collective"]],
+        "persistent": [p for r in renders for p in r.persistent()],
+        "index_checks": [{"id": id_, "before": _c_string(before), "after": _c_string(after)}
+                         for id_, (before, after) in index_checks.items()],
         "schedules": schedule_lines(ir),
         "scaler_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("scale")), -1),
         "tracker_state": next((j for j, st in enumerate(ir.state) if st.name == scaler_state_name("growth_tracker")),

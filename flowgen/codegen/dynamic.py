@@ -174,6 +174,27 @@ def fit_variant(base, renderings: list, dims: list, uses: dict, ones: tuple, sou
                         [dims[k] for k in rest], {dims[k]: uses[dims[k]] for k in rest}, source_of)
 
 
+def with_variants(program, variants: list, source_of):
+    """`program` (fitted for every size) holding the size-1 programs `variants` ([(places of the
+    Dims at 1, Program)]) for a build: their kernels renamed after the sizes they serve
+    (`k0_model_0_matmul_batch1`), so that one kernels.cu, its `source`, holds every program's."""
+    dims = program.dynamic.dims
+    renamed = [(ones, _renamed(p, "_" + "_".join(f"{dims[k].name}1" for k in ones), source_of))
+               for ones, p in variants]
+    prepare = program.prepare + [k for _, p in renamed for k in p.prepare]
+    kernels = program.kernels + [k for _, p in renamed for k in p.kernels]
+    return replace(program, source=source_of(program.graph, prepare, kernels),
+                   dynamic=replace(program.dynamic, variants=renamed))
+
+
+def _renamed(program, suffix: str, source_of):
+    def renamed(k):
+        return replace(k, name=k.name + suffix, source=re.sub(rf"\b{re.escape(k.name)}\b", k.name + suffix, k.source))
+
+    prepare, kernels = [renamed(k) for k in program.prepare], [renamed(k) for k in program.kernels]
+    return replace(program, prepare=prepare, kernels=kernels, source=source_of(program.graph, prepare, kernels))
+
+
 def _fit(values, points, base_sizes, dims, where):
     """`values` (one per point) as an int or a SizeExpr of the sizes, or DynamicShapeError: a
     polynomial with integer coefficients, each Dim to the power 1 or, where the points hold four
