@@ -616,6 +616,13 @@ def save_graph(graph, path) -> None:
         raise RuntimeError(f"flow.save: {graph.name} has not been called yet; call it once with example inputs "
                            f"so that it is traced and compiled, then save it")
     compiled = graph.compiled
+    if graph.config.dynamic is not None and compiled.program.dynamic is None:
+        # The last call had every Dim at 1 (a variant of fixed shapes): the dynamic variant saves.
+        dynamic = [v for v in graph._variants.values() if v.program.dynamic is not None]
+        if not dynamic:
+            raise ValueError(f"flow.save: {graph.name} declares dynamic_shapes, but has run only with every Dim at 1 "
+                             f"(compiled for those shapes alone); call it once with sizes above 1, then save it")
+        compiled = dynamic[-1]
     if not compiled.runs_here:     # a graph on some of the ranks: they save it, this rank holds none of it
         return
     data_parallel = data_parallel_entry(graph.name, compiled)

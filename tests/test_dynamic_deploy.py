@@ -162,7 +162,11 @@ def test_a_size_of_one_gets_a_program_of_its_own(native, tmp_path):
     model = _mlp()
     graph = InferGraph(model)
     graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=16)}])
+    with pytest.raises(ValueError, match=r"has run only with every Dim at 1 .*call it once with sizes above 1"):
+        graph(flow.randn(1, 20))
+        flow.save(graph, tmp_path / "saved")
     graph(flow.randn(4, 20))
+    graph(flow.randn(1, 20))   # the last call ran the variant for batch 1; the dynamic one is saved
     flow.save(graph, tmp_path / "saved")
     assert [v["ones"] for v in json.loads((tmp_path / "saved" / "graph.json").read_text())["dynamic"]["variants"]] \
         == [[0]]
