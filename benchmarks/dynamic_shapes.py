@@ -13,8 +13,9 @@ For each case and size (1, 8 and the maximum), two builds of the same model: `dy
 compile for every size) and `exact` (compiled for that size alone), at two levels: `graph`, the
 Python nn.Graph (graph.config.dynamic_shapes), and `library`, what `flowgen build --lib` makes of
 the saved graph, called through flow.load_compiled with NumPy arrays (the program's kernels, no
-Python between them). Their calls alternate: `--repeats` rounds of `--iters` calls each, a round's
-median per row, the row's number the median of its rounds (spread: min and max of the rounds).
+Python between them; each library timed in a process of its own, _LibraryInProcess). The rows
+alternate: `--repeats` rounds of `--iters` calls each (a library's after as many to warm up), a
+round's median per row, the row's number the median of its rounds (spread: min and max of them).
 ratio = dynamic / exact; the target (issue 27) is within 1.1x for the program (library level).
 A batch of 1 runs a program of its own where the step compiles to other kernels at 1 (the
 graph's variant for size 1; a second program in the build, flowgen/codegen/aot.py), the others
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,18 +82,49 @@ CASES = {
 }
 
 
-def _library(graph, where: Path):
-    """`graph` saved and built with --lib for the cpu, loaded with flow.load_compiled."""
+def _library(graph, where: Path) -> Path:
+    """`graph` saved and built with --lib for the cpu: the build directory."""
+    where.mkdir()
     flow.save(graph, where / "saved")
     aot.build(where / "saved", where / "out", target="cpu", lib=True)
-    return flow.load_compiled(where / "out")
+    return where / "out"
+
+
+class _LibraryInProcess:
+    """Times a library's calls in a process of its own: two libraries in one process each hold an
+    OpenBLAS whose idle threads spin for a while after a call, taking the cores from the other's
+    next calls (measured: the MLP at batch 64 1.16x slower interleaved, equal alone)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def rounds(self, x_path: Path, args) -> list:
+        proc = subprocess.run([sys.executable, __file__, "--time-library", str(self.out), str(x_path),
+                               str(args.iters)], capture_output=True, text=True, check=True)
+        return [float(proc.stdout.split()[-1])]
+
+
+def _time_library(out: str, x_path: str, iters: int) -> float:
+    """The median ms of `iters` calls of the library in `out` on the array in `x_path`, after as
+    many calls to warm up (run in a process of its own by _LibraryInProcess)."""
+    model, x = flow.load_compiled(out), np.load(x_path)
+    times = []
+    for k in range(2 * iters):
+        start = time.perf_counter()
+        model(x)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[iters:])
 
 
 def _timed(callables: dict, x, args) -> dict:
-    """{row: the median over rounds of each round's median ms}, with the rounds' spread."""
+    """{row: the median over rounds of each round's median ms}, with the rounds' spread; rows
+    alternate round by round."""
     rounds = {row: [] for row in callables}
     for _ in range(args.repeats):
         for row, call in callables.items():
+            if isinstance(call, _LibraryInProcess):
+                rounds[row] += call.rounds(x, args)
+                continue
             times = []
             for _ in range(args.iters):
                 start = time.perf_counter()
@@ -101,7 +134,7 @@ def _timed(callables: dict, x, args) -> dict:
     return {row: (statistics.median(values), [min(values), max(values)]) for row, values in rounds.items()}
 
 
-def run_case(name, args, levels, tmp: Path) -> list:
+def run_case(name, level, args, tmp: Path) -> list:
     make, spec, inputs_at, sizes = CASES[name]
     flow.manual_seed(0)
     model = make().eval()
@@ -110,26 +143,28 @@ def run_case(name, args, levels, tmp: Path) -> list:
     start = time.perf_counter()
     dynamic(inputs_at(sizes[-1]))
     compile_s = time.perf_counter() - start
-    dynamic_library = _library(dynamic, tmp / f"{name}_dynamic") if "library" in levels else None
+    dynamic_build = _library(dynamic, tmp / f"{name}_dynamic") if level == "library" else None
     rows = []
     for size in sizes:
         x = inputs_at(size)
         exact = InferGraph(model)
         want = exact(x).numpy()
         np.testing.assert_allclose(dynamic(x).numpy(), want, rtol=1e-4, atol=1e-5)
-        for level in levels:
-            if level == "graph":
-                callables, given = {"dynamic": dynamic, "exact": exact}, x
-            else:
-                exact_library = _library(exact, tmp / f"{name}_exact_{size}")
-                callables, given = {"dynamic": dynamic_library, "exact": exact_library}, x.numpy()
-                np.testing.assert_allclose(dynamic_library(given), want, rtol=1e-4, atol=1e-5)
-            med = _timed(callables, given, args)
-            rows.append({"case": name, "level": level, "size": list(x.shape), "dynamic_ms": med["dynamic"][0],
-                         "exact_ms": med["exact"][0], "dynamic_spread_ms": med["dynamic"][1],
-                         "exact_spread_ms": med["exact"][1], "ratio": med["dynamic"][0] / med["exact"][0],
-                         "dynamic_compile_s": compile_s})
-            log(f"{name} {level} {list(x.shape)}: dynamic {med['dynamic'][0]:.3f} ms, exact {med['exact'][0]:.3f} ms")
+        if level == "graph":
+            callables, given = {"dynamic": dynamic, "exact": exact}, x
+        else:
+            exact_build = _library(exact, tmp / f"{name}_exact_{size}")
+            with flow.load_compiled(dynamic_build) as library:
+                np.testing.assert_allclose(library(x.numpy()), want, rtol=1e-4, atol=1e-5)
+            given = tmp / f"{name}_{size}.npy"
+            np.save(given, x.numpy())
+            callables = {"dynamic": _LibraryInProcess(dynamic_build), "exact": _LibraryInProcess(exact_build)}
+        med = _timed(callables, given, args)
+        rows.append({"case": name, "level": level, "size": list(x.shape), "dynamic_ms": med["dynamic"][0],
+                     "exact_ms": med["exact"][0], "dynamic_spread_ms": med["dynamic"][1],
+                     "exact_spread_ms": med["exact"][1], "ratio": med["dynamic"][0] / med["exact"][0],
+                     "dynamic_compile_s": compile_s})
+        log(f"{name} {level} {list(x.shape)}: dynamic {med['dynamic'][0]:.3f} ms, exact {med['exact'][0]:.3f} ms")
     return rows
 
 
@@ -141,9 +176,15 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--note", default="", help="what else ran on the machine meanwhile (kept in the JSON)")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "dynamic_shapes_cpu.json"))
+    parser.add_argument("--time-library", nargs=3, metavar=("OUT", "X_NPY", "ITERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.time_library:
+        out, x_path, iters = args.time_library
+        print(_time_library(out, x_path, int(iters)))
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [row for name in args.cases for row in run_case(name, args, args.levels, Path(tmp))]
+        # Every graph row first: a loaded library's idle threads are not around while graphs run.
+        rows = [row for level in args.levels for name in args.cases for row in run_case(name, level, args, Path(tmp))]
     print_table(rows, [("case", lambda r: r["case"]), ("level", lambda r: r["level"]),
                        ("size", lambda r: "x".join(map(str, r["size"]))),
                        ("dynamic ms", lambda r: f"{r['dynamic_ms']:.3f}"), ("exact ms", lambda r: f"{r['exact_ms']:.3f}"),

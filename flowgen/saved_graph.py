@@ -61,6 +61,22 @@ JSON with tags where JSON has no type of its own::
                                             its output's name, other arrays by
                                             "<output name>.<attr>")
 
+A graph compiled with dynamic dimensions (graph.config.dynamic_shapes, flowgen/dims.py) is
+saved at every Dim's maximum, with an entry more::
+
+     "dynamic": {"dims": [{"name": "batch", "min": 1, "max": 64}],
+                 "uses": [[0, 0, 0]],                 # [Dim, input, axis]: where each is read
+                 "renderings": [{"sizes": [2], "graph": {<this document's fields: name,
+                                 inputs, state, nodes, outputs, updates>}}, ...],
+                 "variants": [{"ones": [0], "graph": {...}, "renderings": [...]}]}
+
+`renderings` are the step at other sizes, fitted with the top-level IR into one program by the
+build (codegen/dynamic.py); `variants` the programs for sets of Dims whose minimum is 1 at 1
+(`ones`: their places in `dims`), when the kernels of the other sizes do not fit them, each its IR
+with the others at their max plus its renderings. Their arrays are in constants.safetensors under
+"rendering_<j>/", "variant_<v>/" and "variant_<v>/rendering_<j>/" before the usual key.
+signature.json repeats `dims` and `uses`.
+
 Dtype names are flowgen's (float32, bfloat16, int64, bool, ...); attribute arrays and
 scalars of other NumPy dtypes use NumPy's spelling ("|u1").
 
