@@ -18,6 +18,7 @@ from flowgen import nn
 from flowgen.codegen import aot
 from flowgen.saved_graph import FormatError
 from flowgen.serialization import with_self_hash
+from c_callers import ROOT, compile_c
 from graphs import FirstOutput, InferGraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -196,3 +197,40 @@ def test_a_damaged_dynamic_entry_is_refused_when_loading(mlp, tmp_path):
     with pytest.raises(FormatError, match=r"the 'dynamic' field ties axis 1 of input 0 \(20\) to "
                                           r"Dim\('batch', min=2, max=64\), whose max it must be"):
         flow.load(tmp_path / "bad")
+
+
+@pytest.mark.slow
+def test_c_api_with_a_dynamic_batch_under_address_and_ub_sanitizers(native, tmp_path):
+    """tests/embed_dynamic_checks.c: the signature's -1 and ranges, every batch from 1 to 6 (two
+    programs: batch 1's and the others'), sizes out of range (0, 7, -3, 2^40), a wrong fixed size
+    or rank, threads at different batches at once."""
+    flow.manual_seed(3)
+    model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)).eval()
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=6)}])
+    graph(flow.randn(4, 6))
+    flow.save(graph, tmp_path / "saved")
+    out = tmp_path / "out"
+    manifest = aot.build(tmp_path / "saved", out, target="cpu", sanitize="address,undefined", lib=True).manifest
+    checks = compile_c(ROOT / "tests" / "embed_dynamic_checks.c", out, manifest, tmp_path / "checks", "-O1", "-g",
+                        "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer")
+    proc = subprocess.run([str(checks)], capture_output=True, text=True, timeout=300, cwd=out,
+                          env={"ASAN_OPTIONS": "detect_leaks=1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "input: input_0 ndim 2 [-1 1..6] [6 6..6]" in lines
+    assert "output: output_0 ndim 2 [-1 1..6] [3 3..3]" in lines
+    refused = dict(line.split(": ", 1) for line in lines if ": rc " in line)
+    for batch in ("0", "7", "-3", str(1 << 40)):
+        assert refused[f"run batch {batch}"] == (f"rc 1: input 0 (input_0): shape [{batch},6], expected [batch,6]: "
+                                                 f"axis 0 is batch = {batch}, allowed 1 to 6")
+    assert refused["run features + 1"] == "rc 1: input 0 (input_0): shape [1,7], expected [batch,6]"
+    assert refused["run NULL data"].startswith("rc 1: input 0 (input_0): data is NULL; expected 24 bytes")
+    for n in range(1, 7):
+        values = next(line for line in lines if line.startswith(f"batch {n}:")).split()[2:]
+        k = np.arange(n * 6)
+        x = (((k * 7 + n * 3) % 13) / 6.0 - 1.0).astype(np.float32).reshape(n, 6)   # the C file's fill(x, n)
+        np.testing.assert_allclose(np.array(values, np.float32).reshape(n, 3), _eager(model, x), rtol=1e-5,
+                                   atol=1e-6, err_msg=f"batch {n}")
+    assert "threads: 80 calls agree" in lines

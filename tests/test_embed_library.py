@@ -17,6 +17,7 @@ import flowgen as flow
 import flowgen.nn as nn
 from flowgen.codegen import aot
 from flowgen.codegen.library import API_FUNCTIONS
+from c_callers import ROOT, compile_c
 from graphs import InferGraph, TrainGraph
 
 try:
@@ -24,7 +25,6 @@ try:
 except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
     from cli.main import cli
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def conv_model():
@@ -158,19 +158,10 @@ def test_graphs_that_change_their_state_are_refused(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- C callers
-def _compile_c(source, out, manifest, binary, *flags):
-    name = manifest["name"]
-    command = ["gcc", "-std=c99", "-Wall", "-Wextra", "-Werror", *flags, str(source), f"-I{out}",
-               f'-DFLOWGEN_MODEL_HEADER="{manifest["header"]}"', f"-L{out}", f"-l{name}", f"-Wl,-rpath,{out}",
-               "-lm", "-lpthread", "-o", str(binary)]
-    subprocess.run(command, check=True, capture_output=True, text=True)
-    return binary
-
-
 @pytest.mark.slow
 def test_example_c_program_and_readme_snippet(built, tmp_path):
     out, manifest, graph = built["out"], built["manifest"], built["graph"]
-    demo = _compile_c(ROOT / "examples" / "embed" / "main.c", out, manifest, tmp_path / "demo", "-O2")
+    demo = compile_c(ROOT / "examples" / "embed" / "main.c", out, manifest, tmp_path / "demo", "-O2")
     proc = subprocess.run([str(demo)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     k = np.arange(2 * 3 * 8 * 8)
@@ -180,7 +171,7 @@ def test_example_c_program_and_readme_snippet(built, tmp_path):
 
     snippet = re.search(r"^```c\n(.*?)^```", (ROOT / "README.md").read_text(), flags=re.S | re.M).group(1)
     (tmp_path / "snippet.c").write_text(snippet.replace('"model.h"', f'"{manifest["header"]}"'))
-    binary = _compile_c(tmp_path / "snippet.c", out, manifest, tmp_path / "snippet")
+    binary = compile_c(tmp_path / "snippet.c", out, manifest, tmp_path / "snippet")
     proc = subprocess.run([str(binary)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     np.testing.assert_allclose(float(proc.stdout.split()[-1]), graph(flow.ones(2, 3, 8, 8)).numpy()[0, 0],
@@ -197,7 +188,7 @@ def test_c_api_against_bad_arguments_and_files_under_address_and_ub_sanitizers(t
     flow.save(graph, tmp_path / "saved")
     out = tmp_path / "out"
     manifest = aot.build(tmp_path / "saved", out, target="cpu", sanitize="address,undefined", lib=True).manifest
-    checks = _compile_c(ROOT / "tests" / "embed_checks.c", out, manifest, tmp_path / "checks", "-O1", "-g",
+    checks = compile_c(ROOT / "tests" / "embed_checks.c", out, manifest, tmp_path / "checks", "-O1", "-g",
                         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer")
     weights = (out / "weights.safetensors").read_bytes()
     bad = {"truncated": weights[:len(weights) // 2], "header only": weights[:8], "garbage": b"\x00" * 3,
@@ -314,7 +305,7 @@ def test_by_hand_build_under_thread_sanitizer_has_no_races(tmp_path):
     host, link = (_commands_in(out / "library.cpp", what) for what in ("host", "link"))
     for command in (kernels, [host[0], *tsan, *host[1:]], [link[0], *tsan, *link[1:]]):
         subprocess.run(command, cwd=out, check=True, capture_output=True, text=True)
-    checks = _compile_c(ROOT / "tests" / "embed_checks.c", out, manifest, tmp_path / "checks", "-O1", *tsan)
+    checks = compile_c(ROOT / "tests" / "embed_checks.c", out, manifest, tmp_path / "checks", "-O1", *tsan)
     proc = subprocess.run([str(checks), str(out / "weights.safetensors")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ThreadSanitizer" not in proc.stderr, proc.stdout + proc.stderr
     assert "threads: 100 calls agree" in proc.stdout
