@@ -6,9 +6,8 @@ Cases (inference, the cpu target's native kernels, one process): an MLP (Linear 
 GELU) with a dynamic batch up to 64, a conv net (3x3 conv, a depthwise-separable block, BatchNorms
 folded, a spatial mean) on 32x32 images with a dynamic batch up to 16 (MobileNetV2 is refused for
 now: its adaptive average pool is an emulated kernel, whose grid follows the batch), and the small
-GPT of examples/gpt_char.py (2 layers, 64 wide) on 32 tokens with a dynamic batch up to 16 (a
-dynamic sequence is refused past 16 positions: the native attention pads the keys to a multiple of
-16, a rounding codegen/dynamic.py cannot fit).
+GPT of examples/gpt_char.py (2 layers, 64 wide) on 32 tokens with a dynamic batch up to 16, and
+the same GPT on a batch of 4 with a dynamic sequence up to its block size, 32 (`gpt_seq`).
 For each case and size (1, 8 and the maximum), two builds of the same model: `dynamic` (one
 compile for every size) and `exact` (compiled for that size alone), at two levels: `graph`, the
 Python nn.Graph (graph.config.dynamic_shapes), and `library`, what `flowgen build --lib` makes of
@@ -79,6 +78,7 @@ CASES = {
                                       _SpatialMean(), nn.Linear(64, 10)),
                 lambda: [{0: flow.Dim("batch", min=1, max=16)}], lambda n: flow.randn(n, 3, 32, 32), [1, 8, 16]),
     "gpt": (_gpt, lambda: [{0: flow.Dim("batch", min=1, max=16)}], lambda n: _tokens(n, 32), [1, 8, 16]),
+    "gpt_seq": (_gpt, lambda: [{1: flow.Dim("seq", min=1, max=32)}], lambda n: _tokens(4, n), [1, 8, 32]),
 }
 
 

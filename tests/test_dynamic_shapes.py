@@ -218,3 +218,15 @@ def test_fuzz_programs_with_a_dynamic_batch(seed):
     """tests/dynamic_fuzzer.py's check on programs that found bugs (a slice emptied by a batch of
     1, a flip's constant indices): equal to graphs compiled per size, or refused."""
     assert dynamic_fuzzer.check(seed).split(":")[0] in ("ok", "refused")
+
+
+def test_gpt_sequence_past_a_chunk_of_keys():
+    """The native attention pads the keys to whole chunks of 16 (a rounding no polynomial of the
+    sizes gives): the kernel computes the padded length from the keys' count, so a sequence runs
+    at every length up to the block size."""
+    flow.manual_seed(0)
+    config = gpt_char.GPTConfig(vocab_size=32, block_size=40, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
+    rng = np.random.default_rng(4)
+    seq = flow.Dim("seq", min=2, max=40)
+    _runs_like_eager(FirstOutput(gpt_char.define(flow)(config)), [{1: seq}],
+                     lambda n: [flow.tensor(rng.integers(0, 32, (2, n)).astype(np.int64))], [17, 40, 2, 33, 16])

@@ -20,15 +20,6 @@ from flowgen.codegen.kernels.common import (f32_literal, loader, neg_inf, node_c
 from flowgen.codegen.templates import get_template
 
 
-# flowgen_cpu::kDotColumns: the keys (queries) of one chunk of dot products.
-_DOT_COLUMNS = 16
-
-
-def _padded(rows: int) -> int:
-    """`rows` rounded up to whole chunks of dot products (the transposed operands' row length)."""
-    return -(-rows // _DOT_COLUMNS) * _DOT_COLUMNS
-
-
 def render(node, ctx: RenderContext):
     """An attention / attention_backward node (or a `_dropout` one, which reads its rng state) as
     one native kernel, or None where it is not float32."""
@@ -60,7 +51,7 @@ def render(node, ctx: RenderContext):
         kind="backward" if backward else "forward", name=name, comment=comment,
         params=[f"const {x.dtype.ctype}* __restrict__ {n}" for x, n in reads] +
                [f"{x.dtype.ctype}* __restrict__ {n}" for x, n in writes],
-        slices=numel_of(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal=causal, Sp=_padded(S), Lp=_padded(L),
+        slices=numel_of(q.shape[:-2]), L=L, S=S, E=E, Ev=Ev, causal=causal,
         causal_text=", causal (keys j <= i)" if causal else "", q_t="float", acc="float", out_t="float",
         load=loader(q.dtype, "float"), store=storer(q.dtype, "float"), exp="expf", log="logf", one="1.0f",
         neg_inf=neg_inf("float"), scale=f32_literal(node.attrs["scale"]),
