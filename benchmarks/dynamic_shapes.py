@@ -4,8 +4,8 @@
 
 Cases (inference, the cpu target's native kernels, one process): an MLP (Linear 256-512-512-10,
 GELU) with a dynamic batch up to 64, a conv net (3x3 conv, a depthwise-separable block, BatchNorms
-folded, a spatial mean) on 32x32 images with a dynamic batch up to 16 (MobileNetV2 is refused for
-now: its adaptive average pool is an emulated kernel, whose grid follows the batch), and the small
+folded, a spatial mean) on 32x32 images with a dynamic batch up to 16, MobileNetV2 (flow.models,
+10 classes) on 32x32 images with a dynamic batch up to 16, and the small
 GPT of examples/gpt_char.py (2 layers, 64 wide) on 32 tokens with a dynamic batch up to 16, and
 the same GPT on a batch of 4 with a dynamic sequence up to its block size, 32 (`gpt_seq`).
 For each case and size (1, 8 and the maximum), two builds of the same model: `dynamic` (one
@@ -77,6 +77,8 @@ CASES = {
                                       nn.ReLU6(), nn.Conv2d(32, 64, 1), nn.BatchNorm2d(64), nn.ReLU(),
                                       _SpatialMean(), nn.Linear(64, 10)),
                 lambda: [{0: flow.Dim("batch", min=1, max=16)}], lambda n: flow.randn(n, 3, 32, 32), [1, 8, 16]),
+    "mobilenet_v2": (lambda: flow.models.mobilenet_v2(num_classes=10), lambda: [{0: flow.Dim("batch", min=1, max=16)}],
+                     lambda n: flow.randn(n, 3, 32, 32), [1, 8, 16]),
     "gpt": (_gpt, lambda: [{0: flow.Dim("batch", min=1, max=16)}], lambda n: _tokens(n, 32), [1, 8, 16]),
     "gpt_seq": (_gpt, lambda: [{1: flow.Dim("seq", min=1, max=32)}], lambda n: _tokens(4, n), [1, 8, 32]),
 }

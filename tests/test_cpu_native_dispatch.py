@@ -25,8 +25,8 @@ def test_ops_of_a_native_family_without_a_native_kernel_stay_emulated():
 
     def outputs(a, img):
         return (a.softmax(dim=1), a.log_softmax(dim=1), flow.gather(a, 1, index),
-                flow.zeros(2, 4).scatter_add(1, index, a[:, :3]), flow.nn.functional.avg_pool2d(img, 2),
-                flow.nn.functional.max_pool2d(img, 2))
+                flow.zeros(2, 4).scatter_add(1, index, a[:, :3]),
+                flow.nn.functional.interpolate(img, scale_factor=2, mode="nearest"))
 
     class Outputs(nn.Graph):
         def build(self, a, img):
@@ -39,6 +39,32 @@ def test_ops_of_a_native_family_without_a_native_kernel_stay_emulated():
     for got, want in zip(graph(a, img), outputs(a, img)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
     kernels = graph.compiled.program.kernels
-    for op in ("softmax", "log_softmax", "gather", "scatter_add", "avg_pool2d", "max_pool2d"):
+    for op in ("softmax", "log_softmax", "gather", "scatter_add", "upsample_nearest2d"):
         emulated = [k for k in kernels if op in k.ops]
         assert emulated and not any(k.native for k in emulated), (op, [(k.name, k.native) for k in kernels])
+
+
+def test_forward_pools_run_natively_with_the_emulated_kernels_numbers(monkeypatch):
+    """Max (and its indices), average (count_include_pad off, ceil_mode) and adaptive average pools
+    as native kernels: every output computed by the emulated kernel's code (_pool2d_window.j2), a NaN
+    in a window included, so the same bits."""
+
+    class Pools(nn.Graph):
+        def build(self, x):
+            F = flow.nn.functional
+            values, indices = F.max_pool2d(x, 2, stride=1, dilation=2, return_indices=True)
+            return (F.max_pool2d(x, 3, stride=2, padding=1), F.avg_pool2d(x, 3, stride=2, padding=1,
+                                                                             count_include_pad=False),
+                    F.avg_pool2d(x, 2, stride=2, ceil_mode=True), F.adaptive_avg_pool2d(x, (3, 2)), values, indices)
+
+    x = np.random.default_rng(1).standard_normal((3, 4, 9, 7)).astype(np.float32)
+    x[0, 0, 0, 0] = np.nan
+    results = {}
+    for mode in ("emulator", "native"):
+        monkeypatch.setenv("FLOWGEN_CPU_KERNELS", mode)
+        graph = Pools()
+        results[mode] = [t.numpy() for t in graph(flow.tensor(x))]
+        pools = [k for k in graph.compiled.program.kernels if any("pool" in op for op in k.ops)]
+        assert len(pools) == 6 and all(k.native == (mode == "native") for k in pools)   # indices: a kernel of its own
+    for emulated, native in zip(results["emulator"], results["native"]):
+        np.testing.assert_array_equal(native, emulated)

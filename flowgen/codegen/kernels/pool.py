@@ -28,6 +28,15 @@ def render_upsample(node, ctx: RenderContext) -> list:
 # pool2d: max / avg / adaptive avg pooling and their gradients
 
 def _pool2d(node, kernel_name):
+    kind, ctx, what = pool2d_context(node, kernel_name)
+    source = render_template("pool2d.cu.j2", kind=kind, comment=node_comment(node, what), **ctx)
+    return [node_kernel(node, kernel_name, source, grid_1d(node.output.numel), (BLOCK, 1, 1), False, what)]
+
+
+def pool2d_context(node, kernel_name) -> tuple:
+    """(kind, template context, what it computes) of a pool2d node: what pool2d.cu.j2, and for the
+    forward kinds the cpu target's cpu_pool2d.cpp.j2, render (one window per output,
+    _pool2d_window.j2)."""
     op, a = node.op, node.attrs
     out = node.output
     grad = op.endswith("_grad")
@@ -60,8 +69,7 @@ def _pool2d(node, kernel_name):
     else:
         ctx.update(x_t=g.dtype.ctype, load=loader(g.dtype, acc))
     kind += "_indices" if indices else "_bwd" if grad else "_fwd"
-    source = render_template("pool2d.cu.j2", kind=kind, comment=node_comment(node, what), **ctx)
-    return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
+    return kind, ctx, what
 
 
 # --------------------------------------------------------------------------
