@@ -7,15 +7,19 @@ dynamic graph (one compile, Dim("batch", 1, B)) must equal a graph compiled for 
 (the same kernels but for the fitted sizes, so to float32 rounding) or be refused by
 codegen/dynamic.py with its DynamicShapeError (what cannot follow a size). Anything else -- a
 number apart, another exception, a second compile (but the variant of a batch of 1) -- is a
-failure, printed with the program:
+failure, printed with the program. With --saved, a program that passes is also saved
+(flow.save: its renderings, and a program per size of 1 where the kernels differ), loaded and
+run at the same sizes (SavedGraph.run: the programs `flowgen build` fits), against the same
+exact graphs:
 
-    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0]
+    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0] [--saved]
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import tempfile
 import traceback
 
 import numpy as np
@@ -29,8 +33,9 @@ from graphs import FirstOutput, InferGraph  # noqa: E402
 from program_fuzzer import generate, model_class  # noqa: E402
 
 
-def check(seed: int) -> str:
-    """"ok", "refused: ...", "skipped: ..." or "FAILED: ..." for program `seed`."""
+def check(seed: int, saved: bool = False) -> str:
+    """"ok", "refused: ...", "skipped: ..." or "FAILED: ..." for program `seed` (`saved`: its saved
+    form too)."""
     program = generate(seed)
     if program.dtype != "float32" or len(program.input_shape) < 2:
         return "skipped: float64"
@@ -58,32 +63,51 @@ def check(seed: int) -> str:
     graph.config.dynamic_shapes([{0: batch}])
     sizes = [valid[hi], valid[lo], valid[(lo + hi) // 2], valid[hi - 1]]
     compiled = {}   # one variant for the sizes from 2 up, one for a batch of 1
-    for x in sizes:
+    wants = [InferGraph(model)(x).numpy() for x in sizes]
+    for x, want in zip(sizes, wants):
         try:
             got = graph(x).numpy()
         except DynamicShapeError as error:
             return f"refused: {str(error)[:400]}"
         if compiled.setdefault(x.shape[0] == 1, graph.compiled) is not graph.compiled:
             return f"FAILED: compiled again at batch {x.shape[0]}"
-        want = InferGraph(model)(x).numpy()
-        scale = float(np.nanmax(np.abs(want))) if want.size and np.isfinite(want).any() else 1.0
-        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0),
-                                                      equal_nan=True):
-            diff = np.nanmax(np.abs(got - want)) if got.shape == want.shape else f"shape {got.shape} vs {want.shape}"
-            return f"FAILED: batch {x.shape[0]}: largest difference {diff} (scale {scale:.3g})"
+        verdict = _compare(got, want, f"batch {x.shape[0]}")
+        if verdict:
+            return verdict
+    if saved:
+        with tempfile.TemporaryDirectory() as tmp:
+            try:
+                flow.save(graph, os.path.join(tmp, "saved"))
+            except DynamicShapeError as error:
+                return f"refused: {str(error)[:400]}"
+            loaded = flow.load(os.path.join(tmp, "saved"))
+            for x, want in zip(sizes, wants):
+                verdict = _compare(loaded.run(x.numpy())[0], want, f"saved, batch {x.shape[0]}")
+                if verdict:
+                    return verdict
     return "ok"
+
+
+def _compare(got, want, where: str) -> str:
+    """"" when `got` equals `want` to float32 rounding, else the failure."""
+    scale = float(np.nanmax(np.abs(want))) if want.size and np.isfinite(want).any() else 1.0
+    if got.shape != want.shape or not np.allclose(got, want, rtol=1e-4, atol=1e-5 * max(scale, 1.0), equal_nan=True):
+        diff = np.nanmax(np.abs(got - want)) if got.shape == want.shape else f"shape {got.shape} vs {want.shape}"
+        return f"FAILED: {where}: largest difference {diff} (scale {scale:.3g})"
+    return ""
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--saved", action="store_true", help="also save, load and run each program that passes")
     args = parser.parse_args(argv)
     tally = {}
     failures = []
     for seed in range(args.seed, args.seed + args.count):
         try:
-            verdict = check(seed)
+            verdict = check(seed, args.saved)
         except Exception as error:
             verdict = f"FAILED: {type(error).__name__}: {str(error)[:300]}"
             traceback.print_exc()

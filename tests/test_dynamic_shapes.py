@@ -216,8 +216,9 @@ def test_size_fits_and_their_c_expressions():
 @pytest.mark.parametrize("seed", [1027, 1121, 1201])
 def test_fuzz_programs_with_a_dynamic_batch(seed):
     """tests/dynamic_fuzzer.py's check on programs that found bugs (a slice emptied by a batch of
-    1, a flip's constant indices): equal to graphs compiled per size, or refused."""
-    assert dynamic_fuzzer.check(seed).split(":")[0] in ("ok", "refused")
+    1, a flip's constant indices): equal to graphs compiled per size, saved and loaded too, or
+    refused."""
+    assert dynamic_fuzzer.check(seed, saved=True).split(":")[0] in ("ok", "refused")
 
 
 def test_gpt_sequence_past_a_chunk_of_keys():
