@@ -356,6 +356,11 @@ def _inspect(path, source, ir, memory):
     lines += _io_lines(saved.inputs)
     lines.append("  outputs:")
     lines += _io_lines(saved.outputs)
+    if saved.dynamic is not None:   # the shapes above are at the Dims' maxima
+        d = saved.dynamic
+        lines.append("  dynamic dimensions: " + ", ".join(
+            f"{dim.name} {dim.min}..{dim.max} (" + ", ".join(f"input {u.input} axis {u.axis}" for u in d.uses[dim]) + ")"
+            for dim in d.dims) + (f"; {len(d.variants)} more program(s) for sizes of 1" if d.variants else ""))
     state_bytes = sum(a.nbytes for a in saved.weights.values())
     kinds: dict = {}
     for s in saved.ir.state:

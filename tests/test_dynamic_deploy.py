@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import flowgen as flow
 from flowgen import nn
@@ -23,6 +24,11 @@ from graphs import FirstOutput, InferGraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import gpt_char  # noqa: E402
+
+try:
+    from flowgen_cli.main import cli
+except ImportError:   # a source checkout that was not `pip install -e .`-ed: cli/ is the package
+    from cli.main import cli
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +180,11 @@ def test_a_size_of_one_gets_a_program_of_its_own(native, tmp_path):
     result = aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", lib=True)
     source = (tmp_path / "out" / "program.cu").read_text()
     assert "static void run_step_batch1(" in source and "k0_model_0_matmul_add_gelu_batch1" in source
+    assert result.manifest["dynamic"]["dims"] == [{"name": "batch", "min": 1, "max": 16}]
+    assert [p["dims_at_1"] for p in result.manifest["size_one_programs"]] == [["batch"]]
+    shown = CliRunner().invoke(cli, ["inspect", str(tmp_path / "out")])
+    assert shown.exit_code == 0, shown.output
+    assert "dynamic dimensions: batch 1..16 (input 0 axis 0); 1 more program(s) for sizes of 1" in shown.output
     for n in (1, 5, 16, 1):
         x = _rows(n, 50 + n)
         proc, out = _run_program(result.binary, x, tmp_path)

@@ -41,8 +41,12 @@ def manifest_for(saved, program, *, target: str, arch: str, compiler: str, name:
         "world_size": saved.data_parallel["world_size"] if saved.data_parallel else 1,
         "data_parallel": saved.data_parallel,
         "program_sha256": program_sha256,
-        "inputs": saved.signature["inputs"],
+        "inputs": saved.signature["inputs"],      # a dynamic dimension at its max
         "outputs": saved.signature["outputs"],
+        "dynamic": saved.signature.get("dynamic"),   # the Dims and the input axes that give them, or None
+        "size_one_programs": [{"dims_at_1": [program.dynamic.dims[k].name for k in ones],
+                               "launches_per_step": p.num_launches, "arena_bytes": p.plan.arena_bytes}
+                              for ones, p in (program.dynamic.variants if program.dynamic is not None else [])],
         "state": [{"name": s.name, "shape": list(s.value.shape), "dtype": s.value.dtype.name, "kind": s.kind}
                   for s in ir.state],
         "step": saved.step,
