@@ -296,11 +296,16 @@ def write_file_atomic(path, write, mode: int = 0o666) -> None:
 
 
 # -------------------------------------------------------------------- save
-def save(obj, path) -> None:
-    """Save nested dicts/lists/tuples of tensors and Python scalars to the directory `path` (atomically)."""
+def save(obj, path, dynamic_shapes=None) -> None:
+    """Save nested dicts/lists/tuples of tensors and Python scalars to the directory `path` (atomically).
+    An nn.Graph saves its compiled step (flowgen/saved_graph.py); `dynamic_shapes`, one entry per
+    input of its build() ({axis: flow.Dim} or None, as torch.export), saves it with dynamic dimensions."""
     hook = getattr(obj, "_flowgen_save", None)
     if callable(hook) and not isinstance(obj, (dict, list, tuple, Tensor)):
-        return hook(path)
+        return hook(path) if dynamic_shapes is None else hook(path, dynamic_shapes=dynamic_shapes)
+    if dynamic_shapes is not None:
+        raise TypeError(f"flow.save: dynamic_shapes= applies to an nn.Graph (its compiled step), not to a "
+                        f"{type(obj).__name__}")
     encoder = _Encoder()
     root = encoder.encode(obj, [])
 

@@ -245,3 +245,21 @@ def test_c_api_with_a_dynamic_batch_under_address_and_ub_sanitizers(native, tmp_
         np.testing.assert_allclose(np.array(values, np.float32).reshape(n, 3), _eager(model, x), rtol=1e-5,
                                    atol=1e-6, err_msg=f"batch {n}")
     assert "threads: 80 calls agree" in lines
+
+
+def test_flow_save_with_dynamic_shapes_of_a_graph_compiled_for_fixed_ones(native, tmp_path):
+    """torch.export's way: the graph ran at batch 5, and flow.save(..., dynamic_shapes=) saves its
+    step with a dynamic batch; the graph itself keeps its fixed-shape config."""
+    model = _mlp()
+    graph = InferGraph(model)
+    graph(flow.randn(5, 20))
+    flow.save(graph, tmp_path / "saved", dynamic_shapes=[{0: flow.Dim("batch", min=2, max=32)}])
+    assert graph.config.dynamic is None
+    saved = flow.load(tmp_path / "saved")
+    for n in (2, 32, 9):
+        x = _rows(n, 200 + n)
+        np.testing.assert_allclose(saved.run(x)[0], _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
+    with pytest.raises(ValueError, match="dynamic_shapes has 2 entries for 1 inputs"):
+        flow.save(graph, tmp_path / "bad", dynamic_shapes=[{0: flow.Dim("batch", min=2, max=32)}, None])
+    with pytest.raises(TypeError, match="dynamic_shapes= applies to an nn.Graph"):
+        flow.save({"w": flow.ones(2)}, tmp_path / "dict", dynamic_shapes=[None])

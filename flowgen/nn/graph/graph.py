@@ -19,6 +19,7 @@ from flowgen.nn.graph.io import abstract_inputs, flatten_call, signature
 from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
+from flowgen.creation import zeros
 from flowgen.dims import normalize_spec, sizes_of
 from flowgen.nn.graph.compiled import CompiledGraph, compile_dynamic_step, compile_step
 from flowgen.nn.module import Module
@@ -175,6 +176,8 @@ class Graph:
             else:
                 variant = compile_step(self, args, kwargs, data_parallel_of(self, split), placements)
             variant.input_layouts = layouts     # "split" | "broadcast" | "local" per input (flow.save reads it)
+            # the call's structure and inputs, for flow.save(..., dynamic_shapes=) to trace it again
+            variant.example = (rebuild_call, [(tuple(t.shape), t.dtype, t.device) for t in inputs])
             self._variants[key] = variant
             if len(self._variants) > MAX_CACHED_VARIANTS:
                 self._variants.popitem(last=False)
@@ -240,14 +243,33 @@ class Graph:
             for slots in opt.state.values():
                 yield from (v for v in slots.values() if hasattr(v, "_version"))
 
-    def _flowgen_save(self, path):
+    def _flowgen_save(self, path, dynamic_shapes=None):
         """`flow.save(graph, path)`: the compiled IR, state and signature for deployment (flowgen/saved_graph.py).
-        A data-parallel graph is saved by every rank together (rank 0 writes; see saved_graph.py)."""
+        A data-parallel graph is saved by every rank together (rank 0 writes; see saved_graph.py).
+        `dynamic_shapes` (as graph.config.dynamic_shapes, torch.export's spec): the last call's step
+        compiled with those dynamic dimensions is saved; the graph's own config is left as it was."""
         if self._last is not None and self._last.pipeline is not None:
             raise NotImplementedError(f"flow.save({self._name}, ...): the graph is a pipeline (set_stage): each rank "
                                       f"runs one stage; standalone programs run on one process only, so save the "
                                       f"graph of a one-process run, or save graph.state_dict() instead")
-        save_graph(self, path)
+        if dynamic_shapes is None:
+            save_graph(self, path)
+            return
+        if self._last is None:
+            raise RuntimeError(f"flow.save: {self._name} has not been called yet; call it once with example inputs, "
+                               f"then save it with dynamic_shapes")
+        rebuild_call, examples = self._last.example
+        uses = normalize_spec(dynamic_shapes, len(examples), [len(shape) for shape, _, _ in examples], self._name)
+        at_max = {(use.input, use.axis): dim.max for dim, places in uses.items() for use in places}
+        inputs = [zeros(tuple(at_max.get((k, axis), n) for axis, n in enumerate(shape)), dtype=dtype, device=device)
+                  for k, (shape, dtype, device) in enumerate(examples)]   # tracing reads no values
+        before = self.config.dynamic
+        self.config.dynamic_shapes(dynamic_shapes)
+        try:
+            self._variant_for(*rebuild_call(inputs))
+            save_graph(self, path)
+        finally:
+            self.config.dynamic = before
 
     def _after_step(self, skipped: bool = False):
         """Host bookkeeping after a step: counters and the optimizers' step counts (`counts_steps`). A
