@@ -68,3 +68,23 @@ def test_forward_pools_run_natively_with_the_emulated_kernels_numbers(monkeypatc
         assert len(pools) == 6 and all(k.native == (mode == "native") for k in pools)   # indices: a kernel of its own
     for emulated, native in zip(results["emulator"], results["native"]):
         np.testing.assert_array_equal(native, emulated)
+
+
+@pytest.mark.parametrize("mode", ["native", "emulator"])
+def test_an_empty_batch_of_a_fused_gemm_launches_nothing(mode, monkeypatch):
+    """x[1:2] of a batch of 1 is empty: the fused GEMM after it has no output element, and no
+    kernel (its grid would be 0 blocks, which a GPU refuses; the tile chooser divided by zero).
+    tests/dynamic_fuzzer.py seed 5034."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", mode)
+
+    class Empty(nn.Graph):
+        def build(self, x):
+            h = x[1:2]
+            return flow.matmul(h, h.transpose(1, 2)).softmax(dim=-1) * 0.25, x.sum()
+
+    x = flow.randn(1, 5, 4)
+    graph = Empty()
+    (got, total), (want, want_total) = graph(x), Empty.build(None, x)
+    assert tuple(got.shape) == tuple(want.shape) == (0, 5, 5)
+    np.testing.assert_allclose(total.numpy(), want_total.numpy(), rtol=1e-6)
+    assert not any("matmul" in op for k in graph.compiled.program.kernels for op in k.ops)
