@@ -46,6 +46,9 @@ inline const bool blas_single_threaded = (scipy_openblas_set_num_threads(1), tru
 // pass over memory: less is not worth handing to another thread (waking a helper and waiting for
 // its piece cost microseconds, more on a loaded machine).
 constexpr long long kParallelWork = 1LL << 17;
+// Items per piece of a loop whose items take `each` units of `work` each; an item with nothing to
+// do (an empty reduction's output, a GEMM over K = 0) counts as one, and g++ sees no division by 0.
+constexpr long long per_piece(long long work, long long each) { return work / (each > 0 ? each : 1) + 1; }
 constexpr long long kParallelElements = 1LL << 15;
 // Elements per piece of a loop whose lines call a costly function (exp, erf, a Philox draw, ...):
 // tens of microseconds of work.

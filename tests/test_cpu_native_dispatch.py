@@ -88,3 +88,22 @@ def test_an_empty_batch_of_a_fused_gemm_launches_nothing(mode, monkeypatch):
     assert tuple(got.shape) == tuple(want.shape) == (0, 5, 5)
     np.testing.assert_allclose(total.numpy(), want_total.numpy(), rtol=1e-6)
     assert not any("matmul" in op for k in graph.compiled.program.kernels for op in k.ops)
+
+
+@pytest.mark.parametrize("mode", ["native", "emulator"])
+def test_reductions_and_gemms_over_nothing(mode, monkeypatch):
+    """A sum or mean over an empty axis, and a GEMM with K = 0, have outputs (zeros, NaN) but no
+    work per output: a native loop's grain divided by that 0 (undefined: g++ made it an illegal
+    instruction, SIGILL; tests/dynamic_fuzzer.py seed 5058)."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", mode)
+
+    class Nothing(nn.Graph):
+        def build(self, x):
+            h = x[4:5]                                              # no rows from a batch of 4
+            h3 = flow.stack([h, h.tanh()], dim=0).transpose(1, 2)   # [2, 8, 0]
+            return (flow.einsum("bij,bkj->bik", h3 + 1.0, h3), flow.matmul(h3 + 2.0, h3.transpose(1, 2)) + 1.0,
+                    (h3 * 3).sum(dim=2), (h3 * 3).mean(dim=2))
+
+    x = flow.randn(4, 8)
+    for got, want in zip(Nothing()(x), Nothing.build(None, x)):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())

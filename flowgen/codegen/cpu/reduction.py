@@ -81,7 +81,7 @@ def render_reduction(node, ctx: RenderContext):
         in_index_lines=fused.declared_if_read(in_coordinates, prologue_lines + flat_line) + flat_line,
         prologue_lines=prologue_lines,
         epilogue_index_lines=fused.declared_if_read(epilogue_index_lines, epilogue_lines),
-        epilogue_lines=epilogue_lines, grain=f"{grain(costly)} / {reduce_size} + 1",
+        epilogue_lines=epilogue_lines, grain=f"flowgen_cpu::per_piece({grain(costly)}, {reduce_size})",
         piece_lines=piece_lines(prologue_lines + epilogue_lines))
     in_place = every_output_over(node.outputs, [v for v in epilogue_inputs
                                                 if v.numel == epi_numel and v not in prologue_values])
