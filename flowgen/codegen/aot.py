@@ -384,7 +384,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
                  f"with program.cu.\n"]
     constant_list = [c for r in renders for c in r.constants(inc_parts)]
     combines = data_parallel["outputs"] if data_parallel else ["global"] * len(ir.outputs)
-    outputs = [{"spec": _output_spec(i, v, combine, world_size, (output_dims[i] or (None,))[0]), "value": v.name,
+    outputs = [{"spec": _output_spec(i, v, combine, world_size, output_dims[i]), "value": v.name,
                 "local_nbytes": v.nbytes, "combine": combine} for i, (v, combine) in enumerate(zip(ir.outputs, combines))]
     index_checks = {}
     for _, p in programs:

@@ -97,8 +97,8 @@ class DynamicDims:
 def host_shapes(dynamic, ir) -> tuple:
     """How the host code of the program and library (templates/program_host.cpp.j2) sees a
     Program's shapes: per input, (its shape text, "[batch,20]"; its Dim per axis: 1 + the Dim's
-    place, 0 for a fixed size) or None; per output, (its shape text, [(axis, C++ expression of the
-    sizes `size[k]`)] for each axis that follows the Dims) or None; all None for fixed shapes."""
+    place, 0 for a fixed size) or None; per output, its shape text ("[batch,5]") or None; all None
+    for fixed shapes."""
     if dynamic is None:
         return [None] * len(ir.inputs), [None] * len(ir.outputs)
     place = {(use.input, use.axis): k for k, d in enumerate(dynamic.dims) for use in dynamic.uses[d]}
@@ -108,12 +108,8 @@ def host_shapes(dynamic, ir) -> tuple:
         axes = [place.get((i, axis)) for axis in range(len(v.shape))]
         inputs.append(("[" + ",".join(str(n) if k is None else names[k] for k, n in zip(axes, v.shape)) + "]",
                        [0 if k is None else k + 1 for k in axes]))
-    outputs = []
-    for shape in dynamic.output_shapes:
-        text = "[" + ",".join(str(n) if isinstance(n, int) else n.c_expr(names).strip("()").replace(" ", "")
-                              for n in shape) + "]"
-        outputs.append((text, [(axis, n.c_expr([f"size[{k}]" for k in range(len(names))]))
-                               for axis, n in enumerate(shape) if not isinstance(n, int)]))
+    outputs = ["[" + ",".join(str(n) if isinstance(n, int) else n.c_expr(names).strip("()").replace(" ", "")
+                              for n in shape) + "]" for shape in dynamic.output_shapes]
     return inputs, outputs
 
 

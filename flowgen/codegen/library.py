@@ -86,10 +86,10 @@ def refusal(saved) -> str | None:
 
 
 def _tensor_lines(specs, texts) -> list:
-    """The header's lines for inputs or outputs: a dynamic shape as host_shapes gives it."""
-    return [{"name": t["name"], "dtype": t["dtype"],
-             "shape": shape[0] if shape else "[" + ", ".join(map(str, t["shape"])) + "]"}
-            for t, shape in zip(specs, texts)]
+    """The header's lines for inputs or outputs; `texts`: each one's shape text with its Dims
+    (codegen/dynamic.py host_shapes), None for a fixed shape."""
+    return [{"name": t["name"], "dtype": t["dtype"], "shape": text or "[" + ", ".join(map(str, t["shape"])) + "]"}
+            for t, text in zip(specs, texts)]
 
 
 def _host_flags(optimise: list) -> list:
@@ -155,7 +155,7 @@ def build_library(program, saved, out: Path, *, name: str, target: str, optimise
         "library": files["library"],
         "header": files["header"],
         "guard": re.sub(r"[^0-9A-Za-z]", "_", safe_tag(name)).upper(),
-        "inputs": _tensor_lines(saved.inputs, inputs),
+        "inputs": _tensor_lines(saved.inputs, [shape and shape[0] for shape in inputs]),
         "outputs": _tensor_lines(saved.outputs, outputs),
         "dims": [] if program.dynamic is None else program.dynamic.dims,
         "serial_reason": serial_reason,
