@@ -691,6 +691,11 @@ def _dynamic_entry(graph_name: str, compiled) -> tuple | None:
     dynamic = compiled.program.dynamic
     if dynamic is None:
         return None
+    if compiled.ir.updates:
+        raise NotImplementedError(f"flow.save: {graph_name} updates its state (a training step, or BatchNorm's running "
+                                  f"statistics) and has dynamic dimensions; it runs so in Python, but the standalone "
+                                  f"training program reads batches of one shape: save it compiled for fixed shapes "
+                                  f"(graph.config.dynamic_shapes(None))")
     dims, uses = dynamic.dims, dynamic.uses
     renderings = list(dynamic.renderings)
     at_one = [(sizes, compiled.render_at(sizes)) for sizes in unit_points(dims)]

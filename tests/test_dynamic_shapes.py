@@ -171,25 +171,83 @@ def test_what_cannot_follow_a_size_is_refused_with_its_reason(monkeypatch):
         graph(flow.randn(3, 64))
 
 
-def test_training_graphs_are_refused():
-    model = nn.Linear(4, 3)
-    batch = flow.Dim("batch", min=1, max=8)
+def _train_at(sizes, use_graph, model_of, loss_of, spec):
+    """Losses and final parameters of training steps at `sizes` (batch), as a graph with a
+    dynamic batch or eagerly, from the same seed (dropout draws the same stream either way)."""
+    flow.manual_seed(0)
+    model = model_of()
+    opt = flow.optim.Adam(model.parameters(), lr=0.01)
+
+    def step(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        return loss
 
     class Train(nn.Graph):
         def __init__(self):
             super().__init__()
             self.model = model
-            self.add_optimizer(flow.optim.SGD(model.parameters(), lr=0.1))
+            self.add_optimizer(opt)
 
-        def build(self, x):
-            loss = self.model(x).sum()
-            loss.backward()
-            return loss
+        def build(self, x, y):
+            return step(x, y)
 
     graph = Train()
-    graph.config.dynamic_shapes([{0: batch}])
-    with pytest.raises(NotImplementedError, match="dynamic_shapes on a training graph"):
-        graph(flow.randn(3, 4))
+    graph.config.dynamic_shapes(spec)
+    rng = np.random.default_rng(0)
+    losses = []
+    for n in sizes:
+        x = flow.tensor(rng.standard_normal((n, 8)).astype(np.float32))
+        y = flow.tensor(rng.integers(0, 3, n)) if loss_of is _cross_entropy else \
+            flow.tensor(rng.standard_normal((n, 3)).astype(np.float32))
+        if use_graph:
+            losses.append(graph(x, y).numpy())
+        else:
+            opt.zero_grad()
+            losses.append(step(x, y).numpy())
+            opt.step()
+    return losses, [p.numpy().copy() for p in model.parameters()], graph
+
+
+def _cross_entropy(model, x, y):
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _mse_and_l1(model, x, y):
+    out = model(x)
+    return ((out - y) ** 2).mean() + 0.1 * out.abs().mean()
+
+
+@pytest.mark.parametrize("layers, loss_of", [
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 3)), _cross_entropy),
+    (lambda: nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3)), _mse_and_l1)])
+def test_training_at_any_batch_size(layers, loss_of):
+    """One compile trains at every batch (a dataset's last, smaller batch): a mean divides by its
+    count read at run time (a whole number in a float literal, fitted like the sizes), dropout
+    draws eager's stream; losses and parameters equal eager's."""
+    batch = flow.Dim("batch", min=2, max=32)
+    spec = [{0: batch}, {0: batch}]
+    sizes = (5, 32, 2, 17, 5)
+    got, got_params, graph = _train_at(sizes, True, layers, loss_of, spec)
+    want, want_params, _ = _train_at(sizes, False, layers, loss_of, spec)
+    assert len(graph._variants) == 1
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got_params, want_params):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_training_refusals(tmp_path):
+    """BatchNorm's unbiased running variance scales by n / (n - 1), a float no size fit gives:
+    refused with the kernel named; a training step with dynamic dimensions runs in Python but is
+    not saved (the standalone training program reads batches of one shape)."""
+    batch = flow.Dim("batch", min=2, max=32)
+    with pytest.raises(DynamicShapeError, match=r"1\.03225\d*f at the maximum sizes is 2\.0f at batch=2: only sizes "
+                                                r"can follow a Dim"):
+        _train_at([5], True, lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)),
+                  _cross_entropy, [{0: batch}, {0: batch}])
+    _, _, graph = _train_at([5], True, lambda: nn.Linear(8, 3), _cross_entropy, [{0: batch}, {0: batch}])
+    with pytest.raises(NotImplementedError, match="updates its state .* and has dynamic dimensions"):
+        flow.save(graph, tmp_path / "saved")
 
 
 def test_size_fits_and_their_c_expressions():

@@ -249,15 +249,21 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             fitted.append(token)
             continue
         ints = [_INT.match(t) for t in column]
-        if not all(ints) or len({m.group(2) for m in ints}) != 1:
+        counts = [_count(t) for t in column]   # a float literal holding a whole number: a mean's count
+        if all(ints) and len({m.group(2) for m in ints}) == 1:
+            values = [int(m.group(1)) for m in ints]
+            cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
+        elif all(c is not None for c in counts) and len({c[1] for c in counts}) == 1:
+            values, cast = [c[0] for c in counts], counts[0][1]
+        else:
             other = next(k for k, t in enumerate(column) if t != token)
             what = ("a text" if token[0] in "\"'" else
-                    "only integer sizes can follow a Dim (a float, such as a mean's 1/n, cannot)")
+                    "only sizes can follow a Dim: integers, or whole numbers in a float (a mean's count); "
+                    "another float, such as 1/n, cannot")
             raise DynamicShapeError(f"{where}: {token} at the maximum sizes is {column[other]} at "
                                     f"{_sizes_text(dims, points[other])}: {what}")
-        form = fit([int(m.group(1)) for m in ints], f"{where}: the literal {token}")
+        form = fit(values, f"{where}: the literal {token}")
         used |= form.dims
-        cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
         fitted.append(f"({cast}){form.c_expr(names)}" if cast else form.c_expr(names))
     if not used:
         return base
@@ -268,6 +274,21 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
     source = "".join(piece + token for piece, token in zip(base_pieces, out + [""]))
     source = _add_dims_parameter(source, base.name, [(k, names[k], dims[k]) for k in sorted(used)])
     return replace(base, source=source, args=list(base.args) + [BufferArg(value, "const long long*")])
+
+
+_FLOAT = re.compile(r"(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?([fF]?)\Z")
+
+
+def _count(token: str):
+    """(the whole number, the C type to cast a fitted one to) of a float literal holding one that
+    float32 and float64 both hold exactly (below 2^24: a mean's count, "96.0f"), else None."""
+    match = _FLOAT.match(token)
+    if match is None or not (match.group(2) or "." in match.group(1)):
+        return None
+    value = float(match.group(1) + (match.group(2) or ""))
+    if not value.is_integer() or not 0 <= value < 2 ** 24:
+        return None
+    return int(value), "float" if match.group(3) else "double"
 
 
 def _planless(source: str) -> str:

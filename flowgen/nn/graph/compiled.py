@@ -258,10 +258,8 @@ def _compiled(graph, built: _Built, program, data_parallel, input_placements) ->
 def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
     """compile_step for a graph with dynamic dimensions (flowgen/dims.py): rendered with every
     Dim at its max and at the sample sizes, fitted into one Program whose kernels read the sizes
-    at run time (codegen/dynamic.py)."""
-    if graph._optimizers:
-        raise NotImplementedError(f"{graph.name}: dynamic_shapes on a training graph (add_optimizer) is not "
-                                  f"supported yet; compile the training step for fixed shapes")
+    at run time (codegen/dynamic.py). A training step too: its state and updates do not follow the
+    batch, a mean's count does (a whole number, fitted like the integer sizes)."""
     inputs, rebuild_call = flatten_call(args, kwargs, graph.name)
     dims = list(uses)
 
