@@ -10,9 +10,11 @@ number apart, another exception, a second compile (but the variant of a batch of
 failure, printed with the program. With --saved, a program that passes is also saved
 (flow.save: its renderings, and a program per size of 1 where the kernels differ), loaded and
 run at the same sizes (SavedGraph.run: the programs `flowgen build` fits), against the same
-exact graphs:
+exact graphs. With --train, the programs' training steps instead: a graph with a dynamic batch
+trained at a run of sizes against eager training at the same sizes (the losses of every step,
+then the parameters), the target's batch axis tied to the input's:
 
-    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0] [--saved]
+    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0] [--saved | --train]
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ os.environ.setdefault("FLOWGEN_CPU_KERNELS", "native")
 import flowgen as flow  # noqa: E402
 from flowgen.codegen.dynamic import DynamicShapeError  # noqa: E402
 from graphs import FirstOutput, InferGraph  # noqa: E402
-from program_fuzzer import generate, model_class  # noqa: E402
+from program_fuzzer import _backward, _optimizer, _out_and_aux, generate, loss_fn, model_class  # noqa: E402
 
 
 def check(seed: int, saved: bool = False) -> str:
@@ -88,6 +90,83 @@ def check(seed: int, saved: bool = False) -> str:
     return "ok"
 
 
+def check_training(seed: int) -> str:
+    """check() for program `seed`'s training step (--train)."""
+    program = generate(seed)
+    if program.dtype != "float32" or len(program.input_shape) < 2:
+        return "skipped: float64"
+    flow.manual_seed(seed)
+    probe = model_class(program)().eval()
+    rng = np.random.default_rng(seed)
+    targets = {}   # size -> the target at that batch (its shape from eager's output there)
+    for size in range(2, program.input_shape[0] + 6):
+        x = rng.standard_normal((size, *program.input_shape[1:])).astype(np.float32)
+        try:
+            out, _ = _out_and_aux(probe(flow.tensor(x)))
+        except Exception:
+            continue
+        shape = (out.shape[0],) if program.target.startswith("labels:") else tuple(out.shape)
+        if program.target.startswith("labels:"):
+            target = rng.integers(0, int(program.target.split(":")[1]), shape).astype(np.int64)
+        else:
+            target = rng.standard_normal(shape).astype(np.float32)
+        targets[size] = (x, target)
+    sizes = sorted(targets)
+    if len(sizes) < 4 or sizes[-1] - sizes[0] + 1 != len(sizes) or \
+            any(targets[n][1].shape[1:] != targets[sizes[0]][1].shape[1:] or targets[n][1].shape[0] != n for n in sizes):
+        return "skipped: the batch does not run a range of sizes, or the target does not follow it on axis 0"
+    batch = flow.Dim("batch", min=sizes[0], max=sizes[-1])
+    order = [sizes[-1], sizes[0], sizes[len(sizes) // 2], sizes[-1] - 1, sizes[0]]
+
+    def train(use_graph):
+        flow.manual_seed(seed)
+        model = model_class(program)()
+        opt, loss_of = _optimizer(program, model.parameters()), loss_fn(program)
+
+        def step(x, target):
+            out, aux = _out_and_aux(model(x))
+            loss = loss_of(out, target)
+            _backward(loss, aux)
+            return loss
+
+        class Train(flow.nn.Graph):
+            def __init__(self):
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+
+            def build(self, x, target):
+                return step(x, target)
+
+        graph = Train()
+        graph.config.dynamic_shapes([{0: batch}, {0: batch}])
+        losses = []
+        for n in order:
+            x, target = (flow.tensor(a) for a in targets[n])
+            if use_graph:
+                losses.append(graph(x, target).numpy())
+            else:
+                opt.zero_grad()
+                losses.append(step(x, target).numpy())
+                opt.step()
+        return losses, [p.numpy() for p in model.parameters()]
+
+    try:
+        got, got_params = train(True)
+    except DynamicShapeError as error:
+        return f"refused: {str(error)[:400]}"
+    want, want_params = train(False)
+    for k, (a, b) in enumerate(zip(got, want)):
+        verdict = _compare(np.asarray(a), np.asarray(b), f"training step {k} (batch {order[k]})")
+        if verdict:
+            return verdict
+    for k, (a, b) in enumerate(zip(got_params, want_params)):
+        verdict = _compare(a, b, f"parameter {k} after training")
+        if verdict:
+            return verdict
+    return "ok"
+
+
 def _compare(got, want, where: str) -> str:
     """"" when `got` equals `want` to float32 rounding, else the failure."""
     scale = float(np.nanmax(np.abs(want))) if want.size and np.isfinite(want).any() else 1.0
@@ -102,12 +181,13 @@ def main(argv=None):
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--saved", action="store_true", help="also save, load and run each program that passes")
+    parser.add_argument("--train", action="store_true", help="the programs' training steps instead of inference")
     args = parser.parse_args(argv)
     tally = {}
     failures = []
     for seed in range(args.seed, args.seed + args.count):
         try:
-            verdict = check(seed, args.saved)
+            verdict = check_training(seed) if args.train else check(seed, args.saved)
         except Exception as error:
             verdict = f"FAILED: {type(error).__name__}: {str(error)[:300]}"
             traceback.print_exc()

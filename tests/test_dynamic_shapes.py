@@ -13,7 +13,7 @@ import pytest
 
 import flowgen as flow
 from flowgen import nn
-from flowgen.codegen.dynamic import DynamicShapeError, SizeExpr, _fit
+from flowgen.codegen.dynamic import DynamicShapeError, SizeExpr, _count, _fit, _reciprocal
 from flowgen.dims import Dim, sample_points, sample_sizes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -248,6 +248,17 @@ def test_training_refusals(tmp_path):
     _, _, graph = _train_at([5], True, lambda: nn.Linear(8, 3), _cross_entropy, [{0: batch}, {0: batch}])
     with pytest.raises(NotImplementedError, match="updates its state .* and has dynamic dimensions"):
         flow.save(graph, tmp_path / "saved")
+
+
+def test_float_literals_that_are_counts_or_their_reciprocals():
+    """A mean's count (96.0) and its gradient's 1/n (float32 or float64, as flowgen writes them)
+    are fitted; another float is not (BatchNorm's n / (n - 1), a tenth)."""
+    assert _count("96.0") == (96, "double") and _count("96.0f") == (96, "float") and _count("9.6e1f") == (96, "float")
+    assert _count("96") is None and _count("1.5f") is None and _count("3e30") is None
+    assert _reciprocal("0.009523809887468815f") == (105, "float")   # np.float32(1 / 105)
+    assert _reciprocal("0.007142857142857143") == (140, "double")
+    assert _reciprocal("0.5f") == (2, "float") and _reciprocal("1.0322580337524414f") is None
+    assert _reciprocal("0.1f") == (10, "float") and _reciprocal("0.30000001192092896f") is None
 
 
 def test_size_fits_and_their_c_expressions():

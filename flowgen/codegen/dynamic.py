@@ -8,10 +8,12 @@ source text token by token. Each integer literal that changes is fitted as a pol
 Dims (batch * seq, an attention's batch * seq * seq), with integer coefficients that every
 rendering satisfies exactly; it becomes that
 expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
-(the executor, program or library writes the sizes there before each step). Anything else that
-changes with a size is refused, naming the kernel, its module path and the Dim: a float literal (a
-mean dividing by the batch), a token (a tile or loop form chosen by size), a launch grid, a buffer
-that shrinks as a size grows (the plan is made for the maximum). Comments keep the base's text,
+(the executor, program or library writes the sizes there before each step); so is a float
+literal holding a whole number (a mean's count) or its reciprocal (the mean's gradient), cast
+back to the literal's type. Anything else that changes with a size is refused, naming the kernel,
+its module path and the Dim: another float literal (BatchNorm's n / (n - 1)), a token (a tile or
+loop form chosen by size), a launch grid, a buffer that shrinks as a size grows (the plan is made
+for the maximum). Comments keep the base's text,
 whose sizes are the maximum's.
 """
 from __future__ import annotations
@@ -255,11 +257,18 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
         elif all(c is not None for c in counts) and len({c[1] for c in counts}) == 1:
             values, cast = [c[0] for c in counts], counts[0][1]
+        elif all(_reciprocal(t) is not None for t in column) and len({_reciprocal(t)[1] for t in column}) == 1:
+            values = [_reciprocal(t)[0] for t in column]   # 1/n: a mean's gradient scales by it
+            form = fit(values, f"{where}: the literal {token}")
+            used |= form.dims
+            fitted.append(f"(float)(1.0 / (double){form.c_expr(names)})" if _reciprocal(token)[1] == "float"
+                          else f"(1.0 / (double){form.c_expr(names)})")
+            continue
         else:
             other = next(k for k, t in enumerate(column) if t != token)
             what = ("a text" if token[0] in "\"'" else
-                    "only sizes can follow a Dim: integers, or whole numbers in a float (a mean's count); "
-                    "another float, such as 1/n, cannot")
+                    "only sizes can follow a Dim: integers, whole numbers in a float (a mean's count) or their "
+                    "reciprocals (1/n, computed as flowgen computes them); another float cannot")
             raise DynamicShapeError(f"{where}: {token} at the maximum sizes is {column[other]} at "
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit(values, f"{where}: the literal {token}")
@@ -289,6 +298,23 @@ def _count(token: str):
     if not value.is_integer() or not 0 <= value < 2 ** 24:
         return None
     return int(value), "float" if match.group(3) else "double"
+
+
+def _reciprocal(token: str):
+    """(n, the C type) of a float literal that is 1/n for a whole n, rounded as flowgen writes it
+    (1.0 / n in double, then to float for an "f" literal), else None."""
+    match = _FLOAT.match(token)
+    if match is None or not (match.group(2) or "." in match.group(1)):
+        return None
+    value = float(match.group(1) + (match.group(2) or ""))
+    if not 0 < value <= 1:
+        return None
+    n = round(1.0 / value)
+    if not 1 <= n < 2 ** 24:
+        return None
+    if match.group(3):
+        return (n, "float") if np.float32(1.0 / n) == np.float32(value) else None
+    return (n, "double") if 1.0 / n == value else None
 
 
 def _planless(source: str) -> str:
