@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include FLOWGEN_MODEL_HEADER
+#include "embed_threads.h"
 
 #define THREADS 4
 #define CALLS 25
@@ -132,14 +133,7 @@ int main(int argc, char** argv) {
   }
   for (size_t k = 0; k < out_count; ++k) printf("value %.9g\n", (double)expected[0][k]);
 
-  pthread_t threads[THREADS];
-  for (int t = 0; t < THREADS; ++t) pthread_create(&threads[t], NULL, worker, (void*)(size_t)t);
-  size_t bad = 0;
-  for (int t = 0; t < THREADS; ++t) {
-    void* result;
-    pthread_join(threads[t], &result);
-    bad += (size_t)result;
-  }
+  const size_t bad = run_workers(worker, THREADS);
   if (bad == 0) printf("threads: %d calls agree\n", THREADS * CALLS);
   else printf("threads: %zu of %d calls differ\n", bad, THREADS * CALLS);
 

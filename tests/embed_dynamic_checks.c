@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include FLOWGEN_MODEL_HEADER
+#include "embed_threads.h"
 
 #define THREADS 4
 #define CALLS 20
@@ -123,14 +124,7 @@ int main(void) {
     printf("\n");
   }
 
-  pthread_t threads[THREADS];
-  for (int t = 0; t < THREADS; ++t) pthread_create(&threads[t], NULL, worker, (void*)(size_t)t);
-  size_t bad = 0;
-  for (int t = 0; t < THREADS; ++t) {
-    void* result;
-    pthread_join(threads[t], &result);
-    bad += (size_t)result;
-  }
+  const size_t bad = run_workers(worker, THREADS);
   if (bad == 0) printf("threads: %d calls agree\n", THREADS * CALLS);
   for (long long batch = lo; batch <= hi; ++batch) free(expected[batch]);
   free(expected);
