@@ -18,7 +18,7 @@ from flowgen.dims import Dim, sample_points, sample_sizes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import dynamic_fuzzer  # noqa: E402
-from graphs import FirstOutput, InferGraph  # noqa: E402
+from graphs import FirstOutput, InferGraph, TrainGraph  # noqa: E402
 import gpt_char  # noqa: E402
 
 
@@ -184,22 +184,7 @@ def _train_at(sizes, use_graph, model_of, loss_of, spec):
     flow.manual_seed(0)
     model = model_of()
     opt = flow.optim.Adam(model.parameters(), lr=0.01)
-
-    def step(x, y):
-        loss = loss_of(model, x, y)
-        loss.backward()
-        return loss
-
-    class Train(nn.Graph):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-            self.add_optimizer(opt)
-
-        def build(self, x, y):
-            return step(x, y)
-
-    graph = Train()
+    graph = TrainGraph(model, loss_of, opt)
     graph.config.dynamic_shapes(spec)
     rng = np.random.default_rng(0)
     losses = []
@@ -211,17 +196,18 @@ def _train_at(sizes, use_graph, model_of, loss_of, spec):
             losses.append(graph(x, y).numpy())
         else:
             opt.zero_grad()
-            losses.append(step(x, y).numpy())
+            loss = loss_of(model(x), y)
+            loss.backward()
+            losses.append(loss.numpy())
             opt.step()
     return losses, [p.numpy().copy() for p in model.parameters()], graph
 
 
-def _cross_entropy(model, x, y):
-    return nn.functional.cross_entropy(model(x), y)
+def _cross_entropy(out, y):
+    return nn.functional.cross_entropy(out, y)
 
 
-def _mse_and_l1(model, x, y):
-    out = model(x)
+def _mse_and_l1(out, y):
     return ((out - y) ** 2).mean() + 0.1 * out.abs().mean()
 
 
