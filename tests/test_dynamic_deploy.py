@@ -263,3 +263,28 @@ def test_flow_save_with_dynamic_shapes_of_a_graph_compiled_for_fixed_ones(native
         flow.save(graph, tmp_path / "bad", dynamic_shapes=[{0: flow.Dim("batch", min=2, max=32)}, None])
     with pytest.raises(TypeError, match="dynamic_shapes= applies to an nn.Graph"):
         flow.save({"w": flow.ones(2)}, tmp_path / "dict", dynamic_shapes=[None])
+
+
+def test_the_cuda_kernels_of_a_dynamic_build_on_the_emulator(tmp_path, monkeypatch):
+    """`--target emulator` builds the cuda target's kernels (the CUDA source) for the CPU emulator:
+    a small MLP's GPU kernels launch the same grid at every batch from 2 to 16, so they fit and run
+    at any batch; a kernel whose grid follows the batch is refused when building, naming it."""
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")
+    flow.manual_seed(5)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=16)}])
+    graph(flow.randn(3, 4))
+    flow.save(graph, tmp_path / "saved")
+    binary = aot.build(tmp_path / "saved", tmp_path / "out", target="emulator").binary
+    for n in (2, 9, 16):
+        x = np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
+        proc, out = _run_program(binary, x, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        np.testing.assert_allclose(out, _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
+    wide = InferGraph(nn.Linear(64, 64).eval())
+    wide.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=512)}])
+    wide(flow.randn(3, 64))
+    flow.save(wide, tmp_path / "wide")
+    with pytest.raises(NotImplementedError, match=r"for the cpu target: .*its launch .* changes with Dim\('batch'"):
+        aot.build(tmp_path / "wide", tmp_path / "wide_out", target="emulator")
