@@ -101,6 +101,18 @@ def sizes_of(uses: dict, shapes: list, where: str, names: list | None = None) ->
     return sizes
 
 
+def dim_axes(uses: dict) -> dict:
+    """{(input, axis): Dim} of {Dim: [DimUse]}: the Dim each dynamic axis gives."""
+    return {(use.input, use.axis): dim for dim, places in uses.items() for use in places}
+
+
+def shapes_at(shapes: list, uses: dict, sizes_by_dim: dict) -> list:
+    """The inputs' `shapes` with each axis that gives a Dim at its size in `sizes_by_dim`."""
+    place = dim_axes(uses)
+    return [tuple(sizes_by_dim[place[k, axis]] if (k, axis) in place else n for axis, n in enumerate(shape))
+            for k, shape in enumerate(shapes)]
+
+
 def sample_sizes(dim: Dim) -> list:
     """The sizes codegen/dynamic.py renders a step at, besides the maximum: the minimum, the one
     above it, and two between, so a size rule that is not one affine function over the whole

@@ -112,7 +112,6 @@ import functools
 import hashlib
 import math
 import os
-import re
 import warnings
 from dataclasses import dataclass
 
@@ -122,7 +121,7 @@ from flowgen import dtype as dt
 from flowgen import random
 from flowgen.codegen.dynamic import DynamicShapeError, fit_programs, fit_variant, with_variants
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
-from flowgen.dims import Dim, DimUse, sizes_of, unit_points, unit_subsets, variant_points
+from flowgen.dims import Dim, DimUse, dim_axes, sizes_of, unit_points, unit_subsets, variant_points
 from flowgen.distributed.collectives import world
 from flowgen.errors import internal_checks
 from flowgen.ir.graph import Graph, Node, StateVar, Value
@@ -511,8 +510,7 @@ class SavedGraph:
         if len(arrays) != len(self.ir.inputs):
             raise TypeError(f"{self.name}: run() takes {len(self.ir.inputs)} input arrays, got {len(arrays)}")
         result = []
-        dynamic = {} if self.dynamic is None else {(u.input, u.axis): d for d, us in self.dynamic.uses.items()
-                                                     for u in us}
+        dynamic = {} if self.dynamic is None else dim_axes(self.dynamic.uses)
         arrays = [np.asarray(a.numpy() if hasattr(a, "numpy") else a) for a in arrays]
         for i, (a, v) in enumerate(zip(arrays, self.ir.inputs)):
             if a.ndim != len(v.shape) or any(n != m for axis, (n, m) in enumerate(zip(a.shape, v.shape))

@@ -52,15 +52,21 @@ def _eager(model, x):
     return model(flow.tensor(x)).numpy()
 
 
+def _saved(model, spec, example, path):
+    """`model` as an inference graph with dynamic_shapes `spec`, called once on `example` and saved
+    to `path` (flow.save keeps the Dims)."""
+    graph = InferGraph(model)
+    graph.config.dynamic_shapes(spec)
+    graph(example)
+    flow.save(graph, path)
+
+
 @pytest.fixture(scope="module")
 def mlp(native, tmp_path_factory):
     """An MLP with a dynamic batch (2 to 64), saved and built with --lib for the cpu."""
     tmp = tmp_path_factory.mktemp("dynamic_deploy")
     model = _mlp()
-    graph = InferGraph(model)
-    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=64)}])
-    graph(flow.randn(5, 20))
-    flow.save(graph, tmp / "saved")
+    _saved(model, [{0: flow.Dim("batch", min=2, max=64)}], flow.randn(5, 20), tmp / "saved")
     result = aot.build(tmp / "saved", tmp / "out", target="cpu", lib=True)
     return {"tmp": tmp, "model": model, "binary": result.binary, "out": tmp / "out", "manifest": result.manifest}
 
@@ -146,11 +152,9 @@ def test_gpt_with_dynamic_batch_and_sequence_as_a_library(native, tmp_path):
     flow.manual_seed(0)
     config = gpt_char.GPTConfig(vocab_size=32, block_size=16, n_layer=1, n_head=2, n_embd=32, dropout=0.0)
     model = FirstOutput(gpt_char.define(flow)(config)).eval()
-    graph = InferGraph(model)
-    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=4), 1: flow.Dim("seq", min=1, max=16)}])
     rng = np.random.default_rng(1)
-    graph(flow.tensor(rng.integers(0, 32, (3, 5)).astype(np.int64)))
-    flow.save(graph, tmp_path / "saved")
+    _saved(model, [{0: flow.Dim("batch", min=1, max=4), 1: flow.Dim("seq", min=1, max=16)}],
+           flow.tensor(rng.integers(0, 32, (3, 5)).astype(np.int64)), tmp_path / "saved")
     aot.build(tmp_path / "saved", tmp_path / "out", target="cpu", lib=True)
     with flow.load_compiled(tmp_path / "out") as compiled:
         assert compiled.outputs[0].shape == (None, None, 32)
@@ -217,10 +221,7 @@ def test_c_api_with_a_dynamic_batch_under_address_and_ub_sanitizers(native, tmp_
     or rank, threads at different batches at once."""
     flow.manual_seed(3)
     model = nn.Sequential(nn.Linear(6, 16), nn.GELU(), nn.Linear(16, 3)).eval()
-    graph = InferGraph(model)
-    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=6)}])
-    graph(flow.randn(4, 6))
-    flow.save(graph, tmp_path / "saved")
+    _saved(model, [{0: flow.Dim("batch", min=1, max=6)}], flow.randn(4, 6), tmp_path / "saved")
     out = tmp_path / "out"
     manifest = aot.build(tmp_path / "saved", out, target="cpu", sanitize="address,undefined", lib=True).manifest
     checks = compile_c(ROOT / "tests" / "embed_dynamic_checks.c", out, manifest, tmp_path / "checks", "-O1", "-g",
@@ -265,26 +266,19 @@ def test_flow_save_with_dynamic_shapes_of_a_graph_compiled_for_fixed_ones(native
         flow.save({"w": flow.ones(2)}, tmp_path / "dict", dynamic_shapes=[None])
 
 
-def test_the_cuda_kernels_of_a_dynamic_build_on_the_emulator(tmp_path, monkeypatch):
+def test_the_cuda_kernels_of_a_dynamic_build_on_the_emulator(native, tmp_path):
     """`--target emulator` builds the cuda target's kernels (the CUDA source) for the CPU emulator:
     a small MLP's GPU kernels launch the same grid at every batch from 2 to 16, so they fit and run
     at any batch; a kernel whose grid follows the batch is refused when building, naming it."""
-    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")
     flow.manual_seed(5)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
-    graph = InferGraph(model)
-    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=16)}])
-    graph(flow.randn(3, 4))
-    flow.save(graph, tmp_path / "saved")
+    _saved(model, [{0: flow.Dim("batch", min=2, max=16)}], flow.randn(3, 4), tmp_path / "saved")
     binary = aot.build(tmp_path / "saved", tmp_path / "out", target="emulator").binary
     for n in (2, 9, 16):
         x = np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
         proc, out = _run_program(binary, x, tmp_path)
         assert proc.returncode == 0, proc.stderr
         np.testing.assert_allclose(out, _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
-    wide = InferGraph(nn.Linear(64, 64).eval())
-    wide.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=512)}])
-    wide(flow.randn(3, 64))
-    flow.save(wide, tmp_path / "wide")
+    _saved(nn.Linear(64, 64).eval(), [{0: flow.Dim("batch", min=2, max=512)}], flow.randn(3, 64), tmp_path / "wide")
     with pytest.raises(NotImplementedError, match=r"for the cpu target: .*its launch .* changes with Dim\('batch'"):
         aot.build(tmp_path / "wide", tmp_path / "wide_out", target="emulator")

@@ -419,7 +419,7 @@ def render_program(program, *, name: str, training: bool, target: str, arch: str
         "arena_bytes": max(step["arena_bytes"] for step in steps),
         "steps": steps,
         "constants": constant_list,
-        "all_kernels": [k for step in steps for k in step["prepare"] + step["kernels"] if not k["collective"]],
+        "all_kernels": launches,
         "persistent": [p for r in renders for p in r.persistent()],
         "index_checks": [{"id": id_, "before": _c_string(before), "after": _c_string(after)}
                          for id_, (before, after) in index_checks.items()],

@@ -28,6 +28,7 @@ import numpy as np
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg
 from flowgen.codegen.program import IN_PLACE_NOTE
+from flowgen.dims import dim_axes
 from flowgen.ir.graph import Value
 
 # Code split into what a rendering may change: comments and literals (strings, characters,
@@ -103,13 +104,13 @@ def host_shapes(dynamic, ir) -> tuple:
     for fixed shapes."""
     if dynamic is None:
         return [None] * len(ir.inputs), [None] * len(ir.outputs)
-    place = {(use.input, use.axis): k for k, d in enumerate(dynamic.dims) for use in dynamic.uses[d]}
+    place = dim_axes(dynamic.uses)
     names = [d.name for d in dynamic.dims]
     inputs = []
     for i, v in enumerate(ir.inputs):
         axes = [place.get((i, axis)) for axis in range(len(v.shape))]
-        inputs.append(("[" + ",".join(str(n) if k is None else names[k] for k, n in zip(axes, v.shape)) + "]",
-                       [0 if k is None else k + 1 for k in axes]))
+        inputs.append(("[" + ",".join(str(n) if d is None else d.name for d, n in zip(axes, v.shape)) + "]",
+                       [0 if d is None else dynamic.dims.index(d) + 1 for d in axes]))
     outputs = ["[" + ",".join(str(n) if isinstance(n, int) else n.c_expr(names).strip("()").replace(" ", "")
                               for n in shape) + "]" for shape in dynamic.output_shapes]
     return inputs, outputs
@@ -251,19 +252,17 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             fitted.append(token)
             continue
         ints = [_INT.match(t) for t in column]
-        counts = [_count(t) for t in column]   # a float literal holding a whole number: a mean's count
+        counts = [_count(t) for t in column]        # a float literal holding a whole number: a mean's count
+        recips = [_reciprocal(t) for t in column]   # 1/n: a mean's gradient scales by it
+        reciprocal = False
         if all(ints) and len({m.group(2) for m in ints}) == 1:
             values = [int(m.group(1)) for m in ints]
             cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
-        elif all(c is not None for c in counts) and len({c[1] for c in counts}) == 1:
+        elif all(counts) and len({c[1] for c in counts}) == 1:
             values, cast = [c[0] for c in counts], counts[0][1]
-        elif all(_reciprocal(t) is not None for t in column) and len({_reciprocal(t)[1] for t in column}) == 1:
-            values = [_reciprocal(t)[0] for t in column]   # 1/n: a mean's gradient scales by it
-            form = fit(values, f"{where}: the literal {token}")
-            used |= form.dims
-            fitted.append(f"(float)(1.0 / (double){form.c_expr(names)})" if _reciprocal(token)[1] == "float"
-                          else f"(1.0 / (double){form.c_expr(names)})")
-            continue
+        elif all(recips) and len({r[1] for r in recips}) == 1:
+            values, reciprocal = [r[0] for r in recips], True
+            cast = "float" if recips[0][1] == "float" else ""   # 1.0 / n is a double already
         else:
             other = next(k for k, t in enumerate(column) if t != token)
             what = ("a text" if token[0] in "\"'" else
@@ -273,7 +272,8 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit(values, f"{where}: the literal {token}")
         used |= form.dims
-        fitted.append(f"({cast}){form.c_expr(names)}" if cast else form.c_expr(names))
+        expr = f"(1.0 / (double){form.c_expr(names)})" if reciprocal else form.c_expr(names)
+        fitted.append(f"({cast}){expr}" if cast else expr)
     if not used:
         return base
     # The base's own text (its memory plan's __restrict__ and in-place note), its literals fitted.
@@ -288,33 +288,37 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
 _FLOAT = re.compile(r"(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?([fF]?)\Z")
 
 
-def _count(token: str):
-    """(the whole number, the C type to cast a fitted one to) of a float literal holding one that
-    float32 and float64 both hold exactly (below 2^24: a mean's count, "96.0f"), else None."""
+def _float_literal(token: str):
+    """(value, its C type: "float" for an "f" literal, else "double") of a float literal (a dot or an
+    exponent), else None."""
     match = _FLOAT.match(token)
     if match is None or not (match.group(2) or "." in match.group(1)):
         return None
-    value = float(match.group(1) + (match.group(2) or ""))
-    if not value.is_integer() or not 0 <= value < 2 ** 24:
+    return float(match.group(1) + (match.group(2) or "")), "float" if match.group(3) else "double"
+
+
+def _count(token: str):
+    """(the whole number, the C type to cast a fitted one to) of a float literal holding one that
+    float32 and float64 both hold exactly (below 2^24: a mean's count, "96.0f"), else None."""
+    literal = _float_literal(token)
+    if literal is None or not literal[0].is_integer() or not 0 <= literal[0] < 2 ** 24:
         return None
-    return int(value), "float" if match.group(3) else "double"
+    return int(literal[0]), literal[1]
 
 
 def _reciprocal(token: str):
     """(n, the C type) of a float literal that is 1/n for a whole n, rounded as flowgen writes it
     (1.0 / n in double, then to float for an "f" literal), else None."""
-    match = _FLOAT.match(token)
-    if match is None or not (match.group(2) or "." in match.group(1)):
+    literal = _float_literal(token)
+    if literal is None or not 0 < literal[0] <= 1:
         return None
-    value = float(match.group(1) + (match.group(2) or ""))
-    if not 0 < value <= 1:
-        return None
+    value, ctype = literal
     n = round(1.0 / value)
     if not 1 <= n < 2 ** 24:
         return None
-    if match.group(3):
-        return (n, "float") if np.float32(1.0 / n) == np.float32(value) else None
-    return (n, "double") if 1.0 / n == value else None
+    if ctype == "float":
+        return (n, ctype) if np.float32(1.0 / n) == np.float32(value) else None
+    return (n, ctype) if 1.0 / n == value else None
 
 
 def _planless(source: str) -> str:

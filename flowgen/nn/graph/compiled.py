@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -22,7 +23,7 @@ from flowgen.distributed.global_tensor import absent, holds
 from flowgen.distributed.pipeline import pipeline_of
 from flowgen.distributed.placement import placement as Placement
 from flowgen.distributed.sbp import broadcast
-from flowgen.dims import sample_points
+from flowgen.dims import sample_points, shapes_at
 from flowgen.creation import zeros
 from flowgen.errors import internal_checks
 from flowgen.nn.graph.backend import cuda_arch, make_backend_once
@@ -170,9 +171,17 @@ def compile_step(graph, args: tuple, kwargs: dict, data_parallel=None, input_pla
     global tensor (data_parallel.split_inputs). One progress line covers all stages; an internal
     check failing in any of them is reported as a FlowgenInternalError naming the graph
     (flowgen/errors.py)."""
+    with _compiling(graph) as progress:
+        return _compile_step(graph, args, kwargs, data_parallel, input_placements, progress)
+
+
+@contextmanager
+def _compiling(graph):
+    """The progress line of one compile (its stages' names) and what surrounds every compile: the
+    program cache's collector paused, internal checks reported as errors naming the graph."""
     with reporting(graph.name) as progress, program_cache.collector_paused(), \
             internal_checks(graph.name, lambda: progress.stage_name):
-        return _compile_step(graph, args, kwargs, data_parallel, input_placements, progress)
+        yield progress
 
 
 def _compile_step(graph, args: tuple, kwargs: dict, data_parallel, input_placements, progress):
@@ -265,19 +274,12 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
 
     def at(sizes):
         """The call's inputs with each Dim's axes at `sizes` (zeros: tracing reads no values)."""
-        shaped = []
-        for k, t in enumerate(inputs):
-            shape = list(t.shape)
-            for d, size in zip(dims, sizes):
-                for use in uses[d]:
-                    if use.input == k:
-                        shape[use.axis] = size
-            shaped.append(t if list(t.shape) == shape else zeros(tuple(shape), dtype=t.dtype, device=t.device))
-        return rebuild_call(shaped)
+        shapes = shapes_at([t.shape for t in inputs], uses, dict(zip(dims, sizes)))
+        return rebuild_call([t if tuple(t.shape) == shape else zeros(shape, dtype=t.dtype, device=t.device)
+                             for t, shape in zip(inputs, shapes)])
 
     points = sample_points(dims)
-    with reporting(graph.name) as progress, program_cache.collector_paused(), \
-            internal_checks(graph.name, lambda: progress.stage_name):
+    with _compiling(graph) as progress:
         base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)
         renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
         program = fit_programs(base.program, renderings, dims, uses, kernels_source)
@@ -289,8 +291,7 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
 
     def render_at(sizes):
         """The step's Program with the Dims at `sizes` (flow.save renders a size of 1 with it)."""
-        with reporting(graph.name) as progress, program_cache.collector_paused(), \
-                internal_checks(graph.name, lambda: progress.stage_name):
+        with _compiling(graph) as progress:
             return _build_at(graph, dims, sizes, at(sizes), progress)
 
     compiled.render_at = render_at

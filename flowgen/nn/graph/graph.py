@@ -20,7 +20,7 @@ from flowgen.nn.graph.proxy import Proxy, ProxyModule
 from flowgen.nn.graph.report import format_graph_repr, meta_repr
 from flowgen.nn.graph.state_dict import graph_state_dict, load_graph_state_dict
 from flowgen.creation import zeros
-from flowgen.dims import normalize_spec, sizes_of
+from flowgen.dims import normalize_spec, shapes_at, sizes_of
 from flowgen.nn.graph.compiled import CompiledGraph, compile_dynamic_step, compile_step
 from flowgen.nn.module import Module
 from flowgen.distributed.data_parallel import data_parallel_of, split_inputs
@@ -260,9 +260,9 @@ class Graph:
                                f"then save it with dynamic_shapes")
         rebuild_call, examples = self._last.example
         uses = normalize_spec(dynamic_shapes, len(examples), [len(shape) for shape, _, _ in examples], self._name)
-        at_max = {(use.input, use.axis): dim.max for dim, places in uses.items() for use in places}
-        inputs = [zeros(tuple(at_max.get((k, axis), n) for axis, n in enumerate(shape)), dtype=dtype, device=device)
-                  for k, (shape, dtype, device) in enumerate(examples)]   # tracing reads no values
+        shapes = shapes_at([shape for shape, _, _ in examples], uses, {dim: dim.max for dim in uses})
+        inputs = [zeros(shape, dtype=dtype, device=device)   # tracing reads no values
+                  for shape, (_, dtype, device) in zip(shapes, examples)]
         before = self.config.dynamic
         self.config.dynamic_shapes(dynamic_shapes)
         try:

@@ -8,6 +8,7 @@ on them.
 """
 from __future__ import annotations
 
+from flowgen.dims import dim_axes
 from flowgen.tensor import Tensor
 
 PASSED_THROUGH = (type(None), bool, int, float, str)
@@ -69,7 +70,7 @@ def signature(obj):
 def abstract_inputs(inputs, uses: dict) -> list:
     """The flat input tensors as what a dynamic-shapes variant is keyed by: dtype, device and
     shape with each dynamic axis the Dim (flowgen/dims.py) instead of its size."""
-    dynamic = {(use.input, use.axis): dim for dim, places in uses.items() for use in places}
+    dynamic = dim_axes(uses)
     return [("tensor", tuple(dynamic.get((k, axis), size) for axis, size in enumerate(t.shape)), t.dtype, t.device)
             for k, t in enumerate(inputs)]
 
