@@ -121,6 +121,7 @@ from flowgen import dtype as dt
 from flowgen import random
 from flowgen.codegen.dynamic import DynamicShapeError, fit_programs, fit_variant, with_variants
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
+from flowgen.codegen.target import forms_chosen_at
 from flowgen.dims import Dim, DimUse, dim_axes, sizes_of, unit_points, unit_subsets, variant_points
 from flowgen.distributed.collectives import world
 from flowgen.errors import internal_checks
@@ -494,13 +495,15 @@ class SavedGraph:
                 program = program_of(self.ir)
                 if self.dynamic is not None:
                     d = self.dynamic
-                    renderings = [(sizes, program_of(ir)) for sizes, ir in d.renderings]
                     try:
+                        with forms_chosen_at(program.graph):
+                            renderings = [(sizes, program_of(ir)) for sizes, ir in d.renderings]
+                            variants = [(ones, program_of(base), [(sizes, program_of(ir)) for sizes, ir in others])
+                                        for ones, base, others in d.variants]
                         program = fit_programs(program, renderings, d.dims, d.uses, kernels_source)
                         program = with_variants(program, [
-                            (ones, fit_variant(program_of(base), [(sizes, program_of(ir)) for sizes, ir in others],
-                                               d.dims, d.uses, ones, kernels_source))
-                            for ones, base, others in d.variants], kernels_source)
+                            (ones, fit_variant(base, others, d.dims, d.uses, ones, kernels_source))
+                            for ones, base, others in variants], kernels_source)
                     except DynamicShapeError as e:
                         raise DynamicShapeError(f"{self.name}: for the {target} target: {e}") from None
                 self._programs[key] = program

@@ -266,19 +266,22 @@ def test_flow_save_with_dynamic_shapes_of_a_graph_compiled_for_fixed_ones(native
         flow.save({"w": flow.ones(2)}, tmp_path / "dict", dynamic_shapes=[None])
 
 
-def test_the_cuda_kernels_of_a_dynamic_build_on_the_emulator(native, tmp_path):
-    """`--target emulator` builds the cuda target's kernels (the CUDA source) for the CPU emulator:
-    a small MLP's GPU kernels launch the same grid at every batch from 2 to 16, so they fit and run
-    at any batch; a kernel whose grid follows the batch is refused when building, naming it."""
+def test_kernels_whose_launch_grid_follows_the_batch(native, tmp_path):
+    """`--target emulator` builds every kernel as its CUDA source for the CPU emulator: their launch
+    grids follow the batch (blocks over its rows, a GEMM's row tiles), so the program computes
+    each grid from the step's sizes (codegen/dynamic.py GridSize), at every batch from 1 to 512;
+    the cuda target's program and library build the same way (NVRTC, no GPU needed to build)."""
     flow.manual_seed(5)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
-    _saved(model, [{0: flow.Dim("batch", min=2, max=16)}], flow.randn(3, 4), tmp_path / "saved")
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.LayerNorm(64), nn.Linear(64, 5)).eval()
+    _saved(model, [{0: flow.Dim("batch", min=1, max=512)}], flow.randn(3, 64), tmp_path / "saved")
     binary = aot.build(tmp_path / "saved", tmp_path / "out", target="emulator").binary
-    for n in (2, 9, 16):
-        x = np.random.default_rng(n).standard_normal((n, 4)).astype(np.float32)
+    assert "Dims{unsigned(flowgen_blocks(m.size[0], " in (tmp_path / "out" / "program.cu").read_text()
+    for n in (1, 2, 9, 300, 512):
+        x = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
         proc, out = _run_program(binary, x, tmp_path)
         assert proc.returncode == 0, proc.stderr
         np.testing.assert_allclose(out, _eager(model, x), rtol=1e-5, atol=1e-6, err_msg=f"batch {n}")
-    _saved(nn.Linear(64, 64).eval(), [{0: flow.Dim("batch", min=2, max=512)}], flow.randn(3, 64), tmp_path / "wide")
-    with pytest.raises(NotImplementedError, match=r"for the cpu target: .*its launch .* changes with Dim\('batch'"):
-        aot.build(tmp_path / "wide", tmp_path / "wide_out", target="emulator")
+    aot.build(tmp_path / "saved", tmp_path / "cuda", target="cuda", arch="sm_90", lib=True)
+    launches = [line for line in (tmp_path / "cuda" / "program.cu").read_text().splitlines()
+                if "dev.launch(" in line and "_batch1," not in line]   # the batch-1 program's grids are fixed
+    assert launches and all("flowgen_blocks(m.size[0], " in line for line in launches), launches

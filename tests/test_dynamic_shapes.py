@@ -141,7 +141,7 @@ def test_bad_dims_are_refused(kwargs, message):
         Dim(**kwargs)
 
 
-def test_what_cannot_follow_a_size_is_refused_with_its_reason(monkeypatch):
+def test_what_cannot_follow_a_size_is_refused_with_its_reason():
     batch = flow.Dim("batch", min=1, max=8)
 
     # a mean over the dynamic batch divides by its count, a whole number fitted like the sizes;
@@ -170,12 +170,6 @@ def test_what_cannot_follow_a_size_is_refused_with_its_reason(monkeypatch):
     graph.config.dynamic_shapes([{0: batch}])
     with pytest.raises(DynamicShapeError, match="the constant .* holds other values at batch=2"):
         graph(flow.randn(3, 4))
-    # the emulated CUDA kernels launch grids sized for the data
-    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "emulator")
-    graph = InferGraph(nn.Linear(64, 64).eval())
-    graph.config.dynamic_shapes([{0: batch}])
-    with pytest.raises(DynamicShapeError, match="its launch .* changes with Dim.*cannot launch it for a size given"):
-        graph(flow.randn(3, 64))
 
 
 def _train_at(sizes, use_graph, model_of, loss_of, spec):
@@ -293,3 +287,47 @@ def test_gpt_sequence_past_a_chunk_of_keys():
     seq = flow.Dim("seq", min=2, max=40)
     _runs_like_eager(FirstOutput(gpt_char.define(flow)(config)), [{1: seq}],
                      lambda n: [flow.tensor(rng.integers(0, 32, (2, n)).astype(np.int64))], [17, 40, 2, 33, 16])
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(monkeypatch, arch):
+    """The cuda target's kernels (FLOWGEN_EMULATE_CUDA=1: the GPU program, run by the emulator),
+    whose launch grids follow the sizes (blocks over rows, a GEMM's row tiles, attention's tiles
+    per slice): the executor computes each grid from the call's sizes (codegen/dynamic.py
+    GridSize), and every size renders the forms chosen at the maximum (tile shapes, tensor-core
+    GEMMs: mma.sync on sm_80, warpgroup MMA on sm_90). A GPT with a dynamic batch and sequence in
+    float32, an MLP on bf16 tensor cores; the tensor-core check is off for a dynamic step (its SIMT
+    references would be rendered at the maximum sizes), even when asked for on the emulator."""
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
+    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", arch)
+    monkeypatch.setenv("FLOWGEN_TENSOR_CORE_CHECK", "always")
+    flow.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).eval()
+    graph = InferGraph(mlp.to("cuda"))
+    graph.config.enable_amp(True, dtype=flow.bfloat16)
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=200)}])
+    for n in (5, 200, 77, 130):
+        x = flow.randn(n, 64)
+        got = graph(x.to("cuda")).numpy().astype(np.float32)
+        with flow.no_grad():
+            want = mlp.to("cpu")(x).numpy()
+        mlp.to("cuda")
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), f"batch {n}"
+    kernels = graph.compiled.program.kernels
+    engine = "wgmma" if arch == "sm_90" else "mma.sync"
+    assert [k.dynamic_grid is not None for k in kernels if f"bf16 {engine}" in k.comment] == [True, True]
+    assert graph.compiled.executor.tensor_core_check is None
+    if arch == "sm_90":
+        return
+    config = gpt_char.GPTConfig(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_embd=64)
+    gpt = gpt_char.define(flow)(config).eval()
+    graph = InferGraph(FirstOutput(gpt).to("cuda"))
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=8), 1: flow.Dim("seq", min=1, max=48)}])
+    for b, t in [(2, 5), (8, 48), (3, 17), (1, 9), (4, 1)]:
+        ids = np.random.default_rng(t).integers(0, 37, (b, t))
+        got = graph(flow.tensor(ids).to("cuda")).numpy()
+        with flow.no_grad():
+            want = gpt.to("cpu")(flow.tensor(ids))[0].numpy()
+        gpt.to("cuda")
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"batch {b}, seq {t}")
+    assert any(k.dynamic_grid is not None for k in graph.compiled.program.kernels)

@@ -266,7 +266,9 @@ class _StepRender:
                                              f"{base.nbytes} bytes"}
         return f"m.arena + {self.offsets[base]['cname']}", base
 
-    def launch_entry(self, k) -> dict:
+    def launch_entry(self, k, dims: list) -> dict:
+        """The template's entry for launching `k`; a grid that follows the Dims (`dims`: the
+        build's) is computed from the step's sizes, `m.size`."""
         lines, refs = [], []
         for j, arg in enumerate(k.args):
             if isinstance(arg, BufferArg):
@@ -286,7 +288,10 @@ class _StepRender:
             "comment": _one_line(k.comment),
             "comment_c": _c_string(_one_line(k.comment)),
             "smem": int(k.smem),
-            "grid": ", ".join(str(int(g)) for g in k.grid),
+            "grid": ", ".join(str(int(g)) for g in k.grid) if k.dynamic_grid is None else
+                    ", ".join(str(g) if isinstance(g, int) else
+                              f"unsigned({g.c_expr([f'm.size[{dims.index(d)}]' for d in self.program.dynamic.dims])})"
+                              for g in k.dynamic_grid),
             "block": ", ".join(str(int(b)) for b in k.block),
             "arg_lines": lines,
             "args_decl": f"void* args[] = {{{', '.join(refs)}}};" if refs else "void** args = nullptr;",
@@ -296,8 +301,8 @@ class _StepRender:
         """The template's entry for this program: `dims`, every Dim of the build; `ones`, the
         places of those it serves at 1; `output_shapes`, OUTPUTS' shapes (the first program's)."""
         program, ir = self.program, self.program.graph
-        prepare = [self.launch_entry(k) for k in program.prepare]
-        kernels = [self.launch_entry(k) if k.collective is None else _collective_entry(k, self.address,
+        prepare = [self.launch_entry(k, dims) for k in program.prepare]
+        kernels = [self.launch_entry(k, dims) if k.collective is None else _collective_entry(k, self.address,
                                                                                         self.world_size)
                    for k in program.kernels]
         updates = []

@@ -10,9 +10,13 @@ rendering satisfies exactly; it becomes that
 expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
 (the executor, program or library writes the sizes there before each step); so is a float
 literal holding a whole number (a mean's count) or its reciprocal (the mean's gradient), cast
-back to the literal's type. Anything else that changes with a size is refused, naming the kernel,
+back to the literal's type. A launch grid that changes is fitted the same way: an axis the
+lowering computed as blocks over an extent (codegen.kernel.Blocks: grid_1d, a GEMM's row tiles)
+becomes a GridSize, ceil(extent / per_block) with the extent (and a multiple) fitted, which the
+executor, program or library computes from the sizes before launching; another axis must follow
+a polynomial. Anything else that changes with a size is refused, naming the kernel,
 its module path and the Dim: another float literal (BatchNorm's n / (n - 1)), a token (a tile or
-loop form chosen by size), a launch grid, a buffer that shrinks as a size grows (the plan is made
+loop form chosen by size), a block shape, a buffer that shrinks as a size grows (the plan is made
 for the maximum). Comments keep the base's text,
 whose sizes are the maximum's.
 """
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import BufferArg
+from flowgen.codegen.kernel import Blocks, BufferArg
 from flowgen.codegen.program import IN_PLACE_NOTE
 from flowgen.dims import dim_axes
 from flowgen.ir.graph import Value
@@ -74,6 +78,35 @@ class SizeExpr:
         if len(terms) == 1 and " " not in terms[0]:
             return terms[0]
         return "(" + " + ".join(terms).replace("+ -", "- ") + ")"
+
+
+@dataclass(frozen=True)
+class GridSize:
+    """A launch grid's axis at run time: `times` * ceil(`extent` / `per_block`) clamped to [1, `cap`]
+    before the product (codegen.kernel.Blocks fitted), each of `extent` and `times` an int or a
+    SizeExpr."""
+
+    extent: int | SizeExpr
+    per_block: int = 1
+    cap: int | None = None
+    times: int | SizeExpr = 1
+
+    def at(self, sizes) -> int:
+        def value(n):
+            return n if isinstance(n, int) else n.at(sizes)
+        blocks = max(1, -(-value(self.extent) // self.per_block))
+        return int(value(self.times) * (blocks if self.cap is None else min(blocks, self.cap)))
+
+    @property
+    def dims(self) -> set:
+        return {k for n in (self.extent, self.times) if isinstance(n, SizeExpr) for k in n.dims}
+
+    def c_expr(self, names) -> str:
+        """The host's C expression (an unsigned) of this axis, the sizes named `names`."""
+        def text(n):
+            return f"{n}LL" if isinstance(n, int) else n.c_expr(names)
+        blocks = f"flowgen_blocks({text(self.extent)}, {self.per_block}LL, {self.cap or 0}LL)"
+        return blocks if self.times == 1 else f"{text(self.times)} * {blocks}"
 
 
 @dataclass
@@ -154,7 +187,9 @@ def fit_programs(base, renderings: list, dims: list, uses: dict, source_of):
         for axis, size in enumerate(shape):
             if isinstance(size, SizeExpr) and not size.grows:
                 raise DynamicShapeError(f"dynamic_shapes: output {k}'s axis {axis} shrinks as {_dims_text(dims)} grows")
-    prepare, kernels = fitted[:len(base.prepare)], fitted[len(base.prepare):]
+    # Prepare kernels compute at the maximum sizes: their grid is the maximum's.
+    prepare = [replace(k, dynamic_grid=None) for k in fitted[:len(base.prepare)]]
+    kernels = fitted[len(base.prepare):]
     constants = dict(base.constants)
     if any(a.value is max_value for k in prepare for a in k.args if isinstance(a, BufferArg)):
         constants[max_value] = np.array(base_sizes, np.int64)
@@ -225,10 +260,10 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
         if k.name != base.name or len(k.args) != len(base.args):
             raise DynamicShapeError(f"{where}: rendered as {k.name} with {len(k.args)} arguments at {at}: flowgen "
                                     f"compiles this node differently by size")
-        if (k.grid, k.block, k.smem) != (base.grid, base.block, base.smem):
-            raise DynamicShapeError(f"{where}: its launch (grid {base.grid}, block {base.block}) changes with "
-                                    f"{_dims_text(dims)} (grid {k.grid}, block {k.block} at {at}); flowgen cannot "
-                                    f"launch it for a size given at run time yet")
+        if (k.block, k.smem) != (base.block, base.smem):
+            raise DynamicShapeError(f"{where}: its launch (block {base.block}, {base.smem} shared bytes) changes "
+                                    f"with {_dims_text(dims)} (block {k.block}, {k.smem} shared bytes at {at}); "
+                                    f"flowgen cannot launch it for a size given at run time")
         for a, b in zip(base.args, k.args):
             if isinstance(a, BufferArg) != isinstance(b, BufferArg) or \
                     (isinstance(a, BufferArg) and a.value.name != b.value.name) or \
@@ -243,6 +278,7 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             raise DynamicShapeError(f"{where}: its code changes with {_dims_text(dims)} beyond sizes (at "
                                     f"{_sizes_text(dims, p)}: {_first_difference(pieces[0], pieces[k])}); "
                                     f"flowgen chooses this kernel's form by size")
+    grid = _fit_grid(kernels, dims, points, fit, where)
     fitted, used = [], set()
     for position, token in enumerate(tokens[0]):
         column = [t[position] for t in tokens]
@@ -274,6 +310,8 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
         used |= form.dims
         expr = f"(1.0 / (double){form.c_expr(names)})" if reciprocal else form.c_expr(names)
         fitted.append(f"({cast}){expr}" if cast else expr)
+    if grid is not None:
+        base = replace(base, dynamic_grid=grid)
     if not used:
         return base
     # The base's own text (its memory plan's __restrict__ and in-place note), its literals fitted.
@@ -283,6 +321,34 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
     source = "".join(piece + token for piece, token in zip(base_pieces, out + [""]))
     source = _add_dims_parameter(source, base.name, [(k, names[k], dims[k]) for k in sorted(used)])
     return replace(base, source=source, args=list(base.args) + [BufferArg(value, "const long long*")])
+
+
+def _fit_grid(kernels, dims, points, fit, where):
+    """The launch grid of `kernels` (one per point) as a tuple of ints and GridSizes, or None where
+    it is the same at every point: an axis the lowering computed as a codegen.kernel.Blocks has its
+    extent and multiple fitted, any other follows a polynomial of the sizes."""
+    grids = [k.grid for k in kernels]
+    if all(g == grids[0] for g in grids):
+        return None
+    axes = []
+    for axis, column in enumerate(zip(*grids)):
+        column = list(column)
+        blocks = all(isinstance(b, Blocks) for b in column) and \
+            len({(b.per_block, b.cap) for b in column}) == 1
+        what = f"{where}: its launch grid's axis {'xyz'[axis]} ({column[0]} blocks at the maximum sizes)"
+        if all(b == column[0] for b in column):
+            axes.append(int(column[0]))
+            continue
+        if blocks:
+            size = GridSize(fit([b.extent for b in column], what + ", the extent it covers"), column[0].per_block,
+                            column[0].cap, fit([b.times for b in column], what + ", its multiple"))
+        else:
+            size = GridSize(fit([int(b) for b in column], what))
+        bad = next((p for p, b in zip(points, column) if size.at(p) != b), None)
+        if bad is not None:
+            raise DynamicShapeError(f"{what} is not computed as flowgen fitted it at {_sizes_text(dims, bad)}")
+        axes.append(size)
+    return tuple(axes)
 
 
 _FLOAT = re.compile(r"(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?([fF]?)\Z")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext, every_output_over
+from flowgen.codegen.kernel import Blocks, BufferArg, Kernel, RenderContext, every_output_over
 from flowgen.codegen.target import block_segments, reduce_block, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
@@ -324,8 +324,7 @@ def render_elementwise(node, ctx: RenderContext) -> list:
         shape_text=f"[{', '.join(map(str, shape))}]", params=em.params, numel=numel,
         index_lines=index_lines, body_lines=lines)
     block = 256
-    grid = max(1, min((numel + block - 1) // block, 4096))
-    return [Kernel(name, source, em.args, (grid, 1, 1), (block, 1, 1), 0, False,
+    return [Kernel(name, source, em.args, (Blocks(numel, block, 4096), 1, 1), (block, 1, 1), 0, False,
                    f"{node.scope or 'graph'}: {', '.join(ops)}", ops,
                    in_place=every_output_over(node.outputs, [v for v in node.inputs if v.numel == numel]))]
 

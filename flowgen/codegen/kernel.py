@@ -46,6 +46,22 @@ class IndexCheck:
         return f"{before}{value}{after}"
 
 
+class Blocks(int):
+    """A launch grid's axis computed from a size: `times` * ceil(`extent` / `per_block`), clamped to
+    [1, `cap`] before the product. An int that remembers its terms, so that a step with dynamic
+    dimensions (codegen/dynamic.py) fits them and computes the grid for the sizes given at run
+    time, as it fits the sizes in the kernel's code."""
+
+    def __new__(cls, extent: int, per_block: int, cap: int | None = None, times: int = 1):
+        blocks = max(1, -(-int(extent) // per_block))
+        self = super().__new__(cls, int(times) * (blocks if cap is None else min(blocks, cap)))
+        self.extent, self.per_block, self.cap, self.times = int(extent), per_block, cap, int(times)
+        return self
+
+    def __reduce__(self):
+        return Blocks, (self.extent, self.per_block, self.cap, self.times)
+
+
 @dataclass
 class Kernel:
     name: str            # C identifier; also names the module path, e.g. k3_model_0_fused_add_relu
@@ -75,6 +91,9 @@ class Kernel:
     # A native kernel of the cpu target (codegen/cpu/): plain C++ run once per launch (a 1x1x1
     # grid) that calls OpenBLAS and opens its own OpenMP loops; its program includes flowgen_cpu.h.
     native: bool = False
+    # A step with dynamic dimensions (codegen/dynamic.py): the grid as the sizes given at run time
+    # make it, per axis an int or a codegen.dynamic.GridSize; `grid` is the grid at the maximum.
+    dynamic_grid: tuple | None = None
 
 
 def every_output_over(outputs, inputs) -> frozenset:

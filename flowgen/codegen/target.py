@@ -37,6 +37,10 @@ _native_kernels = contextvars.ContextVar("native_kernels", default=False)
 # runtime's tensor-core check compares against and falls back to: runtime/tensor_core_check.py).
 _tensor_cores = contextvars.ContextVar("tensor_cores", default=True)
 
+# A step with dynamic dimensions renders each size with the kernel forms chosen for the maximum
+# sizes (`forms_chosen_at`): {value name: its shape at the maximum}, or None.
+_choice_shapes = contextvars.ContextVar("choice_shapes", default=None)
+
 REDUCE_ELEMS_PER_THREAD = 8
 SEGMENT_MAX_BLOCKS = 1024   # blocks per segment of a multi-tensor kernel (they stride beyond)
 
@@ -108,6 +112,45 @@ def rendering_for(target: str, allow_tf32: bool = False, serial_blocks: bool = N
         _serial_blocks.reset(serial_token)
         _allow_tf32.reset(tf32_token)
         _target_blocks.reset(token)
+
+
+@contextlib.contextmanager
+def forms_chosen_at(graph):
+    """Render kernels with the forms (tile shapes, a direct or a tiled GEMM) chosen for the shapes
+    of `graph`'s values of the same names, not their own: codegen/dynamic.py renders a step at
+    other sizes than its maximum (`graph`, the base Program's IR), and fits the renderings only
+    when they are one program but for sizes. Only choices that hold at any size read these shapes
+    (a tile's bounds checks cover any extent); an alignment's does not."""
+    shapes = None if graph is None else _value_shapes(graph)
+    token = _choice_shapes.set(shapes)
+    try:
+        yield
+    finally:
+        _choice_shapes.reset(token)
+
+
+def _value_shapes(graph) -> dict:
+    """{name: shape} of every value `graph` holds, fused nodes' inner ones too."""
+    shapes = {v.name: tuple(v.shape) for v in list(graph.inputs) + [s.value for s in graph.state]}
+
+    def add(nodes):
+        for n in nodes:
+            shapes.update((v.name, tuple(v.shape)) for v in list(n.inputs) + list(n.outputs))
+            add(n.body)
+    add(graph.nodes)
+    return shapes
+
+
+def chosen_shape(value) -> tuple:
+    """The shape a kernel's form is chosen for (`forms_chosen_at`): `value`'s own, or its namesake's."""
+    shapes = _choice_shapes.get()
+    return tuple(value.shape) if shapes is None else shapes.get(value.name, tuple(value.shape))
+
+
+def choice_key():
+    """What `forms_chosen_at` set, for the keys of caches of rendered programs."""
+    shapes = _choice_shapes.get()
+    return None if shapes is None else tuple(sorted(shapes.items()))
 
 
 def block_segments(segments: list, block: int = 256) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import replace
 
 import numpy as np
 
@@ -216,12 +217,14 @@ class Executor:
         self.dynamic = program.dynamic
         if self.dynamic is not None:
             self.address[self.dynamic.value] = backend.alloc(self.dynamic.value.nbytes)
-        args = [[self._arg(a) for a in k.args] for k in program.kernels]
-        self.launches = [self._host_collective(k) if k.collective is not None else backend.prepare(k, a)
-                         for k, a in zip(program.kernels, args)]
-        # On the CPU the whole step is one call into the library where no launch needs Python.
-        self.sequence = (backend.prepare_sequence(program.kernels, args)
-                         if backend.name == "cpu" and all(k.collective is None for k in program.kernels) else None)
+        self.kernel_args = [[self._arg(a) for a in k.args] for k in program.kernels]
+        self.launches, self.sequence = self._prepare(program.kernels)
+        # Kernels whose launch grid follows the dynamic dimensions (Kernel.dynamic_grid): the grids
+        # the launches above were prepared with, and those prepared for other grids (with their
+        # captured CUDA graphs), which a call at other sizes swaps in.
+        self.dynamic_grids = [(i, k.dynamic_grid) for i, k in enumerate(program.kernels) if k.dynamic_grid]
+        self.grid_key = tuple(tuple(int(g) for g in program.kernels[i].grid) for i, _ in self.dynamic_grids)
+        self.prepared_grids = {}
         # Host collectives (data parallelism) cannot be captured into a CUDA graph.
         self.capturable = all(k.collective is None for k in program.kernels)
         self.prepare_launches = [backend.prepare(k, [self._arg(a) for a in k.args]) for k in program.prepare]
@@ -229,6 +232,30 @@ class Executor:
         state = graph.state_by_name()
         self.updates = [(self.address[state[name].value], self.resolve(v), v.nbytes)
                         for name, v in graph.updates if self.resolve(v) != self.address[state[name].value]]
+
+    def _prepare(self, kernels) -> tuple:
+        """(launches, sequence) of `kernels` (the program's, with their grids as given)."""
+        launches = [self._host_collective(k) if k.collective is not None else self.backend.prepare(k, a)
+                    for k, a in zip(kernels, self.kernel_args)]
+        # On the CPU the whole step is one call into the library where no launch needs Python.
+        sequence = (self.backend.prepare_sequence(kernels, self.kernel_args)
+                    if self.backend.name == "cpu" and all(k.collective is None for k in kernels) else None)
+        return launches, sequence
+
+    def _use_grids(self, sizes) -> None:
+        """Launches with the grids the dynamic dimensions' `sizes` give (prepared once per grid)."""
+        key = tuple(tuple(g if isinstance(g, int) else g.at(sizes) for g in grid) for _, grid in self.dynamic_grids)
+        if key == self.grid_key:
+            return
+        self.prepared_grids[self.grid_key] = (self.launches, self.sequence, self.graph_exec)
+        if key in self.prepared_grids:
+            self.launches, self.sequence, self.graph_exec = self.prepared_grids.pop(key)
+        else:
+            kernels = list(self.program.kernels)
+            for (i, _), grid in zip(self.dynamic_grids, key):
+                kernels[i] = replace(kernels[i], grid=grid)
+            (self.launches, self.sequence), self.graph_exec = self._prepare(kernels), None
+        self.grid_key = key
 
     def _host_collective(self, kernel):
         """A collective between two launches: its inputs come to the host, the op's reference
@@ -303,10 +330,12 @@ class Executor:
             by_dim = {dim: int(inputs[uses[0].input].shape[uses[0].axis]) for dim, uses in self.dynamic.uses.items()}
             sizes = self.dynamic.sizes(by_dim)
             self.backend.upload(self.address[self.dynamic.value], sizes)
+            if self.dynamic_grids:
+                self._use_grids(sizes)
         if state_changed:
             for launch in self.prepare_launches:
                 launch()
-        if self.calls == 0 and tensor_core_check.wanted(self.backend):
+        if self.calls == 0 and tensor_core_check.wanted(self.backend, self.program):
             self.tensor_core_check = tensor_core_check.first_step(self)
         else:
             self.launch_step()

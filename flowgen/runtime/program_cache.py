@@ -58,6 +58,7 @@ import ml_dtypes
 import numpy as np
 
 from flowgen import dtype as dt
+from flowgen.codegen.target import choice_key
 from flowgen.codegen.templates import templates_dir
 from flowgen.ir.graph import Graph, Node
 from flowgen.ops.registry import get_op
@@ -110,7 +111,8 @@ def _process_options() -> dict:
     """What codegen reads from the process rather than from its arguments."""
     return {"naive_memory_env": os.environ.get("FLOWGEN_NAIVE_MEMORY", ""),
             "cpu_kernels_env": os.environ.get("FLOWGEN_CPU_KERNELS", ""),
-            "emulator_check_env": os.environ.get("FLOWGEN_EMULATOR_CHECK", "")}   # no native cpu kernels when on
+            "emulator_check_env": os.environ.get("FLOWGEN_EMULATOR_CHECK", ""),   # no native cpu kernels when on
+            "forms_chosen_at": choice_key()}   # a dynamic step's sizes rendered with the maximum's forms
 
 
 @functools.lru_cache(maxsize=1)

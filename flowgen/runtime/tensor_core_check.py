@@ -17,6 +17,7 @@ kernels' place from then on (a cached mismatch: from the first step).
 FLOWGEN_TENSOR_CORE_CHECK: "1" (default) checks on GPUs, "0" turns the check off, "always" checks
 on the CPU emulator too (tests: a tensor-core result can be made wrong there). What the first
 call checked, found and cost is `executor.tensor_core_check` (None when nothing was checked).
+A step with dynamic dimensions is not checked (`wanted`).
 """
 from __future__ import annotations
 
@@ -55,8 +56,13 @@ def mode() -> str:
     return value
 
 
-def wanted(backend) -> bool:
-    """Whether an executor on `backend` checks its tensor-core kernels on its first step."""
+def wanted(backend, program) -> bool:
+    """Whether an executor of `program` on `backend` checks its tensor-core kernels on its first
+    step. Not a step with dynamic dimensions: its SIMT kernels would be rendered at the maximum
+    sizes (codegen/dynamic.py fits the program's kernels, not the references), so they would
+    compute another problem than the call's."""
+    if program.dynamic is not None:
+        return False
     return mode() == "always" or (mode() == "1" and backend.name == "cuda")
 
 

@@ -15,7 +15,7 @@ attention.cu.j2: a thread per query row (forward, dQ) or key row (dK/dV), no bar
 from __future__ import annotations
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext
+from flowgen.codegen.kernel import Blocks, BufferArg, Kernel, RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, acc_type, contiguous_strides, f32_literal, grid_1d, index_type,
                                             loader, neg_inf, node_comment, numel_of, render_template, shape_text,
                                             store_as, storer)
@@ -215,6 +215,7 @@ def _attention_kernel(node, ctx, tiling, name, kind, what, rows_per_slice, reads
     blocks_per_slice = -(-rows_per_slice // tiling["BM"])
     source = render_template("attention_tiled.cu.j2", kind=kind, name=name, comment=comment, params=params,
                              tiles_per_slice=blocks_per_slice, shared_tiles=tiles, smem=smem, **ctx, **tiling)
-    return Kernel(name=name, source=source, args=args, grid=(ctx["slices"] * blocks_per_slice, 1, 1),
+    grid = (Blocks(rows_per_slice, tiling["BM"], times=ctx["slices"]), 1, 1)   # blocks_per_slice x slices
+    return Kernel(name=name, source=source, args=args, grid=grid,
                   block=(tiling["NT"], 1, 1), smem=smem, needs_fibers=True, comment=comment,
                   ops=[node.op])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from flowgen import dtype as dt
-from flowgen.codegen.kernel import BufferArg, IndexCheck, Kernel
+from flowgen.codegen.kernel import Blocks, BufferArg, IndexCheck, Kernel
 from flowgen.codegen.target import target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ops.registry import get_op
@@ -126,14 +126,20 @@ def index_type(*counts) -> str:
 
 
 def grid_1d(n: int, block: int = BLOCK) -> tuple:
-    return (max(1, min(-(-n // block), MAX_BLOCKS)), 1, 1)
+    return (Blocks(n, block, MAX_BLOCKS), 1, 1)
 
 
-def serial_rows_launch(rows: int) -> tuple:
+def row_blocks(rows: int) -> tuple:
+    """The grid of a kernel with a block per row (at most MAX_BLOCKS blocks, which stride beyond)."""
+    return (Blocks(rows, 1, MAX_BLOCKS), 1, 1)
+
+
+def serial_rows_launch(rows: int, chosen_rows: int = None) -> tuple:
     """(grid, block) of a thread-per-row kernel on the cpu target: the emulator runs a block's
     threads one after another on one core, so few rows (a GPT's 128) are spread over the
-    target's blocks instead of filling one block of BLOCK threads."""
-    block = max(1, min(BLOCK, -(-rows // target_blocks())))
+    target's blocks instead of filling one block of BLOCK threads. The block is chosen for
+    `chosen_rows` (codegen/target.py chosen_shape; default `rows`)."""
+    block = max(1, min(BLOCK, -(-(rows if chosen_rows is None else chosen_rows) // target_blocks())))
     return grid_1d(rows, block), (block, 1, 1)
 
 

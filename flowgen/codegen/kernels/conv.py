@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen.fused import Emitter, anchor_epilogue
-from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext, every_output_over
-from flowgen.codegen.kernels.common import (BLOCK, MAX_BLOCKS, acc_type, grid_1d, index_type, loader, node_args,
-                                            node_comment, node_kernel, node_params, pair_of, render_template,
+from flowgen.codegen.kernel import Blocks, BufferArg, Kernel, RenderContext, every_output_over
+from flowgen.codegen.kernels.common import (BLOCK, acc_type, grid_1d, index_type, loader, node_args,
+                                            node_comment, node_kernel, node_params, pair_of, render_template, row_blocks,
                                             storer)
 from flowgen.codegen.kernels.gemm import (MMA_KINDS, WGMMA_ROW_BYTES, WGMMA_TILES, Tile, choose_tile, make_tile,
                                           mma_tile, mma_tile_config, ranked_tiles, staged_operand,
                                           tensor_core_kind, wgmma_tile_config)
-from flowgen.codegen.target import reduce_block, serial_blocks, target_blocks, warpgroup_mma
+from flowgen.codegen.target import chosen_shape, reduce_block, serial_blocks, target_blocks, warpgroup_mma
 from flowgen.ir.graph import Value
 
 
@@ -129,7 +129,7 @@ def _conv2d_kernels(node, kernel_name, fusion):
             block = 1 if serial_blocks() else reduce_block(N * OH * OW)   # cpu: a thread sums in order
             what = f"{text} (depthwise, block per weight)"  # grad_weight: never fused
             source = render_template("conv2d.cu.j2", kind=kind, comment=node_comment(node, what), block=block, **ctx)
-            return [node_kernel(node, kernel_name, source, (min(O * KH * KW, MAX_BLOCKS), 1, 1), (block, 1, 1),
+            return [node_kernel(node, kernel_name, source, row_blocks(O * KH * KW), (block, 1, 1),
                                 block > 1, what)]
         what = f"{text} (depthwise, direct)" + (fusion["what_extra"] if fusion else "")
         source = render_template("conv2d.cu.j2", kind=kind, comment=node_comment(node, what), numel=out.numel,
@@ -137,40 +137,39 @@ def _conv2d_kernels(node, kernel_name, fusion):
         return [node_kernel(node, kernel_name, source, grid_1d(out.numel), (BLOCK, 1, 1), False, what)]
 
     pointwise = (KH, KW) == (1, 1) and (geo["SH"], geo["SW"], geo["PH"], geo["PW"]) == (1, 1, 0, 0)
-    if op == "fwd":
-        GM, GN, GK, a_order, b_order = OG, N * OH * OW, CG * KH * KW, "k", "n"
-    elif op == "dgrad":
-        GM, GN, GK, a_order, b_order = CG, N * H * W, OG * KH * KW, "k", "n"
-    else:
-        GM, GN, GK, a_order, b_order = OG, CG * KH * KW, N * OH * OW, "k", "k"
+    GM, GN, GK = _igemm_sizes(op, N, geo)
+    a_order, b_order = ("k", "k") if op == "wgrad" else ("k", "n")
+    # the sizes its tiles and split are chosen for (codegen/target.py chosen_shape: a dynamic step's
+    # maximum batch)
+    cGM, cGN, cGK = _igemm_sizes(op, chosen_shape(first)[0], geo)
     if max(GM, GN, GK) >= 2 ** 31 - 2 ** 16:
         raise NotImplementedError(f"{node.op}: implicit GEMM of {GM}x{GN}x{GK} overflows int indexing")
     # grad_weight's reduction (batch x pixels) splits across blocks when its tiles alone leave the
     # GPU idle; 16-bit outputs too: the partials stay float32 and are rounded once (`_split_k_wgrad_kernels`)
     can_split = op == "wgrad" and out.dtype in (dt.float16, dt.bfloat16, dt.float32, dt.float64)
 
-    def k_splits(blocks, bk):
-        return _wgrad_k_splits(GK, G, blocks, bk, out.numel * (8 if acc == "double" else 4),
-                              first.numel * first.dtype.itemsize + second.numel * second.dtype.itemsize)
+    def k_splits(blocks, bk):   # at the chosen batch: both operands scale with it, as GK does
+        return _wgrad_k_splits(cGK, G, blocks, bk, out.numel * (8 if acc == "double" else 4),
+                               (first.numel * first.dtype.itemsize + second.numel * second.dtype.itemsize) * cGK // GK)
 
     kind = tensor_core_kind(first.dtype, second.dtype)
     warpgroup = kind is not None and warpgroup_mma()   # rendered for sm_90: wgmma instead of mma.sync
     chosen = node.attrs.get("tile")   # (BM, BN, TM, TN) measured by runtime/autotune.py; else the cost model
     split_rule = k_splits if can_split else None
     if warpgroup:
-        t = _wgmma_implicit_gemm_tile(kind, geo, (GM, GN, G), op, pointwise, first.dtype, split_rule)
+        t = _wgmma_implicit_gemm_tile(kind, geo, (cGM, cGN, G), op, pointwise, first.dtype, split_rule)
     elif kind is not None:
-        t = _mma_implicit_gemm_tile(kind, GM, GN, G, first.dtype, op, split_rule)
+        t = _mma_implicit_gemm_tile(kind, cGM, cGN, G, first.dtype, op, split_rule)
     elif chosen:
         t = make_tile(chosen, acc, a_order, b_order)
     else:
-        t = choose_tile(GM, GN, G, acc, a_order, b_order, split_rule and (lambda blocks: k_splits(blocks, 16)))
-    m_tiles, n_tiles = -(-GM // t.BM), -(-GN // t.BN)
+        t = choose_tile(cGM, cGN, G, acc, a_order, b_order, split_rule and (lambda blocks: k_splits(blocks, 16)))
+    m_tiles = -(-GM // t.BM)
     splits, kchunk = 1, GK
     if can_split:
-        want = k_splits(m_tiles * n_tiles * G, t.BK)
+        want = k_splits(-(-cGM // t.BM) * -(-cGN // t.BN) * G, t.BK)
         if want > 1:   # chunks of whole k tiles (the mainloops step k_begin by BK)
-            kchunk = -(-(-(-GK // want)) // t.BK) * t.BK
+            kchunk = -(-(-(-cGK // want)) // t.BK) * t.BK
             splits = -(-GK // kchunk)
     if G * splits > 65535 or m_tiles > 65535:
         raise NotImplementedError(f"{node.op}: grid too large ({G} groups x {splits} splits, {m_tiles} row tiles)")
@@ -183,12 +182,22 @@ def _conv2d_kernels(node, kernel_name, fusion):
         source = render_template("conv2d.cu.j2", kind="igemm", comment=node_comment(node, what), GM=GM, GN=GN,
                                  GK=GK, t=t, splits=splits, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind,
                                  warpgroup=warpgroup, serial=serial, **ctx)
-        return [node_kernel(node, kernel_name, source, (n_tiles, m_tiles, G), (1 if serial else t.NT, 1, 1),
-                            not serial, what, smem=t.smem if kind else 0)]
+        return [node_kernel(node, kernel_name, source, (Blocks(GN, t.BN), Blocks(GM, t.BM), G),
+                            (1 if serial else t.NT, 1, 1), not serial, what, smem=t.smem if kind else 0)]
     return _split_k_wgrad_kernels(node, kernel_name, ctx, what, splits, dict(
         GM=GM, GN=GN, GK=GK, t=t, kchunk=kchunk, pointwise=pointwise, tensor_cores=kind, warpgroup=warpgroup,
         serial=serial),
-        grid=(n_tiles, m_tiles, G * splits), block=(1 if serial else t.NT, 1, 1), smem=t.smem if kind else 0)
+        grid=(Blocks(GN, t.BN), Blocks(GM, t.BM), Blocks(GK, kchunk, times=G)), block=(1 if serial else t.NT, 1, 1),
+        smem=t.smem if kind else 0)
+
+
+def _igemm_sizes(op: str, N: int, geo: dict) -> tuple:
+    """(GM, GN, GK) of a conv's implicit GEMM ("fwd", "dgrad" or "wgrad") at batch `N`."""
+    if op == "fwd":
+        return geo["OG"], N * geo["OH"] * geo["OW"], geo["CG"] * geo["KH"] * geo["KW"]
+    if op == "dgrad":
+        return geo["CG"], N * geo["H"] * geo["W"], geo["OG"] * geo["KH"] * geo["KW"]
+    return geo["OG"], geo["CG"] * geo["KH"] * geo["KW"], N * geo["OH"] * geo["OW"]
 
 
 # --------------------------------------------------------------------------

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen.fused import Emitter, anchor_epilogue
-from flowgen.codegen.kernel import Kernel, RenderContext, every_output_over
+from flowgen.codegen.kernel import Blocks, Kernel, RenderContext, every_output_over
 from flowgen.codegen.kernels.common import (BLOCK, acc_type, contiguous_strides, coordinates, grid_1d, loader,
                                             node_args, node_comment, numel_of, offset_expr, render_template,
                                             shape_text, storer, zero_literal)
-from flowgen.codegen.target import allow_tf32, serial_blocks, target_blocks, tensor_cores, warpgroup_mma
+from flowgen.codegen.target import (allow_tf32, chosen_shape, serial_blocks, target_blocks, tensor_cores,
+                                    warpgroup_mma)
 
 
 def render(node, ctx: RenderContext) -> list:
@@ -145,19 +146,20 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
     out_batch = tuple(c.shape[:-2])
     batch = numel_of(out_batch)
     acc = acc_type(a.dtype, b.dtype)
+    chosen = _chosen_sizes(a, b, c, a_trans, b_trans)   # what the form is chosen for
     # Shallow (small K) or tiny problems: one thread per output, no shared memory or barriers.
-    direct = K <= 16 or (M * N * batch <= 256 and K <= 8192)
+    direct = chosen.K <= 16 or (chosen.M * chosen.N * chosen.batch <= 256 and chosen.K <= 8192)
     if params is None:
         params = [f"const {a.dtype.ctype}* __restrict__ a", f"const {b.dtype.ctype}* __restrict__ b",
                   f"{c.dtype.ctype}* __restrict__ c"]
     kind = None if direct else tensor_core_kind(a.dtype, b.dtype)
     if kind is not None and warpgroup_mma():
         return _wgmma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
-                                  a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
+                                  a_trans, b_trans, ops, what_extra, a_ptr, b_ptr, chosen)
     if kind is not None:
         return _mma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
-                                a_trans, b_trans, ops, what_extra, a_ptr, b_ptr)
-    t = choose_tile(M, N, batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
+                                a_trans, b_trans, ops, what_extra, a_ptr, b_ptr, chosen)
+    t = choose_tile(chosen.M, chosen.N, chosen.batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, t.BM, t.BN)
     serial = not direct and serial_blocks()
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
@@ -176,9 +178,23 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
     if direct:
         grid, block = grid_1d(batch * M * N), (BLOCK, 1, 1)
     else:
-        grid, block = (n_tiles * batch, m_tiles, 1), (1 if serial else t.NT, 1, 1)
+        grid, block = _tile_grid(N, M, batch, t.BN, t.BM), (1 if serial else t.NT, 1, 1)
     return Kernel(name=kernel_name, source=source, args=args, grid=grid, block=block, smem=0,
                   needs_fibers=not (direct or serial), comment=node_comment(node, what), ops=ops or [node.op])
+
+
+def _chosen_sizes(a, b, c, a_trans: bool, b_trans: bool) -> Tile:
+    """M, N, K and batch of a GEMM's operands at the shapes its form is chosen for
+    (codegen/target.py chosen_shape: the maximum sizes of a step with dynamic dimensions)."""
+    a_shape, b_shape, c_shape = chosen_shape(a), chosen_shape(b), chosen_shape(c)
+    M, K = (a_shape[-1], a_shape[-2]) if a_trans else a_shape[-2:]
+    return Tile(M=M, N=b_shape[-2] if b_trans else b_shape[-1], K=K, batch=numel_of(c_shape[:-2]))
+
+
+def _tile_grid(N: int, M: int, batch: int, BN: int, BM: int) -> tuple:
+    """A tiled GEMM's grid: x = column tiles x batch entries, y = row tiles (Blocks: a step with
+    dynamic dimensions computes them from its sizes)."""
+    return Blocks(N, BN, times=batch), Blocks(M, BM), 1
 
 
 def _batch_text(shape) -> str:
@@ -267,13 +283,13 @@ def staged_operand(name, ptr, k_contiguous, tile_mn, BK, mn_origin, mn_extent, m
 
 
 def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans, ops,
-                     what_extra, a_ptr, b_ptr) -> Kernel:
+                     what_extra, a_ptr, b_ptr, chosen) -> Kernel:
     """c = op(a) @ op(b) on tensor cores; same arguments and epilogue contract as `gemm_kernel`."""
     a, b, c = operands
     M, N, K = sizes
     out_batch = tuple(c.shape[:-2])
     batch = numel_of(out_batch)
-    BM, BN, WM, WN = mma_tile(M, N, batch)
+    BM, BN, WM, WN = mma_tile(chosen.M, chosen.N, chosen.batch)
     BK = MMA_KINDS[kind][2]
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
     a_op = _mma_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, kind,
@@ -289,8 +305,9 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines)
-    return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
-                  smem=t.smem, needs_fibers=True, comment=node_comment(node, what), ops=ops or [node.op])
+    return Kernel(name=kernel_name, source=source, args=args, grid=_tile_grid(N, M, batch, BN, BM),
+                  block=(t.NT, 1, 1), smem=t.smem, needs_fibers=True, comment=node_comment(node, what),
+                  ops=ops or [node.op])
 
 
 def mma_tile_config(kind, dims, dtype, a_op, b_op) -> Tile:
@@ -322,7 +339,7 @@ WGMMA_ROW_BYTES, _WGMMA_MAX_STAGES, _WGMMA_GATHER_STAGES, _SM90_SHARED_BYTES = 1
 
 
 def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epilogue_lines, a_trans, b_trans,
-                       ops, what_extra, a_ptr, b_ptr) -> Kernel:
+                       ops, what_extra, a_ptr, b_ptr, chosen) -> Kernel:
     """c = op(a) @ op(b) with warpgroup MMA; same arguments and epilogue contract as `gemm_kernel`.
     Block tiles: `WGMMA_TILES`. 16-bit operands are copied by cp.async in their own order;
     tf32 ones are gathered (K-major tiles only, rounded by cvt.rna as the mma.sync path does)."""
@@ -330,7 +347,7 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
     M, N, K = sizes
     out_batch = tuple(c.shape[:-2])
     batch = numel_of(out_batch)
-    BM, BN = mma_tile(M, N, batch, WGMMA_TILES)
+    BM, BN = mma_tile(chosen.M, chosen.N, chosen.batch, WGMMA_TILES)
     BK = WGMMA_ROW_BYTES // a.dtype.itemsize
     n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
     a_what = f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
@@ -358,8 +375,9 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines, **loads)
-    return Kernel(name=kernel_name, source=source, args=args, grid=(n_tiles * batch, m_tiles, 1), block=(t.NT, 1, 1),
-                  smem=t.smem, needs_fibers=True, comment=node_comment(node, what), ops=ops or [node.op])
+    return Kernel(name=kernel_name, source=source, args=args, grid=_tile_grid(N, M, batch, BN, BM),
+                  block=(t.NT, 1, 1), smem=t.smem, needs_fibers=True, comment=node_comment(node, what),
+                  ops=ops or [node.op])
 
 
 def wgmma_tile_config(kind, BM: int, BN: int, dtype, a_op, b_op) -> Tile:

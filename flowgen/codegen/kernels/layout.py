@@ -4,7 +4,7 @@ that moves the innermost dim goes through 32 x 32 shared-memory tiles instead.""
 from __future__ import annotations
 
 from flowgen.codegen.fused import unique_name, value_param_name
-from flowgen.codegen.kernel import RenderContext
+from flowgen.codegen.kernel import Blocks, RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, contiguous_strides, converter, coordinates, grid_1d, index_type,
                                             node_comment, node_kernel, numel_of, offset_expr, render_template,
                                             shape_text, zero_literal)
@@ -74,9 +74,9 @@ def _permute(node, kernel_name, producers):
         in_base=offset_expr(coords, [xs[d] for d in rest]),
         out_base=offset_expr(coords, [os_[out_pos[d]] for d in rest]),
         in_stride_a=xs[a], out_stride_b=os_[out_pos[b]], convert=converter(x.dtype, out.dtype))
-    grid = tiles_a * tiles_b * nrest
-    if grid >= 2 ** 31:
+    if tiles_a * tiles_b * nrest >= 2 ** 31:
         raise NotImplementedError(f"{node.op}: tensor too large for one grid of tiles")
+    grid = Blocks(x.shape[a], tile, times=tiles_b * nrest)   # tiles_a x the rest (a dynamic step fits them)
     return [node_kernel(node, kernel_name, source, (grid, 1, 1), (tile, rows, 1), True, what)]
 
 

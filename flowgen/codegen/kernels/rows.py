@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import Kernel, RenderContext
-from flowgen.codegen.kernels.common import (BLOCK, MAX_BLOCKS, acc_type, declared_in_place, grid_1d, index_type,
+from flowgen.codegen.kernels.common import (BLOCK, acc_type, declared_in_place, grid_1d, index_type,
                                             loader, make_index_check, node_args, node_comment, node_kernel, node_params,
-                                            numel_of, render_template, row_element, row_layout, serial_rows_launch,
-                                            shape_text, storer)
-from flowgen.codegen.target import reduce_block, serial_blocks, target_blocks
+                                            numel_of, render_template, row_blocks, row_element, row_layout,
+                                            serial_rows_launch, shape_text, storer)
+from flowgen.codegen.target import chosen_shape, reduce_block, serial_blocks, target_blocks
 from flowgen.ops.lowering import cpp_literal
 from flowgen.ops.norm_ops import layer_norm_lanes
 
@@ -46,22 +46,25 @@ def _use_columns(D: int, inner: int, rows: int) -> bool:
     return inner > 1 and rows >= 32 * target_blocks() // 4
 
 
-def _row_kernels(node, kernel_name, template, ctx, index_check=None) -> list:
-    """One kernel that reduces along a dim: a thread per row when the dim is strided and rows
+def _row_kernels(node, kernel_name, template, ctx, x, index_check=None) -> list:
+    """One kernel that reduces `x` along a dim: a thread per row when the dim is strided and rows
     are many (coalesced), else a block per row with block reductions."""
-    D, inner, rows = ctx["D"], ctx["inner"], ctx["rows"]
+    D, rows = ctx["D"], ctx["rows"]
+    # the rows its form is chosen for (codegen/target.py chosen_shape: a dynamic step's maximum)
+    chosen_outer, _, chosen_inner = row_layout(chosen_shape(x), ctx["dim"])
+    chosen_rows = chosen_outer * chosen_inner
     where = f"over dim {ctx['dim']} of {ctx['shape']}"
     # the cpu target (serial_blocks) runs softmax rows a thread each: no barriers, no fibers
     serial_rows = serial_blocks() and template == "softmax.cu.j2" and ctx["mode"] in ("softmax", "log_softmax")
-    if _use_columns(D, inner, rows) or serial_rows:
+    if _use_columns(D, chosen_inner, chosen_rows) or serial_rows:
         what = f"{where} (thread per row)"
         source = render_template(template, kind="column", comment=node_comment(node, what), **ctx)
-        grid, block = serial_rows_launch(rows) if serial_blocks() else (grid_1d(rows), (BLOCK, 1, 1))
+        grid, block = serial_rows_launch(rows, chosen_rows) if serial_blocks() else (grid_1d(rows), (BLOCK, 1, 1))
         return [node_kernel(node, kernel_name, source, grid, block, False, what, index_check=index_check)]
     block = reduce_block(D)
     what = f"{where} (block per row)"
     source = render_template(template, kind="block", comment=node_comment(node, what), block=block, **ctx)
-    return [node_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (block, 1, 1), True, what,
+    return [node_kernel(node, kernel_name, source, row_blocks(rows), (block, 1, 1), True, what,
                         index_check=index_check)]
 
 
@@ -94,10 +97,10 @@ def _softmax(node, kernel_name, check_id):
                f"t == {cpp_literal(int(node.attrs['ignore_index']))}")
     if node.op.startswith("cross_entropy"):
         ctx.update(load_g=loader(node.inputs[0].dtype, acc), check_id=check_id)
-        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx,
+        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx, x,
                                index_check=make_index_check(node, check_id, "label", D))
     else:
-        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx)
+        kernels = _row_kernels(node, kernel_name, "softmax.cu.j2", ctx, x)
     for k in kernels:
         k.in_place = declared_in_place(node, in_names, out_names)
     return kernels
@@ -163,9 +166,11 @@ def _layer_norm(node, kernel_name, native: bool = False):
         kernel = Kernel(kernel_name, source, node_args(node), (1, 1, 1), (1, 1, 1), native=True,
                         comment=node_comment(node, what), ops=[node.op])
     elif serial:
-        kernel = node_kernel(node, kernel_name, source, *serial_rows_launch(rows), False, what)
+        chosen = chosen_shape(x)   # the rows its block is chosen for (a dynamic step's maximum)
+        kernel = node_kernel(node, kernel_name, source,
+                             *serial_rows_launch(rows, numel_of(chosen[:len(chosen) - k])), False, what)
     else:
-        kernel = node_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (L, 1, 1), True, what)
+        kernel = node_kernel(node, kernel_name, source, row_blocks(rows), (L, 1, 1), True, what)
     kernel.in_place = declared_in_place(node, in_names, out_names, optional=("residual",))
     return [kernel]
 
@@ -182,4 +187,4 @@ def _argreduce(node, kernel_name):
                stride_text=f" (stride {inner})" if inner > 1 else "", in_t=x.dtype.ctype, acc=acc,
                load=loader(x.dtype, acc), elem=row_element(inner), cmp=">" if node.op == "argmax" else "<",
                idx_t=index_type(rows))
-    return _row_kernels(node, kernel_name, "argreduce.cu.j2", ctx)
+    return _row_kernels(node, kernel_name, "argreduce.cu.j2", ctx, x)

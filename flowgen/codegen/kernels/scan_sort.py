@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext
-from flowgen.codegen.kernels.common import (BLOCK, MAX_BLOCKS, acc_type, convert_to, grid_1d, index_type, loader,
-                                            node_comment, node_kernel, render_template, row_element, row_layout,
+from flowgen.codegen.kernels.common import (BLOCK, acc_type, convert_to, grid_1d, index_type, loader,
+                                            node_comment, node_kernel, render_template, row_blocks, row_element, row_layout,
                                             shape_text, store_as)
 from flowgen.codegen.target import serial_blocks, target_blocks
 from flowgen.ir.graph import Value
@@ -76,7 +76,7 @@ def _scan(node, kernel_name):
         source = render_template("scan.cu.j2", kind="block", comment=node_comment(node, what), block=BLOCK,
                                  chunk=SCAN_CHUNK,
                                  at=(lambda j: f"{D - 1} - ({j})") if reverse else (lambda j: j), **ctx)
-        return [node_kernel(node, kernel_name, source, (min(rows, MAX_BLOCKS), 1, 1), (BLOCK, 1, 1), True, what)]
+        return [node_kernel(node, kernel_name, source, row_blocks(rows), (BLOCK, 1, 1), True, what)]
     what = f"{where} (thread per row)"
     source = render_template("scan.cu.j2", kind="thread", comment=node_comment(node, what), **ctx)
     return [node_kernel(node, kernel_name, source, grid_1d(rows), (BLOCK, 1, 1), False, what)]
@@ -163,7 +163,7 @@ def _select_kernel(node, name, ctx, args, keys) -> Kernel:
     row_work = 8 * ctx["D"] * (keys["key_bits"] // 8 + 2)
     source = render_template("sort.cu.j2", kind="select", name=name, comment=comment,
                              out_params=_sort_out_params(ctx["t"]), threads=threads, row_work=row_work, **keys, **ctx)
-    return Kernel(name=name, source=source, args=args, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
+    return Kernel(name=name, source=source, args=args, grid=row_blocks(ctx["rows"]),
                   block=(threads, 1, 1), needs_fibers=threads > 1, comment=comment, ops=[node.op])
 
 
@@ -180,7 +180,7 @@ def _radix_sort_kernel(node, name, ctx, args, keys) -> Kernel:
     row_work = 8 * ctx["D"] * (keys["key_bits"] // 4 + 2)   # ~8 operations an element a walk of the row
     source = render_template("sort.cu.j2", kind="radix", name=name, comment=comment,
                              out_params=_sort_out_params(ctx["t"]), row_work=row_work, **keys, **ctx)
-    return Kernel(name=name, source=source, args=args + scratch, grid=(min(ctx["rows"], MAX_BLOCKS), 1, 1),
+    return Kernel(name=name, source=source, args=args + scratch, grid=row_blocks(ctx["rows"]),
                   block=(1, 1, 1), needs_fibers=False, comment=comment, ops=[node.op])
 
 

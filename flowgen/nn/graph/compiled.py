@@ -17,6 +17,7 @@ import numpy as np
 
 from flowgen.codegen.dynamic import DynamicShapeError, fit_programs
 from flowgen.codegen.program import build_program, count_unfused_kernels, kernels_source
+from flowgen.codegen.target import forms_chosen_at
 from flowgen.distributed import env
 from flowgen.distributed.data_parallel import broadcast_state, global_outputs, graph_placement
 from flowgen.distributed.global_tensor import absent, holds
@@ -281,7 +282,8 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
     points = sample_points(dims)
     with _compiling(graph) as progress:
         base = _build_program(graph, *at([d.max for d in dims]), None, (), progress)
-        renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
+        with forms_chosen_at(base.program.graph):
+            renderings = [(p, _build_at(graph, dims, p, at(p), progress)) for p in points]
         program = fit_programs(base.program, renderings, dims, uses, kernels_source)
         try:
             compiled = _compiled(graph, base, program, None, ())
@@ -291,7 +293,7 @@ def compile_dynamic_step(graph, args: tuple, kwargs: dict, uses: dict):
 
     def render_at(sizes):
         """The step's Program with the Dims at `sizes` (flow.save renders a size of 1 with it)."""
-        with _compiling(graph) as progress:
+        with _compiling(graph) as progress, forms_chosen_at(base.program.graph):
             return _build_at(graph, dims, sizes, at(sizes), progress)
 
     compiled.render_at = render_at
