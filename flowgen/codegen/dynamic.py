@@ -9,13 +9,13 @@ Dims (batch * seq, an attention's batch * seq * seq), with integer coefficients 
 rendering satisfies exactly; it becomes that
 expression of the sizes, which the kernel reads once from one more parameter, `flowgen_dims`
 (the executor, program or library writes the sizes there before each step); so is a float
-literal holding a whole number (a mean's count) or its reciprocal (the mean's gradient), cast
-back to the literal's type. A launch grid that changes is fitted the same way: an axis the
-lowering computed as blocks over an extent (codegen.kernel.Blocks: grid_1d, a GEMM's row tiles)
+literal holding a whole number (a mean's count), its reciprocal (the mean's gradient) or
+n / (n - 1) (BatchNorm's unbiased running variance), cast back to the literal's type. A launch
+grid that changes is fitted the same way: an axis the lowering computed as blocks over an extent (codegen.kernel.Blocks: grid_1d, a GEMM's row tiles)
 becomes a GridSize, ceil(extent / per_block) with the extent (and a multiple) fitted, which the
 executor, program or library computes from the sizes before launching; another axis must follow
 a polynomial. Anything else that changes with a size is refused, naming the kernel,
-its module path and the Dim: another float literal (BatchNorm's n / (n - 1)), a token (a tile or
+its module path and the Dim: another float literal (two thirds of the batch), a token (a tile or
 loop form chosen by size), a block shape, a buffer that shrinks as a size grows (the plan is made
 for the maximum). Comments keep the base's text,
 whose sizes are the maximum's.
@@ -288,27 +288,27 @@ def _fit_kernel(kernels, dims, names, value, fit, points):
             fitted.append(token)
             continue
         ints = [_INT.match(t) for t in column]
-        counts = [_count(t) for t in column]        # a float literal holding a whole number: a mean's count
-        recips = [_reciprocal(t) for t in column]   # 1/n: a mean's gradient scales by it
-        reciprocal = False
+        floats = next(((kind, parsed) for kind, parse in _FLOAT_SIZES.items()
+                       for parsed in [[parse(t) for t in column]] if all(parsed) and len({p[1] for p in parsed}) == 1),
+                      None)
         if all(ints) and len({m.group(2) for m in ints}) == 1:
-            values = [int(m.group(1)) for m in ints]
+            values, kind = [int(m.group(1)) for m in ints], "integer"
             cast = _LITERAL_TYPES[ints[0].group(2).upper()]   # the literal's own type (std::min(int, int) stays so)
-        elif all(counts) and len({c[1] for c in counts}) == 1:
-            values, cast = [c[0] for c in counts], counts[0][1]
-        elif all(recips) and len({r[1] for r in recips}) == 1:
-            values, reciprocal = [r[0] for r in recips], True
-            cast = "float" if recips[0][1] == "float" else ""   # 1.0 / n is a double already
+        elif floats is not None:
+            (kind, parsed), values = floats, [p[0] for p in floats[1]]
+            cast = "float" if parsed[0][1] == "float" else "" if kind != "count" else "double"
         else:
             other = next(k for k, t in enumerate(column) if t != token)
             what = ("a text" if token[0] in "\"'" else
-                    "only sizes can follow a Dim: integers, whole numbers in a float (a mean's count) or their "
-                    "reciprocals (1/n, computed as flowgen computes them); another float cannot")
+                    "only sizes can follow a Dim: integers, whole numbers in a float (a mean's count), their "
+                    "reciprocals (1/n) or n/(n - 1) (BatchNorm's unbiased variance), computed as flowgen computes "
+                    "them; another float cannot")
             raise DynamicShapeError(f"{where}: {token} at the maximum sizes is {column[other]} at "
                                     f"{_sizes_text(dims, points[other])}: {what}")
         form = fit(values, f"{where}: the literal {token}")
         used |= form.dims
-        expr = f"(1.0 / (double){form.c_expr(names)})" if reciprocal else form.c_expr(names)
+        n = form.c_expr(names)
+        expr = {"reciprocal": f"(1.0 / (double){n})", "ratio": f"((double){n} / (double)({n} - 1))"}.get(kind, n)
         fitted.append(f"({cast}){expr}" if cast else expr)
     if grid is not None:
         base = replace(base, dynamic_grid=grid)
@@ -385,6 +385,26 @@ def _reciprocal(token: str):
     if ctype == "float":
         return (n, ctype) if np.float32(1.0 / n) == np.float32(value) else None
     return (n, ctype) if 1.0 / n == value else None
+
+
+def _ratio(token: str):
+    """(n, the C type) of a float literal that is n / (n - 1) for a whole n >= 2 (BatchNorm's
+    unbiased variance factor), rounded as flowgen writes it (in double, then to float for an "f"
+    literal), else None."""
+    literal = _float_literal(token)
+    if literal is None or not 1 < literal[0] <= 2:
+        return None
+    value, ctype = literal
+    n = round(value / (value - 1.0))
+    if not 2 <= n < 2 ** 24:
+        return None
+    if ctype == "float":
+        return (n, ctype) if np.float32(n / (n - 1)) == np.float32(value) else None
+    return (n, ctype) if n / (n - 1) == value else None
+
+
+# The float literals a size can make, by kind: each parses a literal to (n, its C type) or None.
+_FLOAT_SIZES = {"count": _count, "reciprocal": _reciprocal, "ratio": _ratio}
 
 
 def _planless(source: str) -> str:
