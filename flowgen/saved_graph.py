@@ -75,7 +75,9 @@ build (codegen/dynamic.py); `variants` the programs for sets of Dims whose minim
 (`ones`: their places in `dims`), when the kernels of the other sizes do not fit them, each its IR
 with the others at their max plus its renderings. Their arrays are in constants.safetensors under
 "rendering_<j>/", "variant_<v>/" and "variant_<v>/rendering_<j>/" before the usual key.
-signature.json repeats `dims` and `uses`.
+signature.json repeats `dims` and `uses`. A step that updates its state (training) may have Dims
+on its inputs' first axis only (the built program trains on batches of an input's rows); a
+data-parallel graph has none.
 
 Dtype names are flowgen's (float32, bfloat16, int64, bool, ...); attribute arrays and
 scalars of other NumPy dtypes use NumPy's spelling ("|u1").
@@ -646,7 +648,11 @@ def save_graph(graph, path) -> None:
     doc, arrays = encode_graph(compiled.ir, graph.training)
     if data_parallel is not None:
         doc["data_parallel"] = data_parallel
-    dynamic = _dynamic_entry(graph.name, compiled)
+    dynamic = _dynamic_entry(graph.name, compiled, graph.training)
+    if dynamic is not None and data_parallel is not None:
+        raise NotImplementedError(f"flow.save: {graph.name} is data parallel and has dynamic dimensions; the "
+                                  f"standalone program splits each batch over its ranks at one size: save it "
+                                  f"compiled for fixed shapes (graph.config.dynamic_shapes(None))")
     if dynamic is not None:
         doc["dynamic"], renderings_arrays = dynamic
         arrays.update(renderings_arrays)
@@ -684,20 +690,24 @@ class SavedDynamic:
     variants: list      # [(places of the Dims at 1, IR at the others' max, [(sizes, IR)])]
 
 
-def _dynamic_entry(graph_name: str, compiled) -> tuple | None:
+def _dynamic_entry(graph_name: str, compiled, training: bool) -> tuple | None:
     """(graph.json's `dynamic` entry, its renderings' constant arrays) for a variant compiled with
     dynamic dimensions, None for fixed shapes. A Dim whose minimum is 1 is rendered at 1 too: if
     the kernels fitted for the other sizes fit it, the build has one program; if not, one more
-    program for each set of such Dims at 1 (`variants`), as the Python graph compiles them."""
+    program for each set of such Dims at 1 (`variants`), as the Python graph compiles them. A step
+    that updates its state (training) takes its Dims on the inputs' first axis only: the standalone
+    program splits each input's rows into batches of the Dim's maximum, the last one smaller."""
     dynamic = compiled.program.dynamic
     if dynamic is None:
         return None
-    if compiled.ir.updates:
-        raise NotImplementedError(f"flow.save: {graph_name} updates its state (a training step, or BatchNorm's running "
-                                  f"statistics) and has dynamic dimensions; it runs so in Python, but the standalone "
-                                  f"training program reads batches of one shape: save it compiled for fixed shapes "
-                                  f"(graph.config.dynamic_shapes(None))")
     dims, uses = dynamic.dims, dynamic.uses
+    off_batch = [(d, use) for d in dims for use in uses[d] if use.axis != 0]
+    if compiled.ir.updates and off_batch:
+        d, use = off_batch[0]
+        raise NotImplementedError(f"flow.save: {graph_name} updates its state (a training step, or BatchNorm's running "
+                                  f"statistics) and its {d!r} is axis {use.axis} of input {use.input}; the standalone "
+                                  f"program runs such a step over batches of an input's rows, so its Dims must be "
+                                  f"the inputs' first axis (it runs so in Python)")
     renderings = list(dynamic.renderings)
     at_one = [(sizes, compiled.render_at(sizes)) for sizes in unit_points(dims)]
     variants = []
@@ -722,7 +732,7 @@ def _dynamic_entry(graph_name: str, compiled) -> tuple | None:
     arrays = {}
 
     def encoded(program, prefix):
-        doc, graph_arrays = encode_graph(program.graph, False)
+        doc, graph_arrays = encode_graph(program.graph, training)
         arrays.update({f"{prefix}{key}": array for key, array in graph_arrays.items()})
         return {k: v for k, v in doc.items() if k not in _HEADER}
 
@@ -921,8 +931,11 @@ def load_saved_graph(path) -> SavedGraph:
     ir = decode_graph(doc, main_arrays, path)
     data_parallel = _checked_data_parallel(doc.get("data_parallel"), ir, graph_path)
     dynamic = _decoded_dynamic(doc.get("dynamic"), arrays, ir, graph_path, path)
-    if dynamic is not None and (data_parallel is not None or doc.get("training")):
-        raise FormatError(f"flow.load: {graph_path}: dynamic dimensions in a training or data-parallel graph")
+    if dynamic is not None and data_parallel is not None:
+        raise FormatError(f"flow.load: {graph_path}: dynamic dimensions in a data-parallel graph")
+    if dynamic is not None and ir.updates and any(use.axis for uses in dynamic.uses.values() for use in uses):
+        raise FormatError(f"flow.load: {graph_path}: dynamic dimensions off the inputs' first axis in a step that "
+                          f"updates its state")
     check_weights(ir, weights_raw, weights_path)
     weights = {s.name: weights_raw[s.name] for s in ir.state}
     step = _metadata_count(metadata, "step", weights_path)

@@ -17,7 +17,10 @@ axis tied to the input's (graph against eager training is program_fuzzer.py's, w
 float32 rounding that training amplifies, such as Adam's first step on a gradient that is zero
 but for rounding):
 
-    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0] [--saved | --train]
+    FLOWGEN_CPU_KERNELS=native python tests/dynamic_fuzzer.py --count 200 [--seed 0] [--saved | --train] [--cuda]
+
+--cuda runs the graphs on the cuda device: the cuda target's kernels, whose launch grids follow the
+sizes (FLOWGEN_EMULATE_CUDA=1 runs them on the CPU emulator where there is no GPU).
 """
 from __future__ import annotations
 
@@ -34,8 +37,12 @@ os.environ.setdefault("FLOWGEN_CPU_KERNELS", "native")
 
 import flowgen as flow  # noqa: E402
 from flowgen.codegen.dynamic import DynamicShapeError  # noqa: E402
+from flowgen.errors import TraceError  # noqa: E402
 from graphs import FirstOutput, InferGraph  # noqa: E402
 from program_fuzzer import _backward, _optimizer, _out_and_aux, generate, loss_fn, model_class  # noqa: E402
+
+
+DEVICE = "cpu"   # the graphs' device (--cuda)
 
 
 def check(seed: int, saved: bool = False) -> str:
@@ -64,11 +71,17 @@ def check(seed: int, saved: bool = False) -> str:
         batch = flow.Dim("batch", min=lo, max=hi)
     except ValueError:
         return "skipped: eager runs at too few batch sizes"
+    model.to(DEVICE)
     graph = InferGraph(model)
     graph.config.dynamic_shapes([{0: batch}])
-    sizes = [valid[hi], valid[lo], valid[(lo + hi) // 2], valid[hi - 1]]
+    sizes = [valid[hi].to(DEVICE), valid[lo].to(DEVICE), valid[(lo + hi) // 2].to(DEVICE), valid[hi - 1].to(DEVICE)]
     compiled = {}   # one variant for the sizes from 2 up, one for a batch of 1
-    wants = [InferGraph(model)(x).numpy() for x in sizes]
+    try:
+        wants = [InferGraph(model)(x).numpy() for x in sizes]
+    except TraceError as error:
+        if "was used in a graph running on" in str(error):   # --cuda: forward makes a tensor on the cpu
+            return "skipped: forward makes a cpu tensor"
+        raise
     for x, want in zip(sizes, wants):
         try:
             got = graph(x).numpy()
@@ -123,7 +136,7 @@ def check_training(seed: int) -> str:
 
     def train(dynamic):
         flow.manual_seed(seed)
-        model = model_class(program)()
+        model = model_class(program)().to(DEVICE)
         opt, loss_of = _optimizer(program, model.parameters()), loss_fn(program)
 
         def step(x, target):
@@ -144,13 +157,17 @@ def check_training(seed: int) -> str:
         graph = Train()
         if dynamic:
             graph.config.dynamic_shapes([{0: batch}, {0: batch}])
-        losses = [graph(*(flow.tensor(a) for a in targets[n])).numpy() for n in order]
+        losses = [graph(*(flow.tensor(a).to(DEVICE) for a in targets[n])).numpy() for n in order]
         return losses, [p.numpy() for p in model.parameters()]
 
     try:
         got, got_params = train(True)
     except DynamicShapeError as error:
         return f"refused: {str(error)[:400]}"
+    except TraceError as error:
+        if "was used in a graph running on" in str(error):   # --cuda: forward makes a tensor on the cpu
+            return "skipped: forward makes a cpu tensor"
+        raise
     want, want_params = train(False)
     for k, (a, b) in enumerate(zip(got, want)):
         verdict = _compare(np.asarray(a), np.asarray(b), f"training step {k} (batch {order[k]})")
@@ -178,7 +195,10 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--saved", action="store_true", help="also save, load and run each program that passes")
     parser.add_argument("--train", action="store_true", help="the programs' training steps instead of inference")
+    parser.add_argument("--cuda", action="store_true", help="the graphs on the cuda device (the cuda target's kernels)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = "cuda" if args.cuda else "cpu"
     tally = {}
     failures = []
     for seed in range(args.seed, args.seed + args.count):

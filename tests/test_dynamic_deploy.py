@@ -20,7 +20,8 @@ from flowgen.codegen import aot
 from flowgen.saved_graph import FormatError
 from flowgen.serialization import with_self_hash
 from c_callers import ROOT, compile_c
-from graphs import FirstOutput, InferGraph
+from safetensors.numpy import load_file
+from graphs import FirstOutput, InferGraph, TrainGraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import gpt_char  # noqa: E402
@@ -285,3 +286,64 @@ def test_kernels_whose_launch_grid_follows_the_batch(native, tmp_path):
     launches = [line for line in (tmp_path / "cuda" / "program.cu").read_text().splitlines()
                 if "dev.launch(" in line and "_batch1," not in line]   # the batch-1 program's grids are fixed
     assert launches and all("flowgen_blocks(m.size[0], " in line for line in launches), launches
+
+
+def _dynamic_training(min_batch=2):
+    flow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.Adam(model.parameters(), lr=0.01))
+    batch = flow.Dim("batch", min=min_batch, max=32)
+    graph.config.dynamic_shapes([{0: batch}, {0: batch}])
+    return model, graph
+
+
+def test_a_training_program_takes_a_dataset_of_any_length(native, tmp_path):
+    """A training step with a dynamic batch, saved and built: the program reads inputs of any
+    number of rows and trains on batches of the Dim's max rows, the last one what remains (70
+    rows: 32, 32, 6), with the Python graph's losses, parameters and BatchNorm statistics;
+    rows that leave a last batch below the Dim's minimum, or inputs of different rows, are
+    refused naming them."""
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((70, 8)).astype(np.float32), rng.standard_normal((70, 3)).astype(np.float32)
+    _, graph = _dynamic_training()
+    graph(flow.tensor(x[:5]), flow.tensor(y[:5]))
+    flow.save(graph, tmp_path / "saved")
+    model, reference = _dynamic_training()
+    reference(flow.tensor(x[:5]), flow.tensor(y[:5]))
+    losses = [float(reference(flow.tensor(x[a:a + 32]), flow.tensor(y[a:a + 32])).numpy()) for a in (0, 32, 64)]
+    binary = aot.build(tmp_path / "saved", tmp_path / "out", target="cpu").binary
+    assert "a Dim holds any number of rows" in subprocess.run([str(binary), "--help"], capture_output=True,
+                                                              text=True).stdout
+
+    def run(*arrays):
+        args = []
+        for k, a in enumerate(arrays):
+            np.save(tmp_path / f"in{k}.npy", a)
+            args += ["--input", str(tmp_path / f"in{k}.npy")]
+        return subprocess.run([str(binary), *args, "--out", str(tmp_path / "o")], capture_output=True, text=True,
+                              timeout=120)
+
+    proc = run(x, y)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 3/3" in proc.stdout
+    np.testing.assert_allclose(np.load(tmp_path / "o" / "losses.npy"), losses, rtol=1e-6)
+    weights = load_file(tmp_path / "o" / "weights.safetensors")
+    for name, value in model.state_dict().items():
+        np.testing.assert_allclose(weights[f"model.{name}"], value.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    proc = run(x[:65], y[:65])
+    assert proc.returncode != 0
+    assert "its 65 rows make batches of batch = 32 and a last one of 1, below batch's minimum 2" in proc.stderr
+    proc = run(x, y[:69])
+    assert proc.returncode != 0 and "69 rows, but input 0 has 70: both are batches of batch" in proc.stderr
+
+
+def test_a_training_step_with_dims_off_the_first_axis_is_not_saved(native, tmp_path):
+    flow.manual_seed(0)
+    model = nn.Linear(8, 3)
+    graph = TrainGraph(model, nn.MSELoss(), flow.optim.SGD(model.parameters(), lr=0.1))
+    seq = flow.Dim("seq", min=2, max=16)
+    graph.config.dynamic_shapes([{1: seq}, {1: seq}])
+    graph(flow.randn(2, 5, 8), flow.randn(2, 5, 3))
+    with pytest.raises(NotImplementedError, match=r"its Dim\('seq', min=2, max=16\) is axis 1 of input 0; .* must be "
+                                                  r"the inputs' first axis"):
+        flow.save(graph, tmp_path / "saved")

@@ -225,15 +225,6 @@ def test_training_at_any_batch_size(layers, loss_of):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_training_refusals(tmp_path):
-    """A training step with dynamic dimensions runs in Python but is not saved (the standalone
-    training program reads batches of one shape)."""
-    batch = flow.Dim("batch", min=2, max=32)
-    _, _, graph = _train_at([5], True, lambda: nn.Linear(8, 3), _cross_entropy, [{0: batch}, {0: batch}])
-    with pytest.raises(NotImplementedError, match="updates its state .* and has dynamic dimensions"):
-        flow.save(graph, tmp_path / "saved")
-
-
 def test_float_literals_that_are_counts_or_their_reciprocals():
     """A mean's count (96.0), its gradient's 1/n and BatchNorm's n / (n - 1) (float32 or float64,
     as flowgen writes them) are fitted; another float is not (a tenth, 1.5)."""
