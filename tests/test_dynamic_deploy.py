@@ -21,6 +21,7 @@ from flowgen.saved_graph import FormatError
 from flowgen.serialization import with_self_hash
 from c_callers import ROOT, compile_c
 from safetensors.numpy import load_file
+from first_contact_cases import gpu_arch
 from graphs import FirstOutput, InferGraph, TrainGraph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
@@ -347,3 +348,16 @@ def test_a_training_step_with_dims_off_the_first_axis_is_not_saved(native, tmp_p
     with pytest.raises(NotImplementedError, match=r"its Dim\('seq', min=2, max=16\) is axis 1 of input 0; .* must be "
                                                   r"the inputs' first axis"):
         flow.save(graph, tmp_path / "saved")
+
+
+@pytest.mark.gpu
+def test_a_cuda_library_with_a_dynamic_batch_on_the_gpu(native, tmp_path):
+    """The cuda target's library (launch grids computed from the batch) on the GPU at every batch."""
+    flow.manual_seed(5)
+    model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.LayerNorm(64), nn.Linear(64, 5)).eval()
+    _saved(model, [{0: flow.Dim("batch", min=1, max=512)}], flow.randn(3, 64), tmp_path / "saved")
+    aot.build(tmp_path / "saved", tmp_path / "cuda", target="cuda", arch=gpu_arch(), lib=True)
+    with flow.load_compiled(tmp_path / "cuda") as library:
+        for n in (1, 2, 9, 300, 512):
+            x = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
+            np.testing.assert_allclose(library(x), _eager(model, x), rtol=1e-4, atol=1e-5, err_msg=f"batch {n}")

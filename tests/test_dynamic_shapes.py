@@ -16,6 +16,7 @@ from flowgen.dims import Dim, sample_points, sample_sizes
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 import dynamic_fuzzer  # noqa: E402
+from first_contact_cases import gpu_arch  # noqa: E402
 from graphs import FirstOutput, InferGraph, TrainGraph  # noqa: E402
 import gpt_char  # noqa: E402
 
@@ -280,17 +281,9 @@ def test_gpt_sequence_past_a_chunk_of_keys():
                      lambda n: [flow.tensor(rng.integers(0, 32, (2, n)).astype(np.int64))], [17, 40, 2, 33, 16])
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(monkeypatch, arch):
-    """The cuda target's kernels (FLOWGEN_EMULATE_CUDA=1: the GPU program, run by the emulator),
-    whose launch grids follow the sizes (blocks over rows, a GEMM's row tiles, attention's tiles
-    per slice): the executor computes each grid from the call's sizes (codegen/dynamic.py
-    GridSize), and every size renders the forms chosen at the maximum (tile shapes, tensor-core
-    GEMMs: mma.sync on sm_80, warpgroup MMA on sm_90). A GPT with a dynamic batch and sequence in
-    float32, an MLP on bf16 tensor cores; the tensor-core check is off for a dynamic step (its SIMT
-    references would be rendered at the maximum sizes), even when asked for on the emulator."""
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA", "1")
-    monkeypatch.setenv("FLOWGEN_EMULATE_CUDA_ARCH", arch)
+def _dynamic_cuda_graphs(monkeypatch, engine: str, with_gpt: bool):
+    """A bf16 MLP on tensor cores (`engine`: mma.sync or wgmma) at batches 5..200 and a GPT with a
+    dynamic batch and sequence in float32, on the 'cuda' device, against eager."""
     monkeypatch.setenv("FLOWGEN_TENSOR_CORE_CHECK", "always")
     flow.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32)).eval()
@@ -305,10 +298,9 @@ def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(monkeypatch, arch)
         mlp.to("cuda")
         assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), f"batch {n}"
     kernels = graph.compiled.program.kernels
-    engine = "wgmma" if arch == "sm_90" else "mma.sync"
     assert [k.dynamic_grid is not None for k in kernels if f"bf16 {engine}" in k.comment] == [True, True]
     assert graph.compiled.executor.tensor_core_check is None
-    if arch == "sm_90":
+    if not with_gpt:
         return
     config = gpt_char.GPTConfig(vocab_size=37, block_size=48, n_layer=2, n_head=4, n_embd=64)
     gpt = gpt_char.define(flow)(config).eval()
@@ -322,3 +314,18 @@ def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(monkeypatch, arch)
         gpt.to("cuda")
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"batch {b}, seq {t}")
     assert any(k.dynamic_grid is not None for k in graph.compiled.program.kernels)
+
+
+def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(cuda_graph_target, monkeypatch):
+    """The cuda target's kernels (on the GPU, or the CPU emulator: FLOWGEN_EMULATE_CUDA=1), whose
+    launch grids follow the sizes (blocks over rows, a GEMM's row tiles, attention's tiles per
+    slice): the executor computes each grid from the call's sizes (codegen/dynamic.py GridSize),
+    and every size renders the forms chosen at the maximum (tile shapes, tensor-core GEMMs). The
+    tensor-core check is off for a dynamic step (its SIMT references would be rendered at the
+    maximum sizes), even where asked for on the emulator."""
+    engine = "wgmma" if cuda_graph_target == "gpu" and gpu_arch() == "sm_90" else "mma.sync"
+    _dynamic_cuda_graphs(monkeypatch, engine, with_gpt=True)
+
+
+def test_warpgroup_mma_kernels_launch_grids_from_the_sizes(sm90_graph_target, monkeypatch):
+    _dynamic_cuda_graphs(monkeypatch, "wgmma", with_gpt=False)
