@@ -1,27 +1,45 @@
-"""Tokens per second of text generation: examples/generate/run.c on a flowgen --lib build (cpu
-target) against PyTorch running the same GPT with a KV cache.
+"""Tokens per second of text generation: examples/generate/run.c on flowgen --lib builds (cpu
+target) against PyTorch running the same GPT with a KV cache, and of prompt processing.
 
     PYTHONPATH=. python benchmarks/generate_tokens.py [--repeats 15] [--steps 0] [--out FILE]
 
 The model is examples/gpt_char.py's GPT (2 layers, 4 heads, 64 wide, 37 characters) with block
 size 64, built by examples/generate/build.py (`--steps` training steps; 0, the default: its random
-initial weights, which cost the same per token). A repeat generates greedily from one token to
-the capacity, 63 calls of the decoding step, and its rate is those calls over their time (the
+initial weights, which cost the same per token) as two libraries with a dynamic dimension each:
+the prefill (a prompt of 1 to 64 tokens in one call) and the decoding step (caches of 1 to 63
+positions, growing by one a call; each call's work follows the length).
+
+generate (tokens generated per second): a repeat generates greedily from one token to the
+capacity, 63 tokens, and its rate is those tokens over the time of the calls that gave them (the
 host clock around the loop; loading and compiling not counted). Runners:
 
-  flowgen run.c            run.c (a process per repeat; its own timing of the loop): the decoding
-                           step of examples/generate/decode.py at capacity, native cpu kernels
+  flowgen run.c            run.c (a process per repeat; its own timing of the loop): the prefill
+                           of the one-token prompt, then 62 calls of the decoding step, native cpu
+                           kernels; the first call of a process includes making its workspace
   torch eager, KV cache    PyTorch eager on the same modules and weights, the way PyTorch code
                            decodes: each step appends its key and value to the caches (torch.cat)
-                           and attends to the pos + 1 positions so far
-  torch eager, at capacity PyTorch eager running decode.py's step itself (fixed-capacity caches,
-                           a masked attention over all block_size positions): flowgen's work
+                           and attends to the pos + 1 positions so far, from empty caches
+
+(Until the step had a dynamic dimension, flowgen's step ran at the caches' full capacity, masked,
+and a row "torch eager, at capacity" ran that same step on PyTorch; the step now grows its
+caches as PyTorch's does, so that row is gone.)
+
+prompt (prompt tokens per second): a 63-token prompt through the prefill, one call giving the
+next token's logits and every layer's caches; a repeat's rate is 63 over the median time of 10
+calls after one warm-up call (the process and the library warm, as the torch runner is):
+
+  flowgen prefill          the prefill library called through flow.load_compiled (ctypes; its
+                           per-call marshalling included) in a process of its own, pinned as run.c
+  torch eager, prefill     examples/generate/prefill.py's module on PyTorch: the same one-pass
+                           causal forward over the prompt
 
 Each runner on every thread this process may use (os.sched_getaffinity; torch.set_num_threads to
-the same; run.c's thread pool sizes itself to its affinity) and on one thread (run.c pinned to one
-core, torch.set_num_threads(1)). Repeats are interleaved runner by runner so the machine's load
-falls on all alike; the table gives each runner's median and the spread (min, max) over them.
-All runners must generate the same tokens (checked). Writes benchmarks/results/generate_tokens.json.
+the same; a flowgen library's thread pool sizes itself to its process's affinity) and on one
+thread (the flowgen process pinned to one core, torch.set_num_threads(1)). Repeats are
+interleaved runner by runner so the machine's load falls on all alike; the table gives each
+runner's median and the spread (min, max) over them. The generate runners must generate the same
+tokens, and the prompt runners pick the same next token (checked). Writes
+benchmarks/results/generate_tokens.json.
 """
 from __future__ import annotations
 
@@ -43,25 +61,58 @@ sys.path.insert(0, str(ROOT / "examples" / "generate"))
 
 import build as generate  # noqa: E402  examples/generate/build.py
 import gpt_char  # noqa: E402
-from decode import define_decode_step  # noqa: E402
+from prefill import define_prefill  # noqa: E402
 from fair_common import environment, git_commit, print_table, write_json  # noqa: E402
 
 BLOCK_SIZE = 64
+PROMPT = BLOCK_SIZE - 1   # the prompt phase's prompt length
+PROMPT_CALLS = 10         # timed prefill calls per repeat (their median), after one warm-up call
+
+# The prompt runner's process: the prefill library through flow.load_compiled, warm; prints the
+# median seconds of PROMPT_CALLS calls and the next token it picks.
+PREFILL_TIMER = """
+import sys, time, numpy as np, flowgen as flow
+build, ids, calls = sys.argv[1], np.array([[int(i) for i in sys.argv[2].split(",")]], np.int64), int(sys.argv[3])
+with flow.load_compiled(build) as prefill:
+    logits = prefill(ids)[0]
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        prefill(ids)
+        times.append(time.perf_counter() - start)
+print(sorted(times)[calls // 2], int(logits.argmax()))
+"""
 
 
 def threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def _pinned(n_threads: int):
+    cores = sorted(os.sched_getaffinity(0))[:n_threads]
+    return lambda: os.sched_setaffinity(0, cores)
+
+
 def run_c(binary: Path, build: Path, n_threads: int) -> tuple:
     """One generation by run.c: (token ids, tokens/s it measured)."""
-    cores = sorted(os.sched_getaffinity(0))[:n_threads]
     proc = subprocess.run([str(binary), str(build), "-i", "0", "-n", str(BLOCK_SIZE), "-r"], capture_output=True,
-                          text=True, timeout=120, preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                          text=True, timeout=120, preexec_fn=_pinned(n_threads))
     if proc.returncode != 0:
         raise SystemExit(f"run.c failed: {proc.stderr}")
-    rate = float(re.search(r"([0-9.]+) tok/s", proc.stderr).group(1))
+    rate = float(re.search(r"tokens? generated in [0-9.]+ s: ([0-9.]+) tok/s", proc.stderr).group(1))
     return [int(w) for w in proc.stdout.split()], rate
+
+
+def flowgen_prefill(build: Path, prompt: list, n_threads: int) -> tuple:
+    """The prefill library on `prompt` in a process pinned to `n_threads` cores: (the next token,
+    prompt tokens/s)."""
+    proc = subprocess.run([sys.executable, "-c", PREFILL_TIMER, str(build), ",".join(map(str, prompt)),
+                           str(PROMPT_CALLS)], capture_output=True, text=True, timeout=300,
+                          preexec_fn=_pinned(n_threads), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(f"the prefill timer failed: {proc.stderr}")
+    seconds, token = proc.stdout.split()
+    return int(token), len(prompt) / float(seconds)
 
 
 def torch_growing_cache(torch, gpt):
@@ -95,18 +146,21 @@ def torch_growing_cache(torch, gpt):
     return generate_ids
 
 
-def torch_at_capacity(torch, gpt):
-    """decode.py's step on PyTorch: the computation the flowgen library runs."""
-    decode_step = define_decode_step(torch)(gpt)
+def torch_prefill(torch, gpt, prompt: list):
+    """prefill.py's module on PyTorch: the prompt in one causal forward; (the next token, prompt
+    tokens/s) as flowgen_prefill measures them."""
+    prefill = define_prefill(torch)(gpt)
+    tokens = torch.tensor([prompt])
 
-    def generate_ids():
-        ids, caches = [0], decode_step.empty_caches()
-        start = time.perf_counter()
-        for pos in range(BLOCK_SIZE - 1):
-            logits, *caches = decode_step(torch.tensor([[ids[-1]]]), torch.tensor([pos]), *caches)
-            ids.append(int(logits.argmax(-1)))
-        return ids, (BLOCK_SIZE - 1) / (time.perf_counter() - start)
-    return generate_ids
+    def run():
+        logits = prefill(tokens)[0]
+        times = []
+        for _ in range(PROMPT_CALLS):
+            start = time.perf_counter()
+            prefill(tokens)
+            times.append(time.perf_counter() - start)
+        return int(logits.argmax()), len(prompt) / sorted(times)[PROMPT_CALLS // 2]
+    return run
 
 
 def main(argv=None):
@@ -120,33 +174,37 @@ def main(argv=None):
     model, corpus = generate.make_model(args.steps, seed=0, block_size=BLOCK_SIZE)
     twin = gpt_char.define(torch)(model.config).eval()
     twin.load_state_dict({k: torch.from_numpy(v.numpy().copy()) for k, v in model.state_dict().items()})
+    prompt = corpus.ids[:PROMPT].tolist()
     with tempfile.TemporaryDirectory(prefix="flowgen-generate-bench-") as tmp:
         tmp = Path(tmp)
-        manifest = generate.export(model, corpus, tmp)
+        generate.export(model, corpus, tmp)
         binary = tmp / "run"
-        subprocess.run(generate.compile_command(manifest, tmp / "build", binary), check=True, capture_output=True,
-                       text=True)
+        subprocess.run(generate.compile_command(tmp, binary), check=True, capture_output=True, text=True)
         thread_counts = sorted({threads(), 1}, reverse=True)
-        runners = {}
+        runners = {}   # (phase, runner, threads) -> a repeat: (tokens or the next token, tokens/s)
         for n in thread_counts:
-            runners["flowgen run.c", n] = lambda n=n: run_c(binary, tmp / "build", n)
-            runners["torch eager, KV cache", n] = torch_growing_cache(torch, twin)
-            runners["torch eager, at capacity", n] = torch_at_capacity(torch, twin)
+            runners["generate", "flowgen run.c", n] = lambda n=n: run_c(binary, tmp, n)
+            runners["generate", "torch eager, KV cache", n] = torch_growing_cache(torch, twin)
+            runners["prompt", "flowgen prefill", n] = lambda n=n: flowgen_prefill(tmp / "prefill", prompt, n)
+            runners["prompt", "torch eager, prefill", n] = torch_prefill(torch, twin, prompt)
         rates = {key: [] for key in runners}
-        tokens = {}
+        results = {}
         with torch.inference_mode():
             for repeat in range(args.repeats + 1):   # the first is a warm-up
-                for (name, n), generate_ids in runners.items():
+                for (phase, name, n), run in runners.items():
                     torch.set_num_threads(n)
-                    ids, rate = generate_ids()
-                    tokens.setdefault(name, ids)
+                    result, rate = run()
+                    results.setdefault((phase, name), result)
                     if repeat:
-                        rates[name, n].append(rate)
-    if len({tuple(ids) for ids in tokens.values()}) != 1:
-        raise SystemExit(f"the runners generated different tokens: {tokens}")
+                        rates[phase, name, n].append(rate)
+    for phase in ("generate", "prompt"):
+        if len({str(result) for (p, _), result in results.items() if p == phase}) != 1:
+            raise SystemExit(f"the {phase} runners disagree: {results}")
 
-    rows = [{"runner": name, "threads": n, "median_tokens_per_s": statistics.median(r), "min_tokens_per_s": min(r),
-             "max_tokens_per_s": max(r), "repeat_tokens_per_s": r} for (name, n), r in rates.items()]
+    rows = [{"phase": phase, "runner": name, "threads": n, "median_tokens_per_s": statistics.median(r),
+             "min_tokens_per_s": min(r), "max_tokens_per_s": max(r), "repeat_tokens_per_s": r}
+            for (phase, name, n), r in rates.items()]
+    rows.sort(key=lambda row: row["phase"])   # generate, then prompt
     env = environment(torch, "cpu")
     env.update(cpu_threads=threads(), load_average_start=load_at_start, load_average_end=os.getloadavg(),
                flowgen_commit=git_commit())
@@ -154,11 +212,14 @@ def main(argv=None):
                           "model": {"n_layer": model.config.n_layer, "n_head": model.config.n_head,
                                     "n_embd": model.config.n_embd, "vocab_size": model.config.vocab_size,
                                     "block_size": BLOCK_SIZE, "training_steps": args.steps},
-                          "calls_per_repeat": BLOCK_SIZE - 1, "repeats": args.repeats,
-                          "tokens": tokens["flowgen run.c"], "rows": rows})
-    print(f"\n{BLOCK_SIZE - 1} greedy steps from one token, {args.repeats} repeats; load average "
-          f"{env['load_average_start']} at the start, {env['load_average_end']} at the end")
-    print_table(rows, [("runner", lambda r: r["runner"]), ("threads", lambda r: str(r["threads"])),
+                          "calls_per_repeat": BLOCK_SIZE - 1, "prompt_tokens": PROMPT,
+                          "prompt_calls_per_repeat": PROMPT_CALLS, "repeats": args.repeats,
+                          "tokens": results["generate", "flowgen run.c"], "rows": rows})
+    print(f"\ngenerate: {BLOCK_SIZE - 1} greedy tokens from one token; prompt: {PROMPT} tokens in one call (the "
+          f"median of {PROMPT_CALLS}); {args.repeats} repeats; load average {env['load_average_start']} at the "
+          f"start, {env['load_average_end']} at the end")
+    print_table(rows, [("phase", lambda r: r["phase"]), ("runner", lambda r: r["runner"]),
+                       ("threads", lambda r: str(r["threads"])),
                        ("median tok/s", lambda r: f"{r['median_tokens_per_s']:.0f}"),
                        ("min", lambda r: f"{r['min_tokens_per_s']:.0f}"),
                        ("max", lambda r: f"{r['max_tokens_per_s']:.0f}")])

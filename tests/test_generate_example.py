@@ -1,9 +1,12 @@
-"""examples/generate (issue 27, item 5): text generation without Python. gpt_char's GPT as a
-decoding step with its K/V caches as inputs and outputs (examples/generate/decode.py), built with
-`--lib` (native cpu kernels, what `flowgen build --target cpu` gives a user) and driven by run.c,
-compiled here with the system C compiler: its greedy tokens equal flowgen eager's and PyTorch's
-greedy generation with the full, uncached model; its sampling is seeded and stays in the top-k;
-bad prompts are refused with a message."""
+"""examples/generate (issue 27, item 5): text generation without Python. gpt_char's GPT as two
+libraries with a dynamic dimension each (examples/generate/build.py): the prefill of a prompt of
+any length (prefill.py) and a decoding step whose K/V caches, of any length, are inputs and grow
+by one position in its outputs (decode.py), built with `--lib` (native cpu kernels, what `flowgen
+build --target cpu` gives a user) and driven by run.c (both opened with dlopen), compiled here
+with the system C compiler: its greedy tokens equal flowgen eager's and PyTorch's greedy
+generation with the full, uncached model; each library call's logits equal the full forward's at
+its position; its sampling is seeded and stays in the top-k; bad prompts are refused with a
+message."""
 import importlib.util
 import json
 import os
@@ -22,7 +25,7 @@ from torch_oracle import get_torch
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "generate"
-BLOCK_SIZE = 16   # the caches' capacity: the longest sequence
+BLOCK_SIZE = 16   # the longest sequence: the prefill's longest prompt, one more than the step's caches
 
 
 def _load_build_script():
@@ -38,16 +41,17 @@ gpt_char = sys.modules["gpt_char"]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """The untrained GPT (seed 0) as a decoding-step library with native cpu kernels, and run.c."""
+    """The untrained GPT (seed 0) as prefill and decoding-step libraries with native cpu kernels,
+    and run.c."""
     tmp = tmp_path_factory.mktemp("generate")
     model, corpus = generate.make_model(steps=0, seed=0, block_size=BLOCK_SIZE)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("FLOWGEN_CPU_KERNELS", "native")
-        manifest = generate.export(model, corpus, tmp)
+        manifests = generate.export(model, corpus, tmp / "build")
     binary = tmp / "run"
-    subprocess.run(generate.compile_command(manifest, tmp / "build", binary, compiler="gcc"), check=True,
+    subprocess.run(generate.compile_command(tmp / "build", binary, compiler="gcc"), check=True,
                    capture_output=True, text=True)
-    return {"model": model, "corpus": corpus, "build": tmp / "build", "run": binary, "manifest": manifest}
+    return {"model": model, "corpus": corpus, "build": tmp / "build", "run": binary, "manifests": manifests}
 
 
 def run_c(built, *args):
@@ -72,8 +76,9 @@ def test_run_c_greedy_equals_eager_and_pytorch_without_a_cache(built):
     ours = generated_ids(proc)
     assert len(ours) == BLOCK_SIZE and ours[:len(prompt)] == prompt   # stopped at the capacity
     assert f"stopping at {BLOCK_SIZE} tokens, the model's capacity" in proc.stderr
-    assert re.search(rf"{BLOCK_SIZE - 1} calls \({len(prompt)} prompt tokens, {BLOCK_SIZE - len(prompt)} generated\) "
-                     r"in [0-9.]+ s: [0-9.]+ tok/s", proc.stderr)
+    generated = BLOCK_SIZE - len(prompt)
+    assert re.search(rf"{generated} tokens generated in [0-9.]+ s: [0-9.]+ tok/s \(1 prefill call of {len(prompt)} "
+                     rf"prompt tokens, [0-9.]+ s, then {generated - 1} decode calls\)", proc.stderr), proc.stderr
 
     eager = list(prompt)
     while len(eager) < BLOCK_SIZE:
@@ -94,32 +99,49 @@ def test_run_c_greedy_equals_eager_and_pytorch_without_a_cache(built):
 
 
 def check_step_logits(build: Path, built) -> None:
-    """The decoding step through flow.load_compiled, caches carried from call to call as run.c
-    does: position t's logits are the full forward's at t."""
-    library = flow.load_compiled(build)
-    assert [str(t) for t in library.inputs[:3]] == ["input_0: int64[1, 1]", "input_1: int64[1]",
-                                                    f"input_2: float32[1, 4, {BLOCK_SIZE}, 16]"]
-    assert len(library.inputs) == 2 + 2 * built["model"].config.n_layer == len(library.outputs) + 1
-    ids = built["corpus"].ids[:BLOCK_SIZE].tolist()
-    caches = [np.zeros((1, 4, BLOCK_SIZE, 16), np.float32) for _ in range(len(library.inputs) - 2)]
-    with flow.no_grad():
-        expected = built["model"](flow.tensor(np.array([ids])))[0].numpy()[0]
-    for pos, token in enumerate(ids):
-        logits, *caches = library(np.array([[token]], np.int64), np.array([pos], np.int64), *caches)
-        np.testing.assert_allclose(logits[0], expected[pos], rtol=1e-4, atol=1e-5)
-    assert np.count_nonzero(caches[0][0, :, :, 0]) == 4 * BLOCK_SIZE   # every position written
-    library.close()
+    """The two libraries through flow.load_compiled, the caches carried from call to call as run.c
+    does: the prefill of prompts of several lengths, then the step at each later position; every
+    call's logits are the full forward's at its last position, and the caches grow a position a
+    call (those stepped to the end equal the prefill's of the whole sequence)."""
+    n_caches = 2 * built["model"].config.n_layer
+    with flow.load_compiled(build / "prefill") as prefill, flow.load_compiled(build / "decode") as step:
+        assert [str(t) for t in prefill.inputs] == ["input_0: int64[1, ?]"]
+        assert (prefill.inputs[0].min_shape, prefill.inputs[0].max_shape) == ((1, 1), (1, BLOCK_SIZE))
+        assert [str(t) for t in prefill.outputs] == [
+            "output_0: float32[1, 37]", *[f"output_{i}: float32[1, 4, ?, 16]" for i in range(1, 1 + n_caches)]]
+        assert [str(t) for t in step.inputs[:3]] == ["input_0: int64[1, 1]", "input_1: int64[1]",
+                                                     "input_2: float32[1, 4, ?, 16]"]
+        assert (step.inputs[2].min_shape, step.inputs[2].max_shape) == ((1, 4, 1, 16), (1, 4, BLOCK_SIZE - 1, 16))
+        assert len(step.inputs) == 2 + n_caches == len(step.outputs) + 1
+        ids = built["corpus"].ids[:BLOCK_SIZE].tolist()
+        with flow.no_grad():
+            expected = built["model"](flow.tensor(np.array([ids])))[0].numpy()[0]
+        _, *whole = prefill(np.array([ids], np.int64))
+        for n in (1, 2, 7, BLOCK_SIZE - 1, BLOCK_SIZE):
+            logits, *caches = prefill(np.array([ids[:n]], np.int64))
+            np.testing.assert_allclose(logits[0], expected[n - 1], rtol=1e-4, atol=1e-5, err_msg=f"prefill of {n}")
+            assert all(cache.shape == (1, 4, n, 16) for cache in caches)
+            for pos in range(n, BLOCK_SIZE):
+                logits, *caches = step(np.array([[ids[pos]]], np.int64), np.array([pos], np.int64), *caches)
+                np.testing.assert_allclose(logits[0], expected[pos], rtol=1e-4, atol=1e-5,
+                                           err_msg=f"step at {pos} after a prefill of {n}")
+                assert all(cache.shape == (1, 4, pos + 1, 16) for cache in caches)
+            for cache, full in zip(caches, whole):
+                np.testing.assert_allclose(cache, full, rtol=1e-4, atol=1e-5)
 
 
-def test_the_library_step_gives_the_full_forwards_logits_at_every_position(built):
+def test_the_libraries_give_the_full_forwards_logits_at_every_position(built):
     check_step_logits(built["build"], built)
 
 
 @pytest.mark.slow
 def test_the_step_as_cuda_source_on_the_emulator(built, tmp_path):
-    """The same saved step built with every kernel the CUDA source (what a cuda build runs), on
-    the emulator."""
-    aot.build(built["build"].parent / "saved", tmp_path / "emulator", target="emulator", lib=True)
+    """The same saved prefill and step built with every kernel the CUDA source (what a cuda build
+    runs), on the emulator: every kernel's launch grid is the same at every length (so the cuda
+    target builds them too; a grid that followed the length would be refused)."""
+    for part, name in generate.LIBRARY_NAMES.items():
+        aot.build(built["build"] / "saved" / part, tmp_path / "emulator" / part, target="emulator", lib=True,
+                  name=name)
     check_step_logits(tmp_path / "emulator", built)
 
 
@@ -145,12 +167,12 @@ def test_a_text_prompt_reads_the_vocabulary_beside_the_build(built):
     assert proc.stdout == corpus.decode(ids) + "\n"
 
 
-def test_bad_prompts_and_files_are_refused_with_a_message(built, tmp_path):
+def test_bad_prompts_and_files_are_refused_with_a_message(built, tmp_path, monkeypatch):
     """Each refused with its reason, by run.c as built and by run.c under AddressSanitizer and
     UndefinedBehaviorSanitizer (leaks included), which also generates a sampled sequence cleanly."""
-    corpus = built["corpus"]
+    corpus, build = built["corpus"], built["build"]
     sanitized = tmp_path / "run_asan"
-    command = generate.compile_command(built["manifest"], built["build"], sanitized, compiler="gcc")
+    command = generate.compile_command(build, sanitized, compiler="gcc")
     subprocess.run([*command, "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"], check=True,
                    capture_output=True, text=True)
     too_long = ",".join(["1"] * (BLOCK_SIZE + 1))
@@ -165,25 +187,55 @@ def test_bad_prompts_and_files_are_refused_with_a_message(built, tmp_path):
              (("-t", "-1"), r"must not be negative"),
              (("-n", "ten"), r"-n ten: expected a whole number"),
              (("-k", "2.5"), r"-k 2.5: expected a whole number")]
+    # Folders of other libraries: none; the prefill without its weights; the step as the prefill;
+    # a prefill built at one fixed prompt length (no dynamic dimension).
+    def folder(name, prefill, decode):
+        for part, library in (("prefill", prefill), ("decode", decode)):
+            (tmp_path / name / part).mkdir(parents=True)
+            if library:
+                (tmp_path / name / part / f"lib{generate.LIBRARY_NAMES[part]}.so").symlink_to(library)
+        return tmp_path / name
+
+    prefill_so, decode_so = (build / part / f"lib{name}.so" for part, name in generate.LIBRARY_NAMES.items())
+    monkeypatch.setenv("FLOWGEN_CPU_KERNELS", "native")   # as build.py's (the emulator's link libgomp, whose
+    fixed = generate.GPTPrefill(generate.define_prefill(flow)(built["model"]))   # dlclose LeakSanitizer reports)
+    with flow.no_grad():
+        fixed(flow.tensor(np.zeros((1, BLOCK_SIZE), np.int64)))
+    flow.save(fixed, tmp_path / "fixed_saved")
+    aot.build(tmp_path / "fixed_saved", tmp_path / "fixed_build", target="cpu", lib=True, name="gpt_prefill")
+    files = [(tmp_path / "missing", r"cannot open the prefill library: .*missing/prefill/libgpt_prefill.so"),
+             (folder("no_weights", prefill_so, decode_so),
+              r"libgpt_prefill.so: flowgen_create: cannot open weights file .*no_weights/prefill/weights.safetensors"),
+             (folder("swapped", decode_so, decode_so),
+              r"prefill/libgpt_prefill.so takes 6 inputs and gives 5 outputs; the prefill takes the prompt"),
+             (folder("fixed", tmp_path / "fixed_build" / "libgpt_prefill.so", decode_so),
+              rf"input 0 \(input_0\) is int64 \[1, {BLOCK_SIZE}\], expected int64 \[1, seq\] "
+              r"\(the prompt\): not the library examples/generate/build.py builds")]
     for binary in (built["run"], sanitized):
         for args, message in cases:
-            proc = subprocess.run([str(binary), str(built["build"]), *args], capture_output=True, text=True,
-                                  timeout=120)
+            proc = subprocess.run([str(binary), str(build), *args], capture_output=True, text=True, timeout=120)
             assert proc.returncode == 1 and re.search(message, proc.stderr), (binary.name, args, proc.stderr)
             assert proc.stdout == "" and "Sanitizer" not in proc.stderr
-        proc = subprocess.run([str(binary), str(tmp_path)], capture_output=True, text=True, timeout=60)
-        assert proc.returncode == 1 and "flowgen_create: cannot open weights file" in proc.stderr, proc.stderr
-        assert subprocess.run([str(binary), str(built["build"]), "-q"], capture_output=True).returncode == 2
-    proc = subprocess.run([str(sanitized), str(built["build"]), "-i", "1,2", "-n", "100", "-t", "0.9", "-k", "3"],
+        for where, message in files:
+            proc = subprocess.run([str(binary), str(where)], capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 1 and re.search(message, proc.stderr), (binary.name, where, proc.stderr)
+            assert proc.stdout == "" and "Sanitizer" not in proc.stderr
+        assert subprocess.run([str(binary), str(build), "-q"], capture_output=True).returncode == 2
+    proc = subprocess.run([str(sanitized), str(build), "-i", "1,2", "-n", "100", "-t", "0.9", "-k", "3"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "Sanitizer" not in proc.stderr and "runtime error" not in proc.stderr, proc.stderr
-    # Past run.c's checks, the library refuses them too: the embeddings check their indices.
-    library = flow.load_compiled(built["build"])
-    caches = [np.zeros(t.shape, np.float32) for t in library.inputs[2:]]
-    with pytest.raises(IndexError, match="37"):
-        library(np.array([[37]], np.int64), np.array([0], np.int64), *caches)
-    with pytest.raises(IndexError, match=str(BLOCK_SIZE)):
-        library(np.array([[1]], np.int64), np.array([BLOCK_SIZE], np.int64), *caches)
+    assert f"{BLOCK_SIZE - 2} tokens generated" in proc.stderr and len(proc.stdout) == BLOCK_SIZE + 1
+    # Past run.c's checks, the libraries refuse them too: the embeddings check their indices.
+    with flow.load_compiled(build / "prefill") as prefill, flow.load_compiled(build / "decode") as step:
+        with pytest.raises(IndexError, match="37"):
+            prefill(np.array([[1, 37]], np.int64))
+        caches = [np.zeros((1, 4, 3, 16), np.float32) for _ in step.inputs[2:]]
+        with pytest.raises(IndexError, match="37"):
+            step(np.array([[37]], np.int64), np.array([3], np.int64), *caches)
+        with pytest.raises(IndexError, match=str(BLOCK_SIZE)):
+            step(np.array([[1]], np.int64), np.array([BLOCK_SIZE], np.int64), *caches)
+        with pytest.raises(ValueError, match="past"):   # the step needs a cache of at least one position
+            step(np.array([[1]], np.int64), np.array([0], np.int64), *[c[:, :, :0] for c in caches])
 
 
 def _readme_section() -> str:
@@ -217,7 +269,9 @@ def test_generate_tokens_benchmark_runs(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "generate_tokens.py"), "--steps", "0", "--repeats", "2",
                     "--out", str(out)], check=True, capture_output=True, text=True, timeout=900)
     rows = json.loads(out.read_text())["rows"]
-    assert {row["runner"] for row in rows} >= {"flowgen run.c", "torch eager, KV cache"}
+    assert {(row["phase"], row["runner"]) for row in rows} >= {
+        ("generate", "flowgen run.c"), ("generate", "torch eager, KV cache"),
+        ("prompt", "flowgen prefill"), ("prompt", "torch eager, prefill")}
     assert all(row["median_tokens_per_s"] > 0 for row in rows)
 
 

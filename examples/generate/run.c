@@ -1,15 +1,25 @@
 /* examples/generate/run.c: text generation without Python, in the manner of llama2.c's run.c.
  *
- * The model is a GPT decoding step built by examples/generate/build.py as a shared library with
- * flowgen's C API: each call takes one token, its position and the K/V caches of every layer,
- * and returns the next token's logits and the updated caches. This program feeds it the prompt,
- * one token per call, then its own choices: the argmax (greedy, -t 0) or a draw from the top-k
- * logits at a temperature, with its own seeded random numbers (the same seed, the same tokens).
+ * The model is examples/gpt_char.py's GPT built by examples/generate/build.py as two shared
+ * libraries with flowgen's C API, each with a dynamic dimension (any size in its range, each
+ * call's work following it):
+ *   BUILD_DIR/prefill/libgpt_prefill.so  the prompt's tokens, all in one call -> the next token's
+ *                                        logits and the K/V caches of the prompt's positions
+ *   BUILD_DIR/decode/libgpt_decode.so    one token, its position and the caches so far -> the
+ *                                        next token's logits and the caches one position longer
+ * (two, because a dynamic dimension's smallest size is 1: the decoding step cannot start from
+ * empty caches). This program runs the prefill on the prompt, then the step on each token it
+ * picks: the argmax (greedy, -t 0) or a draw from the top-k logits at a temperature, with its own
+ * seeded random numbers (the same seed, the same tokens). It copies the caches each call returns
+ * (the model's memory until its next run) into its own, which grow by one position a step.
+ *
+ * Every flowgen library exports the same C API names, so the two are not linked: each is opened
+ * with dlopen(RTLD_LOCAL), which keeps its symbols apart, and its functions found with dlsym.
+ * The decode build's header gives the API's types (both builds' headers declare the same ones).
  *
  *   python examples/generate/build.py --out gen      # prints the compile command, e.g.
- *   cc -std=c99 -O2 examples/generate/run.c -Igen/build -DFLOWGEN_MODEL_HEADER='"GPTDecode_0.h"' \
- *      -Lgen/build -lGPTDecode_0 -Wl,-rpath,"$PWD/gen/build" -lm -o gen/run
- *   ./gen/run gen/build -p "A graph is" -n 40 -t 0.8 -k 10 -s 7
+ *   cc -std=c99 -O2 examples/generate/run.c -Igen/decode -o gen/run -ldl -lm
+ *   ./gen/run gen -p "A graph is" -n 40 -t 0.8 -k 10 -s 7
  *
  * Options:
  *   -p TEXT   the prompt as text (needs BUILD_DIR/vocab.txt: the characters in token-id order)
@@ -19,13 +29,15 @@
  *   -k K      sample from the K most likely tokens only (default 0: all of them)
  *   -s SEED   the sampler's seed (default 1)
  *   -r        print the token ids (prompt and generated), one line, instead of the text
- * Tokens per second go to stderr: the calls of the step (one per token of the prompt, then one per
- * generated token but the last, which needs none) over the time of those calls.
+ * Tokens per second go to stderr: the tokens generated over the time of the calls that generated
+ * them (the prefill, which gives the first, then one decoding step for each of the others), with
+ * the prefill's own time beside.
  *
- * The caches have a fixed capacity, the model's block size (flowgen has no dynamic dimensions
- * yet): a sequence is at most that long, and each step does the work of the full capacity.
+ * A sequence is at most the model's block size long (the position embedding's rows): the
+ * prefill takes a prompt of up to that many tokens and the step caches of up to one fewer.
  */
-#define _POSIX_C_SOURCE 199309L
+#define _POSIX_C_SOURCE 200809L
+#include <dlfcn.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,98 +45,283 @@
 #include <string.h>
 #include <time.h>
 
-#include FLOWGEN_MODEL_HEADER
-
-/* ---------------------------------------------------------------------------------- the decoder */
-/* The step's signature (build.py): input 0 the token, int64 [1, 1]; input 1 its position, int64
- * [1]; then the caches, float32 [1, n_head, capacity, head_dim] each. Output 0 the logits,
- * float32 [1, vocab_size]; then the caches, in the inputs' order. */
-typedef struct {
-  flowgen_model* model;
-  int n_caches;
-  int vocab_size;
-  int capacity;              /* the caches' positions: the longest sequence */
-  size_t cache_bytes;        /* one cache's size */
-  float** caches;            /* ours: the caches the next step reads */
-  int64_t token, pos;
-  flowgen_tensor* inputs;    /* token, pos, caches... */
-  flowgen_tensor* outputs;   /* logits, caches...: the model's memory until its next run */
-} Decoder;
+#include "gpt_decode.h"   /* the C API's types; its functions come from dlsym */
 
 static int fail(const char* what, const char* why) {
   fprintf(stderr, "run: %s: %s\n", what, why);
   return 1;
 }
 
-static int expect_shape(const flowgen_tensor_info* info, int dtype, int ndim, const char* want) {
-  if (info->dtype == dtype && info->ndim == ndim) return 0;
-  fprintf(stderr, "run: %s is not %s (dtype %d, %d dims): this library is not a decoding step of "
-          "examples/generate/build.py\n", info->name, want, info->dtype, info->ndim);
+/* ---------------------------------------------------------------------------------- a library */
+/* One of the two libraries, opened with dlopen: its C API and a model of its weights. */
+typedef struct {
+  char path[4096];   /* the .so, for messages */
+  void* handle;
+  int (*api_version)(void);
+  int (*num_inputs)(void);
+  int (*num_outputs)(void);
+  int (*input_info)(int, flowgen_tensor_info*);
+  int (*output_info)(int, flowgen_tensor_info*);
+  flowgen_model* (*create)(const char*);
+  int (*run)(flowgen_model*, const flowgen_tensor*, int, flowgen_tensor*, int);
+  const char* (*last_error)(void);
+  void (*destroy)(flowgen_model*);
+  flowgen_model* model;
+  int n_inputs, n_outputs;
+  flowgen_tensor* inputs;
+  flowgen_tensor* outputs;   /* the model's memory until its next run */
+} Library;
+
+/* dlsym's object pointer as a function pointer (POSIX guarantees the conversion). */
+#define FIND(lib, field, symbol)                                            \
+  do {                                                                      \
+    void* address = dlsym((lib)->handle, symbol);                           \
+    if (!address) {                                                         \
+      fprintf(stderr, "run: %s has no %s: not a flowgen --lib build\n", (lib)->path, symbol); \
+      return 1;                                                             \
+    }                                                                       \
+    memcpy(&(lib)->field, &address, sizeof address);                       \
+  } while (0)
+
+/* Open BUILD_DIR/PART/libNAME.so (RTLD_LOCAL: its symbols stay its own) and find its C API. */
+static int library_open(Library* lib, const char* build_dir, const char* part, const char* name) {
+  snprintf(lib->path, sizeof lib->path, "%s/%s/lib%s.so", build_dir, part, name);
+  lib->handle = dlopen(lib->path, RTLD_NOW | RTLD_LOCAL);
+  if (!lib->handle) {
+    fprintf(stderr, "run: cannot open the %s library: %s (examples/generate/build.py --out %s builds it)\n", part,
+            dlerror(), build_dir);
+    return 1;
+  }
+  FIND(lib, api_version, "flowgen_api_version");
+  FIND(lib, num_inputs, "flowgen_num_inputs");
+  FIND(lib, num_outputs, "flowgen_num_outputs");
+  FIND(lib, input_info, "flowgen_input_info");
+  FIND(lib, output_info, "flowgen_output_info");
+  FIND(lib, create, "flowgen_create");
+  FIND(lib, run, "flowgen_run");
+  FIND(lib, last_error, "flowgen_last_error");
+  FIND(lib, destroy, "flowgen_destroy");
+  if (lib->api_version() != FLOWGEN_API_VERSION) {
+    fprintf(stderr, "run: %s has C API version %d; this program was compiled for version %d\n", lib->path,
+            lib->api_version(), FLOWGEN_API_VERSION);
+    return 1;
+  }
+  lib->n_inputs = lib->num_inputs();
+  lib->n_outputs = lib->num_outputs();
+  return 0;
+}
+
+/* Load the weights (BUILD_DIR/PART/weights.safetensors) and make the argument arrays. */
+static int library_create(Library* lib, const char* build_dir, const char* part) {
+  char weights[4096];
+  snprintf(weights, sizeof weights, "%s/%s/weights.safetensors", build_dir, part);
+  lib->model = lib->create(weights);
+  if (!lib->model) {
+    fprintf(stderr, "run: %s: flowgen_create: %s\n", lib->path, lib->last_error());
+    return 1;
+  }
+  lib->inputs = calloc((size_t)lib->n_inputs, sizeof(flowgen_tensor));
+  lib->outputs = calloc((size_t)lib->n_outputs, sizeof(flowgen_tensor));
+  if (!lib->inputs || !lib->outputs) return fail("run", "out of memory");
+  return 0;
+}
+
+static int library_run(Library* lib) {
+  if (lib->run(lib->model, lib->inputs, lib->n_inputs, lib->outputs, lib->n_outputs) == FLOWGEN_OK) return 0;
+  fprintf(stderr, "run: %s: flowgen_run: %s\n", lib->path, lib->last_error());
   return 1;
 }
 
-static int decoder_open(Decoder* d, const char* weights) {
-  memset(d, 0, sizeof *d);
-  const int n_inputs = flowgen_num_inputs(), n_outputs = flowgen_num_outputs();
-  if (n_inputs < 4 || n_outputs != n_inputs - 1 || (n_inputs - 2) % 2 != 0) {
-    fprintf(stderr, "run: the library takes %d inputs and gives %d outputs; a decoding step takes a token, "
-            "a position and 2 caches per layer and gives the logits and the caches\n", n_inputs, n_outputs);
+static void library_close(Library* lib) {
+  free(lib->inputs);
+  free(lib->outputs);
+  if (lib->model) lib->destroy(lib->model);
+  if (lib->handle) dlclose(lib->handle);
+}
+
+/* ---------------------------------------------------------------------------------- the signatures */
+/* A tensor's expected dtype and shape: per axis, a size (> 0), ANY (some fixed size) or
+ * DYNAMIC (-1 in the signature: the library's dynamic dimension). */
+enum { ANY = 0, DYNAMIC = -1 };
+
+static void print_shape(const int64_t* shape, int ndim) {
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] == DYNAMIC) fprintf(stderr, "%s?", d ? ", " : "");
+    else fprintf(stderr, "%s%lld", d ? ", " : "", (long long)shape[d]);
+  }
+}
+
+/* Whether `info` is `dtype` [`want`...]; else the difference printed, naming the library, the
+ * tensor and `meaning` (the expected shape in words). */
+static int expect(const Library* lib, const char* kind, int index, const flowgen_tensor_info* info, int dtype,
+                  int ndim, const int64_t* want, const char* meaning) {
+  int ok = info->dtype == dtype && info->ndim == ndim;
+  for (int d = 0; ok && d < ndim; ++d)
+    ok = want[d] == ANY ? info->shape[d] > 0 : info->shape[d] == want[d];
+  if (ok) return 0;
+  static const char* const names[] = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "bool"};
+  const char* got = info->dtype >= 0 && info->dtype <= FLOWGEN_BOOL ? names[info->dtype] : "an unknown dtype";
+  const int rank = info->ndim < 0 ? 0 : info->ndim > FLOWGEN_MAX_DIMS ? FLOWGEN_MAX_DIMS : info->ndim;
+  fprintf(stderr, "run: %s: %s %d (%s) is %s [", lib->path, kind, index, info->name, got);
+  print_shape(info->shape, rank);
+  int dynamic = 0;
+  for (int d = 0; d < rank; ++d) dynamic |= info->shape[d] == DYNAMIC;
+  fprintf(stderr, "]%s, expected %s %s: not the library examples/generate/build.py builds\n",
+          dynamic ? " (? dynamic)" : "", dtype == FLOWGEN_INT64 ? "int64" : "float32", meaning);
+  return 1;
+}
+
+/* ---------------------------------------------------------------------------------- the decoder */
+/* The signatures (build.py; ? a dynamic dimension):
+ *   prefill: input 0 the prompt, int64 [1, ?seq]; output 0 the last position's logits, float32
+ *            [1, vocab_size]; then the caches, float32 [1, n_head, ?seq, head_dim] (k_0, v_0, ...).
+ *   decode:  input 0 the token, int64 [1, 1]; input 1 its position, int64 [1]; then the caches,
+ *            float32 [1, n_head, ?past, head_dim]; output 0 the logits, float32 [1, vocab_size];
+ *            then the caches, [1, n_head, ?past + 1, head_dim], in the inputs' order. */
+typedef struct {
+  Library prefill, decode;
+  int n_caches;
+  int vocab_size;
+  int capacity;              /* the longest sequence: the prefill's longest prompt */
+  int64_t n_head, head_dim;
+  size_t position_floats;    /* one position of one cache: n_head * head_dim floats */
+  float** caches;            /* ours: the caches the next step reads, room for `capacity` positions */
+  int length;                /* the positions they hold */
+  int64_t* tokens;           /* the prefill's input (capacity tokens) */
+  int64_t token, pos;        /* the step's inputs */
+} Decoder;
+
+/* The two libraries' signatures checked against each other and the layout above. */
+static int check_signatures(Decoder* d) {
+  Library *p = &d->prefill, *s = &d->decode;
+  if (p->n_inputs != 1 || p->n_outputs < 3 || (p->n_outputs - 1) % 2 != 0) {
+    fprintf(stderr, "run: %s takes %d inputs and gives %d outputs; the prefill takes the prompt and gives the "
+            "logits and 2 caches per layer\n", p->path, p->n_inputs, p->n_outputs);
     return 1;
   }
-  flowgen_tensor_info token, pos, logits, cache;
-  flowgen_input_info(0, &token);
-  flowgen_input_info(1, &pos);
-  flowgen_output_info(0, &logits);
-  flowgen_input_info(2, &cache);
-  if (expect_shape(&token, FLOWGEN_INT64, 2, "int64 [1, 1]") || expect_shape(&pos, FLOWGEN_INT64, 1, "int64 [1]") ||
-      expect_shape(&logits, FLOWGEN_FLOAT32, 2, "float32 [1, vocab]") ||
-      expect_shape(&cache, FLOWGEN_FLOAT32, 4, "float32 [1, heads, capacity, head_dim]"))
+  d->n_caches = p->n_outputs - 1;
+  if (s->n_inputs != 2 + d->n_caches || s->n_outputs != 1 + d->n_caches) {
+    fprintf(stderr, "run: %s takes %d inputs and gives %d outputs; the decoding step of the prefill's %d caches "
+            "takes a token, its position and the caches (%d inputs) and gives the logits and the caches (%d)\n",
+            s->path, s->n_inputs, s->n_outputs, d->n_caches, 2 + d->n_caches, 1 + d->n_caches);
     return 1;
-  d->n_caches = n_inputs - 2;
-  d->vocab_size = (int)logits.shape[1];
-  d->capacity = (int)cache.shape[2];
-  d->cache_bytes = sizeof(float);
-  for (int k = 0; k < 4; ++k) d->cache_bytes *= (size_t)cache.shape[k];
-
-  d->model = flowgen_create(weights);
-  if (!d->model) return fail("flowgen_create", flowgen_last_error());
-  d->inputs = calloc((size_t)n_inputs, sizeof(flowgen_tensor));
-  d->outputs = calloc((size_t)n_outputs, sizeof(flowgen_tensor));
-  d->caches = calloc((size_t)d->n_caches, sizeof(float*));
-  if (!d->inputs || !d->outputs || !d->caches) return fail("decoder", "out of memory");
-  d->inputs[0] = (flowgen_tensor){&d->token, FLOWGEN_INT64, 2, {1, 1}, FLOWGEN_HOST};
-  d->inputs[1] = (flowgen_tensor){&d->pos, FLOWGEN_INT64, 1, {1}, FLOWGEN_HOST};
+  }
+  flowgen_tensor_info info, first;
+  p->input_info(0, &info);
+  if (expect(p, "input", 0, &info, FLOWGEN_INT64, 2, (int64_t[]){1, DYNAMIC}, "[1, seq] (the prompt)")) return 1;
+  if (info.min_shape[1] != 1) {
+    fprintf(stderr, "run: %s: the prompt's length is %lld to %lld; expected from 1\n", p->path,
+            (long long)info.min_shape[1], (long long)info.max_shape[1]);
+    return 1;
+  }
+  d->capacity = (int)info.max_shape[1];
+  p->output_info(0, &info);
+  if (expect(p, "output", 0, &info, FLOWGEN_FLOAT32, 2, (int64_t[]){1, ANY}, "[1, vocab] (the logits)")) return 1;
+  d->vocab_size = (int)info.shape[1];
+  p->output_info(1, &first);
+  if (expect(p, "output", 1, &first, FLOWGEN_FLOAT32, 4, (int64_t[]){1, ANY, DYNAMIC, ANY},
+             "[1, heads, seq, head_dim] (a cache)"))
+    return 1;
+  d->n_head = first.shape[1];
+  d->head_dim = first.shape[3];
+  const int64_t* cache = (int64_t[]){1, d->n_head, DYNAMIC, d->head_dim};
+  const char* cache_words = "[1, heads, ?, head_dim] (a cache, as the prefill's)";
   for (int c = 0; c < d->n_caches; ++c) {
-    d->caches[c] = calloc(1, d->cache_bytes);   /* a new sequence: empty (zero) caches */
-    if (!d->caches[c]) return fail("decoder", "out of memory");
-    flowgen_tensor* input = &d->inputs[2 + c];
-    *input = (flowgen_tensor){d->caches[c], FLOWGEN_FLOAT32, 4, {0}, FLOWGEN_HOST};
-    memcpy(input->shape, cache.shape, sizeof cache.shape);
+    p->output_info(1 + c, &info);
+    if (expect(p, "output", 1 + c, &info, FLOWGEN_FLOAT32, 4, cache, cache_words)) return 1;
+    if (info.max_shape[2] != d->capacity) {
+      fprintf(stderr, "run: %s: output %d holds up to %lld positions, the prompt %d\n", p->path, 1 + c,
+              (long long)info.max_shape[2], d->capacity);
+      return 1;
+    }
+  }
+  s->input_info(0, &info);
+  if (expect(s, "input", 0, &info, FLOWGEN_INT64, 2, (int64_t[]){1, 1}, "[1, 1] (the token)")) return 1;
+  s->input_info(1, &info);
+  if (expect(s, "input", 1, &info, FLOWGEN_INT64, 1, (int64_t[]){1}, "[1] (its position)")) return 1;
+  s->output_info(0, &info);
+  if (expect(s, "output", 0, &info, FLOWGEN_FLOAT32, 2, (int64_t[]){1, d->vocab_size},
+             "[1, vocab] (the logits, as the prefill's)"))
+    return 1;
+  for (int c = 0; c < d->n_caches; ++c) {
+    s->input_info(2 + c, &info);
+    if (expect(s, "input", 2 + c, &info, FLOWGEN_FLOAT32, 4, cache, cache_words)) return 1;
+    if (info.min_shape[2] != 1 || info.max_shape[2] != d->capacity - 1) {
+      fprintf(stderr, "run: %s: input %d holds %lld to %lld positions; expected 1 to %d, one fewer than the "
+              "prefill's longest prompt\n", s->path, 2 + c, (long long)info.min_shape[2],
+              (long long)info.max_shape[2], d->capacity - 1);
+      return 1;
+    }
+    s->output_info(1 + c, &info);
+    if (expect(s, "output", 1 + c, &info, FLOWGEN_FLOAT32, 4, cache, cache_words)) return 1;
   }
   return 0;
 }
 
-/* Run the step on `token` at `pos`; the logits (vocab_size floats, the model's memory until the
- * next step), or NULL with the library's message printed. */
-static const float* decoder_step(Decoder* d, int token, int pos) {
-  d->token = token;
-  d->pos = pos;
-  if (flowgen_run(d->model, d->inputs, 2 + d->n_caches, d->outputs, 1 + d->n_caches) != FLOWGEN_OK) {
-    fail("flowgen_run", flowgen_last_error());
-    return NULL;
+static int decoder_open(Decoder* d, const char* build_dir) {
+  memset(d, 0, sizeof *d);
+  if (library_open(&d->prefill, build_dir, "prefill", "gpt_prefill") ||
+      library_open(&d->decode, build_dir, "decode", "gpt_decode") || check_signatures(d) ||
+      library_create(&d->prefill, build_dir, "prefill") || library_create(&d->decode, build_dir, "decode"))
+    return 1;
+  d->position_floats = (size_t)d->n_head * (size_t)d->head_dim;
+  d->caches = calloc((size_t)d->n_caches, sizeof(float*));
+  d->tokens = calloc((size_t)d->capacity, sizeof(int64_t));
+  if (!d->caches || !d->tokens) return fail("run", "out of memory");
+  for (int c = 0; c < d->n_caches; ++c) {
+    d->caches[c] = malloc(sizeof(float) * d->position_floats * (size_t)d->capacity);
+    if (!d->caches[c]) return fail("run", "out of memory");
   }
-  /* The updated caches belong to the model until its next run, which reads ours: copy them. */
-  for (int c = 0; c < d->n_caches; ++c) memcpy(d->caches[c], d->outputs[1 + c].data, d->cache_bytes);
-  return d->outputs[0].data;
+  d->decode.inputs[0] = (flowgen_tensor){&d->token, FLOWGEN_INT64, 2, {1, 1}, FLOWGEN_HOST};
+  d->decode.inputs[1] = (flowgen_tensor){&d->pos, FLOWGEN_INT64, 1, {1}, FLOWGEN_HOST};
+  for (int c = 0; c < d->n_caches; ++c)
+    d->decode.inputs[2 + c] = (flowgen_tensor){d->caches[c], FLOWGEN_FLOAT32, 4, {1, d->n_head, 0, d->head_dim},
+                                               FLOWGEN_HOST};
+  return 0;
+}
+
+/* The caches a call returned (`outputs` 1...), `length` positions each, copied into ours: they
+ * belong to the model until its next run, which reads ours. */
+static int keep_caches(Decoder* d, const Library* lib, int length) {
+  for (int c = 0; c < d->n_caches; ++c) {
+    const flowgen_tensor* out = &lib->outputs[1 + c];
+    if (out->ndim != 4 || out->shape[2] != length) {
+      fprintf(stderr, "run: %s: output %d has %lld positions, expected %d\n", lib->path, 1 + c,
+              (long long)(out->ndim == 4 ? out->shape[2] : -1), length);
+      return 1;
+    }
+    memcpy(d->caches[c], out->data, sizeof(float) * d->position_floats * (size_t)length);
+  }
+  d->length = length;
+  return 0;
+}
+
+/* The prompt (`n` tokens, 1 <= n <= capacity) in one call; the logits of the token after it (the
+ * model's memory until its next run), or NULL with the reason printed. */
+static const float* decoder_prefill(Decoder* d, const int* ids, int n) {
+  for (int i = 0; i < n; ++i) d->tokens[i] = ids[i];
+  d->prefill.inputs[0] = (flowgen_tensor){d->tokens, FLOWGEN_INT64, 2, {1, n}, FLOWGEN_HOST};
+  if (library_run(&d->prefill) || keep_caches(d, &d->prefill, n)) return NULL;
+  return d->prefill.outputs[0].data;
+}
+
+/* The step on `token` at the position after the caches (1 <= length < capacity); the logits of
+ * the token after it, or NULL with the reason printed. */
+static const float* decoder_step(Decoder* d, int token) {
+  d->token = token;
+  d->pos = d->length;
+  for (int c = 0; c < d->n_caches; ++c) d->decode.inputs[2 + c].shape[2] = d->length;
+  if (library_run(&d->decode) || keep_caches(d, &d->decode, d->length + 1)) return NULL;
+  return d->decode.outputs[0].data;
 }
 
 static void decoder_close(Decoder* d) {
   if (d->caches)
     for (int c = 0; c < d->n_caches; ++c) free(d->caches[c]);
   free(d->caches);
-  free(d->inputs);
-  free(d->outputs);
-  flowgen_destroy(d->model);
+  free(d->tokens);
+  library_close(&d->prefill);
+  library_close(&d->decode);
 }
 
 /* ---------------------------------------------------------------------------------- the sampler */
@@ -245,6 +442,7 @@ static int parse_number(char flag, const char* value, int whole, double* number)
 
 static int usage(void) {
   fprintf(stderr, "usage: run BUILD_DIR [-p TEXT | -i IDS] [-n N] [-t TEMPERATURE] [-k TOP_K] [-s SEED] [-r]\n"
+          "  BUILD_DIR: examples/generate/build.py's --out (prefill/, decode/, vocab.txt)\n"
           "  (examples/generate/run.c's header says what each option does)\n");
   return 2;
 }
@@ -281,13 +479,11 @@ int main(int argc, char** argv) {
     }
   }
 
-  char weights[4096];
-  snprintf(weights, sizeof weights, "%s/weights.safetensors", build_dir);
   Decoder decoder;
   int status = 1;
   int* ids = NULL;
   int* order = NULL;
-  if (decoder_open(&decoder, weights) != 0) goto done;
+  if (decoder_open(&decoder, build_dir) != 0) goto done;
   char vocab[4096];
   const int vocab_length = read_vocab(build_dir, vocab, (int)sizeof vocab);
   if (vocab_length && vocab_length != decoder.vocab_size) {
@@ -323,17 +519,17 @@ int main(int argc, char** argv) {
   }
   uint64_t rng = seed ^ 0x9E3779B97F4A7C15ull;   /* xorshift's state must not be 0 */
   int length = n_prompt;   /* tokens in `ids` */
-  int calls = 0;
+  double prefill_seconds = 0.0, seconds = 0.0;
   const double start = now_s();
-  for (int pos = 0; length < end; ++pos) {   /* the prompt's tokens fill the caches, then each call adds one */
-    const float* logits = decoder_step(&decoder, ids[pos], pos);
+  while (length < end) {   /* the prefill gives the first token after the prompt, each step one more */
+    const float* logits = length == n_prompt ? decoder_prefill(&decoder, ids, n_prompt)
+                                             : decoder_step(&decoder, ids[length - 1]);
     if (!logits) goto done;
-    ++calls;
-    if (pos + 1 == length)
-      ids[length++] = temperature == 0.0f ? argmax(logits, decoder.vocab_size)
-                                          : sample(logits, decoder.vocab_size, top_k, temperature, order, &rng);
+    if (length == n_prompt) prefill_seconds = now_s() - start;
+    ids[length++] = temperature == 0.0f ? argmax(logits, decoder.vocab_size)
+                                        : sample(logits, decoder.vocab_size, top_k, temperature, order, &rng);
   }
-  const double seconds = now_s() - start;
+  seconds = now_s() - start;
 
   for (int i = 0; i < length; ++i) {
     if (raw || !vocab_length)
@@ -342,8 +538,13 @@ int main(int argc, char** argv) {
       putchar(vocab[ids[i]]);
   }
   printf("\n");
-  fprintf(stderr, "%d calls (%d prompt tokens, %d generated) in %.4f s: %.1f tok/s\n", calls, n_prompt,
-          length - n_prompt, seconds, calls / seconds);
+  const int generated = length - n_prompt;
+  if (generated)
+    fprintf(stderr, "%d token%s generated in %.4f s: %.1f tok/s (1 prefill call of %d prompt token%s, %.6f s, "
+            "then %d decode call%s)\n", generated, generated == 1 ? "" : "s", seconds, generated / seconds, n_prompt,
+            n_prompt == 1 ? "" : "s", prefill_seconds, generated - 1, generated == 2 ? "" : "s");
+  else
+    fprintf(stderr, "0 tokens generated: no calls\n");
   status = 0;
 done:
   free(ids);
