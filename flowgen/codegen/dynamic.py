@@ -11,14 +11,15 @@ expression of the sizes, which the kernel reads once from one more parameter, `f
 (the executor, program or library writes the sizes there before each step); so is a float
 literal holding a whole number (a mean's count), its reciprocal (the mean's gradient) or
 n / (n - 1) (BatchNorm's unbiased running variance), cast back to the literal's type. A launch
-grid that changes is fitted the same way: an axis the lowering computed as blocks over an extent (codegen.kernel.Blocks: grid_1d, a GEMM's row tiles)
-becomes a GridSize, ceil(extent / per_block) with the extent (and a multiple) fitted, which the
-executor, program or library computes from the sizes before launching; another axis must follow
-a polynomial. Anything else that changes with a size is refused, naming the kernel,
-its module path and the Dim: another float literal (two thirds of the batch), a token (a tile or
-loop form chosen by size), a block shape, a buffer that shrinks as a size grows (the plan is made
-for the maximum). Comments keep the base's text,
-whose sizes are the maximum's.
+grid that changes is fitted the same way: an axis the lowering computed as blocks over an extent
+(codegen.kernel.Blocks: grid_1d, a GEMM's row tiles) becomes a GridSize, ceil(extent / per_block)
+with the extent (and a multiple) fitted, which the executor, program or library computes from the
+sizes before launching; another axis must follow a polynomial. The renderings below the maximum
+are made with the maximum's kernel forms (codegen/target.py forms_chosen_at), so that they are one
+program. Anything else that changes with a size is refused, naming the kernel, its module path
+and the Dim: another float literal (two thirds of the batch), a token (a form chosen by size), a
+block shape, a buffer that shrinks as a size grows (the plan is made for the maximum). Comments
+keep the base's text, whose sizes are the maximum's.
 """
 from __future__ import annotations
 

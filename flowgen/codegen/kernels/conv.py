@@ -16,8 +16,8 @@ from flowgen import dtype as dt
 from flowgen.codegen.fused import Emitter, anchor_epilogue
 from flowgen.codegen.kernel import Blocks, BufferArg, Kernel, RenderContext, every_output_over
 from flowgen.codegen.kernels.common import (BLOCK, acc_type, grid_1d, index_type, loader, node_args,
-                                            node_comment, node_kernel, node_params, pair_of, render_template, row_blocks,
-                                            storer)
+                                            node_comment, node_kernel, node_params, pair_of, render_template,
+                                            row_blocks, storer)
 from flowgen.codegen.kernels.gemm import (MMA_KINDS, WGMMA_ROW_BYTES, WGMMA_TILES, Tile, choose_tile, make_tile,
                                           mma_tile, mma_tile_config, ranked_tiles, staged_operand,
                                           tensor_core_kind, wgmma_tile_config)

@@ -18,8 +18,8 @@ from __future__ import annotations
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import BufferArg, Kernel, RenderContext
 from flowgen.codegen.kernels.common import (BLOCK, acc_type, convert_to, grid_1d, index_type, loader,
-                                            node_comment, node_kernel, render_template, row_blocks, row_element, row_layout,
-                                            shape_text, store_as)
+                                            node_comment, node_kernel, render_template, row_blocks, row_element,
+                                            row_layout, shape_text, store_as)
 from flowgen.codegen.target import serial_blocks, target_blocks
 from flowgen.ir.graph import Value
 
