@@ -453,10 +453,14 @@ def _check_constants(programs, dims, points):
             other, values = theirs.get(v.name, (None, None))
             base = np.asarray(array).reshape(-1)
             if other is None or not np.array_equal(base[:other.numel], np.asarray(values).reshape(-1)):
-                raise DynamicShapeError(f"dynamic_shapes: the constant %{v.name} ({v.type_str}) holds other values at "
-                                        f"{_sizes_text(dims, sizes)} than the first of the maximum's (indices that "
-                                        f"count from the end of a dynamic axis, as a flip's); flowgen cannot compute "
-                                        f"it for a size given at run time")
+                reader = next((k for k in programs[0].prepare + programs[0].kernels
+                               if any(isinstance(a, BufferArg) and a.value is v for a in k.args)), None)
+                read = "" if reader is None else f", read by kernel {reader.name} ({reader.comment or reader.name}),"
+                raise DynamicShapeError(f"dynamic_shapes: the constant %{v.name} ({v.type_str}){read} holds other "
+                                        f"values at {_sizes_text(dims, sizes)} than the first of the maximum's (values "
+                                        f"computed from a size: positions arange(n, n + 1), a flip's indices that "
+                                        f"count from the end of a dynamic axis); flowgen cannot compute it for a size "
+                                        f"given at run time")
 
 
 def _dims_text(dims) -> str:
