@@ -125,6 +125,10 @@ def test_sizes_out_of_range_and_tied_dims_are_refused():
     with pytest.raises(ValueError, match="dynamic_shapes has 1 entries for 2 inputs"):
         graph.config.dynamic_shapes([{0: batch}])
         graph(flow.randn(3, 4), flow.randn(3, 4))
+    # a size seen before is checked again against Dims declared anew
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=4, max=8)}] * 2)
+    with pytest.raises(ValueError, match=r"input 0 has size 3 at axis 0, which is Dim\('batch', min=4, max=8\)"):
+        graph(flow.randn(3, 4), flow.randn(3, 4))
 
 
 @pytest.mark.parametrize("kwargs, message", [

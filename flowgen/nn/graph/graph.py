@@ -36,6 +36,8 @@ def _as_int(step) -> int:
 _counters: dict = collections.defaultdict(itertools.count)
 
 MAX_CACHED_VARIANTS = 8
+# Exact input signatures remembered per dynamic graph (each maps to its variant's key).
+MAX_KNOWN_SIZES = 256
 
 
 class Graph:
@@ -51,6 +53,9 @@ class Graph:
         object.__setattr__(self, "_variants", collections.OrderedDict())
         object.__setattr__(self, "_last", None)
         object.__setattr__(self, "_dynamic_spec", (None, None, None))   # (config.dynamic, ranks, its uses)
+        # A call's exact signature -> its dynamic variant's key (config.dynamic, {signature: key}):
+        # a size seen before skips the checks and the abstract key (_variant_for).
+        object.__setattr__(self, "_dynamic_keys", (None, collections.OrderedDict()))
         object.__setattr__(self, "_io", None)
         object.__setattr__(self, "_counter", {"calls": 0})
         object.__setattr__(self, "_zero_slots", {})   # state name -> ShardedSlot (ZeRO, passes/zero.py)
@@ -160,12 +165,23 @@ class Graph:
         layouts = [a.sbp[0].kind if a.is_global else "local" for a in inputs]
         inputs, placements, split = split_inputs(self, inputs)
         args, kwargs = rebuild_call(inputs)
-        uses = self._dynamic_uses(inputs, placements)
-        key = (signature((args, kwargs)) if uses is None else signature(rebuild_call(abstract_inputs(inputs, uses))),
-               placements)
-        if uses == {}:   # every Dim at 1: the exact variant
-            uses = None
-        variant = self._variants.get(key)
+        exact = (signature((args, kwargs)), placements)
+        spec, known = self._dynamic_keys
+        if spec is not self.config.dynamic:   # declared again: the sizes seen before say nothing
+            known = collections.OrderedDict()
+            object.__setattr__(self, "_dynamic_keys", (self.config.dynamic, known))
+        key = exact if self.config.dynamic is None else known.get(exact)
+        variant = None if key is None else self._variants.get(key)
+        if variant is None:
+            uses = self._dynamic_uses(inputs, placements)
+            key = exact if uses is None else (signature(rebuild_call(abstract_inputs(inputs, uses))), placements)
+            if uses == {}:   # every Dim at 1: the exact variant
+                uses = None
+            if self.config.dynamic is not None:   # checked: these exact shapes map to this key from now on
+                known[exact] = key
+                if len(known) > MAX_KNOWN_SIZES:
+                    known.popitem(last=False)
+            variant = self._variants.get(key)
         if variant is None:
             if self._variants:
                 self._log(0, f"(GRAPH:{self._name}) new input signature "
