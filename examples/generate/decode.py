@@ -28,19 +28,14 @@ graph from the caches' length, `arange(past, past + 1)`, is refused by flowgen's
 """
 from __future__ import annotations
 
+from prefill import define_gpt_part   # examples/generate/prefill.py
+
 
 def define_decode_step(torch):
     """The DecodeStep class for a PyTorch-like module `torch` (flowgen or PyTorch)."""
-    nn, F = torch.nn, torch.nn.functional
+    F = torch.nn.functional
 
-    class DecodeStep(nn.Module):
-        def __init__(self, gpt):
-            super().__init__()
-            self.gpt = gpt
-            config = gpt.config
-            self.block_size = config.block_size
-            self.n_head, self.n_embd = config.n_head, config.n_embd
-            self.head_dim = config.n_embd // config.n_head
+    class DecodeStep(define_gpt_part(torch)):
 
         def example_inputs(self, past: int) -> list:
             """Inputs at a cache length of `past` (zero caches, token 0 at position past): for tracing."""

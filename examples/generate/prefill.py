@@ -22,11 +22,11 @@ one call is one pass over all of its positions, not one call per token.
 from __future__ import annotations
 
 
-def define_prefill(torch):
-    """The Prefill class for a PyTorch-like module `torch` (flowgen or PyTorch)."""
-    nn, F = torch.nn, torch.nn.functional
+def define_gpt_part(torch):
+    """The base of the prefill and the decoding step (decode.py) for a PyTorch-like module `torch`:
+    a module holding a GPT and its attention's sizes."""
 
-    class Prefill(nn.Module):
+    class GPTPart(torch.nn.Module):
         def __init__(self, gpt):
             super().__init__()
             self.gpt = gpt
@@ -34,6 +34,15 @@ def define_prefill(torch):
             self.block_size = config.block_size
             self.n_head, self.n_embd = config.n_head, config.n_embd
             self.head_dim = config.n_embd // config.n_head
+
+    return GPTPart
+
+
+def define_prefill(torch):
+    """The Prefill class for a PyTorch-like module `torch` (flowgen or PyTorch)."""
+    F = torch.nn.functional
+
+    class Prefill(define_gpt_part(torch)):
 
         def example_inputs(self, seq: int) -> list:
             """A prompt of `seq` zero tokens: for tracing."""
