@@ -16,7 +16,7 @@ import numpy as np
 
 from flowgen import dtype as dt
 from flowgen.codegen.kernel import Blocks, BufferArg, Kernel, RenderContext, every_output_over
-from flowgen.codegen.target import block_segments, reduce_block, serial_blocks, target_blocks
+from flowgen.codegen.target import block_segments, chosen_shape, reduce_block, serial_blocks, target_blocks
 from flowgen.codegen.templates import get_template
 from flowgen.ir.graph import Value
 from flowgen.ops.lowering import Reduction, View, cpp_literal
@@ -476,9 +476,14 @@ def render_reduction(node, ctx: RenderContext) -> list:
     out_shape = tuple(red.output.shape)
     numel_out = max(int(np.prod(out_shape, dtype=np.int64)), 1)
     # On the cpu target (target.serial_blocks) one thread per block reduces its elements in order.
+    # The block and the splits are chosen for the sizes of target.chosen_shape (a dynamic step's
+    # maximum: the kernels at smaller sizes must be the same program but for sizes).
+    chosen_in, chosen_out = chosen_shape(red.inputs[0]), chosen_shape(red.output)
+    chosen_size = (int(np.prod([chosen_in[d] for d in dims], dtype=np.int64))
+                   if len(chosen_in) == len(in_shape) else reduce_size)
     serial = serial_blocks()
-    block = 1 if serial else reduce_block(reduce_size)
-    splits = reduce_splits(numel_out, reduce_size, block)
+    block = 1 if serial else reduce_block(chosen_size)
+    splits = reduce_splits(max(int(np.prod(chosen_out, dtype=np.int64)), 1), chosen_size, block)
 
     prologue_values = {v for b in prologue for v in b.inputs} | {r.inputs[0] for r in reds}
     prologue_values -= {o for b in prologue for o in b.outputs}

@@ -126,7 +126,8 @@ def _conv2d_kernels(node, kernel_name, fusion):
     if CG == 1:                                             # depthwise (one input channel per group)
         kind = "dw_" + op
         if op == "wgrad":
-            block = 1 if serial_blocks() else reduce_block(N * OH * OW)   # cpu: a thread sums in order
+            # cpu: a thread sums in order; else a block over the chosen batch's pixels (target.chosen_shape)
+            block = 1 if serial_blocks() else reduce_block(chosen_shape(first)[0] * OH * OW)
             what = f"{text} (depthwise, block per weight)"  # grad_weight: never fused
             source = render_template("conv2d.cu.j2", kind=kind, comment=node_comment(node, what), block=block, **ctx)
             return [node_kernel(node, kernel_name, source, row_blocks(O * KH * KW), (block, 1, 1),

@@ -49,19 +49,19 @@ def _use_columns(D: int, inner: int, rows: int) -> bool:
 def _row_kernels(node, kernel_name, template, ctx, x, index_check=None) -> list:
     """One kernel that reduces `x` along a dim: a thread per row when the dim is strided and rows
     are many (coalesced), else a block per row with block reductions."""
-    D, rows = ctx["D"], ctx["rows"]
+    rows = ctx["rows"]
     # the rows its form is chosen for (codegen/target.py chosen_shape: a dynamic step's maximum)
-    chosen_outer, _, chosen_inner = row_layout(chosen_shape(x), ctx["dim"])
+    chosen_outer, chosen_D, chosen_inner = row_layout(chosen_shape(x), ctx["dim"])
     chosen_rows = chosen_outer * chosen_inner
     where = f"over dim {ctx['dim']} of {ctx['shape']}"
     # the cpu target (serial_blocks) runs softmax rows a thread each: no barriers, no fibers
     serial_rows = serial_blocks() and template == "softmax.cu.j2" and ctx["mode"] in ("softmax", "log_softmax")
-    if _use_columns(D, chosen_inner, chosen_rows) or serial_rows:
+    if _use_columns(chosen_D, chosen_inner, chosen_rows) or serial_rows:
         what = f"{where} (thread per row)"
         source = render_template(template, kind="column", comment=node_comment(node, what), **ctx)
         grid, block = serial_rows_launch(rows, chosen_rows) if serial_blocks() else (grid_1d(rows), (BLOCK, 1, 1))
         return [node_kernel(node, kernel_name, source, grid, block, False, what, index_check=index_check)]
-    block = reduce_block(D)
+    block = reduce_block(chosen_D)
     what = f"{where} (block per row)"
     source = render_template(template, kind="block", comment=node_comment(node, what), block=block, **ctx)
     return [node_kernel(node, kernel_name, source, row_blocks(rows), (block, 1, 1), True, what,
