@@ -333,3 +333,21 @@ def test_the_cuda_targets_kernels_launch_grids_from_the_sizes(cuda_graph_target,
 
 def test_warpgroup_mma_kernels_launch_grids_from_the_sizes(sm90_graph_target, monkeypatch):
     _dynamic_cuda_graphs(monkeypatch, "wgmma", with_gpt=False)
+
+
+def test_reductions_over_a_dynamic_axis_keep_the_maximums_form(cuda_graph_target):
+    """A sum, a max and a softmax over the dynamic batch on the cuda target's kernels: their block
+    sizes and splits are chosen at the maximum batch (the forms at smaller ones would differ), so
+    one program takes every batch."""
+    class OverBatch(nn.Module):
+        def forward(self, x):
+            return x.sum(dim=0) + x.amax(dim=0) + x.softmax(dim=0)[0] + x.var(dim=0)
+
+    model = OverBatch()
+    graph = InferGraph(model.to("cuda"))
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=2, max=3000)}])
+    for n in (3000, 2, 37, 1100):
+        x = flow.randn(n, 48)
+        np.testing.assert_allclose(graph(x.to("cuda")).numpy(), model(x).numpy(), rtol=1e-4, atol=1e-4,
+                                   err_msg=f"batch {n}")
+    assert len(graph._variants) == 1
