@@ -511,7 +511,8 @@ class SavedGraph:
                 self._programs[key] = program
         return self._programs[key]
 
-    def _check_inputs(self, arrays) -> list:
+    def _check_inputs(self, arrays) -> tuple:
+        """(the arrays as the step reads them, {Dim: its size in them}: empty for fixed shapes)."""
         if len(arrays) != len(self.ir.inputs):
             raise TypeError(f"{self.name}: run() takes {len(self.ir.inputs)} input arrays, got {len(arrays)}")
         result = []
@@ -529,9 +530,9 @@ class SavedGraph:
                 raise ValueError(f"{self.name}: input {i} ({v.name}) has dtype {a.dtype}, expected {v.dtype.name}; "
                                  f"convert it with x.astype({convert})")
             result.append(_contiguous(a))
-        if dynamic:
-            sizes_of(self.dynamic.uses, [a.shape for a in result], self.name, [v.name for v in self.ir.inputs])
-        return result
+        sizes = sizes_of(self.dynamic.uses, [a.shape for a in result], self.name,
+                         [v.name for v in self.ir.inputs]) if dynamic else {}
+        return result, sizes
 
     def run(self, *arrays) -> list:
         """One step on the CPU emulator; returns the outputs as NumPy arrays.
@@ -540,11 +541,10 @@ class SavedGraph:
         saved step, replayed; the built program advances them from step to step. An input index
         out of range raises IndexError after the step, as a graph call does.
         """
-        inputs = self._check_inputs(arrays)
+        inputs, sizes = self._check_inputs(arrays)
         program = self.program("cpu")
         if self.dynamic is not None:   # the program for the Dims at 1, if they have one
-            ones = tuple(k for k, d in enumerate(self.dynamic.dims)
-                         if inputs[self.dynamic.uses[d][0].input].shape[self.dynamic.uses[d][0].axis] == 1)
+            ones = tuple(k for k, d in enumerate(self.dynamic.dims) if sizes[d] == 1)
             program = dict(program.dynamic.variants).get(ones, program)
         if id(program) not in self._executors:
             self._executors[id(program)] = Executor(program, CpuBackend(program.source))
@@ -648,11 +648,11 @@ def save_graph(graph, path) -> None:
     doc, arrays = encode_graph(compiled.ir, graph.training)
     if data_parallel is not None:
         doc["data_parallel"] = data_parallel
-    dynamic = _dynamic_entry(graph.name, compiled, graph.training)
-    if dynamic is not None and data_parallel is not None:
+    if compiled.program.dynamic is not None and data_parallel is not None:
         raise NotImplementedError(f"flow.save: {graph.name} is data parallel and has dynamic dimensions; the "
                                   f"standalone program splits each batch over its ranks at one size: save it "
                                   f"compiled for fixed shapes (graph.config.dynamic_shapes(None))")
+    dynamic = _dynamic_entry(graph.name, compiled, graph.training)
     if dynamic is not None:
         doc["dynamic"], renderings_arrays = dynamic
         arrays.update(renderings_arrays)

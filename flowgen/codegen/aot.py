@@ -290,7 +290,7 @@ class _StepRender:
             "smem": int(k.smem),
             "grid": ", ".join(str(int(g)) for g in k.grid) if k.dynamic_grid is None else
                     ", ".join(str(g) if isinstance(g, int) else
-                              f"unsigned({g.c_expr([f'm.size[{dims.index(d)}]' for d in self.program.dynamic.dims])})"
+                              f"unsigned({g.c_expr(_size_names(self.program, dims, 'm.size'))})"
                               for g in k.dynamic_grid),
             "block": ", ".join(str(int(b)) for b in k.block),
             "arg_lines": lines,
@@ -350,12 +350,18 @@ class _StepRender:
                 self.persistent_cname.items()]
 
 
+def _size_names(program, dims: list, vector: str) -> list:
+    """The C++ names of `program`'s Dims' sizes, in its order: `vector[j]`, j the Dim's place in the
+    build's `dims` (a program for sizes of 1 has fewer Dims than the build)."""
+    return [] if program.dynamic is None else [f"{vector}[{dims.index(d)}]" for d in program.dynamic.dims]
+
+
 def _output_sizes(program, k: int, dims: list, spec_shape) -> list:
     """[(axis, C++ expression of the build's sizes `size[j]`)] for each axis of `program`'s output
     k other than OUTPUTS' `spec_shape`: those that follow the Dims, or a size of 1's program's."""
     fitted = (program.dynamic.output_shapes[k] if program.dynamic is not None
               else list(program.graph.outputs[k].shape))
-    names = [f"size[{dims.index(d)}]" for d in program.dynamic.dims] if program.dynamic is not None else []
+    names = _size_names(program, dims, "size")
     return [(axis, str(n) if isinstance(n, int) else n.c_expr(names))
             for axis, (n, fixed) in enumerate(zip(fitted, spec_shape)) if not (isinstance(n, int) and n == fixed)]
 

@@ -160,7 +160,7 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
         return _mma_gemm_kernel(node, kernel_name, kind, (a, b, c), (M, N, K), params, args, epilogue_lines,
                                 a_trans, b_trans, ops, what_extra, a_ptr, b_ptr, chosen)
     t = choose_tile(chosen.M, chosen.N, chosen.batch, acc, "m" if a_trans else "k", "k" if b_trans else "n")
-    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, t.BM, t.BN)
+    n_tiles, m_tiles, tile_grid = _grid_tiles(node, M, N, batch, t.BM, t.BN)
     serial = not direct and serial_blocks()
     what = (f"{shape_text(a.shape)}{'^T' if a_trans else ''} @ {shape_text(b.shape)}{'^T' if b_trans else ''}"
             f" ({'direct GEMM' if direct else f'tiled GEMM {t.BM}x{t.BN}'}{', one thread per tile' if serial else ''})"
@@ -178,7 +178,7 @@ def gemm_kernel(node, kernel_name, a, b, c, params, args, epilogue_lines, a_tran
     if direct:
         grid, block = grid_1d(batch * M * N), (BLOCK, 1, 1)
     else:
-        grid, block = _tile_grid(N, M, batch, t.BN, t.BM), (1 if serial else t.NT, 1, 1)
+        grid, block = tile_grid, (1 if serial else t.NT, 1, 1)
     return Kernel(name=kernel_name, source=source, args=args, grid=grid, block=block, smem=0,
                   needs_fibers=not (direct or serial), comment=node_comment(node, what), ops=ops or [node.op])
 
@@ -191,12 +191,6 @@ def _chosen_sizes(a, b, c, a_trans: bool, b_trans: bool) -> Tile:
     return Tile(M=M, N=b_shape[-2] if b_trans else b_shape[-1], K=K, batch=numel_of(c_shape[:-2]))
 
 
-def _tile_grid(N: int, M: int, batch: int, BN: int, BM: int) -> tuple:
-    """A tiled GEMM's grid: x = column tiles x batch entries, y = row tiles (Blocks: a step with
-    dynamic dimensions computes them from its sizes)."""
-    return Blocks(N, BN, times=batch), Blocks(M, BM), 1
-
-
 def _batch_text(shape) -> str:
     return "".join(f"{s}, " for s in shape)
 
@@ -206,13 +200,14 @@ def _operand_text(name: str, trans: bool) -> str:
 
 
 def _grid_tiles(node, M: int, N: int, batch: int, BM: int, BN: int) -> tuple:
-    """(column tiles, row tiles) of a GEMM grid: x = column tiles x batch entries, y = row tiles."""
+    """(column tiles, row tiles, grid) of a tiled GEMM: x = column tiles x batch entries, y = row
+    tiles (Blocks: a step with dynamic dimensions computes them from its sizes)."""
     n_tiles, m_tiles = -(-N // BN), -(-M // BM)
     if m_tiles > 65535:
         raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): M = {M} needs more than 65535 row tiles")
     if n_tiles * batch >= 2 ** 31:
         raise NotImplementedError(f"{node.op} ({node.scope or 'graph'}): too many column tiles x batch entries")
-    return n_tiles, m_tiles
+    return n_tiles, m_tiles, (Blocks(N, BN, times=batch), Blocks(M, BM), 1)
 
 
 # --------------------------------------------------------------------------
@@ -291,7 +286,7 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
     batch = numel_of(out_batch)
     BM, BN, WM, WN = mma_tile(chosen.M, chosen.N, chosen.batch)
     BK = MMA_KINDS[kind][2]
-    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
+    n_tiles, m_tiles, grid = _grid_tiles(node, M, N, batch, BM, BN)
     a_op = _mma_operand("a", a_ptr, not a_trans, BM, BK, "m0", "GM", M, K, a.dtype, kind,
                         f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})")
     b_op = _mma_operand("b", b_ptr, b_trans, BN, BK, "n0", "GN", N, K, b.dtype, kind,
@@ -305,7 +300,7 @@ def _mma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, epi
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines)
-    return Kernel(name=kernel_name, source=source, args=args, grid=_tile_grid(N, M, batch, BN, BM),
+    return Kernel(name=kernel_name, source=source, args=args, grid=grid,
                   block=(t.NT, 1, 1), smem=t.smem, needs_fibers=True, comment=node_comment(node, what),
                   ops=ops or [node.op])
 
@@ -349,7 +344,7 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
     batch = numel_of(out_batch)
     BM, BN = mma_tile(chosen.M, chosen.N, chosen.batch, WGMMA_TILES)
     BK = WGMMA_ROW_BYTES // a.dtype.itemsize
-    n_tiles, m_tiles = _grid_tiles(node, M, N, batch, BM, BN)
+    n_tiles, m_tiles, grid = _grid_tiles(node, M, N, batch, BM, BN)
     a_what = f"A(m, k), m in [m0, m0 + {BM}), k in [k0, k0 + {BK})"
     b_what = f"B(k, n), n in [n0, n0 + {BN}), k in [k0, k0 + {BK})"
     loads = {}
@@ -375,7 +370,7 @@ def _wgmma_gemm_kernel(node, kernel_name, kind, operands, sizes, params, args, e
         M=M, N=N, K=K, batch=batch, batch_text=_batch_text(out_batch), n_tiles=n_tiles, m_tiles=m_tiles,
         batch_lines=_batch_offset_lines(out_batch, a.shape[:-2], b.shape[:-2], M * K, K * N),
         epilogue_lines=epilogue_lines, **loads)
-    return Kernel(name=kernel_name, source=source, args=args, grid=_tile_grid(N, M, batch, BN, BM),
+    return Kernel(name=kernel_name, source=source, args=args, grid=grid,
                   block=(t.NT, 1, 1), smem=t.smem, needs_fibers=True, comment=node_comment(node, what),
                   ops=ops or [node.op])
 

@@ -56,17 +56,10 @@ def flatten_call(args: tuple, kwargs: dict, owner: str):
     return flat, lambda ts: (tuple(p(ts) for p in positional), {k: p(ts) for k, p in keywords.items()})
 
 
-class AbstractTensor(tuple):
-    """A tensor's description in a dynamic-shapes variant's key (`abstract_inputs`): its own
-    signature, as a tensor's is."""
-
-
 def signature(obj):
     """Hashable description of a call's arguments: tensor metadata, structure, non-tensor values."""
     if isinstance(obj, Tensor):
         return ("tensor", tuple(obj.shape), obj.dtype, obj.device)
-    if type(obj) is AbstractTensor:
-        return obj
     if isinstance(obj, (tuple, list)):
         return (type(obj).__name__,) + tuple(signature(v) for v in obj)
     if isinstance(obj, dict):
@@ -78,8 +71,8 @@ def abstract_inputs(inputs, uses: dict) -> list:
     """The flat input tensors as what a dynamic-shapes variant is keyed by: dtype, device and
     shape with each dynamic axis the Dim (flowgen/dims.py) instead of its size."""
     dynamic = dim_axes(uses)
-    return [AbstractTensor(("tensor", tuple(dynamic.get((k, axis), size) for axis, size in enumerate(t.shape)),
-                            t.dtype, t.device)) for k, t in enumerate(inputs)]
+    return [("tensor", tuple(dynamic.get((k, axis), size) for axis, size in enumerate(t.shape)), t.dtype, t.device)
+            for k, t in enumerate(inputs)]
 
 
 def leaf_names(args, kwargs: dict, prefix: str) -> list:
