@@ -351,3 +351,24 @@ def test_reductions_over_a_dynamic_axis_keep_the_maximums_form(cuda_graph_target
         np.testing.assert_allclose(graph(x.to("cuda")).numpy(), model(x).numpy(), rtol=1e-4, atol=1e-4,
                                    err_msg=f"batch {n}")
     assert len(graph._variants) == 1
+
+
+def test_a_value_named_alike_at_another_size_keeps_its_own_shape_for_its_form(cuda_graph_target):
+    """A step traced at a smaller size may give a name to a value of another rank than the
+    maximum's (a roll and flip over the batch, dynamic_fuzzer seed 33069): its kernel's form is
+    chosen for its own shape, and what does not fit is refused, not a crash in the renderer."""
+    class RollFlip(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.w = nn.BatchNorm1d(6), nn.Parameter(flow.randn(6, 3))
+
+        def forward(self, x):
+            h = self.norm(x)
+            rolled = flow.roll(h, (2, -2), (1, 0))
+            return flow.cumsum(flow.matmul(flow.flip(flow.where(rolled < x, rolled, x), [1, 0]), self.w), dim=1)
+
+    model = RollFlip().eval()
+    graph = InferGraph(model.to("cuda"))
+    graph.config.dynamic_shapes([{0: flow.Dim("batch", min=1, max=9)}])
+    with pytest.raises(DynamicShapeError):
+        graph(flow.randn(4, 6).to("cuda"))

@@ -142,9 +142,13 @@ def _value_shapes(graph) -> dict:
 
 
 def chosen_shape(value) -> tuple:
-    """The shape a kernel's form is chosen for (`forms_chosen_at`): `value`'s own, or its namesake's."""
+    """The shape a kernel's form is chosen for (`forms_chosen_at`): its namesake's where that has
+    the same rank, else `value`'s own (a step traced at another size may name another value so:
+    then its kernels differ anyway, and codegen/dynamic.py refuses them)."""
+    own = tuple(value.shape)
     shapes = _choice_shapes.get()
-    return tuple(value.shape) if shapes is None else shapes.get(value.name, tuple(value.shape))
+    chosen = None if shapes is None else shapes.get(value.name)
+    return chosen if chosen is not None and len(chosen) == len(own) else own
 
 
 def choice_key():
